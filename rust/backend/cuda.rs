@@ -1,0 +1,1 @@
+//! CUDA driver backend (placeholder until the driver backend lands).

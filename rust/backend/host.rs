@@ -1,0 +1,213 @@
+//! The host backend: `memcpy` on a worker thread.
+//!
+//! It runs the whole engine on machines without a GPU (CI, development, host-to-host moves) and
+//! exercises the asynchronous contract for real: `submit` returns before the bytes move, a worker
+//! thread copies in lane order and publishes each lane's completed sequence number with a Release
+//! store, and pollers read it with Acquire. Failures can be injected for tests.
+
+use std::alloc::Layout;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, Sender};
+
+use super::{Backend, BackendError, BackendInfo, HostAlloc, Submitted};
+use crate::descriptor::Direction;
+use crate::pool::SlabRef;
+use crate::region::MemoryKind;
+
+/// Alignment of host allocations: a page, like page-locked allocations on CUDA.
+const HOST_ALIGN: usize = 4096;
+/// Jobs the worker queue holds; the engine never has more in flight than this.
+pub const QUEUE_DEPTH: usize = 1 << 16;
+
+struct Job {
+    lane: Direction,
+    seq: u64,
+    slab: SlabRef,
+}
+
+#[derive(Debug, Default)]
+struct Shared {
+    completed: [AtomicU64; 4],
+    /// Threads inside `wait`; the worker only takes the lock to notify when this is non-zero.
+    waiters: AtomicUsize,
+    lock: Mutex<()>,
+    cond: Condvar,
+    /// Transfers still to fail on purpose, and at which descriptor.
+    fail_next: AtomicU64,
+}
+
+/// Copies with `memcpy` on one worker thread.
+#[derive(Debug)]
+pub struct HostBackend {
+    shared: std::sync::Arc<Shared>,
+    sender: Mutex<Option<Sender<Job>>>,
+    worker: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl std::fmt::Debug for Job {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Job({} #{})", self.lane, self.seq)
+    }
+}
+
+impl Default for HostBackend {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl HostBackend {
+    pub fn new() -> Self {
+        let shared = std::sync::Arc::new(Shared::default());
+        let (tx, rx) = crossbeam_channel::bounded::<Job>(QUEUE_DEPTH);
+        let worker_shared = shared.clone();
+        let worker = std::thread::Builder::new()
+            .name("blockswap-host".into())
+            .spawn(move || worker_loop(rx, worker_shared))
+            .expect("spawning the host backend worker");
+        HostBackend {
+            shared,
+            sender: Mutex::new(Some(tx)),
+            worker: Mutex::new(Some(worker)),
+        }
+    }
+
+    /// Makes the next `count` transfers fail halfway: the first half of their descriptors is
+    /// copied, then the transfer is reported failed. For tests of the failure path.
+    pub fn inject_failures(&self, count: u64) {
+        self.shared.fail_next.store(count, Ordering::Relaxed);
+    }
+}
+
+fn worker_loop(rx: Receiver<Job>, shared: std::sync::Arc<Shared>) {
+    while let Ok(job) = rx.recv() {
+        // SAFETY: the engine keeps the slab in flight until it observes `completed >= job.seq`,
+        // which only happens after the store below.
+        let slab = unsafe { job.slab.get() };
+        let start = Instant::now();
+        let (src, dst, size) = (slab.src(), slab.dst(), slab.size());
+        let fail_at = take_injected(&shared.fail_next).then_some(src.len() / 2);
+        for i in 0..src.len() {
+            if Some(i) == fail_at {
+                slab.set_failed(BackendError::Injected { index: i }.to_string());
+                break;
+            }
+            // SAFETY: the engine checked before submission that every range lies inside memory
+            // registered for this direction, and that destinations are pairwise disjoint.
+            // `copy` (memmove) stays correct even if a source overlaps its own destination.
+            unsafe {
+                std::ptr::copy(src[i] as *const u8, dst[i] as *mut u8, size[i] as usize);
+            }
+        }
+        slab.set_device_ns(start.elapsed().as_nanos() as u64);
+        // Release: the copied bytes, the slab's status and time are visible to whoever reads this
+        // value with Acquire (pollers, waiters).
+        shared.completed[job.lane.lane()].store(job.seq, Ordering::Release);
+        // SeqCst pairs with the waiter's SeqCst increment: either it sees our store, or we see it.
+        std::sync::atomic::fence(Ordering::SeqCst);
+        if shared.waiters.load(Ordering::SeqCst) > 0 {
+            let _guard = shared.lock.lock().unwrap_or_else(|e| e.into_inner());
+            shared.cond.notify_all();
+        }
+    }
+}
+
+fn take_injected(counter: &AtomicU64) -> bool {
+    counter.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1)).is_ok()
+}
+
+impl Backend for HostBackend {
+    fn info(&self) -> BackendInfo {
+        BackendInfo {
+            name: "host",
+            driver_version: 0,
+            device: None,
+            copy_path: "memcpy on a worker thread".into(),
+            completion: "atomic sequence number",
+        }
+    }
+
+    fn check_region(&self, _start: u64, _len: u64, _kind: MemoryKind) -> Result<(), BackendError> {
+        // Host memory stands in for both kinds; the caller vouches for the range when registering.
+        Ok(())
+    }
+
+    fn alloc_host(&self, bytes: usize) -> Result<HostAlloc, BackendError> {
+        let layout = Layout::from_size_align(bytes.max(1), HOST_ALIGN)
+            .map_err(|_| BackendError::OutOfMemory { bytes })?;
+        // SAFETY: the layout has a non-zero size.
+        let ptr = unsafe { std::alloc::alloc(layout) };
+        let ptr = NonNull::new(ptr).ok_or(BackendError::OutOfMemory { bytes })?;
+        // SAFETY: `ptr` owns `layout.size()` bytes until `free_host`.
+        Ok(unsafe { HostAlloc::from_raw(ptr, layout.size()) })
+    }
+
+    unsafe fn free_host(&self, alloc: HostAlloc) {
+        let layout = Layout::from_size_align(alloc.len(), HOST_ALIGN).expect("layout of an allocation");
+        // SAFETY: allocated by `alloc_host` with this layout; the caller guarantees no further use.
+        unsafe { std::alloc::dealloc(alloc.as_ptr(), layout) };
+    }
+
+    fn submit(&self, lane: Direction, seq: u64, slab: SlabRef) -> Result<Submitted, BackendError> {
+        let sender = self.sender.lock().unwrap_or_else(|e| e.into_inner());
+        let tx = sender.as_ref().ok_or(BackendError::ShutDown)?;
+        tx.try_send(Job { lane, seq, slab }).map_err(|e| match e {
+            crossbeam_channel::TrySendError::Full(_) => {
+                BackendError::CopyFailed { index: None, reason: "host worker queue full".into() }
+            }
+            crossbeam_channel::TrySendError::Disconnected(_) => BackendError::ShutDown,
+        })?;
+        Ok(Submitted::Ok)
+    }
+
+    fn completed(&self, lane: Direction) -> u64 {
+        // Acquire: pairs with the worker's Release store; the copies up to this number are visible.
+        self.shared.completed[lane.lane()].load(Ordering::Acquire)
+    }
+
+    fn wait(&self, lane: Direction, seq: u64, timeout: Option<Duration>) -> Result<bool, BackendError> {
+        if self.completed(lane) >= seq {
+            return Ok(true);
+        }
+        let deadline = timeout.map(|t| Instant::now() + t);
+        self.shared.waiters.fetch_add(1, Ordering::SeqCst);
+        let mut guard = self.shared.lock.lock().unwrap_or_else(|e| e.into_inner());
+        let reached = loop {
+            if self.shared.completed[lane.lane()].load(Ordering::SeqCst) >= seq {
+                break true;
+            }
+            // Bounded sleeps: a safety net, not a spin; the worker notifies on every completion.
+            let mut step = Duration::from_millis(50);
+            if let Some(d) = deadline {
+                let now = Instant::now();
+                if now >= d {
+                    break false;
+                }
+                step = step.min(d - now);
+            }
+            guard = self.shared.cond.wait_timeout(guard, step).unwrap_or_else(|e| e.into_inner()).0;
+        };
+        drop(guard);
+        self.shared.waiters.fetch_sub(1, Ordering::SeqCst);
+        Ok(reached)
+    }
+
+    fn shutdown(&self) {
+        // Dropping the sender lets the worker finish what is queued, then exit.
+        self.sender.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(worker) = self.worker.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            let _ = worker.join();
+        }
+    }
+}
+
+impl Drop for HostBackend {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}

@@ -1,0 +1,170 @@
+//! Backends: what actually moves bytes.
+//!
+//! A backend enqueues the copies of one transfer on an ordered lane (one per [`Direction`]) and
+//! makes that lane's completed sequence number reach the transfer's sequence number once the
+//! copies are done. The engine reads completed sequence numbers without locks; the backend decides
+//! how they are produced (a worker thread's atomic store on the host backend, a stream writing into
+//! mapped pinned memory on CUDA).
+
+use std::fmt;
+use std::ptr::NonNull;
+use std::time::Duration;
+
+use crate::descriptor::Direction;
+use crate::pool::SlabRef;
+use crate::region::MemoryKind;
+
+pub mod cuda;
+pub mod host;
+
+/// A failure of the machinery below the engine: the driver, the worker, or an injected fault.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum BackendError {
+    /// The backend cannot run here (no driver, no device, a missing symbol), with the cause.
+    Unavailable(String),
+    /// A driver call failed.
+    Driver { call: &'static str, code: i32, name: String },
+    /// A copy failed; `index` is the failing descriptor where the backend knows it.
+    CopyFailed { index: Option<usize>, reason: String },
+    /// A fault injected on request (tests).
+    Injected { index: usize },
+    /// The memory cannot be used the way it was registered.
+    BadMemory(String),
+    /// Out of host memory for slabs or buffers.
+    OutOfMemory { bytes: usize },
+    /// The backend was shut down.
+    ShutDown,
+    /// The process forked after the backend was created; the CUDA context does not survive fork.
+    Forked,
+}
+
+impl fmt::Display for BackendError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            BackendError::Unavailable(why) => write!(f, "backend unavailable: {why}"),
+            BackendError::Driver { call, code, name } => {
+                write!(f, "{call} failed: {name} ({code})")
+            }
+            BackendError::CopyFailed { index: Some(i), reason } => {
+                write!(f, "copy failed at descriptor {i}: {reason}")
+            }
+            BackendError::CopyFailed { index: None, reason } => write!(f, "copy failed: {reason}"),
+            BackendError::Injected { index } => write!(f, "injected failure at descriptor {index}"),
+            BackendError::BadMemory(why) => f.write_str(why),
+            BackendError::OutOfMemory { bytes } => {
+                write!(f, "could not allocate {bytes} bytes of host memory")
+            }
+            BackendError::ShutDown => f.write_str("the backend is shut down"),
+            BackendError::Forked => f.write_str(
+                "this engine was created in another process: a CUDA context does not survive \
+                 fork(); create a new engine in the child",
+            ),
+        }
+    }
+}
+
+impl std::error::Error for BackendError {}
+
+/// Host memory handed out by a backend: page-locked and device-mapped on CUDA.
+#[derive(Debug)]
+pub struct HostAlloc {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: a HostAlloc is a plain owned range of host memory; nothing about it is tied to a thread.
+unsafe impl Send for HostAlloc {}
+// SAFETY: shared references only expose the address and length.
+unsafe impl Sync for HostAlloc {}
+
+impl HostAlloc {
+    /// # Safety
+    /// `ptr` must point to `len` bytes that the creating backend owns until it frees them.
+    pub unsafe fn from_raw(ptr: NonNull<u8>, len: usize) -> Self {
+        HostAlloc { ptr, len }
+    }
+
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
+    pub fn addr(&self) -> u64 {
+        self.ptr.as_ptr() as u64
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// What a backend reports about itself (`blockswap.info()`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct BackendInfo {
+    pub name: &'static str,
+    /// Driver version as the driver reports it (e.g. 13000), 0 on the host backend.
+    pub driver_version: i32,
+    pub device: Option<String>,
+    /// The copy path in use: `memcpy`, `cuMemcpyBatchAsync (12.8 ABI)`, `... (13.0 ABI)`,
+    /// `cuMemcpyAsync loop`.
+    pub copy_path: String,
+    /// How completion is signalled.
+    pub completion: &'static str,
+}
+
+/// How [`Backend::submit`] went.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Submitted {
+    /// Every copy and the completion marker are enqueued.
+    Ok,
+    /// The copies failed to enqueue (the slab records why) but the completion marker is enqueued:
+    /// the transfer completes, as failed, in order.
+    CopyFailed,
+}
+
+/// Moves bytes for the engine. Implementations are shared between threads.
+pub trait Backend: Send + Sync + fmt::Debug {
+    fn info(&self) -> BackendInfo;
+
+    /// Checks that `[start, start + len)` is memory of `kind` this backend can copy from and to.
+    /// Called once per registration, never per copy.
+    fn check_region(&self, start: u64, len: u64, kind: MemoryKind) -> Result<(), BackendError>;
+
+    /// Allocates host memory for descriptor slabs and buffers: page-locked, device-mapped and not
+    /// write-combined on CUDA (the CPU reads results back from it).
+    fn alloc_host(&self, bytes: usize) -> Result<HostAlloc, BackendError>;
+
+    /// # Safety
+    /// `alloc` came from [`Backend::alloc_host`] of this backend and nothing (host or device) will
+    /// touch it again.
+    unsafe fn free_host(&self, alloc: HostAlloc);
+
+    /// Enqueues the copies described by `slab` on `lane`, then arranges for
+    /// [`Backend::completed`]`(lane)` to reach `seq` once they are done. Sequence numbers of one
+    /// lane are submitted in increasing order, one at a time (the engine holds its submit lock).
+    ///
+    /// `slab` stays valid and unmodified until `completed(lane) >= seq` has been observed. The
+    /// backend records a failure and the GPU time in the slab before its completion is visible.
+    /// An `Err` means nothing can be promised about `seq` (the engine fails the lane).
+    fn submit(&self, lane: Direction, seq: u64, slab: SlabRef) -> Result<Submitted, BackendError>;
+
+    /// The highest sequence number of `lane` whose copies are done. Lock-free and never blocking:
+    /// this is read by every poll.
+    fn completed(&self, lane: Direction) -> u64;
+
+    /// Blocks, without spinning a core, until `completed(lane) >= seq` or `timeout` passes.
+    /// Returns whether the sequence number was reached.
+    fn wait(&self, lane: Direction, seq: u64, timeout: Option<Duration>) -> Result<bool, BackendError>;
+
+    /// A fatal, asynchronous error of `lane`, if the backend has seen one (a faulted stream, a
+    /// dead context): every transfer not yet complete on that lane has failed.
+    fn lane_error(&self, _lane: Direction) -> Option<BackendError> {
+        None
+    }
+
+    /// Stops worker threads and streams once everything submitted is done. Idempotent.
+    fn shutdown(&self);
+}

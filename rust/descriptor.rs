@@ -1,0 +1,405 @@
+//! Descriptor batches: `(src address, dst address, byte size)` triples, their validation, and the
+//! coalescing of contiguous runs.
+//!
+//! A batch is three parallel arrays (structure of arrays), the layout `cuMemcpyBatchAsync` takes
+//! and the layout the Python layer builds with numpy, so nothing is transposed on the hot path.
+//!
+//! [`prepare_into`] is the one pass every transfer goes through: it checks each descriptor (size,
+//! overflow, the memory regions it must lie in), merges neighbours whose source and destination
+//! both continue each other, writes the result into a pool slab, and finally proves that no two
+//! destinations overlap.
+
+use std::fmt;
+
+use crate::region::{MemoryKind, RegionTable};
+
+/// Which way a transfer moves bytes; each direction is its own ordered lane.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Direction {
+    /// Pinned host memory to device memory (onload).
+    HostToDevice = 0,
+    /// Device memory to pinned host memory (offload).
+    DeviceToHost = 1,
+    /// Host to host.
+    HostToHost = 2,
+    /// Device to device.
+    DeviceToDevice = 3,
+}
+
+impl Direction {
+    /// All directions, in lane order.
+    pub const ALL: [Direction; 4] = [
+        Direction::HostToDevice,
+        Direction::DeviceToHost,
+        Direction::HostToHost,
+        Direction::DeviceToDevice,
+    ];
+
+    /// The lane index of this direction.
+    pub fn lane(self) -> usize {
+        self as usize
+    }
+
+    /// The kind of memory the sources must lie in.
+    pub fn src_kind(self) -> MemoryKind {
+        match self {
+            Direction::HostToDevice | Direction::HostToHost => MemoryKind::Host,
+            Direction::DeviceToHost | Direction::DeviceToDevice => MemoryKind::Device,
+        }
+    }
+
+    /// The kind of memory the destinations must lie in.
+    pub fn dst_kind(self) -> MemoryKind {
+        match self {
+            Direction::DeviceToHost | Direction::HostToHost => MemoryKind::Host,
+            Direction::HostToDevice | Direction::DeviceToDevice => MemoryKind::Device,
+        }
+    }
+
+    /// Short name: `h2d`, `d2h`, `h2h`, `d2d`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Direction::HostToDevice => "h2d",
+            Direction::DeviceToHost => "d2h",
+            Direction::HostToHost => "h2h",
+            Direction::DeviceToDevice => "d2d",
+        }
+    }
+
+    /// Parses the short name (`h2d`, `d2h`, `h2h`, `d2d`).
+    pub fn parse(s: &str) -> Option<Direction> {
+        Direction::ALL.into_iter().find(|d| d.as_str() == s)
+    }
+}
+
+impl fmt::Display for Direction {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Which address of a descriptor an error is about.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Side {
+    Src,
+    Dst,
+}
+
+impl fmt::Display for Side {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Side::Src => "source",
+            Side::Dst => "destination",
+        })
+    }
+}
+
+/// A batch that cannot be copied. Indexes are positions in the caller's arrays.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DescriptorError {
+    /// The three arrays differ in length.
+    LengthMismatch { src: usize, dst: usize, size: usize },
+    /// The batch holds no descriptor.
+    Empty,
+    /// More descriptors than one transfer may carry.
+    TooLarge { len: usize, max: usize },
+    /// A descriptor of zero bytes.
+    ZeroSize { index: usize },
+    /// A size that is negative when read as the signed 64-bit integer the caller passed.
+    NegativeSize { index: usize, value: i64 },
+    /// `address + size` does not fit in 64 bits.
+    AddressOverflow { index: usize, side: Side, addr: u64, size: u64 },
+    /// The range is not inside one registered region of the kind the direction needs.
+    OutOfRegion { index: usize, side: Side, addr: u64, size: u64, kind: MemoryKind },
+    /// Two destination ranges of one batch overlap: the result would depend on copy order.
+    OverlappingDestinations { first: (u64, u64), second: (u64, u64) },
+}
+
+impl fmt::Display for DescriptorError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match *self {
+            DescriptorError::LengthMismatch { src, dst, size } => write!(
+                f,
+                "src_ptrs, dst_ptrs and sizes differ in length ({src}, {dst}, {size})"
+            ),
+            DescriptorError::Empty => f.write_str("the batch holds no descriptor"),
+            DescriptorError::TooLarge { len, max } => {
+                write!(f, "{len} descriptors in one transfer; at most {max} are allowed")
+            }
+            DescriptorError::ZeroSize { index } => write!(f, "sizes[{index}] is zero"),
+            DescriptorError::NegativeSize { index, value } => {
+                write!(f, "sizes[{index}] is negative ({value})")
+            }
+            DescriptorError::AddressOverflow { index, side, addr, size } => write!(
+                f,
+                "{side} range of descriptor {index} overflows: {addr:#x} + {size} bytes"
+            ),
+            DescriptorError::OutOfRegion { index, side, addr, size, kind } => write!(
+                f,
+                "{side} range of descriptor {index} ({addr:#x}, {size} bytes) is not inside \
+                 registered {kind} memory"
+            ),
+            DescriptorError::OverlappingDestinations { first, second } => write!(
+                f,
+                "destinations overlap: [{:#x}, +{}) and [{:#x}, +{})",
+                first.0, first.1, second.0, second.1
+            ),
+        }
+    }
+}
+
+impl std::error::Error for DescriptorError {}
+
+/// What [`prepare_into`] wrote.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Prepared {
+    /// Descriptors written (after coalescing).
+    pub len: usize,
+    /// Total bytes of the batch.
+    pub bytes: u64,
+    /// The largest descriptor after coalescing.
+    pub max_size: u64,
+    /// The largest power of two (capped at 16) dividing every address and size.
+    pub alignment: u64,
+}
+
+/// The output arrays of [`prepare_into`]: a slab's three columns.
+#[derive(Debug)]
+pub struct Columns<'a> {
+    pub src: &'a mut [u64],
+    pub dst: &'a mut [u64],
+    pub size: &'a mut [u64],
+}
+
+/// Checks a caller's batch and writes it, coalesced, into `out`.
+///
+/// Every descriptor must have a positive size, must not overflow the address space, and must lie
+/// within one registered region of `direction.src_kind()` (sources) or `direction.dst_kind()`
+/// (destinations). With `coalesce`, a descriptor whose source and destination both start where
+/// the previous one ended, in the same regions, extends it; nothing merges across a gap. After
+/// the pass, destinations are proven pairwise disjoint: in one linear pass when they come in
+/// ascending order (the common case), by sorting `scratch` otherwise.
+///
+/// `out` must have room for `src.len()` descriptors. On error `out` holds garbage and nothing was
+/// issued: the caller returns the slab to the pool.
+#[allow(clippy::too_many_arguments)]
+pub fn prepare_into(
+    src: &[u64],
+    dst: &[u64],
+    size: &[u64],
+    direction: Direction,
+    regions: &RegionTable,
+    coalesce: bool,
+    out: Columns<'_>,
+    scratch: &mut Vec<(u64, u64)>,
+) -> Result<Prepared, DescriptorError> {
+    let n = src.len();
+    if dst.len() != n || size.len() != n {
+        return Err(DescriptorError::LengthMismatch { src: n, dst: dst.len(), size: size.len() });
+    }
+    if n == 0 {
+        return Err(DescriptorError::Empty);
+    }
+    assert!(out.src.len() >= n && out.dst.len() >= n && out.size.len() >= n, "slab too small");
+    let (src_kind, dst_kind) = (direction.src_kind(), direction.dst_kind());
+    let mut src_hint = usize::MAX;
+    let mut dst_hint = usize::MAX;
+
+    // The run being built: out[w] = (run_src, run_dst, run_size), in regions (run_rs, run_rd).
+    let mut w = 0usize;
+    let (mut run_src, mut run_dst, mut run_size) = (0u64, 0u64, 0u64);
+    let (mut run_rs, mut run_rd) = (usize::MAX, usize::MAX);
+    let mut bytes = 0u64;
+    let mut max_size = 0u64;
+    let mut bits = 0u64; // OR of every address and size: its trailing zeros give the alignment
+    let mut sorted = true;
+    let mut prev_dst_end = 0u64;
+
+    for i in 0..n {
+        let (s, d, z) = (src[i], dst[i], size[i]);
+        if z == 0 {
+            return Err(DescriptorError::ZeroSize { index: i });
+        }
+        if z > i64::MAX as u64 {
+            return Err(DescriptorError::NegativeSize { index: i, value: z as i64 });
+        }
+        if s.checked_add(z).is_none() {
+            return Err(DescriptorError::AddressOverflow { index: i, side: Side::Src, addr: s, size: z });
+        }
+        if d.checked_add(z).is_none() {
+            return Err(DescriptorError::AddressOverflow { index: i, side: Side::Dst, addr: d, size: z });
+        }
+        let rs = regions.locate(s, z, src_kind, &mut src_hint).ok_or(
+            DescriptorError::OutOfRegion { index: i, side: Side::Src, addr: s, size: z, kind: src_kind },
+        )?;
+        let rd = regions.locate(d, z, dst_kind, &mut dst_hint).ok_or(
+            DescriptorError::OutOfRegion { index: i, side: Side::Dst, addr: d, size: z, kind: dst_kind },
+        )?;
+        bytes += z;
+        bits |= s | d | z;
+        if coalesce
+            && i > 0
+            && run_src + run_size == s
+            && run_dst + run_size == d
+            && rs == run_rs
+            && rd == run_rd
+        {
+            run_size += z;
+            continue;
+        }
+        if i > 0 {
+            // Flush the finished run.
+            sorted &= run_dst >= prev_dst_end;
+            prev_dst_end = run_dst + run_size;
+            max_size = max_size.max(run_size);
+            out.src[w] = run_src;
+            out.dst[w] = run_dst;
+            out.size[w] = run_size;
+            w += 1;
+        }
+        (run_src, run_dst, run_size, run_rs, run_rd) = (s, d, z, rs, rd);
+    }
+    sorted &= run_dst >= prev_dst_end;
+    max_size = max_size.max(run_size);
+    out.src[w] = run_src;
+    out.dst[w] = run_dst;
+    out.size[w] = run_size;
+    w += 1;
+
+    if !sorted {
+        check_disjoint(&out.dst[..w], &out.size[..w], scratch)?;
+    }
+    let alignment = 1u64 << bits.trailing_zeros().min(4);
+    Ok(Prepared { len: w, bytes, max_size, alignment })
+}
+
+/// Proves that the ranges `[dst[i], dst[i] + size[i])` are pairwise disjoint, by sorting them.
+pub fn check_disjoint(
+    dst: &[u64],
+    size: &[u64],
+    scratch: &mut Vec<(u64, u64)>,
+) -> Result<(), DescriptorError> {
+    scratch.clear();
+    scratch.extend(dst.iter().zip(size).map(|(&d, &z)| (d, z)));
+    scratch.sort_unstable_by_key(|&(d, _)| d);
+    for pair in scratch.windows(2) {
+        let ((d0, z0), (d1, z1)) = (pair[0], pair[1]);
+        if d0 + z0 > d1 {
+            return Err(DescriptorError::OverlappingDestinations { first: (d0, z0), second: (d1, z1) });
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn table() -> RegionTable {
+        let mut t = RegionTable::default();
+        t.insert(0x1000, 0x10_0000, MemoryKind::Host).unwrap();
+        t.insert(0x1000_0000, 0x10_0000, MemoryKind::Device).unwrap();
+        t
+    }
+
+    fn run(
+        src: &[u64],
+        dst: &[u64],
+        size: &[u64],
+        coalesce: bool,
+    ) -> Result<(Prepared, Vec<(u64, u64, u64)>), DescriptorError> {
+        let n = src.len().max(1);
+        let (mut s, mut d, mut z) = (vec![0; n], vec![0; n], vec![0; n]);
+        let p = prepare_into(
+            src,
+            dst,
+            size,
+            Direction::HostToDevice,
+            &table(),
+            coalesce,
+            Columns { src: &mut s, dst: &mut d, size: &mut z },
+            &mut Vec::new(),
+        )?;
+        Ok((p, (0..p.len).map(|i| (s[i], d[i], z[i])).collect()))
+    }
+
+    #[test]
+    fn sixteen_contiguous_blocks_become_one() {
+        let src: Vec<u64> = (0..16).map(|i| 0x1000 + i * 8192).collect();
+        let dst: Vec<u64> = (0..16).map(|i| 0x1000_0000 + i * 8192).collect();
+        let (p, out) = run(&src, &dst, &[8192; 16], true).unwrap();
+        assert_eq!(out, vec![(0x1000, 0x1000_0000, 128 * 1024)]);
+        assert_eq!(p.bytes, 128 * 1024);
+        assert_eq!(p.max_size, 128 * 1024);
+    }
+
+    #[test]
+    fn never_merges_across_a_gap() {
+        // Source continues, destination has a gap.
+        let (p, _) = run(&[0x1000, 0x1100], &[0x1000_0000, 0x1000_0200], &[0x100, 0x100], true).unwrap();
+        assert_eq!(p.len, 2);
+        // Destination continues, source has a gap.
+        let (p, _) = run(&[0x1000, 0x1200], &[0x1000_0000, 0x1000_0100], &[0x100, 0x100], true).unwrap();
+        assert_eq!(p.len, 2);
+        // Without coalescing nothing merges.
+        let (p, _) = run(&[0x1000, 0x1100], &[0x1000_0000, 0x1000_0100], &[0x100, 0x100], false).unwrap();
+        assert_eq!(p.len, 2);
+    }
+
+    #[test]
+    fn rejects_bad_descriptors_with_their_index() {
+        assert_eq!(
+            run(&[0x1000, 0x2000], &[0x1000_0000], &[1, 1], true).unwrap_err(),
+            DescriptorError::LengthMismatch { src: 2, dst: 1, size: 2 }
+        );
+        assert_eq!(run(&[], &[], &[], true).unwrap_err(), DescriptorError::Empty);
+        assert_eq!(
+            run(&[0x1000, 0x2000], &[0x1000_0000, 0x1000_1000], &[8, 0], true).unwrap_err(),
+            DescriptorError::ZeroSize { index: 1 }
+        );
+        assert_eq!(
+            run(&[0x1000], &[0x1000_0000], &[(-5i64) as u64], true).unwrap_err(),
+            DescriptorError::NegativeSize { index: 0, value: -5 }
+        );
+        assert!(matches!(
+            run(&[u64::MAX - 2], &[0x1000_0000], &[8], true).unwrap_err(),
+            DescriptorError::AddressOverflow { index: 0, side: Side::Src, .. }
+        ));
+        assert!(matches!(
+            run(&[0x1000], &[0x1000_0000 + 0x10_0000 - 4], &[8], true).unwrap_err(),
+            DescriptorError::OutOfRegion { index: 0, side: Side::Dst, .. }
+        ));
+        // A device address where a host one belongs.
+        assert!(matches!(
+            run(&[0x1000_0000], &[0x1000_0000], &[8], true).unwrap_err(),
+            DescriptorError::OutOfRegion { index: 0, side: Side::Src, kind: MemoryKind::Host, .. }
+        ));
+    }
+
+    #[test]
+    fn rejects_overlapping_destinations_in_any_order() {
+        // Ascending but overlapping.
+        assert!(matches!(
+            run(&[0x1000, 0x2000], &[0x1000_0000, 0x1000_0004], &[8, 8], true).unwrap_err(),
+            DescriptorError::OverlappingDestinations { .. }
+        ));
+        // Descending order takes the sorting path.
+        assert!(matches!(
+            run(&[0x1000, 0x2000, 0x3000], &[0x1000_0100, 0x1000_0000, 0x1000_00f8], &[8, 8, 16], true)
+                .unwrap_err(),
+            DescriptorError::OverlappingDestinations { .. }
+        ));
+        // Descending and disjoint is fine.
+        run(&[0x1000, 0x2000], &[0x1000_0100, 0x1000_0000], &[8, 8], true).unwrap();
+    }
+
+    #[test]
+    fn alignment_is_the_common_power_of_two() {
+        let (p, _) = run(&[0x1000], &[0x1000_0000], &[4096], true).unwrap();
+        assert_eq!(p.alignment, 16);
+        let (p, _) = run(&[0x1004], &[0x1000_0000], &[4096], true).unwrap();
+        assert_eq!(p.alignment, 4);
+        let (p, _) = run(&[0x1000], &[0x1000_0000], &[4097], true).unwrap();
+        assert_eq!(p.alignment, 1);
+    }
+}

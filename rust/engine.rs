@@ -1,0 +1,547 @@
+//! The engine: submit, poll, wait and shut down transfers over a [`Backend`].
+//!
+//! Submission is serialised by one lock (it orders each lane and guards the region table and the
+//! live job ids); it validates and coalesces a batch into a pool slab, pushes the in-flight record,
+//! then asks the backend to issue the copies. Polling ([`Engine::get_finished`]) takes no lock and
+//! makes no blocking call: it reads each lane's completed sequence number and claims the records up
+//! to it (see [`crate::completion`]). Finished job ids go back to the submit side through a
+//! lock-free queue, so a job id becomes reusable once its result has been reported.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, Instant};
+
+use crossbeam_queue::ArrayQueue;
+
+use crate::backend::{Backend, BackendError, BackendInfo, HostAlloc, Submitted};
+use crate::completion::{InFlight, Lane};
+use crate::descriptor::{prepare_into, DescriptorError, Direction};
+use crate::pool::{Pool, PoolError, PoolStats};
+use crate::region::{MemoryKind, RegionError, RegionTable};
+use crate::transfer::{JobId, TransferResult, TransferState, TransitionError};
+
+/// Engine settings.
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// Transfers in flight per direction before submit refuses.
+    pub max_in_flight: usize,
+    /// Byte cap of the descriptor slab pool.
+    pub pool_bytes: usize,
+    /// Descriptors one transfer may carry.
+    pub max_descriptors: usize,
+    /// Merge descriptors whose source and destination both continue the previous one.
+    pub coalesce: bool,
+    /// How long shutdown waits for transfers in flight before failing them.
+    pub shutdown_timeout: Duration,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            max_in_flight: 1024,
+            pool_bytes: 256 << 20,
+            max_descriptors: Pool::max_descriptors(),
+            coalesce: true,
+            shutdown_timeout: Duration::from_secs(60),
+        }
+    }
+}
+
+/// Everything submit, wait and registration can refuse.
+#[derive(Clone, Debug, PartialEq)]
+pub enum EngineError {
+    Descriptor(DescriptorError),
+    Region(RegionError),
+    Pool(PoolError),
+    Backend(BackendError),
+    Transition(TransitionError),
+    /// The job id names a transfer whose result has not been reported yet.
+    JobIdLive(JobId),
+    /// Too many transfers in flight on one direction.
+    TooManyInFlight { direction: Direction, max: usize },
+    /// `wait` ran out of time; these jobs were not finished.
+    Timeout { pending: Vec<JobId> },
+    /// The engine was shut down.
+    ShutDown,
+}
+
+impl fmt::Display for EngineError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            EngineError::Descriptor(e) => e.fmt(f),
+            EngineError::Region(e) => e.fmt(f),
+            EngineError::Pool(e) => e.fmt(f),
+            EngineError::Backend(e) => e.fmt(f),
+            EngineError::Transition(e) => e.fmt(f),
+            EngineError::JobIdLive(id) => {
+                write!(f, "job id {id} is still live: its result has not been reported yet")
+            }
+            EngineError::TooManyInFlight { direction, max } => write!(
+                f,
+                "{max} {direction} transfers are already in flight (poll get_finished, or raise \
+                 max_in_flight)"
+            ),
+            EngineError::Timeout { pending } => {
+                write!(f, "wait timed out with {} jobs unfinished: {pending:?}", pending.len())
+            }
+            EngineError::ShutDown => f.write_str("the engine is shut down"),
+        }
+    }
+}
+
+impl std::error::Error for EngineError {}
+
+macro_rules! from_error {
+    ($($ty:ident => $variant:ident),*) => {$(
+        impl From<$ty> for EngineError {
+            fn from(e: $ty) -> Self {
+                EngineError::$variant(e)
+            }
+        }
+    )*};
+}
+from_error!(DescriptorError => Descriptor, RegionError => Region, PoolError => Pool,
+    BackendError => Backend, TransitionError => Transition);
+
+/// Per-direction counters.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct LaneStats {
+    pub transfers: u64,
+    pub failed: u64,
+    pub bytes: u64,
+    pub seconds: f64,
+}
+
+/// Counters of an engine.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct EngineStats {
+    pub lanes: [LaneStats; 4],
+    pub in_flight: u64,
+    pub pool: PoolStats,
+}
+
+#[derive(Debug, Default)]
+struct LaneCounters {
+    transfers: AtomicU64,
+    failed: AtomicU64,
+    bytes: AtomicU64,
+    nanos: AtomicU64,
+}
+
+#[derive(Debug)]
+struct SubmitState {
+    regions: RegionTable,
+    /// Job ids whose results have not been reported, with their lane and sequence number.
+    live: HashMap<JobId, (Direction, u64)>,
+    /// Host buffers allocated through the engine, by address.
+    buffers: HashMap<u64, HostAlloc>,
+    scratch: Vec<(u64, u64)>,
+}
+
+/// Set in a forked child (pthread_atfork): nothing of a parent's engine works there.
+static FORKED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn mark_forked() {
+    FORKED.store(true, Ordering::Relaxed);
+}
+
+fn install_fork_hook() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        // SAFETY: registers a child handler that only stores to a static atomic (async-signal-safe).
+        unsafe { libc::pthread_atfork(None, None, Some(mark_forked)) };
+    });
+}
+
+/// Whether this process is a fork of the one that created the engines.
+pub fn in_forked_child() -> bool {
+    FORKED.load(Ordering::Relaxed)
+}
+
+/// Moves batches of blocks over a backend. Shared between threads (`&self` everywhere).
+#[derive(Debug)]
+pub struct Engine {
+    backend: Arc<dyn Backend>,
+    pool: Pool,
+    lanes: [Lane; 4],
+    state: Mutex<SubmitState>,
+    retired: ArrayQueue<JobId>,
+    counters: [LaneCounters; 4],
+    failed_lanes: [OnceLock<BackendError>; 4],
+    shut: AtomicBool,
+    config: EngineConfig,
+}
+
+impl Engine {
+    pub fn new(backend: Arc<dyn Backend>, config: EngineConfig) -> Self {
+        install_fork_hook();
+        let max_in_flight = config.max_in_flight.clamp(1, crate::backend::host::QUEUE_DEPTH / 4);
+        let config = EngineConfig {
+            max_in_flight,
+            max_descriptors: config.max_descriptors.clamp(1, Pool::max_descriptors()),
+            ..config
+        };
+        Engine {
+            pool: Pool::new(backend.clone(), config.pool_bytes),
+            backend,
+            lanes: std::array::from_fn(|_| Lane::new(max_in_flight)),
+            state: Mutex::new(SubmitState {
+                regions: RegionTable::default(),
+                live: HashMap::with_capacity(4 * max_in_flight),
+                buffers: HashMap::new(),
+                scratch: Vec::new(),
+            }),
+            retired: ArrayQueue::new(4 * max_in_flight),
+            counters: Default::default(),
+            failed_lanes: Default::default(),
+            shut: AtomicBool::new(false),
+            config,
+        }
+    }
+
+    pub fn config(&self) -> &EngineConfig {
+        &self.config
+    }
+
+    pub fn backend_info(&self) -> BackendInfo {
+        self.backend.info()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, SubmitState> {
+        // A panic while holding the lock leaves consistent data (every mutation is a single call),
+        // so a poisoned lock is taken over rather than propagated.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn check_usable(&self) -> Result<(), EngineError> {
+        if in_forked_child() {
+            return Err(BackendError::Forked.into());
+        }
+        if self.shut.load(Ordering::Acquire) {
+            return Err(EngineError::ShutDown);
+        }
+        Ok(())
+    }
+
+    /// Registers `[start, start + len)` as memory of `kind` that transfers may read and write.
+    ///
+    /// # Safety
+    /// The range must be memory of that kind that stays allocated, and that nothing else frees,
+    /// until it is unregistered: copies will read and write any byte of it.
+    pub unsafe fn register(&self, start: u64, len: u64, kind: MemoryKind) -> Result<(), EngineError> {
+        self.check_usable()?;
+        self.backend.check_region(start, len, kind)?;
+        self.lock().regions.insert(start, len, kind)?;
+        Ok(())
+    }
+
+    /// Removes the region starting at `start`. Refused while transfers are in flight.
+    pub fn unregister(&self, start: u64) -> Result<(), EngineError> {
+        let mut state = self.lock();
+        if state.buffers.contains_key(&start) {
+            drop(state);
+            return self.free_host(start);
+        }
+        self.check_idle(start)?;
+        state.regions.remove(start)?;
+        Ok(())
+    }
+
+    fn check_idle(&self, start: u64) -> Result<(), RegionError> {
+        let in_flight = self.unfinished();
+        if in_flight > 0 {
+            return Err(RegionError::Busy { start, in_flight: in_flight as usize });
+        }
+        Ok(())
+    }
+
+    /// Transfers whose copies are not complete yet.
+    fn unfinished(&self) -> u64 {
+        Direction::ALL
+            .iter()
+            .map(|&d| {
+                let lane = &self.lanes[d.lane()];
+                (lane.next_seq() - 1).saturating_sub(self.backend.completed(d))
+            })
+            .sum()
+    }
+
+    /// Allocates `bytes` of host memory (page-locked on CUDA) and registers it as a host region.
+    /// Returns its address.
+    pub fn alloc_host(&self, bytes: usize) -> Result<u64, EngineError> {
+        self.check_usable()?;
+        let alloc = self.backend.alloc_host(bytes)?;
+        let addr = alloc.addr();
+        let mut state = self.lock();
+        if let Err(e) = state.regions.insert(addr, bytes as u64, MemoryKind::Host) {
+            drop(state);
+            // SAFETY: just allocated, never shared.
+            unsafe { self.backend.free_host(alloc) };
+            return Err(e.into());
+        }
+        state.buffers.insert(addr, alloc);
+        Ok(addr)
+    }
+
+    /// Frees a buffer from [`Engine::alloc_host`]. Refused while transfers are in flight.
+    pub fn free_host(&self, addr: u64) -> Result<(), EngineError> {
+        let mut state = self.lock();
+        if !state.buffers.contains_key(&addr) {
+            return Err(RegionError::NotRegistered { start: addr }.into());
+        }
+        self.check_idle(addr)?;
+        state.regions.remove(addr)?;
+        let alloc = state.buffers.remove(&addr).expect("checked above");
+        drop(state);
+        // SAFETY: unregistered under the submit lock with nothing in flight: no copy can use it.
+        unsafe { self.backend.free_host(alloc) };
+        Ok(())
+    }
+
+    /// Validates, coalesces and issues one transfer under `job_id`; returns once the copies are
+    /// enqueued. Its result comes from [`Engine::get_finished`].
+    pub fn submit(
+        &self,
+        job_id: JobId,
+        src: &[u64],
+        dst: &[u64],
+        size: &[u64],
+        direction: Direction,
+    ) -> Result<(), EngineError> {
+        self.check_usable()?;
+        if let Some(e) = self.failed_lanes[direction.lane()].get() {
+            return Err(e.clone().into());
+        }
+        let mut state = self.lock();
+        while let Some(id) = self.retired.pop() {
+            state.live.remove(&id);
+        }
+        if state.live.contains_key(&job_id) {
+            return Err(EngineError::JobIdLive(job_id));
+        }
+        let lane = &self.lanes[direction.lane()];
+        if lane.in_flight() >= self.config.max_in_flight as u64 {
+            return Err(EngineError::TooManyInFlight { direction, max: self.config.max_in_flight });
+        }
+        if src.len() > self.config.max_descriptors {
+            return Err(DescriptorError::TooLarge { len: src.len(), max: self.config.max_descriptors }
+                .into());
+        }
+
+        let transfer = TransferState::Pending;
+        let mut slab = self.pool.acquire(src.len())?;
+        let SubmitState { regions, scratch, .. } = &mut *state;
+        let prepared = match prepare_into(
+            src,
+            dst,
+            size,
+            direction,
+            regions,
+            self.config.coalesce,
+            slab.columns(),
+            scratch,
+        ) {
+            Ok(p) => p,
+            Err(e) => {
+                // Never issued: the slab goes straight home.
+                self.pool.release(slab);
+                transfer.cancel()?;
+                return Err(e.into());
+            }
+        };
+        slab.set_len(prepared.len);
+        let seq = lane.next_seq();
+        let handle = slab.share();
+        let record = InFlight {
+            seq,
+            job_id,
+            bytes: prepared.bytes,
+            submitted_at: Instant::now(),
+            state: transfer.submit()?,
+            slab,
+        };
+        if let Err(record) = lane.push(record) {
+            // Cannot happen: in_flight was checked under the same lock.
+            self.pool.release(record.slab);
+            return Err(EngineError::TooManyInFlight { direction, max: self.config.max_in_flight });
+        }
+        state.live.insert(job_id, (direction, seq));
+        match self.backend.submit(direction, seq, handle) {
+            Ok(Submitted::Ok) | Ok(Submitted::CopyFailed) => Ok(()),
+            Err(e) => {
+                // Nothing can be promised about this lane any more: its transfers are reported
+                // failed by the next poll, and later submits on it are refused.
+                let _ = self.failed_lanes[direction.lane()].set(e);
+                Ok(())
+            }
+        }
+    }
+
+    /// Appends the results of transfers finished since the last call. Lock-free, non-blocking.
+    pub fn get_finished(&self, out: &mut Vec<TransferResult>) {
+        for direction in Direction::ALL {
+            let lane = &self.lanes[direction.lane()];
+            let completed = self.backend.completed(direction);
+            lane.poll(completed, |record| self.finish(direction, record, None, out));
+            if self.failed_lanes[direction.lane()].get().is_none() {
+                if let Some(e) = self.backend.lane_error(direction) {
+                    let _ = self.failed_lanes[direction.lane()].set(e);
+                }
+            }
+            if let Some(e) = self.failed_lanes[direction.lane()].get() {
+                lane.drain(|record| self.finish(direction, record, Some(e), out));
+            }
+        }
+    }
+
+    fn finish(
+        &self,
+        direction: Direction,
+        record: InFlight,
+        lane_error: Option<&BackendError>,
+        out: &mut Vec<TransferResult>,
+    ) {
+        let error = match (record.slab.failure(), lane_error) {
+            (Some(reason), _) => Some(reason.to_string()),
+            (None, Some(e)) => Some(e.to_string()),
+            (None, None) => None,
+        };
+        let ok = error.is_none();
+        // Submitted -> Done | Failed is always legal for a record on a lane.
+        debug_assert!(record.state.complete(ok).is_ok());
+        let device_ns = record.slab.device_ns();
+        let nanos = if device_ns > 0 {
+            device_ns
+        } else {
+            record.submitted_at.elapsed().as_nanos() as u64
+        };
+        let c = &self.counters[direction.lane()];
+        // Relaxed: statistics only.
+        c.transfers.fetch_add(1, Ordering::Relaxed);
+        if ok {
+            c.bytes.fetch_add(record.bytes, Ordering::Relaxed);
+            c.nanos.fetch_add(nanos, Ordering::Relaxed);
+        } else {
+            c.failed.fetch_add(1, Ordering::Relaxed);
+        }
+        out.push(TransferResult {
+            job_id: record.job_id,
+            success: ok,
+            bytes: record.bytes,
+            seconds: nanos as f64 * 1e-9,
+            error,
+        });
+        // Room is guaranteed: retired ids are a subset of live ids, which submit bounds.
+        let _ = self.retired.push(record.job_id);
+        self.pool.release(record.slab);
+    }
+
+    /// Blocks until every listed job has finished (its result is still reported by
+    /// `get_finished`). Ids that are not live are already finished. Does not spin.
+    pub fn wait(&self, job_ids: &[JobId], timeout: Option<Duration>) -> Result<(), EngineError> {
+        if in_forked_child() {
+            return Err(BackendError::Forked.into());
+        }
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let targets: Vec<(JobId, Direction, u64)> = {
+            let state = self.lock();
+            job_ids
+                .iter()
+                .filter_map(|id| state.live.get(id).map(|&(d, s)| (*id, d, s)))
+                .collect()
+        };
+        let mut pending = vec![];
+        for (id, direction, seq) in targets {
+            if self.failed_lanes[direction.lane()].get().is_some() {
+                continue;
+            }
+            let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+            if !self.backend.wait(direction, seq, left)? {
+                if let Some(e) = self.backend.lane_error(direction) {
+                    let _ = self.failed_lanes[direction.lane()].set(e);
+                    continue;
+                }
+                pending.push(id);
+            }
+        }
+        if pending.is_empty() {
+            Ok(())
+        } else {
+            Err(EngineError::Timeout { pending })
+        }
+    }
+
+    /// Refuses new work, waits for transfers in flight (up to the configured timeout; past it
+    /// they are failed), and stops the backend. Results stay available to `get_finished`.
+    /// Idempotent and safe from any thread.
+    pub fn shutdown(&self) {
+        if self.shut.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        // Take the lock so no submit is half-way through.
+        let _state = self.lock();
+        if !in_forked_child() {
+            let deadline = Instant::now() + self.config.shutdown_timeout;
+            for direction in Direction::ALL {
+                let last = self.lanes[direction.lane()].next_seq() - 1;
+                let left = deadline.saturating_duration_since(Instant::now());
+                let reached = self.backend.wait(direction, last, Some(left)).unwrap_or(false);
+                if !reached {
+                    let _ = self.failed_lanes[direction.lane()].set(BackendError::CopyFailed {
+                        index: None,
+                        reason: "still in flight when the engine shut down".into(),
+                    });
+                }
+            }
+            self.backend.shutdown();
+        }
+    }
+
+    pub fn is_shut_down(&self) -> bool {
+        self.shut.load(Ordering::Acquire)
+    }
+
+    pub fn stats(&self) -> EngineStats {
+        let lanes = std::array::from_fn(|i| {
+            let c = &self.counters[i];
+            LaneStats {
+                transfers: c.transfers.load(Ordering::Relaxed),
+                failed: c.failed.load(Ordering::Relaxed),
+                bytes: c.bytes.load(Ordering::Relaxed),
+                seconds: c.nanos.load(Ordering::Relaxed) as f64 * 1e-9,
+            }
+        });
+        EngineStats {
+            lanes,
+            in_flight: self.lanes.iter().map(|l| l.in_flight()).sum(),
+            pool: self.pool.stats(),
+        }
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.shutdown();
+        if in_forked_child() {
+            // The parent's memory and driver state are not ours to free.
+            std::mem::forget(std::mem::take(&mut self.lock().buffers));
+            return;
+        }
+        // Bring every completed slab home so the pool frees it.
+        let mut sink = Vec::new();
+        self.get_finished(&mut sink);
+        let buffers = std::mem::take(&mut self.lock().buffers);
+        let all_done = self.unfinished() == 0;
+        for (_, alloc) in buffers {
+            if all_done {
+                // SAFETY: nothing is in flight and the engine is going away: no copy can touch it.
+                unsafe { self.backend.free_host(alloc) };
+            } else {
+                // A device that never finished may still write it: leak rather than free.
+                std::mem::forget(alloc);
+            }
+        }
+    }
+}

@@ -1,0 +1,33 @@
+//! blockswap: move many small blocks between pinned host memory and GPU memory at the speed of the
+//! PCIe link.
+//!
+//! The crate is the core of the `blockswap` Python package, and a plain Rust library as well:
+//! `cargo test` needs neither Python nor a GPU. The layers, from the bottom:
+//!
+//! - [`descriptor`]: validation and coalescing of `(src, dst, size)` batches;
+//! - [`region`]: the memory blockswap knows about; every address of a transfer must lie in it;
+//! - [`pool`]: reused descriptor slabs (page-locked on CUDA), never reused while in flight;
+//! - [`transfer`]: the transfer lifecycle state machine and its results;
+//! - [`completion`]: lock-free completion polling over per-lane sequence numbers;
+//! - [`backend`]: the host (memcpy) backend and the CUDA driver backend;
+//! - [`engine`]: submit / poll / wait / shutdown over a backend.
+//!
+//! The PyO3 bindings live in `py.rs`, behind the `python` feature that maturin enables.
+
+pub mod backend;
+pub mod completion;
+pub mod descriptor;
+pub mod engine;
+pub mod error;
+pub mod pool;
+pub mod region;
+pub mod transfer;
+
+#[cfg(feature = "python")]
+mod py;
+
+pub use backend::{Backend, BackendError, BackendInfo};
+pub use descriptor::Direction;
+pub use region::MemoryKind;
+pub use engine::{Engine, EngineConfig, EngineError, EngineStats};
+pub use transfer::{JobId, TransferResult, TransferState};

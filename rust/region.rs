@@ -1,0 +1,201 @@
+//! The memory blockswap knows about.
+//!
+//! Addresses handed in from Python are plain integers. Before any copy is issued, every source and
+//! destination range of a transfer must lie inside one region registered here, of the kind its
+//! direction needs: host memory (page-locked on the CUDA backend, which checks that at
+//! registration) or device memory. A stray integer can therefore never reach a copy engine or a
+//! `memcpy`.
+
+use std::fmt;
+
+/// What a region holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum MemoryKind {
+    /// Host memory. On the CUDA backend it is page-locked: allocated by blockswap or registered
+    /// with the driver, and checked when registered.
+    Host,
+    /// Device memory. On the host backend, host memory standing in for the device.
+    Device,
+}
+
+impl MemoryKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MemoryKind::Host => "host",
+            MemoryKind::Device => "device",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<MemoryKind> {
+        match s {
+            "host" => Some(MemoryKind::Host),
+            "device" => Some(MemoryKind::Device),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for MemoryKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A registered range `[start, end)`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Region {
+    pub start: u64,
+    pub end: u64,
+    pub kind: MemoryKind,
+}
+
+/// A registration that cannot be made or undone.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RegionError {
+    /// Zero bytes, or `start + len` overflows.
+    Invalid { start: u64, len: u64 },
+    /// The range overlaps a region already registered.
+    Overlaps { start: u64, len: u64, existing: Region },
+    /// No region starts at this address.
+    NotRegistered { start: u64 },
+    /// Transfers are in flight: the region cannot be removed now.
+    Busy { start: u64, in_flight: usize },
+}
+
+impl fmt::Display for RegionError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match *self {
+            RegionError::Invalid { start, len } => {
+                write!(f, "cannot register {len} bytes at {start:#x}: empty or overflowing range")
+            }
+            RegionError::Overlaps { start, len, existing } => write!(
+                f,
+                "[{start:#x}, +{len}) overlaps the registered {} region [{:#x}, {:#x})",
+                existing.kind, existing.start, existing.end
+            ),
+            RegionError::NotRegistered { start } => {
+                write!(f, "no registered region starts at {start:#x}")
+            }
+            RegionError::Busy { start, in_flight } => write!(
+                f,
+                "region at {start:#x} cannot be removed while {in_flight} transfers are in flight"
+            ),
+        }
+    }
+}
+
+impl std::error::Error for RegionError {}
+
+/// Registered regions, sorted by start and pairwise disjoint.
+#[derive(Clone, Debug, Default)]
+pub struct RegionTable {
+    regions: Vec<Region>,
+}
+
+impl RegionTable {
+    /// Registers `[start, start + len)`.
+    pub fn insert(&mut self, start: u64, len: u64, kind: MemoryKind) -> Result<(), RegionError> {
+        let end = match start.checked_add(len) {
+            Some(end) if len > 0 => end,
+            _ => return Err(RegionError::Invalid { start, len }),
+        };
+        let at = self.regions.partition_point(|r| r.start < start);
+        for neighbour in [at.checked_sub(1), Some(at)].into_iter().flatten() {
+            if let Some(&r) = self.regions.get(neighbour) {
+                if r.start < end && start < r.end {
+                    return Err(RegionError::Overlaps { start, len, existing: r });
+                }
+            }
+        }
+        self.regions.insert(at, Region { start, end, kind });
+        Ok(())
+    }
+
+    /// Removes the region that starts at `start`.
+    pub fn remove(&mut self, start: u64) -> Result<Region, RegionError> {
+        match self.regions.binary_search_by_key(&start, |r| r.start) {
+            Ok(i) => Ok(self.regions.remove(i)),
+            Err(_) => Err(RegionError::NotRegistered { start }),
+        }
+    }
+
+    /// The registered regions, in address order.
+    pub fn regions(&self) -> &[Region] {
+        &self.regions
+    }
+
+    pub fn len(&self) -> usize {
+        self.regions.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.regions.is_empty()
+    }
+
+    /// The index of the region of `kind` that holds all of `[addr, addr + len)`, if any.
+    ///
+    /// `hint` carries the last hit between calls: the blocks of one transfer mostly fall in the
+    /// same few regions, so the common case is two comparisons instead of a binary search.
+    /// `addr + len` must not overflow (the caller checked).
+    #[inline]
+    pub fn locate(&self, addr: u64, len: u64, kind: MemoryKind, hint: &mut usize) -> Option<usize> {
+        let end = addr + len;
+        if let Some(r) = self.regions.get(*hint) {
+            if r.start <= addr && end <= r.end && r.kind == kind {
+                return Some(*hint);
+            }
+        }
+        let at = self.regions.partition_point(|r| r.start <= addr).checked_sub(1)?;
+        let r = self.regions[at];
+        if end <= r.end && r.kind == kind {
+            *hint = at;
+            Some(at)
+        } else {
+            None
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn insert_rejects_overlap_and_empty() {
+        let mut t = RegionTable::default();
+        t.insert(100, 100, MemoryKind::Host).unwrap();
+        t.insert(300, 100, MemoryKind::Device).unwrap();
+        t.insert(200, 100, MemoryKind::Host).unwrap(); // touching both neighbours is fine
+        assert!(matches!(t.insert(150, 10, MemoryKind::Host), Err(RegionError::Overlaps { .. })));
+        assert!(matches!(t.insert(50, 51, MemoryKind::Host), Err(RegionError::Overlaps { .. })));
+        assert!(matches!(t.insert(399, 5, MemoryKind::Host), Err(RegionError::Overlaps { .. })));
+        assert_eq!(t.insert(0, 0, MemoryKind::Host), Err(RegionError::Invalid { start: 0, len: 0 }));
+        assert!(matches!(t.insert(u64::MAX, 2, MemoryKind::Host), Err(RegionError::Invalid { .. })));
+        assert_eq!(t.len(), 3);
+    }
+
+    #[test]
+    fn locate_checks_bounds_and_kind() {
+        let mut t = RegionTable::default();
+        t.insert(100, 100, MemoryKind::Host).unwrap();
+        t.insert(200, 100, MemoryKind::Device).unwrap();
+        let mut hint = usize::MAX;
+        assert_eq!(t.locate(100, 100, MemoryKind::Host, &mut hint), Some(0));
+        assert_eq!(t.locate(150, 10, MemoryKind::Host, &mut hint), Some(0));
+        assert_eq!(t.locate(150, 51, MemoryKind::Host, &mut hint), None, "crosses into the next region");
+        assert_eq!(t.locate(99, 2, MemoryKind::Host, &mut hint), None, "starts before");
+        assert_eq!(t.locate(250, 10, MemoryKind::Host, &mut hint), None, "wrong kind");
+        assert_eq!(t.locate(250, 10, MemoryKind::Device, &mut hint), Some(1));
+        assert_eq!(t.locate(300, 1, MemoryKind::Device, &mut hint), None, "past the end");
+        assert_eq!(t.locate(0, 1, MemoryKind::Host, &mut hint), None);
+    }
+
+    #[test]
+    fn remove_only_registered_starts() {
+        let mut t = RegionTable::default();
+        t.insert(100, 100, MemoryKind::Host).unwrap();
+        assert_eq!(t.remove(150), Err(RegionError::NotRegistered { start: 150 }));
+        assert_eq!(t.remove(100).unwrap().end, 200);
+        assert!(t.is_empty());
+    }
+}
