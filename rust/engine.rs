@@ -137,6 +137,8 @@ struct SubmitState {
     live: HashMap<JobId, (Direction, u64)>,
     /// Host buffers allocated through the engine, by address.
     buffers: HashMap<u64, HostAlloc>,
+    /// Host ranges page-locked through the engine, by address.
+    pinned: std::collections::HashSet<u64>,
     scratch: Vec<(u64, u64)>,
 }
 
@@ -191,6 +193,7 @@ impl Engine {
                 regions: RegionTable::default(),
                 live: HashMap::with_capacity(4 * max_in_flight),
                 buffers: HashMap::new(),
+                pinned: Default::default(),
                 scratch: Vec::new(),
             }),
             retired: ArrayQueue::new(4 * max_in_flight),
@@ -237,7 +240,27 @@ impl Engine {
         Ok(())
     }
 
-    /// Removes the region starting at `start`. Refused while transfers are in flight.
+    /// Page-locks existing host memory (`cuMemHostRegister` on CUDA) and registers it as a host
+    /// region. Undone by [`Engine::unregister`].
+    ///
+    /// # Safety
+    /// As for [`Engine::register`].
+    pub unsafe fn pin(&self, start: u64, len: u64) -> Result<(), EngineError> {
+        self.check_usable()?;
+        let mut state = self.lock();
+        // Refuse an overlap before the driver sees the range.
+        state.regions.insert(start, len, MemoryKind::Host)?;
+        // SAFETY: the caller vouches for the range.
+        if let Err(e) = unsafe { self.backend.pin_host(start, len) } {
+            state.regions.remove(start)?;
+            return Err(e.into());
+        }
+        state.pinned.insert(start);
+        Ok(())
+    }
+
+    /// Removes the region starting at `start` (unpinning or freeing what blockswap pinned or
+    /// allocated there). Refused while transfers are in flight.
     pub fn unregister(&self, start: u64) -> Result<(), EngineError> {
         let mut state = self.lock();
         if state.buffers.contains_key(&start) {
@@ -246,6 +269,10 @@ impl Engine {
         }
         self.check_idle(start)?;
         state.regions.remove(start)?;
+        if state.pinned.remove(&start) {
+            // SAFETY: pinned by `pin`, and nothing is in flight.
+            unsafe { self.backend.unpin_host(start) }?;
+        }
         Ok(())
     }
 
@@ -302,6 +329,10 @@ impl Engine {
 
     /// Validates, coalesces and issues one transfer under `job_id`; returns once the copies are
     /// enqueued. Its result comes from [`Engine::get_finished`].
+    ///
+    /// With `wait_stream` (a raw `CUstream`; `0` is the legacy default stream) the copies start
+    /// only after the work issued on that stream so far: how device-to-host transfers wait for
+    /// the model's compute stream.
     pub fn submit(
         &self,
         job_id: JobId,
@@ -309,6 +340,7 @@ impl Engine {
         dst: &[u64],
         size: &[u64],
         direction: Direction,
+        wait_stream: Option<u64>,
     ) -> Result<(), EngineError> {
         self.check_usable()?;
         if let Some(e) = self.failed_lanes[direction.lane()].get() {
@@ -368,7 +400,7 @@ impl Engine {
             return Err(EngineError::TooManyInFlight { direction, max: self.config.max_in_flight });
         }
         state.live.insert(job_id, (direction, seq));
-        match self.backend.submit(direction, seq, handle) {
+        match self.backend.submit(direction, seq, handle, wait_stream) {
             Ok(Submitted::Ok) | Ok(Submitted::CopyFailed) => Ok(()),
             Err(e) => {
                 // Nothing can be promised about this lane any more: its transfers are reported
@@ -411,11 +443,11 @@ impl Engine {
         let ok = error.is_none();
         // Submitted -> Done | Failed is always legal for a record on a lane.
         debug_assert!(record.state.complete(ok).is_ok());
-        let device_ns = record.slab.device_ns();
-        let nanos = if device_ns > 0 {
-            device_ns
-        } else {
-            record.submitted_at.elapsed().as_nanos() as u64
+        let nanos = match record.slab.device_ns() {
+            0 => self.backend.device_ns(direction, record.seq).unwrap_or_else(|| {
+                record.submitted_at.elapsed().as_nanos() as u64
+            }),
+            ns => ns,
         };
         let c = &self.counters[direction.lane()];
         // Relaxed: statistics only.
@@ -533,7 +565,14 @@ impl Drop for Engine {
         let mut sink = Vec::new();
         self.get_finished(&mut sink);
         let buffers = std::mem::take(&mut self.lock().buffers);
+        let pinned = std::mem::take(&mut self.lock().pinned);
         let all_done = self.unfinished() == 0;
+        if all_done {
+            for start in pinned {
+                // SAFETY: nothing in flight; the engine is going away.
+                let _ = unsafe { self.backend.unpin_host(start) };
+            }
+        }
         for (_, alloc) in buffers {
             if all_done {
                 // SAFETY: nothing is in flight and the engine is going away: no copy can touch it.

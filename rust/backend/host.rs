@@ -153,7 +153,14 @@ impl Backend for HostBackend {
         unsafe { std::alloc::dealloc(alloc.as_ptr(), layout) };
     }
 
-    fn submit(&self, lane: Direction, seq: u64, slab: SlabRef) -> Result<Submitted, BackendError> {
+    fn submit(
+        &self,
+        lane: Direction,
+        seq: u64,
+        slab: SlabRef,
+        _wait_stream: Option<u64>,
+    ) -> Result<Submitted, BackendError> {
+        // There is no device stream to wait for: host work is already done when submit is called.
         let sender = self.sender.lock().unwrap_or_else(|e| e.into_inner());
         let tx = sender.as_ref().ok_or(BackendError::ShutDown)?;
         tx.try_send(Job { lane, seq, slab }).map_err(|e| match e {

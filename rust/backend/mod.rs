@@ -36,6 +36,8 @@ pub enum BackendError {
     ShutDown,
     /// The process forked after the backend was created; the CUDA context does not survive fork.
     Forked,
+    /// An argument the backend cannot use (a legacy default stream for copies, say).
+    InvalidArgument(String),
 }
 
 impl fmt::Display for BackendError {
@@ -55,6 +57,7 @@ impl fmt::Display for BackendError {
                 write!(f, "could not allocate {bytes} bytes of host memory")
             }
             BackendError::ShutDown => f.write_str("the backend is shut down"),
+            BackendError::InvalidArgument(why) => f.write_str(why),
             BackendError::Forked => f.write_str(
                 "this engine was created in another process: a CUDA context does not survive \
                  fork(); create a new engine in the child",
@@ -149,7 +152,15 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// `slab` stays valid and unmodified until `completed(lane) >= seq` has been observed. The
     /// backend records a failure and the GPU time in the slab before its completion is visible.
     /// An `Err` means nothing can be promised about `seq` (the engine fails the lane).
-    fn submit(&self, lane: Direction, seq: u64, slab: SlabRef) -> Result<Submitted, BackendError>;
+    /// With `wait_stream` (a raw `CUstream` of the caller, `0` being the legacy default stream),
+    /// the copies start only after the work issued on that stream so far.
+    fn submit(
+        &self,
+        lane: Direction,
+        seq: u64,
+        slab: SlabRef,
+        wait_stream: Option<u64>,
+    ) -> Result<Submitted, BackendError>;
 
     /// The highest sequence number of `lane` whose copies are done. Lock-free and never blocking:
     /// this is read by every poll.
@@ -163,6 +174,27 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// dead context): every transfer not yet complete on that lane has failed.
     fn lane_error(&self, _lane: Direction) -> Option<BackendError> {
         None
+    }
+
+    /// Device time of transfer `seq` of `lane`, once complete, where the backend measures it.
+    fn device_ns(&self, _lane: Direction, _seq: u64) -> Option<u64> {
+        None
+    }
+
+    /// Page-locks existing host memory so the device can reach it (`cuMemHostRegister`).
+    ///
+    /// # Safety
+    /// The range must be allocated host memory that outlives the registration.
+    unsafe fn pin_host(&self, _start: u64, _len: u64) -> Result<(), BackendError> {
+        Ok(())
+    }
+
+    /// Undoes [`Backend::pin_host`].
+    ///
+    /// # Safety
+    /// No transfer may be in flight on the range.
+    unsafe fn unpin_host(&self, _start: u64) -> Result<(), BackendError> {
+        Ok(())
     }
 
     /// Stops worker threads and streams once everything submitted is done. Idempotent.

@@ -1,0 +1,67 @@
+# One task runner for people and CI. `make test` sets everything up and runs every test;
+# `make run` sets up and runs the main job (a short transfer benchmark).
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# Optional: a package index with CPU-only torch wheels (e.g. PyTorch's own CPU index), which keeps
+# a fresh machine's download small where it can be reached. Plain PyPI works too.
+TORCH_INDEX ?=
+TORCH_SPEC ?= torch>=2.4
+TRITON_SPEC ?= triton>=3.0
+
+.PHONY: setup develop test test-rust test-python lint fmt run bench bench-rust wheel clean
+
+setup: $(VENV)/.setup-done
+
+$(VENV)/.setup-done: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "maturin>=1.9,<2" "numpy>=1.24" "pytest>=8" "hypothesis>=6.100" "ruff>=0.6" "mypy>=1.10"
+	if [ -n "$(TORCH_INDEX)" ]; then \
+	  $(PY) -m pip install -q --index-url "$(TORCH_INDEX)" "$(TORCH_SPEC)" || $(PY) -m pip install -q "$(TORCH_SPEC)"; \
+	else $(PY) -m pip install -q "$(TORCH_SPEC)"; fi
+	$(PY) -m pip install -q "$(TRITON_SPEC)"
+	touch $@
+
+# Builds the extension (release) into the virtual environment.
+develop: setup
+	VIRTUAL_ENV=$(abspath $(VENV)) PATH=$(abspath $(VENV))/bin:$$PATH maturin develop --release -q
+
+test-rust:
+	cargo test --all-targets
+
+test-python: develop
+	$(PY) -m pytest -q tests
+
+# The test command: Rust tests, then Python tests against a fresh build.
+test: setup test-rust test-python
+
+lint: setup
+	cargo fmt --check
+	cargo clippy --all-targets --features python -- -D warnings
+	$(VENV)/bin/ruff check python tests benches
+	$(VENV)/bin/ruff format --check python tests benches
+	$(VENV)/bin/mypy
+
+fmt: setup
+	cargo fmt
+	$(VENV)/bin/ruff format python tests benches
+	$(VENV)/bin/ruff check --fix python tests benches
+
+# The main job: a short transfer benchmark (GPU where there is one, host backend otherwise).
+run: develop
+	$(PY) -m blockswap bench
+
+bench: develop
+	$(PY) -m blockswap bench --full
+
+bench-rust:
+	cargo bench --bench submit
+
+wheel: setup
+	VIRTUAL_ENV=$(abspath $(VENV)) PATH=$(abspath $(VENV))/bin:$$PATH maturin build --release --out dist
+
+clean:
+	cargo clean
+	rm -rf $(VENV) dist

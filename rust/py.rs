@@ -1,0 +1,377 @@
+//! PyO3 bindings: argument conversion, GIL release, error mapping. No decisions live here.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use numpy::PyReadonlyArray1;
+use pyo3::create_exception;
+use pyo3::exceptions::PyException;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::backend::cuda::{self, CudaBackend, CudaOptions};
+use crate::backend::host::HostBackend;
+use crate::backend::Backend;
+use crate::descriptor::{DescriptorError, Direction};
+use crate::engine::{Engine, EngineConfig, EngineError};
+use crate::pool::PoolError;
+use crate::region::MemoryKind;
+use crate::transfer::TransferResult;
+
+create_exception!(blockswap, BlockswapError, PyException, "Base of every blockswap error.");
+create_exception!(
+    blockswap,
+    InvalidTransferError,
+    BlockswapError,
+    "A transfer or registration refused before anything was issued: bad descriptors, addresses \
+     outside registered memory, overlapping destinations, a live job id."
+);
+create_exception!(
+    blockswap,
+    PoolExhaustedError,
+    BlockswapError,
+    "No descriptor slab or in-flight slot is free: poll get_finished, or raise the limits."
+);
+create_exception!(
+    blockswap,
+    BackendError,
+    BlockswapError,
+    "The backend failed or is unavailable (no driver, a driver error, a forked process)."
+);
+create_exception!(
+    blockswap,
+    TransferStateError,
+    BlockswapError,
+    "A transfer lifecycle edge that does not exist."
+);
+create_exception!(blockswap, ShutdownError, BlockswapError, "The engine is shut down.");
+create_exception!(
+    blockswap,
+    WaitTimeoutError,
+    BlockswapError,
+    "wait() ran out of time; the transfers are still in flight."
+);
+
+impl From<EngineError> for PyErr {
+    fn from(e: EngineError) -> PyErr {
+        let msg = e.to_string();
+        match e {
+            EngineError::Descriptor(_)
+            | EngineError::Region(_)
+            | EngineError::JobIdLive(_)
+            | EngineError::Pool(PoolError::TooLarge { .. }) => InvalidTransferError::new_err(msg),
+            EngineError::Pool(PoolError::Backend(_)) | EngineError::Backend(_) => {
+                BackendError::new_err(msg)
+            }
+            EngineError::Pool(_) | EngineError::TooManyInFlight { .. } => {
+                PoolExhaustedError::new_err(msg)
+            }
+            EngineError::Transition(_) => TransferStateError::new_err(msg),
+            EngineError::Timeout { .. } => WaitTimeoutError::new_err(msg),
+            EngineError::ShutDown => ShutdownError::new_err(msg),
+        }
+    }
+}
+
+fn invalid(msg: impl Into<String>) -> PyErr {
+    InvalidTransferError::new_err(msg.into())
+}
+
+/// The outcome of one transfer.
+#[pyclass(name = "TransferResult", module = "blockswap._core", frozen, get_all, eq)]
+#[derive(Clone, PartialEq)]
+struct PyTransferResult {
+    job_id: u64,
+    success: bool,
+    bytes: u64,
+    seconds: f64,
+    error: Option<String>,
+}
+
+#[pymethods]
+impl PyTransferResult {
+    fn __repr__(&self) -> String {
+        format!(
+            "TransferResult(job_id={}, success={}, bytes={}, seconds={:.3e}{})",
+            self.job_id,
+            if self.success { "True" } else { "False" },
+            self.bytes,
+            self.seconds,
+            self.error.as_ref().map(|e| format!(", error={e:?}")).unwrap_or_default()
+        )
+    }
+}
+
+impl From<TransferResult> for PyTransferResult {
+    fn from(r: TransferResult) -> Self {
+        PyTransferResult {
+            job_id: r.job_id,
+            success: r.success,
+            bytes: r.bytes,
+            seconds: r.seconds,
+            error: r.error,
+        }
+    }
+}
+
+/// Views an int64 array as the u64 addresses and sizes it carries.
+fn as_u64<'a>(name: &str, a: &'a PyReadonlyArray1<'_, i64>) -> PyResult<&'a [u64]> {
+    let s = a.as_slice().map_err(|_| invalid(format!("{name} must be a contiguous array")))?;
+    // SAFETY: i64 and u64 have the same size and alignment and every bit pattern is valid for
+    // both. Negative values become huge ones, which validation refuses by name.
+    Ok(unsafe { std::slice::from_raw_parts(s.as_ptr() as *const u64, s.len()) })
+}
+
+fn direction(s: &str) -> PyResult<Direction> {
+    Direction::parse(s)
+        .ok_or_else(|| invalid(format!("direction must be 'h2d', 'd2h', 'h2h' or 'd2d', not {s:?}")))
+}
+
+/// Moves batches of (src, dst, size) blocks on a backend. See the Python docs of `Engine`.
+#[pyclass(name = "Engine", module = "blockswap._core", frozen)]
+struct PyEngine {
+    engine: Engine,
+    host: Option<Arc<HostBackend>>,
+}
+
+#[pymethods]
+impl PyEngine {
+    #[new]
+    #[pyo3(signature = (backend = "auto", *, device = 0, max_in_flight = 1024, pool_bytes = 256 << 20,
+        max_descriptors = None, coalesce = true, shutdown_timeout = 60.0, copy_path = "auto",
+        max_batch = None, timing = false, completion = "auto", h2d_order = "any",
+        d2h_order = "stream", h2d_stream = None, d2h_stream = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        backend: &str,
+        device: i32,
+        max_in_flight: usize,
+        pool_bytes: usize,
+        max_descriptors: Option<usize>,
+        coalesce: bool,
+        shutdown_timeout: f64,
+        copy_path: &str,
+        max_batch: Option<usize>,
+        timing: bool,
+        completion: &str,
+        h2d_order: &str,
+        d2h_order: &str,
+        h2d_stream: Option<u64>,
+        d2h_stream: Option<u64>,
+    ) -> PyResult<Self> {
+        let mut config = EngineConfig {
+            max_in_flight,
+            pool_bytes,
+            coalesce,
+            shutdown_timeout: Duration::try_from_secs_f64(shutdown_timeout)
+                .map_err(|_| invalid("shutdown_timeout must be a non-negative number of seconds"))?,
+            ..EngineConfig::default()
+        };
+        if let Some(m) = max_descriptors {
+            config.max_descriptors = m;
+        }
+        let want_cuda = match backend {
+            "host" => false,
+            "cuda" => true,
+            "auto" => cuda::driver_available().is_ok(),
+            other => return Err(invalid(format!("backend must be 'auto', 'host' or 'cuda', not {other:?}"))),
+        };
+        let (backend, host): (Arc<dyn Backend>, _) = if want_cuda {
+            let mut opts = CudaOptions::new(device);
+            opts.copy_path = copy_path.parse().map_err(invalid)?;
+            if let Some(m) = max_batch {
+                opts.max_batch = m;
+            }
+            opts.timing = timing;
+            opts.completion = completion.parse().map_err(invalid)?;
+            opts.access_order[Direction::HostToDevice.lane()] = h2d_order.parse().map_err(invalid)?;
+            opts.access_order[Direction::DeviceToHost.lane()] = d2h_order.parse().map_err(invalid)?;
+            opts.streams[Direction::HostToDevice.lane()] = h2d_stream;
+            opts.streams[Direction::DeviceToHost.lane()] = d2h_stream;
+            opts.max_in_flight = config.max_in_flight;
+            let b = py.detach(|| CudaBackend::new(opts)).map_err(EngineError::from)?;
+            (Arc::new(b), None)
+        } else {
+            let h = Arc::new(HostBackend::new());
+            (h.clone() as Arc<dyn Backend>, Some(h))
+        };
+        Ok(PyEngine { engine: Engine::new(backend, config), host })
+    }
+
+    /// Issues one transfer under `job_id` and returns at once.
+    #[pyo3(signature = (job_id, src_ptrs, dst_ptrs, sizes, direction = "h2d", wait_stream = None))]
+    fn submit(
+        &self,
+        py: Python<'_>,
+        job_id: u64,
+        src_ptrs: PyReadonlyArray1<'_, i64>,
+        dst_ptrs: PyReadonlyArray1<'_, i64>,
+        sizes: PyReadonlyArray1<'_, i64>,
+        direction: &str,
+        wait_stream: Option<u64>,
+    ) -> PyResult<()> {
+        let dir = self::direction(direction)?;
+        let (s, d, z) = (as_u64("src_ptrs", &src_ptrs)?, as_u64("dst_ptrs", &dst_ptrs)?, as_u64("sizes", &sizes)?);
+        if s.len() != d.len() || s.len() != z.len() {
+            return Err(EngineError::from(DescriptorError::LengthMismatch {
+                src: s.len(),
+                dst: d.len(),
+                size: z.len(),
+            })
+            .into());
+        }
+        py.detach(|| self.engine.submit(job_id, s, d, z, dir, wait_stream)).map_err(Into::into)
+    }
+
+    /// Results of the transfers finished since the last call. Lock-free, never blocks.
+    fn get_finished(&self) -> Vec<PyTransferResult> {
+        let mut out = Vec::new();
+        self.engine.get_finished(&mut out);
+        out.into_iter().map(Into::into).collect()
+    }
+
+    /// Blocks (GIL released, no spinning) until the listed jobs finished.
+    #[pyo3(signature = (job_ids, timeout = None))]
+    fn wait(&self, py: Python<'_>, job_ids: Vec<u64>, timeout: Option<f64>) -> PyResult<()> {
+        let timeout = timeout
+            .map(Duration::try_from_secs_f64)
+            .transpose()
+            .map_err(|_| invalid("timeout must be a non-negative number of seconds"))?;
+        py.detach(|| self.engine.wait(&job_ids, timeout)).map_err(Into::into)
+    }
+
+    /// Waits for transfers in flight and stops the backend; results stay available. Idempotent.
+    fn shutdown(&self, py: Python<'_>) {
+        py.detach(|| self.engine.shutdown())
+    }
+
+    #[getter]
+    fn is_shut_down(&self) -> bool {
+        self.engine.is_shut_down()
+    }
+
+    /// Registers `nbytes` at `ptr` as `kind` memory ('host' or 'device') that transfers may use.
+    /// The caller vouches that the memory stays allocated until unregistered.
+    fn register(&self, ptr: u64, nbytes: u64, kind: &str) -> PyResult<()> {
+        let kind = MemoryKind::parse(kind)
+            .ok_or_else(|| invalid(format!("kind must be 'host' or 'device', not {kind:?}")))?;
+        // SAFETY: the Python caller vouches for the range (documented on Engine.register); the
+        // Python layer registers only memory of objects it keeps alive.
+        unsafe { self.engine.register(ptr, nbytes, kind) }.map_err(Into::into)
+    }
+
+    /// Page-locks `nbytes` of existing host memory at `ptr` (cuMemHostRegister on CUDA) and
+    /// registers it as host memory. `unregister(ptr)` unpins it.
+    fn pin(&self, py: Python<'_>, ptr: u64, nbytes: u64) -> PyResult<()> {
+        // SAFETY: as for `register`: the Python caller vouches for the range.
+        py.detach(|| unsafe { self.engine.pin(ptr, nbytes) }).map_err(Into::into)
+    }
+
+    fn unregister(&self, ptr: u64) -> PyResult<()> {
+        self.engine.unregister(ptr).map_err(Into::into)
+    }
+
+    /// Allocates `nbytes` of host memory (page-locked on CUDA), registered; returns its address.
+    fn alloc_host(&self, py: Python<'_>, nbytes: usize) -> PyResult<u64> {
+        if nbytes == 0 {
+            return Err(invalid("nbytes must be positive"));
+        }
+        py.detach(|| self.engine.alloc_host(nbytes)).map_err(Into::into)
+    }
+
+    fn free_host(&self, py: Python<'_>, ptr: u64) -> PyResult<()> {
+        py.detach(|| self.engine.free_host(ptr)).map_err(Into::into)
+    }
+
+    /// Host backend only: the next `count` transfers fail halfway (tests of the failure path).
+    fn inject_failures(&self, count: u64) -> PyResult<()> {
+        match &self.host {
+            Some(h) => {
+                h.inject_failures(count);
+                Ok(())
+            }
+            None => Err(BackendError::new_err("inject_failures needs the host backend")),
+        }
+    }
+
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.engine.stats();
+        let d = PyDict::new(py);
+        for dir in Direction::ALL {
+            let l = s.lanes[dir.lane()];
+            let ld = PyDict::new(py);
+            ld.set_item("transfers", l.transfers)?;
+            ld.set_item("failed", l.failed)?;
+            ld.set_item("bytes", l.bytes)?;
+            ld.set_item("seconds", l.seconds)?;
+            ld.set_item("gb_per_s", if l.seconds > 0.0 { l.bytes as f64 / l.seconds / 1e9 } else { 0.0 })?;
+            d.set_item(dir.as_str(), ld)?;
+        }
+        d.set_item("in_flight", s.in_flight)?;
+        let p = PyDict::new(py);
+        p.set_item("slabs", s.pool.slabs)?;
+        p.set_item("free", s.pool.free)?;
+        p.set_item("bytes", s.pool.bytes)?;
+        p.set_item("cap", s.pool.cap)?;
+        d.set_item("pool", p)?;
+        Ok(d)
+    }
+
+    /// Backend, driver and copy path in use.
+    fn info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let i = self.engine.backend_info();
+        let c = self.engine.config();
+        let d = PyDict::new(py);
+        d.set_item("backend", i.name)?;
+        d.set_item("driver_version", i.driver_version)?;
+        d.set_item("device", i.device)?;
+        d.set_item("copy_path", i.copy_path)?;
+        d.set_item("completion", i.completion)?;
+        d.set_item("max_in_flight", c.max_in_flight)?;
+        d.set_item("pool_bytes", c.pool_bytes)?;
+        d.set_item("max_descriptors", c.max_descriptors)?;
+        d.set_item("coalesce", c.coalesce)?;
+        Ok(d)
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    fn __exit__(
+        &self,
+        py: Python<'_>,
+        _ty: Option<Bound<'_, PyAny>>,
+        _value: Option<Bound<'_, PyAny>>,
+        _tb: Option<Bound<'_, PyAny>>,
+    ) {
+        self.shutdown(py)
+    }
+}
+
+/// Whether the CUDA backend can start here, and if not, why.
+#[pyfunction]
+fn cuda_status() -> (bool, String) {
+    match cuda::driver_available() {
+        Ok(version) => (true, format!("CUDA driver {version}")),
+        Err(e) => (false, e.to_string()),
+    }
+}
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add_class::<PyEngine>()?;
+    m.add_class::<PyTransferResult>()?;
+    m.add_function(wrap_pyfunction!(cuda_status, m)?)?;
+    m.add("BlockswapError", py.get_type::<BlockswapError>())?;
+    m.add("InvalidTransferError", py.get_type::<InvalidTransferError>())?;
+    m.add("PoolExhaustedError", py.get_type::<PoolExhaustedError>())?;
+    m.add("BackendError", py.get_type::<BackendError>())?;
+    m.add("TransferStateError", py.get_type::<TransferStateError>())?;
+    m.add("ShutdownError", py.get_type::<ShutdownError>())?;
+    m.add("WaitTimeoutError", py.get_type::<WaitTimeoutError>())?;
+    Ok(())
+}
