@@ -195,5 +195,3 @@ def info() -> dict[str, Any]:
         "cuda_status": cuda_why,
         "default_backend": "cuda" if cuda_ok else "host",
     }
-
-

@@ -1,0 +1,312 @@
+"""The low-level engine on the host backend: bytes, results, and every refusal."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import blockswap
+from blockswap import (
+    BlockswapError,
+    InvalidTransferError,
+    PoolExhaustedError,
+    ShutdownError,
+)
+
+MiB = 1 << 20
+
+
+def registered_pair(engine, nbytes, rng):
+    """A random host source and a zeroed destination standing in for device memory."""
+    src = rng.integers(0, 256, nbytes, dtype=np.uint8)
+    dst = np.zeros(nbytes, dtype=np.uint8)
+    engine.register(src, kind="host")
+    engine.register(dst, kind="device")
+    return src, dst
+
+
+def test_ten_thousand_random_descriptors_every_byte(engine, rng):
+    n = 10_000
+    src = rng.integers(0, 256, 64 * MiB, dtype=np.uint8)
+    engine.register(src, kind="host")
+    # Sizes 1 B - 1 MiB: mostly small, some up to 1 MiB (log-uniform).
+    sizes = np.exp(rng.uniform(0, np.log(1 * MiB), n)).astype(np.int64).clip(1, 1 * MiB)
+    total = int(sizes.sum())
+    dst = np.zeros(total + n * 64, dtype=np.uint8)
+    engine.register(dst, kind="device")
+    order = rng.permutation(n)
+    gaps = rng.integers(0, 64, n, dtype=np.int64)
+    starts = np.zeros(n, dtype=np.int64)
+    starts[order] = np.cumsum(sizes[order] + gaps[order]) - sizes[order]
+    src_off = rng.integers(0, src.nbytes - sizes, dtype=np.int64)
+    engine.submit(7, src.ctypes.data + src_off, dst.ctypes.data + starts, sizes, "h2d")
+    engine.wait([7])
+    (res,) = engine.get_finished()
+    assert res.job_id == 7 and res.success and res.bytes == total and res.error is None
+    assert res.seconds > 0
+    for s, d, z in zip(src_off.tolist(), starts.tolist(), sizes.tolist()):
+        assert np.array_equal(dst[d : d + z], src[s : s + z])
+    # The gaps were not written.
+    written = np.zeros(dst.nbytes, dtype=bool)
+    for d, z in zip(starts.tolist(), sizes.tolist()):
+        written[d : d + z] = True
+    assert not dst[~written].any()
+
+
+def test_contiguous_blocks_are_coalesced_and_exact(engine, rng):
+    src, dst = registered_pair(engine, 1 * MiB, rng)
+    ids = np.arange(16)
+    engine.submit(1, src.ctypes.data + ids * 8192, dst.ctypes.data + ids * 8192, [8192] * 16)
+    engine.wait([1])
+    assert engine.get_finished()[0].success
+    assert np.array_equal(dst[: 16 * 8192], src[: 16 * 8192])
+
+
+def test_results_are_reported_exactly_once_in_order(engine, rng):
+    src, dst = registered_pair(engine, 1 * MiB, rng)
+    for j in range(50):
+        engine.submit(j, [src.ctypes.data + j * 100], [dst.ctypes.data + j * 100], [100])
+    engine.wait(range(50))
+    got = []
+    while len(got) < 50:
+        got += [r.job_id for r in engine.get_finished()]
+    assert got == list(range(50))
+    assert engine.get_finished() == []
+    assert np.array_equal(dst[:5000], src[:5000])
+
+
+def test_job_id_is_reusable_only_after_its_result(engine, rng):
+    src, dst = registered_pair(engine, 1 * MiB, rng)
+    engine.submit(5, [src.ctypes.data], [dst.ctypes.data], [64])
+    with pytest.raises(InvalidTransferError, match="job id 5 is still live"):
+        engine.submit(5, [src.ctypes.data + 64], [dst.ctypes.data + 64], [64])
+    engine.wait([5])
+    assert [r.job_id for r in engine.get_finished()] == [5]
+    engine.submit(5, [src.ctypes.data + 64], [dst.ctypes.data + 64], [64])
+    engine.wait([5])
+    assert [r.job_id for r in engine.get_finished()] == [5]
+
+
+@pytest.mark.parametrize(
+    ("case", "match"),
+    [
+        ("mismatched", "differ in length"),
+        ("zero", r"sizes\[1\] is zero"),
+        ("negative", r"sizes\[0\] is negative \(-8\)"),
+        ("overlap", "destinations overlap"),
+        ("unregistered", "not inside registered host memory"),
+        ("device_as_host", "not inside registered host memory"),
+        ("host_as_device", "not inside registered device memory"),
+        ("past_the_end", "not inside registered device memory"),
+        ("overflow", "overflows"),
+        ("float", "must hold integers"),
+        ("empty", "no descriptor"),
+        ("direction", "direction must be"),
+        ("job_id", "job_id must be a non-negative int"),
+    ],
+)
+def test_bad_input_raises_and_leaves_earlier_transfers_intact(engine, rng, case, match):
+    src, dst = registered_pair(engine, 1 * MiB, rng)
+    s, d = src.ctypes.data, dst.ctypes.data
+    # An earlier transfer, in flight or done, must be unaffected.
+    engine.submit(1, [s], [d], [4096])
+    args = {
+        "mismatched": dict(src_ptrs=[s, s + 8], dst_ptrs=[d], sizes=[8, 8]),
+        "zero": dict(src_ptrs=[s, s + 8], dst_ptrs=[d + 8192, d + 8300], sizes=[8, 0]),
+        "negative": dict(src_ptrs=[s], dst_ptrs=[d + 8192], sizes=[-8]),
+        "overlap": dict(src_ptrs=[s, s + 64], dst_ptrs=[d + 8192, d + 8200], sizes=[16, 16]),
+        "unregistered": dict(src_ptrs=[12345678], dst_ptrs=[d + 8192], sizes=[8]),
+        "device_as_host": dict(src_ptrs=[d + 100], dst_ptrs=[d + 8192], sizes=[8]),
+        "host_as_device": dict(src_ptrs=[s], dst_ptrs=[s + 8192], sizes=[8]),
+        "past_the_end": dict(src_ptrs=[s], dst_ptrs=[d + dst.nbytes - 4], sizes=[8]),
+        "overflow": dict(src_ptrs=[-4], dst_ptrs=[d + 8192], sizes=[8]),
+        "float": dict(src_ptrs=np.array([float(s)]), dst_ptrs=[d + 8192], sizes=[8]),
+        "empty": dict(src_ptrs=[], dst_ptrs=[], sizes=[]),
+    }.get(case)
+    engine.wait([1])
+    before = dst.copy()
+    if case == "direction":
+        with pytest.raises(InvalidTransferError, match=match):
+            engine.submit(2, [s], [d + 8192], [8], "sideways")
+    elif case == "job_id":
+        with pytest.raises(InvalidTransferError, match=match):
+            engine.submit(-1, [s], [d + 8192], [8])
+    else:
+        with pytest.raises(InvalidTransferError, match=match):
+            engine.submit(2, direction="h2d", **args)
+    assert isinstance(InvalidTransferError("x"), BlockswapError)
+    # Nothing was issued, and the earlier transfer's result and bytes are intact.
+    assert np.array_equal(dst, before)
+    results = engine.get_finished()
+    assert [(r.job_id, r.success) for r in results] == [(1, True)]
+    assert np.array_equal(dst[:4096], src[:4096])
+    # The refused job id was never live: it can be used now.
+    engine.submit(2, [s], [d + 8192], [8])
+    engine.wait([2])
+    assert [r.job_id for r in engine.get_finished()] == [2]
+
+
+def test_use_after_shutdown(rng):
+    engine = blockswap.Engine("host")
+    src, dst = registered_pair(engine, 1 * MiB, rng)
+    engine.submit(1, [src.ctypes.data], [dst.ctypes.data], [1 * MiB])
+    engine.shutdown()
+    engine.shutdown()  # idempotent
+    assert engine.is_shut_down
+    # The transfer in flight at shutdown finished and its result is still reported.
+    assert [(r.job_id, r.success) for r in engine.get_finished()] == [(1, True)]
+    assert np.array_equal(dst, src)
+    with pytest.raises(ShutdownError, match="shut down"):
+        engine.submit(2, [src.ctypes.data], [dst.ctypes.data], [8])
+    with pytest.raises(ShutdownError):
+        engine.register(np.zeros(8, dtype=np.uint8))
+
+
+def test_injected_failure_is_reported_failed_and_later_jobs_unaffected(engine, rng):
+    src, dst = registered_pair(engine, 1 * MiB, rng)
+    s, d = src.ctypes.data, dst.ctypes.data
+    engine.inject_failures(1)
+    engine.submit(1, s + np.arange(8) * 4096, d + np.arange(8) * 4096, [4096] * 8)
+    engine.submit(2, [s + 65536], [d + 65536], [4096])
+    engine.wait([1, 2])
+    results = {r.job_id: r for r in engine.get_finished()}
+    assert not results[1].success and "injected failure at descriptor" in results[1].error
+    assert results[2].success
+    assert np.array_equal(dst[65536 : 65536 + 4096], src[65536 : 65536 + 4096])
+    stats = engine.stats()
+    assert stats["h2d"]["failed"] == 1 and stats["h2d"]["transfers"] == 2
+    assert stats["pool"]["free"] == stats["pool"]["slabs"], "failed job's slab came home"
+
+
+def test_pool_exhaustion_is_a_typed_error_not_a_hang(rng):
+    # One 256-descriptor slab fits the cap: a second transfer in flight finds the pool empty.
+    engine = blockswap.Engine("host", pool_bytes=256 * 24)
+    src, dst = registered_pair(engine, 4 * MiB, rng)
+    s, d = src.ctypes.data, dst.ctypes.data
+    engine.submit(1, [s], [d], [4 * MiB])
+    try:
+        engine.submit(2, [s], [d], [8])
+        # The first transfer may already be done and its slab home only after a poll: either
+        # outcome is fine, but a refusal must be typed.
+    except PoolExhaustedError as e:
+        assert "pool exhausted" in str(e)
+    engine.wait([1, 2])
+    engine.shutdown()
+
+
+def test_in_flight_limit_is_typed(rng):
+    engine = blockswap.Engine("host", max_in_flight=1)
+    src, dst = registered_pair(engine, 64 * MiB, rng)
+    engine.submit(1, [src.ctypes.data], [dst.ctypes.data], [64 * MiB])
+    with pytest.raises(PoolExhaustedError, match="already in flight"):
+        engine.submit(2, [src.ctypes.data], [dst.ctypes.data], [8])
+    engine.wait([1])
+    engine.get_finished()
+    engine.submit(2, [src.ctypes.data], [dst.ctypes.data], [8])
+    engine.shutdown()
+
+
+def test_registration_rules(engine):
+    a = np.zeros(4096, dtype=np.uint8)
+    engine.register(a)
+    with pytest.raises(InvalidTransferError, match="overlaps"):
+        engine.register(a[100:200], kind="device")
+    with pytest.raises(InvalidTransferError, match="no registered region"):
+        engine.unregister(a.ctypes.data + 1)
+    with pytest.raises(InvalidTransferError, match="contiguous"):
+        engine.register(np.zeros((8, 8), dtype=np.uint8)[:, ::2])
+    with pytest.raises(InvalidTransferError, match="kind must be"):
+        engine.register(np.zeros(8, dtype=np.uint8), kind="gpu")
+    engine.unregister(a)
+
+
+def test_unregister_is_refused_while_in_flight(rng):
+    engine = blockswap.Engine("host")
+    src, dst = registered_pair(engine, 64 * MiB, rng)
+    engine.submit(1, [src.ctypes.data], [dst.ctypes.data], [64 * MiB])
+    try:
+        engine.unregister(dst)
+    except InvalidTransferError as e:
+        assert "in flight" in str(e)
+    engine.wait([1])
+    engine.shutdown()
+
+
+def test_alloc_host_buffers(engine, rng):
+    a = engine.alloc_host(1 * MiB)
+    b = engine.alloc_host(1 * MiB)
+    a[:] = rng.integers(0, 256, a.nbytes, dtype=np.uint8)
+    engine.unregister(b.ctypes.data)  # frees b
+    dev = np.zeros(1 * MiB, dtype=np.uint8)
+    engine.register(dev, kind="device")
+    engine.submit(1, [a.ctypes.data], [dev.ctypes.data], [a.nbytes])
+    engine.wait([1])
+    assert engine.get_finished()[0].success
+    assert np.array_equal(dev, a)
+    engine.free_host(a)
+    with pytest.raises(InvalidTransferError):
+        engine.free_host(a)
+
+
+def test_threads_submit_and_poll_one_engine(engine, rng):
+    src, dst = registered_pair(engine, 8 * MiB, rng)
+    s, d = src.ctypes.data, dst.ctypes.data
+    per_thread, threads = 200, 4
+    seen: list[int] = []
+    lock = threading.Lock()
+    done = threading.Event()
+
+    def submitter(t):
+        for i in range(per_thread):
+            j = t * per_thread + i
+            off = j * 1024
+            while True:
+                try:
+                    engine.submit(j, [s + off], [d + off], [1024], "h2d")
+                    break
+                except PoolExhaustedError:
+                    pass
+
+    def poller():
+        while not done.is_set() or engine.stats()["in_flight"]:
+            rs = engine.get_finished()
+            with lock:
+                seen.extend(r.job_id for r in rs if r.success)
+
+    polls = [threading.Thread(target=poller) for _ in range(2)]
+    subs = [threading.Thread(target=submitter, args=(t,)) for t in range(threads)]
+    for t in polls + subs:
+        t.start()
+    for t in subs:
+        t.join()
+    engine.wait(range(per_thread * threads))
+    done.set()
+    for t in polls:
+        t.join()
+    seen.extend(r.job_id for r in engine.get_finished())
+    assert sorted(seen) == list(range(per_thread * threads))
+    n = per_thread * threads * 1024
+    assert np.array_equal(dst[:n], src[:n])
+
+
+def test_wait_timeout_and_unknown_ids(engine, rng):
+    engine.wait([424242])  # never submitted: nothing to wait for
+    src, dst = registered_pair(engine, 1 * MiB, rng)
+    engine.submit(1, [src.ctypes.data], [dst.ctypes.data], [8])
+    engine.wait([1], timeout=10)
+    with pytest.raises(InvalidTransferError, match="timeout"):
+        engine.wait([1], timeout=-1)
+
+
+def test_info_and_cuda_without_driver():
+    i = blockswap.info()
+    assert i["version"] == blockswap.__version__
+    if not i["cuda"]:
+        assert i["default_backend"] == "host"
+        with pytest.raises(blockswap.BackendError, match="backend unavailable"):
+            blockswap.Engine("cuda")
+    e = blockswap.Engine("host")
+    assert e.info()["backend"] == "host"
+    e.shutdown()
