@@ -1,0 +1,662 @@
+"""Per-block address tables for KV-cache tensors, and vectorised copy descriptors.
+
+Model
+-----
+Every supported KV-cache layout reduces to a list of *segments per block*: for block ``b``,
+segment ``s`` is ``nbytes[s]`` contiguous bytes starting at ``bases[s] + b * strides[s]``.
+A :class:`BlockTable` holds those three int64 arrays for one block-id space (one KV-cache group
+on one side, GPU or CPU). It is built once, when a handler is built, from the torch tensors;
+per transfer, :func:`build_transfer` turns two tables and two lists of block ids into the flat
+``(src_ptrs, dst_ptrs, sizes)`` int64 arrays the copy engine consumes, with numpy only.
+
+Segments of one table are ordered tensor by tensor (in the order the tensors were given) and,
+inside a tensor, by the row-major index of the dims before the block dim (for ``kv_split``:
+K then V). Descriptors are ordered segment-major, block-minor: descriptor ``s * n + i`` copies
+segment ``s`` of ``src_blocks[i]`` to segment ``s`` of ``dst_blocks[i]``. So runs of consecutive
+block ids in both lists produce runs of byte-adjacent descriptors wherever the layout stores
+consecutive blocks back to back (``src_ptrs[k] + sizes[k] == src_ptrs[k + 1]``), which a
+coalescer can merge.
+
+CPU side and ``block_size_factor``
+----------------------------------
+The offload (CPU) cache is allocated by :func:`make_cpu_cache_like` in the same layout as the
+GPU cache, with ``num_cpu_blocks * block_size_factor`` GPU-sized *sub-blocks* in its block dim:
+CPU block ``c`` is sub-blocks ``c * factor .. c * factor + factor - 1``. A CPU table built with
+:meth:`BlockTable.from_tensors` counts sub-blocks, and transfers address it with sub-block ids,
+which :func:`expand_sub_blocks` derives from CPU block ids (vLLM's semantics: expand, drop the
+first ``skip`` sub-blocks, take ``count``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, NamedTuple, NoReturn, Union, cast
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+__all__ = [
+    "LAYOUTS",
+    "BlockIds",
+    "BlockTable",
+    "Layout",
+    "LayoutError",
+    "Transfer",
+    "build_group_transfer",
+    "build_transfer",
+    "expand_sub_blocks",
+    "make_cpu_cache_like",
+]
+
+Layout = Literal["kv_split", "kv_fused", "cross_layer", "mla"]
+"""Named layouts and the block dim each implies:
+
+* ``"kv_split"``: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` per layer
+  (FlashAttention); block dim 1, two segments (K page, V page) per block per layer.
+* ``"kv_fused"``: ``[num_blocks, 2, block_size, num_kv_heads, head_dim]`` per layer
+  (FlashInfer); block dim 0, one segment per block per layer.
+* ``"cross_layer"``: one tensor ``[num_blocks, num_layers, ...]`` whose block holds every layer;
+  block dim 0, one segment per block.
+* ``"mla"``: ``[num_blocks, block_size, kv_lora_rank + rope_dim]`` per layer; block dim 0,
+  one segment per block per layer.
+"""
+
+LAYOUTS: dict[str, int] = {"kv_split": 1, "kv_fused": 0, "cross_layer": 0, "mla": 0}
+"""Block dim of each named layout."""
+
+BlockIds = Union[npt.NDArray[np.integer], Sequence[int], torch.Tensor]
+"""Block ids: a 1-D integer numpy array (any int/uint dtype), a sequence of ints, or a 1-D
+integer CPU torch tensor."""
+
+_I64 = np.int64
+_I64_MAX = np.iinfo(np.int64).max
+
+
+class LayoutError(ValueError):
+    """A tensor does not fit the layout, or two tables cannot be copied between."""
+
+
+class Transfer(NamedTuple):
+    """Flat copy descriptors: copy ``sizes[k]`` bytes from ``src_ptrs[k]`` to ``dst_ptrs[k]``.
+
+    All three are 1-D C-contiguous int64 arrays of the same length.
+    """
+
+    src_ptrs: npt.NDArray[np.int64]
+    dst_ptrs: npt.NDArray[np.int64]
+    sizes: npt.NDArray[np.int64]
+
+    @property
+    def num_descriptors(self) -> int:
+        return int(self.sizes.shape[0])
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.sizes.sum())
+
+
+# --------------------------------------------------------------------------------------------
+# Table building (once per handler)
+# --------------------------------------------------------------------------------------------
+
+
+def _resolve_block_dim(layout: str | None, block_dim: int | None) -> int:
+    if layout is None and block_dim is None:
+        raise ValueError(f"give a layout (one of {sorted(LAYOUTS)}) or an explicit block_dim")
+    if layout is not None:
+        if layout not in LAYOUTS:
+            raise ValueError(f"unknown layout {layout!r}; expected one of {sorted(LAYOUTS)}")
+        if block_dim is not None and block_dim != LAYOUTS[layout]:
+            raise ValueError(
+                f"layout {layout!r} has block dim {LAYOUTS[layout]}, but block_dim={block_dim} "
+                "was given; give one or the other"
+            )
+        return LAYOUTS[layout]
+    assert block_dim is not None
+    if isinstance(block_dim, bool) or not isinstance(block_dim, int):
+        raise TypeError(f"block_dim must be an int, got {type(block_dim).__name__}")
+    return block_dim
+
+
+def _as_tensor_list(tensors: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    if isinstance(tensors, torch.Tensor):
+        return [tensors]
+    out = list(tensors)
+    if not out:
+        raise LayoutError("no tensors given")
+    for i, t in enumerate(out):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"tensor {i} is a {type(t).__name__}, not a torch.Tensor")
+    return out
+
+
+def _describe(index: int, t: torch.Tensor) -> str:
+    return (
+        f"tensor {index} (shape {tuple(t.shape)}, stride {tuple(t.stride())}, dtype {t.dtype}, "
+        f"device {t.device})"
+    )
+
+
+def _check_layout_shape(index: int, t: torch.Tensor, layout: str | None) -> None:
+    shape = tuple(t.shape)
+    if layout == "kv_split" and (t.dim() < 3 or shape[0] != 2):
+        raise LayoutError(
+            f"{_describe(index, t)}: layout 'kv_split' expects [2, num_blocks, block_size, ...]"
+        )
+    if layout == "kv_fused" and (t.dim() < 3 or shape[1] != 2):
+        raise LayoutError(
+            f"{_describe(index, t)}: layout 'kv_fused' expects [num_blocks, 2, block_size, ...]"
+        )
+    if layout == "mla" and t.dim() != 3:
+        raise LayoutError(
+            f"{_describe(index, t)}: layout 'mla' expects [num_blocks, block_size, head_size]"
+        )
+    if layout == "cross_layer" and t.dim() < 2:
+        raise LayoutError(
+            f"{_describe(index, t)}: layout 'cross_layer' expects [num_blocks, num_layers, ...]"
+        )
+
+
+def _normalise_dim(index: int, t: torch.Tensor, block_dim: int) -> int:
+    nd = t.dim()
+    if not -nd <= block_dim < nd:
+        raise LayoutError(f"{_describe(index, t)}: block_dim {block_dim} out of range")
+    return block_dim % nd
+
+
+def _tensor_segments(index: int, t: torch.Tensor, bd: int) -> tuple[list[int], int, int, int]:
+    """Segments of one tensor: (byte offsets of the segments of block 0 from the tensor's data
+    pointer, block stride in bytes, page bytes per segment, num_blocks)."""
+    shape = tuple(t.shape)
+    stride = tuple(t.stride())
+    item = t.element_size()
+    num_blocks = shape[bd]
+
+    page_elems = math.prod(shape[bd + 1 :])
+    if page_elems == 0:
+        raise LayoutError(f"{_describe(index, t)}: the page (dims after block dim {bd}) is empty")
+    # The page (dims after the block dim) must cover one dense run of bytes, in any dim order.
+    expected = 1
+    for st, sz in sorted((stride[d], shape[d]) for d in range(bd + 1, len(shape)) if shape[d] > 1):
+        if st != expected:
+            raise LayoutError(
+                f"{_describe(index, t)}: the page (dims {bd + 1}..{len(shape) - 1}, after block "
+                f"dim {bd}) is not contiguous in memory, so one block's bytes are not one segment"
+            )
+        expected *= sz
+    nbytes = page_elems * item
+    block_stride = stride[bd] * item
+    if num_blocks > 1 and block_stride < nbytes:
+        raise LayoutError(
+            f"{_describe(index, t)}: block stride {block_stride} B is smaller than the page "
+            f"({nbytes} B), so blocks overlap"
+        )
+
+    # Dims before the block dim enumerate segments (row-major order).
+    offsets = [0]
+    for d in range(bd):
+        if shape[d] == 0:
+            raise LayoutError(f"{_describe(index, t)}: dim {d} (before the block dim) is empty")
+        step = stride[d] * item
+        offsets = [o + i * step for o in offsets for i in range(shape[d])]
+    if len(offsets) > 1:
+        srt = sorted(offsets)
+        gaps = [b - a for a, b in zip(srt, srt[1:])]
+        span = (num_blocks - 1) * block_stride + nbytes  # bytes one segment covers over blocks
+        # Either all segments of a block sit inside one block stride (K/V interleaved per
+        # block), or each segment's run over all blocks is clear of the next (K region, V region).
+        fits_in_stride = num_blocks <= 1 or srt[-1] - srt[0] + nbytes <= block_stride
+        interleaved = min(gaps) >= nbytes and fits_in_stride
+        separated = min(gaps) >= span
+        if not (interleaved or separated):
+            raise LayoutError(
+                f"{_describe(index, t)}: the segments of the dims before block dim {bd} overlap "
+                "each other or other blocks"
+            )
+    return offsets, block_stride, nbytes, num_blocks
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class BlockTable:
+    """Segment table for one block-id space (one KV-cache group on one device).
+
+    For block ``b`` (``0 <= b < num_blocks``), segment ``s`` is ``nbytes[s]`` contiguous bytes
+    at address ``bases[s] + b * strides[s]``. Arrays are read-only int64 of equal length.
+    ``owners`` keeps the tensors the addresses point into alive.
+    """
+
+    bases: npt.NDArray[np.int64]
+    strides: npt.NDArray[np.int64]
+    nbytes: npt.NDArray[np.int64]
+    num_blocks: int
+    device: torch.device
+    owners: tuple[torch.Tensor, ...] = field(default=(), repr=False)
+    # Precomputed for build_transfer (column views and a hashable compatibility key).
+    _bases_col: npt.NDArray[np.int64] = field(init=False, repr=False)
+    _strides_col: npt.NDArray[np.int64] = field(init=False, repr=False)
+    _nbytes_col: npt.NDArray[np.int64] = field(init=False, repr=False)
+    _nseg: int = field(init=False, repr=False)
+    _stride: int | None = field(init=False, repr=False)  # the stride if all are equal
+    _size: int | None = field(init=False, repr=False)  # the nbytes if all are equal
+    _key: bytes = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        arrays = {}
+        for name in ("bases", "strides", "nbytes"):
+            a = np.array(getattr(self, name), dtype=_I64, copy=True)
+            if a.ndim != 1:
+                raise LayoutError(f"{name} must be 1-D, got shape {a.shape}")
+            a.setflags(write=False)
+            arrays[name] = a
+        n = arrays["bases"].shape[0]
+        if n == 0 or arrays["strides"].shape[0] != n or arrays["nbytes"].shape[0] != n:
+            raise LayoutError(
+                "bases, strides and nbytes must be non-empty and of equal length, got "
+                f"{[a.shape[0] for a in arrays.values()]}"
+            )
+        if (arrays["nbytes"] <= 0).any():
+            raise LayoutError("every segment must have nbytes > 0")
+        if (arrays["strides"] < 0).any() or (arrays["bases"] < 0).any():
+            raise LayoutError("bases and strides must be non-negative")
+        if isinstance(self.num_blocks, bool) or not isinstance(self.num_blocks, (int, np.integer)):
+            raise TypeError(f"num_blocks must be an int, got {type(self.num_blocks).__name__}")
+        if self.num_blocks < 0:
+            raise LayoutError(f"num_blocks must be >= 0, got {self.num_blocks}")
+        for name, a in arrays.items():
+            object.__setattr__(self, name, a)
+        object.__setattr__(self, "num_blocks", int(self.num_blocks))
+        object.__setattr__(self, "device", torch.device(self.device))
+        object.__setattr__(self, "owners", tuple(self.owners))
+        object.__setattr__(self, "_bases_col", arrays["bases"][:, None])
+        object.__setattr__(self, "_strides_col", arrays["strides"][:, None])
+        object.__setattr__(self, "_nbytes_col", arrays["nbytes"][:, None])
+        object.__setattr__(self, "_nseg", n)
+        st, nb = arrays["strides"], arrays["nbytes"]
+        object.__setattr__(self, "_stride", int(st[0]) if (st == st[0]).all() else None)
+        object.__setattr__(self, "_size", int(nb[0]) if (nb == nb[0]).all() else None)
+        object.__setattr__(self, "_key", arrays["nbytes"].tobytes())
+
+    @classmethod
+    def from_tensors(
+        cls,
+        tensors: torch.Tensor | Sequence[torch.Tensor],
+        layout: Layout | None = None,
+        *,
+        block_dim: int | None = None,
+    ) -> BlockTable:
+        """Build the table of one KV-cache group from its tensors (one per layer, or one).
+
+        Give either a named ``layout`` (see :data:`Layout`) or an explicit ``block_dim``. The
+        general rule: the dims before the block dim enumerate separate segments (row-major), and
+        the dims after it form the page, which must be dense in memory (in any dim order; a
+        block stride larger than the page, i.e. padding, is fine: only the page is copied).
+        All tensors must be on one device and have the same number of blocks; dtypes may
+        differ (everything is bytes).
+
+        Raises :class:`LayoutError` naming the offending tensor index and shape.
+        """
+        bd0 = _resolve_block_dim(layout, block_dim)
+        ts = _as_tensor_list(tensors)
+        device = ts[0].device
+        bases: list[int] = []
+        strides: list[int] = []
+        nbytes: list[int] = []
+        num_blocks = None
+        for i, t in enumerate(ts):
+            if t.device != device:
+                raise LayoutError(f"{_describe(i, t)}: not on {device} like tensor 0")
+            if t.device.type == "meta":
+                raise LayoutError(f"{_describe(i, t)}: meta tensors have no memory")
+            _check_layout_shape(i, t, layout)
+            bd = _normalise_dim(i, t, bd0)
+            offsets, bstride, nb, nblk = _tensor_segments(i, t, bd)
+            if num_blocks is None:
+                num_blocks = nblk
+            elif nblk != num_blocks:
+                raise LayoutError(
+                    f"{_describe(i, t)}: has {nblk} blocks but tensor 0 has {num_blocks}"
+                )
+            ptr = t.data_ptr()
+            bases.extend(ptr + o for o in offsets)
+            strides.extend([bstride] * len(offsets))
+            nbytes.extend([nb] * len(offsets))
+        assert num_blocks is not None
+        return cls(
+            bases=np.asarray(bases, dtype=_I64),
+            strides=np.asarray(strides, dtype=_I64),
+            nbytes=np.asarray(nbytes, dtype=_I64),
+            num_blocks=num_blocks,
+            device=device,
+            owners=tuple(ts),
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"BlockTable(num_segments={self.num_segments}, num_blocks={self.num_blocks}, "
+            f"page_bytes={self.page_bytes}, device={self.device})"
+        )
+
+    @property
+    def num_segments(self) -> int:
+        return int(self.bases.shape[0])
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes one block holds over all segments (what one block's transfer moves)."""
+        return int(self.nbytes.sum())
+
+    def spans(self) -> npt.NDArray[np.int64]:
+        """Byte ranges the segments of all blocks fall in, as an int64 ``[R, 2]`` array of
+        ``(start, nbytes)`` rows, sorted, overlapping ranges merged (ranges that only touch are
+        kept apart). Padding between pages lies inside a range. For registering memory."""
+        if self.num_blocks == 0:
+            return np.zeros((0, 2), dtype=_I64)
+        order = np.argsort(self.bases, kind="stable")
+        start = self.bases[order]
+        end = start + (self.num_blocks - 1) * self.strides[order] + self.nbytes[order]
+        reach = np.maximum.accumulate(end)
+        new = np.ones(start.shape[0], dtype=bool)
+        new[1:] = start[1:] >= reach[:-1]
+        first = np.flatnonzero(new)
+        last = np.append(first[1:], start.shape[0]) - 1
+        return np.stack([start[first], reach[last] - start[first]], axis=1)
+
+    def is_compatible(self, other: BlockTable) -> bool:
+        """Whether blocks can be copied between the two tables (same segment count and sizes)."""
+        return self._key == other._key
+
+    def check_compatible(self, other: BlockTable) -> None:
+        """Raise :class:`LayoutError` unless :meth:`is_compatible`."""
+        if self._key == other._key:
+            return
+        if self.num_segments != other.num_segments:
+            raise LayoutError(
+                f"tables are incompatible: {self.num_segments} segments per block on one side, "
+                f"{other.num_segments} on the other"
+            )
+        bad = int(np.flatnonzero(self.nbytes != other.nbytes)[0])
+        raise LayoutError(
+            f"tables are incompatible: segment {bad} is {int(self.nbytes[bad])} B on one side "
+            f"and {int(other.nbytes[bad])} B on the other"
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Per-transfer work (vectorised)
+# --------------------------------------------------------------------------------------------
+
+
+def _block_ids(
+    ids: BlockIds, num_blocks: int, name: str, unique: bool = False
+) -> npt.NDArray[np.int64]:
+    """Validate block ids and return them as a 1-D int64 array (no copy when already so)."""
+    a: npt.NDArray[Any]
+    if type(ids) is np.ndarray:
+        a = ids
+    elif isinstance(ids, np.ndarray):
+        a = np.asarray(ids)
+    elif isinstance(ids, torch.Tensor):
+        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+            raise TypeError(f"{name} must hold integers, got torch dtype {ids.dtype}")
+        a = ids.detach().cpu().numpy()
+    else:
+        a = np.asarray(ids)
+        if a.size == 0:
+            a = a.astype(_I64)
+    if a.dtype != _I64:
+        kind = a.dtype.kind
+        if kind != "i" and kind != "u":
+            raise TypeError(f"{name} must hold integers, got dtype {a.dtype}")
+        if kind == "u" and a.size and a.max() > _I64_MAX:
+            raise IndexError(f"{name} holds block id {int(a.max())}, out of range")
+        a = a.astype(_I64)
+    if a.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {a.shape}")
+    if unique and a.shape[0] > 1:
+        srt = np.sort(a)  # gives the range check for free
+        if srt[0] < 0 or srt[-1] >= num_blocks:
+            _range_error(a, num_blocks, name)
+        dup = srt[1:] == srt[:-1]
+        if dup.any():
+            raise ValueError(
+                f"{name} holds block id {int(srt[1:][dup][0])} more than once; destinations "
+                "must be unique"
+            )
+    # One pass: as uint64, negative ids wrap to huge values, so `max < num_blocks` checks both.
+    elif a.shape[0] and a.view(np.uint64).max() >= num_blocks:
+        _range_error(a, num_blocks, name)
+    return cast("npt.NDArray[np.int64]", a)
+
+
+def _range_error(a: npt.NDArray[Any], num_blocks: int, name: str) -> NoReturn:
+    lo = int(a.min())
+    if lo < 0:
+        raise IndexError(f"{name} holds a negative block id ({lo})")
+    raise IndexError(f"{name} holds block id {int(a.max())}, out of range for {num_blocks} blocks")
+
+
+def _prepare(
+    src: BlockTable,
+    src_blocks: BlockIds,
+    dst: BlockTable,
+    dst_blocks: BlockIds,
+    check_unique_dst: bool,
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    if src._key != dst._key:
+        src.check_compatible(dst)
+    s = _block_ids(src_blocks, src.num_blocks, "src_blocks")
+    d = _block_ids(dst_blocks, dst.num_blocks, "dst_blocks", check_unique_dst)
+    if s.shape[0] != d.shape[0]:
+        raise ValueError(
+            f"src_blocks and dst_blocks differ in length ({s.shape[0]} vs {d.shape[0]})"
+        )
+    return s, d
+
+
+def _fill(
+    out: npt.NDArray[np.int64],
+    lo: int,
+    src: BlockTable,
+    s: npt.NDArray[np.int64],
+    dst: BlockTable,
+    d: npt.NDArray[np.int64],
+) -> int:
+    """Write the descriptors of one group into ``out[:, lo:]``; return the new offset."""
+    n = s.shape[0]
+    hi = lo + src._nseg * n
+    if n == 0:
+        return hi
+    shape = (src._nseg, n)
+    # ptr[seg, i] = base[seg] + stride[seg] * id[i]. A broadcast copy of the (1, n) row plus an
+    # in-place add of the (S, 1) column is the cheapest form of this outer sum in numpy.
+    p = out[0, lo:hi].reshape(shape)
+    if src._stride is not None:
+        p[...] = s * src._stride
+    else:
+        np.multiply(src._strides_col, s, out=p)
+    p += src._bases_col
+    p = out[1, lo:hi].reshape(shape)
+    if dst._stride is not None:
+        p[...] = d * dst._stride
+    else:
+        np.multiply(dst._strides_col, d, out=p)
+    p += dst._bases_col
+    if src._size is not None:
+        out[2, lo:hi].fill(src._size)
+    else:
+        out[2, lo:hi].reshape(shape)[...] = src._nbytes_col
+    return hi
+
+
+def build_transfer(
+    src: BlockTable,
+    src_blocks: BlockIds,
+    dst: BlockTable,
+    dst_blocks: BlockIds,
+    *,
+    check_unique_dst: bool = True,
+) -> Transfer:
+    """Descriptors copying block ``src_blocks[i]`` of ``src`` to ``dst_blocks[i]`` of ``dst``.
+
+    Descriptor ``s * n + i`` (``n = len(src_blocks)``) copies segment ``s`` of block
+    ``src_blocks[i]``: segment-major, block-minor, so consecutive ids give byte-adjacent
+    descriptors where the layout stores consecutive blocks back to back.
+
+    For a CPU table built over ``block_size_factor`` sub-blocks per CPU block, pass sub-block
+    ids (see :func:`expand_sub_blocks`).
+
+    Raises :class:`LayoutError` if the tables are incompatible, ``TypeError`` for non-integer
+    ids, ``ValueError`` for non-1-D ids, a length mismatch or (with ``check_unique_dst``)
+    repeated destinations, ``IndexError`` for ids out of ``[0, num_blocks)``. Nothing is built
+    before validation passes.
+    """
+    s, d = _prepare(src, src_blocks, dst, dst_blocks, check_unique_dst)
+    out = np.empty((3, src.bases.shape[0] * s.shape[0]), dtype=_I64)
+    _fill(out, 0, src, s, dst, d)
+    return Transfer(out[0], out[1], out[2])
+
+
+def build_group_transfer(
+    src: Sequence[BlockTable],
+    src_blocks: Sequence[BlockIds],
+    dst: Sequence[BlockTable],
+    dst_blocks: Sequence[BlockIds],
+    *,
+    check_unique_dst: bool = True,
+) -> Transfer:
+    """One flat batch over several KV-cache groups (hybrid models), block ids per group.
+
+    Group ``g`` copies ``src_blocks[g]`` of ``src[g]`` to ``dst_blocks[g]`` of ``dst[g]``; the
+    result is the concatenation, in group order, of what :func:`build_transfer` would return
+    per group (a group with no blocks contributes nothing). All groups are validated first.
+    """
+    ng = len(src)
+    if not (len(src_blocks) == ng and len(dst) == ng and len(dst_blocks) == ng):
+        raise ValueError(
+            "src, src_blocks, dst and dst_blocks must have one entry per group, got lengths "
+            f"{[len(src), len(src_blocks), len(dst), len(dst_blocks)]}"
+        )
+    ids = []
+    total = 0
+    for g in range(ng):
+        try:
+            s, d = _prepare(src[g], src_blocks[g], dst[g], dst_blocks[g], check_unique_dst)
+        except (ValueError, TypeError, IndexError) as e:
+            raise type(e)(f"group {g}: {e}") from e
+        ids.append((s, d))
+        total += src[g].bases.shape[0] * s.shape[0]
+    out = np.empty((3, total), dtype=_I64)
+    lo = 0
+    for g, (s, d) in enumerate(ids):
+        lo = _fill(out, lo, src[g], s, dst[g], d)
+    return Transfer(out[0], out[1], out[2])
+
+
+def expand_sub_blocks(
+    block_ids: BlockIds,
+    factor: int,
+    skip: int = 0,
+    count: int | None = None,
+) -> npt.NDArray[np.int64]:
+    """Sub-block ids of CPU blocks holding ``factor`` GPU-sized sub-blocks each.
+
+    Expands each id ``c`` to ``c * factor + arange(factor)``, drops the first ``skip``
+    (``0 <= skip < factor``) and keeps the next ``count`` (default: all the rest). Every given
+    block must be used: the kept run must reach into the last block. For example
+    ``expand_sub_blocks([0, 1, 3], 4, skip=1, count=9)`` is ``[1, 2, 3, 4, 5, 6, 7, 12, 13]``.
+
+    vLLM's semantics: a store of ``n`` GPU blocks writes sub-blocks starting ``skip`` into the
+    first CPU block (``count=n``); its loads align the run to the end of the last CPU block,
+    i.e. ``skip = len(block_ids) * factor - n`` (``(-n) % factor`` when ``len(block_ids)`` is
+    ``ceil(n / factor)``).
+    """
+    if isinstance(factor, bool) or not isinstance(factor, (int, np.integer)) or factor < 1:
+        raise ValueError(f"factor must be an int >= 1, got {factor!r}")
+    if isinstance(skip, bool) or not isinstance(skip, (int, np.integer)):
+        raise TypeError(f"skip must be an int, got {type(skip).__name__}")
+    if not 0 <= skip < factor:
+        raise ValueError(f"skip must be in [0, factor={factor}), got {skip}")
+    ids = _block_ids(block_ids, _I64_MAX // factor, "block_ids")
+    avail = ids.shape[0] * factor - skip
+    if ids.shape[0] == 0:
+        avail = 0
+        if skip:
+            raise ValueError("skip must be 0 when no blocks are given")
+    if count is None:
+        count = avail
+    if isinstance(count, bool) or not isinstance(count, (int, np.integer)):
+        raise TypeError(f"count must be an int, got {type(count).__name__}")
+    if not 0 <= count <= avail:
+        raise ValueError(
+            f"count {count} out of range: {ids.shape[0]} blocks x factor {factor} minus skip "
+            f"{skip} hold {avail} sub-blocks"
+        )
+    if ids.shape[0] and (count == 0 or avail - count >= factor):
+        raise ValueError(
+            f"{ids.shape[0]} blocks given but the {count} sub-blocks after skip {skip} leave the "
+            "last block unused"
+        )
+    if factor == 1:
+        return ids.copy()
+    sub = (ids[:, None] * factor + np.arange(factor, dtype=_I64)).reshape(-1)
+    return sub[skip : skip + count]
+
+
+# --------------------------------------------------------------------------------------------
+# CPU cache allocation
+# --------------------------------------------------------------------------------------------
+
+
+def make_cpu_cache_like(
+    gpu_tensors: torch.Tensor | Sequence[torch.Tensor],
+    num_cpu_blocks: int,
+    *,
+    layout: Layout | None = None,
+    block_dim: int | None = None,
+    block_size_factor: int = 1,
+    pin_memory: bool = False,
+) -> list[torch.Tensor]:
+    """Allocate CPU tensors matching ``gpu_tensors`` (one KV-cache group), uninitialised.
+
+    Each CPU tensor has the GPU tensor's shape, dtype and dim order in memory (the same
+    permutation of dims, so page bytes match one to one), except that its block dim holds
+    ``num_cpu_blocks * block_size_factor`` GPU-sized sub-blocks and it has no padding (dense).
+    Pinned only when ``pin_memory`` (which needs CUDA). The GPU tensors are validated as by
+    :meth:`BlockTable.from_tensors`, so a table built over the result is compatible.
+    """
+    if (
+        isinstance(block_size_factor, bool)
+        or not isinstance(block_size_factor, int)
+        or (block_size_factor < 1)
+    ):
+        raise ValueError(f"block_size_factor must be an int >= 1, got {block_size_factor!r}")
+    if (
+        isinstance(num_cpu_blocks, bool)
+        or not isinstance(num_cpu_blocks, int)
+        or (num_cpu_blocks < 0)
+    ):
+        raise ValueError(f"num_cpu_blocks must be an int >= 0, got {num_cpu_blocks!r}")
+    bd0 = _resolve_block_dim(layout, block_dim)
+    ts = _as_tensor_list(gpu_tensors)
+    out = []
+    for i, t in enumerate(ts):
+        _check_layout_shape(i, t, layout)
+        bd = _normalise_dim(i, t, bd0)
+        _tensor_segments(i, t, bd)
+        shape = list(t.shape)
+        shape[bd] = num_cpu_blocks * block_size_factor
+        # Outermost first: by GPU stride, larger first; ties keep dim order.
+        st = t.stride()
+        order = [k for _, k in sorted((-st[k], k) for k in range(t.dim()))]
+        strides = [0] * t.dim()
+        acc = 1
+        for k in reversed(order):
+            strides[k] = acc
+            acc *= max(shape[k], 1)
+        out.append(
+            torch.empty_strided(shape, strides, dtype=t.dtype, device="cpu", pin_memory=pin_memory)
+        )
+    return out

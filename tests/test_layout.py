@@ -1,0 +1,763 @@
+"""Tests of blockswap.layout: block tables and copy descriptors, on CPU tensors.
+
+"GPU" tensors here are plain CPU tensors standing in; the copier is ctypes.memmove over the
+three descriptor arrays. Expected contents are computed independently of the module, from
+torch's own strided indexing: the byte positions of block ``b`` of a tensor are those of
+``t.select(block_dim, b)``, so a round trip must move exactly those bytes and no others (in
+particular no padding byte between pages is written).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from blockswap.layout import (
+    LAYOUTS,
+    BlockTable,
+    LayoutError,
+    Transfer,
+    build_group_transfer,
+    build_transfer,
+    expand_sub_blocks,
+    make_cpu_cache_like,
+)
+
+# --------------------------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------------------------
+
+
+def memmove_copy(t: Transfer) -> None:
+    """Reference copier: one memmove per descriptor."""
+    assert t.src_ptrs.dtype == t.dst_ptrs.dtype == t.sizes.dtype == np.int64
+    assert t.src_ptrs.shape == t.dst_ptrs.shape == t.sizes.shape
+    for s, d, n in zip(t.src_ptrs.tolist(), t.dst_ptrs.tolist(), t.sizes.tolist()):
+        ctypes.memmove(d, s, n)
+
+
+def raw(t: torch.Tensor) -> torch.Tensor:
+    """The whole storage under ``t`` (padding included) as a 1-D uint8 tensor."""
+    return torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
+
+
+def fill_random(tensors: Sequence[torch.Tensor], gen: torch.Generator) -> None:
+    seen = set()
+    for t in tensors:
+        r = raw(t)
+        if r.data_ptr() not in seen:
+            seen.add(r.data_ptr())
+            r.copy_(torch.randint(0, 256, r.shape, dtype=torch.uint8, generator=gen))
+
+
+def block_bytes(t: torch.Tensor, block_dim: int, b: int) -> torch.Tensor:
+    """Byte positions (in ``raw(t)``) of block ``b``, in logical element order."""
+    isz = t.element_size()
+    elems = t.untyped_storage().nbytes() // isz
+    idx = torch.arange(elems).as_strided(t.shape, t.stride(), t.storage_offset())
+    e = idx.select(block_dim, b).reshape(-1)
+    return (e[:, None] * isz + torch.arange(isz)).reshape(-1)
+
+
+def strided(
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    block_dim: int,
+    *,
+    pad: int = 0,
+    order: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """A tensor of logical ``shape`` over a fresh buffer, dims laid out outermost-first in
+    ``order`` (default: row-major), with ``pad`` extra elements per block (padding)."""
+    nd = len(shape)
+    order = list(range(nd)) if order is None else list(order)
+    strides = [0] * nd
+    acc = 1
+    for k in reversed(order):
+        strides[k] = acc + (pad if k == block_dim else 0)
+        acc = strides[k] * shape[k]
+    isz = torch.empty(0, dtype=dtype).element_size()
+    buf = torch.empty(acc * isz, dtype=torch.uint8)
+    return buf.view(dtype).as_strided(tuple(shape), tuple(strides))
+
+
+def dim_order(t: torch.Tensor) -> list[int]:
+    """Dims of ``t`` from outermost to innermost in memory."""
+    return sorted(range(t.dim()), key=lambda k: (-t.stride()[k], k))
+
+
+def snapshot(tensors: Sequence[torch.Tensor]) -> dict[int, torch.Tensor]:
+    return {raw(t).data_ptr(): raw(t).clone() for t in tensors}
+
+
+def apply_move(
+    expected: dict[int, torch.Tensor],
+    src_snap: dict[int, torch.Tensor],
+    src: Sequence[torch.Tensor],
+    src_ids: Sequence[int],
+    dst: Sequence[torch.Tensor],
+    dst_ids: Sequence[int],
+    block_dim: int,
+) -> None:
+    """What moving blocks src_ids -> dst_ids must do, computed with torch indexing."""
+    for ts, td in zip(src, dst):
+        bd_s = block_dim % ts.dim()
+        bd_d = block_dim % td.dim()
+        for bs, bdst in zip(src_ids, dst_ids):
+            ps = block_bytes(ts, bd_s, bs)
+            pd = block_bytes(td, bd_d, bdst)
+            expected[raw(td).data_ptr()][pd] = src_snap[raw(ts).data_ptr()][ps]
+
+
+def assert_storage(tensors: Sequence[torch.Tensor], expected: dict[int, torch.Tensor]) -> None:
+    for t in tensors:
+        got = raw(t)
+        want = expected[got.data_ptr()]
+        if not torch.equal(got, want):
+            bad = torch.nonzero(got != want).reshape(-1)
+            raise AssertionError(f"{bad.numel()} bytes differ, first at byte {int(bad[0])}")
+
+
+# --------------------------------------------------------------------------------------------
+# Layout cases: builders of one KV-cache group ("GPU" tensors) and how to describe it
+# --------------------------------------------------------------------------------------------
+
+F8 = torch.float8_e4m3fn
+N_GPU = 12  # GPU blocks per group
+N_CPU = 10  # CPU blocks per group (each holds `factor` GPU-sized sub-blocks)
+
+
+@dataclass
+class Case:
+    name: str
+    build: Callable[[], list[torch.Tensor]]
+    layout: str | None = None
+    block_dim: int | None = None
+
+    @property
+    def kw(self) -> dict[str, Any]:
+        return {"layout": self.layout, "block_dim": self.block_dim}
+
+    @property
+    def bd(self) -> int:
+        return LAYOUTS[self.layout] if self.layout is not None else int(self.block_dim or 0)
+
+
+def _kv_split(dtype: torch.dtype, pad: int = 0, interleaved: bool = False) -> Case:
+    order = [1, 0, 2, 3, 4] if interleaved else None
+
+    def build() -> list[torch.Tensor]:
+        return [strided((2, N_GPU, 4, 2, 8), dtype, 1, pad=pad, order=order) for _ in range(3)]
+
+    tag = f"kv_split-{dtype}".replace("torch.", "")
+    tag += f"-pad{pad}" if pad else ""
+    tag += "-interleaved" if interleaved else ""
+    return Case(tag, build, layout="kv_split")
+
+
+def _kv_fused(dtype: torch.dtype, pad: int = 0, hnd: bool = False) -> Case:
+    # hnd: memory order [blocks, 2, heads, block_size, head_dim] behind the NHD logical view
+    order = [0, 1, 3, 2, 4] if hnd else None
+
+    def build() -> list[torch.Tensor]:
+        return [strided((N_GPU, 2, 4, 2, 8), dtype, 0, pad=pad, order=order) for _ in range(2)]
+
+    tag = f"kv_fused-{dtype}".replace("torch.", "")
+    tag += f"-pad{pad}" if pad else ""
+    tag += "-hnd" if hnd else ""
+    return Case(tag, build, layout="kv_fused")
+
+
+def _cross_layer(dtype: torch.dtype) -> Case:
+    return Case(
+        f"cross_layer-{dtype}".replace("torch.", ""),
+        lambda: [strided((N_GPU, 3, 2, 4, 2, 8), dtype, 0)],
+        layout="cross_layer",
+    )
+
+
+def _layer_views_of_cross_layer_buffer() -> Case:
+    # vLLM-style per-layer views into one cross-layer buffer: block stride = all layers' pages.
+    def build() -> list[torch.Tensor]:
+        buf = strided((N_GPU, 3, 2, 4, 2, 8), torch.bfloat16, 0)
+        return [buf[:, i] for i in range(3)]
+
+    return Case("kv_fused-views-of-cross-layer", build, layout="kv_fused")
+
+
+def _mla(dtype: torch.dtype, pad: int = 0) -> Case:
+    def build() -> list[torch.Tensor]:
+        return [strided((N_GPU, 4, 40), dtype, 0, pad=pad) for _ in range(3)]
+
+    tag = f"mla-{dtype}".replace("torch.", "") + (f"-pad{pad}" if pad else "")
+    return Case(tag, build, layout="mla")
+
+
+def _explicit_block_dim() -> Case:
+    # [layers, 2, blocks, block_size, head_dim]: block dim 2, 2 x layers segments per block
+    return Case(
+        "block_dim2",
+        lambda: [strided((3, 2, N_GPU, 4, 8), torch.float16, 2, pad=5)],
+        block_dim=2,
+    )
+
+
+def _mixed_pages() -> Case:
+    # one group whose tensors differ in dtype, page size and padding (non-uniform segments)
+    def build() -> list[torch.Tensor]:
+        return [
+            strided((N_GPU, 4, 16), torch.bfloat16, 0, pad=3),
+            strided((N_GPU, 4, 8), F8, 0),
+            strided((N_GPU, 2, 4, 6), torch.float32, 0, pad=1),
+        ]
+
+    return Case("mixed-pages", build, block_dim=0)
+
+
+CASES = [
+    _kv_split(torch.bfloat16),
+    _kv_split(torch.float16),
+    _kv_split(F8),
+    _kv_split(torch.bfloat16, pad=24),
+    _kv_split(F8, pad=7),
+    _kv_split(torch.float16, interleaved=True),
+    _kv_fused(torch.float16),
+    _kv_fused(torch.bfloat16, pad=16),
+    _kv_fused(F8, hnd=True),
+    _cross_layer(torch.bfloat16),
+    _cross_layer(F8),
+    _layer_views_of_cross_layer_buffer(),
+    _mla(torch.bfloat16),
+    _mla(F8, pad=13),
+    _explicit_block_dim(),
+    _mixed_pages(),
+]
+
+FACTORS = [1, 4]
+
+
+# --------------------------------------------------------------------------------------------
+# Round trips: GPU -> CPU (store, with skip) -> other GPU blocks (load)
+# --------------------------------------------------------------------------------------------
+
+
+@st.composite
+def transfer_plan(draw: st.DrawFn, factor: int, n_gpu: int = N_GPU, n_cpu: int = N_CPU):
+    """(gpu source ids, cpu block ids, skip, gpu destination ids) for one group."""
+    n = draw(st.integers(1, 6))
+    src = draw(st.lists(st.integers(0, n_gpu - 1), min_size=n, max_size=n))
+    skip = draw(st.integers(0, factor - 1))
+    m = math.ceil((skip + n) / factor)
+    cpu = draw(st.permutations(range(n_cpu)))[:m]
+    free = [b for b in range(n_gpu) if b not in set(src)]
+    dst = draw(st.permutations(free))[:n]
+    return src, cpu, skip, dst
+
+
+def _group_roundtrip(cases: Sequence[Case], factor: int, data: st.DataObject) -> None:
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
+    gpus = [c.build() for c in cases]
+    cpus = [
+        make_cpu_cache_like(g, N_CPU, block_size_factor=factor, **c.kw) for g, c in zip(gpus, cases)
+    ]
+    for ts in [*gpus, *cpus]:
+        fill_random(ts, gen)
+    gtab = [BlockTable.from_tensors(g, **c.kw) for g, c in zip(gpus, cases)]
+    ctab = [BlockTable.from_tensors(t, **c.kw) for t, c in zip(cpus, cases)]
+    for g, t in zip(gtab, ctab):
+        assert t.num_blocks == N_CPU * factor and g.num_blocks == N_GPU
+        assert g.is_compatible(t)
+    plans = [data.draw(transfer_plan(factor)) for _ in cases]
+    subs = [expand_sub_blocks(cpu, factor, skip, len(src)) for src, cpu, skip, _ in plans]
+
+    # store: GPU -> CPU
+    gpu0 = [snapshot(g) for g in gpus]
+    cpu_expected = [snapshot(t) for t in cpus]
+    for i, c in enumerate(cases):
+        apply_move(cpu_expected[i], gpu0[i], gpus[i], plans[i][0], cpus[i], subs[i].tolist(), c.bd)
+    if len(cases) == 1:
+        store = build_transfer(gtab[0], plans[0][0], ctab[0], subs[0])
+        same = build_group_transfer(gtab, [plans[0][0]], ctab, subs)
+        for a, b in zip(store, same):
+            np.testing.assert_array_equal(a, b)
+    else:
+        store = build_group_transfer(gtab, [p[0] for p in plans], ctab, subs)
+    assert store.num_descriptors == sum(t.num_segments * len(p[0]) for t, p in zip(gtab, plans))
+    assert store.total_bytes == sum(t.page_bytes * len(p[0]) for t, p in zip(gtab, plans))
+    memmove_copy(store)
+    for i in range(len(cases)):
+        assert_storage(cpus[i], cpu_expected[i])
+        assert_storage(gpus[i], gpu0[i])  # the source is untouched
+
+    # load: CPU -> different GPU blocks
+    cpu1 = [snapshot(t) for t in cpus]
+    gpu_expected = [snapshot(g) for g in gpus]
+    for i, c in enumerate(cases):
+        apply_move(gpu_expected[i], cpu1[i], cpus[i], subs[i].tolist(), gpus[i], plans[i][3], c.bd)
+    load = build_group_transfer(ctab, subs, gtab, [p[3] for p in plans])
+    memmove_copy(load)
+    for i, (src, _, _, dst) in enumerate(plans):
+        assert_storage(gpus[i], gpu_expected[i])
+        assert_storage(cpus[i], cpu1[i])
+        # end to end: GPU block dst[j] now holds what GPU block src[j] held
+        for t in gpus[i]:
+            bd = cases[i].bd % t.dim()
+            for s, d in zip(src, dst):
+                before = gpu0[i][raw(t).data_ptr()][block_bytes(t, bd, s)]
+                assert torch.equal(raw(t)[block_bytes(t, bd, d)], before)
+
+
+@pytest.mark.parametrize("factor", FACTORS)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_roundtrip(case: Case, factor: int, data: st.DataObject) -> None:
+    _group_roundtrip([case], factor, data)
+
+
+@pytest.mark.parametrize("factor", FACTORS)
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_roundtrip_hybrid_groups(factor: int, data: st.DataObject) -> None:
+    # two KV-cache groups with different page sizes, dtypes and block-id spaces, one batch
+    _group_roundtrip([_kv_split(torch.bfloat16, pad=8), _mla(F8)], factor, data)
+
+
+# --------------------------------------------------------------------------------------------
+# Descriptor shape: order, contiguity, tables
+# --------------------------------------------------------------------------------------------
+
+
+def test_descriptor_order_is_segment_major_block_minor() -> None:
+    gpu = [strided((2, N_GPU, 4, 2, 8), torch.bfloat16, 1, pad=8) for _ in range(2)]
+    cpu = make_cpu_cache_like(gpu, N_CPU, layout="kv_split")
+    g = BlockTable.from_tensors(gpu, "kv_split")
+    c = BlockTable.from_tensors(cpu, "kv_split")
+    assert g.num_segments == c.num_segments == 4  # layer0 K, layer0 V, layer1 K, layer1 V
+    page = 4 * 2 * 8 * 2
+    np.testing.assert_array_equal(g.nbytes, [page] * 4)
+    np.testing.assert_array_equal(g.strides, [page + 16] * 4)
+    k0, k1 = gpu[0].data_ptr(), gpu[1].data_ptr()
+    v_off = gpu[0].stride(0) * 2
+    np.testing.assert_array_equal(g.bases, [k0, k0 + v_off, k1, k1 + v_off])
+    src, dst = np.array([7, 2, 5]), np.array([0, 9, 4])
+    t = build_transfer(g, src, c, dst)
+    for k in range(t.num_descriptors):
+        seg, i = divmod(k, len(src))
+        assert t.src_ptrs[k] == g.bases[seg] + src[i] * g.strides[seg]
+        assert t.dst_ptrs[k] == c.bases[seg] + dst[i] * c.strides[seg]
+        assert t.sizes[k] == page
+    for a in t:
+        assert a.dtype == np.int64 and a.ndim == 1 and a.flags.c_contiguous
+
+
+@pytest.mark.parametrize(
+    "layout,shape",
+    [
+        ("kv_fused", (N_GPU, 2, 4, 2, 8)),
+        ("kv_split", (2, N_GPU, 4, 2, 8)),
+        ("mla", (N_GPU, 4, 40)),
+        ("cross_layer", (N_GPU, 3, 2, 4, 8)),
+    ],
+)
+@pytest.mark.parametrize("factor", FACTORS)
+def test_consecutive_blocks_give_contiguous_descriptors(
+    layout: str, shape: tuple[int, ...], factor: int
+) -> None:
+    gpu = [torch.empty(shape, dtype=torch.float16) for _ in range(2)]
+    cpu = make_cpu_cache_like(gpu, N_CPU, layout=layout, block_size_factor=factor)
+    g = BlockTable.from_tensors(gpu, layout)
+    c = BlockTable.from_tensors(cpu, layout)
+    src = np.arange(3, 9)
+    skip = 1 % factor
+    dst = expand_sub_blocks(np.arange(2, 2 + math.ceil((skip + 6) / factor)), factor, skip, 6)
+    t = build_transfer(g, src, c, dst)
+    n = len(src)
+    for seg in range(g.num_segments):
+        sl = slice(seg * n, (seg + 1) * n)
+        s, d, z = t.src_ptrs[sl], t.dst_ptrs[sl], t.sizes[sl]
+        np.testing.assert_array_equal(s[:-1] + z[:-1], s[1:])
+        np.testing.assert_array_equal(d[:-1] + z[:-1], d[1:])
+
+
+def test_padded_pages_are_not_contiguous_but_copy_only_the_page() -> None:
+    gpu = [strided((N_GPU, 2, 4, 8), torch.float16, 0, pad=4)]
+    g = BlockTable.from_tensors(gpu, block_dim=0)
+    assert int(g.nbytes[0]) == 2 * 4 * 8 * 2
+    assert int(g.strides[0]) == (2 * 4 * 8 + 4) * 2
+
+
+def test_table_basics() -> None:
+    gpu = [torch.zeros(2, N_GPU, 4, 2, 8, dtype=torch.bfloat16) for _ in range(3)]
+    g = BlockTable.from_tensors(gpu, "kv_split")
+    assert g.num_segments == 6 and g.num_blocks == N_GPU
+    assert g.page_bytes == 6 * 4 * 2 * 8 * 2
+    assert g.device == torch.device("cpu")
+    assert all(a is b for a, b in zip(g.owners, gpu))  # keeps the memory alive
+    assert "num_segments=6" in repr(g)
+    with pytest.raises(ValueError):
+        g.bases[0] = 0  # read-only
+    one = BlockTable.from_tensors(gpu[0], "kv_split")  # a single tensor is fine too
+    assert one.num_segments == 2
+    assert BlockTable.from_tensors(gpu, block_dim=1).is_compatible(g)
+    direct = BlockTable(bases=[4096], strides=[64], nbytes=[32], num_blocks=8, device="cpu")
+    t = build_transfer(direct, [0, 1], direct, [3, 4])
+    assert t.src_ptrs.tolist() == [4096, 4160] and t.dst_ptrs.tolist() == [4288, 4352]
+
+
+def test_block_id_types_are_accepted() -> None:
+    g = BlockTable.from_tensors(torch.empty(N_GPU, 4, 40, dtype=F8), "mla")
+    ref = build_transfer(g, np.array([1, 2]), g, np.array([3, 4]))
+    for s, d in [
+        ([1, 2], (3, 4)),
+        (np.array([1, 2], dtype=np.int32), np.array([3, 4], dtype=np.uint8)),
+        (torch.tensor([1, 2]), torch.tensor([3, 4], dtype=torch.int32)),
+        (np.array([[1, 2]])[0], np.array([3, 4], dtype=np.uint64)),
+    ]:
+        t = build_transfer(g, s, g, d)
+        for a, b in zip(t, ref):
+            np.testing.assert_array_equal(a, b)
+    empty = build_transfer(g, [], g, np.array([], dtype=np.int64))
+    assert all(a.shape == (0,) and a.dtype == np.int64 for a in empty)
+
+
+def test_check_unique_dst_can_be_disabled() -> None:
+    g = BlockTable.from_tensors(torch.empty(N_GPU, 4, 40, dtype=F8), "mla")
+    with pytest.raises(ValueError, match="more than once"):
+        build_transfer(g, [1, 2], g, [3, 3])
+    t = build_transfer(g, [1, 2], g, [3, 3], check_unique_dst=False)
+    assert t.num_descriptors == 2
+
+
+# --------------------------------------------------------------------------------------------
+# make_cpu_cache_like
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("factor", FACTORS)
+def test_make_cpu_cache_like(factor: int) -> None:
+    gpu = [
+        strided((2, N_GPU, 4, 2, 8), F8, 1, pad=5, order=[1, 0, 3, 2, 4]),
+        strided((2, N_GPU, 4, 2, 8), F8, 1),
+    ]
+    cpu = make_cpu_cache_like(gpu, 3, layout="kv_split", block_size_factor=factor)
+    assert len(cpu) == 2
+    for g, c in zip(gpu, cpu):
+        assert c.shape == (2, 3 * factor, 4, 2, 8) and c.dtype == F8 and c.device.type == "cpu"
+        assert not c.is_pinned()
+        # same dim order in memory, dense (no padding)
+        assert dim_order(g) == dim_order(c)
+        assert c.untyped_storage().nbytes() == c.numel() * c.element_size()
+    assert BlockTable.from_tensors(cpu, "kv_split").is_compatible(
+        BlockTable.from_tensors(gpu, "kv_split")
+    )
+    assert make_cpu_cache_like(gpu, 0, layout="kv_split")[0].shape[1] == 0
+
+
+def test_make_cpu_cache_like_validates() -> None:
+    gpu = [torch.empty(2, N_GPU, 4, 2, 8)]
+    with pytest.raises(ValueError, match="block_size_factor"):
+        make_cpu_cache_like(gpu, 3, layout="kv_split", block_size_factor=0)
+    with pytest.raises(ValueError, match="num_cpu_blocks"):
+        make_cpu_cache_like(gpu, -1, layout="kv_split")
+    with pytest.raises(LayoutError, match="tensor 0"):
+        make_cpu_cache_like(gpu, 3, layout="kv_fused")
+
+
+# --------------------------------------------------------------------------------------------
+# expand_sub_blocks
+# --------------------------------------------------------------------------------------------
+
+
+def test_expand_sub_blocks_examples() -> None:
+    assert expand_sub_blocks([0, 1, 3], 4).tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 12, 13, 14, 15]
+    assert expand_sub_blocks([0, 1, 3], 4, skip=1, count=9).tolist() == [
+        *[1, 2, 3, 4, 5, 6, 7],
+        *[12, 13],
+    ]
+    assert expand_sub_blocks([5], 4, skip=2, count=1).tolist() == [22]
+    assert expand_sub_blocks([5, 2], 1).tolist() == [5, 2]
+    assert expand_sub_blocks([], 4).tolist() == []
+    # vLLM loads align the run to the end of the last CPU block: skip = (-n) % factor
+    n = 6
+    assert expand_sub_blocks([3, 8], 4, skip=(-n) % 4, count=n).tolist() == [
+        *[14, 15],
+        *[32, 33, 34, 35],
+    ]
+    ids = np.array([1, 2])
+    out = expand_sub_blocks(ids, 1)
+    out[0] = 99
+    assert ids[0] == 1  # never aliases the input
+
+
+@given(
+    ids=st.lists(st.integers(0, 1000), min_size=1, max_size=20),
+    factor=st.integers(1, 8),
+    data=st.data(),
+)
+def test_expand_sub_blocks_matches_reference(ids: list[int], factor: int, data: Any) -> None:
+    skip = data.draw(st.integers(0, factor - 1))
+    avail = len(ids) * factor - skip
+    count = data.draw(st.integers(max(1, avail - factor + 1), avail))
+    ref = [b * factor + j for b in ids for j in range(factor)][skip : skip + count]
+    got = expand_sub_blocks(np.array(ids), factor, skip, count)
+    assert got.dtype == np.int64 and got.tolist() == ref
+
+
+@pytest.mark.parametrize(
+    "kwargs,exc,match",
+    [
+        ({"block_ids": [1], "factor": 0}, ValueError, "factor"),
+        ({"block_ids": [1], "factor": 4, "skip": 4}, ValueError, "skip"),
+        ({"block_ids": [1], "factor": 4, "skip": -1}, ValueError, "skip"),
+        ({"block_ids": [1, 2], "factor": 4, "skip": 1, "count": 8}, ValueError, "count"),
+        ({"block_ids": [1, 2], "factor": 4, "count": 4}, ValueError, "unused"),
+        ({"block_ids": [1], "factor": 4, "count": 0}, ValueError, "unused"),
+        ({"block_ids": [], "factor": 4, "skip": 1}, ValueError, "skip"),
+        ({"block_ids": [-1], "factor": 4}, IndexError, "negative"),
+        ({"block_ids": [1.0], "factor": 4}, TypeError, "integers"),
+    ],
+)
+def test_expand_sub_blocks_errors(kwargs: dict[str, Any], exc: type, match: str) -> None:
+    with pytest.raises(exc, match=match):
+        expand_sub_blocks(**kwargs)
+
+
+# --------------------------------------------------------------------------------------------
+# Validation errors
+# --------------------------------------------------------------------------------------------
+
+
+def _kv_split_tensors(n: int = 2) -> list[torch.Tensor]:
+    return [torch.zeros(2, N_GPU, 4, 2, 8, dtype=torch.float16) for _ in range(n)]
+
+
+def test_from_tensors_layout_argument_errors() -> None:
+    ts = _kv_split_tensors()
+    with pytest.raises(ValueError, match="layout"):
+        BlockTable.from_tensors(ts)
+    with pytest.raises(ValueError, match="unknown layout"):
+        BlockTable.from_tensors(ts, "paged")
+    with pytest.raises(ValueError, match="block dim 1"):
+        BlockTable.from_tensors(ts, "kv_split", block_dim=0)
+    with pytest.raises(LayoutError, match="out of range"):
+        BlockTable.from_tensors(ts, block_dim=5)
+    with pytest.raises(LayoutError, match="no tensors"):
+        BlockTable.from_tensors([], "kv_split")
+    with pytest.raises(TypeError, match="tensor 1"):
+        BlockTable.from_tensors([ts[0], np.zeros(3)], "kv_split")
+
+
+GOOD_SHAPE = {
+    "kv_split": (2, N_GPU, 4, 2, 8),
+    "kv_fused": (N_GPU, 2, 4, 2, 8),
+    "mla": (N_GPU, 4, 40),
+    "cross_layer": (N_GPU, 3, 2, 4, 8),
+}
+
+
+@pytest.mark.parametrize(
+    "layout,shape",
+    [
+        ("kv_split", (3, N_GPU, 4, 2, 8)),
+        ("kv_split", (2, N_GPU)),
+        ("kv_fused", (N_GPU, 3, 4, 2, 8)),
+        ("mla", (N_GPU, 4, 2, 8)),
+        ("cross_layer", (N_GPU,)),
+    ],
+)
+def test_shape_does_not_match_layout(layout: str, shape: tuple[int, ...]) -> None:
+    good = torch.zeros(GOOD_SHAPE[layout])
+    with pytest.raises(LayoutError, match=rf"tensor 1 \(shape {re.escape(str(shape))}.*{layout}"):
+        BlockTable.from_tensors([good, torch.zeros(shape)], layout)
+
+
+def test_non_contiguous_page_is_rejected_with_tensor_index_and_shape() -> None:
+    ok = torch.zeros(2, N_GPU, 4, 2, 8, dtype=torch.float16)
+    sliced = torch.zeros(2, N_GPU, 4, 2, 16, dtype=torch.float16)[..., ::2]
+    with pytest.raises(LayoutError, match=r"tensor 1 \(shape \(2, 12, 4, 2, 8\).*not contiguous"):
+        BlockTable.from_tensors([ok, sliced], "kv_split")
+    narrowed = torch.zeros(N_GPU, 2, 4, 2, 16)[:, :, :, :, :8]
+    with pytest.raises(LayoutError, match=r"tensor 0.*not contiguous"):
+        BlockTable.from_tensors([narrowed], "kv_fused")
+    expanded = torch.zeros(N_GPU, 1, 40).expand(N_GPU, 4, 40)
+    with pytest.raises(LayoutError, match="not contiguous"):
+        BlockTable.from_tensors([expanded], "mla")
+
+
+def test_overlapping_blocks_are_rejected() -> None:
+    buf = torch.zeros(4096, dtype=torch.float16)
+    overlap = buf.as_strided((N_GPU, 4, 40), (100, 40, 1))  # block stride < page
+    with pytest.raises(LayoutError, match="overlap"):
+        BlockTable.from_tensors([overlap], "mla")
+    same_kv = buf.as_strided((2, N_GPU, 4, 8), (0, 32, 8, 1))  # K and V alias
+    with pytest.raises(LayoutError, match="overlap"):
+        BlockTable.from_tensors([same_kv], "kv_split")
+    interleaved_bad = buf.as_strided((2, N_GPU, 4, 8), (16, 64, 8, 1))  # K/V pages overlap
+    with pytest.raises(LayoutError, match="overlap"):
+        BlockTable.from_tensors([interleaved_bad], "kv_split")
+
+
+def test_tensors_must_agree() -> None:
+    a = torch.zeros(2, N_GPU, 4, 2, 8)
+    b = torch.zeros(2, N_GPU + 1, 4, 2, 8)
+    with pytest.raises(LayoutError, match=r"tensor 1 .*13 blocks but tensor 0 has 12"):
+        BlockTable.from_tensors([a, b], "kv_split")
+    m = torch.zeros(2, N_GPU, 4, 2, 8, device="meta")
+    with pytest.raises(LayoutError, match=r"tensor 1 .*not on cpu"):
+        BlockTable.from_tensors([a, m], "kv_split")
+    with pytest.raises(LayoutError, match="meta"):
+        BlockTable.from_tensors([m], "kv_split")
+    with pytest.raises(LayoutError, match="empty"):
+        BlockTable.from_tensors([torch.zeros(N_GPU, 0, 8)], "mla")
+
+
+def test_direct_construction_is_validated() -> None:
+    with pytest.raises(LayoutError, match="equal length"):
+        BlockTable(bases=[0, 64], strides=[64], nbytes=[32], num_blocks=2, device="cpu")
+    with pytest.raises(LayoutError, match="nbytes > 0"):
+        BlockTable(bases=[0], strides=[64], nbytes=[0], num_blocks=2, device="cpu")
+    with pytest.raises(LayoutError, match="non-empty"):
+        BlockTable(bases=[], strides=[], nbytes=[], num_blocks=2, device="cpu")
+    with pytest.raises(LayoutError, match="num_blocks"):
+        BlockTable(bases=[0], strides=[64], nbytes=[8], num_blocks=-1, device="cpu")
+
+
+def test_incompatible_tables() -> None:
+    g = BlockTable.from_tensors(_kv_split_tensors(2), "kv_split")
+    fewer = BlockTable.from_tensors(_kv_split_tensors(1), "kv_split")
+    bigger = BlockTable.from_tensors(
+        [torch.zeros(2, N_GPU, 4, 2, 8, dtype=torch.float16), torch.zeros(2, N_GPU, 4, 2, 8)],
+        "kv_split",
+    )
+    assert not g.is_compatible(fewer) and not g.is_compatible(bigger)
+    with pytest.raises(LayoutError, match="4 segments per block on one side, 2"):
+        build_transfer(g, [0], fewer, [0])
+    with pytest.raises(LayoutError, match="segment 2 is 128 B on one side and 256 B"):
+        build_transfer(g, [0], bigger, [0])
+
+
+@pytest.mark.parametrize(
+    "src,dst,exc,match",
+    [
+        ([0.0, 1.0], [0, 1], TypeError, "src_blocks must hold integers"),
+        ([0, 1], [True, False], TypeError, "dst_blocks must hold integers"),
+        ([0, 1], torch.tensor([0.0, 1.0]), TypeError, "dst_blocks must hold integers"),
+        (["a"], [0], TypeError, "src_blocks must hold integers"),
+        ([[0, 1]], [0, 1], ValueError, "src_blocks must be 1-D"),
+        ([0, 1], [0], ValueError, "differ in length"),
+        ([0, -1], [0, 1], IndexError, "src_blocks holds a negative block id"),
+        ([0, 1], [0, N_GPU], IndexError, "dst_blocks holds block id 12, out of range"),
+        (np.array([0, 2**64 - 1], dtype=np.uint64), [0, 1], IndexError, "out of range"),
+        ([0, 1], [5, 5], ValueError, "dst_blocks holds block id 5 more than once"),
+    ],
+)
+def test_block_id_errors(src: Any, dst: Any, exc: type, match: str) -> None:
+    g = BlockTable.from_tensors(_kv_split_tensors(), "kv_split")
+    with pytest.raises(exc, match=match):
+        build_transfer(g, src, g, dst)
+
+
+def test_group_transfer_errors() -> None:
+    g = BlockTable.from_tensors(_kv_split_tensors(), "kv_split")
+    m = BlockTable.from_tensors(torch.zeros(N_GPU, 4, 40), "mla")
+    with pytest.raises(ValueError, match="one entry per group"):
+        build_group_transfer([g, m], [[0]], [g, m], [[0], [1]])
+    with pytest.raises(IndexError, match="group 1: dst_blocks holds block id 99"):
+        build_group_transfer([g, m], [[0], [1]], [g, m], [[1], [99]])
+    with pytest.raises(LayoutError, match="group 0: tables are incompatible"):
+        build_group_transfer([g, m], [[0], [1]], [m, m], [[1], [2]])
+    empty = build_group_transfer([g, m], [[], [1]], [g, m], [[], [2]])
+    assert empty.num_descriptors == 1
+
+
+# --------------------------------------------------------------------------------------------
+# GPU (only where one is present)
+# --------------------------------------------------------------------------------------------
+
+
+def _cudart() -> Any:
+    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    pytest.skip("libcudart not found")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_roundtrip_through_pinned_cpu_cache() -> None:
+    cudart = _cudart()
+    cudart.cudaMemcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+    def copy(t: Transfer) -> None:
+        for s, d, n in zip(t.src_ptrs.tolist(), t.dst_ptrs.tolist(), t.sizes.tolist()):
+            assert cudart.cudaMemcpy(d, s, n, 4) == 0  # cudaMemcpyDefault (UVA)
+
+    gen = torch.Generator().manual_seed(0)
+    gpu = [
+        torch.randint(0, 256, (2, N_GPU, 4, 2, 8), dtype=torch.uint8, generator=gen).view(F8).cuda()
+        for _ in range(2)
+    ]
+    g = BlockTable.from_tensors(gpu, "kv_split")
+    assert g.device.type == "cuda" and int(g.bases[0]) == gpu[0].data_ptr()
+    cpu = make_cpu_cache_like(gpu, 4, layout="kv_split", block_size_factor=2, pin_memory=True)
+    assert all(c.is_pinned() and c.shape[1] == 8 for c in cpu)
+    c = BlockTable.from_tensors(cpu, "kv_split")
+    assert c.device.type == "cpu" and g.is_compatible(c)
+    src, dst = [3, 0, 7], [5, 9, 1]
+    sub = expand_sub_blocks([2, 0], 2, skip=1, count=3)  # sub-blocks 5, 0, 1
+    before = [t.clone() for t in gpu]
+    copy(build_transfer(g, src, c, sub))
+    copy(build_transfer(c, sub, g, dst))
+    torch.cuda.synchronize()
+    for t, t0 in zip(gpu, before):
+        want = t0.view(torch.uint8).clone()
+        want[:, dst] = t0.view(torch.uint8)[:, src]
+        assert torch.equal(t.view(torch.uint8), want)
+    for t, t0 in zip(cpu, before):
+        assert torch.equal(
+            t.view(torch.uint8)[:, sub.tolist()].cuda(), t0.view(torch.uint8)[:, src]
+        )
+
+
+def test_spans_cover_every_segment_of_every_block() -> None:
+    pad = 6
+    a = strided((2, N_GPU, 4, 8), torch.float16, 1, pad=pad)
+    b = strided((N_GPU, 4, 8), F8, 0)
+    g = BlockTable.from_tensors([a, b], block_dim=-3)
+    spans = g.spans()
+    assert spans.dtype == np.int64 and spans.shape[1] == 2
+    assert (np.diff(spans[:, 0]) > 0).all()
+    for s in range(g.num_segments):
+        for blk in range(g.num_blocks):
+            lo = int(g.bases[s] + blk * g.strides[s])
+            hi = lo + int(g.nbytes[s])
+            assert any(st <= lo and hi <= st + n for st, n in spans.tolist())
+    # a's K and V regions are two ranges (padding after the last K page); b is its own
+    page = 4 * 8 * 2
+    ka = a.data_ptr()
+    ends = {st: n for st, n in spans.tolist()}
+    assert ends[ka] == (N_GPU - 1) * (page + pad * 2) + page
+    assert ends[b.data_ptr()] == N_GPU * 4 * 8
+    overlapping = BlockTable(
+        bases=[1000, 1010, 5000],
+        strides=[100, 100, 8],
+        nbytes=[20, 20, 8],
+        num_blocks=3,
+        device="cpu",
+    )
+    assert overlapping.spans().tolist() == [[1000, 230], [5000, 24]]
+    empty = BlockTable(bases=[0], strides=[8], nbytes=[8], num_blocks=0, device="cpu")
+    assert empty.spans().shape == (0, 2)
