@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use blockswap::backend::host::HostBackend;
-use blockswap::descriptor::{prepare_into, Columns};
+use blockswap::descriptor::{prepare_into, Columns, Scratch};
 use blockswap::engine::{Engine, EngineConfig};
 use blockswap::pool::Pool;
 use blockswap::region::RegionTable;
@@ -36,7 +36,11 @@ fn shuffled(n: usize, salt: usize) -> Vec<usize> {
 
 fn batch(n: usize, src_base: u64, dst_base: u64, sorted_dst: bool) -> Batch {
     let s = shuffled(n, 1);
-    let d: Vec<usize> = if sorted_dst { (0..n).map(|i| 2 * i).collect() } else { shuffled(n, 2) };
+    let d: Vec<usize> = if sorted_dst {
+        (0..n).map(|i| 2 * i).collect()
+    } else {
+        shuffled(n, 2)
+    };
     Batch {
         src: s.iter().map(|&i| src_base + i as u64 * BLOCK).collect(),
         dst: d.iter().map(|&i| dst_base + i as u64 * BLOCK).collect(),
@@ -50,14 +54,20 @@ fn bench_prepare(c: &mut Criterion) {
     let dst_base = 1u64 << 40;
     let mut regions = RegionTable::default();
     regions.insert(src_base, 1 << 30, MemoryKind::Host).unwrap();
-    regions.insert(dst_base, 1 << 30, MemoryKind::Device).unwrap();
+    regions
+        .insert(dst_base, 1 << 30, MemoryKind::Device)
+        .unwrap();
     for &n in &SIZES {
         for sorted in [true, false] {
             let b = batch(n, src_base, dst_base, sorted);
             let (mut s, mut d, mut z) = (vec![0; n], vec![0; n], vec![0; n]);
-            let mut scratch = Vec::new();
+            let mut scratch = Scratch::default();
             g.throughput(Throughput::Elements(n as u64));
-            let name = if sorted { "ascending dst" } else { "shuffled dst" };
+            let name = if sorted {
+                "ascending dst"
+            } else {
+                "shuffled dst"
+            };
             g.bench_with_input(BenchmarkId::new(name, n), &n, |bench, _| {
                 bench.iter(|| {
                     prepare_into(
@@ -67,7 +77,11 @@ fn bench_prepare(c: &mut Criterion) {
                         Direction::HostToDevice,
                         &regions,
                         true,
-                        Columns { src: &mut s, dst: &mut d, size: &mut z },
+                        Columns {
+                            src: &mut s,
+                            dst: &mut d,
+                            size: &mut z,
+                        },
                         &mut scratch,
                     )
                     .unwrap()
@@ -101,9 +115,19 @@ fn bench_submit(c: &mut Criterion) {
     let engine = Engine::new(Arc::new(HostBackend::new()), EngineConfig::default());
     // SAFETY: the buffers outlive the engine (dropped at the end of this function, after it).
     unsafe {
-        engine.register(src_buf.as_ptr() as u64, src_buf.len() as u64, MemoryKind::Host).unwrap();
         engine
-            .register(dst_buf.as_mut_ptr() as u64, dst_buf.len() as u64, MemoryKind::Device)
+            .register(
+                src_buf.as_ptr() as u64,
+                src_buf.len() as u64,
+                MemoryKind::Host,
+            )
+            .unwrap();
+        engine
+            .register(
+                dst_buf.as_mut_ptr() as u64,
+                dst_buf.len() as u64,
+                MemoryKind::Device,
+            )
             .unwrap();
     }
     let mut results = Vec::new();
@@ -112,14 +136,20 @@ fn bench_submit(c: &mut Criterion) {
         for sorted in [true, false] {
             let b = batch(n, src_buf.as_ptr() as u64, dst_buf.as_ptr() as u64, sorted);
             g.throughput(Throughput::Elements(n as u64));
-            let name = if sorted { "ascending dst" } else { "shuffled dst" };
+            let name = if sorted {
+                "ascending dst"
+            } else {
+                "shuffled dst"
+            };
             g.bench_with_input(BenchmarkId::new(name, n), &n, |bench, _| {
                 bench.iter_custom(|iters| {
                     let mut total = Duration::ZERO;
                     for _ in 0..iters {
                         job += 1;
                         let t = Instant::now();
-                        engine.submit(job, &b.src, &b.dst, &b.size, Direction::HostToDevice, None).unwrap();
+                        engine
+                            .submit(job, &b.src, &b.dst, &b.size, Direction::HostToDevice, None)
+                            .unwrap();
                         total += t.elapsed();
                         engine.wait(&[job], None).unwrap();
                         results.clear();

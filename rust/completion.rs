@@ -60,7 +60,11 @@ impl Lane {
     /// the copies, so a record is always in the queue before its completion can be observed.
     /// Gives the record back when the lane is full.
     pub fn push(&self, record: InFlight) -> Result<(), InFlight> {
-        debug_assert_eq!(record.seq, self.next_seq(), "records are pushed in sequence order");
+        debug_assert_eq!(
+            record.seq,
+            self.next_seq(),
+            "records are pushed in sequence order"
+        );
         let seq = record.seq;
         self.records.push(record)?;
         // Release: a poller that reads `pushed` (draining a failed lane) sees the record.
@@ -96,7 +100,10 @@ impl Lane {
         for _ in reported..completed {
             // Exactly (completed - reported) records with seq <= completed are in the queue ahead
             // of any later one: the pops cannot come up short.
-            let record = self.records.pop().expect("a completed record is in the queue");
+            let record = self
+                .records
+                .pop()
+                .expect("a completed record is in the queue");
             on_done(record);
         }
     }
@@ -166,8 +173,13 @@ mod tests {
         let stop = Arc::new(AtomicBool::new(false));
         let pollers: Vec<_> = (0..3)
             .map(|_| {
-                let (lane, completed, seen, stop, pool) =
-                    (lane.clone(), completed.clone(), seen.clone(), stop.clone(), pool.clone());
+                let (lane, completed, seen, stop, pool) = (
+                    lane.clone(),
+                    completed.clone(),
+                    seen.clone(),
+                    stop.clone(),
+                    pool.clone(),
+                );
                 std::thread::spawn(move || {
                     let mut mine = vec![];
                     while !stop.load(Ordering::Acquire) || lane.in_flight() > 0 {
@@ -198,6 +210,10 @@ mod tests {
         let mut seen = Arc::try_unwrap(seen).unwrap().into_inner().unwrap();
         seen.sort_unstable();
         assert_eq!(seen, (1..=N).collect::<Vec<_>>());
-        assert_eq!(pool.stats().free, pool.stats().slabs, "every slab came home");
+        assert_eq!(
+            pool.stats().free,
+            pool.stats().slabs,
+            "every slab came home"
+        );
     }
 }

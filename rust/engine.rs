@@ -17,7 +17,7 @@ use crossbeam_queue::ArrayQueue;
 
 use crate::backend::{Backend, BackendError, BackendInfo, HostAlloc, Submitted};
 use crate::completion::{InFlight, Lane};
-use crate::descriptor::{prepare_into, DescriptorError, Direction};
+use crate::descriptor::{prepare_into, DescriptorError, Direction, Scratch};
 use crate::pool::{Pool, PoolError, PoolStats};
 use crate::region::{MemoryKind, RegionError, RegionTable};
 use crate::transfer::{JobId, TransferResult, TransferState, TransitionError};
@@ -60,9 +60,14 @@ pub enum EngineError {
     /// The job id names a transfer whose result has not been reported yet.
     JobIdLive(JobId),
     /// Too many transfers in flight on one direction.
-    TooManyInFlight { direction: Direction, max: usize },
+    TooManyInFlight {
+        direction: Direction,
+        max: usize,
+    },
     /// `wait` ran out of time; these jobs were not finished.
-    Timeout { pending: Vec<JobId> },
+    Timeout {
+        pending: Vec<JobId>,
+    },
     /// The engine was shut down.
     ShutDown,
 }
@@ -76,7 +81,10 @@ impl fmt::Display for EngineError {
             EngineError::Backend(e) => e.fmt(f),
             EngineError::Transition(e) => e.fmt(f),
             EngineError::JobIdLive(id) => {
-                write!(f, "job id {id} is still live: its result has not been reported yet")
+                write!(
+                    f,
+                    "job id {id} is still live: its result has not been reported yet"
+                )
             }
             EngineError::TooManyInFlight { direction, max } => write!(
                 f,
@@ -84,7 +92,11 @@ impl fmt::Display for EngineError {
                  max_in_flight)"
             ),
             EngineError::Timeout { pending } => {
-                write!(f, "wait timed out with {} jobs unfinished: {pending:?}", pending.len())
+                write!(
+                    f,
+                    "wait timed out with {} jobs unfinished: {pending:?}",
+                    pending.len()
+                )
             }
             EngineError::ShutDown => f.write_str("the engine is shut down"),
         }
@@ -139,7 +151,7 @@ struct SubmitState {
     buffers: HashMap<u64, HostAlloc>,
     /// Host ranges page-locked through the engine, by address.
     pinned: std::collections::HashSet<u64>,
-    scratch: Vec<(u64, u64)>,
+    scratch: Scratch,
 }
 
 /// Set in a forked child (pthread_atfork): nothing of a parent's engine works there.
@@ -179,7 +191,9 @@ pub struct Engine {
 impl Engine {
     pub fn new(backend: Arc<dyn Backend>, config: EngineConfig) -> Self {
         install_fork_hook();
-        let max_in_flight = config.max_in_flight.clamp(1, crate::backend::host::QUEUE_DEPTH / 4);
+        let max_in_flight = config
+            .max_in_flight
+            .clamp(1, crate::backend::host::QUEUE_DEPTH / 4);
         let config = EngineConfig {
             max_in_flight,
             max_descriptors: config.max_descriptors.clamp(1, Pool::max_descriptors()),
@@ -194,7 +208,7 @@ impl Engine {
                 live: HashMap::with_capacity(4 * max_in_flight),
                 buffers: HashMap::new(),
                 pinned: Default::default(),
-                scratch: Vec::new(),
+                scratch: Scratch::default(),
             }),
             retired: ArrayQueue::new(4 * max_in_flight),
             counters: Default::default(),
@@ -233,7 +247,12 @@ impl Engine {
     /// # Safety
     /// The range must be memory of that kind that stays allocated, and that nothing else frees,
     /// until it is unregistered: copies will read and write any byte of it.
-    pub unsafe fn register(&self, start: u64, len: u64, kind: MemoryKind) -> Result<(), EngineError> {
+    pub unsafe fn register(
+        &self,
+        start: u64,
+        len: u64,
+        kind: MemoryKind,
+    ) -> Result<(), EngineError> {
         self.check_usable()?;
         self.backend.check_region(start, len, kind)?;
         self.lock().regions.insert(start, len, kind)?;
@@ -279,7 +298,10 @@ impl Engine {
     fn check_idle(&self, start: u64) -> Result<(), RegionError> {
         let in_flight = self.unfinished();
         if in_flight > 0 {
-            return Err(RegionError::Busy { start, in_flight: in_flight as usize });
+            return Err(RegionError::Busy {
+                start,
+                in_flight: in_flight as usize,
+            });
         }
         Ok(())
     }
@@ -355,16 +377,24 @@ impl Engine {
         }
         let lane = &self.lanes[direction.lane()];
         if lane.in_flight() >= self.config.max_in_flight as u64 {
-            return Err(EngineError::TooManyInFlight { direction, max: self.config.max_in_flight });
+            return Err(EngineError::TooManyInFlight {
+                direction,
+                max: self.config.max_in_flight,
+            });
         }
         if src.len() > self.config.max_descriptors {
-            return Err(DescriptorError::TooLarge { len: src.len(), max: self.config.max_descriptors }
-                .into());
+            return Err(DescriptorError::TooLarge {
+                len: src.len(),
+                max: self.config.max_descriptors,
+            }
+            .into());
         }
 
         let transfer = TransferState::Pending;
         let mut slab = self.pool.acquire(src.len())?;
-        let SubmitState { regions, scratch, .. } = &mut *state;
+        let SubmitState {
+            regions, scratch, ..
+        } = &mut *state;
         let prepared = match prepare_into(
             src,
             dst,
@@ -397,7 +427,10 @@ impl Engine {
         if let Err(record) = lane.push(record) {
             // Cannot happen: in_flight was checked under the same lock.
             self.pool.release(record.slab);
-            return Err(EngineError::TooManyInFlight { direction, max: self.config.max_in_flight });
+            return Err(EngineError::TooManyInFlight {
+                direction,
+                max: self.config.max_in_flight,
+            });
         }
         state.live.insert(job_id, (direction, seq));
         match self.backend.submit(direction, seq, handle, wait_stream) {
@@ -416,7 +449,9 @@ impl Engine {
         for direction in Direction::ALL {
             let lane = &self.lanes[direction.lane()];
             let completed = self.backend.completed(direction);
-            lane.poll(completed, |record| self.finish(direction, record, None, out));
+            lane.poll(completed, |record| {
+                self.finish(direction, record, None, out)
+            });
             if self.failed_lanes[direction.lane()].get().is_none() {
                 if let Some(e) = self.backend.lane_error(direction) {
                     let _ = self.failed_lanes[direction.lane()].set(e);
@@ -444,9 +479,10 @@ impl Engine {
         // Submitted -> Done | Failed is always legal for a record on a lane.
         debug_assert!(record.state.complete(ok).is_ok());
         let nanos = match record.slab.device_ns() {
-            0 => self.backend.device_ns(direction, record.seq).unwrap_or_else(|| {
-                record.submitted_at.elapsed().as_nanos() as u64
-            }),
+            0 => self
+                .backend
+                .device_ns(direction, record.seq)
+                .unwrap_or_else(|| record.submitted_at.elapsed().as_nanos() as u64),
             ns => ns,
         };
         let c = &self.counters[direction.lane()];
@@ -519,7 +555,10 @@ impl Engine {
             for direction in Direction::ALL {
                 let last = self.lanes[direction.lane()].next_seq() - 1;
                 let left = deadline.saturating_duration_since(Instant::now());
-                let reached = self.backend.wait(direction, last, Some(left)).unwrap_or(false);
+                let reached = self
+                    .backend
+                    .wait(direction, last, Some(left))
+                    .unwrap_or(false);
                 if !reached {
                     let _ = self.failed_lanes[direction.lane()].set(BackendError::CopyFailed {
                         index: None,
@@ -557,8 +596,8 @@ impl Drop for Engine {
     fn drop(&mut self) {
         self.shutdown();
         if in_forked_child() {
-            // The parent's memory and driver state are not ours to free.
-            std::mem::forget(std::mem::take(&mut self.lock().buffers));
+            // The parent's memory and driver state are not ours to free: dropping a HostAlloc
+            // frees nothing, so the buffers are simply left alone.
             return;
         }
         // Bring every completed slab home so the pool frees it.
@@ -577,10 +616,9 @@ impl Drop for Engine {
             if all_done {
                 // SAFETY: nothing is in flight and the engine is going away: no copy can touch it.
                 unsafe { self.backend.free_host(alloc) };
-            } else {
-                // A device that never finished may still write it: leak rather than free.
-                std::mem::forget(alloc);
             }
+            // Otherwise a device that never finished may still write it: dropping a HostAlloc
+            // frees nothing, so it is leaked rather than freed.
         }
     }
 }

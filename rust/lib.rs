@@ -28,6 +28,6 @@ mod py;
 
 pub use backend::{Backend, BackendError, BackendInfo};
 pub use descriptor::Direction;
-pub use region::MemoryKind;
 pub use engine::{Engine, EngineConfig, EngineError, EngineStats};
+pub use region::MemoryKind;
 pub use transfer::{JobId, TransferResult, TransferState};

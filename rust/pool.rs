@@ -29,7 +29,11 @@ pub const DESCRIPTOR_BYTES: usize = 24;
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum PoolError {
     /// Every slab is in flight and growing would pass the cap.
-    Exhausted { requested: usize, in_use: usize, cap: usize },
+    Exhausted {
+        requested: usize,
+        in_use: usize,
+        cap: usize,
+    },
     /// More descriptors than the largest slab holds.
     TooLarge { descriptors: usize, max: usize },
     /// The backend could not allocate.
@@ -39,13 +43,20 @@ pub enum PoolError {
 impl fmt::Display for PoolError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            PoolError::Exhausted { requested, in_use, cap } => write!(
+            PoolError::Exhausted {
+                requested,
+                in_use,
+                cap,
+            } => write!(
                 f,
                 "descriptor pool exhausted: {requested} more bytes wanted, {in_use} of {cap} in \
                  use by transfers in flight (raise pool_bytes, or poll completions)"
             ),
             PoolError::TooLarge { descriptors, max } => {
-                write!(f, "{descriptors} descriptors do not fit one slab (at most {max})")
+                write!(
+                    f,
+                    "{descriptors} descriptors do not fit one slab (at most {max})"
+                )
             }
             PoolError::Backend(e) => write!(f, "descriptor pool: {e}"),
         }
@@ -232,7 +243,13 @@ impl Pool {
         let free = (MIN_CLASS..=MAX_CLASS)
             .map(|c| ArrayQueue::new((cap / class_bytes(c)).clamp(1, 1 << 16)))
             .collect();
-        Pool { backend, free, bytes: AtomicUsize::new(0), slabs: AtomicUsize::new(0), cap }
+        Pool {
+            backend,
+            free,
+            bytes: AtomicUsize::new(0),
+            slabs: AtomicUsize::new(0),
+            cap,
+        }
     }
 
     /// The most descriptors one slab holds.
@@ -245,7 +262,10 @@ impl Pool {
     pub fn acquire(&self, n: usize) -> Result<Slab, PoolError> {
         let n = n.max(1);
         if n > Self::max_descriptors() {
-            return Err(PoolError::TooLarge { descriptors: n, max: Self::max_descriptors() });
+            return Err(PoolError::TooLarge {
+                descriptors: n,
+                max: Self::max_descriptors(),
+            });
         }
         let class = n.next_power_of_two().trailing_zeros().max(MIN_CLASS);
         let idx = (class - MIN_CLASS) as usize;
@@ -307,11 +327,11 @@ impl Pool {
         if let Err(inner) = self.free[idx].push(inner) {
             // The queue holds every slab of its class the cap allows, so this cannot happen; if it
             // ever did, freeing is still correct because the transfer is complete.
-            self.free_inner(inner);
+            self.free_inner(*inner);
         }
     }
 
-    fn free_inner(&self, inner: Box<SlabInner>) {
+    fn free_inner(&self, inner: SlabInner) {
         let bytes = inner.alloc.len();
         // SAFETY: the slab is home: its transfer completed, so no device or thread reads it.
         unsafe { self.backend.free_host(inner.alloc) };
@@ -335,7 +355,7 @@ impl Drop for Pool {
         // device failed) is leaked on purpose: freeing memory a device may still read is worse.
         for q in std::mem::take(&mut self.free) {
             while let Some(inner) = q.pop() {
-                self.free_inner(inner);
+                self.free_inner(*inner);
             }
         }
     }
@@ -361,7 +381,15 @@ mod tests {
         assert_eq!(b.column_addr(0), addr, "the free slab is reused");
         assert_eq!(p.stats().slabs, 1);
         p.release(b);
-        assert_eq!(p.stats(), PoolStats { slabs: 1, free: 1, bytes: 256 * 24, cap: 1 << 20 });
+        assert_eq!(
+            p.stats(),
+            PoolStats {
+                slabs: 1,
+                free: 1,
+                bytes: 256 * 24,
+                cap: 1 << 20
+            }
+        );
     }
 
     #[test]

@@ -18,7 +18,12 @@ use crate::pool::PoolError;
 use crate::region::MemoryKind;
 use crate::transfer::TransferResult;
 
-create_exception!(blockswap, BlockswapError, PyException, "Base of every blockswap error.");
+create_exception!(
+    blockswap,
+    BlockswapError,
+    PyException,
+    "Base of every blockswap error."
+);
 create_exception!(
     blockswap,
     InvalidTransferError,
@@ -44,7 +49,12 @@ create_exception!(
     BlockswapError,
     "A transfer lifecycle edge that does not exist."
 );
-create_exception!(blockswap, ShutdownError, BlockswapError, "The engine is shut down.");
+create_exception!(
+    blockswap,
+    ShutdownError,
+    BlockswapError,
+    "The engine is shut down."
+);
 create_exception!(
     blockswap,
     WaitTimeoutError,
@@ -78,7 +88,13 @@ fn invalid(msg: impl Into<String>) -> PyErr {
 }
 
 /// The outcome of one transfer.
-#[pyclass(name = "TransferResult", module = "blockswap._core", frozen, get_all, eq)]
+#[pyclass(
+    name = "TransferResult",
+    module = "blockswap._core",
+    frozen,
+    get_all,
+    eq
+)]
 #[derive(Clone, PartialEq)]
 struct PyTransferResult {
     job_id: u64,
@@ -97,7 +113,10 @@ impl PyTransferResult {
             if self.success { "True" } else { "False" },
             self.bytes,
             self.seconds,
-            self.error.as_ref().map(|e| format!(", error={e:?}")).unwrap_or_default()
+            self.error
+                .as_ref()
+                .map(|e| format!(", error={e:?}"))
+                .unwrap_or_default()
         )
     }
 }
@@ -116,15 +135,20 @@ impl From<TransferResult> for PyTransferResult {
 
 /// Views an int64 array as the u64 addresses and sizes it carries.
 fn as_u64<'a>(name: &str, a: &'a PyReadonlyArray1<'_, i64>) -> PyResult<&'a [u64]> {
-    let s = a.as_slice().map_err(|_| invalid(format!("{name} must be a contiguous array")))?;
+    let s = a
+        .as_slice()
+        .map_err(|_| invalid(format!("{name} must be a contiguous array")))?;
     // SAFETY: i64 and u64 have the same size and alignment and every bit pattern is valid for
     // both. Negative values become huge ones, which validation refuses by name.
     Ok(unsafe { std::slice::from_raw_parts(s.as_ptr() as *const u64, s.len()) })
 }
 
 fn direction(s: &str) -> PyResult<Direction> {
-    Direction::parse(s)
-        .ok_or_else(|| invalid(format!("direction must be 'h2d', 'd2h', 'h2h' or 'd2d', not {s:?}")))
+    Direction::parse(s).ok_or_else(|| {
+        invalid(format!(
+            "direction must be 'h2d', 'd2h', 'h2h' or 'd2d', not {s:?}"
+        ))
+    })
 }
 
 /// Moves batches of (src, dst, size) blocks on a backend. See the Python docs of `Engine`.
@@ -164,8 +188,9 @@ impl PyEngine {
             max_in_flight,
             pool_bytes,
             coalesce,
-            shutdown_timeout: Duration::try_from_secs_f64(shutdown_timeout)
-                .map_err(|_| invalid("shutdown_timeout must be a non-negative number of seconds"))?,
+            shutdown_timeout: Duration::try_from_secs_f64(shutdown_timeout).map_err(|_| {
+                invalid("shutdown_timeout must be a non-negative number of seconds")
+            })?,
             ..EngineConfig::default()
         };
         if let Some(m) = max_descriptors {
@@ -175,7 +200,11 @@ impl PyEngine {
             "host" => false,
             "cuda" => true,
             "auto" => cuda::driver_available().is_ok(),
-            other => return Err(invalid(format!("backend must be 'auto', 'host' or 'cuda', not {other:?}"))),
+            other => {
+                return Err(invalid(format!(
+                    "backend must be 'auto', 'host' or 'cuda', not {other:?}"
+                )))
+            }
         };
         let (backend, host): (Arc<dyn Backend>, _) = if want_cuda {
             let mut opts = CudaOptions::new(device);
@@ -185,22 +214,30 @@ impl PyEngine {
             }
             opts.timing = timing;
             opts.completion = completion.parse().map_err(invalid)?;
-            opts.access_order[Direction::HostToDevice.lane()] = h2d_order.parse().map_err(invalid)?;
-            opts.access_order[Direction::DeviceToHost.lane()] = d2h_order.parse().map_err(invalid)?;
+            opts.access_order[Direction::HostToDevice.lane()] =
+                h2d_order.parse().map_err(invalid)?;
+            opts.access_order[Direction::DeviceToHost.lane()] =
+                d2h_order.parse().map_err(invalid)?;
             opts.streams[Direction::HostToDevice.lane()] = h2d_stream;
             opts.streams[Direction::DeviceToHost.lane()] = d2h_stream;
             opts.max_in_flight = config.max_in_flight;
-            let b = py.detach(|| CudaBackend::new(opts)).map_err(EngineError::from)?;
+            let b = py
+                .detach(|| CudaBackend::new(opts))
+                .map_err(EngineError::from)?;
             (Arc::new(b), None)
         } else {
             let h = Arc::new(HostBackend::new());
             (h.clone() as Arc<dyn Backend>, Some(h))
         };
-        Ok(PyEngine { engine: Engine::new(backend, config), host })
+        Ok(PyEngine {
+            engine: Engine::new(backend, config),
+            host,
+        })
     }
 
     /// Issues one transfer under `job_id` and returns at once.
     #[pyo3(signature = (job_id, src_ptrs, dst_ptrs, sizes, direction = "h2d", wait_stream = None))]
+    #[allow(clippy::too_many_arguments)]
     fn submit(
         &self,
         py: Python<'_>,
@@ -212,7 +249,11 @@ impl PyEngine {
         wait_stream: Option<u64>,
     ) -> PyResult<()> {
         let dir = self::direction(direction)?;
-        let (s, d, z) = (as_u64("src_ptrs", &src_ptrs)?, as_u64("dst_ptrs", &dst_ptrs)?, as_u64("sizes", &sizes)?);
+        let (s, d, z) = (
+            as_u64("src_ptrs", &src_ptrs)?,
+            as_u64("dst_ptrs", &dst_ptrs)?,
+            as_u64("sizes", &sizes)?,
+        );
         if s.len() != d.len() || s.len() != z.len() {
             return Err(EngineError::from(DescriptorError::LengthMismatch {
                 src: s.len(),
@@ -221,7 +262,8 @@ impl PyEngine {
             })
             .into());
         }
-        py.detach(|| self.engine.submit(job_id, s, d, z, dir, wait_stream)).map_err(Into::into)
+        py.detach(|| self.engine.submit(job_id, s, d, z, dir, wait_stream))
+            .map_err(Into::into)
     }
 
     /// Results of the transfers finished since the last call. Lock-free, never blocks.
@@ -238,7 +280,8 @@ impl PyEngine {
             .map(Duration::try_from_secs_f64)
             .transpose()
             .map_err(|_| invalid("timeout must be a non-negative number of seconds"))?;
-        py.detach(|| self.engine.wait(&job_ids, timeout)).map_err(Into::into)
+        py.detach(|| self.engine.wait(&job_ids, timeout))
+            .map_err(Into::into)
     }
 
     /// Waits for transfers in flight and stops the backend; results stay available. Idempotent.
@@ -265,7 +308,8 @@ impl PyEngine {
     /// registers it as host memory. `unregister(ptr)` unpins it.
     fn pin(&self, py: Python<'_>, ptr: u64, nbytes: u64) -> PyResult<()> {
         // SAFETY: as for `register`: the Python caller vouches for the range.
-        py.detach(|| unsafe { self.engine.pin(ptr, nbytes) }).map_err(Into::into)
+        py.detach(|| unsafe { self.engine.pin(ptr, nbytes) })
+            .map_err(Into::into)
     }
 
     fn unregister(&self, ptr: u64) -> PyResult<()> {
@@ -277,7 +321,8 @@ impl PyEngine {
         if nbytes == 0 {
             return Err(invalid("nbytes must be positive"));
         }
-        py.detach(|| self.engine.alloc_host(nbytes)).map_err(Into::into)
+        py.detach(|| self.engine.alloc_host(nbytes))
+            .map_err(Into::into)
     }
 
     fn free_host(&self, py: Python<'_>, ptr: u64) -> PyResult<()> {
@@ -291,7 +336,9 @@ impl PyEngine {
                 h.inject_failures(count);
                 Ok(())
             }
-            None => Err(BackendError::new_err("inject_failures needs the host backend")),
+            None => Err(BackendError::new_err(
+                "inject_failures needs the host backend",
+            )),
         }
     }
 
@@ -305,7 +352,14 @@ impl PyEngine {
             ld.set_item("failed", l.failed)?;
             ld.set_item("bytes", l.bytes)?;
             ld.set_item("seconds", l.seconds)?;
-            ld.set_item("gb_per_s", if l.seconds > 0.0 { l.bytes as f64 / l.seconds / 1e9 } else { 0.0 })?;
+            ld.set_item(
+                "gb_per_s",
+                if l.seconds > 0.0 {
+                    l.bytes as f64 / l.seconds / 1e9
+                } else {
+                    0.0
+                },
+            )?;
             d.set_item(dir.as_str(), ld)?;
         }
         d.set_item("in_flight", s.in_flight)?;
@@ -367,7 +421,10 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyTransferResult>()?;
     m.add_function(wrap_pyfunction!(cuda_status, m)?)?;
     m.add("BlockswapError", py.get_type::<BlockswapError>())?;
-    m.add("InvalidTransferError", py.get_type::<InvalidTransferError>())?;
+    m.add(
+        "InvalidTransferError",
+        py.get_type::<InvalidTransferError>(),
+    )?;
     m.add("PoolExhaustedError", py.get_type::<PoolExhaustedError>())?;
     m.add("BackendError", py.get_type::<BackendError>())?;
     m.add("TransferStateError", py.get_type::<TransferStateError>())?;

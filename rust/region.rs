@@ -55,7 +55,11 @@ pub enum RegionError {
     /// Zero bytes, or `start + len` overflows.
     Invalid { start: u64, len: u64 },
     /// The range overlaps a region already registered.
-    Overlaps { start: u64, len: u64, existing: Region },
+    Overlaps {
+        start: u64,
+        len: u64,
+        existing: Region,
+    },
     /// No region starts at this address.
     NotRegistered { start: u64 },
     /// Transfers are in flight: the region cannot be removed now.
@@ -66,9 +70,16 @@ impl fmt::Display for RegionError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match *self {
             RegionError::Invalid { start, len } => {
-                write!(f, "cannot register {len} bytes at {start:#x}: empty or overflowing range")
+                write!(
+                    f,
+                    "cannot register {len} bytes at {start:#x}: empty or overflowing range"
+                )
             }
-            RegionError::Overlaps { start, len, existing } => write!(
+            RegionError::Overlaps {
+                start,
+                len,
+                existing,
+            } => write!(
                 f,
                 "[{start:#x}, +{len}) overlaps the registered {} region [{:#x}, {:#x})",
                 existing.kind, existing.start, existing.end
@@ -103,7 +114,11 @@ impl RegionTable {
         for neighbour in [at.checked_sub(1), Some(at)].into_iter().flatten() {
             if let Some(&r) = self.regions.get(neighbour) {
                 if r.start < end && start < r.end {
-                    return Err(RegionError::Overlaps { start, len, existing: r });
+                    return Err(RegionError::Overlaps {
+                        start,
+                        len,
+                        existing: r,
+                    });
                 }
             }
         }
@@ -145,7 +160,10 @@ impl RegionTable {
                 return Some(*hint);
             }
         }
-        let at = self.regions.partition_point(|r| r.start <= addr).checked_sub(1)?;
+        let at = self
+            .regions
+            .partition_point(|r| r.start <= addr)
+            .checked_sub(1)?;
         let r = self.regions[at];
         if end <= r.end && r.kind == kind {
             *hint = at;
@@ -166,11 +184,26 @@ mod tests {
         t.insert(100, 100, MemoryKind::Host).unwrap();
         t.insert(300, 100, MemoryKind::Device).unwrap();
         t.insert(200, 100, MemoryKind::Host).unwrap(); // touching both neighbours is fine
-        assert!(matches!(t.insert(150, 10, MemoryKind::Host), Err(RegionError::Overlaps { .. })));
-        assert!(matches!(t.insert(50, 51, MemoryKind::Host), Err(RegionError::Overlaps { .. })));
-        assert!(matches!(t.insert(399, 5, MemoryKind::Host), Err(RegionError::Overlaps { .. })));
-        assert_eq!(t.insert(0, 0, MemoryKind::Host), Err(RegionError::Invalid { start: 0, len: 0 }));
-        assert!(matches!(t.insert(u64::MAX, 2, MemoryKind::Host), Err(RegionError::Invalid { .. })));
+        assert!(matches!(
+            t.insert(150, 10, MemoryKind::Host),
+            Err(RegionError::Overlaps { .. })
+        ));
+        assert!(matches!(
+            t.insert(50, 51, MemoryKind::Host),
+            Err(RegionError::Overlaps { .. })
+        ));
+        assert!(matches!(
+            t.insert(399, 5, MemoryKind::Host),
+            Err(RegionError::Overlaps { .. })
+        ));
+        assert_eq!(
+            t.insert(0, 0, MemoryKind::Host),
+            Err(RegionError::Invalid { start: 0, len: 0 })
+        );
+        assert!(matches!(
+            t.insert(u64::MAX, 2, MemoryKind::Host),
+            Err(RegionError::Invalid { .. })
+        ));
         assert_eq!(t.len(), 3);
     }
 
@@ -182,11 +215,27 @@ mod tests {
         let mut hint = usize::MAX;
         assert_eq!(t.locate(100, 100, MemoryKind::Host, &mut hint), Some(0));
         assert_eq!(t.locate(150, 10, MemoryKind::Host, &mut hint), Some(0));
-        assert_eq!(t.locate(150, 51, MemoryKind::Host, &mut hint), None, "crosses into the next region");
-        assert_eq!(t.locate(99, 2, MemoryKind::Host, &mut hint), None, "starts before");
-        assert_eq!(t.locate(250, 10, MemoryKind::Host, &mut hint), None, "wrong kind");
+        assert_eq!(
+            t.locate(150, 51, MemoryKind::Host, &mut hint),
+            None,
+            "crosses into the next region"
+        );
+        assert_eq!(
+            t.locate(99, 2, MemoryKind::Host, &mut hint),
+            None,
+            "starts before"
+        );
+        assert_eq!(
+            t.locate(250, 10, MemoryKind::Host, &mut hint),
+            None,
+            "wrong kind"
+        );
         assert_eq!(t.locate(250, 10, MemoryKind::Device, &mut hint), Some(1));
-        assert_eq!(t.locate(300, 1, MemoryKind::Device, &mut hint), None, "past the end");
+        assert_eq!(
+            t.locate(300, 1, MemoryKind::Device, &mut hint),
+            None,
+            "past the end"
+        );
         assert_eq!(t.locate(0, 1, MemoryKind::Host, &mut hint), None);
     }
 
@@ -194,7 +243,10 @@ mod tests {
     fn remove_only_registered_starts() {
         let mut t = RegionTable::default();
         t.insert(100, 100, MemoryKind::Host).unwrap();
-        assert_eq!(t.remove(150), Err(RegionError::NotRegistered { start: 150 }));
+        assert_eq!(
+            t.remove(150),
+            Err(RegionError::NotRegistered { start: 150 })
+        );
         assert_eq!(t.remove(100).unwrap().end, 200);
         assert!(t.is_empty());
     }

@@ -37,15 +37,19 @@ impl TransferState {
 
     /// Done, Failed or Cancelled.
     pub fn is_final(self) -> bool {
-        matches!(self, TransferState::Done | TransferState::Failed | TransferState::Cancelled)
+        matches!(
+            self,
+            TransferState::Done | TransferState::Failed | TransferState::Cancelled
+        )
     }
 
     fn to(self, to: TransferState) -> Result<TransferState, TransitionError> {
         use TransferState::*;
         match (self, to) {
-            (Pending, Submitted) | (Pending, Cancelled) | (Submitted, Done) | (Submitted, Failed) => {
-                Ok(to)
-            }
+            (Pending, Submitted)
+            | (Pending, Cancelled)
+            | (Submitted, Done)
+            | (Submitted, Failed) => Ok(to),
             (from, to) => Err(TransitionError { from, to }),
         }
     }
@@ -57,7 +61,11 @@ impl TransferState {
 
     /// Submitted -> Done (`ok`) or Failed.
     pub fn complete(self, ok: bool) -> Result<TransferState, TransitionError> {
-        self.to(if ok { TransferState::Done } else { TransferState::Failed })
+        self.to(if ok {
+            TransferState::Done
+        } else {
+            TransferState::Failed
+        })
     }
 
     /// Pending -> Cancelled.
@@ -118,7 +126,12 @@ mod tests {
 
     #[test]
     fn every_other_edge_is_refused() {
-        let legal = [(Pending, Submitted), (Pending, Cancelled), (Submitted, Done), (Submitted, Failed)];
+        let legal = [
+            (Pending, Submitted),
+            (Pending, Cancelled),
+            (Submitted, Done),
+            (Submitted, Failed),
+        ];
         let mut refused = 0;
         for from in ALL {
             for to in ALL {
@@ -133,11 +146,41 @@ mod tests {
         }
         assert_eq!(refused, 21);
         // The named transitions refuse the same way.
-        assert_eq!(Submitted.submit(), Err(TransitionError { from: Submitted, to: Submitted }));
-        assert_eq!(Submitted.cancel(), Err(TransitionError { from: Submitted, to: Cancelled }));
-        assert_eq!(Done.complete(true), Err(TransitionError { from: Done, to: Done }));
-        assert_eq!(Pending.complete(false), Err(TransitionError { from: Pending, to: Failed }));
-        assert_eq!(Cancelled.submit(), Err(TransitionError { from: Cancelled, to: Submitted }));
+        assert_eq!(
+            Submitted.submit(),
+            Err(TransitionError {
+                from: Submitted,
+                to: Submitted
+            })
+        );
+        assert_eq!(
+            Submitted.cancel(),
+            Err(TransitionError {
+                from: Submitted,
+                to: Cancelled
+            })
+        );
+        assert_eq!(
+            Done.complete(true),
+            Err(TransitionError {
+                from: Done,
+                to: Done
+            })
+        );
+        assert_eq!(
+            Pending.complete(false),
+            Err(TransitionError {
+                from: Pending,
+                to: Failed
+            })
+        );
+        assert_eq!(
+            Cancelled.submit(),
+            Err(TransitionError {
+                from: Cancelled,
+                to: Submitted
+            })
+        );
         for s in ALL {
             assert_eq!(s.is_final(), matches!(s, Done | Failed | Cancelled));
         }

@@ -116,7 +116,9 @@ impl FromStr for CopyPath {
             "auto" => Ok(CopyPath::Auto),
             "batch" => Ok(CopyPath::Batch),
             "loop" => Ok(CopyPath::Loop),
-            _ => Err(format!("copy_path must be 'auto', 'batch' or 'loop', not {s:?}")),
+            _ => Err(format!(
+                "copy_path must be 'auto', 'batch' or 'loop', not {s:?}"
+            )),
         }
     }
 }
@@ -159,7 +161,9 @@ impl FromStr for CompletionMode {
             "auto" => Ok(CompletionMode::Auto),
             "write_value" => Ok(CompletionMode::WriteValue),
             "event" => Ok(CompletionMode::Event),
-            _ => Err(format!("completion must be 'auto', 'write_value' or 'event', not {s:?}")),
+            _ => Err(format!(
+                "completion must be 'auto', 'write_value' or 'event', not {s:?}"
+            )),
         }
     }
 }
@@ -218,7 +222,11 @@ fn check(call: &'static str, code: sys::CUresult) -> Result<(), BackendError> {
     if code == sys::CUresult::CUDA_SUCCESS {
         Ok(())
     } else {
-        Err(BackendError::Driver { call, code: code as i32, name: error_name(code) })
+        Err(BackendError::Driver {
+            call,
+            code: code as i32,
+            name: error_name(code),
+        })
     }
 }
 
@@ -259,7 +267,9 @@ pub fn driver_available() -> Result<i32, BackendError> {
     check("cuInit", unsafe { sys::cuInit(0) })?;
     let mut version = 0;
     // SAFETY: as above; writes one int.
-    check("cuDriverGetVersion", unsafe { sys::cuDriverGetVersion(&mut version) })?;
+    check("cuDriverGetVersion", unsafe {
+        sys::cuDriverGetVersion(&mut version)
+    })?;
     Ok(version)
 }
 
@@ -288,11 +298,15 @@ fn resolve_batch(driver_version: i32) -> Option<BatchFn> {
     if driver_version >= 13000 {
         let p = resolve("cuMemcpyBatchAsync", 13000)?;
         // SAFETY: asked at version 13.0, the driver hands out the `_v2` ABI, which BatchV13 matches.
-        Some(BatchFn::V13(unsafe { std::mem::transmute::<*mut c_void, BatchV13>(p) }))
+        Some(BatchFn::V13(unsafe {
+            std::mem::transmute::<*mut c_void, BatchV13>(p)
+        }))
     } else if driver_version >= 12080 {
         let p = resolve("cuMemcpyBatchAsync", 12080)?;
         // SAFETY: asked at version 12.8, the driver hands out the 12.8 ABI, which BatchV12 matches.
-        Some(BatchFn::V12(unsafe { std::mem::transmute::<*mut c_void, BatchV12>(p) }))
+        Some(BatchFn::V12(unsafe {
+            std::mem::transmute::<*mut c_void, BatchV12>(p)
+        }))
     } else {
         None
     }
@@ -352,17 +366,23 @@ impl CudaBackend {
         let driver_version = driver_available()?;
         let mut device = 0;
         // SAFETY: symbols checked by `driver_available`; cuDeviceGet writes one handle.
-        check("cuDeviceGet", unsafe { sys::cuDeviceGet(&mut device, opts.device) })?;
+        check("cuDeviceGet", unsafe {
+            sys::cuDeviceGet(&mut device, opts.device)
+        })?;
         let mut ctx = ptr::null_mut();
         // SAFETY: retains the device's primary context (the one torch uses); released in Drop.
-        check("cuDevicePrimaryCtxRetain", unsafe { sys::cuDevicePrimaryCtxRetain(&mut ctx, device) })?;
+        check("cuDevicePrimaryCtxRetain", unsafe {
+            sys::cuDevicePrimaryCtxRetain(&mut ctx, device)
+        })?;
         let mut name_buf = [0 as std::ffi::c_char; 256];
         // SAFETY: writes at most 256 bytes, NUL-terminated.
         let name = if unsafe { sys::cuDeviceGetName(name_buf.as_mut_ptr(), 256, device) }
             == sys::CUresult::CUDA_SUCCESS
         {
             // SAFETY: NUL-terminated by the driver.
-            unsafe { CStr::from_ptr(name_buf.as_ptr()) }.to_string_lossy().into_owned()
+            unsafe { CStr::from_ptr(name_buf.as_ptr()) }
+                .to_string_lossy()
+                .into_owned()
         } else {
             String::from("unknown")
         };
@@ -399,7 +419,9 @@ impl CudaBackend {
         backend.init_lanes()?;
         if backend.opts.completion == CompletionMode::Auto && !backend.probe_write_value() {
             backend.write_value = false;
-        } else if backend.opts.completion == CompletionMode::WriteValue && !backend.probe_write_value() {
+        } else if backend.opts.completion == CompletionMode::WriteValue
+            && !backend.probe_write_value()
+        {
             return Err(BackendError::Unavailable(
                 "this device or driver has no 64-bit stream memory operations (completion='write_value')".into(),
             ));
@@ -418,7 +440,11 @@ impl CudaBackend {
         // SAFETY: allocates 4 * 64 bytes of page-locked, device-mapped, cached (not write-combined:
         // the CPU reads these) host memory; freed in Drop.
         check("cuMemHostAlloc", unsafe {
-            sys::cuMemHostAlloc(&mut p, 4 * 64, sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP)
+            sys::cuMemHostAlloc(
+                &mut p,
+                4 * 64,
+                sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP,
+            )
         })?;
         // SAFETY: 256 bytes just allocated.
         unsafe { ptr::write_bytes(p as *mut u8, 0, 4 * 64) };
@@ -439,7 +465,10 @@ impl CudaBackend {
                     // SAFETY: creates a non-blocking stream (never synchronises with the legacy
                     // default stream); destroyed in Drop.
                     check("cuStreamCreate", unsafe {
-                        sys::cuStreamCreate(&mut s, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32)
+                        sys::cuStreamCreate(
+                            &mut s,
+                            sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
+                        )
                     })?;
                     (s, true)
                 }
@@ -460,7 +489,9 @@ impl CudaBackend {
             lane.dep_event = new_event(false)?;
             if !self.write_value || self.opts.completion == CompletionMode::Auto {
                 // Kept for the event fallback (and auto mode before the probe decides).
-                lane.done_events = (0..ring).map(|_| new_event(false)).collect::<Result<_, _>>()?;
+                lane.done_events = (0..ring)
+                    .map(|_| new_event(false))
+                    .collect::<Result<_, _>>()?;
             }
             if self.opts.timing {
                 lane.timing_events = (0..ring)
@@ -478,7 +509,8 @@ impl CudaBackend {
         // SAFETY: the counter is mapped pinned memory owned by this backend; the stream is ours or
         // the caller's, valid for the backend's life.
         unsafe {
-            sys::cuStreamWriteValue64_v2(lane.stream, lane.counter_dev, 0, 0) == sys::CUresult::CUDA_SUCCESS
+            sys::cuStreamWriteValue64_v2(lane.stream, lane.counter_dev, 0, 0)
+                == sys::CUresult::CUDA_SUCCESS
                 && sys::cuStreamSynchronize(lane.stream) == sys::CUresult::CUDA_SUCCESS
         }
     }
@@ -534,7 +566,17 @@ impl CudaBackend {
             // ranges were checked against registered memory; the stream is valid.
             let r = unsafe {
                 match batch {
-                    BatchFn::V12(f) => f(d, s, z, n, &mut attrs, &mut attr_idx, 1, &mut fail_idx, stream),
+                    BatchFn::V12(f) => f(
+                        d,
+                        s,
+                        z,
+                        n,
+                        &mut attrs,
+                        &mut attr_idx,
+                        1,
+                        &mut fail_idx,
+                        stream,
+                    ),
                     BatchFn::V13(f) => f(d, s, z, n, &mut attrs, &mut attr_idx, 1, stream),
                 }
             };
@@ -585,7 +627,11 @@ impl CudaBackend {
         // SAFETY: the stream is valid for the backend's life; cuStreamQuery never blocks.
         let r = unsafe { sys::cuStreamQuery(l.stream) };
         if r != sys::CUresult::CUDA_SUCCESS && r != sys::CUresult::CUDA_ERROR_NOT_READY {
-            let _ = l.error.set(BackendError::Driver { call: "cuStreamQuery", code: r as i32, name: error_name(r) });
+            let _ = l.error.set(BackendError::Driver {
+                call: "cuStreamQuery",
+                code: r as i32,
+                name: error_name(r),
+            });
         }
     }
 }
@@ -598,7 +644,9 @@ fn new_event(timing: bool) -> Result<sys::CUevent, BackendError> {
     };
     let mut ev = ptr::null_mut();
     // SAFETY: creates one event in the current context; destroyed in Drop.
-    check("cuEventCreate", unsafe { sys::cuEventCreate(&mut ev, flags) })?;
+    check("cuEventCreate", unsafe {
+        sys::cuEventCreate(&mut ev, flags)
+    })?;
     Ok(ev)
 }
 
@@ -722,7 +770,11 @@ impl Backend for CudaBackend {
         // SAFETY: page-locked, device-mapped, portable, cached memory (not write-combined: the CPU
         // reads device->host results from it).
         check("cuMemHostAlloc", unsafe {
-            sys::cuMemHostAlloc(&mut p, bytes.max(1), sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP)
+            sys::cuMemHostAlloc(
+                &mut p,
+                bytes.max(1),
+                sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP,
+            )
         })?;
         let p = ptr::NonNull::new(p as *mut u8).ok_or(BackendError::OutOfMemory { bytes })?;
         // SAFETY: `p` owns `bytes` bytes until free_host.
@@ -751,7 +803,9 @@ impl Backend for CudaBackend {
     unsafe fn unpin_host(&self, start: u64) -> Result<(), BackendError> {
         self.make_current()?;
         // SAFETY: registered by pin_host; nothing in flight (the caller's guarantee).
-        check("cuMemHostUnregister", unsafe { sys::cuMemHostUnregister(start as *mut c_void) })
+        check("cuMemHostUnregister", unsafe {
+            sys::cuMemHostUnregister(start as *mut c_void)
+        })
     }
 
     fn submit(
@@ -769,11 +823,15 @@ impl Backend for CudaBackend {
         if let Some(s) = wait_stream {
             // SAFETY: `s` is the caller's stream handle (0 is the legacy default stream, which
             // may be recorded on); a bad handle comes back as an error, failing this transfer only.
-            outcome = check("cuEventRecord", unsafe { sys::cuEventRecord(l.dep_event, s as sys::CUstream) })
-                .and_then(|_| {
-                    // SAFETY: both handles valid; our stream waits for the caller's work so far.
-                    check("cuStreamWaitEvent", unsafe { sys::cuStreamWaitEvent(l.stream, l.dep_event, 0) })
-                });
+            outcome = check("cuEventRecord", unsafe {
+                sys::cuEventRecord(l.dep_event, s as sys::CUstream)
+            })
+            .and_then(|_| {
+                // SAFETY: both handles valid; our stream waits for the caller's work so far.
+                check("cuStreamWaitEvent", unsafe {
+                    sys::cuStreamWaitEvent(l.stream, l.dep_event, 0)
+                })
+            });
         }
         let timing = (!l.timing_events.is_empty())
             .then(|| l.timing_events[(seq as usize) % l.timing_events.len()]);
@@ -799,7 +857,11 @@ impl Backend for CudaBackend {
         }
         // Release: pairs with Acquire loads in `completed` (event mode) and health checks.
         l.submitted.store(seq, Ordering::Release);
-        Ok(if outcome.is_ok() { Submitted::Ok } else { Submitted::CopyFailed })
+        Ok(if outcome.is_ok() {
+            Submitted::Ok
+        } else {
+            Submitted::CopyFailed
+        })
     }
 
     fn completed(&self, lane: Direction) -> u64 {
@@ -825,7 +887,12 @@ impl Backend for CudaBackend {
         known
     }
 
-    fn wait(&self, lane: Direction, seq: u64, timeout: Option<Duration>) -> Result<bool, BackendError> {
+    fn wait(
+        &self,
+        lane: Direction,
+        seq: u64,
+        timeout: Option<Duration>,
+    ) -> Result<bool, BackendError> {
         let deadline = timeout.map(|t| Instant::now() + t);
         let mut sleep = Duration::from_micros(10);
         let mut last_check = Instant::now();
@@ -866,7 +933,9 @@ impl Backend for CudaBackend {
         let last = l.last_check.load(Ordering::Relaxed);
         if now.saturating_sub(last) >= HEALTH_CHECK.as_nanos() as u64
             && l.submitted.load(Ordering::Acquire) > self.completed(lane)
-            && l.last_check.compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed).is_ok()
+            && l.last_check
+                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
             && self.make_current().is_ok()
         {
             self.check_stream(lane);
@@ -883,7 +952,7 @@ impl Backend for CudaBackend {
         let mut ms = 0f32;
         // SAFETY: both events were recorded for this (complete) transfer; the call never blocks.
         let r = unsafe { sys::cuEventElapsedTime_v2(&mut ms, start, end) };
-        (r == sys::CUresult::CUDA_SUCCESS).then(|| (ms as f64 * 1e6) as u64)
+        (r == sys::CUresult::CUDA_SUCCESS).then_some((ms as f64 * 1e6) as u64)
     }
 
     fn shutdown(&self) {
@@ -940,8 +1009,14 @@ mod tests {
         assert_eq!("any".parse::<AccessOrder>(), Ok(AccessOrder::Any));
         assert_eq!("event".parse::<CompletionMode>(), Ok(CompletionMode::Event));
         let o = CudaOptions::new(0);
-        assert_eq!(o.access_order[Direction::HostToDevice.lane()], AccessOrder::Any);
-        assert_eq!(o.access_order[Direction::DeviceToHost.lane()], AccessOrder::Stream);
+        assert_eq!(
+            o.access_order[Direction::HostToDevice.lane()],
+            AccessOrder::Any
+        );
+        assert_eq!(
+            o.access_order[Direction::DeviceToHost.lane()],
+            AccessOrder::Stream
+        );
     }
 
     #[test]
@@ -949,7 +1024,10 @@ mod tests {
         // libc stands in for a driver library that lacks the CUDA entry points.
         // SAFETY: opening libc has no initialisation side effects.
         let lib = unsafe { libloading::Library::new("libc.so.6") }.expect("libc");
-        assert_eq!(missing_symbol(&lib, &["malloc", "cuMemcpyBatchAsync"]), Some("cuMemcpyBatchAsync"));
+        assert_eq!(
+            missing_symbol(&lib, &["malloc", "cuMemcpyBatchAsync"]),
+            Some("cuMemcpyBatchAsync")
+        );
         assert_eq!(missing_symbol(&lib, &["malloc", "free"]), None);
     }
 
@@ -959,7 +1037,13 @@ mod tests {
             Ok(b) => assert_eq!(b.info().name, "cuda"), // a machine with a GPU
             Err(e) => {
                 let msg = e.to_string();
-                assert!(matches!(e, BackendError::Unavailable(_) | BackendError::Driver { .. }), "{msg}");
+                assert!(
+                    matches!(
+                        e,
+                        BackendError::Unavailable(_) | BackendError::Driver { .. }
+                    ),
+                    "{msg}"
+                );
                 assert!(!msg.is_empty());
             }
         }

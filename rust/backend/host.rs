@@ -84,8 +84,28 @@ impl HostBackend {
     }
 }
 
+/// How long the worker keeps polling its queue after a job before it sleeps. A sleeping worker
+/// costs each submit a futex wake (~5-10 us measured on the development machine: the
+/// `engine submit/ascending dst/16` bench went from 10.7 us to below 1 us with this spin);
+/// a short spin keeps back-to-back transfers off that path.
+const SPIN: Duration = Duration::from_micros(50);
+
+fn next_job(rx: &Receiver<Job>) -> Option<Job> {
+    let start = Instant::now();
+    loop {
+        match rx.try_recv() {
+            Ok(job) => return Some(job),
+            Err(crossbeam_channel::TryRecvError::Disconnected) => return None,
+            Err(crossbeam_channel::TryRecvError::Empty) if start.elapsed() < SPIN => {
+                std::hint::spin_loop()
+            }
+            Err(crossbeam_channel::TryRecvError::Empty) => return rx.recv().ok(),
+        }
+    }
+}
+
 fn worker_loop(rx: Receiver<Job>, shared: std::sync::Arc<Shared>) {
-    while let Ok(job) = rx.recv() {
+    while let Some(job) = next_job(&rx) {
         // SAFETY: the engine keeps the slab in flight until it observes `completed >= job.seq`,
         // which only happens after the store below.
         let slab = unsafe { job.slab.get() };
@@ -118,7 +138,9 @@ fn worker_loop(rx: Receiver<Job>, shared: std::sync::Arc<Shared>) {
 }
 
 fn take_injected(counter: &AtomicU64) -> bool {
-    counter.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1)).is_ok()
+    counter
+        .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
+        .is_ok()
 }
 
 impl Backend for HostBackend {
@@ -148,7 +170,8 @@ impl Backend for HostBackend {
     }
 
     unsafe fn free_host(&self, alloc: HostAlloc) {
-        let layout = Layout::from_size_align(alloc.len(), HOST_ALIGN).expect("layout of an allocation");
+        let layout =
+            Layout::from_size_align(alloc.len(), HOST_ALIGN).expect("layout of an allocation");
         // SAFETY: allocated by `alloc_host` with this layout; the caller guarantees no further use.
         unsafe { std::alloc::dealloc(alloc.as_ptr(), layout) };
     }
@@ -164,9 +187,10 @@ impl Backend for HostBackend {
         let sender = self.sender.lock().unwrap_or_else(|e| e.into_inner());
         let tx = sender.as_ref().ok_or(BackendError::ShutDown)?;
         tx.try_send(Job { lane, seq, slab }).map_err(|e| match e {
-            crossbeam_channel::TrySendError::Full(_) => {
-                BackendError::CopyFailed { index: None, reason: "host worker queue full".into() }
-            }
+            crossbeam_channel::TrySendError::Full(_) => BackendError::CopyFailed {
+                index: None,
+                reason: "host worker queue full".into(),
+            },
             crossbeam_channel::TrySendError::Disconnected(_) => BackendError::ShutDown,
         })?;
         Ok(Submitted::Ok)
@@ -177,7 +201,12 @@ impl Backend for HostBackend {
         self.shared.completed[lane.lane()].load(Ordering::Acquire)
     }
 
-    fn wait(&self, lane: Direction, seq: u64, timeout: Option<Duration>) -> Result<bool, BackendError> {
+    fn wait(
+        &self,
+        lane: Direction,
+        seq: u64,
+        timeout: Option<Duration>,
+    ) -> Result<bool, BackendError> {
         if self.completed(lane) >= seq {
             return Ok(true);
         }
@@ -197,7 +226,12 @@ impl Backend for HostBackend {
                 }
                 step = step.min(d - now);
             }
-            guard = self.shared.cond.wait_timeout(guard, step).unwrap_or_else(|e| e.into_inner()).0;
+            guard = self
+                .shared
+                .cond
+                .wait_timeout(guard, step)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
         };
         drop(guard);
         self.shared.waiters.fetch_sub(1, Ordering::SeqCst);

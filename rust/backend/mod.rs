@@ -23,9 +23,16 @@ pub enum BackendError {
     /// The backend cannot run here (no driver, no device, a missing symbol), with the cause.
     Unavailable(String),
     /// A driver call failed.
-    Driver { call: &'static str, code: i32, name: String },
+    Driver {
+        call: &'static str,
+        code: i32,
+        name: String,
+    },
     /// A copy failed; `index` is the failing descriptor where the backend knows it.
-    CopyFailed { index: Option<usize>, reason: String },
+    CopyFailed {
+        index: Option<usize>,
+        reason: String,
+    },
     /// A fault injected on request (tests).
     Injected { index: usize },
     /// The memory cannot be used the way it was registered.
@@ -47,10 +54,16 @@ impl fmt::Display for BackendError {
             BackendError::Driver { call, code, name } => {
                 write!(f, "{call} failed: {name} ({code})")
             }
-            BackendError::CopyFailed { index: Some(i), reason } => {
+            BackendError::CopyFailed {
+                index: Some(i),
+                reason,
+            } => {
                 write!(f, "copy failed at descriptor {i}: {reason}")
             }
-            BackendError::CopyFailed { index: None, reason } => write!(f, "copy failed: {reason}"),
+            BackendError::CopyFailed {
+                index: None,
+                reason,
+            } => write!(f, "copy failed: {reason}"),
             BackendError::Injected { index } => write!(f, "injected failure at descriptor {index}"),
             BackendError::BadMemory(why) => f.write_str(why),
             BackendError::OutOfMemory { bytes } => {
@@ -69,6 +82,9 @@ impl fmt::Display for BackendError {
 impl std::error::Error for BackendError {}
 
 /// Host memory handed out by a backend: page-locked and device-mapped on CUDA.
+///
+/// Dropping one frees nothing (it leaks): only [`Backend::free_host`] frees, once the owner knows
+/// no device can touch the memory any more.
 #[derive(Debug)]
 pub struct HostAlloc {
     ptr: NonNull<u8>,
@@ -168,7 +184,12 @@ pub trait Backend: Send + Sync + fmt::Debug {
 
     /// Blocks, without spinning a core, until `completed(lane) >= seq` or `timeout` passes.
     /// Returns whether the sequence number was reached.
-    fn wait(&self, lane: Direction, seq: u64, timeout: Option<Duration>) -> Result<bool, BackendError>;
+    fn wait(
+        &self,
+        lane: Direction,
+        seq: u64,
+        timeout: Option<Duration>,
+    ) -> Result<bool, BackendError>;
 
     /// A fatal, asynchronous error of `lane`, if the backend has seen one (a faulted stream, a
     /// dead context): every transfer not yet complete on that lane has failed.
