@@ -132,6 +132,8 @@ pub struct EngineStats {
     pub lanes: [LaneStats; 4],
     pub in_flight: u64,
     pub pool: PoolStats,
+    /// Nanoseconds the backend spent inside driver copy calls.
+    pub driver_ns: u64,
 }
 
 #[derive(Debug, Default)]
@@ -588,6 +590,7 @@ impl Engine {
             lanes,
             in_flight: self.lanes.iter().map(|l| l.in_flight()).sum(),
             pool: self.pool.stats(),
+            driver_ns: self.backend.driver_ns(),
         }
     }
 }

@@ -363,6 +363,7 @@ impl PyEngine {
             d.set_item(dir.as_str(), ld)?;
         }
         d.set_item("in_flight", s.in_flight)?;
+        d.set_item("driver_ns", s.driver_ns)?;
         let p = PyDict::new(py);
         p.set_item("slabs", s.pool.slabs)?;
         p.set_item("free", s.pool.free)?;

@@ -18,8 +18,20 @@ fn engine_with(buffers: &mut Buffers, config: EngineConfig) -> (Engine, Arc<Host
     let engine = Engine::new(host.clone(), config);
     // SAFETY: both vectors outlive the engine in every test (dropped after it) and are not resized.
     unsafe {
-        engine.register(buffers.src.as_ptr() as u64, buffers.src.len() as u64, MemoryKind::Host).unwrap();
-        engine.register(buffers.dst.as_mut_ptr() as u64, buffers.dst.len() as u64, MemoryKind::Device).unwrap();
+        engine
+            .register(
+                buffers.src.as_ptr() as u64,
+                buffers.src.len() as u64,
+                MemoryKind::Host,
+            )
+            .unwrap();
+        engine
+            .register(
+                buffers.dst.as_mut_ptr() as u64,
+                buffers.dst.len() as u64,
+                MemoryKind::Device,
+            )
+            .unwrap();
     }
     (engine, host)
 }
@@ -33,7 +45,9 @@ fn finish(engine: &Engine, ids: &[u64]) -> Vec<TransferResult> {
 
 fn checksum(b: &[u8]) -> u64 {
     // FNV-1a: order-sensitive, so a block landing in the wrong place changes it.
-    b.iter().fold(0xcbf29ce484222325u64, |h, &x| (h ^ x as u64).wrapping_mul(0x100000001b3))
+    b.iter().fold(0xcbf29ce484222325u64, |h, &x| {
+        (h ^ x as u64).wrapping_mul(0x100000001b3)
+    })
 }
 
 #[test]
@@ -41,16 +55,33 @@ fn scattered_blocks_arrive_with_matching_checksums() {
     let n = 2560usize;
     let block = 4096usize;
     let mut b = Buffers {
-        src: (0..2 * n * block).map(|i| (i * 7 + i / 4096) as u8).collect(),
+        src: (0..2 * n * block)
+            .map(|i| (i * 7 + i / 4096) as u8)
+            .collect(),
         dst: vec![0; 2 * n * block],
     };
     let (engine, _) = engine_with(&mut b, EngineConfig::default());
     // A fixed permutation of source and destination blocks.
     let src_ids: Vec<usize> = (0..n).map(|i| (i * 769) % (2 * n)).collect();
     let dst_ids: Vec<usize> = (0..n).map(|i| (i * 1543 + 11) % (2 * n)).collect();
-    let src: Vec<u64> = src_ids.iter().map(|&i| b.src.as_ptr() as u64 + (i * block) as u64).collect();
-    let dst: Vec<u64> = dst_ids.iter().map(|&i| b.dst.as_ptr() as u64 + (i * block) as u64).collect();
-    engine.submit(1, &src, &dst, &vec![block as u64; n], Direction::HostToDevice, None).unwrap();
+    let src: Vec<u64> = src_ids
+        .iter()
+        .map(|&i| b.src.as_ptr() as u64 + (i * block) as u64)
+        .collect();
+    let dst: Vec<u64> = dst_ids
+        .iter()
+        .map(|&i| b.dst.as_ptr() as u64 + (i * block) as u64)
+        .collect();
+    engine
+        .submit(
+            1,
+            &src,
+            &dst,
+            &vec![block as u64; n],
+            Direction::HostToDevice,
+            None,
+        )
+        .unwrap();
     let results = finish(&engine, &[1]);
     assert_eq!(results.len(), 1);
     assert!(results[0].success);
@@ -66,67 +97,149 @@ fn scattered_blocks_arrive_with_matching_checksums() {
 
 #[test]
 fn failure_is_reported_once_and_the_lane_goes_on() {
-    let mut b = Buffers { src: vec![1; 1 << 20], dst: vec![0; 1 << 20] };
+    let mut b = Buffers {
+        src: vec![1; 1 << 20],
+        dst: vec![0; 1 << 20],
+    };
     let (engine, host) = engine_with(&mut b, EngineConfig::default());
     let (s, d) = (b.src.as_ptr() as u64, b.dst.as_ptr() as u64);
     host.inject_failures(1);
-    engine.submit(1, &[s, s + 4096], &[d, d + 8192], &[4096, 4096], Direction::HostToDevice, None).unwrap();
-    engine.submit(2, &[s], &[d + 65536], &[4096], Direction::HostToDevice, None).unwrap();
+    engine
+        .submit(
+            1,
+            &[s, s + 4096],
+            &[d, d + 8192],
+            &[4096, 4096],
+            Direction::HostToDevice,
+            None,
+        )
+        .unwrap();
+    engine
+        .submit(
+            2,
+            &[s],
+            &[d + 65536],
+            &[4096],
+            Direction::HostToDevice,
+            None,
+        )
+        .unwrap();
     let results = finish(&engine, &[1, 2]);
-    assert_eq!(results.iter().map(|r| (r.job_id, r.success)).collect::<Vec<_>>(), [(1, false), (2, true)]);
-    assert!(results[0].error.as_deref().unwrap().contains("injected failure at descriptor 1"));
+    assert_eq!(
+        results
+            .iter()
+            .map(|r| (r.job_id, r.success))
+            .collect::<Vec<_>>(),
+        [(1, false), (2, true)]
+    );
+    assert!(results[0]
+        .error
+        .as_deref()
+        .unwrap()
+        .contains("injected failure at descriptor 1"));
     let mut again = vec![];
     engine.get_finished(&mut again);
     assert!(again.is_empty(), "reported exactly once");
     let stats = engine.stats();
-    assert_eq!(stats.pool.free, stats.pool.slabs, "every slab back in the pool");
+    assert_eq!(
+        stats.pool.free, stats.pool.slabs,
+        "every slab back in the pool"
+    );
     drop(engine);
 }
 
 #[test]
 fn refusals_are_typed_and_issue_nothing() {
-    let mut b = Buffers { src: vec![1; 1 << 16], dst: vec![0; 1 << 16] };
-    let (engine, _) = engine_with(&mut b, EngineConfig { max_descriptors: 4, ..Default::default() });
+    let mut b = Buffers {
+        src: vec![1; 1 << 16],
+        dst: vec![0; 1 << 16],
+    };
+    let (engine, _) = engine_with(
+        &mut b,
+        EngineConfig {
+            max_descriptors: 4,
+            ..Default::default()
+        },
+    );
     let (s, d) = (b.src.as_ptr() as u64, b.dst.as_ptr() as u64);
     let h2d = Direction::HostToDevice;
     assert!(matches!(
         engine.submit(1, &[s; 5], &[d; 5], &[1; 5], h2d, None),
-        Err(EngineError::Descriptor(blockswap::descriptor::DescriptorError::TooLarge { len: 5, max: 4 }))
+        Err(EngineError::Descriptor(
+            blockswap::descriptor::DescriptorError::TooLarge { len: 5, max: 4 }
+        ))
     ));
     // Wrong direction: the "device" buffer is not host memory.
-    assert!(matches!(engine.submit(1, &[d], &[s], &[1], h2d, None), Err(EngineError::Descriptor(_))));
+    assert!(matches!(
+        engine.submit(1, &[d], &[s], &[1], h2d, None),
+        Err(EngineError::Descriptor(_))
+    ));
     engine.submit(1, &[s], &[d], &[1], h2d, None).unwrap();
-    assert_eq!(engine.submit(1, &[s], &[d + 1], &[1], h2d, None), Err(EngineError::JobIdLive(1)));
+    assert_eq!(
+        engine.submit(1, &[s], &[d + 1], &[1], h2d, None),
+        Err(EngineError::JobIdLive(1))
+    );
     finish(&engine, &[1]);
     engine.shutdown();
-    assert_eq!(engine.submit(2, &[s], &[d], &[1], h2d, None), Err(EngineError::ShutDown));
+    assert_eq!(
+        engine.submit(2, &[s], &[d], &[1], h2d, None),
+        Err(EngineError::ShutDown)
+    );
     assert_eq!(b.dst[1], 0, "nothing refused was copied");
     drop(engine);
 }
 
 #[test]
 fn pool_grows_reuses_and_refuses_at_its_cap() {
-    let mut b = Buffers { src: vec![1; 1 << 20], dst: vec![0; 1 << 20] };
+    let mut b = Buffers {
+        src: vec![1; 1 << 20],
+        dst: vec![0; 1 << 20],
+    };
     // Room for two 256-descriptor slabs.
-    let (engine, _) = engine_with(&mut b, EngineConfig { pool_bytes: 2 * 256 * 24, ..Default::default() });
+    let (engine, _) = engine_with(
+        &mut b,
+        EngineConfig {
+            pool_bytes: 2 * 256 * 24,
+            ..Default::default()
+        },
+    );
     let (s, d) = (b.src.as_ptr() as u64, b.dst.as_ptr() as u64);
     for round in 0..3u64 {
-        engine.submit(10 * round, &[s], &[d], &[8], Direction::HostToDevice, None).unwrap();
-        engine.submit(10 * round + 1, &[s], &[d + 8], &[8], Direction::HostToDevice, None).unwrap();
+        engine
+            .submit(10 * round, &[s], &[d], &[8], Direction::HostToDevice, None)
+            .unwrap();
+        engine
+            .submit(
+                10 * round + 1,
+                &[s],
+                &[d + 8],
+                &[8],
+                Direction::HostToDevice,
+                None,
+            )
+            .unwrap();
         finish(&engine, &[10 * round, 10 * round + 1]);
     }
     let stats = engine.stats();
     assert_eq!(stats.pool.slabs, 2, "steady state allocates nothing new");
     // Hold both slabs in flight (results not polled), then ask for a third.
-    engine.submit(100, &[s], &[d], &[8], Direction::HostToDevice, None).unwrap();
-    engine.submit(101, &[s], &[d + 8], &[8], Direction::HostToDevice, None).unwrap();
+    engine
+        .submit(100, &[s], &[d], &[8], Direction::HostToDevice, None)
+        .unwrap();
+    engine
+        .submit(101, &[s], &[d + 8], &[8], Direction::HostToDevice, None)
+        .unwrap();
     engine.wait(&[100, 101], None).unwrap();
     assert!(matches!(
         engine.submit(102, &[s], &[d + 16], &[8], Direction::HostToDevice, None),
-        Err(EngineError::Pool(blockswap::pool::PoolError::Exhausted { .. }))
+        Err(EngineError::Pool(
+            blockswap::pool::PoolError::Exhausted { .. }
+        ))
     ));
     finish(&engine, &[]);
-    engine.submit(102, &[s], &[d + 16], &[8], Direction::HostToDevice, None).unwrap();
+    engine
+        .submit(102, &[s], &[d + 16], &[8], Direction::HostToDevice, None)
+        .unwrap();
     finish(&engine, &[102]);
     drop(engine);
 }
@@ -139,12 +252,22 @@ struct Case {
 }
 
 fn case() -> impl Strategy<Value = Case> {
-    prop::collection::vec((0usize..60_000, 1usize..8, 1usize..300), 1..40).prop_map(|runs| Case { runs })
+    prop::collection::vec((0usize..60_000, 1usize..8, 1usize..300), 1..40)
+        .prop_map(|runs| Case { runs })
 }
 
 fn run_case(c: &Case, coalesce: bool) -> Vec<u8> {
-    let mut b = Buffers { src: (0..65536u32).map(|i| (i * 31 + 7) as u8).collect(), dst: vec![0; 1 << 20] };
-    let (engine, _) = engine_with(&mut b, EngineConfig { coalesce, ..Default::default() });
+    let mut b = Buffers {
+        src: (0..65536u32).map(|i| (i * 31 + 7) as u8).collect(),
+        dst: vec![0; 1 << 20],
+    };
+    let (engine, _) = engine_with(
+        &mut b,
+        EngineConfig {
+            coalesce,
+            ..Default::default()
+        },
+    );
     let (mut src, mut dst, mut size) = (vec![], vec![], vec![]);
     let mut next_dst = 0u64;
     for &(off, count, blk) in &c.runs {
@@ -157,7 +280,9 @@ fn run_case(c: &Case, coalesce: bool) -> Vec<u8> {
         }
         next_dst += 3; // a gap: runs never merge with each other
     }
-    engine.submit(1, &src, &dst, &size, Direction::HostToDevice, None).unwrap();
+    engine
+        .submit(1, &src, &dst, &size, Direction::HostToDevice, None)
+        .unwrap();
     assert!(finish(&engine, &[1])[0].success);
     drop(engine);
     b.dst

@@ -348,6 +348,8 @@ pub struct CudaBackend {
     counters: *mut c_void,
     lanes: Vec<CudaLane>,
     epoch: Instant,
+    /// Nanoseconds inside copy calls (cuMemcpyBatchAsync / cuMemcpyAsync), for profiling.
+    driver_ns: AtomicU64,
 }
 
 // SAFETY: driver handles (context, streams, events) may be used from any thread once the context is
@@ -414,6 +416,7 @@ impl CudaBackend {
             counters: ptr::null_mut(),
             lanes: Vec::new(),
             epoch: Instant::now(),
+            driver_ns: AtomicU64::new(0),
         };
         backend.make_current()?;
         backend.init_lanes()?;
@@ -841,7 +844,11 @@ impl Backend for CudaBackend {
         }
         // Copies are issued only when the ordering they depend on is in place.
         if outcome.is_ok() {
+            let t = Instant::now();
             outcome = self.issue_copies(lane, slab);
+            // Relaxed: a statistic.
+            self.driver_ns
+                .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
         }
         if let (Ok(()), Some((_, end))) = (&outcome, timing) {
             // SAFETY: as above.
@@ -941,6 +948,10 @@ impl Backend for CudaBackend {
             self.check_stream(lane);
         }
         l.error.get().cloned()
+    }
+
+    fn driver_ns(&self) -> u64 {
+        self.driver_ns.load(Ordering::Relaxed)
     }
 
     fn device_ns(&self, lane: Direction, seq: u64) -> Option<u64> {

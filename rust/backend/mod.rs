@@ -202,6 +202,12 @@ pub trait Backend: Send + Sync + fmt::Debug {
         None
     }
 
+    /// Nanoseconds spent inside the driver's copy calls so far (0 where there is no driver): lets
+    /// a benchmark split submission time into the driver's share and blockswap's own.
+    fn driver_ns(&self) -> u64 {
+        0
+    }
+
     /// Page-locks existing host memory so the device can reach it (`cuMemHostRegister`).
     ///
     /// # Safety

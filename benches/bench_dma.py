@@ -1,0 +1,210 @@
+"""DMA path on the GPU: blockswap's batched copies beside the link's ceiling and beside the same
+batch submitted through NVIDIA's cuda-bindings, all in one process.
+
+    python benches/bench_dma.py [--quick] [--json out.json]
+
+For each block size, N and direction: GPU time (CUDA events on the copy stream) of
+  - one large pinned copy of the same total bytes (the ceiling),
+  - blockswap's engine (cuMemcpyBatchAsync),
+  - cuda.bindings.driver.cuMemcpyBatchAsync with the same arrays, attributes and stream kind,
+and host submission time (perf_counter, median): blockswap's submit split into the driver call
+and blockswap's own work (validation, coalescing, slab, record), and the cuda-bindings call.
+Blocks are scattered (random permutations); host buffers are pinned.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+import torch
+
+import blockswap
+
+KiB, MiB, GiB = 1024, 1 << 20, 1 << 30
+
+
+def med(xs):
+    return statistics.median(xs)
+
+
+def cuda_bindings_batch():
+    """A callable submitting one batch through cuda-bindings, or None where it is missing."""
+    try:
+        from cuda.bindings import driver
+    except ImportError:
+        return None
+
+    def prepare(src, dst, sizes, any_order, stream):
+        attr = driver.CUmemcpyAttributes()
+        attr.srcAccessOrder = (
+            driver.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_ANY
+            if any_order
+            else driver.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+        )
+        t0 = time.perf_counter()
+        dsts = [driver.CUdeviceptr(int(x)) for x in dst]
+        srcs = [driver.CUdeviceptr(int(x)) for x in src]
+        szs = [int(x) for x in sizes]
+        build_s = time.perf_counter() - t0  # building the argument lists, per transfer
+        hstream = driver.CUstream(stream.cuda_stream)
+
+        def call():
+            (err, *_) = driver.cuMemcpyBatchAsync(
+                dsts, srcs, szs, len(szs), [attr], [0], 1, hstream
+            )
+            if err != driver.CUresult.CUDA_SUCCESS:
+                raise RuntimeError(f"cuda-bindings cuMemcpyBatchAsync: {err}")
+
+        call.build_s = build_s  # type: ignore[attr-defined]
+        return call
+
+    return prepare
+
+
+def timed_on(stream, fn):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.cuda.stream(stream):
+        start.record()
+        fn()
+        end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--reps", type=int, default=15)
+    args = ap.parse_args()
+    sizes = (
+        [4 * KiB, 64 * KiB]
+        if args.quick
+        else [4 * KiB, 8 * KiB, 16 * KiB, 32 * KiB, 64 * KiB, 256 * KiB, 1 * MiB, 2 * MiB]
+    )
+    counts = [2560] if args.quick else [2560, 10_000]
+    cap = 2 * GiB
+    rng = np.random.default_rng(0)
+    prepare_cb = cuda_bindings_batch()
+    host = torch.empty(cap, dtype=torch.uint8, pin_memory=True)
+    host2 = torch.empty(cap, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(2 * cap, dtype=torch.uint8, device="cuda")
+    host.fill_(3)
+    dev.fill_(5)
+    stream = torch.cuda.Stream()
+    # Both lanes on the benchmark's stream: blockswap, cuda-bindings and the ceiling are all timed
+    # by the same events on the same stream.
+    eng = blockswap.Engine("cuda", h2d_stream=stream.cuda_stream, d2h_stream=stream.cuda_stream)
+    core = eng._core  # the compiled submit, without the Python wrapper's conversions
+    for t in (host, host2, dev):
+        eng.register(t)
+    rows = []
+    job = 0
+    for n in counts:
+        for size in sizes:
+            blocks = min(n, cap // size)
+            for direction in ("h2d", "d2h"):
+                if direction == "h2d":
+                    src_t, dst_t, dst_cap = host, dev, 2 * cap
+                else:
+                    src_t, dst_t, dst_cap = dev, host2, cap
+                slots_src = (2 * cap if direction == "d2h" else cap) // size
+                slots_dst = dst_cap // size
+                s_ids = rng.choice(slots_src, blocks, replace=False)
+                d_ids = rng.choice(slots_dst, blocks, replace=False)
+                src = (src_t.data_ptr() + s_ids * size).astype(np.int64)
+                dst = (dst_t.data_ptr() + d_ids * size).astype(np.int64)
+                szs = np.full(blocks, size, dtype=np.int64)
+                total = blocks * size
+
+                ceil = [
+                    timed_on(
+                        stream,
+                        lambda d=dst_t, s=src_t, t=total: d[:t].copy_(s[:t], non_blocking=True),
+                    )
+                    for _ in range(args.reps)
+                ]
+                gpu, sub, drv = [], [], []
+                for i in range(args.reps + 3):
+                    job += 1
+                    d0 = core.stats()["driver_ns"]
+                    start = torch.cuda.Event(enable_timing=True)
+                    end = torch.cuda.Event(enable_timing=True)
+                    with torch.cuda.stream(stream):
+                        start.record()
+                    t0 = time.perf_counter()
+                    core.submit(job, src, dst, szs, direction, None)
+                    t1 = time.perf_counter()
+                    with torch.cuda.stream(stream):
+                        end.record()
+                    d1 = core.stats()["driver_ns"]
+                    core.wait([job], None)
+                    (r,) = core.get_finished()
+                    assert r.success, r.error
+                    end.synchronize()
+                    if i >= 3:
+                        gpu.append(start.elapsed_time(end) / 1e3)
+                        sub.append(t1 - t0)
+                        drv.append((d1 - d0) * 1e-9)
+                row = {
+                    "direction": direction,
+                    "block_bytes": size,
+                    "blocks": blocks,
+                    "ceiling_gbps": total / med(ceil) / 1e9,
+                    "blockswap_gbps": total / med(gpu) / 1e9,
+                    "blockswap_submit_us": med(sub) * 1e6,
+                    "driver_call_us": med(drv) * 1e6,
+                    "own_ns_per_desc": (med(sub) - med(drv)) * 1e9 / blocks,
+                    "driver_ns_per_desc": med(drv) * 1e9 / blocks,
+                }
+                if prepare_cb is not None:
+                    call = prepare_cb(src, dst, szs, direction == "h2d", stream)
+                    cb_gpu, cb_sub = [], []
+                    for i in range(args.reps + 3):
+                        start = torch.cuda.Event(enable_timing=True)
+                        end = torch.cuda.Event(enable_timing=True)
+                        with torch.cuda.stream(stream):
+                            start.record()
+                        t0 = time.perf_counter()
+                        call()
+                        t1 = time.perf_counter()
+                        with torch.cuda.stream(stream):
+                            end.record()
+                        end.synchronize()
+                        if i >= 3:
+                            cb_gpu.append(start.elapsed_time(end) / 1e3)
+                            cb_sub.append(t1 - t0)
+                    row["cuda_bindings_gbps"] = total / med(cb_gpu) / 1e9
+                    row["cuda_bindings_submit_us"] = med(cb_sub) * 1e6
+                    row["cuda_bindings_build_lists_us"] = call.build_s * 1e6
+                rows.append(row)
+                print(
+                    f"{direction} {size // KiB:>5} KiB x {blocks:>5}: ceiling {row['ceiling_gbps']:6.2f} "
+                    f"blockswap {row['blockswap_gbps']:6.2f} GB/s "
+                    f"({100 * row['blockswap_gbps'] / row['ceiling_gbps']:5.1f}%) "
+                    f"cuda-bindings {row.get('cuda_bindings_gbps', float('nan')):6.2f} | submit us: "
+                    f"blockswap {row['blockswap_submit_us']:8.1f} (driver {row['driver_call_us']:8.1f}, "
+                    f"own {row['own_ns_per_desc']:5.1f} ns/desc, driver {row['driver_ns_per_desc']:6.1f} ns/desc) "
+                    f"cuda-bindings {row.get('cuda_bindings_submit_us', float('nan')):8.1f}",
+                    flush=True,
+                )
+    eng.shutdown()
+    meta = {
+        "date": time.strftime("%Y-%m-%d"),
+        "gpu": torch.cuda.get_device_name(),
+        "info": eng.info(),
+        "torch": torch.__version__,
+        "command": "python benches/bench_dma.py" + (" --quick" if args.quick else ""),
+    }
+    print(json.dumps(meta))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

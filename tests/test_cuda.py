@@ -1,0 +1,245 @@
+"""The CUDA backend on a real GPU. Skipped where there is no GPU and driver."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import numpy as np
+import pytest
+
+import blockswap
+from blockswap import BackendError, InvalidTransferError
+
+pytestmark = pytest.mark.cuda
+
+KiB, MiB = 1024, 1 << 20
+
+
+@pytest.fixture(scope="module")
+def torch():
+    import torch
+
+    return torch
+
+
+def scattered(rng, sizes, capacity):
+    """Disjoint, scattered ranges of the given sizes inside `capacity` bytes (256-aligned)."""
+    n = len(sizes)
+    slots = ((sizes + 255) // 256) * 256
+    order = rng.permutation(n)
+    starts = np.zeros(n, dtype=np.int64)
+    starts[order] = np.cumsum(slots[order]) - slots[order]
+    assert (starts + slots).max() <= capacity
+    return starts
+
+
+def roundtrip(torch, engine, rng, sizes):
+    """h2d scattered blocks into device memory, then d2h into a second host buffer; checks both."""
+    total = int(((sizes + 255) // 256 * 256).sum()) + MiB
+    host = torch.randint(0, 256, (total,), dtype=torch.uint8).pin_memory()
+    back = torch.zeros(total, dtype=torch.uint8).pin_memory()
+    dev = torch.zeros(total, dtype=torch.uint8, device="cuda")
+    for t in (host, back, dev):
+        engine.register(t)
+    h_off = scattered(rng, sizes, total)
+    d_off = scattered(rng, sizes, total)
+    engine.submit(1, host.data_ptr() + h_off, dev.data_ptr() + d_off, sizes, "h2d")
+    engine.wait([1])
+    engine.submit(2, dev.data_ptr() + d_off, back.data_ptr() + h_off, sizes, "d2h")
+    engine.wait([2])
+    results = {r.job_id: r for r in engine.get_finished()}
+    assert results[1].success and results[2].success, results
+    assert results[1].bytes == results[2].bytes == int(sizes.sum())
+    dev_cpu = dev.cpu()
+    for h, d, z in zip(h_off.tolist(), d_off.tolist(), sizes.tolist()):
+        assert torch.equal(dev_cpu[d : d + z], host[h : h + z])
+    # Every byte of every block came back to where it started; the rest of `back` is untouched.
+    mask = torch.zeros(total, dtype=torch.bool)
+    for h, z in zip(h_off.tolist(), sizes.tolist()):
+        mask[h : h + z] = True
+    assert torch.equal(back[mask], host[mask])
+    assert not back[~mask].any()
+    for t in (host, back, dev):
+        engine.unregister(t)
+
+
+SIZE_SETS = {
+    "1B-4MiB log-uniform": lambda rng: np.exp(rng.uniform(0, np.log(4 * MiB), 500)).astype(
+        np.int64
+    ),
+    "4KiB x 2560": lambda rng: np.full(2560, 4 * KiB, dtype=np.int64),
+    "odd sizes": lambda rng: rng.integers(1, 100, 3000).astype(np.int64) * 2 + 1,
+}
+
+
+@pytest.mark.parametrize("sizes", list(SIZE_SETS), ids=list(SIZE_SETS))
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"copy_path": "loop"},
+        {"h2d_order": "stream", "d2h_order": "stream"},
+        {"h2d_order": "any", "d2h_order": "any"},
+        {"completion": "event"},
+        {"max_batch": 100, "timing": True},
+    ],
+    ids=["default", "loop", "stream-order", "any-order", "event-completion", "split-timing"],
+)
+def test_roundtrip_bytes(torch, sizes, options):
+    rng = np.random.default_rng(7)
+    with blockswap.Engine("cuda", **options) as eng:
+        roundtrip(torch, eng, rng, SIZE_SETS[sizes](rng).clip(1, 4 * MiB))
+
+
+def test_info_names_the_batch_abi(torch):
+    with blockswap.Engine("cuda") as eng:
+        i = eng.info()
+        assert i["backend"] == "cuda" and i["driver_version"] >= 12000
+        if i["driver_version"] >= 12080:
+            assert "cuMemcpyBatchAsync" in i["copy_path"]
+            want = "13.0" if i["driver_version"] >= 13000 else "12.8"
+            assert want in i["copy_path"]
+    with blockswap.Engine("cuda", copy_path="loop") as eng:
+        assert eng.info()["copy_path"] == "cuMemcpyAsync loop"
+
+
+def test_d2h_waits_for_the_compute_stream(torch):
+    """A kernel on the compute stream is still writing the source when the transfer is submitted:
+    with wait_stream the offloaded bytes are the final ones; without it they are not."""
+    n = 64 * MiB
+    src = torch.zeros(n, dtype=torch.uint8, device="cuda")
+    out = torch.zeros(n, dtype=torch.uint8).pin_memory()
+    compute = torch.cuda.Stream()
+    sizes = np.full(n // (64 * KiB), 64 * KiB, dtype=np.int64)
+    offs = np.arange(len(sizes), dtype=np.int64) * 64 * KiB
+    with blockswap.Engine("cuda") as eng:
+        eng.register(src)
+        eng.register(out)
+        outcomes = {}
+        for job, wait in ((1, True), (2, False)):
+            torch.cuda.synchronize()
+            src.zero_()
+            out.zero_()
+            torch.cuda.synchronize()
+            with torch.cuda.stream(compute):
+                torch.cuda._sleep(200_000_000)  # ~0.1 s of spinning before the write
+                src.fill_(job)
+            eng.submit(
+                job,
+                src.data_ptr() + offs,
+                out.data_ptr() + offs,
+                sizes,
+                "d2h",
+                wait_stream=compute.cuda_stream if wait else None,
+            )
+            eng.wait([job])
+            assert eng.get_finished()[0].success
+            torch.cuda.synchronize()
+            outcomes[wait] = bool((out == job).all())
+        assert outcomes[True], "with the compute-stream wait, the final bytes are offloaded"
+        assert not outcomes[False], "without it the copy races the kernel (the test can tell)"
+
+
+def test_unpinned_host_memory_is_refused(torch):
+    with blockswap.Engine("cuda") as eng:
+        pageable = np.zeros(MiB, dtype=np.uint8)
+        with pytest.raises(BackendError, match="not page-locked"):
+            eng.register(pageable)
+        # Pinning it makes it usable.
+        eng.pin(pageable)
+        dev = torch.arange(MiB, device="cuda").to(torch.uint8)
+        eng.register(dev)
+        eng.submit(1, [dev.data_ptr()], [pageable.ctypes.data], [MiB], "d2h")
+        eng.wait([1])
+        assert eng.get_finished()[0].success
+        assert np.array_equal(pageable, dev.cpu().numpy())
+        eng.unregister(pageable)
+
+
+def test_wrong_kinds_and_devices_are_refused(torch):
+    with blockswap.Engine("cuda") as eng:
+        dev = torch.zeros(MiB, dtype=torch.uint8, device="cuda")
+        host = torch.zeros(MiB, dtype=torch.uint8).pin_memory()
+        with pytest.raises(BackendError, match="not host memory"):
+            eng.register(dev.data_ptr(), MiB, "host")
+        with pytest.raises(BackendError, match="not device memory"):
+            eng.register(host.data_ptr(), MiB, "device")
+        eng.register(dev)
+        eng.register(host)
+        # A device address where a host one belongs, and the reverse.
+        with pytest.raises(InvalidTransferError, match="registered host memory"):
+            eng.submit(1, [dev.data_ptr()], [dev.data_ptr() + 4096], [16], "h2d")
+        with pytest.raises(InvalidTransferError, match="registered device memory"):
+            eng.submit(1, [host.data_ptr()], [host.data_ptr() + 4096], [16], "h2d")
+
+
+def test_alloc_host_is_pinned_and_mapped(torch):
+    with blockswap.Engine("cuda") as eng:
+        buf = eng.alloc_host(4 * MiB)
+        buf[:] = np.arange(buf.nbytes, dtype=np.uint64).astype(np.uint8)
+        dev = torch.zeros(4 * MiB, dtype=torch.uint8, device="cuda")
+        eng.register(dev)
+        offs = np.arange(1024, dtype=np.int64) * 4096
+        eng.submit(1, buf.ctypes.data + offs, dev.data_ptr() + offs[::-1].copy(), [4096] * 1024)
+        eng.wait([1])
+        assert eng.get_finished()[0].success
+        got = dev.cpu().numpy().reshape(1024, 4096)
+        assert np.array_equal(got[::-1], buf.reshape(1024, 4096))
+
+
+def test_legacy_default_stream_is_refused_for_copies(torch):
+    with pytest.raises(BackendError, match="legacy or per-thread default stream"):
+        blockswap.Engine("cuda", h2d_stream=0)
+    s = torch.cuda.Stream()
+    with blockswap.Engine("cuda", h2d_stream=s.cuda_stream) as eng:
+        roundtrip(torch, eng, np.random.default_rng(0), np.full(64, 4096, dtype=np.int64))
+
+
+def _child(q):
+    try:
+        _ENGINE.submit(1, [0], [0], [1], "h2d")
+        q.put("no error")
+    except BackendError as e:
+        q.put(str(e))
+
+
+def test_forked_child_gets_a_clear_error(torch):
+    global _ENGINE
+    _ENGINE = blockswap.Engine("cuda")
+    try:
+        ctx = mp.get_context("fork")
+        q = ctx.Queue()
+        p = ctx.Process(target=_child, args=(q,))
+        p.start()
+        msg = q.get(timeout=60)
+        p.join(60)
+        assert "fork" in msg, msg
+        assert p.exitcode == 0
+    finally:
+        _ENGINE.shutdown()
+
+
+def test_many_transfers_in_order_both_directions(torch):
+    rng = np.random.default_rng(3)
+    blocks, size = 4096, 4 * KiB
+    host = torch.randint(0, 256, (blocks * size,), dtype=torch.uint8).pin_memory()
+    dev = torch.zeros(blocks * size, dtype=torch.uint8, device="cuda")
+    back = torch.zeros(blocks * size, dtype=torch.uint8).pin_memory()
+    with blockswap.Engine("cuda") as eng:
+        for t in (host, dev, back):
+            eng.register(t)
+        jobs = []
+        for j in range(64):
+            ids = rng.permutation(blocks)[:64] if j else np.arange(blocks)
+            offs = ids.astype(np.int64) * size
+            eng.submit(2 * j, host.data_ptr() + offs, dev.data_ptr() + offs, [size] * len(ids))
+            eng.submit(
+                2 * j + 1, dev.data_ptr() + offs, back.data_ptr() + offs, [size] * len(ids), "d2h"
+            )
+            jobs += [2 * j, 2 * j + 1]
+        eng.wait(jobs)
+        seen = [r.job_id for r in eng.get_finished() if r.success]
+        assert sorted(seen) == sorted(jobs)
+        h2d = [j for j in seen if j % 2 == 0]
+        assert h2d == sorted(h2d), "one direction finishes in submission order"
+        assert torch.equal(back, host)
