@@ -347,6 +347,27 @@ pub struct Scratch {
     pairs: Vec<(u64, u64)>,
 }
 
+/// Moves the descriptors smaller than `below` to the front of `cols[..len]` (order within a
+/// batch carries no meaning: its copies may run in any order). Returns how many there are, their
+/// largest size and their common alignment (largest power of two up to 16 dividing every address
+/// and size).
+pub fn partition_small(cols: Columns<'_>, len: usize, below: u64) -> (usize, u64, u64) {
+    let Columns { src, dst, size } = cols;
+    let mut k = 0;
+    let (mut max_size, mut bits) = (0u64, 0u64);
+    for i in 0..len {
+        if size[i] < below {
+            max_size = max_size.max(size[i]);
+            bits |= src[i] | dst[i] | size[i];
+            src.swap(i, k);
+            dst.swap(i, k);
+            size.swap(i, k);
+            k += 1;
+        }
+    }
+    (k, max_size, 1u64 << bits.trailing_zeros().min(4))
+}
+
 /// Proves that the ranges `[dst[i], dst[i] + size[i])` are pairwise disjoint, by sorting them.
 ///
 /// Where the destinations span less than 2^40 bytes and there are fewer than 2^24 of them, each
@@ -572,6 +593,29 @@ mod tests {
             true,
         )
         .unwrap();
+    }
+
+    #[test]
+    fn partition_moves_small_descriptors_first() {
+        let mut s = vec![0x100, 0x200, 0x300, 0x400];
+        let mut d = vec![0x1000, 0x2000, 0x3000, 0x4000];
+        let mut z = vec![64, 4096, 8, 1 << 20];
+        let (k, max, align) = partition_small(
+            Columns {
+                src: &mut s,
+                dst: &mut d,
+                size: &mut z,
+            },
+            4,
+            4096,
+        );
+        assert_eq!((k, max, align), (2, 64, 8));
+        let mut small: Vec<_> = (0..k).map(|i| (s[i], d[i], z[i])).collect();
+        small.sort();
+        assert_eq!(small, vec![(0x100, 0x1000, 64), (0x300, 0x3000, 8)]);
+        let mut large: Vec<_> = (k..4).map(|i| (s[i], d[i], z[i])).collect();
+        large.sort();
+        assert_eq!(large, vec![(0x200, 0x2000, 4096), (0x400, 0x4000, 1 << 20)]);
     }
 
     #[test]

@@ -15,9 +15,12 @@ use std::time::{Duration, Instant};
 
 use crossbeam_queue::ArrayQueue;
 
-use crate::backend::{Backend, BackendError, BackendInfo, HostAlloc, Submitted};
+use crate::backend::{
+    Backend, BackendError, BackendInfo, HostAlloc, KernelBatch, KernelLauncher, SubmitRequest,
+    Submitted,
+};
 use crate::completion::{InFlight, Lane};
-use crate::descriptor::{prepare_into, DescriptorError, Direction, Scratch};
+use crate::descriptor::{partition_small, prepare_into, DescriptorError, Direction, Scratch};
 use crate::pool::{Pool, PoolError, PoolStats};
 use crate::region::{MemoryKind, RegionError, RegionTable};
 use crate::transfer::{JobId, TransferResult, TransferState, TransitionError};
@@ -366,6 +369,22 @@ impl Engine {
         direction: Direction,
         wait_stream: Option<u64>,
     ) -> Result<(), EngineError> {
+        self.submit_routed(job_id, src, dst, size, direction, wait_stream, None)
+    }
+
+    /// [`Engine::submit`], with the descriptors smaller than `kernel.0` (after coalescing) moved
+    /// by the copy kernel `kernel.1` launches, and the rest by DMA: one submission, one completion.
+    #[allow(clippy::too_many_arguments)]
+    pub fn submit_routed(
+        &self,
+        job_id: JobId,
+        src: &[u64],
+        dst: &[u64],
+        size: &[u64],
+        direction: Direction,
+        wait_stream: Option<u64>,
+        kernel: Option<(u64, KernelLauncher<'_>)>,
+    ) -> Result<(), EngineError> {
         self.check_usable()?;
         if let Some(e) = self.failed_lanes[direction.lane()].get() {
             return Err(e.clone().into());
@@ -416,6 +435,25 @@ impl Engine {
             }
         };
         slab.set_len(prepared.len);
+        let mut request = SubmitRequest {
+            wait_stream,
+            kernel: None,
+        };
+        if let Some((below, launch)) = kernel {
+            let (len, max_size, alignment) = partition_small(slab.columns(), prepared.len, below);
+            if len > 0 {
+                let batch = KernelBatch {
+                    src: slab.column_addr(0),
+                    dst: slab.column_addr(1),
+                    size: slab.column_addr(2),
+                    len,
+                    max_size,
+                    alignment,
+                    stream: 0,
+                };
+                request.kernel = Some((batch, launch));
+            }
+        }
         let seq = lane.next_seq();
         let handle = slab.share();
         let record = InFlight {
@@ -435,7 +473,7 @@ impl Engine {
             });
         }
         state.live.insert(job_id, (direction, seq));
-        match self.backend.submit(direction, seq, handle, wait_stream) {
+        match self.backend.submit(direction, seq, handle, request) {
             Ok(Submitted::Ok) | Ok(Submitted::CopyFailed) => Ok(()),
             Err(e) => {
                 // Nothing can be promised about this lane any more: its transfers are reported

@@ -11,7 +11,7 @@ use pyo3::types::PyDict;
 
 use crate::backend::cuda::{self, CudaBackend, CudaOptions};
 use crate::backend::host::HostBackend;
-use crate::backend::Backend;
+use crate::backend::{Backend, KernelBatch, KernelLauncher};
 use crate::descriptor::{DescriptorError, Direction};
 use crate::engine::{Engine, EngineConfig, EngineError};
 use crate::pool::PoolError;
@@ -236,7 +236,13 @@ impl PyEngine {
     }
 
     /// Issues one transfer under `job_id` and returns at once.
-    #[pyo3(signature = (job_id, src_ptrs, dst_ptrs, sizes, direction = "h2d", wait_stream = None))]
+    ///
+    /// With `launcher` and `kernel_below`, the descriptors smaller than `kernel_below` bytes
+    /// (after coalescing) are moved by `launcher(src_col, dst_col, size_col, n, max_size,
+    /// alignment, stream)`, which must launch a copy kernel on the raw `stream` reading the
+    /// descriptor columns in place; the rest go to DMA. One submission, one completion.
+    #[pyo3(signature = (job_id, src_ptrs, dst_ptrs, sizes, direction = "h2d", wait_stream = None,
+        kernel_below = 0, launcher = None))]
     #[allow(clippy::too_many_arguments)]
     fn submit(
         &self,
@@ -247,6 +253,8 @@ impl PyEngine {
         sizes: PyReadonlyArray1<'_, i64>,
         direction: &str,
         wait_stream: Option<u64>,
+        kernel_below: u64,
+        launcher: Option<Py<PyAny>>,
     ) -> PyResult<()> {
         let dir = self::direction(direction)?;
         let (s, d, z) = (
@@ -262,8 +270,35 @@ impl PyEngine {
             })
             .into());
         }
-        py.detach(|| self.engine.submit(job_id, s, d, z, dir, wait_stream))
-            .map_err(Into::into)
+        let launch = |b: KernelBatch| -> Result<(), String> {
+            let launcher = launcher
+                .as_ref()
+                .expect("only routed when a launcher is given");
+            Python::attach(|py| {
+                launcher
+                    .call1(
+                        py,
+                        (
+                            b.src,
+                            b.dst,
+                            b.size,
+                            b.len,
+                            b.max_size,
+                            b.alignment,
+                            b.stream,
+                        ),
+                    )
+                    .map(drop)
+                    .map_err(|e| e.to_string())
+            })
+        };
+        let kernel = (launcher.is_some() && kernel_below > 0)
+            .then_some((kernel_below, &launch as KernelLauncher<'_>));
+        py.detach(|| {
+            self.engine
+                .submit_routed(job_id, s, d, z, dir, wait_stream, kernel)
+        })
+        .map_err(Into::into)
     }
 
     /// Results of the transfers finished since the last call. Lock-free, never blocks.

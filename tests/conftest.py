@@ -1,7 +1,15 @@
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
+import torch
+
+# Without a GPU, Triton kernels run under the interpreter over host memory. Triton decides at
+# `@triton.jit` time, so this must be set before any kernel module is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import blockswap
 

@@ -1,5 +1,6 @@
 """Type stubs of the compiled core (rust/py.rs)."""
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -55,6 +56,8 @@ class Engine:
         sizes: npt.NDArray[np.int64],
         direction: str = "h2d",
         wait_stream: int | None = None,
+        kernel_below: int = 0,
+        launcher: Callable[[int, int, int, int, int, int, int], object] | None = None,
     ) -> None: ...
     def get_finished(self) -> list[TransferResult]: ...
     def wait(self, job_ids: list[int], timeout: float | None = None) -> None: ...

@@ -8,7 +8,7 @@ for as long as their memory is registered. Every rule about descriptors lives in
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -87,12 +87,19 @@ class Engine:
         direction: str = "h2d",
         *,
         wait_stream: int | None = None,
+        kernel_below: int = 0,
+        launcher: Callable[[int, int, int, int, int, int, int], None] | None = None,
     ) -> None:
         """Issues one transfer and returns at once; its result comes from :meth:`get_finished`.
 
         ``direction`` is ``"h2d"``, ``"d2h"``, ``"h2h"`` or ``"d2d"``. ``wait_stream`` (a raw
         ``CUstream`` such as ``torch.cuda.current_stream().cuda_stream``) makes the copies wait
         for the work issued on that stream so far.
+
+        With ``launcher`` (e.g. :func:`blockswap.kernels.engine_launcher`), descriptors smaller
+        than ``kernel_below`` bytes (after coalescing) are moved by the copy kernel it launches
+        on the engine's stream, reading the descriptors from the pinned slab in place; the rest
+        go to DMA, in the same transfer.
         """
         if isinstance(job_id, bool) or not isinstance(job_id, (int, np.integer)) or job_id < 0:
             raise InvalidTransferError(f"job_id must be a non-negative int, not {job_id!r}")
@@ -103,6 +110,8 @@ class Engine:
             as_int64("sizes", sizes),
             direction,
             wait_stream,
+            kernel_below,
+            launcher,
         )
 
     def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> None:

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::sys;
 
-use super::{Backend, BackendError, BackendInfo, HostAlloc, Submitted};
+use super::{Backend, BackendError, BackendInfo, HostAlloc, KernelBatch, SubmitRequest, Submitted};
 use crate::descriptor::Direction;
 use crate::pool::{SlabInner, SlabRef};
 use crate::region::MemoryKind;
@@ -532,11 +532,20 @@ impl CudaBackend {
         a
     }
 
-    /// Issues the copies of one transfer on `stream`. On failure, the index of the failing
-    /// descriptor where it is known.
-    fn issue_copies(&self, lane: Direction, slab: &SlabInner) -> Result<(), BackendError> {
+    /// Issues the DMA copies of descriptors `[first, len)` of one transfer on the lane's stream.
+    /// On failure, the index of the failing descriptor where it is known.
+    fn issue_copies(
+        &self,
+        lane: Direction,
+        slab: &SlabInner,
+        first: usize,
+    ) -> Result<(), BackendError> {
         let stream = self.lane(lane).stream;
-        let (src, dst, size) = (slab.src(), slab.dst(), slab.size());
+        let (src, dst, size) = (
+            &slab.src()[first..],
+            &slab.dst()[first..],
+            &slab.size()[first..],
+        );
         let Some(batch) = self.batch else {
             for i in 0..src.len() {
                 // SAFETY: every range was checked against registered memory before submission;
@@ -544,7 +553,7 @@ impl CudaBackend {
                 let r = unsafe { sys::cuMemcpyAsync(dst[i], src[i], size[i] as usize, stream) };
                 if r != sys::CUresult::CUDA_SUCCESS {
                     return Err(BackendError::CopyFailed {
-                        index: Some(i),
+                        index: Some(first + i),
                         reason: format!("cuMemcpyAsync: {}", error_name(r)),
                     });
                 }
@@ -585,10 +594,10 @@ impl CudaBackend {
             };
             if r != sys::CUresult::CUDA_SUCCESS {
                 let index = if fail_idx < n {
-                    Some(start + fail_idx)
+                    Some(first + start + fail_idx)
                 } else {
                     self.find_bad_descriptor(&src[start..start + n], &dst[start..start + n])
-                        .map(|i| start + i)
+                        .map(|i| first + start + i)
                 };
                 return Err(BackendError::CopyFailed {
                     index,
@@ -816,10 +825,11 @@ impl Backend for CudaBackend {
         lane: Direction,
         seq: u64,
         slab: SlabRef,
-        wait_stream: Option<u64>,
+        request: SubmitRequest<'_>,
     ) -> Result<Submitted, BackendError> {
         self.make_current()?;
         let l = self.lane(lane);
+        let wait_stream = request.wait_stream;
         // SAFETY: the engine keeps the slab in flight until completion of `seq` is observed.
         let slab = unsafe { slab.get() };
         let mut outcome = Ok(());
@@ -843,9 +853,24 @@ impl Backend for CudaBackend {
             let _ = unsafe { sys::cuEventRecord(start, l.stream) };
         }
         // Copies are issued only when the ordering they depend on is in place.
-        if outcome.is_ok() {
+        let mut first = 0;
+        if let (Ok(()), Some((batch, launch))) = (&outcome, request.kernel) {
+            // The small descriptors first, by the copy kernel on this lane's stream; it reads them
+            // from the slab in place. Then DMA for the rest, then the completion marker: one
+            // submission, one completion.
+            first = batch.len;
+            outcome = launch(KernelBatch {
+                stream: l.stream as u64,
+                ..batch
+            })
+            .map_err(|reason| BackendError::CopyFailed {
+                index: None,
+                reason: format!("copy kernel: {reason}"),
+            });
+        }
+        if outcome.is_ok() && first < slab.len() {
             let t = Instant::now();
-            outcome = self.issue_copies(lane, slab);
+            outcome = self.issue_copies(lane, slab, first);
             // Relaxed: a statistic.
             self.driver_ns
                 .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);

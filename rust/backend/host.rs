@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
 
-use super::{Backend, BackendError, BackendInfo, HostAlloc, Submitted};
+use super::{Backend, BackendError, BackendInfo, HostAlloc, KernelBatch, SubmitRequest, Submitted};
 use crate::descriptor::Direction;
 use crate::pool::SlabRef;
 use crate::region::MemoryKind;
@@ -28,6 +28,8 @@ struct Job {
     lane: Direction,
     seq: u64,
     slab: SlabRef,
+    /// Descriptors before this index were moved by a kernel already.
+    first: usize,
 }
 
 #[derive(Debug, Default)]
@@ -111,8 +113,14 @@ fn worker_loop(rx: Receiver<Job>, shared: std::sync::Arc<Shared>) {
         let slab = unsafe { job.slab.get() };
         let start = Instant::now();
         let (src, dst, size) = (slab.src(), slab.dst(), slab.size());
-        let fail_at = take_injected(&shared.fail_next).then_some(src.len() / 2);
-        for i in 0..src.len() {
+        // A kernel that failed already leaves nothing for the worker to do.
+        let first = if slab.failure().is_some() {
+            src.len()
+        } else {
+            job.first
+        };
+        let fail_at = take_injected(&shared.fail_next).then_some(first + (src.len() - first) / 2);
+        for i in first..src.len() {
             if Some(i) == fail_at {
                 slab.set_failed(BackendError::Injected { index: i }.to_string());
                 break;
@@ -181,12 +189,29 @@ impl Backend for HostBackend {
         lane: Direction,
         seq: u64,
         slab: SlabRef,
-        _wait_stream: Option<u64>,
+        request: SubmitRequest<'_>,
     ) -> Result<Submitted, BackendError> {
         // There is no device stream to wait for: host work is already done when submit is called.
+        if let Some((batch, launch)) = request.kernel {
+            // The kernel runs here, synchronously (Triton's interpreter on host memory), once the
+            // lane's earlier transfers are done, so the lane stays ordered. The worker then copies
+            // the rest and publishes completion as usual.
+            self.wait(lane, seq - 1, None)?;
+            if let Err(reason) = launch(KernelBatch { stream: 0, ..batch }) {
+                // SAFETY: the engine keeps the slab in flight until completion of `seq`.
+                unsafe { slab.get() }.set_failed(format!("copy kernel: {reason}"));
+            }
+        }
         let sender = self.sender.lock().unwrap_or_else(|e| e.into_inner());
         let tx = sender.as_ref().ok_or(BackendError::ShutDown)?;
-        tx.try_send(Job { lane, seq, slab }).map_err(|e| match e {
+        let first = request.kernel.map_or(0, |(b, _)| b.len);
+        tx.try_send(Job {
+            lane,
+            seq,
+            slab,
+            first,
+        })
+        .map_err(|e| match e {
             crossbeam_channel::TrySendError::Full(_) => BackendError::CopyFailed {
                 index: None,
                 reason: "host worker queue full".into(),

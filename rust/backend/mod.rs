@@ -134,6 +134,44 @@ pub struct BackendInfo {
     pub completion: &'static str,
 }
 
+/// The part of a transfer a copy kernel moves: descriptors `[0, len)` of the slab, whose columns
+/// start at `src`, `dst` and `size` (page-locked, device-mapped: the kernel reads them in place).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KernelBatch {
+    pub src: u64,
+    pub dst: u64,
+    pub size: u64,
+    pub len: usize,
+    /// The largest size in the part, and the largest power of two (up to 16) dividing every
+    /// address and size of it: they pick the kernel's specialisation.
+    pub max_size: u64,
+    pub alignment: u64,
+    /// The stream to launch on (the lane's); 0 on the host backend.
+    pub stream: u64,
+}
+
+/// Launches a copy kernel for a [`KernelBatch`] (the Python layer's Triton kernel).
+pub type KernelLauncher<'a> = &'a (dyn Fn(KernelBatch) -> Result<(), String> + Sync);
+
+/// What a submission asks of the backend besides the copies.
+#[derive(Clone, Copy, Default)]
+pub struct SubmitRequest<'a> {
+    /// A raw `CUstream` of the caller (`0` is the legacy default stream): the copies start only
+    /// after the work issued on it so far.
+    pub wait_stream: Option<u64>,
+    /// Descriptors `[0, kernel.len)` go to this kernel launcher, the rest to DMA.
+    pub kernel: Option<(KernelBatch, KernelLauncher<'a>)>,
+}
+
+impl fmt::Debug for SubmitRequest<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SubmitRequest")
+            .field("wait_stream", &self.wait_stream)
+            .field("kernel", &self.kernel.map(|(b, _)| b))
+            .finish()
+    }
+}
+
 /// How [`Backend::submit`] went.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Submitted {
@@ -168,14 +206,15 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// `slab` stays valid and unmodified until `completed(lane) >= seq` has been observed. The
     /// backend records a failure and the GPU time in the slab before its completion is visible.
     /// An `Err` means nothing can be promised about `seq` (the engine fails the lane).
-    /// With `wait_stream` (a raw `CUstream` of the caller, `0` being the legacy default stream),
-    /// the copies start only after the work issued on that stream so far.
+    /// `request` adds the ordering on a caller's stream and the kernel part of the transfer: the
+    /// kernel moves descriptors `[0, kernel.len)`, DMA the rest, in one submission with one
+    /// completion.
     fn submit(
         &self,
         lane: Direction,
         seq: u64,
         slab: SlabRef,
-        wait_stream: Option<u64>,
+        request: SubmitRequest<'_>,
     ) -> Result<Submitted, BackendError>;
 
     /// The highest sequence number of `lane` whose copies are done. Lock-free and never blocking:

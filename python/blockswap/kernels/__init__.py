@@ -4,7 +4,14 @@ from blockswap.kernels.copy import (
     copy_blocks,
     copy_blocks_raw,
     copy_blocks_reference,
+    engine_launcher,
     interpreter_mode,
 )
 
-__all__ = ["copy_blocks", "copy_blocks_raw", "copy_blocks_reference", "interpreter_mode"]
+__all__ = [
+    "copy_blocks",
+    "copy_blocks_raw",
+    "copy_blocks_reference",
+    "engine_launcher",
+    "interpreter_mode",
+]

@@ -97,14 +97,20 @@ from __future__ import annotations
 import collections
 import contextlib
 import ctypes
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Union
 
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["copy_blocks", "copy_blocks_raw", "copy_blocks_reference", "interpreter_mode"]
+__all__ = [
+    "copy_blocks",
+    "copy_blocks_raw",
+    "copy_blocks_reference",
+    "engine_launcher",
+    "interpreter_mode",
+]
 
 DEFAULT_MAX_CTAS = 16
 DEFAULT_NUM_WARPS = 4
@@ -483,6 +489,45 @@ def copy_blocks_raw(
         device=device,
         stream=stream,
     )
+
+
+def engine_launcher(
+    *, max_ctas: int = 16, num_warps: int = 4, block_bytes: int = 16384
+) -> Callable[[int, int, int, int, int, int, int], None]:
+    """A launcher for :meth:`blockswap.Engine.submit`'s kernel route.
+
+    The engine calls it with the addresses of a pinned descriptor slab's three columns, the
+    count, the largest size, the common alignment (computed from the descriptors, so the
+    16-byte promise is true) and the raw ``CUstream`` of the transfer's lane (0 on the host
+    backend, where the kernel runs under Triton's interpreter). It launches
+    :func:`copy_blocks_raw` there; nothing is read on the host.
+    """
+    _check_launch_params(max_ctas, num_warps, block_bytes)
+    streams: dict[int, torch.cuda.ExternalStream] = {}
+
+    def launch(
+        srcs: int, dsts: int, sizes: int, n: int, max_size: int, alignment: int, stream: int
+    ) -> None:
+        ext = None
+        if stream and not interpreter_mode():
+            ext = streams.get(stream)
+            if ext is None:
+                ext = streams[stream] = torch.cuda.ExternalStream(stream)
+        copy_blocks_raw(
+            srcs,
+            dsts,
+            sizes,
+            n,
+            max_ctas=max_ctas,
+            max_size=max_size,
+            alignment=alignment,
+            stream=ext,
+            device=ext.device if ext is not None else None,
+            num_warps=num_warps,
+            block_bytes=block_bytes,
+        )
+
+    return launch
 
 
 def _check_descriptor(name: str, t: Any, interpret: bool) -> None:
