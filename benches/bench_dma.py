@@ -7,6 +7,8 @@ For each block size, N and direction: GPU time (CUDA events on the copy stream) 
   - one large pinned copy of the same total bytes (the ceiling),
   - blockswap's engine (cuMemcpyBatchAsync),
   - cuda.bindings.driver.cuMemcpyBatchAsync with the same arrays, attributes and stream kind,
+  - blockswap's kernel route (the Triton copy kernel on 8 and 16 CTAs, descriptors read from
+    the pinned slab), for blocks up to 256 KiB,
 and host submission time (perf_counter, median): blockswap's submit split into the driver call
 and blockswap's own work (validation, coalescing, slab, record), and the cuda-bindings call.
 Blocks are scattered (random permutations); host buffers are pinned.
@@ -23,6 +25,7 @@ import numpy as np
 import torch
 
 import blockswap
+from blockswap.kernels import engine_launcher
 
 KiB, MiB, GiB = 1024, 1 << 20, 1 << 30
 
@@ -80,6 +83,10 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", default=None)
     ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--kernel-ctas", type=int, nargs="*", default=[8, 16])
+    ap.add_argument(
+        "--kernel-max", type=int, default=256 * KiB, help="largest block for the kernel rows"
+    )
     args = ap.parse_args()
     sizes = (
         [4 * KiB, 64 * KiB]
@@ -104,6 +111,7 @@ def main() -> None:
         eng.register(t)
     rows = []
     job = 0
+    launchers: dict = {}
     for n in counts:
         for size in sizes:
             blocks = min(n, cap // size)
@@ -129,6 +137,26 @@ def main() -> None:
                     for _ in range(args.reps)
                 ]
                 gpu, sub, drv = [], [], []
+                kernel = {}
+                for max_ctas in args.kernel_ctas if size <= args.kernel_max else []:
+                    launch = launchers.setdefault(max_ctas, engine_launcher(max_ctas=max_ctas))
+                    kt = []
+                    for i in range(args.reps + 3):
+                        job += 1
+                        start = torch.cuda.Event(enable_timing=True)
+                        end = torch.cuda.Event(enable_timing=True)
+                        with torch.cuda.stream(stream):
+                            start.record()
+                        core.submit(job, src, dst, szs, direction, None, 1 << 62, launch)
+                        with torch.cuda.stream(stream):
+                            end.record()
+                        core.wait([job], None)
+                        (r,) = core.get_finished()
+                        assert r.success, r.error
+                        end.synchronize()
+                        if i >= 3:
+                            kt.append(start.elapsed_time(end) / 1e3)
+                    kernel[max_ctas] = total / med(kt) / 1e9
                 for i in range(args.reps + 3):
                     job += 1
                     d0 = core.stats()["driver_ns"]
@@ -161,6 +189,8 @@ def main() -> None:
                     "own_ns_per_desc": (med(sub) - med(drv)) * 1e9 / blocks,
                     "driver_ns_per_desc": med(drv) * 1e9 / blocks,
                 }
+                for ctas, gbps in kernel.items():
+                    row[f"kernel_{ctas}cta_gbps"] = gbps
                 if prepare_cb is not None:
                     call = prepare_cb(src, dst, szs, direction == "h2d", stream)
                     cb_gpu, cb_sub = [], []
@@ -189,7 +219,8 @@ def main() -> None:
                     f"cuda-bindings {row.get('cuda_bindings_gbps', float('nan')):6.2f} | submit us: "
                     f"blockswap {row['blockswap_submit_us']:8.1f} (driver {row['driver_call_us']:8.1f}, "
                     f"own {row['own_ns_per_desc']:5.1f} ns/desc, driver {row['driver_ns_per_desc']:6.1f} ns/desc) "
-                    f"cuda-bindings {row.get('cuda_bindings_submit_us', float('nan')):8.1f}",
+                    f"cuda-bindings {row.get('cuda_bindings_submit_us', float('nan')):8.1f}"
+                    + "".join(f" | kernel {c} CTAs {g:6.2f} GB/s" for c, g in kernel.items()),
                     flush=True,
                 )
     eng.shutdown()

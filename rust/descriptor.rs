@@ -628,3 +628,147 @@ mod tests {
         assert_eq!(p.alignment, 1);
     }
 }
+
+#[cfg(test)]
+mod fuzz {
+    //! Arbitrary batches through `prepare_into`: it never panics, and whatever it accepts is a
+    //! faithful, safe rewrite of the input.
+    use super::*;
+    use proptest::prelude::*;
+
+    const HOST: u64 = 0x10_000;
+    const DEV: u64 = 0x90_000;
+    const LEN: u64 = 0x8_000;
+
+    fn addr() -> impl Strategy<Value = u64> {
+        prop_oneof![
+            4 => (0..LEN + 64).prop_map(|o| HOST + o),
+            4 => (0..LEN + 64).prop_map(|o| DEV + o),
+            1 => any::<u64>(),
+            1 => Just(u64::MAX - 3),
+        ]
+    }
+
+    fn size() -> impl Strategy<Value = u64> {
+        prop_oneof![8 => 1u64..512, 1 => Just(0u64), 1 => any::<u64>()]
+    }
+
+    fn batch() -> impl Strategy<Value = (Vec<u64>, Vec<u64>, Vec<u64>)> {
+        (1usize..48).prop_flat_map(|n| {
+            (
+                prop::collection::vec(addr(), n),
+                prop::collection::vec(addr(), n),
+                prop::collection::vec(size(), n),
+            )
+        })
+    }
+
+    /// Runs of contiguous blocks (so coalescing has work) laid out without destination overlap.
+    fn contiguous() -> impl Strategy<Value = (Vec<u64>, Vec<u64>, Vec<u64>)> {
+        prop::collection::vec((0u64..LEN / 2, 1usize..6, 1u64..64, any::<bool>()), 1..12).prop_map(
+            |runs| {
+                let (mut s, mut d, mut z) = (vec![], vec![], vec![]);
+                let mut next = 0u64;
+                for (off, count, blk, gap) in runs {
+                    for k in 0..count as u64 {
+                        if next + blk > LEN {
+                            break;
+                        }
+                        s.push(HOST + (off + k * blk) % (LEN - blk));
+                        d.push(DEV + next);
+                        z.push(blk);
+                        next += blk;
+                    }
+                    next += gap as u64;
+                }
+                if s.is_empty() {
+                    (vec![HOST], vec![DEV], vec![1])
+                } else {
+                    (s, d, z)
+                }
+            },
+        )
+    }
+
+    fn regions() -> RegionTable {
+        let mut t = RegionTable::default();
+        t.insert(HOST, LEN, MemoryKind::Host).unwrap();
+        t.insert(DEV, LEN, MemoryKind::Device).unwrap();
+        t
+    }
+
+    /// Per destination byte, the source byte it receives.
+    fn byte_map(s: &[u64], d: &[u64], z: &[u64]) -> std::collections::BTreeMap<u64, u64> {
+        let mut m = std::collections::BTreeMap::new();
+        for i in 0..s.len() {
+            for k in 0..z[i] {
+                m.insert(d[i] + k, s[i] + k);
+            }
+        }
+        m
+    }
+
+    fn check(s: &[u64], d: &[u64], z: &[u64], coalesce: bool) -> Result<(), TestCaseError> {
+        let n = s.len();
+        let (mut os, mut od, mut oz) = (vec![0; n], vec![0; n], vec![0; n]);
+        let t = regions();
+        let r = prepare_into(
+            s,
+            d,
+            z,
+            Direction::HostToDevice,
+            &t,
+            coalesce,
+            Columns {
+                src: &mut os,
+                dst: &mut od,
+                size: &mut oz,
+            },
+            &mut Scratch::default(),
+        );
+        if let Ok(p) = r {
+            prop_assert!(p.len <= n);
+            prop_assert_eq!(p.bytes, z.iter().sum::<u64>());
+            let mut hint = usize::MAX;
+            for i in 0..p.len {
+                prop_assert!(t
+                    .locate(os[i], oz[i], MemoryKind::Host, &mut hint)
+                    .is_some());
+                prop_assert!(t
+                    .locate(od[i], oz[i], MemoryKind::Device, &mut hint)
+                    .is_some());
+            }
+            // Destinations disjoint, and every destination byte gets the same source byte.
+            let mut ranges: Vec<_> = (0..p.len).map(|i| (od[i], oz[i])).collect();
+            ranges.sort();
+            prop_assert!(ranges.windows(2).all(|w| w[0].0 + w[0].1 <= w[1].0));
+            prop_assert_eq!(
+                byte_map(&os[..p.len], &od[..p.len], &oz[..p.len]),
+                byte_map(s, d, z)
+            );
+        }
+        Ok(())
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(512))]
+
+        #[test]
+        fn arbitrary_batches_never_panic_and_stay_faithful((s, d, z) in batch(), coalesce: bool) {
+            check(&s, &d, &z, coalesce)?;
+        }
+
+        #[test]
+        fn contiguous_runs_coalesce_faithfully((s, d, z) in contiguous()) {
+            check(&s, &d, &z, true)?;
+            let n = s.len();
+            let (mut os, mut od, mut oz) = (vec![0; n], vec![0; n], vec![0; n]);
+            let p = prepare_into(&s, &d, &z, Direction::HostToDevice, &regions(), true,
+                Columns { src: &mut os, dst: &mut od, size: &mut oz }, &mut Scratch::default()).unwrap();
+            // No two consecutive outputs could have been merged: coalescing is maximal.
+            for i in 1..p.len {
+                prop_assert!(!(os[i - 1] + oz[i - 1] == os[i] && od[i - 1] + oz[i - 1] == od[i]));
+            }
+        }
+    }
+}
