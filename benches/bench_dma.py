@@ -112,6 +112,30 @@ def main() -> None:
     rows = []
     job = 0
     launchers: dict = {}
+
+    def pipelined(submit, total, depth=8):
+        """Bandwidth with `depth` transfers queued back to back (steady state: host work of
+        one transfer overlaps the copies of the previous ones), median of a few runs."""
+        nonlocal job
+        runs = []
+        for _ in range(4):
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(stream):
+                start.record()
+            ids = []
+            for _ in range(depth):
+                job += 1
+                submit(job)
+                ids.append(job)
+            with torch.cuda.stream(stream):
+                end.record()
+            core.wait(ids, None)
+            assert all(r.success for r in core.get_finished())
+            end.synchronize()
+            runs.append(start.elapsed_time(end) / 1e3)
+        return depth * total / med(runs[1:]) / 1e9
+
     for n in counts:
         for size in sizes:
             blocks = min(n, cap // size)
@@ -157,6 +181,12 @@ def main() -> None:
                         if i >= 3:
                             kt.append(start.elapsed_time(end) / 1e3)
                     kernel[max_ctas] = total / med(kt) / 1e9
+                    kernel[f"{max_ctas}_pipelined"] = pipelined(
+                        lambda j, a=(src, dst, szs, direction, None, 1 << 62, launch): core.submit(
+                            j, *a
+                        ),
+                        total,
+                    )
                 for i in range(args.reps + 3):
                     job += 1
                     d0 = core.stats()["driver_ns"]
@@ -189,6 +219,9 @@ def main() -> None:
                     "own_ns_per_desc": (med(sub) - med(drv)) * 1e9 / blocks,
                     "driver_ns_per_desc": med(drv) * 1e9 / blocks,
                 }
+                row["dma_pipelined_gbps"] = pipelined(
+                    lambda j, a=(src, dst, szs, direction, None): core.submit(j, *a), total
+                )
                 for ctas, gbps in kernel.items():
                     row[f"kernel_{ctas}cta_gbps"] = gbps
                 if prepare_cb is not None:
@@ -220,6 +253,7 @@ def main() -> None:
                     f"blockswap {row['blockswap_submit_us']:8.1f} (driver {row['driver_call_us']:8.1f}, "
                     f"own {row['own_ns_per_desc']:5.1f} ns/desc, driver {row['driver_ns_per_desc']:6.1f} ns/desc) "
                     f"cuda-bindings {row.get('cuda_bindings_submit_us', float('nan')):8.1f}"
+                    + f" | pipelined: dma {row['dma_pipelined_gbps']:6.2f}"
                     + "".join(f" | kernel {c} CTAs {g:6.2f} GB/s" for c, g in kernel.items()),
                     flush=True,
                 )

@@ -243,3 +243,24 @@ def test_many_transfers_in_order_both_directions(torch):
         h2d = [j for j in seen if j % 2 == 0]
         assert h2d == sorted(h2d), "one direction finishes in submission order"
         assert torch.equal(back, host)
+
+
+def test_the_callers_context_is_restored(torch):
+    """The engine makes its context current for its own calls and puts the caller's back."""
+    import ctypes
+
+    cuda = ctypes.CDLL("libcuda.so.1")
+    current = ctypes.c_void_p()
+    host = torch.ones(MiB, dtype=torch.uint8).pin_memory()
+    dev = torch.zeros(MiB, dtype=torch.uint8, device="cuda")
+    with blockswap.Engine("cuda") as eng:
+        eng.register(host)
+        eng.register(dev)
+        assert cuda.cuCtxSetCurrent(None) == 0  # the caller has no current context
+        eng.submit(1, [host.data_ptr()], [dev.data_ptr()], [MiB])
+        eng.wait([1])
+        assert eng.get_finished()[0].success
+        assert cuda.cuCtxGetCurrent(ctypes.byref(current)) == 0
+        assert current.value is None, "the engine left its context current"
+    torch.cuda.synchronize()  # torch's runtime makes its own context current again
+    assert torch.equal(dev.cpu(), host)

@@ -101,7 +101,7 @@ def test_cuda_hybrid_transfer_is_byte_exact(direction, kernel_below):
     with blockswap.Engine("cuda") as eng:
         eng.register(host)
         eng.register(dev)
-        s_off, d_off, sizes = mixed_batch(rng, 4000, 4 * KiB + 3, 256 * KiB, 256 << 20, 256 << 20)
+        s_off, d_off, sizes = mixed_batch(rng, 1000, 4 * KiB + 3, 256 * KiB, 256 << 20, 256 << 20)
         before = dst_t.cpu().numpy().copy()
         eng.submit(
             1,

@@ -36,6 +36,7 @@ const REQUIRED_SYMBOLS: &[&str] = &[
     "cuDevicePrimaryCtxRetain",
     "cuDevicePrimaryCtxRelease_v2",
     "cuCtxSetCurrent",
+    "cuCtxGetCurrent",
     "cuStreamCreate",
     "cuStreamDestroy_v2",
     "cuStreamQuery",
@@ -418,7 +419,7 @@ impl CudaBackend {
             epoch: Instant::now(),
             driver_ns: AtomicU64::new(0),
         };
-        backend.make_current()?;
+        let ctx_guard = backend.make_current()?;
         backend.init_lanes()?;
         if backend.opts.completion == CompletionMode::Auto && !backend.probe_write_value() {
             backend.write_value = false;
@@ -429,12 +430,25 @@ impl CudaBackend {
                 "this device or driver has no 64-bit stream memory operations (completion='write_value')".into(),
             ));
         }
+        drop(ctx_guard);
         Ok(backend)
     }
 
-    fn make_current(&self) -> Result<(), BackendError> {
-        // SAFETY: the context is retained for the life of the backend.
-        check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(self.ctx) })
+    /// Makes this backend's context current on the calling thread until the guard drops, then
+    /// puts back whatever was current before (the caller's device, as torch set it).
+    fn make_current(&self) -> Result<CtxGuard, BackendError> {
+        let mut prev = ptr::null_mut();
+        // SAFETY: writes the calling thread's current context (possibly null).
+        check("cuCtxGetCurrent", unsafe {
+            sys::cuCtxGetCurrent(&mut prev)
+        })?;
+        if prev != self.ctx {
+            // SAFETY: the context is retained for the life of the backend.
+            check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(self.ctx) })?;
+        }
+        Ok(CtxGuard {
+            prev: (prev != self.ctx).then_some(prev),
+        })
     }
 
     fn init_lanes(&mut self) -> Result<(), BackendError> {
@@ -648,6 +662,22 @@ impl CudaBackend {
     }
 }
 
+/// Restores the calling thread's previous context on drop (see `CudaBackend::make_current`).
+#[must_use]
+struct CtxGuard {
+    prev: Option<sys::CUcontext>,
+}
+
+impl Drop for CtxGuard {
+    fn drop(&mut self) {
+        if let Some(prev) = self.prev {
+            // SAFETY: `prev` was current on this thread a moment ago (or null, which unsets).
+            // A failure leaves our context current, which is harmless; Drop must not panic.
+            let _ = unsafe { sys::cuCtxSetCurrent(prev) };
+        }
+    }
+}
+
 fn new_event(timing: bool) -> Result<sys::CUevent, BackendError> {
     let flags = if timing {
         sys::CUevent_flags::CU_EVENT_DEFAULT as u32
@@ -724,7 +754,7 @@ impl Backend for CudaBackend {
     }
 
     fn check_region(&self, start: u64, len: u64, kind: MemoryKind) -> Result<(), BackendError> {
-        self.make_current()?;
+        let _ctx = self.make_current()?;
         let last = start
             .checked_add(len.saturating_sub(1))
             .ok_or_else(|| BackendError::BadMemory(format!("range at {start:#x} overflows")))?;
@@ -777,7 +807,7 @@ impl Backend for CudaBackend {
     }
 
     fn alloc_host(&self, bytes: usize) -> Result<HostAlloc, BackendError> {
-        self.make_current()?;
+        let _ctx = self.make_current()?;
         let mut p = ptr::null_mut();
         // SAFETY: page-locked, device-mapped, portable, cached memory (not write-combined: the CPU
         // reads device->host results from it).
@@ -794,14 +824,14 @@ impl Backend for CudaBackend {
     }
 
     unsafe fn free_host(&self, alloc: HostAlloc) {
-        let _ = self.make_current();
+        let _ctx = self.make_current();
         // SAFETY: allocated by cuMemHostAlloc; the caller guarantees nothing touches it again.
         // Errors are ignored: freeing must not panic, and there is nothing left to do.
         let _ = unsafe { sys::cuMemFreeHost(alloc.as_ptr() as *mut c_void) };
     }
 
     unsafe fn pin_host(&self, start: u64, len: u64) -> Result<(), BackendError> {
-        self.make_current()?;
+        let _ctx = self.make_current()?;
         // SAFETY: the caller guarantees the range is allocated host memory outliving the pin.
         check("cuMemHostRegister", unsafe {
             sys::cuMemHostRegister_v2(
@@ -813,7 +843,7 @@ impl Backend for CudaBackend {
     }
 
     unsafe fn unpin_host(&self, start: u64) -> Result<(), BackendError> {
-        self.make_current()?;
+        let _ctx = self.make_current()?;
         // SAFETY: registered by pin_host; nothing in flight (the caller's guarantee).
         check("cuMemHostUnregister", unsafe {
             sys::cuMemHostUnregister(start as *mut c_void)
@@ -827,7 +857,7 @@ impl Backend for CudaBackend {
         slab: SlabRef,
         request: SubmitRequest<'_>,
     ) -> Result<Submitted, BackendError> {
-        self.make_current()?;
+        let _ctx = self.make_current()?;
         let l = self.lane(lane);
         let wait_stream = request.wait_stream;
         // SAFETY: the engine keeps the slab in flight until completion of `seq` is observed.
@@ -933,7 +963,7 @@ impl Backend for CudaBackend {
                 return Ok(true);
             }
             if last_check.elapsed() >= HEALTH_CHECK {
-                self.make_current()?;
+                let _ctx = self.make_current()?;
                 self.check_stream(lane);
                 last_check = Instant::now();
             }
@@ -968,9 +998,10 @@ impl Backend for CudaBackend {
             && l.last_check
                 .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
                 .is_ok()
-            && self.make_current().is_ok()
         {
-            self.check_stream(lane);
+            if let Ok(_ctx) = self.make_current() {
+                self.check_stream(lane);
+            }
         }
         l.error.get().cloned()
     }
@@ -992,9 +1023,9 @@ impl Backend for CudaBackend {
     }
 
     fn shutdown(&self) {
-        if self.make_current().is_err() {
+        let Ok(_ctx) = self.make_current() else {
             return;
-        }
+        };
         for l in &self.lanes {
             // SAFETY: valid streams; waiting for our own work before teardown.
             let _ = unsafe { sys::cuStreamSynchronize(l.stream) };
@@ -1005,9 +1036,12 @@ impl Backend for CudaBackend {
 impl Drop for CudaBackend {
     fn drop(&mut self) {
         // Never panics: driver errors during teardown are ignored (there is no one left to tell).
-        if crate::engine::in_forked_child() || self.make_current().is_err() {
+        if crate::engine::in_forked_child() {
             return;
         }
+        let Ok(_ctx) = self.make_current() else {
+            return;
+        };
         for l in &self.lanes {
             // SAFETY: each handle was created by this backend and is destroyed once; streams are
             // synchronised first so no queued work refers to the events or the counter.
