@@ -123,3 +123,53 @@ def test_cuda_hybrid_transfer_is_byte_exact(direction, kernel_below):
         for d, z in zip(d_off.tolist(), sizes.tolist()):
             mask[d : d + z] = False
         assert np.array_equal(got[mask], before[mask]), "nothing outside the blocks was written"
+
+
+def _tables(*page_bytes):
+    import torch
+
+    from blockswap.layout import BlockTable
+
+    return [
+        BlockTable.from_tensors(torch.zeros(8, 1, n, dtype=torch.uint8), layout="mla")
+        for n in page_bytes
+    ]
+
+
+def test_route_is_chosen_once_from_page_sizes():
+    from blockswap.handler import KERNEL_BELOW, choose_route
+
+    small, large = _tables(8 * KiB), _tables(1 << 20)
+    assert choose_route(small, on_cuda=False).launcher is None  # host backend: memcpy
+    assert choose_route(small, on_cuda=True, path="dma").launcher is None
+    r = choose_route(small, on_cuda=True)
+    assert r.kernel_below == KERNEL_BELOW and r.launcher is not None and "kernel" in r.reason
+    r = choose_route(large, on_cuda=True)
+    assert r.launcher is None and r.reason.startswith("dma")
+    r = choose_route(_tables(8 * KiB, 1 << 20), on_cuda=True)
+    assert r.launcher is not None and r.reason.startswith("hybrid")
+    r = choose_route(large, on_cuda=True, path="kernel")
+    assert r.launcher is not None and r.kernel_below >= 1 << 40
+    assert choose_route(small, on_cuda=True, below=4 * KiB).launcher is None
+
+
+def test_handler_kernel_path_round_trip_on_cpu():
+    import torch
+
+    from blockswap.handler import CpuGpuHandlers
+
+    torch.manual_seed(0)
+    gpu = [torch.randint(0, 255, (2, 16, 4, 1, 8), dtype=torch.uint8) for _ in range(3)]
+    h = CpuGpuHandlers(gpu, 16, layout="kv_split", backend="host", path="kernel", kernel_ctas=2)
+    try:
+        assert h.route.launcher is not None
+        h.gpu_to_cpu_handler.transfer_async(1, ([3, 9, 4], [0, 5, 7]))
+        h.wait([1])
+        assert all(r.success for r in h.get_finished())
+        h.cpu_to_gpu_handler.transfer_async(2, ([0, 5, 7], [12, 13, 1]))
+        h.wait([2])
+        assert all(r.success for r in h.get_finished())
+        for t in gpu:
+            assert torch.equal(t[:, [12, 13, 1]], t[:, [3, 9, 4]])
+    finally:
+        h.shutdown()

@@ -80,7 +80,7 @@ import contextlib
 import threading
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Callable, Union, cast
+from typing import Any, Callable, NamedTuple, Union, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -348,6 +348,55 @@ def _make_plan(src: BlockTable, dst: BlockTable) -> _Plan | None:
 # --------------------------------------------------------------------------------------------
 
 
+#: Pages below this many bytes go to the copy kernel, the rest to DMA, when ``path="auto"``.
+#: Chosen from `python benches/bench_dma.py` on an H200 (driver 580, 2026-11-21): the batch
+#: call's host cost (~0.3-1.9 us per descriptor) caps DMA at 4-44 GB/s for 4-64 KiB blocks,
+#: while the kernel on 16 CTAs reaches 40-51 GB/s; at 256 KiB both are within 2 % of each
+#: other (DMA 93.5 % of the ceiling host->device), and from 1 MiB DMA reaches 98 % with no SM.
+KERNEL_BELOW = 256 * 1024
+
+
+class Route(NamedTuple):
+    """How a handler's transfers are split: descriptors below ``kernel_below`` bytes go to the
+    copy kernel ``launcher`` launches (0 and ``None``: DMA only)."""
+
+    kernel_below: int
+    launcher: Callable[..., None] | None
+    reason: str
+
+
+def choose_route(
+    gpu_tables: Sequence[BlockTable],
+    *,
+    on_cuda: bool,
+    path: str = "auto",
+    kernel_ctas: int = 16,
+    below: int | None = None,
+) -> Route:
+    """Picks the copy path once, from the page sizes the handler will move.
+
+    ``"dma"``: copy engines only (no SM is taken from the model). ``"kernel"``: every page by
+    the Triton copy kernel on at most ``kernel_ctas`` CTAs. ``"auto"``: pages below
+    ``below`` (default :data:`KERNEL_BELOW`) to the kernel and larger ones to DMA, in the same
+    transfer where a model mixes both (hybrid groups). On the host backend, ``"auto"`` is DMA
+    (memcpy): there is no GPU to run a kernel on.
+    """
+    if path == "dma" or (path == "auto" and not on_cuda):
+        return Route(0, None, "dma" if path == "dma" else "host backend: memcpy")
+    threshold = (1 << 62) if path == "kernel" else (KERNEL_BELOW if below is None else below)
+    sizes = sorted({int(n) for t in gpu_tables for n in t.nbytes.tolist()})
+    if not any(n < threshold for n in sizes):
+        return Route(0, None, f"dma: every page is >= {threshold} bytes")
+    from .kernels import engine_launcher
+
+    launcher = engine_launcher(max_ctas=kernel_ctas)
+    if all(n < threshold for n in sizes):
+        return Route(threshold, launcher, f"kernel ({kernel_ctas} CTAs): pages {sizes} bytes")
+    return Route(
+        threshold, launcher, f"hybrid: pages < {threshold} bytes by kernel, the rest by DMA"
+    )
+
+
 class SingleDirectionHandler:
     """Moves KV-cache blocks in one direction: GPU -> CPU (``"d2h"``) or CPU -> GPU (``"h2d"``).
 
@@ -375,6 +424,7 @@ class SingleDirectionHandler:
         dst_tables: list[BlockTable],
         wait_stream: Callable[[], int] | None,
         device_index: int | None,
+        route: Route | None = None,
     ) -> None:
         if direction not in _SHORT:
             raise ValueError(f"direction must be 'd2h' or 'h2d', not {direction!r}")
@@ -402,6 +452,8 @@ class SingleDirectionHandler:
         self._sizes_buf = _EMPTY
         self._wait_stream = wait_stream
         self._device_index = device_index
+        self._kernel_below = route.kernel_below if route is not None else 0
+        self._launcher = route.launcher if route is not None else None
         self._closed = False
         self._build = self._build1 if self._ngroups == 1 else self._build_groups
         core = owner.engine._core
@@ -458,14 +510,25 @@ class SingleDirectionHandler:
                 f"{self.direction} job {job_id}: empty transfer (no blocks in any group)"
             )
         if self._device_index is None:  # host backend
-            self._submit(job_id, sp, dp, sz, self.direction, None)
+            self._submit(
+                job_id, sp, dp, sz, self.direction, None, self._kernel_below, self._launcher
+            )
             return True
         # CUDA. The core makes the engine's device current on this thread: give torch its
         # current device back where it differs (a handler on cuda:1 called under cuda:0).
         prev = _get_device()
         ws = self._wait_stream
         try:
-            self._submit(job_id, sp, dp, sz, self.direction, None if ws is None else ws())
+            self._submit(
+                job_id,
+                sp,
+                dp,
+                sz,
+                self.direction,
+                None if ws is None else ws(),
+                self._kernel_below,
+                self._launcher,
+            )
         finally:
             if prev != self._device_index:
                 _maybe_exchange_device(prev)
@@ -690,9 +753,14 @@ class CpuGpuHandlers:
         cpu_caches: KVCaches | None = None,
         backend: str = "auto",
         copy_streams: Any = None,
+        path: str = "auto",
+        kernel_ctas: int = 16,
+        kernel_below: int | None = None,
         **engine_options: Any,
     ) -> None:
         self._lock = threading.Lock()
+        if path not in ("auto", "dma", "kernel"):
+            raise ValueError(f"path must be 'auto', 'dma' or 'kernel', not {path!r}")
         self._shut = False
         if isinstance(num_cpu_blocks, bool) or not isinstance(num_cpu_blocks, (int, np.integer)):
             raise TypeError(f"num_cpu_blocks must be an int, not {type(num_cpu_blocks).__name__}")
@@ -843,11 +911,16 @@ class CpuGpuHandlers:
                 wait_stream = lambda: raw(idx)  # noqa: E731
             else:  # pragma: no cover - older torch
                 wait_stream = lambda: torch.cuda.current_stream(idx).cuda_stream  # noqa: E731
+        # Path selection, once, here: which descriptors a copy kernel moves (see choose_route).
+        route = choose_route(
+            gpu_tables, on_cuda=on_cuda, path=path, kernel_ctas=kernel_ctas, below=kernel_below
+        )
+        self.route = route
         self.gpu_to_cpu_handler = SingleDirectionHandler(
-            self, "d2h", gpu_tables, cpu_tables, wait_stream, device_index
+            self, "d2h", gpu_tables, cpu_tables, wait_stream, device_index, route
         )
         self.cpu_to_gpu_handler = SingleDirectionHandler(
-            self, "h2d", cpu_tables, gpu_tables, None, device_index
+            self, "h2d", cpu_tables, gpu_tables, None, device_index, route
         )
         self.get_finished = self.engine._core.get_finished
 
