@@ -84,6 +84,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--kernel-ctas", type=int, nargs="*", default=[8, 16])
+    ap.add_argument("--h2d-order", default="any", choices=["any", "stream"])
     ap.add_argument(
         "--kernel-max", type=int, default=256 * KiB, help="largest block for the kernel rows"
     )
@@ -105,7 +106,12 @@ def main() -> None:
     stream = torch.cuda.Stream()
     # Both lanes on the benchmark's stream: blockswap, cuda-bindings and the ceiling are all timed
     # by the same events on the same stream.
-    eng = blockswap.Engine("cuda", h2d_stream=stream.cuda_stream, d2h_stream=stream.cuda_stream)
+    eng = blockswap.Engine(
+        "cuda",
+        h2d_stream=stream.cuda_stream,
+        d2h_stream=stream.cuda_stream,
+        h2d_order=args.h2d_order,
+    )
     core = eng._core  # the compiled submit, without the Python wrapper's conversions
     for t in (host, host2, dev):
         eng.register(t)
@@ -225,7 +231,9 @@ def main() -> None:
                 for ctas, gbps in kernel.items():
                     row[f"kernel_{ctas}cta_gbps"] = gbps
                 if prepare_cb is not None:
-                    call = prepare_cb(src, dst, szs, direction == "h2d", stream)
+                    call = prepare_cb(
+                        src, dst, szs, direction == "h2d" and args.h2d_order == "any", stream
+                    )
                     cb_gpu, cb_sub = [], []
                     for i in range(args.reps + 3):
                         start = torch.cuda.Event(enable_timing=True)
@@ -263,7 +271,9 @@ def main() -> None:
         "gpu": torch.cuda.get_device_name(),
         "info": eng.info(),
         "torch": torch.__version__,
-        "command": "python benches/bench_dma.py" + (" --quick" if args.quick else ""),
+        "command": "python benches/bench_dma.py"
+        + (" --quick" if args.quick else "")
+        + f" --h2d-order {args.h2d_order}",
     }
     print(json.dumps(meta))
     if args.json:
