@@ -15,6 +15,7 @@ import json
 import statistics
 import time
 
+import numpy as np
 import torch
 
 import blockswap
@@ -37,9 +38,12 @@ def main() -> None:
                 "writevalue", "write"
             )
             polls, latency = [], []
+            src = np.array([host.data_ptr()], dtype=np.int64)
+            dst = np.array([dev.data_ptr()], dtype=np.int64)
+            size = np.array([4096], dtype=np.int64)
             for j in range(args.reps):
                 t0 = time.perf_counter()
-                core.submit(j, [host.data_ptr()], [dev.data_ptr()], [4096], "h2d", None)
+                core.submit(j, src, dst, size, "h2d", None)
                 got = []
                 while not got:
                     p0 = time.perf_counter()
