@@ -20,9 +20,12 @@ use crate::backend::{
     Submitted,
 };
 use crate::completion::{InFlight, Lane};
-use crate::descriptor::{partition_small, prepare_into, DescriptorError, Direction, Scratch};
+use crate::descriptor::{
+    partition_small, prepare_into, Columns, DescriptorError, Direction, Prepared, Scratch,
+};
 use crate::pool::{Pool, PoolError, PoolStats};
 use crate::region::{MemoryKind, RegionError, RegionTable};
+use crate::table::{expand_into, BlockTable, TableError};
 use crate::transfer::{JobId, TransferResult, TransferState, TransitionError};
 
 /// Engine settings.
@@ -60,6 +63,7 @@ pub enum EngineError {
     Pool(PoolError),
     Backend(BackendError),
     Transition(TransitionError),
+    Table(TableError),
     /// The job id names a transfer whose result has not been reported yet.
     JobIdLive(JobId),
     /// Too many transfers in flight on one direction.
@@ -83,6 +87,7 @@ impl fmt::Display for EngineError {
             EngineError::Pool(e) => e.fmt(f),
             EngineError::Backend(e) => e.fmt(f),
             EngineError::Transition(e) => e.fmt(f),
+            EngineError::Table(e) => e.fmt(f),
             EngineError::JobIdLive(id) => {
                 write!(
                     f,
@@ -118,7 +123,7 @@ macro_rules! from_error {
     )*};
 }
 from_error!(DescriptorError => Descriptor, RegionError => Region, PoolError => Pool,
-    BackendError => Backend, TransitionError => Transition);
+    BackendError => Backend, TransitionError => Transition, TableError => Table);
 
 /// Per-direction counters.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -156,6 +161,10 @@ struct SubmitState {
     buffers: HashMap<u64, HostAlloc>,
     /// Host ranges page-locked through the engine, by address.
     pinned: std::collections::HashSet<u64>,
+    /// Block tables by id (a removed one leaves a hole that the next registration fills).
+    tables: Vec<Option<BlockTable>>,
+    /// Bitset of the destination-uniqueness check, kept clear between transfers.
+    bits: Vec<u64>,
     scratch: Scratch,
 }
 
@@ -213,6 +222,8 @@ impl Engine {
                 live: HashMap::with_capacity(4 * max_in_flight),
                 buffers: HashMap::new(),
                 pinned: Default::default(),
+                tables: Vec::new(),
+                bits: Vec::new(),
                 scratch: Scratch::default(),
             }),
             retired: ArrayQueue::new(4 * max_in_flight),
@@ -292,6 +303,17 @@ impl Engine {
             return self.free_host(start);
         }
         self.check_idle(start)?;
+        if let Some(r) = state.regions.regions().iter().find(|r| r.start == start) {
+            let used =
+                |t: &Option<BlockTable>| t.as_ref().is_some_and(|t| t.overlaps(r.start, r.end));
+            if let Some(table) = state.tables.iter().position(used) {
+                return Err(RegionError::UsedByTable {
+                    start,
+                    table: table as u32,
+                }
+                .into());
+            }
+        }
         state.regions.remove(start)?;
         if state.pinned.remove(&start) {
             // SAFETY: pinned by `pin`, and nothing is in flight.
@@ -385,6 +407,149 @@ impl Engine {
         wait_stream: Option<u64>,
         kernel: Option<(u64, KernelLauncher<'_>)>,
     ) -> Result<(), EngineError> {
+        let coalesce = self.config.coalesce;
+        self.submit_with(
+            job_id,
+            src.len(),
+            direction,
+            wait_stream,
+            kernel,
+            |state, cols| {
+                let SubmitState {
+                    regions, scratch, ..
+                } = state;
+                prepare_into(src, dst, size, direction, regions, coalesce, cols, scratch)
+                    .map_err(EngineError::from)
+            },
+        )
+    }
+
+    /// Registers a block table (see [`crate::table`]): one side of a KV cache, checked once
+    /// against registered memory. `name` and `unit` only shape error messages (see
+    /// [`BlockTable::named`]). Returns its id for [`Engine::submit_blocks`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn register_table(
+        &self,
+        bases: Vec<u64>,
+        strides: Vec<u64>,
+        nbytes: Vec<u64>,
+        num_blocks: u64,
+        kind: MemoryKind,
+        name: &str,
+        unit: u64,
+    ) -> Result<u32, EngineError> {
+        self.check_usable()?;
+        let mut state = self.lock();
+        let table = BlockTable::new(bases, strides, nbytes, num_blocks, kind, &state.regions)?
+            .named(name, unit);
+        let id = state
+            .tables
+            .iter()
+            .position(Option::is_none)
+            .unwrap_or(state.tables.len());
+        if id == state.tables.len() {
+            state.tables.push(None);
+        }
+        state.tables[id] = Some(table);
+        Ok(id as u32)
+    }
+
+    /// Removes a block table. Refused while transfers are in flight.
+    pub fn unregister_table(&self, id: u32) -> Result<(), EngineError> {
+        let mut state = self.lock();
+        match state.tables.get(id as usize) {
+            Some(Some(_)) => {}
+            _ => return Err(TableError::Unknown(id).into()),
+        }
+        self.check_idle(0)?;
+        state.tables[id as usize] = None;
+        Ok(())
+    }
+
+    /// Issues the transfer of blocks `src_ids` of table `src_table` to blocks `dst_ids` of
+    /// `dst_table` (ids as the caller's int64 values): each id is checked against its table and
+    /// destinations must be distinct; descriptors are written straight into the slab.
+    #[allow(clippy::too_many_arguments)]
+    pub fn submit_blocks(
+        &self,
+        job_id: JobId,
+        src_table: u32,
+        src_ids: &[u64],
+        dst_table: u32,
+        dst_ids: &[u64],
+        direction: Direction,
+        wait_stream: Option<u64>,
+        kernel: Option<(u64, KernelLauncher<'_>)>,
+    ) -> Result<(), EngineError> {
+        let coalesce = self.config.coalesce;
+        // The slab size needs the segment count: read it under the lock inside, bounded here by
+        // a first look (tables only change under the same lock, and are checked again inside).
+        let segments = {
+            let state = self.lock();
+            let table = |id: u32| {
+                state
+                    .tables
+                    .get(id as usize)
+                    .and_then(Option::as_ref)
+                    .ok_or(TableError::Unknown(id))
+            };
+            let (s, d) = (table(src_table)?, table(dst_table)?);
+            for (id, t, needed) in [
+                (src_table, s, direction.src_kind()),
+                (dst_table, d, direction.dst_kind()),
+            ] {
+                if t.kind != needed {
+                    return Err(TableError::WrongKind {
+                        table: id,
+                        kind: t.kind,
+                        needed,
+                    }
+                    .into());
+                }
+            }
+            s.segments()
+        };
+        let count = segments.saturating_mul(src_ids.len());
+        self.submit_with(
+            job_id,
+            count,
+            direction,
+            wait_stream,
+            kernel,
+            |state, cols| {
+                let SubmitState {
+                    tables,
+                    bits,
+                    scratch,
+                    ..
+                } = state;
+                let table = |id: u32| {
+                    tables
+                        .get(id as usize)
+                        .and_then(Option::as_ref)
+                        .ok_or(TableError::Unknown(id))
+                };
+                let (s, d) = (table(src_table)?, table(dst_table)?);
+                if s.segments() != segments {
+                    return Err(TableError::Unknown(src_table).into());
+                }
+                expand_into(s, src_ids, d, dst_ids, coalesce, cols, bits, scratch)
+                    .map_err(EngineError::from)
+            },
+        )
+    }
+
+    /// The common part of every submission: job id, in-flight and size limits, a slab, `fill`
+    /// (validate and write the descriptors), the kernel split, the record, the backend.
+    fn submit_with(
+        &self,
+        job_id: JobId,
+        descriptors: usize,
+        direction: Direction,
+        wait_stream: Option<u64>,
+        kernel: Option<(u64, KernelLauncher<'_>)>,
+        fill: impl FnOnce(&mut SubmitState, Columns<'_>) -> Result<Prepared, EngineError>,
+    ) -> Result<(), EngineError> {
         self.check_usable()?;
         if let Some(e) = self.failed_lanes[direction.lane()].get() {
             return Err(e.clone().into());
@@ -403,35 +568,23 @@ impl Engine {
                 max: self.config.max_in_flight,
             });
         }
-        if src.len() > self.config.max_descriptors {
+        if descriptors > self.config.max_descriptors {
             return Err(DescriptorError::TooLarge {
-                len: src.len(),
+                len: descriptors,
                 max: self.config.max_descriptors,
             }
             .into());
         }
 
         let transfer = TransferState::Pending;
-        let mut slab = self.pool.acquire(src.len())?;
-        let SubmitState {
-            regions, scratch, ..
-        } = &mut *state;
-        let prepared = match prepare_into(
-            src,
-            dst,
-            size,
-            direction,
-            regions,
-            self.config.coalesce,
-            slab.columns(),
-            scratch,
-        ) {
+        let mut slab = self.pool.acquire(descriptors)?;
+        let prepared = match fill(&mut state, slab.columns()) {
             Ok(p) => p,
             Err(e) => {
                 // Never issued: the slab goes straight home.
                 self.pool.release(slab);
                 transfer.cancel()?;
-                return Err(e.into());
+                return Err(e);
             }
         };
         slab.set_len(prepared.len);

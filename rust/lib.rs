@@ -6,6 +6,7 @@
 //!
 //! - [`descriptor`]: validation and coalescing of `(src, dst, size)` batches;
 //! - [`region`]: the memory blockswap knows about; every address of a transfer must lie in it;
+//! - [`table`]: block tables, for transfers named by block ids;
 //! - [`pool`]: reused descriptor slabs (page-locked on CUDA), never reused while in flight;
 //! - [`transfer`]: the transfer lifecycle state machine and its results;
 //! - [`completion`]: lock-free completion polling over per-lane sequence numbers;
@@ -21,6 +22,7 @@ pub mod engine;
 pub mod error;
 pub mod pool;
 pub mod region;
+pub mod table;
 pub mod transfer;
 
 #[cfg(feature = "python")]

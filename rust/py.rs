@@ -68,6 +68,7 @@ impl From<EngineError> for PyErr {
         match e {
             EngineError::Descriptor(_)
             | EngineError::Region(_)
+            | EngineError::Table(_)
             | EngineError::JobIdLive(_)
             | EngineError::Pool(PoolError::TooLarge { .. }) => InvalidTransferError::new_err(msg),
             EngineError::Pool(PoolError::Backend(_)) | EngineError::Backend(_) => {
@@ -148,6 +149,27 @@ fn direction(s: &str) -> PyResult<Direction> {
         invalid(format!(
             "direction must be 'h2d', 'd2h', 'h2h' or 'd2d', not {s:?}"
         ))
+    })
+}
+
+/// Calls a Python kernel launcher (re-taking the GIL) for a transfer's kernel part.
+fn call_launcher(launcher: &Py<PyAny>, b: KernelBatch) -> Result<(), String> {
+    Python::attach(|py| {
+        launcher
+            .call1(
+                py,
+                (
+                    b.src,
+                    b.dst,
+                    b.size,
+                    b.len,
+                    b.max_size,
+                    b.alignment,
+                    b.stream,
+                ),
+            )
+            .map(drop)
+            .map_err(|e| e.to_string())
     })
 }
 
@@ -270,33 +292,72 @@ impl PyEngine {
             })
             .into());
         }
-        let launch = |b: KernelBatch| -> Result<(), String> {
-            let launcher = launcher
-                .as_ref()
-                .expect("only routed when a launcher is given");
-            Python::attach(|py| {
-                launcher
-                    .call1(
-                        py,
-                        (
-                            b.src,
-                            b.dst,
-                            b.size,
-                            b.len,
-                            b.max_size,
-                            b.alignment,
-                            b.stream,
-                        ),
-                    )
-                    .map(drop)
-                    .map_err(|e| e.to_string())
-            })
-        };
+        let launch = |b: KernelBatch| call_launcher(launcher.as_ref().expect("routed"), b);
         let kernel = (launcher.is_some() && kernel_below > 0)
             .then_some((kernel_below, &launch as KernelLauncher<'_>));
         py.detach(|| {
             self.engine
                 .submit_routed(job_id, s, d, z, dir, wait_stream, kernel)
+        })
+        .map_err(Into::into)
+    }
+
+    /// Registers a block table (one side of a KV cache: segment `s` of block `b` is `nbytes[s]`
+    /// bytes at `bases[s] + b * strides[s]`), checked once against registered `kind` memory.
+    /// Returns its id for `submit_blocks`.
+    #[pyo3(signature = (bases, strides, nbytes, num_blocks, kind, name = "", unit = 1))]
+    #[allow(clippy::too_many_arguments)]
+    fn register_table(
+        &self,
+        bases: PyReadonlyArray1<'_, i64>,
+        strides: PyReadonlyArray1<'_, i64>,
+        nbytes: PyReadonlyArray1<'_, i64>,
+        num_blocks: u64,
+        kind: &str,
+        name: &str,
+        unit: u64,
+    ) -> PyResult<u32> {
+        let kind = MemoryKind::parse(kind)
+            .ok_or_else(|| invalid(format!("kind must be 'host' or 'device', not {kind:?}")))?;
+        let b = as_u64("bases", &bases)?.to_vec();
+        let st = as_u64("strides", &strides)?.to_vec();
+        let n = as_u64("nbytes", &nbytes)?.to_vec();
+        self.engine
+            .register_table(b, st, n, num_blocks, kind, name, unit)
+            .map_err(Into::into)
+    }
+
+    fn unregister_table(&self, table: u32) -> PyResult<()> {
+        self.engine.unregister_table(table).map_err(Into::into)
+    }
+
+    /// Issues the transfer of blocks `src_ids` of table `src_table` to blocks `dst_ids` of
+    /// `dst_table` (int64 arrays): ids checked against the tables, destinations distinct,
+    /// descriptors written by the core. Routing as for `submit`.
+    #[pyo3(signature = (job_id, src_table, src_ids, dst_table, dst_ids, direction = "h2d",
+        wait_stream = None, kernel_below = 0, launcher = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn submit_blocks(
+        &self,
+        py: Python<'_>,
+        job_id: u64,
+        src_table: u32,
+        src_ids: PyReadonlyArray1<'_, i64>,
+        dst_table: u32,
+        dst_ids: PyReadonlyArray1<'_, i64>,
+        direction: &str,
+        wait_stream: Option<u64>,
+        kernel_below: u64,
+        launcher: Option<Py<PyAny>>,
+    ) -> PyResult<()> {
+        let dir = self::direction(direction)?;
+        let (s, d) = (as_u64("src_ids", &src_ids)?, as_u64("dst_ids", &dst_ids)?);
+        let launch = |b: KernelBatch| call_launcher(launcher.as_ref().expect("routed"), b);
+        let kernel = (launcher.is_some() && kernel_below > 0)
+            .then_some((kernel_below, &launch as KernelLauncher<'_>));
+        py.detach(|| {
+            self.engine
+                .submit_blocks(job_id, src_table, s, dst_table, d, dir, wait_stream, kernel)
         })
         .map_err(Into::into)
     }

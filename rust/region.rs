@@ -64,6 +64,8 @@ pub enum RegionError {
     NotRegistered { start: u64 },
     /// Transfers are in flight: the region cannot be removed now.
     Busy { start: u64, in_flight: usize },
+    /// A block table lies in the region: unregister the table first.
+    UsedByTable { start: u64, table: u32 },
 }
 
 impl fmt::Display for RegionError {
@@ -87,6 +89,10 @@ impl fmt::Display for RegionError {
             RegionError::NotRegistered { start } => {
                 write!(f, "no registered region starts at {start:#x}")
             }
+            RegionError::UsedByTable { start, table } => write!(
+                f,
+                "block table {table} lies in the region at {start:#x}: unregister the table first"
+            ),
             RegionError::Busy { start, in_flight } => write!(
                 f,
                 "region at {start:#x} cannot be removed while {in_flight} transfers are in flight"

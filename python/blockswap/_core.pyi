@@ -59,6 +59,29 @@ class Engine:
         kernel_below: int = 0,
         launcher: Callable[[int, int, int, int, int, int, int], object] | None = None,
     ) -> None: ...
+    def register_table(
+        self,
+        bases: npt.NDArray[np.int64],
+        strides: npt.NDArray[np.int64],
+        nbytes: npt.NDArray[np.int64],
+        num_blocks: int,
+        kind: str,
+        name: str = "",
+        unit: int = 1,
+    ) -> int: ...
+    def unregister_table(self, table: int) -> None: ...
+    def submit_blocks(
+        self,
+        job_id: int,
+        src_table: int,
+        src_ids: npt.NDArray[np.int64],
+        dst_table: int,
+        dst_ids: npt.NDArray[np.int64],
+        direction: str = "h2d",
+        wait_stream: int | None = None,
+        kernel_below: int = 0,
+        launcher: Callable[[int, int, int, int, int, int, int], object] | None = None,
+    ) -> None: ...
     def get_finished(self) -> list[TransferResult]: ...
     def wait(self, job_ids: list[int], timeout: float | None = None) -> None: ...
     def shutdown(self) -> None: ...

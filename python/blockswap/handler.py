@@ -425,6 +425,7 @@ class SingleDirectionHandler:
         wait_stream: Callable[[], int] | None,
         device_index: int | None,
         route: Route | None = None,
+        table_ids: tuple[int, int] | None = None,
     ) -> None:
         if direction not in _SHORT:
             raise ValueError(f"direction must be 'd2h' or 'h2d', not {direction!r}")
@@ -457,8 +458,11 @@ class SingleDirectionHandler:
         self._closed = False
         self._build = self._build1 if self._ngroups == 1 else self._build_groups
         core = owner.engine._core
+        # (source table, destination table) in the core, where the core expands block ids.
+        self._tables = table_ids
         # Hot paths bound straight to the core.
         self._submit = core.submit
+        self._submit_blocks = core.submit_blocks
         self.get_finished = core.get_finished
         self._core_wait = core.wait
         self._core_stats = core.stats
@@ -500,6 +504,35 @@ class SingleDirectionHandler:
             raise ShutdownError("the offloading handlers are shut down")
         if type(job_id) is not int or not 0 <= job_id < _JOB_END:
             job_id = _bad_job_id(job_id)
+        tables = self._tables
+        if tables is not None:
+            # One group: the core checks the ids against its tables (in range, distinct
+            # destinations) and writes the descriptors; only CPU sub-blocks are expanded here.
+            try:
+                src, dst = spec
+                s_ids, d_ids = self._ids(src, dst)
+            except (IndexError, ValueError, TypeError) as e:
+                raise InvalidTransferError(f"{self.direction} job {job_id}: {e}") from e
+            ws = self._wait_stream
+            prev = None if self._device_index is None else _get_device()
+            try:
+                self._submit_blocks(
+                    job_id,
+                    tables[0],
+                    s_ids,
+                    tables[1],
+                    d_ids,
+                    self.direction,
+                    None if ws is None else ws(),
+                    self._kernel_below,
+                    self._launcher,
+                )
+            except InvalidTransferError as e:
+                raise InvalidTransferError(f"{self.direction} job {job_id}: {e}") from e
+            finally:
+                if prev is not None and prev != self._device_index:
+                    _maybe_exchange_device(prev)
+            return True
         try:
             src, dst = spec
             sp, dp, sz = self._build(src, dst)
@@ -533,6 +566,32 @@ class SingleDirectionHandler:
             if prev != self._device_index:
                 _maybe_exchange_device(prev)
         return True
+
+    def _ids(self, src: Any, dst: Any) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """(source ids, destination ids) for the core's block tables: CPU block ids expanded to
+        sub-block ids (offload start-aligned, onload end-aligned). Range and uniqueness checks
+        are the core's."""
+        f = self._factor
+        d2h = self._d2h
+        gpu = _to_ids(src if d2h else dst, "GPU block ids")
+        cpu = _to_ids(dst if d2h else src, "CPU block ids")
+        n = gpu.shape[0]
+        m = cpu.shape[0]
+        if m != -(-n // f):
+            if f == 1:
+                raise ValueError(f"{n} GPU block ids but {m} CPU block ids")
+            raise ValueError(
+                f"{n} GPU blocks take ceil({n} / block_size_factor {f}) = {-(-n // f)} CPU "
+                f"blocks, got {m}"
+            )
+        if f != 1 and n:
+            # Range-check CPU ids before scaling them (no overflow into valid ids).
+            if _max(cpu.view(_U64)) >= self._num_cpu:
+                raise _range_error(cpu, self._num_cpu, "CPU block ids")
+            sub = (cpu[:, None] * f + self._arange).reshape(-1)
+            skip = 0 if d2h else -n % f
+            cpu = sub[skip : skip + n]
+        return (gpu, cpu) if d2h else (cpu, gpu)
 
     def _pairs(
         self, g: int, src: Any, dst: Any
@@ -891,6 +950,20 @@ class CpuGpuHandlers:
                 for start, n in _union_spans(cpu_tables):
                     self.engine.register(start, n, "host")
                     self._registered.append(start)
+                # One group: the core expands block ids itself (see transfer_async), from
+                # tables it checked once against the memory registered above.
+                self._table_ids: tuple[int, int] | None = None
+                if ng == 1:
+                    core = self.engine._core
+                    gt, ct = gpu_tables[0], cpu_tables[0]
+                    self._table_ids = (
+                        core.register_table(
+                            gt.bases, gt.strides, gt.nbytes, gt.num_blocks, "device", "GPU", 1
+                        ),
+                        core.register_table(
+                            ct.bases, ct.strides, ct.nbytes, ct.num_blocks, "host", "CPU", f
+                        ),
+                    )
             except BaseException:
                 self.engine.shutdown()
                 raise
@@ -916,11 +989,19 @@ class CpuGpuHandlers:
             gpu_tables, on_cuda=on_cuda, path=path, kernel_ctas=kernel_ctas, below=kernel_below
         )
         self.route = route
+        tids = self._table_ids
         self.gpu_to_cpu_handler = SingleDirectionHandler(
-            self, "d2h", gpu_tables, cpu_tables, wait_stream, device_index, route
+            self, "d2h", gpu_tables, cpu_tables, wait_stream, device_index, route, tids
         )
         self.cpu_to_gpu_handler = SingleDirectionHandler(
-            self, "h2d", cpu_tables, gpu_tables, None, device_index, route
+            self,
+            "h2d",
+            cpu_tables,
+            gpu_tables,
+            None,
+            device_index,
+            route,
+            None if tids is None else (tids[1], tids[0]),
         )
         self.get_finished = self.engine._core.get_finished
 
@@ -1035,6 +1116,13 @@ class CpuGpuHandlers:
             failed: list[str] = []
             with _KeepDevice(self._device_index):
                 self.engine.shutdown()  # waits for every transfer in flight
+                if self._table_ids is not None:
+                    for tid in self._table_ids:
+                        try:
+                            self.engine._core.unregister_table(tid)
+                        except BlockswapError as e:
+                            failed.append(str(e))
+                    self._table_ids = None
                 for start in self._registered:
                     try:
                         self.engine.unregister(start)

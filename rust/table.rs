@@ -1,0 +1,588 @@
+//! Block tables: transfers named by block ids instead of addresses.
+//!
+//! A KV cache is a few tensors whose blocks sit at fixed strides. A block table describes one
+//! side of it once (segment `s` of block `b` is `nbytes[s]` bytes at `bases[s] + b * strides[s]`),
+//! and is checked once, when registered, against the memory the engine knows: every segment's
+//! whole span must lie in one registered region of the table's kind. A transfer then only names
+//! block ids; [`expand_into`] checks them (in range; destinations unique) and writes the
+//! descriptors straight into a pool slab, segment-major and block-minor so that runs of
+//! consecutive blocks coalesce. No address from the caller is ever copied from unchecked.
+
+use std::fmt;
+
+use crate::descriptor::{check_disjoint, Columns, Prepared, Scratch, Side};
+use crate::region::{MemoryKind, RegionTable};
+
+/// One side of a KV cache: `bases`, `strides` and `nbytes` per segment, `num_blocks` blocks.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BlockTable {
+    pub bases: Vec<u64>,
+    pub strides: Vec<u64>,
+    pub nbytes: Vec<u64>,
+    pub num_blocks: u64,
+    pub kind: MemoryKind,
+    /// How errors name the table's blocks ("GPU", "CPU"); empty: by side.
+    pub name: String,
+    /// Table blocks per caller-visible block (a CPU block of `unit` GPU-sized sub-blocks):
+    /// errors report `id / unit`.
+    pub unit: u64,
+    /// Distinct (segment, block) pairs never share a byte: unique destination block ids then
+    /// prove disjoint destinations without sorting.
+    disjoint: bool,
+}
+
+/// A table or a block-id transfer that cannot be used.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum TableError {
+    /// A segment that is empty, overflows, or whose pages overlap the next block's.
+    BadSegment { segment: usize, reason: String },
+    /// A segment's span is not inside one registered region of the table's kind.
+    NotRegistered {
+        segment: usize,
+        start: u64,
+        len: u64,
+        kind: MemoryKind,
+    },
+    /// No table has this id.
+    Unknown(u32),
+    /// The table's memory is not of the kind the direction needs.
+    WrongKind {
+        table: u32,
+        kind: MemoryKind,
+        needed: MemoryKind,
+    },
+    /// The two tables' segments differ in number or size.
+    Incompatible {
+        src_segments: usize,
+        dst_segments: usize,
+        detail: String,
+    },
+    /// The id lists differ in length.
+    LengthMismatch { src: usize, dst: usize },
+    /// No block.
+    Empty,
+    /// A block id outside the table (negative ids arrive as huge ones), in the caller's units.
+    OutOfRange {
+        name: String,
+        index: usize,
+        id: i64,
+        num_blocks: u64,
+    },
+    /// The same destination block twice in one transfer, in the caller's units.
+    DuplicateDestination { name: String, index: usize, id: u64 },
+}
+
+impl fmt::Display for TableError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            TableError::BadSegment { segment, reason } => {
+                write!(f, "block table segment {segment}: {reason}")
+            }
+            TableError::NotRegistered {
+                segment,
+                start,
+                len,
+                kind,
+            } => write!(
+                f,
+                "block table segment {segment} ([{start:#x}, +{len})) is not inside registered \
+                 {kind} memory"
+            ),
+            TableError::Unknown(id) => write!(f, "no block table {id}"),
+            TableError::WrongKind {
+                table,
+                kind,
+                needed,
+            } => {
+                write!(
+                    f,
+                    "block table {table} is {kind} memory; this direction needs {needed}"
+                )
+            }
+            TableError::Incompatible {
+                src_segments,
+                dst_segments,
+                detail,
+            } => write!(
+                f,
+                "block tables differ: {src_segments} source segments, {dst_segments} destination \
+                 segments{detail}"
+            ),
+            TableError::LengthMismatch { src, dst } => {
+                write!(f, "{src} source block ids but {dst} destination block ids")
+            }
+            TableError::Empty => f.write_str("empty transfer (no block)"),
+            TableError::OutOfRange {
+                name, index, id, ..
+            } if *id < 0 => write!(
+                f,
+                "{name} block ids hold a negative block id ({id}, at position {index})"
+            ),
+            TableError::OutOfRange {
+                name,
+                index,
+                id,
+                num_blocks,
+            } => write!(
+                f,
+                "{name} block ids hold block id {id}, out of range (at position {index}; there \
+                 are {num_blocks} blocks)"
+            ),
+            TableError::DuplicateDestination { name, index, id } => write!(
+                f,
+                "{name} block id {id} is a destination more than once (again at position {index})"
+            ),
+        }
+    }
+}
+
+impl std::error::Error for TableError {}
+
+impl BlockTable {
+    /// Checks a table against `regions` and builds it.
+    pub fn new(
+        bases: Vec<u64>,
+        strides: Vec<u64>,
+        nbytes: Vec<u64>,
+        num_blocks: u64,
+        kind: MemoryKind,
+        regions: &RegionTable,
+    ) -> Result<Self, TableError> {
+        let n = bases.len();
+        if strides.len() != n || nbytes.len() != n || n == 0 || num_blocks == 0 {
+            return Err(TableError::BadSegment {
+                segment: 0,
+                reason: format!(
+                    "{n} bases, {} strides, {} sizes and {num_blocks} blocks: need at least one \
+                     segment and one block, and equal lengths",
+                    strides.len(),
+                    nbytes.len()
+                ),
+            });
+        }
+        let mut spans = Vec::with_capacity(n);
+        for s in 0..n {
+            let (base, stride, size) = (bases[s], strides[s], nbytes[s]);
+            let bad = |reason: &str| TableError::BadSegment {
+                segment: s,
+                reason: reason.into(),
+            };
+            if size == 0 {
+                return Err(bad("zero bytes per page"));
+            }
+            if num_blocks > 1 && stride < size {
+                return Err(bad("the stride between blocks is smaller than a page"));
+            }
+            let len = (num_blocks - 1)
+                .checked_mul(stride)
+                .and_then(|x| x.checked_add(size))
+                .filter(|&len| base.checked_add(len).is_some())
+                .ok_or_else(|| bad("the segment's span overflows the address space"))?;
+            let mut hint = usize::MAX;
+            if regions.locate(base, len, kind, &mut hint).is_none() {
+                return Err(TableError::NotRegistered {
+                    segment: s,
+                    start: base,
+                    len,
+                    kind,
+                });
+            }
+            spans.push((base, len));
+        }
+        spans.sort_unstable();
+        let disjoint = spans.windows(2).all(|w| w[0].0 + w[0].1 <= w[1].0);
+        Ok(BlockTable {
+            bases,
+            strides,
+            nbytes,
+            num_blocks,
+            kind,
+            name: String::new(),
+            unit: 1,
+            disjoint,
+        })
+    }
+
+    /// Names the table's blocks in errors, counting `unit` table blocks per named block.
+    pub fn named(mut self, name: &str, unit: u64) -> Self {
+        self.name = name.to_string();
+        self.unit = unit.max(1);
+        self
+    }
+
+    fn label(&self, side: Side) -> String {
+        match (self.name.is_empty(), side) {
+            (false, _) => self.name.clone(),
+            (true, Side::Src) => "source".into(),
+            (true, Side::Dst) => "destination".into(),
+        }
+    }
+
+    /// Whether the table touches `[start, end)`.
+    pub fn overlaps(&self, start: u64, end: u64) -> bool {
+        (0..self.bases.len()).any(|s| {
+            let len = (self.num_blocks - 1) * self.strides[s] + self.nbytes[s];
+            self.bases[s] < end && start < self.bases[s] + len
+        })
+    }
+
+    pub fn segments(&self) -> usize {
+        self.bases.len()
+    }
+
+    fn compatible(&self, dst: &BlockTable) -> Result<(), TableError> {
+        if self.nbytes == dst.nbytes {
+            return Ok(());
+        }
+        let detail = match (0..self.segments().min(dst.segments()))
+            .find(|&s| self.nbytes[s] != dst.nbytes[s])
+        {
+            Some(s) => format!(
+                "; segment {s} has {} source bytes per page and {} destination bytes",
+                self.nbytes[s], dst.nbytes[s]
+            ),
+            None => String::new(),
+        };
+        Err(TableError::Incompatible {
+            src_segments: self.segments(),
+            dst_segments: dst.segments(),
+            detail,
+        })
+    }
+}
+
+/// Checks block ids and writes the transfer's descriptors into `out`: for each segment, for each
+/// block pair, `(src base + src id * stride, dst base + dst id * stride, nbytes)`, merging a
+/// descriptor into the previous one when both its addresses continue it (same segment only).
+///
+/// Ids are the caller's int64 values read as u64 (negative ones become huge and are refused as
+/// out of range). `bits` is a reusable bitset for the uniqueness check. `out` must have room for
+/// `segments * ids` descriptors.
+#[allow(clippy::too_many_arguments)]
+pub fn expand_into(
+    src: &BlockTable,
+    src_ids: &[u64],
+    dst: &BlockTable,
+    dst_ids: &[u64],
+    coalesce: bool,
+    out: Columns<'_>,
+    bits: &mut Vec<u64>,
+    scratch: &mut Scratch,
+) -> Result<Prepared, TableError> {
+    let n = src_ids.len();
+    if dst_ids.len() != n {
+        return Err(TableError::LengthMismatch {
+            src: n,
+            dst: dst_ids.len(),
+        });
+    }
+    if n == 0 {
+        return Err(TableError::Empty);
+    }
+    src.compatible(dst)?;
+    for (side, ids, table) in [(Side::Src, src_ids, src), (Side::Dst, dst_ids, dst)] {
+        if let Some(index) = ids.iter().position(|&id| id >= table.num_blocks) {
+            let raw = ids[index] as i64;
+            let id = if raw < 0 {
+                raw
+            } else {
+                raw / table.unit as i64
+            };
+            let (name, num_blocks) = (table.label(side), table.num_blocks / table.unit);
+            return Err(TableError::OutOfRange {
+                name,
+                index,
+                id,
+                num_blocks,
+            });
+        }
+    }
+    if let Err(index) = unique(dst_ids, dst.num_blocks, bits) {
+        let (name, id) = (dst.label(Side::Dst), dst_ids[index] / dst.unit);
+        return Err(TableError::DuplicateDestination { name, index, id });
+    }
+
+    let segments = src.segments();
+    assert!(out.src.len() >= segments * n, "slab too small");
+    let mut w = 0usize;
+    let mut bytes = 0u64;
+    let mut max_size = 0u64;
+    let mut bitmask = 0u64;
+    for s in 0..segments {
+        let (sb, ss, db, ds, z) = (
+            src.bases[s],
+            src.strides[s],
+            dst.bases[s],
+            dst.strides[s],
+            src.nbytes[s],
+        );
+        bitmask |= sb | ss | db | ds | z;
+        let start = w;
+        for i in 0..n {
+            // In range by the checks above, and the spans were proven not to overflow.
+            let (a, b) = (sb + src_ids[i] * ss, db + dst_ids[i] * ds);
+            if coalesce
+                && w > start
+                && out.src[w - 1] + out.size[w - 1] == a
+                && out.dst[w - 1] + out.size[w - 1] == b
+            {
+                out.size[w - 1] += z;
+            } else {
+                out.src[w] = a;
+                out.dst[w] = b;
+                out.size[w] = z;
+                w += 1;
+            }
+        }
+        bytes += z * n as u64;
+        max_size = max_size.max(out.size[start..w].iter().copied().max().unwrap_or(0));
+    }
+    if !dst.disjoint {
+        check_disjoint(&out.dst[..w], &out.size[..w], scratch).map_err(|e| {
+            TableError::BadSegment {
+                segment: 0,
+                reason: format!("destination pages of different segments overlap: {e}"),
+            }
+        })?;
+    }
+    // Addresses are base + id * stride: their alignment is that of the bases and strides.
+    let alignment = 1u64 << (bitmask | max_size).trailing_zeros().min(4);
+    Ok(Prepared {
+        len: w,
+        bytes,
+        max_size,
+        alignment,
+    })
+}
+
+/// The position of the first repeated id, if any, with a bitset over `0..num_blocks` left all
+/// clear afterwards.
+fn unique(ids: &[u64], num_blocks: u64, bits: &mut Vec<u64>) -> Result<(), usize> {
+    let words = num_blocks.div_ceil(64) as usize;
+    if bits.len() < words {
+        bits.resize(words, 0);
+    }
+    let mut dup = None;
+    for (i, &id) in ids.iter().enumerate() {
+        let (word, bit) = ((id / 64) as usize, 1u64 << (id % 64));
+        if bits[word] & bit != 0 {
+            dup = Some(i);
+            break;
+        }
+        bits[word] |= bit;
+    }
+    let set = dup.unwrap_or(ids.len());
+    for &id in &ids[..set] {
+        bits[(id / 64) as usize] &= !(1u64 << (id % 64));
+    }
+    dup.map_or(Ok(()), Err)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn regions() -> RegionTable {
+        let mut t = RegionTable::default();
+        t.insert(0x10000, 0x10000, MemoryKind::Device).unwrap();
+        t.insert(0x40000, 0x10000, MemoryKind::Host).unwrap();
+        t
+    }
+
+    /// K/V split: two segments of 64-byte pages, 8 blocks each, padded to a 128-byte stride.
+    fn kv(base: u64, kind: MemoryKind) -> BlockTable {
+        BlockTable::new(
+            vec![base, base + 1024],
+            vec![128, 128],
+            vec![64, 64],
+            8,
+            kind,
+            &regions(),
+        )
+        .unwrap()
+    }
+
+    fn expand(
+        s: &BlockTable,
+        sid: &[u64],
+        d: &BlockTable,
+        did: &[u64],
+    ) -> Result<Vec<(u64, u64, u64)>, TableError> {
+        let n = s.segments() * sid.len().max(1);
+        let (mut a, mut b, mut z) = (vec![0; n], vec![0; n], vec![0; n]);
+        let p = expand_into(
+            s,
+            sid,
+            d,
+            did,
+            true,
+            Columns {
+                src: &mut a,
+                dst: &mut b,
+                size: &mut z,
+            },
+            &mut Vec::new(),
+            &mut Scratch::default(),
+        )?;
+        Ok((0..p.len).map(|i| (a[i], b[i], z[i])).collect())
+    }
+
+    #[test]
+    fn registration_checks_segments_against_memory() {
+        let r = regions();
+        assert!(matches!(
+            BlockTable::new(
+                vec![0x10000],
+                vec![128],
+                vec![64],
+                1024,
+                MemoryKind::Device,
+                &r
+            ),
+            Err(TableError::NotRegistered { segment: 0, .. })
+        ));
+        assert!(matches!(
+            BlockTable::new(vec![0x10000], vec![32], vec![64], 8, MemoryKind::Device, &r),
+            Err(TableError::BadSegment { .. })
+        ));
+        assert!(matches!(
+            BlockTable::new(
+                vec![0x40000],
+                vec![128],
+                vec![64],
+                8,
+                MemoryKind::Device,
+                &r
+            ),
+            Err(TableError::NotRegistered { .. })
+        ));
+        assert!(matches!(
+            BlockTable::new(
+                vec![u64::MAX - 8],
+                vec![128],
+                vec![64],
+                8,
+                MemoryKind::Device,
+                &r
+            ),
+            Err(TableError::BadSegment { .. })
+        ));
+        let t = kv(0x10000, MemoryKind::Device);
+        assert!(t.disjoint);
+        assert!(t.overlaps(0x10000, 0x10001) && !t.overlaps(0x40000, 0x50000));
+    }
+
+    #[test]
+    fn expands_segment_major_and_coalesces_consecutive_blocks() {
+        let g = kv(0x10000, MemoryKind::Device);
+        // Dense pages (stride == page) so consecutive blocks are contiguous.
+        let h = BlockTable::new(
+            vec![0x40000, 0x40000 + 512],
+            vec![64, 64],
+            vec![64, 64],
+            8,
+            MemoryKind::Host,
+            &regions(),
+        )
+        .unwrap();
+        let out = expand(&g, &[3, 5], &h, &[0, 1]).unwrap();
+        assert_eq!(
+            out,
+            vec![
+                (0x10000 + 3 * 128, 0x40000, 64),
+                (0x10000 + 5 * 128, 0x40000 + 64, 64),
+                (0x10400 + 3 * 128, 0x40200, 64),
+                (0x10400 + 5 * 128, 0x40200 + 64, 64),
+            ]
+        );
+        // Host -> host with dense pages on both sides: consecutive ids merge per segment.
+        let out = expand(&h, &[2, 3, 4], &h, &[5, 6, 7]).unwrap();
+        assert_eq!(out, vec![(0x40080, 0x40140, 192), (0x40280, 0x40340, 192)]);
+    }
+
+    #[test]
+    fn refuses_bad_ids_by_name() {
+        let g = kv(0x10000, MemoryKind::Device);
+        let h = kv(0x40000, MemoryKind::Host);
+        assert_eq!(
+            expand(&g, &[1], &h, &[1, 2]),
+            Err(TableError::LengthMismatch { src: 1, dst: 2 })
+        );
+        assert_eq!(expand(&g, &[], &h, &[]), Err(TableError::Empty));
+        let e = expand(&g, &[1, 8], &h, &[1, 2]).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "source block ids hold block id 8, out of range (at position 1; there are 8 blocks)"
+        );
+        let e = expand(&g, &[1], &h, &[(-1i64) as u64]).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "destination block ids hold a negative block id (-1, at position 0)"
+        );
+        let e = expand(&g, &[1, 1, 2], &h, &[4, 5, 4]).unwrap_err();
+        assert_eq!(
+            e,
+            TableError::DuplicateDestination {
+                name: "destination".into(),
+                index: 2,
+                id: 4
+            }
+        );
+        // Named tables count in the caller's units: CPU blocks of 4 sub-blocks.
+        let named = kv(0x40000, MemoryKind::Host).named("CPU", 4);
+        let e = expand(&g, &[1, 2], &named, &[5, 5]).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "CPU block id 1 is a destination more than once (again at position 1)"
+        );
+        // The bitset is left clear: the same ids are fine in the next transfer.
+        let mut bits = Vec::new();
+        assert_eq!(unique(&[4, 5, 4], 8, &mut bits), Err(2));
+        assert!(bits.iter().all(|&w| w == 0));
+        let narrow = BlockTable::new(
+            vec![0x40000],
+            vec![128],
+            vec![32],
+            8,
+            MemoryKind::Host,
+            &regions(),
+        )
+        .unwrap();
+        assert!(matches!(
+            expand(&g, &[1], &narrow, &[1]),
+            Err(TableError::Incompatible { .. })
+        ));
+    }
+
+    #[test]
+    fn overlapping_segments_fall_back_to_a_full_check() {
+        let r = regions();
+        // Two segments whose spans interleave (K and V of one block side by side).
+        let t = BlockTable::new(
+            vec![0x10000, 0x10040],
+            vec![128, 128],
+            vec![64, 64],
+            8,
+            MemoryKind::Device,
+            &r,
+        )
+        .unwrap();
+        assert!(!t.disjoint);
+        let h = kv(0x40000, MemoryKind::Host);
+        assert!(expand(&h, &[0, 1], &t, &[2, 3]).is_ok());
+        // Pages 64 bytes apart that overlap: segment 1 of block b starts inside segment 0's.
+        let bad = BlockTable::new(
+            vec![0x10000, 0x10020],
+            vec![128, 128],
+            vec![64, 64],
+            8,
+            MemoryKind::Device,
+            &r,
+        )
+        .unwrap();
+        assert!(matches!(
+            expand(&h, &[0], &bad, &[0]),
+            Err(TableError::BadSegment { .. })
+        ));
+    }
+}
