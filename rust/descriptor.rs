@@ -345,6 +345,8 @@ pub fn prepare_into(
 pub struct Scratch {
     keys: Vec<u64>,
     pairs: Vec<(u64, u64)>,
+    /// Continuation flags of block-id transfers (see `table::expand_into`).
+    pub(crate) merge: Vec<bool>,
 }
 
 /// Moves the descriptors smaller than `below` to the front of `cols[..len]` (order within a

@@ -593,7 +593,12 @@ impl Engine {
             kernel: None,
         };
         if let Some((below, launch)) = kernel {
-            let (len, max_size, alignment) = partition_small(slab.columns(), prepared.len, below);
+            // Every descriptor small (the usual KV-cache case): no partition pass.
+            let (len, max_size, alignment) = if prepared.max_size < below {
+                (prepared.len, prepared.max_size, prepared.alignment)
+            } else {
+                partition_small(slab.columns(), prepared.len, below)
+            };
             if len > 0 {
                 let batch = KernelBatch {
                     src: slab.column_addr(0),
