@@ -85,6 +85,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--kernel-ctas", type=int, nargs="*", default=[8, 16])
     ap.add_argument("--h2d-order", default="any", choices=["any", "stream"])
+    ap.add_argument("--kernel-warps", type=int, default=4)
+    ap.add_argument("--kernel-block-bytes", type=int, default=16384)
+    ap.add_argument("--sizes", default=None, help="comma-separated block sizes in KiB")
     ap.add_argument(
         "--kernel-max", type=int, default=256 * KiB, help="largest block for the kernel rows"
     )
@@ -95,6 +98,8 @@ def main() -> None:
         else [4 * KiB, 8 * KiB, 16 * KiB, 32 * KiB, 64 * KiB, 256 * KiB, 1 * MiB, 2 * MiB]
     )
     counts = [2560] if args.quick else [2560, 10_000]
+    if args.sizes:
+        sizes = [int(k) * KiB for k in args.sizes.split(",")]
     cap = 2 * GiB
     rng = np.random.default_rng(0)
     prepare_cb = cuda_bindings_batch()
@@ -169,7 +174,14 @@ def main() -> None:
                 gpu, sub, drv = [], [], []
                 kernel = {}
                 for max_ctas in args.kernel_ctas if size <= args.kernel_max else []:
-                    launch = launchers.setdefault(max_ctas, engine_launcher(max_ctas=max_ctas))
+                    launch = launchers.setdefault(
+                        max_ctas,
+                        engine_launcher(
+                            max_ctas=max_ctas,
+                            num_warps=args.kernel_warps,
+                            block_bytes=args.kernel_block_bytes,
+                        ),
+                    )
                     kt = []
                     for i in range(args.reps + 3):
                         job += 1

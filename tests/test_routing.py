@@ -173,3 +173,54 @@ def test_handler_kernel_path_round_trip_on_cpu():
             assert torch.equal(t[:, [12, 13, 1]], t[:, [3, 9, 4]])
     finally:
         h.shutdown()
+
+
+def test_calibration_measures_both_paths_and_keeps_the_cache_intact():
+    import torch
+
+    from blockswap.handler import CpuGpuHandlers
+
+    torch.manual_seed(1)
+    gpu = [torch.randint(0, 255, (2, 8, 4, 1, 8), dtype=torch.uint8) for _ in range(2)]
+    before = [t.clone() for t in gpu]
+    h = CpuGpuHandlers(gpu, 8, layout="kv_split", backend="host", calibrate=True)
+    try:
+        report = h.calibration
+        assert report is not None and set(report) == {"d2h", "h2d"}
+        for r in report.values():
+            assert r["blocks"] == 8 and r["chosen"] in ("dma", "kernel")
+            assert r["dma_gbps"] > 0 and r["kernel_gbps"] > 0
+        for t, b in zip(gpu, before):
+            assert torch.equal(t, b), "calibration put every block back"
+        # Transfers after calibration use the chosen paths and stay exact.
+        h.gpu_to_cpu_handler.transfer_async(1, ([1, 2], [3, 4]))
+        h.wait([1])
+        h.cpu_to_gpu_handler.transfer_async(2, ([3, 4], [6, 7]))
+        h.wait([2])
+        assert all(r.success for r in h.get_finished())
+        for t in gpu:
+            assert torch.equal(t[:, [6, 7]], t[:, [1, 2]])
+    finally:
+        h.shutdown()
+
+
+@pytest.mark.cuda
+def test_cuda_calibration_reports_both_paths():
+    import torch
+
+    from blockswap.handler import CpuGpuHandlers
+
+    gpu = [torch.randn(2, 512, 16, 2, 128, dtype=torch.bfloat16, device="cuda") for _ in range(8)]
+    before = [t.clone() for t in gpu]
+    h = CpuGpuHandlers(gpu, 512, layout="kv_split", calibrate=True)
+    try:
+        report = h.calibration
+        assert report is not None
+        print("calibration", report)
+        for r in report.values():
+            assert r["dma_gbps"] > 0 and r["kernel_gbps"] > 0
+        torch.cuda.synchronize()
+        for t, b in zip(gpu, before):
+            assert torch.equal(t, b)
+    finally:
+        h.shutdown()

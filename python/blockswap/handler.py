@@ -77,7 +77,9 @@ calls leave torch's current device as they found it.
 from __future__ import annotations
 
 import contextlib
+import statistics
 import threading
+import time
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Callable, NamedTuple, Union, cast
@@ -815,6 +817,7 @@ class CpuGpuHandlers:
         path: str = "auto",
         kernel_ctas: int = 16,
         kernel_below: int | None = None,
+        calibrate: bool = False,
         **engine_options: Any,
     ) -> None:
         self._lock = threading.Lock()
@@ -1004,6 +1007,9 @@ class CpuGpuHandlers:
             None if tids is None else (tids[1], tids[0]),
         )
         self.get_finished = self.engine._core.get_finished
+        self.calibration: dict[str, dict[str, Any]] | None = None
+        if calibrate:
+            self.calibration = self._calibrate(kernel_ctas)
 
     # ---- construction helpers ------------------------------------------------------------------
 
@@ -1101,6 +1107,52 @@ class CpuGpuHandlers:
         ``bytes``, ``seconds``, ``gb_per_s``."""
         s = self.engine.stats()
         return {"d2h": dict(s["d2h"]), "h2d": dict(s["h2d"])}
+
+    def _calibrate(self, kernel_ctas: int, reps: int = 5) -> dict[str, dict[str, Any]]:
+        """Measures DMA against the copy kernel on this machine, per direction, and keeps the
+        faster: other GPUs, links and drivers need other thresholds than the built-in one.
+
+        Runs a GPU -> CPU transfer of up to 256 blocks, then CPU -> GPU of the same blocks back
+        into place, so the KV cache's bytes are unchanged. Needs one KV-cache group (the page
+        sizes are then one size class).
+        """
+        from .kernels import engine_launcher
+
+        if self.num_groups != 1:
+            raise ValueError("calibrate=True needs a single KV-cache group")
+        f = self.block_size_factor
+        n = min(self.gpu_tables[0].num_blocks, self.num_cpu_blocks * f, 256)
+        gpu_ids = np.arange(n, dtype=_I64)
+        cpu_ids = np.arange(-(-n // f), dtype=_I64)
+        nbytes = n * int(self.gpu_tables[0].nbytes.sum())
+        launcher = self.route.launcher or engine_launcher(max_ctas=kernel_ctas)
+        report: dict[str, dict[str, Any]] = {}
+        job = _JOB_END - 1
+        for h, spec in (
+            (self.gpu_to_cpu_handler, (gpu_ids, cpu_ids)),
+            (self.cpu_to_gpu_handler, (cpu_ids, gpu_ids)),
+        ):
+            speeds: dict[str, float] = {}
+            for name, below, launch in (("dma", 0, None), ("kernel", 1 << 62, launcher)):
+                h._kernel_below, h._launcher = below, launch
+                times = []
+                for _ in range(reps):
+                    t0 = time.perf_counter()
+                    h.transfer_async(job, spec)
+                    h.wait([job])
+                    times.append(time.perf_counter() - t0)
+                    results = self.get_finished()
+                    if not all(r.success for r in results):
+                        raise BlockswapError(f"calibration transfer failed: {results}")
+                speeds[name] = nbytes / statistics.median(times[1:]) / 1e9
+            chosen = max(speeds, key=speeds.__getitem__)
+            h._kernel_below, h._launcher = (1 << 62, launcher) if chosen == "kernel" else (0, None)
+            report[h.direction] = {
+                "blocks": n,
+                "chosen": chosen,
+                **{f"{k}_gbps": v for k, v in speeds.items()},
+            }
+        return report
 
     def shutdown(self) -> None:
         """Drains the transfers in flight (both directions), then unregisters the memory and frees
