@@ -1112,17 +1112,21 @@ class CpuGpuHandlers:
         """Measures DMA against the copy kernel on this machine, per direction, and keeps the
         faster: other GPUs, links and drivers need other thresholds than the built-in one.
 
-        Runs a GPU -> CPU transfer of up to 256 blocks, then CPU -> GPU of the same blocks back
-        into place, so the KV cache's bytes are unchanged. Needs one KV-cache group (the page
-        sizes are then one size class).
+        Runs a GPU -> CPU transfer of up to 256 scattered blocks, then CPU -> GPU of the same
+        blocks back into place, so the KV cache's bytes are unchanged. Needs one KV-cache group
+        (the page sizes are then one size class).
         """
         from .kernels import engine_launcher
 
         if self.num_groups != 1:
             raise ValueError("calibrate=True needs a single KV-cache group")
         f = self.block_size_factor
-        n = min(self.gpu_tables[0].num_blocks, self.num_cpu_blocks * f, 256)
-        gpu_ids = np.arange(n, dtype=_I64)
+        num_gpu = self.gpu_tables[0].num_blocks
+        # Whole CPU blocks (the load then reads back exactly the sub-blocks the store wrote), and
+        # scattered GPU blocks: consecutive ones would coalesce and flatter DMA.
+        n = max(f, min(num_gpu, self.num_cpu_blocks * f, 256) // f * f)
+        n = min(n, num_gpu)
+        gpu_ids = np.random.default_rng(0).permutation(num_gpu)[:n].astype(_I64)
         cpu_ids = np.arange(-(-n // f), dtype=_I64)
         nbytes = n * int(self.gpu_tables[0].nbytes.sum())
         launcher = self.route.launcher or engine_launcher(max_ctas=kernel_ctas)
