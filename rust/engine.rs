@@ -168,6 +168,33 @@ struct SubmitState {
     scratch: Scratch,
 }
 
+/// The two tables of a block-id transfer, checked against the memory kinds of `direction`.
+fn table_pair(
+    tables: &[Option<BlockTable>],
+    src: u32,
+    dst: u32,
+    direction: Direction,
+) -> Result<(&BlockTable, &BlockTable), TableError> {
+    let get = |id: u32, needed| {
+        let t = tables
+            .get(id as usize)
+            .and_then(Option::as_ref)
+            .ok_or(TableError::Unknown(id))?;
+        if t.kind != needed {
+            return Err(TableError::WrongKind {
+                table: id,
+                kind: t.kind,
+                needed,
+            });
+        }
+        Ok(t)
+    };
+    Ok((
+        get(src, direction.src_kind())?,
+        get(dst, direction.dst_kind())?,
+    ))
+}
+
 /// Set in a forked child (pthread_atfork): nothing of a parent's engine works there.
 static FORKED: AtomicBool = AtomicBool::new(false);
 
@@ -482,32 +509,13 @@ impl Engine {
         kernel: Option<(u64, KernelLauncher<'_>)>,
     ) -> Result<(), EngineError> {
         let coalesce = self.config.coalesce;
-        // The slab size needs the segment count: read it under the lock inside, bounded here by
-        // a first look (tables only change under the same lock, and are checked again inside).
+        // The slab size needs the segment count, read first; tables only change under the
+        // submit lock, and the pair is looked up and checked again under it.
         let segments = {
             let state = self.lock();
-            let table = |id: u32| {
-                state
-                    .tables
-                    .get(id as usize)
-                    .and_then(Option::as_ref)
-                    .ok_or(TableError::Unknown(id))
-            };
-            let (s, d) = (table(src_table)?, table(dst_table)?);
-            for (id, t, needed) in [
-                (src_table, s, direction.src_kind()),
-                (dst_table, d, direction.dst_kind()),
-            ] {
-                if t.kind != needed {
-                    return Err(TableError::WrongKind {
-                        table: id,
-                        kind: t.kind,
-                        needed,
-                    }
-                    .into());
-                }
-            }
-            s.segments()
+            table_pair(&state.tables, src_table, dst_table, direction)?
+                .0
+                .segments()
         };
         let count = segments.saturating_mul(src_ids.len());
         self.submit_with(
@@ -523,13 +531,7 @@ impl Engine {
                     scratch,
                     ..
                 } = state;
-                let table = |id: u32| {
-                    tables
-                        .get(id as usize)
-                        .and_then(Option::as_ref)
-                        .ok_or(TableError::Unknown(id))
-                };
-                let (s, d) = (table(src_table)?, table(dst_table)?);
+                let (s, d) = table_pair(tables, src_table, dst_table, direction)?;
                 if s.segments() != segments {
                     return Err(TableError::Unknown(src_table).into());
                 }

@@ -296,3 +296,96 @@ proptest! {
         prop_assert_eq!(run_case(&c, true), run_case(&c, false));
     }
 }
+
+#[test]
+fn block_tables_move_blocks_by_id_and_pin_their_regions() {
+    // 16 blocks of two 64-byte segments (K and V) on each side.
+    let mut b = Buffers {
+        src: (0..4096u32).map(|i| (i * 13 + 5) as u8).collect(),
+        dst: vec![0; 4096],
+    };
+    let (engine, _) = engine_with(&mut b, EngineConfig::default());
+    let (s, d) = (b.src.as_ptr() as u64, b.dst.as_ptr() as u64);
+    let host = engine
+        .register_table(
+            vec![s, s + 1024],
+            vec![64, 64],
+            vec![64, 64],
+            16,
+            MemoryKind::Host,
+            "CPU",
+            1,
+        )
+        .unwrap();
+    let dev = engine
+        .register_table(
+            vec![d, d + 1024],
+            vec![64, 64],
+            vec![64, 64],
+            16,
+            MemoryKind::Device,
+            "GPU",
+            1,
+        )
+        .unwrap();
+    engine
+        .submit_blocks(
+            1,
+            host,
+            &[3, 4, 9],
+            dev,
+            &[0, 1, 15],
+            Direction::HostToDevice,
+            None,
+            None,
+        )
+        .unwrap();
+    assert!(finish(&engine, &[1])[0].success);
+    for (sb, db) in [(3usize, 0usize), (4, 1), (9, 15)] {
+        for seg in [0usize, 1024] {
+            assert_eq!(
+                b.dst[seg + db * 64..seg + db * 64 + 64],
+                b.src[seg + sb * 64..seg + sb * 64 + 64]
+            );
+        }
+    }
+    // The direction's kinds are enforced, ids are checked, and a table pins its region.
+    assert!(matches!(
+        engine.submit_blocks(
+            2,
+            dev,
+            &[0],
+            host,
+            &[0],
+            Direction::HostToDevice,
+            None,
+            None
+        ),
+        Err(EngineError::Table(_))
+    ));
+    let e = engine
+        .submit_blocks(
+            2,
+            host,
+            &[16],
+            dev,
+            &[0],
+            Direction::HostToDevice,
+            None,
+            None,
+        )
+        .unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "CPU block ids hold block id 16, out of range (at position 0; there are 16 blocks)"
+    );
+    assert!(matches!(
+        engine.unregister(d),
+        Err(EngineError::Region(
+            blockswap::region::RegionError::UsedByTable { .. }
+        ))
+    ));
+    engine.unregister_table(dev).unwrap();
+    engine.unregister(d).unwrap();
+    drop(engine);
+}

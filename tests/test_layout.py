@@ -32,6 +32,7 @@ from blockswap.layout import (
     expand_sub_blocks,
     make_cpu_cache_like,
 )
+from kv_helpers import block_bytes, fill_random, raw, strided
 
 # --------------------------------------------------------------------------------------------
 # Helpers
@@ -44,51 +45,6 @@ def memmove_copy(t: Transfer) -> None:
     assert t.src_ptrs.shape == t.dst_ptrs.shape == t.sizes.shape
     for s, d, n in zip(t.src_ptrs.tolist(), t.dst_ptrs.tolist(), t.sizes.tolist()):
         ctypes.memmove(d, s, n)
-
-
-def raw(t: torch.Tensor) -> torch.Tensor:
-    """The whole storage under ``t`` (padding included) as a 1-D uint8 tensor."""
-    return torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
-
-
-def fill_random(tensors: Sequence[torch.Tensor], gen: torch.Generator) -> None:
-    seen = set()
-    for t in tensors:
-        r = raw(t)
-        if r.data_ptr() not in seen:
-            seen.add(r.data_ptr())
-            r.copy_(torch.randint(0, 256, r.shape, dtype=torch.uint8, generator=gen))
-
-
-def block_bytes(t: torch.Tensor, block_dim: int, b: int) -> torch.Tensor:
-    """Byte positions (in ``raw(t)``) of block ``b``, in logical element order."""
-    isz = t.element_size()
-    elems = t.untyped_storage().nbytes() // isz
-    idx = torch.arange(elems).as_strided(t.shape, t.stride(), t.storage_offset())
-    e = idx.select(block_dim, b).reshape(-1)
-    return (e[:, None] * isz + torch.arange(isz)).reshape(-1)
-
-
-def strided(
-    shape: Sequence[int],
-    dtype: torch.dtype,
-    block_dim: int,
-    *,
-    pad: int = 0,
-    order: Sequence[int] | None = None,
-) -> torch.Tensor:
-    """A tensor of logical ``shape`` over a fresh buffer, dims laid out outermost-first in
-    ``order`` (default: row-major), with ``pad`` extra elements per block (padding)."""
-    nd = len(shape)
-    order = list(range(nd)) if order is None else list(order)
-    strides = [0] * nd
-    acc = 1
-    for k in reversed(order):
-        strides[k] = acc + (pad if k == block_dim else 0)
-        acc = strides[k] * shape[k]
-    isz = torch.empty(0, dtype=dtype).element_size()
-    buf = torch.empty(acc * isz, dtype=torch.uint8)
-    return buf.view(dtype).as_strided(tuple(shape), tuple(strides))
 
 
 def dim_order(t: torch.Tensor) -> list[int]:
