@@ -51,3 +51,16 @@ def strided(
     isz = torch.empty(0, dtype=dtype).element_size()
     buf = torch.empty(acc * isz, dtype=torch.uint8)
     return buf.view(dtype).as_strided(tuple(shape), tuple(strides))
+
+
+def snapshot(tensors: Sequence[torch.Tensor]) -> dict[int, torch.Tensor]:
+    return {raw(t).data_ptr(): raw(t).clone() for t in tensors}
+
+
+def assert_storage(tensors: Sequence[torch.Tensor], expected: dict[int, torch.Tensor]) -> None:
+    for t in tensors:
+        got = raw(t)
+        want = expected[got.data_ptr()]
+        if not torch.equal(got, want):
+            bad = torch.nonzero(got != want).reshape(-1)
+            raise AssertionError(f"{bad.numel()} bytes differ, first at byte {int(bad[0])}")

@@ -32,7 +32,7 @@ from blockswap.handler import (
     store_sub_blocks,
 )
 from blockswap.layout import LAYOUTS, LayoutError
-from kv_helpers import block_bytes, fill_random, raw, strided
+from kv_helpers import assert_storage, block_bytes, fill_random, raw, snapshot, strided
 
 F8 = torch.float8_e4m3fn
 N_GPU = 16  # GPU blocks per group
@@ -42,10 +42,6 @@ FACTORS = [1, 4]
 # --------------------------------------------------------------------------------------------
 # Reference helpers (independent of blockswap)
 # --------------------------------------------------------------------------------------------
-
-
-def snapshot(tensors: Sequence[torch.Tensor]) -> dict[int, torch.Tensor]:
-    return {raw(t).data_ptr(): raw(t).clone() for t in tensors}
 
 
 def apply_move(
@@ -63,15 +59,6 @@ def apply_move(
             ps = block_bytes(ts, block_dim % ts.dim(), bs)
             pd = block_bytes(td, block_dim % td.dim(), bd)
             expected[raw(td).data_ptr()][pd] = src_snap[raw(ts).data_ptr()][ps]
-
-
-def assert_storage(tensors: Sequence[torch.Tensor], expected: dict[int, torch.Tensor]) -> None:
-    for t in tensors:
-        got = raw(t)
-        want = expected[got.data_ptr()]
-        if not torch.equal(got, want):
-            bad = torch.nonzero(got != want).reshape(-1)
-            raise AssertionError(f"{bad.numel()} bytes differ, first at byte {int(bad[0])}")
 
 
 def ref_store_subs(cpu: Sequence[int], n: int, f: int) -> list[int]:

@@ -32,7 +32,7 @@ from blockswap.layout import (
     expand_sub_blocks,
     make_cpu_cache_like,
 )
-from kv_helpers import block_bytes, fill_random, raw, strided
+from kv_helpers import assert_storage, block_bytes, fill_random, raw, snapshot, strided
 
 # --------------------------------------------------------------------------------------------
 # Helpers
@@ -52,10 +52,6 @@ def dim_order(t: torch.Tensor) -> list[int]:
     return sorted(range(t.dim()), key=lambda k: (-t.stride()[k], k))
 
 
-def snapshot(tensors: Sequence[torch.Tensor]) -> dict[int, torch.Tensor]:
-    return {raw(t).data_ptr(): raw(t).clone() for t in tensors}
-
-
 def apply_move(
     expected: dict[int, torch.Tensor],
     src_snap: dict[int, torch.Tensor],
@@ -73,15 +69,6 @@ def apply_move(
             ps = block_bytes(ts, bd_s, bs)
             pd = block_bytes(td, bd_d, bdst)
             expected[raw(td).data_ptr()][pd] = src_snap[raw(ts).data_ptr()][ps]
-
-
-def assert_storage(tensors: Sequence[torch.Tensor], expected: dict[int, torch.Tensor]) -> None:
-    for t in tensors:
-        got = raw(t)
-        want = expected[got.data_ptr()]
-        if not torch.equal(got, want):
-            bad = torch.nonzero(got != want).reshape(-1)
-            raise AssertionError(f"{bad.numel()} bytes differ, first at byte {int(bad[0])}")
 
 
 # --------------------------------------------------------------------------------------------

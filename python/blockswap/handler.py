@@ -569,10 +569,9 @@ class SingleDirectionHandler:
                 _maybe_exchange_device(prev)
         return True
 
-    def _ids(self, src: Any, dst: Any) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-        """(source ids, destination ids) for the core's block tables: CPU block ids expanded to
-        sub-block ids (offload start-aligned, onload end-aligned). Range and uniqueness checks
-        are the core's."""
+    def _gpu_cpu(self, src: Any, dst: Any) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """(GPU ids, CPU sub-block ids) of one transfer: CPU block ids range-checked, then
+        expanded (offload start-aligned, onload end-aligned)."""
         f = self._factor
         d2h = self._d2h
         gpu = _to_ids(src if d2h else dst, "GPU block ids")
@@ -593,7 +592,13 @@ class SingleDirectionHandler:
             sub = (cpu[:, None] * f + self._arange).reshape(-1)
             skip = 0 if d2h else -n % f
             cpu = sub[skip : skip + n]
-        return (gpu, cpu) if d2h else (cpu, gpu)
+        return gpu, cpu
+
+    def _ids(self, src: Any, dst: Any) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """(source ids, destination ids) for the core's block tables. Range and uniqueness checks
+        are the core's."""
+        gpu, cpu = self._gpu_cpu(src, dst)
+        return (gpu, cpu) if self._d2h else (cpu, gpu)
 
     def _pairs(
         self, g: int, src: Any, dst: Any
@@ -602,35 +607,11 @@ class SingleDirectionHandler:
         ids, in ascending destination order."""
         f = self._factor
         d2h = self._d2h
-        if d2h:
-            gpu = _to_ids(src, "GPU block ids")
-            cpu = _to_ids(dst, "CPU block ids")
-        else:
-            cpu = _to_ids(src, "CPU block ids")
-            gpu = _to_ids(dst, "GPU block ids")
+        gpu, cpu = self._gpu_cpu(src, dst)
         n = gpu.shape[0]
-        m = cpu.shape[0]
-        if m != -(-n // f):
-            if f == 1:
-                raise ValueError(f"{n} GPU block ids but {m} CPU block ids")
-            raise ValueError(
-                f"{n} GPU blocks take ceil({n} / block_size_factor {f}) = {-(-n // f)} CPU "
-                f"blocks, got {m}"
-            )
         if n == 0:
             return _EMPTY, _EMPTY
-        num_cpu = self._num_cpu
-        if f != 1:
-            # Range-check CPU ids before scaling them (no overflow), then expand.
-            if _max(cpu.view(_U64)) >= num_cpu:
-                raise _range_error(cpu, num_cpu, "CPU block ids")
-            sub = (cpu[:, None] * f + self._arange).reshape(-1)
-            if d2h:  # store: start-aligned
-                cpu = sub[:n]
-            else:  # load: end-aligned, skip = (-n) % f
-                skip = -n % f
-                cpu = sub[skip : skip + n]
-            num_cpu *= f
+        num_cpu = self._num_cpu * f
         if d2h:
             s, d, s_max, d_max, s_name = gpu, cpu, self._num_gpu[g], num_cpu, "GPU block ids"
         else:
