@@ -437,7 +437,7 @@ impl Engine {
         let coalesce = self.config.coalesce;
         self.submit_with(
             job_id,
-            src.len(),
+            |_| Ok(src.len()),
             direction,
             wait_stream,
             kernel,
@@ -509,18 +509,13 @@ impl Engine {
         kernel: Option<(u64, KernelLauncher<'_>)>,
     ) -> Result<(), EngineError> {
         let coalesce = self.config.coalesce;
-        // The slab size needs the segment count, read first; tables only change under the
-        // submit lock, and the pair is looked up and checked again under it.
-        let segments = {
-            let state = self.lock();
-            table_pair(&state.tables, src_table, dst_table, direction)?
-                .0
-                .segments()
-        };
-        let count = segments.saturating_mul(src_ids.len());
         self.submit_with(
             job_id,
-            count,
+            // The slab holds a descriptor per (segment, block) pair before coalescing.
+            |state| {
+                let (s, _) = table_pair(&state.tables, src_table, dst_table, direction)?;
+                Ok(s.segments().saturating_mul(src_ids.len()))
+            },
             direction,
             wait_stream,
             kernel,
@@ -532,21 +527,19 @@ impl Engine {
                     ..
                 } = state;
                 let (s, d) = table_pair(tables, src_table, dst_table, direction)?;
-                if s.segments() != segments {
-                    return Err(TableError::Unknown(src_table).into());
-                }
                 expand_into(s, src_ids, d, dst_ids, coalesce, cols, bits, scratch)
                     .map_err(EngineError::from)
             },
         )
     }
 
-    /// The common part of every submission: job id, in-flight and size limits, a slab, `fill`
-    /// (validate and write the descriptors), the kernel split, the record, the backend.
+    /// The common part of every submission, under one hold of the submit lock: job id, in-flight
+    /// and size limits, a slab of `descriptors(state)` entries, `fill` (validate and write the
+    /// descriptors), the kernel split, the record, the backend.
     fn submit_with(
         &self,
         job_id: JobId,
-        descriptors: usize,
+        descriptors: impl FnOnce(&SubmitState) -> Result<usize, EngineError>,
         direction: Direction,
         wait_stream: Option<u64>,
         kernel: Option<(u64, KernelLauncher<'_>)>,
@@ -570,6 +563,7 @@ impl Engine {
                 max: self.config.max_in_flight,
             });
         }
+        let descriptors = descriptors(&state)?;
         if descriptors > self.config.max_descriptors {
             return Err(DescriptorError::TooLarge {
                 len: descriptors,
