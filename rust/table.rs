@@ -297,7 +297,7 @@ pub fn expand_into(
             });
         }
     }
-    if let Err(index) = unique(dst_ids, dst.num_blocks, bits) {
+    if let Err(index) = unique(dst_ids, dst.num_blocks, bits, &mut scratch.pairs) {
         let (name, id) = (dst.label(Side::Dst), dst_ids[index] / dst.unit);
         return Err(TableError::DuplicateDestination { name, index, id });
     }
@@ -361,7 +361,9 @@ pub fn expand_into(
             w += n;
             max_size = max_size.max(z);
         }
-        bytes += z * n as u64;
+        // `z * n` fits: the ids are distinct, so `n` pages lie within the segment's span. The sum
+        // wraps only where destinations overlap, which the check below refuses.
+        bytes = bytes.wrapping_add(z * n as u64);
     }
     if !dst.disjoint {
         check_disjoint(&out.dst[..w], &out.size[..w], scratch).map_err(|e| {
@@ -381,10 +383,33 @@ pub fn expand_into(
     })
 }
 
+/// The largest bitset [`unique`] keeps: 8 MiB, a table of 2^26 blocks. Larger tables (only a
+/// pathological registration makes one) are checked by sorting the ids instead, so the bitset
+/// stays bounded whatever the table.
+const MAX_BITSET_WORDS: u64 = 1 << 20;
+
 /// The position of the first repeated id, if any, with a bitset over `0..num_blocks` left all
-/// clear afterwards.
-fn unique(ids: &[u64], num_blocks: u64, bits: &mut Vec<u64>) -> Result<(), usize> {
-    let words = num_blocks.div_ceil(64) as usize;
+/// clear afterwards (or, past [`MAX_BITSET_WORDS`], by sorting `(id, position)` pairs).
+fn unique(
+    ids: &[u64],
+    num_blocks: u64,
+    bits: &mut Vec<u64>,
+    pairs: &mut Vec<(u64, u64)>,
+) -> Result<(), usize> {
+    let words = num_blocks.div_ceil(64);
+    if words > MAX_BITSET_WORDS {
+        pairs.clear();
+        pairs.extend(ids.iter().enumerate().map(|(i, &id)| (id, i as u64)));
+        pairs.sort_unstable();
+        // Within a run of one id the second pair is its first repetition; the earliest of those.
+        return pairs
+            .windows(2)
+            .filter(|w| w[0].0 == w[1].0)
+            .map(|w| w[1].1 as usize)
+            .min()
+            .map_or(Ok(()), Err);
+    }
+    let words = words as usize;
     if bits.len() < words {
         bits.resize(words, 0);
     }
@@ -563,8 +588,21 @@ mod tests {
         );
         // The bitset is left clear: the same ids are fine in the next transfer.
         let mut bits = Vec::new();
-        assert_eq!(unique(&[4, 5, 4], 8, &mut bits), Err(2));
+        assert_eq!(unique(&[4, 5, 4], 8, &mut bits, &mut vec![]), Err(2));
         assert!(bits.iter().all(|&w| w == 0));
+        // A huge table is checked by sorting, not with a bitset of its size (found by the
+        // `expand` fuzz target: 2^50 blocks asked for a 176 TB bitset).
+        let huge = 1u64 << 50;
+        let mut pairs = vec![];
+        assert_eq!(
+            unique(&[7, huge - 1, 3, huge - 1, 7], huge, &mut bits, &mut pairs),
+            Err(3)
+        );
+        assert_eq!(
+            unique(&[7, huge - 1, 3], huge, &mut bits, &mut pairs),
+            Ok(())
+        );
+        assert!(bits.len() <= 1);
         let narrow = BlockTable::new(
             vec![0x40000],
             vec![128],
@@ -577,6 +615,34 @@ mod tests {
         assert!(matches!(
             expand(&g, &[1], &narrow, &[1]),
             Err(TableError::Incompatible { .. })
+        ));
+    }
+
+    #[test]
+    fn overlapping_huge_segments_are_refused_not_summed_past_u64() {
+        // Five destination segments over the same 2^62 bytes: their byte count passes 2^64.
+        let mut r = RegionTable::default();
+        r.insert(0, 1 << 63, MemoryKind::Host).unwrap();
+        r.insert(1 << 63, (1 << 63) - 1, MemoryKind::Device)
+            .unwrap();
+        let table = |base, kind| {
+            BlockTable::new(
+                vec![base; 5],
+                vec![1 << 60; 5],
+                vec![1 << 60; 5],
+                4,
+                kind,
+                &r,
+            )
+            .unwrap()
+        };
+        let (h, g) = (
+            table(0, MemoryKind::Host),
+            table(1 << 63, MemoryKind::Device),
+        );
+        assert!(matches!(
+            expand(&h, &[0, 1, 2, 3], &g, &[0, 1, 2, 3]),
+            Err(TableError::BadSegment { .. })
         ));
     }
 
