@@ -1,35 +1,36 @@
-"""``python -m blockswap`` (also the ``blockswap`` command): info and a short benchmark."""
+"""``python -m blockswap`` (also the ``blockswap`` command): info, and the benchmark suite.
+
+    python -m blockswap info
+    python -m blockswap bench [--full | --tiny] [--out DIR] [--only sweep,handler,bidir,interference]
+
+``bench`` runs the suite's short version unless ``--full`` is given (``bench --help`` lists the
+options; see :mod:`blockswap.bench.suite`). With no command, ``bench`` is run.
+"""
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
-from . import bench
 from .engine import info
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="blockswap", description=__doc__)
-    sub = p.add_subparsers(dest="cmd")
-    b = sub.add_parser("bench", help="scattered-block bandwidth beside the link's ceiling")
-    b.add_argument("--backend", default="auto", choices=["auto", "host", "cuda"])
-    b.add_argument("--full", action="store_true", help="more block sizes, more repetitions")
-    b.add_argument("--blocks", type=int, default=None, help="blocks per transfer (default 2560)")
-    b.add_argument("--json", default=None, help="also write the rows to this JSON file")
-    sub.add_parser("info", help="version, CUDA availability, default backend")
-    args = p.parse_args(argv)
-    if args.cmd == "info":
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["info"]:
         print(json.dumps(info(), indent=1))
         return 0
-    if args.cmd is None:
-        args = p.parse_args(["bench", *(argv or [])])
-    i = info()
-    print(f"blockswap {i['version']}: {i['cuda_status']}")
-    rows = bench.run(backend=args.backend, full=args.full, json_path=args.json, n=args.blocks)
-    print(bench.format_table(rows))
-    return 0
+    if args[:1] in (["-h"], ["--help"]):
+        print(__doc__)
+        return 0
+    if args[:1] == ["bench"]:
+        args = args[1:]
+    elif args and not args[0].startswith("-"):
+        print(f"blockswap: unknown command {args[0]!r} (info, bench)", file=sys.stderr)
+        return 2
+    from .bench import suite
+
+    return suite.main(args, prog="blockswap bench", default_profile="quick")
 
 
 if __name__ == "__main__":

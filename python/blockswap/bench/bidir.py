@@ -1,0 +1,274 @@
+"""Section 3, bidirectional: an offload (device -> host) and an onload (host -> device) at once,
+beside each direction alone and beside the link's ceiling both ways.
+
+Per block size (``bidir_blocks`` scattered blocks, fewer for large blocks so that a direction
+moves at most ``bidir_bytes``) and path (``dma``, ``kernel``): the onload alone, the offload
+alone, and both submitted together on the engine's two lanes (its own stream each). "ceiling" is
+one large pinned copy each way, alone and together. On a GPU every time is CUDA events: one
+start event the two copy streams wait on, one end event per stream; "both" lasts until the later
+end. ``duplex_gain`` is the aggregate over the faster direction alone: 2 where the link carries
+both directions in full, 1 where they share it. On the host backend (memcpy) times are wall clock
+and only the aggregate of "both" is known.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ..engine import Engine
+from .common import address, fmt_bytes, fmt_count, median, scatter
+from .context import Context
+from .sweep import KERNEL_ALL, check_result, kernel_launchers
+
+DIRS = ("h2d", "d2h")
+
+
+def run(ctx: Context) -> dict[str, Any]:
+    p = ctx.profile
+    ceiling = {d: ctx.ceiling(d) for d in DIRS}
+    host, dev = ctx.pools()
+    half = p.cap_bytes // 2
+    # The onload reads the first half of the host buffer into the first half of the device
+    # buffer; the offload writes the second half of the device buffer into the second half of
+    # the host buffer: no byte is read by one direction and written by the other.
+    bufs = {"h2d": (host[:half], dev[:half]), "d2h": (dev[half:], host[half:])}
+    streams: dict[str, Any] = {}
+    if ctx.cuda:
+        import torch
+
+        streams = {d: torch.cuda.Stream() for d in DIRS}
+        eng = Engine(
+            "cuda",
+            h2d_stream=streams["h2d"].cuda_stream,
+            d2h_stream=streams["d2h"].cuda_stream,
+        )
+        eng.register(host)
+        eng.register(dev)
+    else:
+        eng = Engine("host")
+        eng.register(host, kind="host")
+        eng.register(dev, kind="device")
+    launchers, kernel_note, _ = kernel_launchers(ctx)
+    rows: list[dict[str, Any]] = []
+    try:
+        big = min(p.ceiling_bytes, half)
+        rows.append(_measure(ctx, "ceiling", _copiers(ctx, bufs, streams, big), streams, big, 1))
+        for size in p.bidir_sizes:
+            n = min(p.bidir_blocks, p.bidir_bytes // size, half // size)
+            for path in ("dma", "kernel"):
+                if path == "kernel" and (
+                    kernel_note is not None or (not ctx.cuda and n * size > p.interpreter_max_bytes)
+                ):
+                    rows.append(
+                        {
+                            "path": path,
+                            "block_bytes": size,
+                            "blocks": n,
+                            "bytes_per_direction": n * size,
+                            "status": "skipped",
+                            "reason": kernel_note
+                            or "no GPU: the Triton interpreter is too slow for this size",
+                        }
+                    )
+                    continue
+                issuers = _submitters(
+                    ctx, eng, bufs, size, n, launchers if path == "kernel" else None
+                )
+                rows.append(_measure(ctx, path, issuers, streams, n * size, n, size))
+    finally:
+        eng.shutdown()
+    for r in rows:
+        if r["status"] != "ok":
+            continue
+        r["aggregate_fraction_of_ceiling"] = r["aggregate_gbps"] / (ceiling["h2d"] + ceiling["d2h"])
+        r["duplex_gain"] = r["aggregate_gbps"] / max(r["h2d_alone_gbps"], r["d2h_alone_gbps"])
+    return {
+        "rows": rows,
+        "ceiling_gbps": ceiling,
+        "timing": "cuda_events" if ctx.cuda else "wall",
+    }
+
+
+Issuer = tuple[Callable[[], None], Callable[[], None]]
+"""``(issue, finish)``: enqueue one direction's transfer; wait for it."""
+
+
+def _copiers(
+    ctx: Context, bufs: dict[str, tuple[Any, Any]], streams: dict[str, Any], nbytes: int
+) -> Callable[[bool], dict[str, Issuer]]:
+    """The ceiling: one large copy per direction (on the host backend, ``concurrent``: the
+    copies on threads, which numpy lets run at once; else on the calling thread)."""
+
+    def make(concurrent: bool) -> dict[str, Issuer]:
+        return {d: _copier(ctx, *bufs[d], streams.get(d), nbytes, concurrent) for d in DIRS}
+
+    return make
+
+
+def _copier(ctx: Context, src: Any, dst: Any, stream: Any, nbytes: int, threaded: bool) -> Issuer:
+    if ctx.cuda:
+        import torch
+
+        def on_stream() -> None:
+            with torch.cuda.stream(stream):
+                dst[:nbytes].copy_(src[:nbytes], non_blocking=True)
+
+        return on_stream, _nothing
+    if not threaded:
+
+        def inline() -> None:
+            np.copyto(dst[:nbytes], src[:nbytes])
+
+        return inline, _nothing
+    box: list[threading.Thread] = []
+
+    def start() -> None:
+        box.append(threading.Thread(target=np.copyto, args=(dst[:nbytes], src[:nbytes])))
+        box[-1].start()
+
+    def join() -> None:
+        box.pop().join()
+
+    return start, join
+
+
+def _nothing() -> None:
+    return None
+
+
+def _submitters(
+    ctx: Context,
+    eng: Engine,
+    bufs: dict[str, tuple[Any, Any]],
+    size: int,
+    n: int,
+    launchers: dict[str, Any] | None,
+) -> Callable[[bool], dict[str, Issuer]]:
+    """The engine: one transfer of ``n`` scattered blocks per direction, by DMA or (with
+    ``launchers``, one per direction) by the copy kernel."""
+    half = ctx.profile.cap_bytes // 2
+    slots = min(half // size, 4 * n)
+    arrays = {}
+    for d in DIRS:
+        src, dst = bufs[d]
+        s_ids, d_ids = scatter(ctx.rng, n, slots)
+        arrays[d] = (
+            (address(src) + s_ids * size).astype(np.int64),
+            (address(dst) + d_ids * size).astype(np.int64),
+        )
+    szs = np.full(n, size, dtype=np.int64)
+    below = KERNEL_ALL if launchers is not None else 0
+    done: dict[int, Any] = {}  # results polled while waiting for the other direction
+
+    def make(concurrent: bool) -> dict[str, Issuer]:
+        out: dict[str, Issuer] = {}
+        for d in DIRS:
+            j = ctx.job()
+            src, dst = arrays[d]
+
+            launch = launchers[d] if launchers is not None else None
+
+            def issue(
+                j: int = j, src: Any = src, dst: Any = dst, d: str = d, launch: Any = launch
+            ) -> None:
+                eng.submit(j, src, dst, szs, d, kernel_below=below, launcher=launch)
+
+            def finish(j: int = j) -> None:
+                eng.wait([j])
+                for r in eng.get_finished():
+                    done[r.job_id] = r
+                check_result([done.pop(j)] if j in done else [], j)
+
+            out[d] = (issue, finish)
+        return out
+
+    return make
+
+
+def _run_once(
+    ctx: Context,
+    make: Callable[[bool], dict[str, Issuer]],
+    streams: dict[str, Any],
+    dirs: tuple[str, ...],
+) -> dict[str, float]:
+    """Seconds per direction (``"all"``: until the last one ended) of one run of ``dirs``."""
+    issuers = make(len(dirs) > 1)
+    if ctx.cuda:
+        import torch
+
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        for d in dirs:
+            streams[d].wait_event(start)
+        ends = {}
+        for d in dirs:
+            issuers[d][0]()
+        for d in dirs:
+            ends[d] = torch.cuda.Event(enable_timing=True)
+            ends[d].record(streams[d])
+        for d in dirs:
+            issuers[d][1]()
+        out = {}
+        for d in dirs:
+            ends[d].synchronize()
+            out[d] = start.elapsed_time(ends[d]) / 1e3
+        out["all"] = max(out[d] for d in dirs)
+    else:
+        t0 = time.perf_counter()
+        for d in dirs:
+            issuers[d][0]()
+        for d in dirs:
+            issuers[d][1]()
+        out = {"all": time.perf_counter() - t0}
+        if len(dirs) == 1:
+            out[dirs[0]] = out["all"]
+    return out
+
+
+def _measure(
+    ctx: Context,
+    path: str,
+    make: Callable[[bool], dict[str, Issuer]],
+    streams: dict[str, Any],
+    nbytes: int,
+    n: int,
+    size: int | None = None,
+) -> dict[str, Any]:
+    row: dict[str, Any] = {
+        "path": path,
+        "block_bytes": size,
+        "blocks": n,
+        "bytes_per_direction": nbytes,
+        "status": "ok",
+        "reason": None,
+    }
+    try:
+        for label, dirs in (("h2d_alone", ("h2d",)), ("d2h_alone", ("d2h",)), ("both", DIRS)):
+            samples = ctx.repeat(lambda dirs=dirs: _run_once(ctx, make, streams, dirs))
+            if label == "both":
+                row["aggregate_gbps"] = 2 * nbytes / median([s["all"] for s in samples]) / 1e9
+                for d in DIRS:
+                    ts = [s[d] for s in samples if d in s]
+                    row[f"both_{d}_gbps"] = nbytes / median(ts) / 1e9 if ts else None
+            else:
+                row[f"{label}_gbps"] = nbytes / median([s["all"] for s in samples]) / 1e9
+            row["reps"] = len(samples)
+    except Exception as e:
+        row["status"], row["reason"] = "failed", f"{type(e).__name__}: {e}"
+    what = "ceiling (one large copy each way)" if path == "ceiling" else path
+    head = f"bidir {what}" + (
+        f" {fmt_bytes(size)} x {fmt_count(n)}" if size else f" {fmt_bytes(nbytes)}"
+    )
+    if row["status"] == "ok":
+        ctx.log(
+            f"{head}: h2d alone {row['h2d_alone_gbps']:.2f}, d2h alone {row['d2h_alone_gbps']:.2f}, "
+            f"both {row['aggregate_gbps']:.2f} GB/s aggregate"
+        )
+    else:
+        ctx.log(f"{head}: {row['status']} ({row['reason']})")
+    return row

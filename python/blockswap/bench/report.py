@@ -1,0 +1,612 @@
+"""The suite's output: tables a person reads at a glance (markdown, printed and saved as
+``summary.md``), the JSON of every row (``results.json``), and PNG plots (matplotlib, Agg)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from .common import fmt_bytes, fmt_count
+from .sweep import LABELS as SWEEP_LABELS
+
+TABLE_PATHS = ("one_copy", "per_block_copy", "dma", "kernel", "auto")
+
+
+# ---- small helpers ----------------------------------------------------------------------------
+
+
+def _table(head: Sequence[str], rows: Iterable[Sequence[str]], right: Sequence[bool]) -> list[str]:
+    rows = [list(r) for r in rows]
+    widths = [len(h) for h in head]
+    for r in rows:
+        if len(r) == len(head):
+            widths = [max(w, len(c)) for w, c in zip(widths, r)]
+
+    def line(cells: Sequence[str]) -> str:
+        if len(cells) != len(head):  # a note spanning the row
+            return "| " + cells[0] + " |"
+        out = [c.rjust(w) if r else c.ljust(w) for c, w, r in zip(cells, widths, right)]
+        return "| " + " | ".join(out) + " |"
+
+    sep = (
+        "|"
+        + "|".join(
+            ("-" * (w + 1) + ":") if r else (":" + "-" * (w + 1)) for w, r in zip(widths, right)
+        )
+        + "|"
+    )
+    return [line(head), sep] + [line(r) for r in rows]
+
+
+def _g(x: float | None, digits: int = 3) -> str:
+    """GB/s and friends: three significant digits, at most two decimals."""
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    if x >= 100:
+        return f"{x:.0f}"
+    if x >= 10:
+        return f"{x:.1f}"
+    if x >= 0.1:
+        return f"{x:.2f}"
+    return f"{x:.2g}"
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.0f} %"
+
+
+def ok_rows(section: dict[str, Any] | None) -> list[dict[str, Any]]:
+    return [r for r in (section or {}).get("rows", []) if r.get("status") == "ok"]
+
+
+# ---- sweep analysis ---------------------------------------------------------------------------
+
+
+def sweep_points(
+    rows: list[dict[str, Any]],
+) -> dict[tuple[str, int, int], dict[str, dict[str, Any]]]:
+    """``{(direction, N, block): {path: row}}``."""
+    out: dict[tuple[str, int, int], dict[str, dict[str, Any]]] = {}
+    for r in rows:
+        out.setdefault((r["direction"], r["blocks"], r["block_bytes"]), {})[r["path"]] = r
+    return out
+
+
+def auto_vs_best(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per point where auto and both batched paths ran: auto's bandwidth over the better of
+    DMA and kernel."""
+    out = []
+    for (d, n, size), paths in sorted(sweep_points(rows).items()):
+        a, k, m = paths.get("auto"), paths.get("kernel"), paths.get("dma")
+        if not (a and k and m) or any(x["gbps"] is None for x in (a, k, m)):
+            continue
+        best = "kernel" if k["gbps"] >= m["gbps"] else "dma"
+        out.append(
+            {
+                "direction": d,
+                "blocks": n,
+                "block_bytes": size,
+                "chosen": a.get("chosen"),
+                "best": best,
+                "of_best": a["gbps"] / max(k["gbps"], m["gbps"]),
+            }
+        )
+    return out
+
+
+def crossovers(rows: list[dict[str, Any]]) -> dict[str, int | None]:
+    """Per ``"<dir> N=<n>"``: the smallest block size from which DMA is at least as fast as the
+    kernel at every larger size measured (``None``: the kernel stays ahead)."""
+    by: dict[tuple[str, int], list[tuple[int, float, float]]] = {}
+    for (d, n, size), paths in sweep_points(rows).items():
+        k, m = paths.get("kernel"), paths.get("dma")
+        if k and m and k["gbps"] is not None and m["gbps"] is not None:
+            by.setdefault((d, n), []).append((size, m["gbps"], k["gbps"]))
+    out: dict[str, int | None] = {}
+    for (d, n), pts in sorted(by.items()):
+        pts.sort()
+        cross = None
+        for size, dma, kern in reversed(pts):
+            if dma >= kern:
+                cross = size
+            else:
+                break
+        out[f"{d} N={n}"] = cross
+    return out
+
+
+# ---- tables -----------------------------------------------------------------------------------
+
+
+def format_summary(res: dict[str, Any]) -> str:
+    meta = res.get("meta", {})
+    prof = res.get("profile", {})
+    lines = [
+        f"# blockswap benchmark suite: {prof.get('name')} profile, {res.get('backend')} backend",
+        "",
+        f"- machine: {meta.get('gpu') or 'no GPU'}"
+        + (f", driver {meta['driver']}" if meta.get("driver") else "")
+        + (
+            f", PCIe gen {meta['nvidia_smi'].get('pcie.link.gen.max')} x"
+            f"{meta['nvidia_smi'].get('pcie.link.width.max')}"
+            if meta.get("nvidia_smi")
+            else ""
+        )
+        + f"; {meta.get('cpu_count')} CPUs",
+        f"- versions: blockswap {meta.get('blockswap', {}).get('version')}, torch "
+        f"{meta.get('torch')}, triton {meta.get('triton')}, numpy {meta.get('numpy')}, Python "
+        f"{meta.get('python')}",
+        f"- date: {meta.get('time')}; command: `{meta.get('command')}`",
+    ]
+    ceil = res.get("ceiling", {})
+    after = res.get("ceiling_after", {})
+    if ceil:
+        what = next(iter(ceil.values())).get("what", "")
+        c = ", ".join(f"{d} {v['gbps']:.2f} GB/s" for d, v in ceil.items())
+        lines.append(f"- the link's ceiling ({what}): {c}")
+        if after:
+            a = ", ".join(f"{d} {v['gbps']:.2f}" for d, v in after.items())
+            drift = max(abs(after[d]["gbps"] / ceil[d]["gbps"] - 1) for d in after if d in ceil)
+            note = (
+                f" (moved by up to {100 * drift:.0f} %: something else used the machine or the "
+                "link during the run; compare with care)"
+                if drift > 0.1
+                else ""
+            )
+            lines.append(f"  - measured again after the run: {a} GB/s{note}")
+    secs = res.get("sections", {})
+    if secs:
+        parts = []
+        for name, s in secs.items():
+            txt = f"{name} {s['seconds']:.1f} s" if s.get("seconds") is not None else name
+            if s.get("status") != "ok":
+                txt += f" ({s['status']}: {s.get('reason')})"
+            parts.append(txt)
+        lines.append(f"- sections: {'; '.join(parts)}; total {meta.get('wall_s', 0):.1f} s")
+    for name, fmt in (
+        ("sweep", _sweep_tables),
+        ("handler", _handler_table),
+        ("bidir", _bidir_table),
+        ("interference", _interference_table),
+    ):
+        sec = res.get(name)
+        if sec is None:
+            continue
+        lines.append("")
+        if sec.get("skipped"):
+            lines.append(f"## {name}: skipped ({sec['skipped']})")
+            continue
+        if sec.get("failed"):
+            lines.append(f"## {name}: failed ({sec['failed']})")
+            continue
+        lines.extend(fmt(sec, res))
+    return "\n".join(lines) + "\n"
+
+
+def _sweep_tables(sec: dict[str, Any], res: dict[str, Any]) -> list[str]:
+    rows = sec["rows"]
+    points = sweep_points(rows)
+    timing = "CUDA events" if sec.get("timing") == "cuda_events" else "wall clock"
+    out = [
+        "## Sweep: GB/s (percent of the link's ceiling)",
+        "",
+        f"Scattered blocks, {timing}; medians. 'one copy' moves the same bytes in one contiguous "
+        "copy; 'copy_ per block' is one copy call per block; 'auto' is the handler's own choice "
+        "(named in 'chose'), and 'of best' its bandwidth over the better of DMA and kernel. "
+        "'submit' is host time to issue, µs (DMA / kernel / auto).",
+    ]
+    if res.get("backend") == "host":
+        out.append(
+            "Host backend: the ceiling is one large memcpy through DRAM; transfers small enough "
+            "to stay in the CPU's caches beat it (over 100 %)."
+        )
+    notes: dict[str, int] = {}
+
+    def cell(r: dict[str, Any] | None) -> str:
+        if r is None:
+            return "-"
+        if r["status"] == "ok":
+            return f"{_g(r['gbps'])} ({_pct(r.get('fraction_of_ceiling'))})"
+        reason = str(r.get("reason"))
+        if reason not in notes:
+            notes[reason] = len(notes) + 1
+        return f"{r['status']} [{notes[reason]}]"
+
+    vs = {(v["direction"], v["blocks"], v["block_bytes"]): v for v in auto_vs_best(rows)}
+    combos = sorted({(d, n) for d, n, _ in points}, key=lambda x: (x[0] != "h2d", x[1]))
+    for d, n in combos:
+        ceiling = next((r["ceiling_gbps"] for r in rows if r["direction"] == d), None)
+        out += ["", f"### {d}, N = {fmt_count(n)} (ceiling {_g(ceiling)} GB/s)", ""]
+        body = []
+        for size in sorted(s for dd, nn, s in points if (dd, nn) == (d, n)):
+            paths = points[(d, n, size)]
+            if (
+                all(r["status"] == "skipped" for r in paths.values())
+                and len({r["reason"] for r in paths.values()}) == 1
+            ):
+                body.append([f"{fmt_bytes(size)}: skipped, {next(iter(paths.values()))['reason']}"])
+                continue
+            a = paths.get("auto")
+            v = vs.get((d, n, size))
+            sub = "/".join(
+                f"{paths[p]['submit_us']:.0f}"
+                if paths.get(p) and paths[p]["submit_us"] is not None
+                else "-"
+                for p in ("dma", "kernel", "auto")
+            )
+            body.append(
+                [fmt_bytes(size)]
+                + [cell(paths.get(p)) for p in TABLE_PATHS]
+                + [
+                    (a or {}).get("chosen") or "-",
+                    _pct(v["of_best"]) if v else "-",
+                    sub,
+                ]
+            )
+        head = (
+            ["block"] + [SWEEP_LABELS[p] for p in TABLE_PATHS] + ["chose", "of best", "submit µs"]
+        )
+        out += _table(head, body, [True] * 6 + [False, True, True])
+    if notes:
+        out += [""] + [f"[{i}] {reason}" for reason, i in notes.items()]
+    summary = auto_vs_best(rows)
+    if summary:
+        good = [v for v in summary if v["of_best"] >= 0.9]
+        worst = min(summary, key=lambda v: v["of_best"])
+        out += [
+            "",
+            f"- auto reached at least 90 % of the better batched path at {len(good)} of "
+            f"{len(summary)} points (worst: {_pct(worst['of_best'])}, {worst['direction']} "
+            f"{fmt_bytes(worst['block_bytes'])} x {fmt_count(worst['blocks'])}: chose "
+            f"{worst['chosen']}, the faster batched path there was {worst['best']}).",
+        ]
+    cross = crossovers(rows)
+    if cross:
+        txt = "; ".join(f"{k}: {fmt_bytes(v) if v else 'never'}" for k, v in cross.items())
+        out.append(f"- DMA at least as fast as the kernel from this block size up: {txt}.")
+    return out
+
+
+def _handler_table(sec: dict[str, Any], res: dict[str, Any]) -> list[str]:
+    rows = sec["rows"]
+    out = ["## Handler level: real models' KV caches", ""]
+    ok = [r for r in rows if r.get("status") == "ok"]
+    if ok:
+        reps = next((r["reps"] for r in ok if r["path"] == "auto"), None)
+        warm = ok[0].get("warmup")
+        out.append(
+            f"{ok[0]['blocks_per_transfer']} scattered blocks per transfer, every layer; "
+            f"`transfer_async` host time, then `get_finished` polled until done (end to end, "
+            f"wall clock); {warm} warm-up + {reps} measured (auto). Baseline: {sec.get('baseline')}, "
+            "same process."
+        )
+        out.append("")
+    body = []
+    for r in rows:
+        what = f"{r['name']}"
+        path = r["path"] + (f" -> {r['chosen']}" if r["path"] == "auto" and r.get("chosen") else "")
+        if r["status"] != "ok":
+            body.append([f"{what} {r['direction']} {path}: {r['status']}, {r['reason']}"])
+            continue
+        shape = f"{r['layers']} x {fmt_bytes(r['page_bytes'])}" + (
+            f", {r['groups']} groups" if r.get("groups", 1) > 1 else ""
+        )
+        body.append(
+            [
+                what,
+                shape,
+                fmt_bytes(r["bytes_per_transfer"]),
+                r["direction"],
+                path,
+                f"{r['transfer_async_us_median']:.1f} / {r['transfer_async_us_p90']:.1f}",
+                _g(r["gbps"]),
+                _pct(r.get("fraction_of_ceiling")),
+                _g(r.get("baseline_gbps")),
+                f"{r['speedup_vs_baseline']:.1f}x" if r.get("speedup_vs_baseline") else "-",
+                f"{r['get_finished_empty_us']:.2f}" if r.get("get_finished_empty_us") else "",
+            ]
+        )
+    head = [
+        "model",
+        "layers x page",
+        "per transfer",
+        "dir",
+        "path",
+        "transfer_async µs med / p90",
+        "GB/s",
+        "of ceiling",
+        "copy_ per page GB/s",
+        "speedup",
+        "empty poll µs",
+    ]
+    out += _table(
+        head, body, [False, False, True, False, False, True, True, True, True, True, True]
+    )
+    return out
+
+
+def _bidir_table(sec: dict[str, Any], res: dict[str, Any]) -> list[str]:
+    out = [
+        "## Bidirectional: onload and offload at once (GB/s)",
+        "",
+        "'both' runs the two directions together (their own streams); 'aggregate' is the bytes of "
+        "both over the time until the later one ended; 'duplex gain' is the aggregate over the "
+        "faster direction alone (2: full duplex).",
+        "",
+    ]
+    body = []
+    for r in sec["rows"]:
+        block = fmt_bytes(r["block_bytes"]) if r.get("block_bytes") else "one copy"
+        first = [r["path"], block, fmt_count(r["blocks"]), fmt_bytes(r["bytes_per_direction"])]
+        if r["status"] != "ok":
+            body.append(
+                [f"{r['path']} {block} x {fmt_count(r['blocks'])}: {r['status']}, {r['reason']}"]
+            )
+            continue
+        body.append(
+            [
+                *first,
+                _g(r.get("h2d_alone_gbps")),
+                _g(r.get("d2h_alone_gbps")),
+                _g(r.get("both_h2d_gbps")),
+                _g(r.get("both_d2h_gbps")),
+                _g(r.get("aggregate_gbps")),
+                _pct(r.get("aggregate_fraction_of_ceiling")),
+                f"{r['duplex_gain']:.2f}" if r.get("duplex_gain") else "-",
+            ]
+        )
+    head = [
+        "path",
+        "block",
+        "N",
+        "per direction",
+        "h2d alone",
+        "d2h alone",
+        "both: h2d",
+        "both: d2h",
+        "aggregate",
+        "of h2d + d2h ceiling",
+        "duplex gain",
+    ]
+    out += _table(head, body, [False] + [True] * 10)
+    return out
+
+
+def _interference_table(sec: dict[str, Any], res: dict[str, Any]) -> list[str]:
+    out = [
+        "## Interference: a GEMM on the compute stream beside an onload",
+        "",
+        f"{sec.get('gemm')}; copies: {sec.get('copies')}. auto: {sec.get('auto_route')}.",
+        "",
+    ]
+    body = []
+    for r in sec["rows"]:
+        first = [r["path"], str(r["ctas"]) if r.get("ctas") else "-"]
+        if r["status"] != "ok":
+            body.append([f"{' '.join(first)}: {r['status']}, {r['reason']}"])
+            continue
+        body.append(
+            [
+                *first,
+                f"{r['gemm_alone_ms']:.3f}",
+                f"{r['gemm_with_copy_ms']:.3f}",
+                f"{r['slowdown_pct']:+.1f} %",
+                _g(r["copy_gbps_wall"]),
+                "yes" if r.get("copies_outlasted_gemms") else "no",
+            ]
+        )
+    head = [
+        "path",
+        "CTAs",
+        "GEMM alone ms",
+        "beside copies ms",
+        "slowdown",
+        "copies GB/s",
+        "copies outlasted GEMMs",
+    ]
+    out += _table(head, body, [False, True, True, True, True, True, False])
+    return out
+
+
+# ---- files ------------------------------------------------------------------------------------
+
+
+def write_json(res: dict[str, Any], path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1, default=str)
+        f.write("\n")
+
+
+def write_plots(res: dict[str, Any], out_dir: str) -> tuple[list[str], str | None]:
+    """PNG files written (names relative to ``out_dir``), or why none could be."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        return [], f"matplotlib is not installed ({e}): pip install 'blockswap[bench]'"
+    files: list[str] = []
+    for fn in (_plot_sweep, _plot_handler, _plot_bidir, _plot_interference):
+        for name, fig in fn(res, plt):
+            fig.savefig(os.path.join(out_dir, name), dpi=110, bbox_inches="tight")
+            plt.close(fig)
+            files.append(name)
+    return files, None
+
+
+_STYLE = {
+    "one_copy": {"color": "0.6", "linestyle": ":", "marker": "."},
+    "per_block_copy": {"color": "tab:red", "marker": "v"},
+    "dma": {"color": "tab:blue", "marker": "s"},
+    "kernel": {"color": "tab:green", "marker": "^"},
+    "auto": {"color": "black", "marker": "o", "markerfacecolor": "none", "linestyle": "--"},
+}
+
+
+def _plot_sweep(res: dict[str, Any], plt: Any) -> list[tuple[str, Any]]:
+    import matplotlib.ticker
+
+    sec = res.get("sweep") or {}
+    rows = sec.get("rows", [])
+    points = sweep_points(rows)
+    out = []
+    for d, n in sorted({(d, n) for d, n, _ in points}):
+        sizes = sorted(s for dd, nn, s in points if (dd, nn) == (d, n))
+        if not any(r["status"] == "ok" for s in sizes for r in points[(d, n, s)].values()):
+            continue
+        fig, ax = plt.subplots(figsize=(7.5, 4.5))
+        for path in TABLE_PATHS:
+            xs, ys = [], []
+            for s in sizes:
+                r = points[(d, n, s)].get(path)
+                if r and r["status"] == "ok" and r["gbps"]:
+                    xs.append(s)
+                    ys.append(r["gbps"])
+            if xs:
+                ax.plot(xs, ys, label=SWEEP_LABELS[path], **_STYLE[path])
+        ceiling = next((r["ceiling_gbps"] for r in rows if r["direction"] == d), None)
+        if ceiling:
+            ax.axhline(ceiling, color="tab:purple", linestyle="-.", linewidth=1)
+            ax.annotate(
+                f"ceiling {ceiling:.1f} GB/s",
+                (sizes[0], ceiling),
+                xytext=(2, 3),
+                textcoords="offset points",
+                color="tab:purple",
+                fontsize=8,
+            )
+        skipped = [
+            s for s in sizes if all(r["status"] == "skipped" for r in points[(d, n, s)].values())
+        ]
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        lo, hi = ax.get_ylim()
+        few = hi / max(lo, 1e-12) <= 300  # label 2 and 5 between the decades when few decades
+        ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(
+            matplotlib.ticker.FuncFormatter(
+                lambda v, _, few=few: f"{v:g}" if few and f"{v:.0e}"[0] in "25" else ""
+            )
+        )
+        ax.tick_params(axis="y", which="minor", labelsize=7)
+        ax.set_xticks(sizes)
+        ax.set_xticklabels([fmt_bytes(s).replace(" ", "") for s in sizes], rotation=45, fontsize=8)
+        ax.set_xlabel("block size")
+        ax.set_ylabel("GB/s")
+        title = f"{d}, N = {fmt_count(n)} scattered blocks"
+        if skipped:
+            title += f" (skipped over the cap: {', '.join(fmt_bytes(s) for s in skipped)})"
+        ax.set_title(title, fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8, loc="lower right")
+        out.append((f"sweep_{d}_n{n}.png", fig))
+    return out
+
+
+def _plot_handler(res: dict[str, Any], plt: Any) -> list[tuple[str, Any]]:
+    rows = [r for r in ok_rows(res.get("handler")) if r["path"] == "auto"]
+    if not rows:
+        return []
+    models = list(dict.fromkeys(r["name"] for r in rows))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    width = 0.38
+    for i, d in enumerate(("d2h", "h2d")):
+        by = {r["name"]: r for r in rows if r["direction"] == d}
+        xs = [k + (i - 0.5) * width for k in range(len(models))]
+        sp = [by[m]["speedup_vs_baseline"] or 0 if m in by else 0 for m in models]
+        bars = ax1.bar(xs, sp, width, label={"d2h": "GPU -> CPU", "h2d": "CPU -> GPU"}[d])
+        ax1.bar_label(
+            bars, labels=[f"{v:.0f}x" if v >= 10 else f"{v:.1f}x" for v in sp], fontsize=7
+        )
+        gb = [by[m]["gbps"] if m in by else 0 for m in models]
+        base = [by[m].get("baseline_gbps") or 0 if m in by else 0 for m in models]
+        ax2.bar(xs, gb, width, label=f"handler {d}")
+        ax2.scatter(
+            xs,
+            base,
+            marker="_",
+            s=200,
+            color="black",
+            zorder=3,
+            label="copy_ per page" if i else None,
+        )
+    for ax in (ax1, ax2):
+        ax.set_xticks(range(len(models)))
+        ax.set_xticklabels(models, rotation=20, ha="right", fontsize=8)
+        ax.grid(True, axis="y", alpha=0.3)
+    ax1.axhline(1, color="black", linewidth=0.8)
+    ax1.set_ylabel("speedup over one copy_ per page")
+    ax1.set_title("handler speedup per model", fontsize=10)
+    ax1.legend(fontsize=8)
+    ceil = res.get("ceiling", {})
+    for d, style in (("h2d", "-."), ("d2h", ":")):
+        if d in ceil:
+            ax2.axhline(
+                ceil[d]["gbps"],
+                color="tab:purple",
+                linestyle=style,
+                linewidth=1,
+                label=f"ceiling {d}",
+            )
+    ax2.set_ylabel("GB/s end to end")
+    ax2.set_title("handler bandwidth per model", fontsize=10)
+    ax2.legend(fontsize=7, bbox_to_anchor=(1.01, 1), loc="upper left")
+    return [("handler_speedup.png", fig)]
+
+
+def _plot_bidir(res: dict[str, Any], plt: Any) -> list[tuple[str, Any]]:
+    rows = ok_rows(res.get("bidir"))
+    if not rows:
+        return []
+    labels = [
+        r["path"] if not r.get("block_bytes") else f"{r['path']}\n{fmt_bytes(r['block_bytes'])}"
+        for r in rows
+    ]
+    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(rows)), 4.5))
+    width = 0.27
+    for i, (key, name) in enumerate(
+        (
+            ("h2d_alone_gbps", "h2d alone"),
+            ("d2h_alone_gbps", "d2h alone"),
+            ("aggregate_gbps", "both (aggregate)"),
+        )
+    ):
+        xs = [k + (i - 1) * width for k in range(len(rows))]
+        ax.bar(xs, [r.get(key) or 0 for r in rows], width, label=name)
+    ceil = (res.get("bidir") or {}).get("ceiling_gbps", {})
+    if ceil:
+        ax.axhline(
+            sum(ceil.values()),
+            color="tab:purple",
+            linestyle="-.",
+            linewidth=1,
+            label="h2d + d2h ceiling",
+        )
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels(labels, fontsize=8)
+    ax.set_ylabel("GB/s")
+    ax.set_title("bidirectional transfers", fontsize=10)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=4)
+    return [("bidir.png", fig)]
+
+
+def _plot_interference(res: dict[str, Any], plt: Any) -> list[tuple[str, Any]]:
+    rows = ok_rows(res.get("interference"))
+    if not rows:
+        return []
+    labels = [r["path"] + (f"\n{r['ctas']} CTAs" if r.get("ctas") else "") for r in rows]
+    fig, ax = plt.subplots(figsize=(max(5, 1.2 * len(rows)), 4))
+    bars = ax.bar(range(len(rows)), [r["slowdown_pct"] for r in rows], color="tab:orange")
+    ax.bar_label(bars, labels=[f"{r['slowdown_pct']:+.1f} %" for r in rows], fontsize=8)
+    ax.axhline(0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels(labels, fontsize=8)
+    ax.set_ylabel("GEMM slowdown beside the copies, %")
+    ax.set_title("interference with the compute stream", fontsize=10)
+    ax.grid(True, axis="y", alpha=0.3)
+    return [("interference.png", fig)]

@@ -1,0 +1,259 @@
+"""The benchmark suite: one command, four sections, one results folder.
+
+    python benches/suite.py [--quick | --tiny] [--out DIR] [--only sweep,handler,bidir,interference]
+    python -m blockswap bench [--full | --tiny] [--out DIR] [--only ...]   # quick by default
+
+Sections (each beside the link's ceiling, one large copy measured in the same run):
+
+1. ``sweep``: block size x blocks per transfer x direction x path (one copy per block, DMA
+   batch, copy kernel, the handler's automatic choice), :mod:`blockswap.bench.sweep`.
+2. ``handler``: the handler with the KV-cache shapes of real models against one ``copy_`` per
+   page, :mod:`blockswap.bench.handlers`.
+3. ``bidir``: offload and onload at once, :mod:`blockswap.bench.bidir`.
+4. ``interference``: a GEMM on the compute stream beside an onload, per path (GPU only),
+   :mod:`blockswap.bench.interference`.
+
+Output, under ``--out`` (default ``results/<date>-<gpu>[-<profile>]``): ``summary.md`` (the
+tables, also printed), ``results.json`` (metadata and every row, skipped and failed ones
+included, with the reason) and PNG plots. On a GPU it runs the CUDA backend; elsewhere the host
+backend (memcpy), with the Triton kernel under the interpreter at tiny sizes only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ..engine import Engine
+from .common import Progress, cuda_ready, run_metadata, slug
+from .context import SECTIONS, Context, Profile, profile
+
+SCHEMA = 1
+
+
+def _runners() -> dict[str, Callable[..., dict[str, Any]]]:
+    from . import bidir, handlers, interference, sweep
+
+    return {
+        "sweep": sweep.run,
+        "handler": handlers.run,
+        "bidir": bidir.run,
+        "interference": interference.run,
+    }
+
+
+def resolve_backend(backend: str) -> str:
+    if backend == "auto":
+        return "cuda" if cuda_ready() else "host"
+    if backend == "cuda" and not cuda_ready():
+        raise SystemExit("--backend cuda: no usable GPU here (blockswap.info() says why)")
+    if backend not in ("cuda", "host"):
+        raise ValueError(f"backend must be auto, cuda or host, not {backend!r}")
+    return backend
+
+
+def default_out_dir(meta: dict[str, Any], backend: str, profile_name: str) -> str:
+    where = slug(meta.get("gpu") or "") if backend == "cuda" else "host"
+    suffix = "" if profile_name == "full" else f"-{profile_name}"
+    return os.path.join("results", f"{meta['date']}-{where}{suffix}")
+
+
+def run_suite(
+    profile_name: str = "quick",
+    *,
+    backend: str = "auto",
+    sections: Sequence[str] = SECTIONS,
+    out_dir: str | None = None,
+    overrides: dict[str, Any] | None = None,
+    plots: bool = True,
+    verbose: bool = True,
+    argv: Sequence[str] | None = None,
+    section_options: dict[str, dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """Runs ``sections`` and returns the results (the JSON's content). With ``out_dir``, writes
+    ``results.json``, ``summary.md`` and the plots there (``out_dir="default"``: the default
+    folder). ``overrides`` replace fields of the :class:`~blockswap.bench.context.Profile`."""
+    unknown = set(sections) - set(SECTIONS)
+    if unknown:
+        raise ValueError(f"unknown sections {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
+    backend = resolve_backend(backend)
+    if backend == "host" and "blockswap.kernels.copy" not in sys.modules:
+        # No GPU: Triton's kernels can only run under its interpreter, which is chosen when the
+        # kernel module is imported.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    prof: Profile = profile(profile_name, backend)
+    if overrides:
+        prof = dataclasses.replace(prof, **overrides)
+    log = Progress(enabled=verbose)
+    meta = run_metadata(argv)
+    res: dict[str, Any] = {
+        "schema": SCHEMA,
+        "backend": backend,
+        "meta": meta,
+        "profile": dataclasses.asdict(prof),
+        "sections": {},
+    }
+    log(
+        f"blockswap suite: {prof.name} profile, {backend} backend"
+        f"{' on ' + meta['gpu'] if meta.get('gpu') else ''}; sections {', '.join(sections)}"
+    )
+    ctx = Context(prof, backend, log)
+    try:  # the driver, batch-copy ABI and completion mechanism this machine gives the engine
+        eng = Engine(backend)
+        meta["engine"] = dict(eng.info())
+        eng.shutdown()
+    except Exception as e:
+        meta["engine"] = {"error": f"{type(e).__name__}: {e}"}
+    runners = _runners()
+    t_run = time.perf_counter()
+    try:
+        for name in SECTIONS:
+            if name not in sections:
+                continue
+            ctx.start_section()
+            t0 = time.perf_counter()
+            status, reason = "ok", None
+            try:
+                out = runners[name](ctx, **(section_options or {}).get(name, {}))
+            except Exception as e:
+                traceback.print_exc()
+                status, reason = "failed", f"{type(e).__name__}: {e}"
+                out = {"failed": reason, "rows": []}
+            if out.get("skipped"):
+                status, reason = "skipped", out["skipped"]
+            failed_rows = sum(1 for r in out.get("rows", []) if r.get("status") == "failed")
+            res[name] = out
+            res["sections"][name] = {
+                "status": status,
+                "reason": reason,
+                "seconds": time.perf_counter() - t0,
+                "rows": len(out.get("rows", [])),
+                "failed_rows": failed_rows,
+            }
+            log(f"{name}: {status} in {time.perf_counter() - t0:.1f} s")
+        res["ceiling"] = ctx.ceilings
+        if ctx.ceilings:
+            # The same copies again at the end: a ceiling that moved says the run was disturbed.
+            res["ceiling_after"] = {d: ctx.measure_ceiling(d) for d in ctx.ceilings}
+    finally:
+        ctx.free_pools()
+    meta["wall_s"] = time.perf_counter() - t_run
+    if out_dir is not None:
+        from . import report
+
+        if out_dir == "default":
+            out_dir = default_out_dir(meta, backend, prof.name)
+        os.makedirs(out_dir, exist_ok=True)
+        res["out_dir"] = out_dir
+        if plots:
+            files, why = report.write_plots(res, out_dir)
+            res["plots"] = files
+            res["plots_skipped"] = why
+        else:
+            res["plots"], res["plots_skipped"] = [], "--no-plots"
+        with open(os.path.join(out_dir, "summary.md"), "w") as f:
+            f.write(report.format_summary(res))
+        report.write_json(res, os.path.join(out_dir, "results.json"))
+    return res
+
+
+def failures(res: dict[str, Any]) -> int:
+    """Failed sections and failed rows of a run."""
+    return sum(
+        (s["status"] == "failed") + s.get("failed_rows", 0)
+        for s in res.get("sections", {}).values()
+    )
+
+
+def build_parser(prog: str | None = None, default_profile: str = "full") -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog=prog,
+        description="blockswap's benchmark suite: sweep, handler level, bidirectional, "
+        "interference; tables, JSON and PNG plots in one folder.",
+    )
+    g = ap.add_mutually_exclusive_group()
+    for name, what in (
+        ("full", "every size, count, model and path (a few minutes on a GPU)"),
+        ("quick", "the short version (under a minute)"),
+        ("tiny", "seconds: a smoke test of the whole pipeline"),
+    ):
+        g.add_argument(
+            f"--{name}",
+            dest="profile",
+            action="store_const",
+            const=name,
+            help=what + (" [default]" if name == default_profile else ""),
+        )
+    ap.set_defaults(profile=default_profile)
+    ap.add_argument(
+        "--out",
+        default="default",
+        help="results folder (default: results/<date>-<gpu or host>[-<profile>])",
+    )
+    ap.add_argument(
+        "--only",
+        default=",".join(SECTIONS),
+        help=f"comma-separated sections (default: all: {','.join(SECTIONS)})",
+    )
+    ap.add_argument("--backend", default="auto", choices=["auto", "cuda", "host"])
+    ap.add_argument("--models", default=None, help="comma-separated model keys (handler section)")
+    ap.add_argument("--no-plots", action="store_true", help="write no PNG")
+    return ap
+
+
+def main(
+    argv: Sequence[str] | None = None, *, prog: str | None = None, default_profile: str = "full"
+) -> int:
+    args = build_parser(prog, default_profile).parse_args(argv)
+    sections = [s.strip() for s in args.only.split(",") if s.strip()]
+    overrides: dict[str, Any] = {}
+    if args.models:
+        from .models import select
+
+        overrides["models"] = tuple(m.key for m in select(args.models))
+    if prog is None:
+        head = [sys.argv[0]]
+    elif prog.endswith(".py"):
+        head = ["python", prog]
+    else:  # "blockswap bench"
+        head = ["python", "-m", *prog.split()]
+    full_argv = [*head, *(sys.argv[1:] if argv is None else argv)]
+    try:
+        res = run_suite(
+            args.profile,
+            backend=args.backend,
+            sections=sections,
+            out_dir=args.out,
+            overrides=overrides,
+            plots=not args.no_plots,
+            argv=full_argv,
+        )
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    from .report import format_summary
+
+    print()
+    print(format_summary(res))
+    out = res.get("out_dir")
+    if out:
+        files = ["summary.md", "results.json", *res.get("plots", [])]
+        print(f"written to {out}/: {', '.join(files)}")
+        if res.get("plots_skipped"):
+            print(f"no plots: {res['plots_skipped']}")
+    bad = failures(res)
+    if bad:
+        print(
+            f"{bad} failed section(s) or row(s): see the tables and results.json", file=sys.stderr
+        )
+        return 1
+    return 0
+
+
+__all__ = ["SCHEMA", "build_parser", "failures", "main", "run_suite"]

@@ -1,0 +1,372 @@
+"""Section 1, the sweep: block size x blocks per transfer x direction x path, each point beside
+the link's ceiling of the same run.
+
+Paths, at every point (``N`` blocks of one size, scattered: random slots of a buffer four times
+the transfer, so nothing coalesces):
+
+``one_copy``        one copy of the same total bytes, contiguous: what the bytes cost without
+                    the blocks (the ceiling at this transfer size).
+``per_block_copy``  one copy per block: ``Tensor.copy_(non_blocking=True)`` on the copy stream
+                    (GPU), one numpy copy per block (host backend). The loop KV offloading used
+                    before batching.
+``dma``             blockswap's engine, every descriptor to the copy engines in one
+                    ``cuMemcpyBatchAsync`` (memcpy on a worker thread on the host backend).
+``kernel``          blockswap's engine, every descriptor to the Triton copy kernel, launched
+                    as the handler's ``path="kernel"`` configures it for the direction; it
+                    reads the descriptors from the pinned slab in place. On the host backend the
+                    kernel runs under Triton's interpreter, at a few MB/s: only tiny points.
+``auto``            a :class:`~blockswap.handler.CpuGpuHandlers` over the same buffers, pages of
+                    the block size, ``path="auto"``: the path the handler chooses, through its
+                    ``transfer_async``. Its rows name the choice.
+
+GPU time is measured with CUDA events on the copy stream (from before the submission to after
+it, so a slow submission shows), host submission time with ``perf_counter``; on the host backend
+both are wall time. Points whose transfer exceeds the profile's cap are recorded as skipped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ..engine import Engine
+from .common import (
+    address,
+    fmt_bytes,
+    fmt_count,
+    gpu_timed,
+    handler_route,
+    median,
+    route_choice,
+    scatter,
+    wall_timed,
+)
+from .context import Context
+
+PATHS = ("one_copy", "per_block_copy", "dma", "kernel", "auto")
+LABELS = {
+    "one_copy": "one copy, same bytes",
+    "per_block_copy": "copy_ per block",
+    "dma": "DMA batch",
+    "kernel": "kernel",
+    "auto": "auto (handler)",
+}
+SHORT = {
+    "one_copy": "one",
+    "per_block_copy": "copy_",
+    "dma": "dma",
+    "kernel": "kernel",
+    "auto": "auto",
+}
+KERNEL_ALL = 1 << 62  # kernel_below: every descriptor to the kernel
+DIRS = ("h2d", "d2h")
+
+
+def check_result(results: list[Any], job: int) -> None:
+    """Raises unless ``results`` holds ``job``'s result, successful."""
+    for r in results:
+        if r.job_id == job:
+            if not r.success:
+                raise RuntimeError(f"transfer {job} failed: {r.error}")
+            return
+    raise RuntimeError(f"transfer {job}: no result among {results}")
+
+
+class _Handler:
+    """The handler whose automatic choice the ``auto`` rows measure, over the sweep's buffers
+    seen as a one-layer MLA-style cache of ``size``-byte pages."""
+
+    def __init__(self, ctx: Context, size: int) -> None:
+        self.h: Any = None
+        self.chosen: dict[str, str] = {}
+        self.route: dict[str, str] = {}
+        self.error: str | None = None
+        try:
+            import torch
+
+            from ..handler import CpuGpuHandlers
+        except ImportError as e:
+            self.error = f"needs torch ({e})"
+            return
+        host, dev = ctx.pools()
+        slots = ctx.profile.cap_bytes // size
+        if ctx.cuda:
+            gpu = dev[: slots * size].view(slots, 1, size)
+            cpu = host[: slots * size].view(slots, 1, size)
+            opts: dict[str, Any] = {"backend": "cuda", "copy_streams": ctx.stream}
+        else:
+            gpu = torch.from_numpy(dev[: slots * size]).view(slots, 1, size)
+            cpu = torch.from_numpy(host[: slots * size]).view(slots, 1, size)
+            opts = {"backend": "host"}
+        try:
+            self.h = CpuGpuHandlers(gpu, slots, layout="mla", cpu_caches=cpu, path="auto", **opts)
+        except Exception as e:
+            self.error = f"the handler could not be built: {type(e).__name__}: {e}"
+            return
+        for d in DIRS:
+            route = handler_route(self.h, d)
+            self.chosen[d] = route_choice(route, size)
+            self.route[d] = "the handler does not say" if route is None else str(route.reason)
+
+    def shutdown(self) -> None:
+        if self.h is not None:
+            self.h.shutdown()
+            self.h = None
+
+
+def run(ctx: Context) -> dict[str, Any]:
+    p = ctx.profile
+    ceiling = {d: ctx.ceiling(d) for d in ("h2d", "d2h")}
+    host, dev = ctx.pools()
+    if ctx.cuda:
+        eng = Engine("cuda", h2d_stream=ctx.stream.cuda_stream, d2h_stream=ctx.stream.cuda_stream)
+        eng.register(host)
+        eng.register(dev)
+    else:
+        eng = Engine("host")
+        eng.register(host, kind="host")
+        eng.register(dev, kind="device")
+    launchers, kernel_note, kernel_what = kernel_launchers(ctx)
+    rows: list[dict[str, Any]] = []
+    try:
+        for size in p.sizes:
+            handler = _Handler(ctx, size)
+            try:
+                for n in p.counts:
+                    for direction in ("h2d", "d2h"):
+                        launcher = launchers[direction] if launchers else None
+                        point = _point(ctx, eng, launcher, kernel_note, handler, direction, size, n)
+                        for r in point:
+                            r["ceiling_gbps"] = ceiling[direction]
+                            if r["gbps"] is not None:
+                                r["fraction_of_ceiling"] = r["gbps"] / ceiling[direction]
+                        rows.extend(point)
+                        ctx.log(_progress_line(point))
+            finally:
+                handler.shutdown()
+    finally:
+        eng.shutdown()
+    return {
+        "rows": rows,
+        "paths": {k: LABELS[k] for k in PATHS},
+        "timing": "cuda_events" if ctx.cuda else "wall",
+        "cap_bytes": p.cap_bytes,
+        "kernel": kernel_what or kernel_note,
+        "scatter": "N distinct random slots out of min(cap / block, 4 N) on each side",
+        "per_block_copy": (
+            "Tensor.copy_(non_blocking=True), one per block, on the copy stream"
+            if ctx.cuda
+            else "numpy copyto, one per block"
+        ),
+    }
+
+
+def kernel_launchers(ctx: Context) -> tuple[dict[str, Any] | None, str | None, dict[str, str]]:
+    """The copy kernel's launcher per direction, as the handler configures it for
+    ``path="kernel"`` (its engine's defaults where that cannot be read), or ``None`` and why the
+    kernel cannot run here; and a description per direction."""
+    try:
+        import torch
+
+        from ..handler import CpuGpuHandlers
+        from ..kernels import engine_launcher, interpreter_mode
+    except ImportError as e:
+        return None, f"needs torch and triton ({e})", {}
+    if not ctx.cuda and not interpreter_mode():
+        return (
+            None,
+            (
+                "no GPU, and the Triton kernels were built for one: set TRITON_INTERPRET=1 before "
+                "blockswap.kernels is imported"
+            ),
+            {},
+        )
+    try:
+        gpu = torch.zeros((8, 1, 4096), dtype=torch.uint8, device="cuda" if ctx.cuda else "cpu")
+        backend = "cuda" if ctx.cuda else "host"
+        h = CpuGpuHandlers(gpu, 8, layout="mla", path="kernel", backend=backend)
+        try:
+            routes = {d: handler_route(h, d) for d in DIRS}
+        finally:
+            h.shutdown()
+        if all(r is not None and r.launcher is not None for r in routes.values()):
+            launchers = {d: r.launcher for d, r in routes.items()}
+            return (
+                launchers,
+                None,
+                {
+                    d: f"the handler's path='kernel', {str(r.reason).split(':')[0]}"
+                    for d, r in routes.items()
+                },
+            )
+    except Exception:
+        pass
+    launch = engine_launcher(max_ctas=ctx.profile.kernel_ctas)
+    what = f"engine_launcher(max_ctas={ctx.profile.kernel_ctas})"
+    return {d: launch for d in DIRS}, None, {d: what for d in DIRS}
+
+
+def _row(direction: str, size: int, n: int, path: str) -> dict[str, Any]:
+    return {
+        "direction": direction,
+        "block_bytes": size,
+        "blocks": n,
+        "total_bytes": size * n,
+        "path": path,
+        "status": "ok",
+        "reason": None,
+        "gbps": None,
+        "fraction_of_ceiling": None,
+        "time_s": None,
+        "submit_us": None,
+        "reps": 0,
+    }
+
+
+def _point(
+    ctx: Context,
+    eng: Engine,
+    launcher: Any,
+    kernel_note: str | None,
+    handler: _Handler,
+    direction: str,
+    size: int,
+    n: int,
+) -> list[dict[str, Any]]:
+    p = ctx.profile
+    total = size * n
+    rows = {path: _row(direction, size, n, path) for path in PATHS}
+    if total > p.cap_bytes:
+        for r in rows.values():
+            r["status"] = "skipped"
+            r["reason"] = (
+                f"{fmt_bytes(total)} per transfer is over the {fmt_bytes(p.cap_bytes)} cap"
+            )
+        return list(rows.values())
+
+    src_t, dst_t = ctx.src_dst(direction)
+    slots = min(p.cap_bytes // size, 4 * n)
+    s_ids, d_ids = scatter(ctx.rng, n, slots)
+    src = (address(src_t) + s_ids * size).astype(np.int64)
+    dst = (address(dst_t) + d_ids * size).astype(np.int64)
+    szs = np.full(n, size, dtype=np.int64)
+    stream = ctx.stream
+
+    if ctx.cuda:
+        import torch
+
+        def timed(issue: Callable[[], None], finish: Callable[[], None] | None = None) -> Any:
+            return gpu_timed(stream, issue, finish)
+
+        def one_copy() -> None:
+            with torch.cuda.stream(stream):
+                dst_t[:total].copy_(src_t[:total], non_blocking=True)
+
+        s_rows = src_t[: slots * size].view(slots, size)
+        d_rows = dst_t[: slots * size].view(slots, size)
+        pairs = [(s_rows[i], d_rows[j]) for i, j in zip(s_ids.tolist(), d_ids.tolist())]
+
+        def per_block() -> None:
+            with torch.cuda.stream(stream):
+                for s, d in pairs:
+                    d.copy_(s, non_blocking=True)
+
+    else:
+
+        def timed(issue: Callable[[], None], finish: Callable[[], None] | None = None) -> Any:
+            return wall_timed(issue, finish or (lambda: None))
+
+        def one_copy() -> None:
+            np.copyto(dst_t[:total], src_t[:total])
+
+        s_rows = src_t[: slots * size].reshape(slots, size)
+        d_rows = dst_t[: slots * size].reshape(slots, size)
+        pairs = [(s_rows[i], d_rows[j]) for i, j in zip(s_ids.tolist(), d_ids.tolist())]
+
+        def per_block() -> None:
+            for s, d in pairs:
+                np.copyto(d, s)
+
+    def engine_path(kernel: bool) -> Callable[[], Any]:
+        below, launch = (KERNEL_ALL, launcher) if kernel else (0, None)
+
+        def measure() -> Any:
+            j = ctx.job()
+
+            def issue() -> None:
+                eng.submit(j, src, dst, szs, direction, kernel_below=below, launcher=launch)
+
+            def finish() -> None:
+                eng.wait([j])
+                check_result(eng.get_finished(), j)
+
+            return timed(issue, finish)
+
+        return measure
+
+    def auto() -> Any:
+        h = handler.h
+        one = h.gpu_to_cpu_handler if direction == "d2h" else h.cpu_to_gpu_handler
+        j = ctx.job()
+
+        def issue() -> None:
+            one.transfer_async(j, (s_ids, d_ids))
+
+        def finish() -> None:
+            h.wait([j])
+            check_result(h.get_finished(), j)
+
+        return timed(issue, finish)
+
+    measures: dict[str, Callable[[], Any] | str] = {
+        "one_copy": lambda: timed(one_copy),
+        "per_block_copy": lambda: timed(per_block),
+        "dma": engine_path(False),
+    }
+    if kernel_note is not None:
+        measures["kernel"] = f"kernel skipped: {kernel_note}"
+    elif not ctx.cuda and total > p.interpreter_max_bytes:
+        measures["kernel"] = (
+            "no GPU: the Triton interpreter copies at a few MB/s, so it runs only up to "
+            f"{fmt_bytes(p.interpreter_max_bytes)} per transfer"
+        )
+    else:
+        measures["kernel"] = engine_path(True)
+    measures["auto"] = auto if handler.error is None else handler.error
+
+    for path, m in measures.items():
+        r = rows[path]
+        if isinstance(m, str):
+            r["status"], r["reason"] = "skipped", m
+            continue
+        try:
+            samples = ctx.repeat(m)
+        except Exception as e:
+            r["status"], r["reason"] = "failed", f"{type(e).__name__}: {e}"
+            continue
+        t = median([s[0] for s in samples])
+        r["time_s"] = t
+        r["submit_us"] = median([s[1] for s in samples]) * 1e6
+        r["gbps"] = total / t / 1e9 if t > 0 else None
+        r["reps"] = len(samples)
+    rows["auto"]["chosen"] = handler.chosen.get(direction)
+    rows["auto"]["route"] = handler.route.get(direction)
+    return list(rows.values())
+
+
+def _progress_line(point: list[dict[str, Any]]) -> str:
+    r0 = point[0]
+    head = (
+        f"sweep {r0['direction']} {fmt_bytes(r0['block_bytes']):>7} x {fmt_count(r0['blocks']):>6}:"
+    )
+    if all(r["status"] == "skipped" for r in point) and point[0]["reason"]:
+        return f"{head} skipped ({point[0]['reason']})"
+    parts = []
+    for r in point:
+        v = f"{r['gbps']:.2f}" if r["gbps"] is not None else r["status"]
+        if r["path"] == "auto" and r.get("chosen"):
+            v += f" ({r['chosen']})"
+        parts.append(f"{SHORT[r['path']]} {v}")
+    return f"{head} " + " | ".join(parts) + " GB/s"

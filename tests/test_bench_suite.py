@@ -1,0 +1,217 @@
+"""The benchmark suite end to end on the host backend, with its tiny profile (a few seconds): the
+JSON's schema, the tables, the plots. Figures are checked for sanity, never for speed."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from blockswap.__main__ import main as cli_main
+from blockswap.bench import SECTIONS, profile, suite
+from blockswap.bench.models import MODELS
+from blockswap.bench.sweep import PATHS
+from blockswap.kernels import interpreter_mode
+
+TINY = profile("tiny", "host")
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
+    out = tmp_path_factory.mktemp("suite")
+    res = suite.run_suite(
+        "tiny", backend="host", out_dir=str(out), verbose=False, argv=["suite", "--tiny"]
+    )
+    return res, out
+
+
+@pytest.fixture(scope="module")
+def saved(run: tuple[dict[str, Any], Path]) -> dict[str, Any]:
+    return json.loads((run[1] / "results.json").read_text())
+
+
+def _positive(x: Any) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def test_metadata_sections_and_ceiling(saved: dict[str, Any]) -> None:
+    assert saved["schema"] == suite.SCHEMA
+    assert saved["backend"] == "host"
+    meta = saved["meta"]
+    for key in ("date", "time", "command", "python", "numpy", "torch", "triton", "blockswap"):
+        assert meta.get(key), key
+    assert meta["command"] == "suite --tiny"
+    assert meta["engine"]["backend"] == "host"
+    assert _positive(meta["wall_s"])
+    assert saved["profile"]["name"] == "tiny"
+    assert list(saved["sections"]) == list(SECTIONS)
+    for name, s in saved["sections"].items():
+        assert s["status"] == ("skipped" if name == "interference" else "ok"), (name, s)
+        assert s["failed_rows"] == 0
+        assert s["seconds"] >= 0
+    assert "GPU" in saved["sections"]["interference"]["reason"]
+    for key in ("ceiling", "ceiling_after"):
+        assert set(saved[key]) == {"h2d", "d2h"}
+        for c in saved[key].values():
+            assert _positive(c["gbps"]) and c["bytes"] == TINY.ceiling_bytes and c["what"]
+    assert suite.failures(saved) == 0
+
+
+def test_sweep_has_every_point_and_path(saved: dict[str, Any]) -> None:
+    sec = saved["sweep"]
+    rows = sec["rows"]
+    keys = {(r["direction"], r["block_bytes"], r["blocks"], r["path"]) for r in rows}
+    want = set(itertools.product(("h2d", "d2h"), TINY.sizes, TINY.counts, PATHS))
+    assert keys == want and len(rows) == len(want)
+    ceiling = {d: c["gbps"] for d, c in saved["ceiling"].items()}
+    for r in rows:
+        assert r["total_bytes"] == r["block_bytes"] * r["blocks"]
+        if r["total_bytes"] > TINY.cap_bytes:  # recorded as skipped, with the reason
+            assert r["status"] == "skipped" and "cap" in r["reason"], r
+            assert r["gbps"] is None
+            continue
+        if r["path"] == "kernel" and (
+            not interpreter_mode() or r["total_bytes"] > TINY.interpreter_max_bytes
+        ):
+            assert r["status"] == "skipped" and r["reason"], r
+            continue
+        assert r["status"] == "ok", r
+        assert _positive(r["gbps"]) and _positive(r["time_s"]) and r["reps"] >= 1
+        assert r["submit_us"] >= 0
+        assert r["ceiling_gbps"] == ceiling[r["direction"]]
+        assert r["fraction_of_ceiling"] == pytest.approx(r["gbps"] / r["ceiling_gbps"])
+        # Host backend: small transfers run from the CPU's caches and may beat one large memcpy,
+        # but not by orders of magnitude.
+        assert 0 < r["fraction_of_ceiling"] < 100
+        if r["path"] == "auto":
+            assert r["chosen"] == "dma" and "host" in r["route"]
+    # The tiniest point ran the Triton kernel too, under the interpreter (which the test
+    # session turns on where there is no GPU).
+    tiny_kernel = [r for r in rows if r["path"] == "kernel" and r["status"] == "ok"]
+    want_kernel = {(1024, 16)} if interpreter_mode() else set()
+    assert {(r["block_bytes"], r["blocks"]) for r in tiny_kernel} == want_kernel
+
+
+def test_handler_rows_for_every_model(saved: dict[str, Any]) -> None:
+    rows = saved["handler"]["rows"]
+    assert {(r["model"], r["direction"]) for r in rows} == {
+        (m.key, d) for m in MODELS for d in ("d2h", "h2d")
+    }
+    for r in rows:
+        assert r["status"] == "ok" and r["path"] == "auto", r
+        assert r["layers"] <= max(TINY.handler_max_layers or 0, r["groups"])
+        assert r["blocks_per_transfer"] == TINY.handler_blocks
+        assert r["reps"] == TINY.handler_reps
+        for key in (
+            "gbps",
+            "transfer_async_us_median",
+            "transfer_async_us_p90",
+            "baseline_gbps",
+            "speedup_vs_baseline",
+            "get_finished_empty_us",
+        ):
+            assert _positive(r[key]), (key, r)
+        assert r["speedup_vs_baseline"] == pytest.approx(r["gbps"] / r["baseline_gbps"])
+        assert 0 < r["fraction_of_ceiling"] < 100
+        assert r["baseline_copies"] == r["pages_per_transfer"]
+    hybrid = [r for r in rows if r["model"] == "gpt-oss-120b"]
+    assert all(r["groups"] == 2 for r in hybrid)
+
+
+def test_bidir_rows(saved: dict[str, Any]) -> None:
+    rows = {(r["path"], r["block_bytes"]): r for r in saved["bidir"]["rows"]}
+    assert ("ceiling", None) in rows
+    for size in TINY.bidir_sizes:
+        assert rows[("dma", size)]["status"] == "ok"
+        assert rows[("kernel", size)]["status"] == "skipped"
+    for r in rows.values():
+        if r["status"] != "ok":
+            assert r["reason"]
+            continue
+        for key in ("h2d_alone_gbps", "d2h_alone_gbps", "aggregate_gbps", "duplex_gain"):
+            assert _positive(r[key]), (key, r)
+        assert 0 < r["aggregate_fraction_of_ceiling"] < 100
+
+
+def test_summary_tables(run: tuple[dict[str, Any], Path]) -> None:
+    text = (run[1] / "summary.md").read_text()
+    for head in (
+        "## Sweep",
+        "### h2d, N = 16",
+        "### d2h, N = 256",
+        "## Handler level",
+        "## Bidirectional",
+        "## interference: skipped",
+    ):
+        assert head in text, head
+    for m in MODELS:
+        assert m.name in text
+    assert "over the 4 MiB cap" in text  # a skipped point is shown, not dropped
+    table_rows = [line for line in text.splitlines() if line.startswith("| ")]
+    assert len(table_rows) > 20
+
+
+@pytest.mark.skipif(not _has_matplotlib(), reason="matplotlib is not installed")
+def test_plots_written(run: tuple[dict[str, Any], Path]) -> None:
+    res, out = run
+    want = {f"sweep_{d}_n{n}.png" for d in ("h2d", "d2h") for n in TINY.counts}
+    want |= {"handler_speedup.png", "bidir.png"}
+    assert set(res["plots"]) == want and res["plots_skipped"] is None
+    for name in want:
+        data = (out / name).read_bytes()
+        assert data.startswith(PNG) and len(data) > 5000, name
+
+
+def test_package_cli_runs_the_suite(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "cli"
+    rc = cli_main(
+        ["bench", "--tiny", "--backend", "host", "--only", "sweep", "--no-plots", "--out", str(out)]
+    )
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "## Sweep" in printed and str(out) in printed
+    saved = json.loads((out / "results.json").read_text())
+    assert list(saved["sections"]) == ["sweep"] and saved["plots"] == []
+
+
+def test_cli_refuses_an_unknown_section(capsys: pytest.CaptureFixture[str]) -> None:
+    assert suite.main(["--tiny", "--only", "sweep,nope", "--backend", "host"]) == 2
+    assert "nope" in capsys.readouterr().err
+
+
+def test_a_failing_measurement_is_recorded_not_dropped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from blockswap.bench import handlers
+
+    def broken(*_args: Any, **_kw: Any) -> dict[str, Any]:
+        raise RuntimeError("no transfer today")
+
+    monkeypatch.setattr(handlers, "_transfers", broken)
+    res = suite.run_suite(
+        "tiny",
+        backend="host",
+        sections=("handler",),
+        overrides={"models": ("llama-3.1-8b",)},
+        out_dir=str(tmp_path),
+        plots=False,
+        verbose=False,
+    )
+    rows = res["handler"]["rows"]
+    assert [r["status"] for r in rows] == ["failed", "failed"]
+    assert all("no transfer today" in r["reason"] for r in rows)
+    assert res["sections"]["handler"]["failed_rows"] == 2 and suite.failures(res) == 2
+    assert "failed, RuntimeError: no transfer today" in (tmp_path / "summary.md").read_text()
