@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 import blockswap
+from blockswap.bench.common import run_metadata
 
 
 def main() -> None:
@@ -57,7 +58,7 @@ def main() -> None:
                 "info": eng.info()["completion"],
             }
             print(mode, rows[mode], flush=True)
-    meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name()}
+    meta = run_metadata()
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)

@@ -18,20 +18,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 
 import numpy as np
 import torch
 
 import blockswap
+from blockswap.bench.common import GiB, KiB, MiB, run_metadata
+from blockswap.bench.common import cuda_time_on as timed_on
+from blockswap.bench.common import median as med
 from blockswap.kernels import engine_launcher
-
-KiB, MiB, GiB = 1024, 1 << 20, 1 << 30
-
-
-def med(xs):
-    return statistics.median(xs)
 
 
 def cuda_bindings_batch():
@@ -66,16 +62,6 @@ def cuda_bindings_batch():
         return call
 
     return prepare
-
-
-def timed_on(stream, fn):
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    with torch.cuda.stream(stream):
-        start.record()
-        fn()
-        end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3
 
 
 def main() -> None:
@@ -279,10 +265,8 @@ def main() -> None:
                 )
     eng.shutdown()
     meta = {
-        "date": time.strftime("%Y-%m-%d"),
-        "gpu": torch.cuda.get_device_name(),
+        **run_metadata(),
         "info": eng.info(),
-        "torch": torch.__version__,
         "command": "python benches/bench_dma.py"
         + (" --quick" if args.quick else "")
         + f" --h2d-order {args.h2d_order}",
