@@ -17,7 +17,7 @@ setup: $(VENV)/.setup-done
 $(VENV)/.setup-done: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "maturin>=1.9,<2" "numpy>=1.24" "pytest>=8" "hypothesis>=6.100" "ruff>=0.6" "mypy>=1.10"
+	$(PY) -m pip install -q "maturin>=1.9,<2" "numpy>=1.24" "pytest>=8" "hypothesis>=6.100" "ruff>=0.6" "mypy>=1.10" "matplotlib>=3.7"
 	if [ -n "$(TORCH_INDEX)" ]; then \
 	  $(PY) -m pip install -q --index-url "$(TORCH_INDEX)" "$(TORCH_SPEC)" || $(PY) -m pip install -q "$(TORCH_SPEC)"; \
 	else $(PY) -m pip install -q "$(TORCH_SPEC)"; fi
@@ -49,12 +49,14 @@ fmt: setup
 	$(VENV)/bin/ruff format python tests benches
 	$(VENV)/bin/ruff check --fix python tests benches
 
-# The main job: a short transfer benchmark (GPU where there is one, host backend otherwise).
+# The main job: the benchmark suite's short version (GPU where there is one, host backend
+# otherwise); results/<date>-<gpu or host>-quick/ gets its tables, JSON and plots.
 run: develop
-	$(PY) -m blockswap bench
+	$(PY) benches/suite.py --quick
 
+# The full suite (a few minutes on a GPU): results/<date>-<gpu>/.
 bench: develop
-	$(PY) -m blockswap bench --full
+	$(PY) benches/suite.py
 
 bench-rust:
 	cargo bench --bench submit
