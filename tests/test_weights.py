@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import blockswap
+from blockswap import weights as weights_mod
 from blockswap.weights import (
     NoopOffloader,
     OffloadConfigError,
@@ -1131,28 +1132,63 @@ def test_gpu_cuda_graph_bit_identical(gpu_resident: Any, step: int) -> None:
         _dispose(model, off)
 
 
+class _OrderingOnly:
+    """Stands in for an offloader behind the compile-mode ordering ops: the resident model
+    with the very same ``offload_wait`` / ``offload_done`` calls around the same layers, which
+    do nothing. Inductor then compiles the same graph as for the offloaded model."""
+
+    def _pre(self, k: int) -> None:
+        pass
+
+    def _post(self, k: int) -> None:
+        pass
+
+
+def _with_ordering_ops(resident: Stack, layers: list[int]) -> tuple[Stack, int]:
+    model = copy.deepcopy(resident)
+    oid = -1_000_000 - id(model)
+    weights_mod._REGISTRY[oid] = _OrderingOnly()  # type: ignore[assignment]
+    for k, i in enumerate(layers):
+        layer = model.layers[i]
+        layer.forward = weights_mod._make_forward(layer.forward, oid, k)
+    return model, oid
+
+
 @pytest.mark.cuda
 def test_gpu_torch_compile_bit_identical(gpu_resident: Any) -> None:
+    """Under torch.compile, the offloaded model's bits equal those of the resident model
+    compiled into the same graph (the same ordering ops, doing nothing), for prefetch 1 and 2,
+    over repeated calls.
+
+    Against the resident model compiled without those ops, bit-identity is not the
+    offloader's to give: the ops add a user to each layer's output, and Inductor then picks
+    other reduction configurations for the fused RMSNorm (measured on an H200, torch 2.11:
+    ~100k of 524k elements differ by bf16 rounding after 32 layers, and which configuration
+    wins is timing-dependent). That comparison is made with a rounding tolerance below.
+    """
     resident, xs = gpu_resident
     torch._dynamo.reset()
+    same_graph, oid = _with_ordering_ops(resident, list(range(1, LAYERS, 2)))
     try:
         with torch.no_grad():
-            compiled_resident = torch.compile(resident)
-            refs = [compiled_resident(x) for x in xs]
+            compiled_ref = torch.compile(same_graph)
+            refs = [compiled_ref(x) for x in xs]
+            plain = torch.compile(copy.deepcopy(resident))
+            plain_refs = [plain(x) for x in xs]
             for step in (1, 2):
-                torch._dynamo.reset()
                 model, off = _offloaded(resident, "prefetch", step)
                 try:
                     compiled = torch.compile(model)
                     for _ in range(2):
-                        for x, ref in zip(xs, refs):
+                        for x, ref, plain_ref in zip(xs, refs, plain_refs):
                             out = compiled(x)
                             torch.cuda.synchronize()
                             assert torch.equal(out, ref)
+                            torch.testing.assert_close(out, plain_ref, atol=2.0, rtol=0.1)
                     assert off.submissions == 2 * 3 * 16 + step
                 finally:
                     compiled = None
-                    torch._dynamo.reset()
                     _dispose(model, off)
     finally:
+        weights_mod._REGISTRY.pop(oid, None)
         torch._dynamo.reset()
