@@ -8,10 +8,12 @@ random block ids each time, the GPU idle before each. ``path="auto"`` is the han
 choice; the full profile also forces ``"dma"`` and ``"kernel"``. ``get_finished`` with nothing
 finished is timed too.
 
-The baseline, in the same process and over the same tensors: one ``Tensor.copy_`` per page
-(per layer, K and V separately, per block; ``non_blocking=True`` on a side stream, then a
-synchronise), the loop the offloading connector ran before batching. On the host backend the
-handler runs on CPU tensors and the baseline is one numpy copy per page.
+Two baselines, in the same process and over the same tensors (``non_blocking=True`` on a side
+stream, then a synchronise): one ``Tensor.copy_`` per page (per layer, K and V separately, per
+block: every copy contiguous, the fastest such a loop gets), and one ``copy_`` per block (per
+layer, ``t[:, b]``: a block's K and V pages in one strided copy where the layout splits them,
+which torch stages through a contiguous buffer). On the host backend the handler runs on CPU
+tensors and the baselines are numpy copies.
 """
 
 from __future__ import annotations
@@ -58,6 +60,11 @@ def run(ctx: Context) -> dict[str, Any]:
             if ctx.cuda
             else "one numpy copy per page (per layer, K and V separately, per block)"
         ),
+        "baseline_block": (
+            "one Tensor.copy_ per block (per layer; K and V of a block in one strided copy)"
+            if ctx.cuda
+            else "one numpy copy per block (per layer; K and V of a block in one strided copy)"
+        ),
         "timing": "wall clock (perf_counter): transfer_async to the result from get_finished",
     }
 
@@ -69,12 +76,18 @@ def _flat(cache: Any) -> list[Any]:
     return list(cache)
 
 
-def _pages(t: Any, layout: str, ids: list[int], as_numpy: bool) -> list[Any]:
-    """The page views of blocks ``ids`` of one layer tensor: K then V pages for ``kv_split``.
-    ``as_numpy``: as numpy byte arrays over the same memory (CPU tensors)."""
+def _pages(
+    t: Any, layout: str, ids: list[int], as_numpy: bool, per_block: bool = False
+) -> list[Any]:
+    """The page views of blocks ``ids`` of one layer tensor: K then V pages for ``kv_split``
+    (``per_block``: one view per block, ``t[:, b]``, K and V together). ``as_numpy``: as numpy
+    byte arrays over the same memory (CPU tensors)."""
     import torch
 
-    pages = [t[k, b] for k in (0, 1) for b in ids] if layout == "kv_split" else [t[b] for b in ids]
+    if layout == "kv_split":
+        pages = [t[:, b] for b in ids] if per_block else [t[k, b] for k in (0, 1) for b in ids]
+    else:
+        pages = [t[b] for b in ids]
     if as_numpy:
         return [p.view(torch.uint8).numpy() for p in pages]
     return pages
@@ -180,6 +193,8 @@ def _model(ctx: Context, model: KVModel, ceiling: dict[str, float]) -> list[dict
                     row["fraction_of_ceiling"] = row["gbps"] / ceiling[direction]
                     bl = row.get("baseline_gbps")
                     row["speedup_vs_baseline"] = row["gbps"] / bl if bl else None
+                    blk = row.get("baseline_block_gbps")
+                    row["speedup_vs_block_loop"] = row["gbps"] / blk if blk else None
                     ctx.log(
                         f"handler {model.name} {direction} {path}"
                         f"{' -> ' + row['chosen'] if path == 'auto' else ''}: transfer_async "
@@ -284,8 +299,8 @@ def _poll_empty(h: Any, n: int = 2000) -> float:
 def _baseline(
     ctx: Context, model: KVModel, gpu: Any, cpu: Any, num_blocks: int, nbytes: int
 ) -> dict[str, dict[str, Any]]:
-    """One ``copy_`` per page, both directions: GB/s end to end (wall, to the synchronise) and
-    the host time of the loop."""
+    """The two copy_ loops (per page, and per block), both directions: GB/s end to end (wall,
+    to the synchronise) and the host time of the loop; the per-block figures under ``block_``."""
     import torch
 
     p = ctx.profile
@@ -296,36 +311,45 @@ def _baseline(
         gpu_ids, cpu_ids = (
             ctx.rng.choice(num_blocks, p.handler_blocks, replace=False).tolist() for _ in (0, 1)
         )
-        pairs: list[tuple[Any, Any]] = []
-        for g, c in zip(g_layers, c_layers):
-            gp = _pages(g, model.layout, gpu_ids, not ctx.cuda)
-            cp = _pages(c, model.layout, cpu_ids, not ctx.cuda)
-            pairs.extend(zip(gp, cp) if direction == "d2h" else zip(cp, gp))
+        out[direction] = {}
+        for prefix, per_block in (("", False), ("block_", True)):
+            if per_block and model.layout != "kv_split":
+                continue  # a block is one page there: the same loop
+            pairs: list[tuple[Any, Any]] = []
+            for g, c in zip(g_layers, c_layers):
+                gp = _pages(g, model.layout, gpu_ids, not ctx.cuda, per_block)
+                cp = _pages(c, model.layout, cpu_ids, not ctx.cuda, per_block)
+                pairs.extend(zip(gp, cp) if direction == "d2h" else zip(cp, gp))
 
-        def loop(pairs: list[tuple[Any, Any]] = pairs) -> tuple[float, float]:
-            if stream is not None:
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                with torch.cuda.stream(stream):
+            def loop(pairs: list[tuple[Any, Any]] = pairs) -> tuple[float, float]:
+                if stream is not None:
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    with torch.cuda.stream(stream):
+                        for s, d in pairs:
+                            d.copy_(s, non_blocking=True)
+                    t1 = time.perf_counter()
+                    stream.synchronize()
+                else:
+                    # numpy, one thread: torch's CPU copy_ of a page may wake its thread pool,
+                    # which then competes with the engine's worker for the cores.
+                    t0 = time.perf_counter()
                     for s, d in pairs:
-                        d.copy_(s, non_blocking=True)
-                t1 = time.perf_counter()
-                stream.synchronize()
-            else:
-                # numpy, one thread: torch's CPU copy_ of a page may wake its thread pool, which
-                # then competes with the engine's worker for the cores.
-                t0 = time.perf_counter()
-                for s, d in pairs:
-                    np.copyto(d, s)
-                t1 = time.perf_counter()
-            return time.perf_counter() - t0, t1 - t0
+                        np.copyto(d, s)
+                    t1 = time.perf_counter()
+                return time.perf_counter() - t0, t1 - t0
 
-        samples = repeat(loop, warmup=1, min_reps=1, max_reps=p.baseline_max_reps, budget_s=0.3)
-        t = median([s[0] for s in samples])
-        out[direction] = {
-            "gbps": nbytes / t / 1e9,
-            "copies": len(pairs),
-            "loop_us_median": median([s[1] for s in samples]) * 1e6,
-            "reps": len(samples),
-        }
+            samples = repeat(loop, warmup=1, min_reps=1, max_reps=p.baseline_max_reps, budget_s=0.3)
+            t = median([s[0] for s in samples])
+            out[direction].update(
+                {
+                    f"{prefix}gbps": nbytes / t / 1e9,
+                    f"{prefix}copies": len(pairs),
+                    f"{prefix}loop_us_median": median([s[1] for s in samples]) * 1e6,
+                    f"{prefix}reps": len(samples),
+                }
+            )
+        if "block_gbps" not in out[direction]:
+            for k in ("gbps", "copies", "loop_us_median", "reps"):
+                out[direction][f"block_{k}"] = out[direction][k]
     return out

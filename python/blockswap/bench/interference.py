@@ -1,9 +1,10 @@
 """Section 4, interference: what an onload costs the model. A bf16 GEMM (8192^3 by default) on
 the compute stream, alone and while scattered host -> device transfers run beside it, per path.
 
-For each path the GEMM is first timed alone, then enough transfers are queued on the engine's
-own stream to outlast the GEMMs, the GEMMs are timed again (CUDA events on the compute stream,
-medians), and the copies' bandwidth is read from the wall clock of the whole queue. The DMA path
+For each path, three rounds of: the GEMM timed alone, then enough transfers queued on the
+engine's own stream to outlast the GEMMs and the GEMMs timed again (CUDA events on the compute
+stream); medians over the rounds. The copies' bandwidth is read from the wall clock of the
+queues. The DMA path
 uses copy engines only; the kernel path takes ``max_ctas`` SMs; ``auto`` is the route the
 handler chooses for pages of the block size. Needs a GPU.
 """
@@ -135,7 +136,6 @@ def _one(
 ) -> dict[str, Any]:
     p = ctx.profile
     nbytes = int(sizes.sum())
-    alone = median(gemm_ms(a, b, p.gemm_reps))
     # One transfer on its own: how many to queue so that they outlast the GEMMs.
     j = ctx.job()
     t0 = time.perf_counter()
@@ -143,22 +143,37 @@ def _one(
     eng.wait([j])
     check_result(eng.get_finished(), j)
     one = time.perf_counter() - t0
-    count = max(4, int(p.gemm_reps * alone / 1e3 / one * 1.5) + 2)
-    jobs = []
-    t_start = time.perf_counter()
-    for _ in range(count):
-        j = ctx.job()
-        eng.submit(j, src, dst, sizes, "h2d", kernel_below=below, launcher=launch)
-        jobs.append(j)
-    busy = median(gemm_ms(a, b, p.gemm_reps))
-    results = eng.get_finished()
-    outlasted = len(results) < count  # copies still running when the last GEMM ended
-    eng.wait(jobs)
-    wall = time.perf_counter() - t_start
-    results += eng.get_finished()
-    failed = [r for r in results if not r.success]
-    if len(results) != count or failed:
-        raise RuntimeError(f"{len(results)} results for {count} transfers; failed: {failed[:1]}")
+    # Alone and beside the copies alternate, three rounds: the GEMM's own speed drifts with the
+    # GPU's clocks by several percent over seconds, more than the effect measured.
+    alone_ms: list[float] = []
+    busy_ms: list[float] = []
+    outlasted = True
+    walls = []
+    count = 4
+    for _ in range(3):
+        alone_ms += gemm_ms(a, b, p.gemm_reps)
+        alone = median(alone_ms)
+        count = max(4, int(p.gemm_reps * alone / 1e3 / one * 1.5) + 2)
+        jobs = []
+        t_start = time.perf_counter()
+        for _ in range(count):
+            j = ctx.job()
+            eng.submit(j, src, dst, sizes, "h2d", kernel_below=below, launcher=launch)
+            jobs.append(j)
+        busy_ms += gemm_ms(a, b, p.gemm_reps)
+        results = eng.get_finished()
+        outlasted = outlasted and len(results) < count  # copies still ran when the GEMMs ended
+        eng.wait(jobs)
+        walls.append((time.perf_counter() - t_start, count))
+        results += eng.get_finished()
+        failed = [r for r in results if not r.success]
+        if len(results) != count or failed:
+            raise RuntimeError(
+                f"{len(results)} results for {count} transfers; failed: {failed[:1]}"
+            )
+    alone, busy = median(alone_ms), median(busy_ms)
+    wall = sum(w for w, _ in walls)
+    count = sum(c for _, c in walls)
     flops = 2 * p.gemm_n**3
     return {
         "gemm_alone_ms": alone,

@@ -280,8 +280,8 @@ def _handler_table(sec: dict[str, Any], res: dict[str, Any]) -> list[str]:
         out.append(
             f"{ok[0]['blocks_per_transfer']} scattered blocks per transfer, every layer; "
             f"`transfer_async` host time, then `get_finished` polled until done (end to end, "
-            f"wall clock); {warm} warm-up + {reps} measured (auto). Baseline: {sec.get('baseline')}, "
-            "same process."
+            f"wall clock); {warm} warm-up + {reps} measured (auto). Baselines, same process: "
+            f"{sec.get('baseline')}; per block: {sec.get('baseline_block')}."
         )
         out.append("")
     body = []
@@ -306,6 +306,8 @@ def _handler_table(sec: dict[str, Any], res: dict[str, Any]) -> list[str]:
                 _pct(r.get("fraction_of_ceiling")),
                 _g(r.get("baseline_gbps")),
                 f"{r['speedup_vs_baseline']:.1f}x" if r.get("speedup_vs_baseline") else "-",
+                _g(r.get("baseline_block_gbps")),
+                f"{r['speedup_vs_block_loop']:.1f}x" if r.get("speedup_vs_block_loop") else "-",
                 f"{r['get_finished_empty_us']:.2f}" if r.get("get_finished_empty_us") else "",
             ]
         )
@@ -320,10 +322,14 @@ def _handler_table(sec: dict[str, Any], res: dict[str, Any]) -> list[str]:
         "of ceiling",
         "copy_ per page GB/s",
         "speedup",
+        "copy_ per block GB/s",
+        "speedup",
         "empty poll µs",
     ]
     out += _table(
-        head, body, [False, False, True, False, False, True, True, True, True, True, True]
+        head,
+        body,
+        [False, False, True, False, False, True, True, True, True, True, True, True, True],
     )
     return out
 
