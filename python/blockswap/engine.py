@@ -17,6 +17,39 @@ from . import _core
 from ._core import InvalidTransferError
 
 _I64_MAX = np.iinfo(np.int64).max
+_U64_END = 1 << 64
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def check_job_id(job_id: Any) -> int:
+    """``job_id`` as an int in ``[0, 2**64)``; anything else is an InvalidTransferError."""
+    if _is_int(job_id) and 0 <= job_id < _U64_END:
+        return int(job_id)
+    if _is_int(job_id) and job_id >= _U64_END:
+        raise InvalidTransferError(f"job_id {job_id} does not fit in 64 bits")
+    raise InvalidTransferError(f"job_id must be a non-negative int, not {job_id!r}")
+
+
+def check_job_ids(job_ids: Any) -> list[int]:
+    """The job ids of a ``wait`` call, each checked as by :func:`check_job_id`."""
+    if isinstance(job_ids, (str, bytes)) or not isinstance(job_ids, Iterable):
+        raise InvalidTransferError(
+            f"job_ids must be an iterable of job ids, not {type(job_ids).__name__}"
+        )
+    return [check_job_id(j) for j in job_ids]
+
+
+def _check_u64(name: str, value: Any, *, positive: bool = False) -> int:
+    if not _is_int(value):
+        raise InvalidTransferError(f"{name} must be an int, not {value!r}")
+    lo = 1 if positive else 0
+    if not lo <= value < _U64_END:
+        what = "a positive" if positive else "a non-negative"
+        raise InvalidTransferError(f"{name} must be {what} int below 2**64, not {value}")
+    return int(value)
 
 
 def as_int64(name: str, values: Any) -> np.ndarray:
@@ -32,28 +65,42 @@ def as_int64(name: str, values: Any) -> np.ndarray:
     if a.ndim != 1:
         raise InvalidTransferError(f"{name} must be one-dimensional, not of shape {a.shape}")
     if a.dtype.kind not in "iu":
+        if a.dtype == object and all(_is_int(v) for v in a):
+            raise InvalidTransferError(f"{name} holds integers outside [-2**63, 2**63)")
         raise InvalidTransferError(f"{name} must hold integers, not {a.dtype}")
     if a.dtype == np.uint64 and bool((a > _I64_MAX).any()):
         raise InvalidTransferError(f"{name} holds values past 2**63 - 1")
     return np.ascontiguousarray(a, dtype=np.int64)
 
 
-def _address_of(obj: Any) -> tuple[int, int, str]:
-    """(address, nbytes, kind) of a numpy array or a torch tensor (contiguous)."""
+def _address_of(obj: Any, what: str = "register") -> tuple[int, int, str]:
+    """(address, nbytes, kind) of a numpy array or a torch tensor (contiguous, of the CPU or a
+    CUDA device)."""
     if isinstance(obj, np.ndarray):
         if not obj.flags.c_contiguous:
             raise InvalidTransferError("a registered array must be contiguous")
         return obj.ctypes.data, obj.nbytes, "host"
     data_ptr = getattr(obj, "data_ptr", None)
-    if callable(data_ptr):  # a torch tensor
+    device = getattr(obj, "device", None)
+    if callable(data_ptr) and device is not None:  # a torch tensor
+        dev = getattr(device, "type", str(device))
+        if dev not in ("cpu", "cuda"):
+            raise InvalidTransferError(
+                f"cannot {what} a tensor on {device}: only CPU and CUDA tensors have memory "
+                "blockswap can copy"
+            )
         if not obj.is_contiguous():
             raise InvalidTransferError("a registered tensor must be contiguous")
         nbytes = obj.numel() * obj.element_size()
-        kind = "device" if obj.device.type == "cuda" else "host"
-        return int(data_ptr()), int(nbytes), kind
-    raise InvalidTransferError(
-        f"cannot register {type(obj).__name__}: pass a numpy array, a torch tensor, or ptr + nbytes"
-    )
+        ptr = int(data_ptr())
+        if ptr == 0 and nbytes:
+            raise InvalidTransferError(f"cannot {what} a tensor without storage (data_ptr 0)")
+        return ptr, int(nbytes), "device" if dev == "cuda" else "host"
+    hint = {
+        "register": "a numpy array, a torch tensor, or a raw address with nbytes and kind",
+        "pin": "a numpy array or a CPU tensor",
+    }.get(what, "the registered array or tensor, or its address")
+    raise InvalidTransferError(f"cannot {what} {type(obj).__name__}: pass {hint}")
 
 
 class Engine:
@@ -68,15 +115,34 @@ class Engine:
 
     Every address a transfer names must lie in memory registered with :meth:`register`,
     :meth:`pin` or :meth:`alloc_host`; anything else is refused before a copy is issued.
+
+    Every refusal is a :class:`~blockswap.BlockswapError` (an unknown keyword option is a
+    ``TypeError``, as for any Python call). An engine that is garbage-collected first waits for
+    its transfers in flight, so registered objects are never freed under a copy.
     """
 
     def __init__(self, backend: str = "auto", **options: Any) -> None:
-        self._core = _core.Engine(backend, **options)
+        try:
+            self._core = _core.Engine(backend, **options)
+        except OverflowError as e:
+            bad = {k: v for k, v in options.items() if _is_int(v) and v < 0}
+            raise InvalidTransferError(
+                f"engine options out of range ({bad or options}): {e}"
+            ) from None
         self._kept: dict[int, Any] = {}
         # Hot paths bound straight to the core: no Python frame in between.
         self.get_finished = self._core.get_finished
         self.stats = self._core.stats
         self.info = self._core.info
+
+    def __del__(self) -> None:
+        # Drain before the registered objects in ``_kept`` go: the instance dict is cleared in no
+        # particular order, and the bound methods above keep the core alive past ``_kept``.
+        # Shutdown returns once the backend has stopped, its copies done (the host worker is
+        # joined, CUDA streams synchronised).
+        core = self.__dict__.get("_core")
+        if core is not None:
+            core.shutdown()
 
     def submit(
         self,
@@ -101,22 +167,97 @@ class Engine:
         on the engine's stream, reading the descriptors from the pinned slab in place; the rest
         go to DMA, in the same transfer.
         """
-        if isinstance(job_id, bool) or not isinstance(job_id, (int, np.integer)) or job_id < 0:
-            raise InvalidTransferError(f"job_id must be a non-negative int, not {job_id!r}")
-        self._core.submit(
-            int(job_id),
+        if type(job_id) is not int or not 0 <= job_id < _U64_END:
+            job_id = check_job_id(job_id)
+        if launcher is not None and not callable(launcher):
+            raise _not_callable(launcher)
+        args = (
             as_int64("src_ptrs", src_ptrs),
             as_int64("dst_ptrs", dst_ptrs),
             as_int64("sizes", sizes),
-            direction,
-            wait_stream,
-            kernel_below,
-            launcher,
         )
+        try:
+            self._core.submit(job_id, *args, direction, wait_stream, kernel_below, launcher)
+        except (OverflowError, TypeError) as e:
+            raise _submit_argument_error(e, direction, wait_stream, kernel_below) from None
+
+    def register_table(
+        self,
+        bases: Any,
+        strides: Any,
+        nbytes: Any,
+        num_blocks: int,
+        kind: str,
+        name: str = "",
+        unit: int = 1,
+    ) -> int:
+        """Registers a block table: one side of a KV cache, where segment ``s`` of block ``b``
+        is ``nbytes[s]`` bytes at ``bases[s] + b * strides[s]``. The core checks every segment's
+        span, over all ``num_blocks`` blocks, against registered ``kind`` memory (``"host"`` or
+        ``"device"``) once, here. ``name`` and ``unit`` only shape error messages (``unit`` table
+        blocks per block the caller names). Returns the table's id for :meth:`submit_blocks`."""
+        b = as_int64("bases", bases)
+        st = as_int64("strides", strides)
+        nb = as_int64("nbytes", nbytes)
+        for col_name, col in (("bases", b), ("strides", st), ("nbytes", nb)):
+            if col.size and int(col.min()) < 0:
+                raise InvalidTransferError(f"{col_name} holds a negative value ({int(col.min())})")
+        blocks = _check_u64("num_blocks", num_blocks, positive=True)
+        if not isinstance(kind, str) or not isinstance(name, str):
+            raise InvalidTransferError(f"kind and name must be str, not {kind!r} and {name!r}")
+        u = _check_u64("unit", unit, positive=True)
+        return int(self._core.register_table(b, st, nb, blocks, kind, name, u))
+
+    def unregister_table(self, table: int) -> None:
+        """Removes a block table (refused while transfers are in flight)."""
+        if not _is_int(table) or not 0 <= table < 1 << 32:
+            raise InvalidTransferError(f"no block table {table!r}")
+        self._core.unregister_table(int(table))
+
+    def submit_blocks(
+        self,
+        job_id: int,
+        src_table: int,
+        src_ids: Any,
+        dst_table: int,
+        dst_ids: Any,
+        direction: str = "h2d",
+        *,
+        wait_stream: int | None = None,
+        kernel_below: int = 0,
+        launcher: Callable[[int, int, int, int, int, int, int], None] | None = None,
+    ) -> None:
+        """Issues the transfer of blocks ``src_ids`` of table ``src_table`` to blocks
+        ``dst_ids`` of ``dst_table`` (see :meth:`register_table`): the core checks each id
+        against its table (negative ids included) and that destination ids are distinct, then
+        writes the descriptors itself. Otherwise as :meth:`submit`."""
+        job_id = check_job_id(job_id)
+        if launcher is not None and not callable(launcher):
+            raise _not_callable(launcher)
+        for t in (src_table, dst_table):
+            if not _is_int(t) or not 0 <= t < 1 << 32:
+                raise InvalidTransferError(f"no block table {t!r}")
+        s = as_int64("src_ids", src_ids)
+        d = as_int64("dst_ids", dst_ids)
+        try:
+            self._core.submit_blocks(
+                job_id,
+                int(src_table),
+                s,
+                int(dst_table),
+                d,
+                direction,
+                wait_stream,
+                kernel_below,
+                launcher,
+            )
+        except (OverflowError, TypeError) as e:
+            raise _submit_argument_error(e, direction, wait_stream, kernel_below) from None
 
     def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> None:
-        """Blocks until the listed jobs finished; their results still come from get_finished."""
-        self._core.wait([int(j) for j in job_ids], timeout)
+        """Blocks until the listed jobs finished; their results still come from get_finished.
+        Ids never submitted (or already reported) are not waited for."""
+        self._core.wait(check_job_ids(job_ids), timeout)
 
     def shutdown(self) -> None:
         """Waits for transfers in flight and stops the backend. Results stay available."""
@@ -134,65 +275,99 @@ class Engine:
         vouches for. On CUDA, host memory must be page-locked and device memory must be this
         engine's device; both are checked here, once.
         """
-        if isinstance(obj, (int, np.integer)) and not isinstance(obj, bool):
+        if _is_int(obj):
             if nbytes is None or kind is None:
                 raise InvalidTransferError("a raw address needs nbytes and kind")
-            ptr = int(obj)
+            ptr = _check_u64("ptr", obj)
         else:
             ptr, size, found_kind = _address_of(obj)
             nbytes = size if nbytes is None else nbytes
             kind = found_kind if kind is None else kind
-            if nbytes > size:
+            if _is_int(nbytes) and nbytes > size:
                 raise InvalidTransferError(f"nbytes={nbytes} is larger than the object ({size})")
-        self._core.register(ptr, int(nbytes), kind)
-        if not isinstance(obj, (int, np.integer)):
+        if not isinstance(kind, str):
+            raise InvalidTransferError(f"kind must be 'host' or 'device', not {kind!r}")
+        self._core.register(ptr, _check_u64("nbytes", nbytes, positive=True), kind)
+        if not _is_int(obj):
             self._kept[ptr] = obj
         return ptr
 
     def pin(self, obj: Any) -> int:
         """Page-locks an existing host array or CPU tensor (``cuMemHostRegister``) and registers
         it; returns its address. :meth:`unregister` unpins it."""
-        ptr, nbytes, kind = _address_of(obj)
+        ptr, nbytes, kind = _address_of(obj, "pin")
         if kind != "host":
             raise InvalidTransferError("only host memory can be pinned")
-        self._core.pin(ptr, nbytes)
+        self._core.pin(ptr, _check_u64("nbytes", nbytes, positive=True))
         self._kept[ptr] = obj
         return ptr
 
     def unregister(self, obj_or_ptr: Any) -> None:
         """Removes a registration (refused while transfers are in flight)."""
-        if isinstance(obj_or_ptr, (int, np.integer)):
-            ptr = int(obj_or_ptr)
+        if _is_int(obj_or_ptr):
+            ptr = _check_u64("ptr", obj_or_ptr)
         else:
-            ptr = _address_of(obj_or_ptr)[0]
+            ptr = _address_of(obj_or_ptr, "unregister")[0]
         self._core.unregister(ptr)
         self._kept.pop(ptr, None)
 
     def alloc_host(self, nbytes: int) -> np.ndarray:
         """A registered host buffer of ``nbytes`` (page-locked, device-mapped on CUDA), as a
-        uint8 numpy array over blockswap's memory. Valid until :meth:`free_host` or the engine
-        goes away."""
-        ptr = self._core.alloc_host(int(nbytes))
-        buf = (ctypes.c_uint8 * int(nbytes)).from_address(ptr)
+        uint8 numpy array over blockswap's memory. Valid until :meth:`free_host`; the array
+        keeps the engine's memory alive (the buffer outlives a collected engine)."""
+        n = _check_u64("nbytes", nbytes, positive=True)
+        ptr = self._core.alloc_host(n)
+        buf = (ctypes.c_uint8 * n).from_address(ptr)
+        # The core frees its buffers when it is dropped: the array keeps it alive.
+        buf._blockswap_core = self._core  # type: ignore[attr-defined]
         arr = np.ctypeslib.as_array(buf)
         self._kept[ptr] = buf
         return arr
 
     def free_host(self, arr: np.ndarray) -> None:
-        """Frees a buffer from :meth:`alloc_host` (refused while transfers are in flight)."""
+        """Frees a buffer from :meth:`alloc_host` (refused while transfers are in flight). The
+        array must not be used afterwards."""
+        if not isinstance(arr, np.ndarray):
+            raise InvalidTransferError(
+                f"free_host takes an array from alloc_host, not {type(arr).__name__}"
+            )
         ptr = arr.ctypes.data
         self._core.free_host(ptr)
         self._kept.pop(ptr, None)
 
     def inject_failures(self, count: int) -> None:
         """Host backend: the next ``count`` transfers fail halfway (for tests)."""
-        self._core.inject_failures(count)
+        self._core.inject_failures(_check_u64("count", count))
 
     def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _submit_argument_error(
+    e: Exception, direction: Any, wait_stream: Any, kernel_below: Any
+) -> Exception:
+    """The typed error for a submission argument the core could not convert (slow path)."""
+    if not isinstance(direction, str):
+        return InvalidTransferError(
+            f"direction must be 'h2d', 'd2h', 'h2h' or 'd2d', not {direction!r}"
+        )
+    if wait_stream is not None and not (_is_int(wait_stream) and 0 <= wait_stream < _U64_END):
+        return InvalidTransferError(
+            "wait_stream must be a raw CUstream int (e.g. "
+            f"torch.cuda.current_stream().cuda_stream) or None, not {wait_stream!r}"
+        )
+    if not (_is_int(kernel_below) and 0 <= kernel_below < _U64_END):
+        return InvalidTransferError(
+            f"kernel_below must be a non-negative int below 2**64, not {kernel_below!r}"
+        )
+    return e
+
+
+def _not_callable(launcher: Any) -> InvalidTransferError:
+    return InvalidTransferError(f"launcher must be callable or None, not {launcher!r}")
 
 
 def info() -> dict[str, Any]:

@@ -89,7 +89,7 @@ import numpy.typing as npt
 import torch
 
 from ._core import BlockswapError, InvalidTransferError, ShutdownError, TransferResult, cuda_status
-from .engine import Engine
+from .engine import Engine, check_job_id, check_job_ids
 from .layout import (
     LAYOUTS,
     BlockTable,
@@ -249,7 +249,10 @@ def _to_ids(x: Any, name: str) -> npt.NDArray[np.int64]:
         if isinstance(x, torch.Tensor):
             if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
                 raise TypeError(f"{name} must hold integers, got torch dtype {x.dtype}")
-            a = x.detach().cpu().numpy()
+            try:
+                a = x.detach().cpu().numpy()
+            except (RuntimeError, TypeError) as e:  # meta, sparse, nested tensors
+                raise TypeError(f"{name}: cannot read ids from this tensor ({e})") from None
         else:
             a = np.asarray(x)
             if a.size == 0 and a.dtype.kind not in "iu":
@@ -263,6 +266,8 @@ def _to_ids(x: Any, name: str) -> npt.NDArray[np.int64]:
         a = a.astype(_I64)
     if a.ndim != 1:
         raise ValueError(f"{name} must be 1-D, got shape {a.shape}")
+    if not a.flags.c_contiguous:  # a strided view: the core reads ids in place
+        a = np.ascontiguousarray(a)
     return a
 
 
@@ -273,12 +278,7 @@ def _range_error(a: npt.NDArray[np.int64], n: int, name: str) -> IndexError:
     return IndexError(f"{name} hold block id {int(a.max())}, out of range for {n} blocks")
 
 
-def _bad_job_id(job_id: Any) -> int:
-    if isinstance(job_id, (int, np.integer)) and not isinstance(job_id, bool) and job_id >= 0:
-        if int(job_id) >= _JOB_END:
-            raise InvalidTransferError(f"job_id {job_id} does not fit in 64 bits")
-        return int(job_id)
-    raise InvalidTransferError(f"job_id must be a non-negative int, not {job_id!r}")
+_bad_job_id = check_job_id
 
 
 class _Plan:
@@ -730,8 +730,9 @@ class SingleDirectionHandler:
         """Blocks until the listed transfers (of either direction) finished; their results still
         come from :meth:`get_finished`. Ids never submitted (or already reported) are not waited
         for. Raises :class:`~blockswap.WaitTimeoutError` after ``timeout`` seconds."""
+        ids = check_job_ids(job_ids)
         with _KeepDevice(self._device_index):
-            self._core_wait([int(j) for j in job_ids], timeout)
+            self._core_wait(ids, timeout)
 
     def stats(self) -> dict[str, Any]:
         """This direction's totals over finished transfers: ``transfers``, ``failed``, ``bytes``,
