@@ -195,24 +195,32 @@ fn table_pair(
     ))
 }
 
-/// Set in a forked child (pthread_atfork): nothing of a parent's engine works there.
-static FORKED: AtomicBool = AtomicBool::new(false);
+/// Forks this process image descends through, counted in each child (pthread_atfork). An engine
+/// remembers the count it was made under: nothing of an engine made before a fork works in the
+/// child, while one made in the child does.
+static FORK_GENERATION: AtomicU64 = AtomicU64::new(0);
 
 extern "C" fn mark_forked() {
-    FORKED.store(true, Ordering::Relaxed);
+    FORK_GENERATION.fetch_add(1, Ordering::Relaxed);
 }
 
 fn install_fork_hook() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
-        // SAFETY: registers a child handler that only stores to a static atomic (async-signal-safe).
+        // SAFETY: registers a child handler that only adds to a static atomic (async-signal-safe).
         unsafe { libc::pthread_atfork(None, None, Some(mark_forked)) };
     });
 }
 
-/// Whether this process is a fork of the one that created the engines.
+/// The fork count of this process (0 in a process that never forked from one using blockswap).
+/// Compare it with the count an object was made under to tell whether it came from a parent.
+pub fn fork_generation() -> u64 {
+    FORK_GENERATION.load(Ordering::Relaxed)
+}
+
+/// Whether this process is a fork of one that used blockswap.
 pub fn in_forked_child() -> bool {
-    FORKED.load(Ordering::Relaxed)
+    fork_generation() != 0
 }
 
 /// Moves batches of blocks over a backend. Shared between threads (`&self` everywhere).
@@ -227,11 +235,14 @@ pub struct Engine {
     failed_lanes: [OnceLock<BackendError>; 4],
     shut: AtomicBool,
     config: EngineConfig,
+    /// [`fork_generation`] when the engine was made.
+    generation: u64,
 }
 
 impl Engine {
     pub fn new(backend: Arc<dyn Backend>, config: EngineConfig) -> Self {
         install_fork_hook();
+        let generation = fork_generation();
         let max_in_flight = config
             .max_in_flight
             .clamp(1, crate::backend::host::QUEUE_DEPTH / 4);
@@ -258,7 +269,13 @@ impl Engine {
             failed_lanes: Default::default(),
             shut: AtomicBool::new(false),
             config,
+            generation,
         }
+    }
+
+    /// Whether this engine was made in a parent of this process (then nothing of it works here).
+    fn forked(&self) -> bool {
+        fork_generation() != self.generation
     }
 
     pub fn config(&self) -> &EngineConfig {
@@ -276,7 +293,7 @@ impl Engine {
     }
 
     fn check_usable(&self) -> Result<(), EngineError> {
-        if in_forked_child() {
+        if self.forked() {
             return Err(BackendError::Forked.into());
         }
         if self.shut.load(Ordering::Acquire) {
@@ -329,18 +346,19 @@ impl Engine {
             drop(state);
             return self.free_host(start);
         }
-        self.check_idle(start)?;
-        if let Some(r) = state.regions.regions().iter().find(|r| r.start == start) {
-            let used =
-                |t: &Option<BlockTable>| t.as_ref().is_some_and(|t| t.overlaps(r.start, r.end));
-            if let Some(table) = state.tables.iter().position(used) {
-                return Err(RegionError::UsedByTable {
-                    start,
-                    table: table as u32,
-                }
-                .into());
+        // What is wrong with the request itself first; whether now is a good time last.
+        let Some(r) = state.regions.regions().iter().find(|r| r.start == start) else {
+            return Err(RegionError::NotRegistered { start }.into());
+        };
+        let used = |t: &Option<BlockTable>| t.as_ref().is_some_and(|t| t.overlaps(r.start, r.end));
+        if let Some(table) = state.tables.iter().position(used) {
+            return Err(RegionError::UsedByTable {
+                start,
+                table: table as u32,
             }
+            .into());
         }
+        self.check_idle(start)?;
         state.regions.remove(start)?;
         if state.pinned.remove(&start) {
             // SAFETY: pinned by `pin`, and nothing is in flight.
@@ -703,7 +721,7 @@ impl Engine {
     /// Blocks until every listed job has finished (its result is still reported by
     /// `get_finished`). Ids that are not live are already finished. Does not spin.
     pub fn wait(&self, job_ids: &[JobId], timeout: Option<Duration>) -> Result<(), EngineError> {
-        if in_forked_child() {
+        if self.forked() {
             return Err(BackendError::Forked.into());
         }
         let deadline = timeout.map(|t| Instant::now() + t);
@@ -744,7 +762,7 @@ impl Engine {
         }
         // Take the lock so no submit is half-way through.
         let _state = self.lock();
-        if !in_forked_child() {
+        if !self.forked() {
             let deadline = Instant::now() + self.config.shutdown_timeout;
             for direction in Direction::ALL {
                 let last = self.lanes[direction.lane()].next_seq() - 1;
@@ -790,7 +808,7 @@ impl Engine {
 impl Drop for Engine {
     fn drop(&mut self) {
         self.shutdown();
-        if in_forked_child() {
+        if self.forked() {
             // The parent's memory and driver state are not ours to free: dropping a HostAlloc
             // frees nothing, so the buffers are simply left alone.
             return;

@@ -49,6 +49,8 @@ pub struct HostBackend {
     shared: std::sync::Arc<Shared>,
     sender: Mutex<Option<Sender<Job>>>,
     worker: Mutex<Option<JoinHandle<()>>>,
+    /// [`crate::engine::fork_generation`] when the worker was started.
+    generation: u64,
 }
 
 impl std::fmt::Debug for Job {
@@ -76,6 +78,7 @@ impl HostBackend {
             shared,
             sender: Mutex::new(Some(tx)),
             worker: Mutex::new(Some(worker)),
+            generation: crate::engine::fork_generation(),
         }
     }
 
@@ -267,7 +270,13 @@ impl Backend for HostBackend {
         // Dropping the sender lets the worker finish what is queued, then exit.
         self.sender.lock().unwrap_or_else(|e| e.into_inner()).take();
         if let Some(worker) = self.worker.lock().unwrap_or_else(|e| e.into_inner()).take() {
-            let _ = worker.join();
+            if crate::engine::fork_generation() != self.generation {
+                // A forked child's copy of the handle: the thread exists only in the parent, and
+                // joining (or detaching) it here fails.
+                std::mem::forget(worker);
+            } else {
+                let _ = worker.join();
+            }
         }
     }
 }
