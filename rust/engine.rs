@@ -286,6 +286,12 @@ impl Engine {
         self.backend.info()
     }
 
+    /// Test hook: the next `count` transfers fail in the middle of their copies, as a real fault
+    /// would (see [`Backend::inject_failures`]).
+    pub fn inject_failures(&self, count: u64) {
+        self.backend.inject_failures(count);
+    }
+
     fn lock(&self) -> MutexGuard<'_, SubmitState> {
         // A panic while holding the lock leaves consistent data (every mutation is a single call),
         // so a poisoned lock is taken over rather than propagated.

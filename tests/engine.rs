@@ -101,9 +101,9 @@ fn failure_is_reported_once_and_the_lane_goes_on() {
         src: vec![1; 1 << 20],
         dst: vec![0; 1 << 20],
     };
-    let (engine, host) = engine_with(&mut b, EngineConfig::default());
+    let (engine, _host) = engine_with(&mut b, EngineConfig::default());
     let (s, d) = (b.src.as_ptr() as u64, b.dst.as_ptr() as u64);
-    host.inject_failures(1);
+    engine.inject_failures(1);
     engine
         .submit(
             1,

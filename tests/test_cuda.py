@@ -264,3 +264,71 @@ def test_the_callers_context_is_restored(torch):
         assert current.value is None, "the engine left its context current"
     torch.cuda.synchronize()  # torch's runtime makes its own context current again
     assert torch.equal(dev.cpu(), host)
+
+
+@pytest.mark.parametrize("options", [{}, {"copy_path": "loop"}], ids=["batch", "loop"])
+@pytest.mark.parametrize("direction", ["h2d", "d2h"])
+@pytest.mark.parametrize("kernel", [False, True], ids=["dma", "hybrid"])
+def test_a_driver_fault_mid_batch_fails_that_transfer_only(torch, options, direction, kernel):
+    """A descriptor the driver refuses, in the middle of a batch (the CUDA test hook hands the
+    driver a null address there): that transfer completes with success=False naming the
+    descriptor, its slab returns to the pool, the transfers before and after move every byte,
+    and each result is reported exactly once."""
+    from blockswap.kernels import engine_launcher
+
+    n, size = 64, 64 * KiB
+    rng = np.random.default_rng(11)
+    host = torch.randint(0, 256, (4 * n * size,), dtype=torch.uint8).pin_memory()
+    dev = torch.randint(0, 256, (4 * n * size,), dtype=torch.uint8, device="cuda")
+    src_t, dst_t = (host, dev) if direction == "h2d" else (dev, host)
+    # Hybrid: 16 small descriptors go to the copy kernel first, the 64 large ones to DMA.
+    small = 16 if kernel else 0
+    sizes = np.array([4 * KiB] * small + [size] * n, dtype=np.int64)
+    launch = engine_launcher(max_ctas=16) if kernel else None
+    with blockswap.Engine("cuda", **options) as eng:
+        eng.register(host)
+        eng.register(dev)
+        offsets = []
+        for job in (1, 2, 3):
+            s_off = rng.permutation(4 * n)[: len(sizes)].astype(np.int64) * size
+            d_off = rng.permutation(4 * n)[: len(sizes)].astype(np.int64) * size
+            if job == 2:
+                eng.inject_failures(1)
+            eng.submit(
+                job,
+                src_t.data_ptr() + s_off,
+                dst_t.data_ptr() + d_off,
+                sizes,
+                direction,
+                kernel_below=64 * KiB if kernel else 0,
+                launcher=launch,
+            )
+            offsets.append((s_off, d_off))
+            if job != 2:
+                # The bytes of jobs 1 and 3 are checked against the source as it was.
+                eng.wait([job])
+                src_c, dst_c = src_t.cpu(), dst_t.cpu()
+                for s, d, z in zip(s_off.tolist(), d_off.tolist(), sizes.tolist()):
+                    assert torch.equal(dst_c[d : d + z], src_c[s : s + z]), (job, s, d)
+        eng.wait([1, 2, 3])
+        results = eng.get_finished()
+        assert sorted(r.job_id for r in results) == [1, 2, 3]
+        by_id = {r.job_id: r for r in results}
+        assert by_id[1].success and by_id[3].success
+        assert not by_id[2].success
+        # The middle of the DMA part, counted over the whole transfer's descriptors.
+        mid = small + n // 2
+        assert f"descriptor {mid}" in by_id[2].error, by_id[2].error
+        assert "INVALID_VALUE" in by_id[2].error, by_id[2].error
+        assert eng.get_finished() == []
+        stats = eng.stats()
+        assert stats[direction]["failed"] == 1 and stats[direction]["transfers"] == 3
+        assert stats["in_flight"] == 0
+        assert stats["pool"]["free"] == stats["pool"]["slabs"], stats["pool"]
+        # Still usable afterwards: a fourth transfer moves its bytes.
+        s_off, d_off = offsets[0]
+        eng.submit(4, src_t.data_ptr() + s_off, dst_t.data_ptr() + d_off, sizes, direction)
+        eng.wait([4])
+        (r,) = eng.get_finished()
+        assert r.success
+        torch.cuda.synchronize()

@@ -22,7 +22,10 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::sys;
 
-use super::{Backend, BackendError, BackendInfo, HostAlloc, KernelBatch, SubmitRequest, Submitted};
+use super::{
+    take_injected, Backend, BackendError, BackendInfo, HostAlloc, KernelBatch, SubmitRequest,
+    Submitted,
+};
 use crate::descriptor::Direction;
 use crate::pool::{SlabInner, SlabRef};
 use crate::region::MemoryKind;
@@ -351,6 +354,11 @@ pub struct CudaBackend {
     epoch: Instant,
     /// Nanoseconds inside copy calls (cuMemcpyBatchAsync / cuMemcpyAsync), for profiling.
     driver_ns: AtomicU64,
+    /// Transfers still to fail on purpose (`Backend::inject_failures`, a test hook).
+    fail_next: AtomicU64,
+    /// [`crate::engine::fork_generation`] when the backend was made: in a child forked since,
+    /// its context and handles are the parent's and must not be touched.
+    generation: u64,
 }
 
 // SAFETY: driver handles (context, streams, events) may be used from any thread once the context is
@@ -418,6 +426,8 @@ impl CudaBackend {
             lanes: Vec::new(),
             epoch: Instant::now(),
             driver_ns: AtomicU64::new(0),
+            fail_next: AtomicU64::new(0),
+            generation: crate::engine::fork_generation(),
         };
         let ctx_guard = backend.make_current()?;
         backend.init_lanes()?;
@@ -555,11 +565,22 @@ impl CudaBackend {
         first: usize,
     ) -> Result<(), BackendError> {
         let stream = self.lane(lane).stream;
-        let (src, dst, size) = (
-            &slab.src()[first..],
-            &slab.dst()[first..],
-            &slab.size()[first..],
-        );
+        let (src, size) = (&slab.src()[first..], &slab.size()[first..]);
+        let poisoned;
+        let dst = if take_injected(&self.fail_next) {
+            // The injected fault: a copy of the destinations with a null address in the middle,
+            // which the driver refuses (CUDA_ERROR_INVALID_VALUE, measured on driver 580 for the
+            // batch call and the loop) before touching memory. The slab itself is not modified.
+            let mut d = slab.dst()[first..].to_vec();
+            let mid = d.len() / 2;
+            if let Some(x) = d.get_mut(mid) {
+                *x = 0;
+            }
+            poisoned = d;
+            &poisoned[..]
+        } else {
+            &slab.dst()[first..]
+        };
         let Some(batch) = self.batch else {
             for i in 0..src.len() {
                 // SAFETY: every range was checked against registered memory before submission;
@@ -1022,6 +1043,10 @@ impl Backend for CudaBackend {
         (r == sys::CUresult::CUDA_SUCCESS).then_some((ms as f64 * 1e6) as u64)
     }
 
+    fn inject_failures(&self, count: u64) {
+        self.fail_next.store(count, Ordering::Relaxed);
+    }
+
     fn shutdown(&self) {
         let Ok(_ctx) = self.make_current() else {
             return;
@@ -1036,7 +1061,7 @@ impl Backend for CudaBackend {
 impl Drop for CudaBackend {
     fn drop(&mut self) {
         // Never panics: driver errors during teardown are ignored (there is no one left to tell).
-        if crate::engine::in_forked_child() {
+        if crate::engine::fork_generation() != self.generation {
             return;
         }
         let Ok(_ctx) = self.make_current() else {

@@ -14,7 +14,10 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
 
-use super::{Backend, BackendError, BackendInfo, HostAlloc, KernelBatch, SubmitRequest, Submitted};
+use super::{
+    take_injected, Backend, BackendError, BackendInfo, HostAlloc, KernelBatch, SubmitRequest,
+    Submitted,
+};
 use crate::descriptor::Direction;
 use crate::pool::SlabRef;
 use crate::region::MemoryKind;
@@ -81,12 +84,6 @@ impl HostBackend {
             generation: crate::engine::fork_generation(),
         }
     }
-
-    /// Makes the next `count` transfers fail halfway: the first half of their descriptors is
-    /// copied, then the transfer is reported failed. For tests of the failure path.
-    pub fn inject_failures(&self, count: u64) {
-        self.shared.fail_next.store(count, Ordering::Relaxed);
-    }
 }
 
 /// How long the worker keeps polling its queue after a job before it sleeps. A sleeping worker
@@ -148,13 +145,13 @@ fn worker_loop(rx: Receiver<Job>, shared: std::sync::Arc<Shared>) {
     }
 }
 
-fn take_injected(counter: &AtomicU64) -> bool {
-    counter
-        .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
-        .is_ok()
-}
-
 impl Backend for HostBackend {
+    /// The next `count` transfers fail halfway: the first half of their descriptors is copied,
+    /// then the transfer is reported failed.
+    fn inject_failures(&self, count: u64) {
+        self.shared.fail_next.store(count, Ordering::Relaxed);
+    }
+
     fn info(&self) -> BackendInfo {
         BackendInfo {
             name: "host",

@@ -263,6 +263,21 @@ pub trait Backend: Send + Sync + fmt::Debug {
         Ok(())
     }
 
+    /// A test hook: the next `count` transfers fail at a descriptor in the middle of their copy
+    /// list (on CUDA, of their DMA part), the way a real fault would: the host backend stops its
+    /// worker there; the CUDA backend hands the driver a null address there, which it refuses.
+    /// The transfer must then complete as failed, in order, with its slab returned.
+    fn inject_failures(&self, count: u64);
+
     /// Stops worker threads and streams once everything submitted is done. Idempotent.
     fn shutdown(&self);
+}
+
+/// Takes one injected failure from `counter`, if any is left.
+pub(crate) fn take_injected(counter: &std::sync::atomic::AtomicU64) -> bool {
+    use std::sync::atomic::Ordering;
+    // Relaxed: a test hook counter, ordered by nothing else.
+    counter
+        .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
+        .is_ok()
 }
