@@ -142,8 +142,16 @@ def test_route_is_chosen_once_from_page_sizes():
     small, large = _tables(8 * KiB), _tables(1 << 20)
     assert choose_route(small, on_cuda=False).launcher is None  # host backend: memcpy
     assert choose_route(small, on_cuda=True, path="dma").launcher is None
-    r = choose_route(small, on_cuda=True)
-    assert r.kernel_below == KERNEL_BELOW and r.launcher is not None and "kernel" in r.reason
+    for direction in ("h2d", "d2h"):
+        r = choose_route(small, on_cuda=True, direction=direction)
+        assert r.kernel_below == KERNEL_BELOW[direction] and r.launcher is not None
+        assert "kernel" in r.reason
+    # A threshold per direction: the kernel below it, DMA from it.
+    for direction, below in KERNEL_BELOW.items():
+        assert choose_route(_tables(below // 2), on_cuda=True, direction=direction).launcher
+        assert choose_route(_tables(below), on_cuda=True, direction=direction).launcher is None
+    with pytest.raises(ValueError, match="direction"):
+        choose_route(small, on_cuda=True, direction="h2h")
     r = choose_route(large, on_cuda=True)
     assert r.launcher is None and r.reason.startswith("dma")
     r = choose_route(_tables(8 * KiB, 1 << 20), on_cuda=True)
@@ -162,7 +170,8 @@ def test_handler_kernel_path_round_trip_on_cpu():
     gpu = [torch.randint(0, 255, (2, 16, 4, 1, 8), dtype=torch.uint8) for _ in range(3)]
     h = CpuGpuHandlers(gpu, 16, layout="kv_split", backend="host", path="kernel", kernel_ctas=2)
     try:
-        assert h.route.launcher is not None
+        assert all(r.launcher is not None for r in h.routes.values())
+        assert h.cpu_to_gpu_handler.route is h.routes["h2d"]
         h.gpu_to_cpu_handler.transfer_async(1, ([3, 9, 4], [0, 5, 7]))
         h.wait([1])
         assert all(r.success for r in h.get_finished())

@@ -350,12 +350,27 @@ def _make_plan(src: BlockTable, dst: BlockTable) -> _Plan | None:
 # --------------------------------------------------------------------------------------------
 
 
-#: Pages below this many bytes go to the copy kernel, the rest to DMA, when ``path="auto"``.
-#: Chosen from `python benches/bench_dma.py` on an H200 (driver 580, 2026-11-21): the batch
-#: call's host cost (~0.3-1.9 us per descriptor) caps DMA at 4-44 GB/s for 4-64 KiB blocks,
-#: while the kernel on 16 CTAs reaches 40-51 GB/s; at 256 KiB both are within 2 % of each
-#: other (DMA 93.5 % of the ceiling host->device), and from 1 MiB DMA reaches 98 % with no SM.
-KERNEL_BELOW = 256 * 1024
+#: Pages below this many bytes go to the copy kernel, the rest to DMA, when ``path="auto"``,
+#: per direction. Chosen on an H200 (driver 580, 2026-11-21) from the suite's sweep
+#: (`python benches/suite.py`, docs/benchmarks.md), one transfer of N scattered blocks at a
+#: time, as fractions of the link's ceiling measured in the same run:
+#:
+#: - CPU -> GPU, N = 2,560: kernel 74-91 % from 4 to 128 KiB against DMA 8-87 % (the batch
+#:   call's host cost, ~0.3-1.9 us per descriptor, holds DMA back); at 256 KiB DMA 93 %, kernel
+#:   92 %. With 8 transfers queued back to back DMA catches up earlier (95 % at 64 KiB) because
+#:   its submission then overlaps the copies; the threshold follows the isolated case.
+#: - GPU -> CPU, N = 2,560: kernel 74-94 % from 4 to 128 KiB against DMA 18-85 %; at 256 KiB
+#:   DMA 91 %, kernel 94 % (N = 256: both 93 %), and DMA, which takes no SM, is kept.
+#:
+#: With few blocks (N = 16) DMA is ahead of the kernel from 4 KiB, but such transfers move
+#: little and are latency-bound either way.
+KERNEL_BELOW: dict[str, int] = {"h2d": 256 * 1024, "d2h": 256 * 1024}
+
+#: Bytes one kernel program keeps in flight per step on the handler's kernel route: 32 KiB
+#: took CPU -> GPU 16 KiB pages from 90 to 92 % of the link with transfers queued back to back
+#: (H200, 2026-11-21; 64 KiB was worse at 4 KiB pages, 87 %); the kernel's own default
+#: (16 KiB) suits device-side callers.
+KERNEL_BLOCK_BYTES = 32 * 1024
 
 
 class Route(NamedTuple):
@@ -371,27 +386,31 @@ def choose_route(
     gpu_tables: Sequence[BlockTable],
     *,
     on_cuda: bool,
+    direction: str = "h2d",
     path: str = "auto",
     kernel_ctas: int = 16,
     below: int | None = None,
 ) -> Route:
-    """Picks the copy path once, from the page sizes the handler will move.
+    """Picks the copy path of one direction once, from the page sizes the handler will move.
 
     ``"dma"``: copy engines only (no SM is taken from the model). ``"kernel"``: every page by
     the Triton copy kernel on at most ``kernel_ctas`` CTAs. ``"auto"``: pages below
-    ``below`` (default :data:`KERNEL_BELOW`) to the kernel and larger ones to DMA, in the same
-    transfer where a model mixes both (hybrid groups). On the host backend, ``"auto"`` is DMA
-    (memcpy): there is no GPU to run a kernel on.
+    ``below`` (default :data:`KERNEL_BELOW` of ``direction``) to the kernel and larger ones to
+    DMA, in the same transfer where a model mixes both (hybrid groups). On the host backend,
+    ``"auto"`` is DMA (memcpy): there is no GPU to run a kernel on.
     """
+    if direction not in KERNEL_BELOW:
+        raise ValueError(f"direction must be 'h2d' or 'd2h', not {direction!r}")
     if path == "dma" or (path == "auto" and not on_cuda):
         return Route(0, None, "dma" if path == "dma" else "host backend: memcpy")
-    threshold = (1 << 62) if path == "kernel" else (KERNEL_BELOW if below is None else below)
+    default = KERNEL_BELOW[direction]
+    threshold = (1 << 62) if path == "kernel" else (default if below is None else below)
     sizes = sorted({int(n) for t in gpu_tables for n in t.nbytes.tolist()})
     if not any(n < threshold for n in sizes):
         return Route(0, None, f"dma: every page is >= {threshold} bytes")
     from .kernels import engine_launcher
 
-    launcher = engine_launcher(max_ctas=kernel_ctas)
+    launcher = engine_launcher(max_ctas=kernel_ctas, block_bytes=KERNEL_BLOCK_BYTES)
     if all(n < threshold for n in sizes):
         return Route(threshold, launcher, f"kernel ({kernel_ctas} CTAs): pages {sizes} bytes")
     return Route(
@@ -455,8 +474,10 @@ class SingleDirectionHandler:
         self._sizes_buf = _EMPTY
         self._wait_stream = wait_stream
         self._device_index = device_index
-        self._kernel_below = route.kernel_below if route is not None else 0
-        self._launcher = route.launcher if route is not None else None
+        #: The copy path of this direction (see :func:`choose_route`).
+        self.route = route if route is not None else Route(0, None, "dma")
+        self._kernel_below = self.route.kernel_below
+        self._launcher = self.route.launcher
         self._closed = False
         self._build = self._build1 if self._ngroups == 1 else self._build_groups
         core = owner.engine._core
@@ -970,13 +991,20 @@ class CpuGpuHandlers:
             else:  # pragma: no cover - older torch
                 wait_stream = lambda: torch.cuda.current_stream(idx).cuda_stream  # noqa: E731
         # Path selection, once, here: which descriptors a copy kernel moves (see choose_route).
-        route = choose_route(
-            gpu_tables, on_cuda=on_cuda, path=path, kernel_ctas=kernel_ctas, below=kernel_below
-        )
-        self.route = route
+        self.routes: dict[str, Route] = {
+            d: choose_route(
+                gpu_tables,
+                on_cuda=on_cuda,
+                direction=d,
+                path=path,
+                kernel_ctas=kernel_ctas,
+                below=kernel_below,
+            )
+            for d in ("d2h", "h2d")
+        }
         tids = self._table_ids
         self.gpu_to_cpu_handler = SingleDirectionHandler(
-            self, "d2h", gpu_tables, cpu_tables, wait_stream, device_index, route, tids
+            self, "d2h", gpu_tables, cpu_tables, wait_stream, device_index, self.routes["d2h"], tids
         )
         self.cpu_to_gpu_handler = SingleDirectionHandler(
             self,
@@ -985,7 +1013,7 @@ class CpuGpuHandlers:
             gpu_tables,
             None,
             device_index,
-            route,
+            self.routes["h2d"],
             None if tids is None else (tids[1], tids[0]),
         )
         self.get_finished = self.engine._core.get_finished
@@ -1111,7 +1139,9 @@ class CpuGpuHandlers:
         gpu_ids = np.random.default_rng(0).permutation(num_gpu)[:n].astype(_I64)
         cpu_ids = np.arange(-(-n // f), dtype=_I64)
         nbytes = n * int(self.gpu_tables[0].nbytes.sum())
-        launcher = self.route.launcher or engine_launcher(max_ctas=kernel_ctas)
+        launcher = next(
+            (r.launcher for r in self.routes.values() if r.launcher is not None), None
+        ) or engine_launcher(max_ctas=kernel_ctas, block_bytes=KERNEL_BLOCK_BYTES)
         report: dict[str, dict[str, Any]] = {}
         job = _JOB_END - 1
         for h, spec in (
@@ -1133,6 +1163,9 @@ class CpuGpuHandlers:
                 speeds[name] = nbytes / statistics.median(times[1:]) / 1e9
             chosen = max(speeds, key=speeds.__getitem__)
             h._kernel_below, h._launcher = (1 << 62, launcher) if chosen == "kernel" else (0, None)
+            h.route = self.routes[h.direction] = Route(
+                h._kernel_below, h._launcher, f"calibrated: {chosen}"
+            )
             report[h.direction] = {
                 "blocks": n,
                 "chosen": chosen,
