@@ -1,8 +1,9 @@
-"""Random-transfer stress of the engine on the host backend, every byte verified.
+"""Random-transfer stress of the engine on the host backend (or the GPU), every byte verified.
 
 Run as a script (``python tests/reliability_stress.py``; ``BLOCKSWAP_STRESS_TRANSFERS`` sets the
-count, 1,000,000 by default) it prints one JSON line of figures; ``tests/test_reliability.py``
-runs the same :func:`run_stress`.
+count, 1,000,000 by default; ``BLOCKSWAP_STRESS_BACKEND=cuda`` runs it on the GPU) it prints one
+JSON line of figures; ``tests/test_reliability.py`` and ``tests/test_cuda.py`` run the same
+:func:`run_stress`.
 
 Each round clears two destination regions (one registered as host memory, one as device memory),
 then submits a few thousand transfers of random direction (``h2d``, ``d2h``, ``h2h``, ``d2d``),
@@ -78,6 +79,36 @@ class StressFailure(AssertionError):
     pass
 
 
+class _GpuRegion:
+    """A region of the CUDA run: pinned host or device memory, seen by the checks as the numpy
+    array the host run uses (device memory is read back)."""
+
+    def __init__(self, tensor: Any) -> None:
+        self.tensor = tensor
+
+    def fill(self, value: int) -> None:
+        import torch
+
+        self.tensor.fill_(value)
+        torch.cuda.synchronize()  # the engine's streams do not wait for torch's
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        import torch
+
+        torch.cuda.synchronize()
+        return self.tensor.cpu().numpy()
+
+    def __getitem__(self, index: Any) -> np.ndarray:
+        return np.asarray(self)[index]
+
+
+def _on_gpu(name: str, arr: np.ndarray) -> _GpuRegion:
+    import torch
+
+    t = torch.from_numpy(arr)
+    return _GpuRegion(t.pin_memory() if name[0] == "h" else t.cuda())
+
+
 def run_stress(
     transfers: int = DEFAULT_TRANSFERS,
     *,
@@ -86,9 +117,13 @@ def run_stress(
     per_round: int = 4000,
     poll_every: int = 128,
     max_in_flight: int = 256,
+    backend: str = "host",
 ) -> StressReport:
     """Submits ``transfers`` random transfers in rounds of ``per_round`` and checks everything
     (raises :class:`StressFailure` at the first discrepancy). Returns the figures.
+
+    ``backend="cuda"``: the same on the GPU, the host regions pinned, the device regions in
+    device memory (read back for the checks), every direction through the driver.
 
     ``max_in_flight`` per direction bounds the slab pool (it grows to the peak number of
     transfers in flight: at most 4 x 256 slabs of 6 KiB by default), so resident memory over
@@ -98,18 +133,24 @@ def run_stress(
     rep = StressReport(transfers=transfers, by_direction=dict.fromkeys(DIRECTIONS, 0))
     rep.max_in_flight = max_in_flight
     max_shift = 1 * MiB
-    eng = blockswap.Engine("host", max_in_flight=max_in_flight)
+    eng = blockswap.Engine(backend, max_in_flight=max_in_flight)
     try:
-        mem = {
+        mem: dict[str, Any] = {
             # sources: random bytes, never zero (a lost copy leaves a zero where one is expected)
             "hs": rng.integers(1, 256, region + max_shift, dtype=np.uint8),
             "ds": rng.integers(1, 256, region + max_shift, dtype=np.uint8),
             "hd": np.zeros(region, dtype=np.uint8),
             "dd": np.zeros(region, dtype=np.uint8),
         }
-        for name, arr in mem.items():
-            eng.register(arr, kind="host" if name[0] == "h" else "device")
-        base = {name: arr.ctypes.data for name, arr in mem.items()}
+        if backend == "cuda":
+            mem = {name: _on_gpu(name, arr) for name, arr in mem.items()}
+            for arr in mem.values():
+                eng.register(arr.tensor)
+            base = {name: arr.tensor.data_ptr() for name, arr in mem.items()}
+        else:
+            for name, arr in mem.items():
+                eng.register(arr, kind="host" if name[0] == "h" else "device")
+            base = {name: arr.ctypes.data for name, arr in mem.items()}
         t0 = time.perf_counter()
         done = 0
         while done < transfers:
@@ -253,7 +294,7 @@ def _round(
 
 def main() -> int:
     n = int(os.environ.get("BLOCKSWAP_STRESS_TRANSFERS", DEFAULT_TRANSFERS))
-    rep = run_stress(n)
+    rep = run_stress(n, backend=os.environ.get("BLOCKSWAP_STRESS_BACKEND", "host"))
     out = asdict(rep)
     out["rss_growth"] = rep.rss_growth
     print(json.dumps(out))

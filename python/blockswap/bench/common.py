@@ -178,15 +178,8 @@ def wall_timed(issue: Callable[[], None], finish: Callable[[], None]) -> tuple[f
 
 def handler_route(h: Any, direction: str) -> Any:
     """The route (``kernel_below``, ``launcher``, ``reason``) a
-    :class:`~blockswap.handler.CpuGpuHandlers` took for ``direction``: its handler's own where it
-    keeps one per direction, else the pair's; ``None`` where it says nothing."""
-    one = h.gpu_to_cpu_handler if direction == "d2h" else h.cpu_to_gpu_handler
-    route = getattr(one, "route", None)
-    if route is None:
-        routes = getattr(h, "routes", None)
-        if isinstance(routes, dict):
-            route = routes.get(direction)
-    return route if route is not None else getattr(h, "route", None)
+    :class:`~blockswap.handler.CpuGpuHandlers` took for ``direction``."""
+    return (h.gpu_to_cpu_handler if direction == "d2h" else h.cpu_to_gpu_handler).route
 
 
 def route_choice(route: Any, page_bytes: int) -> str:
