@@ -72,9 +72,15 @@ impl Lane {
         Ok(())
     }
 
-    /// Records in flight (pushed and not yet claimed).
+    /// Records in flight: pushed and not yet handed out by a poll.
+    ///
+    /// This counts the queue itself, not `pushed - reported`: a record a poll has claimed but not
+    /// popped yet still holds its place, so while pushes are serialised a push that follows
+    /// `in_flight() < capacity` always finds room. (`pushed - reported`, read without the submit
+    /// lock, could also see a claim newer than the push it had read, and underflow.) Both were
+    /// found by the loom models in `tests/loom.rs`.
     pub fn in_flight(&self) -> u64 {
-        self.pushed.load(Ordering::Acquire) - self.reported.load(Ordering::Acquire)
+        self.records.len() as u64
     }
 
     /// Hands every record with `seq <= completed` not handed out before to `on_done`.
@@ -151,6 +157,29 @@ mod tests {
         assert_eq!(lane.in_flight(), 2);
         lane.drain(|r| got.push(r.seq));
         assert_eq!(got, vec![1, 2, 3, 4, 5]);
+        assert_eq!(lane.in_flight(), 0);
+    }
+
+    #[test]
+    fn a_claimed_record_counts_until_it_is_handed_out() {
+        // While a poll hands out its claim, the records not popped yet still fill the queue: a
+        // push admitted by `in_flight() < capacity` must find room.
+        let pool = Pool::new(Arc::new(HostBackend::new()), 1 << 20);
+        let lane = Lane::new(2);
+        lane.push(record(&pool, 1)).unwrap();
+        lane.push(record(&pool, 2)).unwrap();
+        let mut pushed = false;
+        lane.poll(2, |r| {
+            if r.seq == 1 {
+                assert_eq!(lane.in_flight(), 1, "record 2 is claimed but still queued");
+                lane.push(record(&pool, 3)).unwrap();
+                pushed = true;
+            }
+            pool.release(r.slab);
+        });
+        assert!(pushed);
+        assert_eq!(lane.in_flight(), 1);
+        lane.drain(|r| pool.release(r.slab));
         assert_eq!(lane.in_flight(), 0);
     }
 
