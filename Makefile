@@ -67,3 +67,12 @@ wheel: setup
 clean:
 	cargo clean
 	rm -rf $(VENV) dist
+
+# Checks of the Rust core beyond `cargo test` (see docs/reliability.md).
+.PHONY: loom fuzz-short fuzz-long stress-rust
+
+# Model checking of the lock-free completion lane and slab pool with loom (about a minute).
+# `--cfg loom` rebuilds every dependency, so it gets its own target directory.
+loom:
+	RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=$${CARGO_TARGET_DIR:-target}/loom \
+	  cargo test --profile loom --test loom -- --nocapture

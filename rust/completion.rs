@@ -12,12 +12,10 @@
 //! all records up to the largest claimed `c` were pushed before their copies were issued. So each
 //! record is handed out exactly once, and polling takes no lock and makes no blocking call.
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
-use crossbeam_queue::ArrayQueue;
-
 use crate::pool::Slab;
+use crate::sync::{ArrayQueue, AtomicU64, Ordering};
 use crate::transfer::{JobId, TransferState};
 
 /// A transfer in flight on a lane.
@@ -121,7 +119,7 @@ impl Lane {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
     use crate::backend::host::HostBackend;

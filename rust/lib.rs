@@ -22,6 +22,7 @@ pub mod engine;
 pub mod error;
 pub mod pool;
 pub mod region;
+mod sync;
 pub mod table;
 pub mod transfer;
 

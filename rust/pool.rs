@@ -10,13 +10,11 @@
 
 use std::fmt;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
-
-use crossbeam_queue::ArrayQueue;
 
 use crate::backend::{Backend, BackendError, HostAlloc};
 use crate::descriptor::Columns;
+use crate::sync::{ArrayQueue, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 
 /// log2 of the smallest slab capacity: 256 descriptors, 6 KiB.
 pub const MIN_CLASS: u32 = 8;
@@ -361,7 +359,7 @@ impl Drop for Pool {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
     use crate::backend::host::HostBackend;
