@@ -76,3 +76,14 @@ clean:
 loom:
 	RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=$${CARGO_TARGET_DIR:-target}/loom \
 	  cargo test --profile loom --test loom -- --nocapture
+
+# Coverage-guided fuzzing of descriptor validation, coalescing and block-table expansion
+# (cargo-fuzz on a nightly toolchain, both installed when missing): FUZZ_SECONDS per target.
+FUZZ_SECONDS ?= 60
+fuzz-short:
+	fuzz/run.sh $(FUZZ_SECONDS)
+
+# The long run: 20 minutes per target.
+fuzz-long:
+	fuzz/run.sh 1200
+
