@@ -87,3 +87,7 @@ fuzz-short:
 fuzz-long:
 	fuzz/run.sh 1200
 
+# A million random transfers through the engine on the host backend from several threads, every
+# byte checked (STRESS_TRANSFERS to change the number). `cargo test` runs 20,000.
+stress-rust:
+	cargo test --release --test stress -- --ignored --nocapture
