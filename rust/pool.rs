@@ -229,6 +229,9 @@ pub struct Pool {
     bytes: AtomicUsize,
     slabs: AtomicUsize,
     cap: usize,
+    /// [`crate::engine::fork_generation`] when the pool was made: a pool dropped in a child
+    /// forked since frees nothing (its slabs belong to the parent's driver state).
+    generation: u64,
 }
 
 fn class_bytes(class: u32) -> usize {
@@ -247,6 +250,7 @@ impl Pool {
             bytes: AtomicUsize::new(0),
             slabs: AtomicUsize::new(0),
             cap,
+            generation: crate::engine::fork_generation(),
         }
     }
 
@@ -351,6 +355,11 @@ impl Drop for Pool {
     fn drop(&mut self) {
         // Only slabs at home are freed. A slab still out (its transfer never completed because the
         // device failed) is leaked on purpose: freeing memory a device may still read is worse.
+        if crate::engine::fork_generation() != self.generation {
+            // In a forked child the slabs are the parent's (page-locked through its CUDA context,
+            // which the child cannot use): dropping a HostAlloc frees nothing, so leave them.
+            return;
+        }
         for q in std::mem::take(&mut self.free) {
             while let Some(inner) = q.pop() {
                 self.free_inner(*inner);
@@ -422,6 +431,104 @@ mod tests {
             p.acquire(Pool::max_descriptors() + 1),
             Err(PoolError::TooLarge { .. })
         ));
+    }
+
+    /// The host backend, counting the slabs freed through it.
+    #[derive(Debug)]
+    struct Counting(HostBackend, std::sync::atomic::AtomicUsize);
+
+    impl Backend for Counting {
+        fn info(&self) -> crate::backend::BackendInfo {
+            self.0.info()
+        }
+        fn check_region(
+            &self,
+            start: u64,
+            len: u64,
+            kind: crate::region::MemoryKind,
+        ) -> Result<(), BackendError> {
+            self.0.check_region(start, len, kind)
+        }
+        fn alloc_host(&self, bytes: usize) -> Result<HostAlloc, BackendError> {
+            self.0.alloc_host(bytes)
+        }
+        unsafe fn free_host(&self, alloc: HostAlloc) {
+            self.1.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            // SAFETY: forwarded from our caller.
+            unsafe { self.0.free_host(alloc) }
+        }
+        fn submit(
+            &self,
+            lane: crate::Direction,
+            seq: u64,
+            slab: SlabRef,
+            request: crate::backend::SubmitRequest<'_>,
+        ) -> Result<crate::backend::Submitted, BackendError> {
+            self.0.submit(lane, seq, slab, request)
+        }
+        fn completed(&self, lane: crate::Direction) -> u64 {
+            self.0.completed(lane)
+        }
+        fn wait(
+            &self,
+            lane: crate::Direction,
+            seq: u64,
+            timeout: Option<std::time::Duration>,
+        ) -> Result<bool, BackendError> {
+            self.0.wait(lane, seq, timeout)
+        }
+        fn inject_failures(&self, count: u64) {
+            self.0.inject_failures(count)
+        }
+        fn shutdown(&self) {
+            self.0.shutdown()
+        }
+    }
+
+    #[test]
+    fn a_pool_dropped_in_a_forked_child_frees_nothing() {
+        let backend = Arc::new(Counting(
+            HostBackend::new(),
+            std::sync::atomic::AtomicUsize::new(0),
+        ));
+        let freed = |b: &Counting| b.1.load(std::sync::atomic::Ordering::Relaxed);
+        let p = Pool::new(backend.clone(), 1 << 20);
+        let s = p.acquire(1).unwrap();
+        p.release(s);
+        let parents = Pool::new(backend.clone(), 1 << 20);
+        let s = parents.acquire(1).unwrap();
+        parents.release(s);
+        // Installs the engine's fork hook, which counts fork generations.
+        drop(crate::engine::Engine::new(
+            Arc::new(HostBackend::new()),
+            Default::default(),
+        ));
+        // SAFETY: the child only drops a pool (lock-free queues, the heap, an atomic counter) and
+        // leaves with `_exit`.
+        match unsafe { libc::fork() } {
+            0 => {
+                drop(parents);
+                // SAFETY: ends the child without running the parent's exit handlers.
+                unsafe { libc::_exit(freed(&backend) as i32) };
+            }
+            -1 => panic!("fork failed"),
+            child => {
+                let mut status = 0;
+                // SAFETY: waits for the child forked above.
+                assert_eq!(unsafe { libc::waitpid(child, &mut status, 0) }, child);
+                assert!(libc::WIFEXITED(status));
+                assert_eq!(
+                    libc::WEXITSTATUS(status),
+                    0,
+                    "the child freed the parent's slabs"
+                );
+            }
+        }
+        // In the process that made it, a pool frees its slabs.
+        drop(p);
+        assert_eq!(freed(&backend), 1);
+        drop(parents);
+        assert_eq!(freed(&backend), 2);
     }
 
     #[test]
