@@ -134,6 +134,10 @@ struct World {
     routes: Vec<Sender<TransferResult>>,
     results: AtomicU64,
     injected: AtomicU64,
+    /// Transfers submitted by path (address batch, block ids, kernel-routed batch), and the
+    /// descriptors (block pairs for block-id transfers) they carried.
+    paths: [AtomicU64; 3],
+    descriptors: AtomicU64,
 }
 
 fn kind_index(kind: MemoryKind) -> usize {
@@ -209,6 +213,8 @@ impl World {
             routes: vec![],
             results: AtomicU64::new(0),
             injected: AtomicU64::new(0),
+            paths: Default::default(),
+            descriptors: AtomicU64::new(0),
         }
     }
 
@@ -262,7 +268,9 @@ fn submit(
     );
     let base = w.slot_offset(thread, slot);
     let mut copies = vec![];
+    let mut path = 0;
     let result = if rng.chance(20) {
+        path = 1;
         // By block ids: a run of slot blocks (consecutive or scattered) from random source blocks.
         let slot_blocks = SLOT / BLOCK;
         let k = 1 + rng.below(32) as usize;
@@ -353,6 +361,7 @@ fn submit(
             .collect();
         let size: Vec<u64> = copies.iter().map(|c| c.3 as u64).collect();
         if rng.chance(2) {
+            path = 2;
             w.engine.submit_routed(
                 job_id,
                 &src,
@@ -367,12 +376,17 @@ fn submit(
         }
     };
     match result {
-        Ok(()) => Ok(Some(Pending {
-            slot,
-            kind: dk,
-            bytes: copies.iter().map(|c| c.3 as u64).sum(),
-            copies,
-        })),
+        Ok(()) => {
+            w.paths[path].fetch_add(1, Ordering::Relaxed);
+            w.descriptors
+                .fetch_add(copies.len() as u64, Ordering::Relaxed);
+            Ok(Some(Pending {
+                slot,
+                kind: dk,
+                bytes: copies.iter().map(|c| c.3 as u64).sum(),
+                copies,
+            }))
+        }
         Err(EngineError::TooManyInFlight { .. })
         | Err(EngineError::Pool(blockswap::pool::PoolError::Exhausted { .. })) => Ok(None),
         Err(e) => Err(e),
@@ -551,12 +565,19 @@ fn run(transfers: u64) {
         let dst = unsafe { w.dst[k].slice(0, w.dst[k].len) };
         assert!(dst.iter().all(|&b| b == POISON), "a stray write");
     }
+    let paths = w.paths.each_ref().map(|p| p.load(Ordering::Relaxed));
+    let directions = stats.lanes.each_ref().map(|l| l.transfers);
     println!(
-        "stress: {transfers} transfers ({failed} failed on purpose), {:.2} GB in {:.2?}: \
-         {:.0} transfers/s, {SUBMITTERS} submitting and {POLLERS} polling threads",
+        "stress: {transfers} transfers ({failed} failed on purpose), {} descriptors, {:.2} GB \
+         in {:.2?}: {:.0} transfers/s; {SUBMITTERS} submitting and {POLLERS} polling threads; \
+         {} address batches, {} block-id, {} kernel-routed; h2d/d2h/h2h/d2d {directions:?}",
+        w.descriptors.load(Ordering::Relaxed),
         lanes.2 as f64 / 1e9,
         elapsed,
-        transfers as f64 / elapsed.as_secs_f64()
+        transfers as f64 / elapsed.as_secs_f64(),
+        paths[0],
+        paths[1],
+        paths[2],
     );
     drop(world);
 }
