@@ -42,17 +42,10 @@ def run(ctx: Context) -> dict[str, Any]:
         import torch
 
         streams = {d: torch.cuda.Stream() for d in DIRS}
-        eng = Engine(
-            "cuda",
-            h2d_stream=streams["h2d"].cuda_stream,
-            d2h_stream=streams["d2h"].cuda_stream,
-        )
-        eng.register(host)
-        eng.register(dev)
-    else:
-        eng = Engine("host")
-        eng.register(host, kind="host")
-        eng.register(dev, kind="device")
+    eng = ctx.engine(
+        h2d_stream=streams["h2d"].cuda_stream if streams else None,
+        d2h_stream=streams["d2h"].cuda_stream if streams else None,
+    )
     launchers, kernel_note, _ = kernel_launchers(ctx)
     rows: list[dict[str, Any]] = []
     try:

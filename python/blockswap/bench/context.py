@@ -242,6 +242,23 @@ class Context:
                 self._pools = (np.full(n, 1, dtype=np.uint8), np.full(n, 2, dtype=np.uint8))
         return self._pools
 
+    def engine(self, h2d_stream: int | None = None, d2h_stream: int | None = None) -> Any:
+        """An engine with :meth:`pools` registered: on CUDA with the given raw lane streams
+        (``None``: its own), on the host backend with the second pool standing in for device
+        memory."""
+        from ..engine import Engine
+
+        host, dev = self.pools()
+        if self.cuda:
+            eng = Engine("cuda", h2d_stream=h2d_stream, d2h_stream=d2h_stream)
+            eng.register(host)
+            eng.register(dev)
+        else:
+            eng = Engine("host")
+            eng.register(host, kind="host")
+            eng.register(dev, kind="device")
+        return eng
+
     def free_pools(self) -> None:
         self._pools = None
         if self.cuda:

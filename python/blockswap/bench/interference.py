@@ -85,9 +85,7 @@ def run(ctx: Context, ctas: tuple[int, ...] | None = None) -> dict[str, Any]:
     except Exception as e:
         route_note = f"the handler could not be built: {type(e).__name__}: {e}"
     rows = []
-    eng = Engine("cuda")  # its own streams: the copies run beside the compute stream
-    eng.register(host)
-    eng.register(dev)
+    eng = ctx.engine()  # its own streams: the copies run beside the compute stream
     try:
         for name, c, below, launch in paths:
             row: dict[str, Any] = {

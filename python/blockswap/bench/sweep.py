@@ -119,15 +119,8 @@ class _Handler:
 def run(ctx: Context) -> dict[str, Any]:
     p = ctx.profile
     ceiling = {d: ctx.ceiling(d) for d in ("h2d", "d2h")}
-    host, dev = ctx.pools()
-    if ctx.cuda:
-        eng = Engine("cuda", h2d_stream=ctx.stream.cuda_stream, d2h_stream=ctx.stream.cuda_stream)
-        eng.register(host)
-        eng.register(dev)
-    else:
-        eng = Engine("host")
-        eng.register(host, kind="host")
-        eng.register(dev, kind="device")
+    lane = ctx.stream.cuda_stream if ctx.cuda else None
+    eng = ctx.engine(h2d_stream=lane, d2h_stream=lane)
     launchers, kernel_note, kernel_what = kernel_launchers(ctx)
     rows: list[dict[str, Any]] = []
     try:
