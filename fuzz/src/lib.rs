@@ -408,7 +408,7 @@ pub mod prepare {
     }
 }
 
-/// `descriptor::check_disjoint` on its own: both of its sorting strategies.
+/// `descriptor::check_disjoint` on its own: its bucket, packed-key and pair strategies.
 pub mod disjoint {
     use super::*;
     use blockswap::descriptor::{check_disjoint, DescriptorError, Scratch};
@@ -417,16 +417,37 @@ pub mod disjoint {
     pub struct Input {
         /// Destinations within 2^20 bytes (the packed-key sort) or anywhere (the pair sort).
         wide: bool,
+        /// Pages of this many bytes in slots of a pool four times the batch, a few off the grid
+        /// or short (the bucket strategy), instead of the two above.
+        page: Option<u16>,
         ranges: Vec<(u64, u32)>,
         /// A second batch checked with the same scratch.
         again: Vec<(u64, u32)>,
     }
 
-    fn build(wide: bool, ranges: &[(u64, u32)]) -> (Vec<u64>, Vec<u64>) {
+    fn build(input: &Input, ranges: &[(u64, u32)]) -> (Vec<u64>, Vec<u64>) {
+        let slots = 4 * ranges.len() as u64 + 1;
         ranges
             .iter()
             .map(|&(d, z)| {
-                let d = if wide { d } else { d % (1 << 20) }.min(u64::MAX - 1);
+                if let Some(page) = input.page {
+                    let page = page as u64 + 1;
+                    let d = (d % slots) * page
+                        + if z % 16 == 0 {
+                            (z as u64 >> 4) % page
+                        } else {
+                            0
+                        };
+                    return (
+                        d,
+                        if z % 16 == 1 {
+                            1 + (z as u64 >> 4) % page
+                        } else {
+                            page
+                        },
+                    );
+                }
+                let d = if input.wide { d } else { d % (1 << 20) }.min(u64::MAX - 1);
                 // Non-empty and not overflowing: what prepare_into guarantees its caller.
                 let z = 1 + (z as u64) % (u64::MAX - d);
                 (d, z)
@@ -437,7 +458,7 @@ pub mod disjoint {
     pub fn check(input: &Input) {
         let mut scratch = Scratch::default();
         for ranges in [&input.ranges, &input.again] {
-            let (dst, size) = build(input.wide, ranges);
+            let (dst, size) = build(input, ranges);
             let pairs: Vec<_> = dst.iter().copied().zip(size.iter().copied()).collect();
             match (
                 check_disjoint(&dst, &size, &mut scratch),
