@@ -88,10 +88,66 @@ def test_a_failing_kernel_fails_its_transfer_only(rng):
     eng.shutdown()
 
 
+@pytest.mark.parametrize("launch_bytes", [1, 7 * KiB, 40 * KiB, 1 << 40])
+def test_launches_of_bounded_bytes_cover_every_descriptor_once(rng, monkeypatch, launch_bytes):
+    import blockswap.kernels.copy as kc
+
+    launches = []
+    original = kc.copy_blocks_raw
+
+    def recording(srcs, dsts, sizes, n, **kw):
+        launches.append((srcs, dsts, sizes, n))
+        original(srcs, dsts, sizes, n, **kw)
+
+    monkeypatch.setattr(kc, "copy_blocks_raw", recording)
+    eng = blockswap.Engine("host")
+    src = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
+    dst = np.zeros(1 << 20, dtype=np.uint8)
+    eng.register(src, kind="host")
+    eng.register(dst, kind="device")
+    s_off, d_off, sizes = mixed_batch(rng, 21, 2 * KiB + 1, 4 * KiB, src.nbytes, dst.nbytes)
+    eng.submit(
+        1,
+        src.ctypes.data + s_off,
+        dst.ctypes.data + d_off,
+        sizes,
+        "h2d",
+        kernel_below=1 << 40,
+        launcher=engine_launcher(max_ctas=2, launch_bytes=launch_bytes),
+    )
+    eng.wait([1])
+    (r,) = eng.get_finished()
+    assert r.success, r.error
+    check(dst, src, s_off, d_off, sizes)
+    # Each launch takes the next rows of the slab, at most launch_bytes / largest size of them
+    # (at least one), and together they take every row once.
+    per = max(1, launch_bytes // int(sizes.max()))
+    assert [n for *_, n in launches] == [min(per, 21 - i) for i in range(0, 21, per)]
+    base = launches[0][:3]
+    for k, (s, d, z, _) in enumerate(launches):
+        assert (s - base[0], d - base[1], z - base[2]) == (8 * k * per,) * 3
+    eng.shutdown()
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 2.5, "1"])
+def test_handler_refuses_a_bad_kernel_launch_bytes(bad):
+    import torch
+
+    from blockswap.handler import CpuGpuHandlers
+
+    gpu = torch.zeros(4, 1, 64, dtype=torch.uint8)
+    with pytest.raises(
+        ValueError if isinstance(bad, int) and not isinstance(bad, bool) else TypeError
+    ):
+        CpuGpuHandlers(gpu, 4, layout="mla", backend="host", kernel_launch_bytes=bad)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("direction", ["h2d", "d2h"])
-@pytest.mark.parametrize("kernel_below", [64 * KiB, 1 << 40])
-def test_cuda_hybrid_transfer_is_byte_exact(direction, kernel_below):
+@pytest.mark.parametrize(
+    ("kernel_below", "launch_bytes"), [(64 * KiB, None), (1 << 40, None), (1 << 40, 100 * KiB)]
+)
+def test_cuda_hybrid_transfer_is_byte_exact(direction, kernel_below, launch_bytes):
     import torch
 
     rng = np.random.default_rng(5)
@@ -110,7 +166,7 @@ def test_cuda_hybrid_transfer_is_byte_exact(direction, kernel_below):
             sizes,
             direction,
             kernel_below=kernel_below,
-            launcher=engine_launcher(max_ctas=16),
+            launcher=engine_launcher(max_ctas=16, launch_bytes=launch_bytes),
         )
         eng.wait([1])
         (r,) = eng.get_finished()

@@ -372,6 +372,17 @@ KERNEL_BELOW: dict[str, int] = {"h2d": 256 * 1024, "d2h": 256 * 1024}
 #: (16 KiB) suits device-side callers.
 KERNEL_BLOCK_BYTES = 32 * 1024
 
+#: The most one launch of the handler's copy kernel moves (``kernel_launch_bytes``). A launch
+#: holds the SMs of its CTAs until it ends, and a model kernel that wants every SM waits for
+#: them: cuBLAS's bf16 8192^3 GEMM on H100/H200 is one persistent CTA per SM using the whole
+#: register file, and one CTA of another long kernel slowed it by 14-18 % (H100), a copy launch
+#: per 128 MiB transfer on 16 CTAs by 15-18 %. Shorter launches bound that wait but each costs
+#: ~5 us of pipeline refill. Measured on an H200, 2026-11-21 (16 KiB x 8,192 onloads beside the
+#: GEMM; then isolated transfers, 4-64 KiB pages): GEMM slowdown / bandwidth lost against one
+#: launch: 16 MiB +11 % / 0-2 points; 8 MiB +9 % / 1-4 points; 4 MiB +5 % / 3-9 points;
+#: 1 MiB +1 % / 10-25 points (docs/benchmarks.md, "Kernel launches and the model's SMs").
+KERNEL_LAUNCH_BYTES = 8 * 1024 * 1024
+
 
 class Route(NamedTuple):
     """How a handler's transfers are split: descriptors below ``kernel_below`` bytes go to the
@@ -390,6 +401,7 @@ def choose_route(
     path: str = "auto",
     kernel_ctas: int = 16,
     below: int | None = None,
+    launch_bytes: int | None = KERNEL_LAUNCH_BYTES,
 ) -> Route:
     """Picks the copy path of one direction once, from the page sizes the handler will move.
 
@@ -397,10 +409,19 @@ def choose_route(
     the Triton copy kernel on at most ``kernel_ctas`` CTAs. ``"auto"``: pages below
     ``below`` (default :data:`KERNEL_BELOW` of ``direction``) to the kernel and larger ones to
     DMA, in the same transfer where a model mixes both (hybrid groups). On the host backend,
-    ``"auto"`` is DMA (memcpy): there is no GPU to run a kernel on.
+    ``"auto"`` is DMA (memcpy): there is no GPU to run a kernel on. ``launch_bytes``: the most
+    one kernel launch moves (:data:`KERNEL_LAUNCH_BYTES`; ``None``: one launch per transfer).
     """
     if direction not in KERNEL_BELOW:
         raise ValueError(f"direction must be 'h2d' or 'd2h', not {direction!r}")
+    if launch_bytes is not None and (
+        isinstance(launch_bytes, bool) or not isinstance(launch_bytes, (int, np.integer))
+    ):
+        raise TypeError(
+            f"kernel_launch_bytes must be an int or None, not {type(launch_bytes).__name__}"
+        )
+    if launch_bytes is not None and launch_bytes < 1:
+        raise ValueError(f"kernel_launch_bytes must be >= 1 or None, got {launch_bytes}")
     if path == "dma" or (path == "auto" and not on_cuda):
         return Route(0, None, "dma" if path == "dma" else "host backend: memcpy")
     default = KERNEL_BELOW[direction]
@@ -410,7 +431,11 @@ def choose_route(
         return Route(0, None, f"dma: every page is >= {threshold} bytes")
     from .kernels import engine_launcher
 
-    launcher = engine_launcher(max_ctas=kernel_ctas, block_bytes=KERNEL_BLOCK_BYTES)
+    launcher = engine_launcher(
+        max_ctas=kernel_ctas,
+        block_bytes=KERNEL_BLOCK_BYTES,
+        launch_bytes=None if launch_bytes is None else int(launch_bytes),
+    )
     if all(n < threshold for n in sizes):
         return Route(threshold, launcher, f"kernel ({kernel_ctas} CTAs): pages {sizes} bytes")
     return Route(
@@ -799,6 +824,12 @@ class CpuGpuHandlers:
     both directions, or a ``{"h2d": stream, "d2h": stream}`` mapping (either key may be left
     out); ``torch.cuda.Stream`` objects (kept alive here) or raw ``CUstream`` ints.
 
+    ``path``, ``kernel_ctas``, ``kernel_below``, ``kernel_launch_bytes``: the copy path per
+    direction, chosen here once (:func:`choose_route`; ``handlers.routes`` says what was chosen
+    and why). ``kernel_launch_bytes`` bounds what one launch of the copy kernel moves, and so how
+    long it holds its SMs from the model (:data:`KERNEL_LAUNCH_BYTES`; ``None``: one launch per
+    transfer, the most bandwidth).
+
     ``engine_options``: more options of :class:`~blockswap.Engine` (``max_in_flight``,
     ``pool_bytes``, ``copy_path``, ``timing``, ...).
 
@@ -820,6 +851,7 @@ class CpuGpuHandlers:
         path: str = "auto",
         kernel_ctas: int = 16,
         kernel_below: int | None = None,
+        kernel_launch_bytes: int | None = KERNEL_LAUNCH_BYTES,
         calibrate: bool = False,
         **engine_options: Any,
     ) -> None:
@@ -999,6 +1031,7 @@ class CpuGpuHandlers:
                 path=path,
                 kernel_ctas=kernel_ctas,
                 below=kernel_below,
+                launch_bytes=kernel_launch_bytes,
             )
             for d in ("d2h", "h2d")
         }

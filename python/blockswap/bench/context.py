@@ -61,6 +61,8 @@ class Profile:
     interference_ctas: tuple[int, ...] = (4, 8, 16)
     interference_block: int = 16 * KiB
     interference_blocks: int = 8192
+    interference_launch_bytes: tuple[int, ...] = (16 * MiB, 4 * MiB, 1 * MiB)
+    """Kernel rows with launches of at most this many bytes each (on the most CTAs)."""
 
 
 def _pow2(lo: int, hi: int) -> tuple[int, ...]:
@@ -114,6 +116,7 @@ def profile(name: str, backend: str) -> Profile:
             bidir_bytes=256 * MiB,
             gemm_reps=10,
             interference_ctas=(16,),
+            interference_launch_bytes=(),
         )
     if name == "quick":
         return Profile(
@@ -162,6 +165,7 @@ def profile(name: str, backend: str) -> Profile:
             gemm_reps=3,
             interference_ctas=(16,),
             interference_blocks=256,
+            interference_launch_bytes=(64 * KiB,),
         )
     raise ValueError(f"unknown profile {name!r}: full, quick or tiny")
 

@@ -390,7 +390,11 @@ def _interference_table(sec: dict[str, Any], res: dict[str, Any]) -> list[str]:
     ]
     body = []
     for r in sec["rows"]:
-        first = [r["path"], str(r["ctas"]) if r.get("ctas") else "-"]
+        first = [
+            r["path"],
+            str(r["ctas"]) if r.get("ctas") else "-",
+            fmt_bytes(r["launch_bytes"]) if r.get("launch_bytes") else "-",
+        ]
         if r["status"] != "ok":
             body.append([f"{' '.join(first)}: {r['status']}, {r['reason']}"])
             continue
@@ -407,13 +411,14 @@ def _interference_table(sec: dict[str, Any], res: dict[str, Any]) -> list[str]:
     head = [
         "path",
         "CTAs",
+        "bytes per launch",
         "GEMM alone ms",
         "beside copies ms",
         "slowdown",
         "copies GB/s",
         "copies outlasted GEMMs",
     ]
-    out += _table(head, body, [False, True, True, True, True, True, False])
+    out += _table(head, body, [False, True, True, True, True, True, True, False])
     return out
 
 
@@ -605,7 +610,12 @@ def _plot_interference(res: dict[str, Any], plt: Any) -> list[tuple[str, Any]]:
     rows = ok_rows(res.get("interference"))
     if not rows:
         return []
-    labels = [r["path"] + (f"\n{r['ctas']} CTAs" if r.get("ctas") else "") for r in rows]
+    labels = [
+        r["path"]
+        + (f"\n{r['ctas']} CTAs" if r.get("ctas") else "")
+        + (f"\n{fmt_bytes(r['launch_bytes'])}/launch" if r.get("launch_bytes") else "")
+        for r in rows
+    ]
     fig, ax = plt.subplots(figsize=(max(5, 1.2 * len(rows)), 4))
     bars = ax.bar(range(len(rows)), [r["slowdown_pct"] for r in rows], color="tab:orange")
     ax.bar_label(bars, labels=[f"{r['slowdown_pct']:+.1f} %" for r in rows], fontsize=8)

@@ -492,7 +492,11 @@ def copy_blocks_raw(
 
 
 def engine_launcher(
-    *, max_ctas: int = 16, num_warps: int = 4, block_bytes: int = 16384
+    *,
+    max_ctas: int = 16,
+    num_warps: int = 4,
+    block_bytes: int = 16384,
+    launch_bytes: int | None = None,
 ) -> Callable[[int, int, int, int, int, int, int], None]:
     """A launcher for :meth:`blockswap.Engine.submit`'s kernel route.
 
@@ -501,12 +505,40 @@ def engine_launcher(
     16-byte promise is true) and the raw ``CUstream`` of the transfer's lane (0 on the host
     backend, where the kernel runs under Triton's interpreter). It launches
     :func:`copy_blocks_raw` there; nothing is read on the host.
+
+    ``launch_bytes``: the most one launch moves (counted as descriptors of the largest size, and
+    at least one descriptor per launch); a transfer over it is copied by several launches one
+    after the other on its stream. A launch holds the SMs of its CTAs until it ends, and a
+    model's kernel that needs those SMs waits for them: shorter launches bound that wait (see
+    ``KERNEL_LAUNCH_BYTES`` in :mod:`blockswap.handler`). ``None``: one launch per transfer.
     """
     _check_launch_params(max_ctas, num_warps, block_bytes)
+    if launch_bytes is not None:
+        _check_int("launch_bytes", launch_bytes)
     streams: dict[int, torch.cuda.ExternalStream] = {}
     compiled: dict[tuple[bool, int, int], Any] = {}
 
     def launch(
+        srcs: int, dsts: int, sizes: int, n: int, max_size: int, alignment: int, stream: int
+    ) -> None:
+        per = n if launch_bytes is None else max(1, launch_bytes // max(1, max_size))
+        if per >= n:
+            one(srcs, dsts, sizes, n, max_size, alignment, stream)
+            return
+        # Descriptors are int64 columns: launch i takes rows [i * per, (i + 1) * per).
+        for start in range(0, n, per):
+            off = 8 * start
+            one(
+                srcs + off,
+                dsts + off,
+                sizes + off,
+                min(per, n - start),
+                max_size,
+                alignment,
+                stream,
+            )
+
+    def one(
         srcs: int, dsts: int, sizes: int, n: int, max_size: int, alignment: int, stream: int
     ) -> None:
         if not stream or interpreter_mode():
