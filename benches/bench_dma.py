@@ -11,6 +11,8 @@ For each block size, N and direction: GPU time (CUDA events on the copy stream) 
     the pinned slab), for blocks up to 256 KiB,
 and host submission time (perf_counter, median): blockswap's submit split into the driver call
 and blockswap's own work (validation, coalescing, slab, record), and the cuda-bindings call.
+blockswap's submissions and the cuda-bindings calls alternate rep by rep, and the ratio of the
+two is taken per rep, so that the driver's own drift falls on both.
 Blocks are scattered (random permutations); host buffers are pinned.
 """
 
@@ -191,18 +193,34 @@ def main() -> None:
                         ),
                         total,
                     )
-                for i in range(args.reps + 3):
-                    job += 1
-                    d0 = core.stats()["driver_ns"]
+                # blockswap and cuda-bindings alternate rep by rep on the same stream, so that
+                # drift of the driver's own cost (several percent over seconds) falls on both.
+                call = None
+                if prepare_cb is not None:
+                    call = prepare_cb(
+                        src, dst, szs, direction == "h2d" and args.h2d_order == "any", stream
+                    )
+                cb_gpu, cb_sub = [], []
+
+                def events_around(issue):
                     start = torch.cuda.Event(enable_timing=True)
                     end = torch.cuda.Event(enable_timing=True)
                     with torch.cuda.stream(stream):
                         start.record()
                     t0 = time.perf_counter()
-                    core.submit(job, src, dst, szs, direction, None)
+                    issue()
                     t1 = time.perf_counter()
                     with torch.cuda.stream(stream):
                         end.record()
+                    return start, end, t1 - t0
+
+                own = []
+                for i in range(args.reps + 3):
+                    job += 1
+                    d0 = core.stats()["driver_ns"]
+                    start, end, host_s = events_around(
+                        lambda j=job, a=(src, dst, szs, direction, None): core.submit(j, *a)
+                    )
                     d1 = core.stats()["driver_ns"]
                     core.wait([job], None)
                     (r,) = core.get_finished()
@@ -210,8 +228,15 @@ def main() -> None:
                     end.synchronize()
                     if i >= 3:
                         gpu.append(start.elapsed_time(end) / 1e3)
-                        sub.append(t1 - t0)
+                        sub.append(host_s)
                         drv.append((d1 - d0) * 1e-9)
+                        own.append(host_s - (d1 - d0) * 1e-9)
+                    if call is not None:
+                        start, end, host_s = events_around(call)
+                        end.synchronize()
+                        if i >= 3:
+                            cb_gpu.append(start.elapsed_time(end) / 1e3)
+                            cb_sub.append(host_s)
                 row = {
                     "direction": direction,
                     "block_bytes": size,
@@ -220,7 +245,8 @@ def main() -> None:
                     "blockswap_gbps": total / med(gpu) / 1e9,
                     "blockswap_submit_us": med(sub) * 1e6,
                     "driver_call_us": med(drv) * 1e6,
-                    "own_ns_per_desc": (med(sub) - med(drv)) * 1e9 / blocks,
+                    # Per rep: the whole submission less the driver call, then the median.
+                    "own_ns_per_desc": med(own) * 1e9 / blocks,
                     "driver_ns_per_desc": med(drv) * 1e9 / blocks,
                 }
                 row["dma_pipelined_gbps"] = pipelined(
@@ -228,28 +254,12 @@ def main() -> None:
                 )
                 for ctas, gbps in kernel.items():
                     row[f"kernel_{ctas}cta_gbps"] = gbps
-                if prepare_cb is not None:
-                    call = prepare_cb(
-                        src, dst, szs, direction == "h2d" and args.h2d_order == "any", stream
-                    )
-                    cb_gpu, cb_sub = [], []
-                    for i in range(args.reps + 3):
-                        start = torch.cuda.Event(enable_timing=True)
-                        end = torch.cuda.Event(enable_timing=True)
-                        with torch.cuda.stream(stream):
-                            start.record()
-                        t0 = time.perf_counter()
-                        call()
-                        t1 = time.perf_counter()
-                        with torch.cuda.stream(stream):
-                            end.record()
-                        end.synchronize()
-                        if i >= 3:
-                            cb_gpu.append(start.elapsed_time(end) / 1e3)
-                            cb_sub.append(t1 - t0)
+                if call is not None:
                     row["cuda_bindings_gbps"] = total / med(cb_gpu) / 1e9
                     row["cuda_bindings_submit_us"] = med(cb_sub) * 1e6
                     row["cuda_bindings_build_lists_us"] = call.build_s * 1e6
+                    # Rep by rep: blockswap's whole submission over the cuda-bindings call.
+                    row["submit_ratio_vs_cuda_bindings"] = med([a / b for a, b in zip(sub, cb_sub)])
                 rows.append(row)
                 print(
                     f"{direction} {size // KiB:>5} KiB x {blocks:>5}: ceiling {row['ceiling_gbps']:6.2f} "
@@ -258,7 +268,8 @@ def main() -> None:
                     f"cuda-bindings {row.get('cuda_bindings_gbps', float('nan')):6.2f} | submit us: "
                     f"blockswap {row['blockswap_submit_us']:8.1f} (driver {row['driver_call_us']:8.1f}, "
                     f"own {row['own_ns_per_desc']:5.1f} ns/desc, driver {row['driver_ns_per_desc']:6.1f} ns/desc) "
-                    f"cuda-bindings {row.get('cuda_bindings_submit_us', float('nan')):8.1f}"
+                    f"cuda-bindings {row.get('cuda_bindings_submit_us', float('nan')):8.1f} "
+                    f"(ratio {row.get('submit_ratio_vs_cuda_bindings', float('nan')):.3f})"
                     + f" | pipelined: dma {row['dma_pipelined_gbps']:6.2f}"
                     + "".join(f" | kernel {c} CTAs {g:6.2f} GB/s" for c, g in kernel.items()),
                     flush=True,
