@@ -378,9 +378,10 @@ KERNEL_BLOCK_BYTES = 32 * 1024
 #: register file, and one CTA of another long kernel slowed it by 14-18 % (H100), a copy launch
 #: per 128 MiB transfer on 16 CTAs by 15-18 %. Shorter launches bound that wait but each costs
 #: ~5 us of pipeline refill. Measured on an H200, 2026-11-21 (16 KiB x 8,192 onloads beside the
-#: GEMM; then isolated transfers, 4-64 KiB pages): GEMM slowdown / bandwidth lost against one
-#: launch: 16 MiB +11 % / 0-2 points; 8 MiB +9 % / 1-4 points; 4 MiB +5 % / 3-9 points;
-#: 1 MiB +1 % / 10-25 points (docs/benchmarks.md, "Kernel launches and the model's SMs").
+#: GEMM, two runs; then isolated transfers, 4-64 KiB pages): GEMM slowdown / bandwidth lost
+#: against one launch (+15-21 %): 16 MiB +11-14 % / 0-2 points; 8 MiB +9-10 % / 0-4 points;
+#: 4 MiB +5-12 % / 1-9 points; 1 MiB +1 % / 10-25 points (docs/benchmarks.md, "Kernel
+#: launches and the model's SMs").
 KERNEL_LAUNCH_BYTES = 8 * 1024 * 1024
 
 
