@@ -21,6 +21,16 @@ def mixed_batch(rng, n, small, large, src_cap, dst_cap):
     return src_off, dst_off, sizes
 
 
+def host_engine(rng):
+    """A host engine over 1 MiB of random "host" bytes and 1 MiB of zeroed "device" bytes."""
+    eng = blockswap.Engine("host")
+    src = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
+    dst = np.zeros(1 << 20, dtype=np.uint8)
+    eng.register(src, kind="host")
+    eng.register(dst, kind="device")
+    return eng, src, dst
+
+
 def check(dst, src, src_off, dst_off, sizes):
     for s, d, z in zip(src_off.tolist(), dst_off.tolist(), sizes.tolist()):
         assert np.array_equal(dst[d : d + z], src[s : s + z])
@@ -28,11 +38,7 @@ def check(dst, src, src_off, dst_off, sizes):
 
 @pytest.mark.parametrize("kernel_below", [1, 8 * KiB, 1 << 40])
 def test_host_backend_routes_small_blocks_to_the_kernel(rng, kernel_below):
-    eng = blockswap.Engine("host")
-    src = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
-    dst = np.zeros(1 << 20, dtype=np.uint8)
-    eng.register(src, kind="host")
-    eng.register(dst, kind="device")
+    eng, src, dst = host_engine(rng)
     # Odd small sizes exercise the kernel's unaligned paths.
     s_off, d_off, sizes = mixed_batch(rng, 24, 3 * KiB + 5, 16 * KiB, src.nbytes, dst.nbytes)
     calls = []
@@ -69,11 +75,7 @@ def test_host_backend_routes_small_blocks_to_the_kernel(rng, kernel_below):
 
 
 def test_a_failing_kernel_fails_its_transfer_only(rng):
-    eng = blockswap.Engine("host")
-    src = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
-    dst = np.zeros(1 << 20, dtype=np.uint8)
-    eng.register(src, kind="host")
-    eng.register(dst, kind="device")
+    eng, src, dst = host_engine(rng)
 
     def broken(*_args):
         raise RuntimeError("no kernel today")
@@ -100,11 +102,7 @@ def test_launches_of_bounded_bytes_cover_every_descriptor_once(rng, monkeypatch,
         original(srcs, dsts, sizes, n, **kw)
 
     monkeypatch.setattr(kc, "copy_blocks_raw", recording)
-    eng = blockswap.Engine("host")
-    src = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
-    dst = np.zeros(1 << 20, dtype=np.uint8)
-    eng.register(src, kind="host")
-    eng.register(dst, kind="device")
+    eng, src, dst = host_engine(rng)
     s_off, d_off, sizes = mixed_batch(rng, 21, 2 * KiB + 1, 4 * KiB, src.nbytes, dst.nbytes)
     eng.submit(
         1,
