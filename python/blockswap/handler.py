@@ -394,6 +394,15 @@ class Route(NamedTuple):
     reason: str
 
 
+def _check_positive_int(name: str, value: Any, alternative: str = "") -> None:
+    """Raises ``TypeError`` unless ``value`` is an int (numpy's included, bool not), and
+    ``ValueError`` unless it is >= 1; ``alternative`` names what else is accepted."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int{alternative}, not {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1{alternative}, got {value}")
+
+
 def choose_route(
     gpu_tables: Sequence[BlockTable],
     *,
@@ -415,14 +424,8 @@ def choose_route(
     """
     if direction not in KERNEL_BELOW:
         raise ValueError(f"direction must be 'h2d' or 'd2h', not {direction!r}")
-    if launch_bytes is not None and (
-        isinstance(launch_bytes, bool) or not isinstance(launch_bytes, (int, np.integer))
-    ):
-        raise TypeError(
-            f"kernel_launch_bytes must be an int or None, not {type(launch_bytes).__name__}"
-        )
-    if launch_bytes is not None and launch_bytes < 1:
-        raise ValueError(f"kernel_launch_bytes must be >= 1 or None, got {launch_bytes}")
+    if launch_bytes is not None:
+        _check_positive_int("kernel_launch_bytes", launch_bytes, " or None")
     if path == "dma" or (path == "auto" and not on_cuda):
         return Route(0, None, "dma" if path == "dma" else "host backend: memcpy")
     default = KERNEL_BELOW[direction]
@@ -860,18 +863,8 @@ class CpuGpuHandlers:
         if path not in ("auto", "dma", "kernel"):
             raise ValueError(f"path must be 'auto', 'dma' or 'kernel', not {path!r}")
         self._shut = False
-        if isinstance(num_cpu_blocks, bool) or not isinstance(num_cpu_blocks, (int, np.integer)):
-            raise TypeError(f"num_cpu_blocks must be an int, not {type(num_cpu_blocks).__name__}")
-        if num_cpu_blocks < 1:
-            raise ValueError(f"num_cpu_blocks must be >= 1, got {num_cpu_blocks}")
-        if isinstance(block_size_factor, bool) or not isinstance(
-            block_size_factor, (int, np.integer)
-        ):
-            raise TypeError(
-                f"block_size_factor must be an int, not {type(block_size_factor).__name__}"
-            )
-        if block_size_factor < 1:
-            raise ValueError(f"block_size_factor must be >= 1, got {block_size_factor}")
+        _check_positive_int("num_cpu_blocks", num_cpu_blocks)
+        _check_positive_int("block_size_factor", block_size_factor)
         for key in ("device", "h2d_stream", "d2h_stream"):
             if key in engine_options:
                 raise TypeError(
