@@ -112,6 +112,19 @@ def main() -> None:
     job = 0
     launchers: dict = {}
 
+    def events_around(issue):
+        """(start event, end event, host seconds) of ``issue()`` on the copy stream."""
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream):
+            start.record()
+        t0 = time.perf_counter()
+        issue()
+        t1 = time.perf_counter()
+        with torch.cuda.stream(stream):
+            end.record()
+        return start, end, t1 - t0
+
     def pipelined(submit, total, depth=8):
         """Bandwidth with `depth` transfers queued back to back (steady state: host work of
         one transfer overlaps the copies of the previous ones), median of a few runs."""
@@ -201,18 +214,6 @@ def main() -> None:
                         src, dst, szs, direction == "h2d" and args.h2d_order == "any", stream
                     )
                 cb_gpu, cb_sub = [], []
-
-                def events_around(issue):
-                    start = torch.cuda.Event(enable_timing=True)
-                    end = torch.cuda.Event(enable_timing=True)
-                    with torch.cuda.stream(stream):
-                        start.record()
-                    t0 = time.perf_counter()
-                    issue()
-                    t1 = time.perf_counter()
-                    with torch.cuda.stream(stream):
-                        end.record()
-                    return start, end, t1 - t0
 
                 own = []
                 for i in range(args.reps + 3):
