@@ -53,20 +53,21 @@ BEFORE, BAD = 1, 7  # job ids: the transfer before the bad call; the bad call's 
 DEADLOCK = 300.0
 
 
-def threads() -> int:
-    """OS threads of this process (the host backend runs one worker thread per engine)."""
-    return len(os.listdir("/proc/self/task"))
+def threads() -> frozenset[int]:
+    """Task ids of this process's OS threads (the host backend runs one worker thread per
+    engine). Ids, not a count: a thread of an earlier test may leave while a test measures."""
+    return frozenset(int(t) for t in os.listdir("/proc/self/task"))
 
 
-def threads_settle(base: int) -> int:
-    """The thread count once it is back to ``base``, or after a deadlock-length wait: a joined
-    thread leaves /proc/self/task a moment after the join returns."""
+def threads_settle(base: frozenset[int]) -> frozenset[int]:
+    """The threads that are not in ``base`` once none is left, or after a deadlock-length wait:
+    a joined thread leaves /proc/self/task a moment after the join returns."""
     deadline = time.monotonic() + DEADLOCK
-    n = threads()
-    while n > base and time.monotonic() < deadline:
+    extra = threads() - base
+    while extra and time.monotonic() < deadline:
         time.sleep(0.001)
-        n = threads()
-    return n
+        extra = threads() - base
+    return extra
 
 
 def drain(poll: Callable[[], list[Any]], want: int) -> list[Any]:
@@ -595,7 +596,7 @@ def test_wrong_tensors_are_refused_and_a_running_handler_is_unaffected(
         h.d2h.transfer_async(BEFORE, ([2, 3], [4, 5]))
         with pytest.raises(error, match=match):
             make()
-        assert threads_settle(before) == before, (
+        assert not threads_settle(before), (
             "a refused construction left an engine thread behind"
         )
         h.wait([BEFORE])
@@ -615,7 +616,7 @@ def test_construction_failing_after_the_engine_started_shuts_it_down() -> None:
     before = threads()
     with pytest.raises(InvalidTransferError, match="overlaps"):
         CpuGpuHandlers(gpu, N_GPU, layout="kv_split", backend="host", cpu_caches=gpu)
-    assert threads_settle(before) == before, "the engine of the failed construction still runs"
+    assert not threads_settle(before), "the engine of the failed construction still runs"
 
 
 # --------------------------------------------------------------------------------------------
@@ -972,7 +973,7 @@ def test_shutdown_from_two_threads_twice_while_transfers_are_in_flight() -> None
         eng.submit(99, [s], [d], [8])
     stats = eng.stats()
     assert stats["in_flight"] == 0 and stats["pool"]["free"] == stats["pool"]["slabs"]
-    assert threads_settle(base) == base, "the worker thread outlived shutdown"
+    assert not threads_settle(base), "the worker thread outlived shutdown"
 
 
 def test_submitters_racing_shutdown_get_their_results_or_a_shutdown_error() -> None:
@@ -1091,7 +1092,7 @@ def test_handler_shutdown_from_other_threads_while_transferring() -> None:
     del t
     gc.collect()
     assert owned() is None, "the CPU cache was not freed"
-    assert threads_settle(base) == base
+    assert not threads_settle(base)
 
 
 ALLOC_ONCE = """
@@ -1228,7 +1229,7 @@ def test_engines_made_and_shut_down_repeatedly_leak_no_thread_or_memory() -> Non
     r0 = rss_bytes()
     for j in range(300):
         cycle(j)
-        assert threads_settle(base) == base
+        assert not threads_settle(base)
     gc.collect()
     grown = rss_bytes() - r0
     assert grown < 8 * MiB, f"RSS grew {grown / MiB:.1f} MiB over 300 engines"
