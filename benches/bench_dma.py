@@ -11,6 +11,8 @@ For each block size, N and direction: GPU time (CUDA events on the copy stream) 
     the pinned slab), for blocks up to 256 KiB,
 and host submission time (perf_counter, median): blockswap's submit split into the driver call
 and blockswap's own work (validation, coalescing, slab, record), and the cuda-bindings call.
+Own work is split again, from the engine's counters: the call into the compiled core and back,
+validating and writing the descriptors, and the engine and backend around the driver call.
 blockswap's submissions and the cuda-bindings calls alternate rep by rep, and the ratio of the
 two is taken per rep, so that the driver's own drift falls on both.
 Blocks are scattered (random permutations); host buffers are pinned.
@@ -215,14 +217,21 @@ def main() -> None:
                     )
                 cb_gpu, cb_sub = [], []
 
-                own = []
+                own, parts = [], []
                 for i in range(args.reps + 3):
                     job += 1
-                    d0 = core.stats()["driver_ns"]
+                    s0 = core.stats()
                     start, end, host_s = events_around(
                         lambda j=job, a=(src, dst, szs, direction, None): core.submit(j, *a)
                     )
-                    d1 = core.stats()["driver_ns"]
+                    s1 = core.stats()
+                    d0, d1 = s0["driver_ns"], s1["driver_ns"]
+                    # Own work in three parts (seconds): the call into the compiled core and
+                    # back (argument conversion, the GIL), validating and writing descriptors,
+                    # and the rest of the engine and backend around the driver call.
+                    engine_s = (s1["submit_ns"] - s0["submit_ns"]) * 1e-9
+                    prep_s = (s1["prepare_ns"] - s0["prepare_ns"]) * 1e-9
+                    part = (host_s - engine_s, prep_s, engine_s - prep_s - (d1 - d0) * 1e-9)
                     core.wait([job], None)
                     (r,) = core.get_finished()
                     assert r.success, r.error
@@ -232,6 +241,7 @@ def main() -> None:
                         sub.append(host_s)
                         drv.append((d1 - d0) * 1e-9)
                         own.append(host_s - (d1 - d0) * 1e-9)
+                        parts.append(part)
                     if call is not None:
                         start, end, host_s = events_around(call)
                         end.synchronize()
@@ -249,6 +259,10 @@ def main() -> None:
                     # Per rep: the whole submission less the driver call, then the median.
                     "own_ns_per_desc": med(own) * 1e9 / blocks,
                     "driver_ns_per_desc": med(drv) * 1e9 / blocks,
+                    # Medians of the three parts of own work, microseconds per submission.
+                    "own_call_us": med([p[0] for p in parts]) * 1e6,
+                    "own_prepare_us": med([p[1] for p in parts]) * 1e6,
+                    "own_engine_us": med([p[2] for p in parts]) * 1e6,
                 }
                 row["dma_pipelined_gbps"] = pipelined(
                     lambda j, a=(src, dst, szs, direction, None): core.submit(j, *a), total
@@ -268,7 +282,9 @@ def main() -> None:
                     f"({100 * row['blockswap_gbps'] / row['ceiling_gbps']:5.1f}%) "
                     f"cuda-bindings {row.get('cuda_bindings_gbps', float('nan')):6.2f} | submit us: "
                     f"blockswap {row['blockswap_submit_us']:8.1f} (driver {row['driver_call_us']:8.1f}, "
-                    f"own {row['own_ns_per_desc']:5.1f} ns/desc, driver {row['driver_ns_per_desc']:6.1f} ns/desc) "
+                    f"own {row['own_ns_per_desc']:5.1f} ns/desc = call {row['own_call_us']:.1f} + "
+                    f"prepare {row['own_prepare_us']:.1f} + engine {row['own_engine_us']:.1f} us, "
+                    f"driver {row['driver_ns_per_desc']:6.1f} ns/desc) "
                     f"cuda-bindings {row.get('cuda_bindings_submit_us', float('nan')):8.1f} "
                     f"(ratio {row.get('submit_ratio_vs_cuda_bindings', float('nan')):.3f})"
                     + f" | pipelined: dma {row['dma_pipelined_gbps']:6.2f}"

@@ -450,6 +450,8 @@ impl PyEngine {
         }
         d.set_item("in_flight", s.in_flight)?;
         d.set_item("driver_ns", s.driver_ns)?;
+        d.set_item("submit_ns", s.submit_ns)?;
+        d.set_item("prepare_ns", s.prepare_ns)?;
         let p = PyDict::new(py);
         p.set_item("slabs", s.pool.slabs)?;
         p.set_item("free", s.pool.free)?;

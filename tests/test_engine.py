@@ -180,6 +180,23 @@ def test_injected_failure_is_reported_failed_and_later_jobs_unaffected(engine, r
     assert stats["pool"]["free"] == stats["pool"]["slabs"], "failed job's slab came home"
 
 
+def test_host_time_counters_split_each_submission(engine, rng):
+    src, dst = registered_pair(engine, 1 * MiB, rng)
+    s, d = src.ctypes.data, dst.ctypes.data
+    before = engine.stats()
+    assert before["submit_ns"] == before["prepare_ns"] == 0
+    engine.submit(1, s + np.arange(64) * 4096, d + np.arange(64) * 4096, [4096] * 64)
+    mid = engine.stats()
+    assert mid["submit_ns"] > mid["prepare_ns"] > 0, "validation is part of the submission"
+    with pytest.raises(InvalidTransferError):
+        engine.submit(2, [s], [d + 4 * MiB], [8])  # outside the registered destination
+    after = engine.stats()
+    assert after["submit_ns"] > mid["submit_ns"], "a refused submission is host time too"
+    assert after["prepare_ns"] > mid["prepare_ns"] and after["submit_ns"] > after["prepare_ns"]
+    engine.wait([1])
+    assert engine.stats()["driver_ns"] == 0, "the host backend makes no driver calls"
+
+
 def test_pool_exhaustion_is_a_typed_error_not_a_hang(rng):
     # One 256-descriptor slab fits the cap: a second transfer in flight finds the pool empty.
     engine = blockswap.Engine("host", pool_bytes=256 * 24)
