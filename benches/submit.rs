@@ -19,27 +19,47 @@ use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Through
 const SIZES: [usize; 3] = [16, 2_560, 10_000];
 const BLOCK: u64 = 16;
 
-/// Scattered blocks: sources in a shuffled order, destinations either ascending (the common
-/// case: the validation proves disjointness in one pass) or shuffled (it sorts).
+/// Scattered blocks: sources in a shuffled order, destinations in one of three orders.
 struct Batch {
     src: Vec<u64>,
     dst: Vec<u64>,
     size: Vec<u64>,
 }
 
-fn shuffled(n: usize, salt: usize) -> Vec<usize> {
-    // A fixed permutation with no two neighbours contiguous: i * p mod 2n for p odd and coprime.
-    let m = 2 * n;
+#[derive(Clone, Copy)]
+enum Dst {
+    /// Ascending (the common case: the validation proves disjointness in one pass).
+    Ascending,
+    /// Shuffled slots of a pool twice the transfer (the overlap check's bucket pass).
+    Shuffled,
+    /// Shuffled slots of a pool 100 times the transfer (a large CPU cache; its sparse pass).
+    Sparse,
+}
+
+impl Dst {
+    fn name(self) -> &'static str {
+        match self {
+            Dst::Ascending => "ascending dst",
+            Dst::Shuffled => "shuffled dst",
+            Dst::Sparse => "sparse shuffled dst",
+        }
+    }
+}
+
+fn shuffled(n: usize, salt: usize, spread: usize) -> Vec<usize> {
+    // A fixed permutation with no two neighbours contiguous: i * p mod (spread * n) for p a prime
+    // not dividing it.
+    let m = spread * n;
     let p = [7919usize, 104_729][salt % 2];
     (0..n).map(|i| (i * p + salt) % m).collect()
 }
 
-fn batch(n: usize, src_base: u64, dst_base: u64, sorted_dst: bool) -> Batch {
-    let s = shuffled(n, 1);
-    let d: Vec<usize> = if sorted_dst {
-        (0..n).map(|i| 2 * i).collect()
-    } else {
-        shuffled(n, 2)
+fn batch(n: usize, src_base: u64, dst_base: u64, order: Dst) -> Batch {
+    let s = shuffled(n, 1, 2);
+    let d: Vec<usize> = match order {
+        Dst::Ascending => (0..n).map(|i| 2 * i).collect(),
+        Dst::Shuffled => shuffled(n, 2, 2),
+        Dst::Sparse => shuffled(n, 2, 100),
     };
     Batch {
         src: s.iter().map(|&i| src_base + i as u64 * BLOCK).collect(),
@@ -58,17 +78,12 @@ fn bench_prepare(c: &mut Criterion) {
         .insert(dst_base, 1 << 30, MemoryKind::Device)
         .unwrap();
     for &n in &SIZES {
-        for sorted in [true, false] {
-            let b = batch(n, src_base, dst_base, sorted);
+        for order in [Dst::Ascending, Dst::Shuffled, Dst::Sparse] {
+            let b = batch(n, src_base, dst_base, order);
             let (mut s, mut d, mut z) = (vec![0; n], vec![0; n], vec![0; n]);
             let mut scratch = Scratch::default();
             g.throughput(Throughput::Elements(n as u64));
-            let name = if sorted {
-                "ascending dst"
-            } else {
-                "shuffled dst"
-            };
-            g.bench_with_input(BenchmarkId::new(name, n), &n, |bench, _| {
+            g.bench_with_input(BenchmarkId::new(order.name(), n), &n, |bench, _| {
                 bench.iter(|| {
                     prepare_into(
                         &b.src,
@@ -133,15 +148,11 @@ fn bench_submit(c: &mut Criterion) {
     let mut results = Vec::new();
     let mut job = 0u64;
     for &n in &SIZES {
-        for sorted in [true, false] {
-            let b = batch(n, src_buf.as_ptr() as u64, dst_buf.as_ptr() as u64, sorted);
+        // Sparse destinations need a pool 100x the transfer: the prepare group measures them.
+        for order in [Dst::Ascending, Dst::Shuffled] {
+            let b = batch(n, src_buf.as_ptr() as u64, dst_buf.as_ptr() as u64, order);
             g.throughput(Throughput::Elements(n as u64));
-            let name = if sorted {
-                "ascending dst"
-            } else {
-                "shuffled dst"
-            };
-            g.bench_with_input(BenchmarkId::new(name, n), &n, |bench, _| {
+            g.bench_with_input(BenchmarkId::new(order.name(), n), &n, |bench, _| {
                 bench.iter_custom(|iters| {
                     let mut total = Duration::ZERO;
                     for _ in 0..iters {
