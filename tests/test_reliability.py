@@ -596,9 +596,7 @@ def test_wrong_tensors_are_refused_and_a_running_handler_is_unaffected(
         h.d2h.transfer_async(BEFORE, ([2, 3], [4, 5]))
         with pytest.raises(error, match=match):
             make()
-        assert not threads_settle(before), (
-            "a refused construction left an engine thread behind"
-        )
+        assert not threads_settle(before), "a refused construction left an engine thread behind"
         h.wait([BEFORE])
         assert [(r.job_id, r.success) for r in h.get_finished()] == [(BEFORE, True)]
         for t, c in zip(sc.gpu[0], h.cpu_caches[0]):
