@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 import numpy as np
@@ -31,6 +32,7 @@ import blockswap
 from blockswap.bench.common import GiB, KiB, MiB, run_metadata
 from blockswap.bench.common import cuda_time_on as timed_on
 from blockswap.bench.common import median as med
+from blockswap.bench.report import write_json
 from blockswap.kernels import engine_launcher
 
 
@@ -293,16 +295,12 @@ def main() -> None:
                 )
     eng.shutdown()
     meta = {
-        **run_metadata(),
+        **run_metadata(["python", *sys.argv]),
         "info": eng.info(),
-        "command": "python benches/bench_dma.py"
-        + (" --quick" if args.quick else "")
-        + f" --h2d-order {args.h2d_order}",
     }
     print(json.dumps(meta))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        write_json({"meta": meta, "rows": rows}, args.json)
 
 
 if __name__ == "__main__":

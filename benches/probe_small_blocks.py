@@ -23,11 +23,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 
 import numpy as np
 import torch
 
 from blockswap.bench.common import run_metadata
+from blockswap.bench.report import write_json
 from blockswap.kernels.copy import copy_blocks_raw
 
 KiB = 1024
@@ -189,11 +191,10 @@ def main() -> None:
                 ),
                 flush=True,
             )
-    meta = run_metadata()
+    meta = run_metadata(["python", *sys.argv])
     print(json.dumps(meta))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        write_json({"meta": meta, "rows": rows}, args.json)
 
 
 if __name__ == "__main__":

@@ -993,15 +993,20 @@ mod disjoint {
     fn slotted() -> impl Strategy<Value = (Vec<u64>, Vec<u64>)> {
         (1u64..5000, 2usize..200).prop_flat_map(|(page, n)| {
             let slot = (0..4 * n as u64, 0u64..8, 0u64..4);
-            proptest::collection::vec(slot, n).prop_map(move |v| {
-                v.into_iter()
-                    .map(|(s, nudge, cut)| {
-                        let d = 0x1000_0000 + s * page + if nudge == 0 { page / 2 } else { 0 };
-                        (d, if cut == 0 { page - page / 3 } else { page })
-                    })
-                    .unzip()
-            })
+            proptest::collection::vec(slot, n).prop_map(move |v| pages(page, v))
         })
+    }
+
+    /// Ranges of `(slot, nudge, cut)`: page `slot`, moved half a page off the grid where `nudge`
+    /// is 0 and a third shorter where `cut` is 0.
+    fn pages(page: u64, slots: Vec<(u64, u64, u64)>) -> (Vec<u64>, Vec<u64>) {
+        slots
+            .into_iter()
+            .map(|(s, nudge, cut)| {
+                let d = 0x1000_0000 + s * page + if nudge == 0 { page / 2 } else { 0 };
+                (d, if cut == 0 { page - page / 3 } else { page })
+            })
+            .unzip()
     }
 
     /// Pages spread over a pool 64 or 4,096 times the batch, half of them possibly in a cluster
@@ -1012,14 +1017,7 @@ mod disjoint {
         (1u64..5000, 2usize..200, spread).prop_flat_map(|(page, n, spread)| {
             let wide = 0..spread * n as u64;
             let slot = (prop_oneof![wide, 0..n as u64 / 2 + 1], 0u64..16, 0u64..8);
-            proptest::collection::vec(slot, n).prop_map(move |v| {
-                v.into_iter()
-                    .map(|(s, nudge, cut)| {
-                        let d = 0x1000_0000 + s * page + if nudge == 0 { page / 2 } else { 0 };
-                        (d, if cut == 0 { page - page / 3 } else { page })
-                    })
-                    .unzip()
-            })
+            proptest::collection::vec(slot, n).prop_map(move |v| pages(page, v))
         })
     }
 

@@ -227,6 +227,23 @@ pub fn in_forked_child() -> bool {
     fork_generation() != 0
 }
 
+/// Adds the time from [`AddElapsed::start`] to its drop to a counter, on every way out.
+struct AddElapsed<'a>(&'a AtomicU64, Instant);
+
+impl<'a> AddElapsed<'a> {
+    fn start(counter: &'a AtomicU64) -> Self {
+        AddElapsed(counter, Instant::now())
+    }
+}
+
+impl Drop for AddElapsed<'_> {
+    fn drop(&mut self) {
+        // Relaxed: a statistic.
+        self.0
+            .fetch_add(self.1.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    }
+}
+
 /// Moves batches of blocks over a backend. Shared between threads (`&self` everywhere).
 #[derive(Debug)]
 pub struct Engine {
@@ -566,7 +583,10 @@ impl Engine {
         )
     }
 
-    /// The common part of every submission, timed into `submit_ns` and `prepare_ns`.
+    /// The common part of every submission, under one hold of the submit lock: job id, in-flight
+    /// and size limits, a slab of `descriptors(state)` entries, `fill` (validate and write the
+    /// descriptors), the kernel split, the record, the backend. Timed into `submit_ns`, and
+    /// `fill` into `prepare_ns`.
     fn submit_with(
         &self,
         job_id: JobId,
@@ -576,34 +596,7 @@ impl Engine {
         kernel: Option<(u64, KernelLauncher<'_>)>,
         fill: impl FnOnce(&mut SubmitState, Columns<'_>) -> Result<Prepared, EngineError>,
     ) -> Result<(), EngineError> {
-        let start = Instant::now();
-        let fill = |state: &mut SubmitState, cols: Columns<'_>| {
-            let t = Instant::now();
-            let out = fill(state, cols);
-            // Relaxed: statistics.
-            self.prepare_ns
-                .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
-            out
-        };
-        let out = self.submit_locked(job_id, descriptors, direction, wait_stream, kernel, fill);
-        self.submit_ns
-            .fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
-        out
-    }
-
-    /// The submission under one hold of the submit lock: job id, in-flight and size limits, a slab
-    /// of `descriptors(state)` entries, `fill` (validate and write the descriptors), the kernel
-    /// split, the record, the backend.
-    #[allow(clippy::too_many_arguments)]
-    fn submit_locked(
-        &self,
-        job_id: JobId,
-        descriptors: impl FnOnce(&SubmitState) -> Result<usize, EngineError>,
-        direction: Direction,
-        wait_stream: Option<u64>,
-        kernel: Option<(u64, KernelLauncher<'_>)>,
-        fill: impl FnOnce(&mut SubmitState, Columns<'_>) -> Result<Prepared, EngineError>,
-    ) -> Result<(), EngineError> {
+        let _timed = AddElapsed::start(&self.submit_ns);
         self.check_usable()?;
         if let Some(e) = self.failed_lanes[direction.lane()].get() {
             return Err(e.clone().into());
@@ -633,7 +626,11 @@ impl Engine {
 
         let transfer = TransferState::Pending;
         let mut slab = self.pool.acquire(descriptors)?;
-        let prepared = match fill(&mut state, slab.columns()) {
+        let filled = {
+            let _timed = AddElapsed::start(&self.prepare_ns);
+            fill(&mut state, slab.columns())
+        };
+        let prepared = match filled {
             Ok(p) => p,
             Err(e) => {
                 // Never issued: the slab goes straight home.
