@@ -84,6 +84,26 @@ fn device_ns(seq: u64) -> u64 {
     1000 * seq
 }
 
+/// A pool of four smallest slabs, a lane of `depth` records and its completed sequence number.
+fn setup(depth: usize) -> (Arc<Pool>, Arc<Lane>, Arc<AtomicU64>) {
+    (
+        Arc::new(Pool::new(backend(), 4 * SLAB)),
+        Arc::new(Lane::new(depth)),
+        Arc::new(AtomicU64::new(0)),
+    )
+}
+
+/// A thread running [`submit_and_complete`] for transfers `1..=n`.
+fn spawn_publisher(
+    pool: &Arc<Pool>,
+    lane: &Arc<Lane>,
+    completed: &Arc<AtomicU64>,
+    n: u64,
+) -> thread::JoinHandle<()> {
+    let (pool, lane, completed) = (pool.clone(), lane.clone(), completed.clone());
+    thread::spawn(move || submit_and_complete(&pool, &lane, &completed, n))
+}
+
 /// Submits transfers `1..=n` on `lane` and completes each one: the submit lock's side (slab,
 /// record, push) and the backend's (write the slab, publish `completed`).
 fn submit_and_complete(pool: &Pool, lane: &Lane, completed: &AtomicU64, n: u64) {
@@ -120,13 +140,8 @@ fn take(pool: &Pool, record: InFlight, seen: &mut Vec<u64>) {
 fn pollers_racing_the_publisher_hand_out_each_record_once() {
     const N: u64 = 3;
     check("completion: 2 pollers racing the publisher", || {
-        let pool = Arc::new(Pool::new(backend(), 4 * SLAB));
-        let lane = Arc::new(Lane::new(N as usize));
-        let completed = Arc::new(AtomicU64::new(0));
-        let publisher = {
-            let (pool, lane, completed) = (pool.clone(), lane.clone(), completed.clone());
-            thread::spawn(move || submit_and_complete(&pool, &lane, &completed, N))
-        };
+        let (pool, lane, completed) = setup(N as usize);
+        let publisher = spawn_publisher(&pool, &lane, &completed, N);
         let pollers: Vec<_> = (0..2)
             .map(|_| {
                 let (pool, lane, completed) = (pool.clone(), lane.clone(), completed.clone());
@@ -166,13 +181,8 @@ fn pollers_racing_the_publisher_hand_out_each_record_once() {
 fn in_flight_stays_within_bounds_while_records_come_and_go() {
     const N: u64 = 2;
     check("completion: in_flight read during push and poll", || {
-        let pool = Arc::new(Pool::new(backend(), 4 * SLAB));
-        let lane = Arc::new(Lane::new(N as usize));
-        let completed = Arc::new(AtomicU64::new(0));
-        let publisher = {
-            let (pool, lane, completed) = (pool.clone(), lane.clone(), completed.clone());
-            thread::spawn(move || submit_and_complete(&pool, &lane, &completed, N))
-        };
+        let (pool, lane, completed) = setup(N as usize);
+        let publisher = spawn_publisher(&pool, &lane, &completed, N);
         let poller = {
             let (pool, lane, completed) = (pool.clone(), lane.clone(), completed.clone());
             thread::spawn(move || {
@@ -209,9 +219,7 @@ fn in_flight_stays_within_bounds_while_records_come_and_go() {
 #[test]
 fn a_push_below_the_in_flight_limit_finds_room() {
     check("completion: push racing a poller's claim", || {
-        let pool = Arc::new(Pool::new(backend(), 4 * SLAB));
-        let lane = Arc::new(Lane::new(1));
-        let completed = Arc::new(AtomicU64::new(0));
+        let (pool, lane, completed) = setup(1);
         submit_and_complete(&pool, &lane, &completed, 1);
         let poller = {
             let (pool, lane, completed) = (pool.clone(), lane.clone(), completed.clone());
@@ -261,9 +269,7 @@ fn a_push_below_the_in_flight_limit_finds_room() {
 #[test]
 fn draining_a_failed_lane_races_a_poll_without_loss_or_duplicates() {
     check("completion: drain racing poll", || {
-        let pool = Arc::new(Pool::new(backend(), 4 * SLAB));
-        let lane = Arc::new(Lane::new(3));
-        let completed = Arc::new(AtomicU64::new(0));
+        let (pool, lane, completed) = setup(3);
         submit_and_complete(&pool, &lane, &completed, 1);
         // Record 2 is pushed but never completes: the backend failed.
         lane.push(record(2, pool.acquire(1).unwrap())).unwrap();
