@@ -23,7 +23,7 @@ import time
 import warnings
 import weakref
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -443,6 +443,17 @@ class HandlerScene:
     def all_tensors(self) -> list[torch.Tensor]:
         return [t for g in self.gpu + self.h.cpu_caches for t in g]
 
+    def expect_stored(
+        self, want: dict[int, Any], group: int, pairs: Sequence[tuple[int, int]]
+    ) -> None:
+        """Writes into ``want`` (a snapshot) what storing GPU block ``gb`` into CPU block ``cb``,
+        for each ``(gb, cb)`` of ``pairs``, does to group ``group``'s CPU cache."""
+        for t, c in zip(self.gpu[group], self.h.cpu_caches[group]):
+            for gb, cb in pairs:
+                want[raw(c).data_ptr()][block_bytes(c, 1, cb)] = want[raw(t).data_ptr()][
+                    block_bytes(t, 1, gb)
+                ]
+
 
 class Sparse:
     @staticmethod
@@ -491,12 +502,7 @@ def test_handler_bad_spec_is_typed_and_transfers_around_it_are_unaffected(
         results = drain(h.get_finished, 2)
         assert sorted((r.job_id, r.success) for r in results) == [(BEFORE, True), (BAD, True)]
         # expected: the two good stores, nothing else
-        for g_gpu, g_cpu in zip(sc.gpu[-1:], h.cpu_caches[-1:]):
-            for t, c in zip(g_gpu, g_cpu):
-                for gb, cb in ((0, 0), (1, 1), (6, 6)):
-                    want[raw(c).data_ptr()][block_bytes(c, 1, cb)] = want[raw(t).data_ptr()][
-                        block_bytes(t, 1, gb)
-                    ]
+        sc.expect_stored(want, -1, ((0, 0), (1, 1), (6, 6)))
         assert_storage(sc.all_tensors(), want)
     finally:
         h.shutdown()
@@ -515,11 +521,7 @@ def test_handler_strided_block_ids_round_trip(grouped: bool) -> None:
         h.d2h.transfer_async(3, sc.spec(gpu_ids, cpu_ids))
         h.wait([3])
         assert [(r.job_id, r.success) for r in h.get_finished()] == [(3, True)]
-        for t, c in zip(sc.gpu[-1], h.cpu_caches[-1]):
-            for gb, cb in zip(gpu_ids.tolist(), cpu_ids.tolist()):
-                want[raw(c).data_ptr()][block_bytes(c, 1, cb)] = want[raw(t).data_ptr()][
-                    block_bytes(t, 1, gb)
-                ]
+        sc.expect_stored(want, -1, list(zip(gpu_ids.tolist(), cpu_ids.tolist())))
         assert_storage(sc.all_tensors(), want)
     finally:
         h.shutdown()
@@ -599,11 +601,7 @@ def test_wrong_tensors_are_refused_and_a_running_handler_is_unaffected(
         assert not threads_settle(before), "a refused construction left an engine thread behind"
         h.wait([BEFORE])
         assert [(r.job_id, r.success) for r in h.get_finished()] == [(BEFORE, True)]
-        for t, c in zip(sc.gpu[0], h.cpu_caches[0]):
-            for gb, cb in ((2, 4), (3, 5)):
-                want[raw(c).data_ptr()][block_bytes(c, 1, cb)] = want[raw(t).data_ptr()][
-                    block_bytes(t, 1, gb)
-                ]
+        sc.expect_stored(want, 0, ((2, 4), (3, 5)))
         assert_storage(sc.all_tensors(), want)
     finally:
         h.shutdown()
