@@ -922,16 +922,24 @@ def join_all(ts: list[threading.Thread]) -> None:
         assert not t.is_alive(), f"{t.name} deadlocked"
 
 
-def test_shutdown_from_two_threads_twice_while_transfers_are_in_flight() -> None:
-    base = threads()
-    rng = np.random.default_rng(3)
-    eng = Engine("host")
-    src = rng.integers(1, 256, 64 * MiB, dtype=np.uint8)  # host
-    dsrc = rng.integers(1, 256, 64 * MiB, dtype=np.uint8)  # "device"
-    dst = np.zeros(64 * MiB, dtype=np.uint8)
+def two_lane_buffers(
+    eng: Engine, rng: np.random.Generator, nbytes: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Random host and "device" sources and a zeroed "device" destination of ``nbytes`` each,
+    registered with ``eng``: transfers from either source (h2d, d2d) run on two lanes."""
+    src = rng.integers(1, 256, nbytes, dtype=np.uint8)
+    dsrc = rng.integers(1, 256, nbytes, dtype=np.uint8)
+    dst = np.zeros(nbytes, dtype=np.uint8)
     eng.register(src, kind="host")
     eng.register(dsrc, kind="device")
     eng.register(dst, kind="device")
+    return src, dsrc, dst
+
+
+def test_shutdown_from_two_threads_twice_while_transfers_are_in_flight() -> None:
+    base = threads()
+    eng = Engine("host")
+    src, dsrc, dst = two_lane_buffers(eng, np.random.default_rng(3), 64 * MiB)
     s, d = src.ctypes.data, dst.ctypes.data
     for j in range(64):  # 64 MiB queued in 1 MiB transfers on two lanes
         off = j * MiB
@@ -976,14 +984,8 @@ def test_submitters_racing_shutdown_get_their_results_or_a_shutdown_error() -> N
     """Four threads submit (two lanes) while a fifth polls and the main thread shuts the engine
     down: each submit either returns (its result is reported once, successful, its bytes there)
     or raises ShutdownError (nothing of it is reported or written)."""
-    rng = np.random.default_rng(4)
     eng = Engine("host")
-    src = rng.integers(1, 256, 16 * MiB, dtype=np.uint8)  # host
-    dsrc = rng.integers(1, 256, 16 * MiB, dtype=np.uint8)  # "device"
-    dst = np.zeros(16 * MiB, dtype=np.uint8)
-    eng.register(src, kind="host")
-    eng.register(dsrc, kind="device")
-    eng.register(dst, kind="device")
+    src, dsrc, dst = two_lane_buffers(eng, np.random.default_rng(4), 16 * MiB)
     d = dst.ctypes.data
     accepted: dict[int, list[int]] = {t: [] for t in range(4)}
     refused: Counter[int] = Counter()
