@@ -205,8 +205,15 @@ pub struct Columns<'a> {
 /// within one registered region of `direction.src_kind()` (sources) or `direction.dst_kind()`
 /// (destinations). With `coalesce`, a descriptor whose source and destination both start where
 /// the previous one ended, in the same regions, extends it; nothing merges across a gap. After
-/// the pass, destinations are proven pairwise disjoint: in one linear pass when they come in
-/// ascending order (the common case), by sorting `scratch` otherwise.
+/// the pass, destinations are proven pairwise disjoint: in the same pass when they come in
+/// ascending order (the common case), by [`check_disjoint`] otherwise.
+///
+/// The batch goes in blocks of [`BLOCK`] descriptors. A block whose descriptors all lie in the
+/// regions of the last one located, none continuing its predecessor, is checked by one branch-free
+/// pass and copied out as it is; any other block (another region, a descriptor to merge, a bad
+/// one) goes through the exact pass, descriptor by descriptor, which finds each one's region and
+/// names the first bad descriptor. Both give the same result: the fast pass only decides that
+/// nothing needs the exact one.
 ///
 /// `out` must have room for `src.len()` descriptors. On error `out` holds garbage and nothing was
 /// issued: the caller returns the slab to the pool.
@@ -236,110 +243,221 @@ pub fn prepare_into(
         out.src.len() >= n && out.dst.len() >= n && out.size.len() >= n,
         "slab too small"
     );
-    let (src_kind, dst_kind) = (direction.src_kind(), direction.dst_kind());
-    let mut src_hint = usize::MAX;
-    let mut dst_hint = usize::MAX;
+    let input = Batch { src, dst, size };
+    let mut pass = Pass {
+        kinds: (direction.src_kind(), direction.dst_kind()),
+        hints: (usize::MAX, usize::MAX),
+        run_regions: (usize::MAX, usize::MAX),
+        w: 0,
+        bytes: 0,
+        bits: 0,
+        max_size: 0,
+        unsorted: false,
+    };
+    // The first descriptor's regions seed the hints (a bad one is named by the exact pass).
+    if let (Some(_), Some(_)) = (src[0].checked_add(size[0]), dst[0].checked_add(size[0])) {
+        regions.locate(src[0], size[0], pass.kinds.0, &mut pass.hints.0);
+        regions.locate(dst[0], size[0], pass.kinds.1, &mut pass.hints.1);
+    }
+    let mut out = out;
+    let mut start = 0;
+    while start < n {
+        let end = n.min(start + BLOCK);
+        if !pass.fast_block(&input, start..end, regions, coalesce, &mut out) {
+            pass.exact_block(&input, start..end, regions, coalesce, &mut out)?;
+        }
+        start = end;
+    }
+    let w = pass.w;
+    if pass.unsorted {
+        check_disjoint(&out.dst[..w], &out.size[..w], scratch)?;
+    }
+    Ok(Prepared {
+        len: w,
+        // Wrapping: destinations that add up past 2^64 bytes must overlap, and the overlap check
+        // has refused them (disjoint ranges of the address space always fit in a u64).
+        bytes: pass.bytes,
+        max_size: pass.max_size,
+        alignment: 1u64 << pass.bits.trailing_zeros().min(4),
+    })
+}
 
-    // The run being built: out[w] = (run_src, run_dst, run_size), in regions (run_rs, run_rd).
-    let mut w = 0usize;
-    let (mut run_src, mut run_dst, mut run_size) = (0u64, 0u64, 0u64);
-    let (mut run_rs, mut run_rd) = (usize::MAX, usize::MAX);
-    let mut bytes = 0u64;
-    let mut max_size = 0u64;
-    let mut bits = 0u64; // OR of every address and size: its trailing zeros give the alignment
-    let mut sorted = true;
-    let mut prev_dst_end = 0u64;
+/// Descriptors per block of [`prepare_into`]: long enough that the fast pass runs as a tight
+/// loop, short enough that one descriptor in another region sends few others to the exact pass.
+pub const BLOCK: usize = 64;
 
-    for i in 0..n {
-        let (s, d, z) = (src[i], dst[i], size[i]);
-        if z == 0 {
-            return Err(DescriptorError::ZeroSize { index: i });
+/// A caller's three columns.
+struct Batch<'a> {
+    src: &'a [u64],
+    dst: &'a [u64],
+    size: &'a [u64],
+}
+
+/// The state of [`prepare_into`] between blocks.
+struct Pass {
+    kinds: (MemoryKind, MemoryKind),
+    /// Regions (indices into the table) of the last descriptor located: sources, destinations.
+    hints: (usize, usize),
+    /// Regions of the run last written, `out[w - 1]`.
+    run_regions: (usize, usize),
+    /// Runs written.
+    w: usize,
+    bytes: u64,
+    /// OR of every address and size: its trailing zeros give the alignment.
+    bits: u64,
+    max_size: u64,
+    /// Some destination starts before its predecessor ends. Over the caller's descriptors this
+    /// is the same as over the coalesced runs: a merged descriptor starts exactly where its
+    /// predecessor ends, and a run ends where its last descriptor does.
+    unsorted: bool,
+}
+
+impl Pass {
+    /// Checks `range` in one branch-free pass and copies it out, when every descriptor is valid
+    /// and lies in the hinted regions and (with `coalesce`) none continues its predecessor.
+    /// Returns false, having changed nothing, otherwise.
+    #[inline]
+    fn fast_block(
+        &mut self,
+        input: &Batch<'_>,
+        range: std::ops::Range<usize>,
+        regions: &RegionTable,
+        coalesce: bool,
+        out: &mut Columns<'_>,
+    ) -> bool {
+        let table = regions.regions();
+        let (Some(rs), Some(rd)) = (table.get(self.hints.0), table.get(self.hints.1)) else {
+            return false;
+        };
+        // `locate` sets a hint only to a region of the kind it was asked for.
+        debug_assert_eq!((rs.kind, rd.kind), self.kinds);
+        // Where the previous descriptor ends (it was checked). Before the first, 0: it follows
+        // nothing, and continuing address 0 only sends the block to the exact pass.
+        let (mut prev_s, mut prev_d) = match range.start.checked_sub(1) {
+            Some(p) => (input.src[p] + input.size[p], input.dst[p] + input.size[p]),
+            None => (0, 0),
+        };
+        let (s, d, z) = (
+            &input.src[range.clone()],
+            &input.dst[range.clone()],
+            &input.size[range],
+        );
+        let (mut bad, mut unsorted, mut contiguous) = (false, false, false);
+        let (mut bytes, mut bits, mut max_size) = (0u64, 0u64, 0u64);
+        for k in 0..s.len() {
+            let (si, di, zi) = (s[k], d[k], z[k]);
+            let (s_end, s_over) = si.overflowing_add(zi);
+            let (d_end, d_over) = di.overflowing_add(zi);
+            // Non-bitwise `|` on bools: no branch per condition.
+            bad |= (zi.wrapping_sub(1) >= i64::MAX as u64) // zero, or negative as i64
+                | s_over
+                | d_over
+                | (si < rs.start)
+                | (s_end > rs.end)
+                | (di < rd.start)
+                | (d_end > rd.end);
+            unsorted |= di < prev_d;
+            contiguous |= (si == prev_s) & (di == prev_d);
+            bytes = bytes.wrapping_add(zi);
+            bits |= si | di | zi;
+            max_size = max_size.max(zi);
+            (prev_s, prev_d) = (s_end, d_end);
         }
-        if z > i64::MAX as u64 {
-            return Err(DescriptorError::NegativeSize {
-                index: i,
-                value: z as i64,
-            });
+        if bad || (coalesce && contiguous) {
+            return false;
         }
-        if s.checked_add(z).is_none() {
-            return Err(DescriptorError::AddressOverflow {
-                index: i,
-                side: Side::Src,
-                addr: s,
-                size: z,
-            });
-        }
-        if d.checked_add(z).is_none() {
-            return Err(DescriptorError::AddressOverflow {
-                index: i,
-                side: Side::Dst,
-                addr: d,
-                size: z,
-            });
-        }
-        let rs =
-            regions
-                .locate(s, z, src_kind, &mut src_hint)
-                .ok_or(DescriptorError::OutOfRegion {
+        let (w, len) = (self.w, s.len());
+        out.src[w..w + len].copy_from_slice(s);
+        out.dst[w..w + len].copy_from_slice(d);
+        out.size[w..w + len].copy_from_slice(z);
+        self.w += len;
+        self.run_regions = self.hints;
+        self.bytes = self.bytes.wrapping_add(bytes);
+        self.bits |= bits;
+        self.max_size = self.max_size.max(max_size);
+        self.unsorted |= unsorted;
+        true
+    }
+
+    /// Checks `range` descriptor by descriptor, merges continuing ones, and writes the runs out.
+    fn exact_block(
+        &mut self,
+        input: &Batch<'_>,
+        range: std::ops::Range<usize>,
+        regions: &RegionTable,
+        coalesce: bool,
+        out: &mut Columns<'_>,
+    ) -> Result<(), DescriptorError> {
+        let (src_kind, dst_kind) = self.kinds;
+        for i in range {
+            let (s, d, z) = (input.src[i], input.dst[i], input.size[i]);
+            if z == 0 {
+                return Err(DescriptorError::ZeroSize { index: i });
+            }
+            if z > i64::MAX as u64 {
+                return Err(DescriptorError::NegativeSize {
+                    index: i,
+                    value: z as i64,
+                });
+            }
+            if s.checked_add(z).is_none() {
+                return Err(DescriptorError::AddressOverflow {
+                    index: i,
+                    side: Side::Src,
+                    addr: s,
+                    size: z,
+                });
+            }
+            if d.checked_add(z).is_none() {
+                return Err(DescriptorError::AddressOverflow {
+                    index: i,
+                    side: Side::Dst,
+                    addr: d,
+                    size: z,
+                });
+            }
+            let rs = regions.locate(s, z, src_kind, &mut self.hints.0).ok_or(
+                DescriptorError::OutOfRegion {
                     index: i,
                     side: Side::Src,
                     addr: s,
                     size: z,
                     kind: src_kind,
-                })?;
-        let rd =
-            regions
-                .locate(d, z, dst_kind, &mut dst_hint)
-                .ok_or(DescriptorError::OutOfRegion {
+                },
+            )?;
+            let rd = regions.locate(d, z, dst_kind, &mut self.hints.1).ok_or(
+                DescriptorError::OutOfRegion {
                     index: i,
                     side: Side::Dst,
                     addr: d,
                     size: z,
                     kind: dst_kind,
-                })?;
-        // Wrapping: destinations that add up past 2^64 bytes must overlap, and the overlap check
-        // below refuses them (disjoint ranges of the address space always fit in a u64).
-        bytes = bytes.wrapping_add(z);
-        bits |= s | d | z;
-        if coalesce
-            && i > 0
-            && run_src + run_size == s
-            && run_dst + run_size == d
-            && rs == run_rs
-            && rd == run_rd
-        {
-            run_size += z;
-            continue;
+                },
+            )?;
+            self.bytes = self.bytes.wrapping_add(z);
+            self.bits |= s | d | z;
+            if let Some(p) = i.checked_sub(1) {
+                self.unsorted |= d < input.dst[p] + input.size[p];
+            }
+            let w = self.w;
+            if coalesce
+                && w > 0
+                && (rs, rd) == self.run_regions
+                && out.src[w - 1] + out.size[w - 1] == s
+                && out.dst[w - 1] + out.size[w - 1] == d
+            {
+                // Within one region, so the run's size stays below the region's.
+                out.size[w - 1] += z;
+                self.max_size = self.max_size.max(out.size[w - 1]);
+                continue;
+            }
+            (out.src[w], out.dst[w], out.size[w]) = (s, d, z);
+            self.w += 1;
+            self.run_regions = (rs, rd);
+            self.max_size = self.max_size.max(z);
         }
-        if i > 0 {
-            // Flush the finished run.
-            sorted &= run_dst >= prev_dst_end;
-            prev_dst_end = run_dst + run_size;
-            max_size = max_size.max(run_size);
-            out.src[w] = run_src;
-            out.dst[w] = run_dst;
-            out.size[w] = run_size;
-            w += 1;
-        }
-        (run_src, run_dst, run_size, run_rs, run_rd) = (s, d, z, rs, rd);
+        Ok(())
     }
-    sorted &= run_dst >= prev_dst_end;
-    max_size = max_size.max(run_size);
-    out.src[w] = run_src;
-    out.dst[w] = run_dst;
-    out.size[w] = run_size;
-    w += 1;
-
-    if !sorted {
-        check_disjoint(&out.dst[..w], &out.size[..w], scratch)?;
-    }
-    let alignment = 1u64 << bits.trailing_zeros().min(4);
-    Ok(Prepared {
-        len: w,
-        bytes,
-        max_size,
-        alignment,
-    })
 }
 
 /// Reusable buffers of the overlap check, kept by the caller so steady state allocates nothing.
@@ -956,6 +1074,240 @@ mod fuzz {
             for i in 1..p.len {
                 prop_assert!(!(os[i - 1] + oz[i - 1] == os[i] && od[i - 1] + oz[i - 1] == od[i]));
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod blocks {
+    //! `prepare_into` (fast pass per block, exact pass where needed) against a reference that
+    //! checks every descriptor on its own: the same result, error included, for long batches
+    //! over several adjacent regions, with runs to merge and a few bad descriptors anywhere.
+    use super::*;
+    use proptest::prelude::*;
+
+    const HOST: u64 = 0x10_000;
+    const DEV: u64 = 0x90_000;
+    /// Each side has two adjacent regions of `LEN` bytes: blocks that cross from one to the
+    /// other are refused, neighbours across the boundary are valid but never merge.
+    const LEN: u64 = 0x8_000;
+
+    fn table() -> RegionTable {
+        let mut t = RegionTable::default();
+        for base in [HOST, HOST + LEN] {
+            t.insert(base, LEN, MemoryKind::Host).unwrap();
+        }
+        for base in [DEV, DEV + LEN] {
+            t.insert(base, LEN, MemoryKind::Device).unwrap();
+        }
+        t
+    }
+
+    type Runs = Vec<(u64, u64, u64)>;
+
+    /// One descriptor at a time, each located from scratch; then always the overlap check.
+    fn reference(
+        s: &[u64],
+        d: &[u64],
+        z: &[u64],
+        coalesce: bool,
+    ) -> Result<(Prepared, Runs), DescriptorError> {
+        let t = table();
+        let mut runs: Vec<(u64, u64, u64, usize, usize)> = vec![];
+        let (mut bytes, mut bits) = (0u64, 0u64);
+        for i in 0..s.len() {
+            if z[i] == 0 {
+                return Err(DescriptorError::ZeroSize { index: i });
+            }
+            if z[i] > i64::MAX as u64 {
+                return Err(DescriptorError::NegativeSize {
+                    index: i,
+                    value: z[i] as i64,
+                });
+            }
+            for (side, addr) in [(Side::Src, s[i]), (Side::Dst, d[i])] {
+                if addr.checked_add(z[i]).is_none() {
+                    return Err(DescriptorError::AddressOverflow {
+                        index: i,
+                        side,
+                        addr,
+                        size: z[i],
+                    });
+                }
+            }
+            let locate = |side, addr, kind| {
+                let mut no_hint = usize::MAX;
+                t.locate(addr, z[i], kind, &mut no_hint)
+                    .ok_or(DescriptorError::OutOfRegion {
+                        index: i,
+                        side,
+                        addr,
+                        size: z[i],
+                        kind,
+                    })
+            };
+            let rs = locate(Side::Src, s[i], MemoryKind::Host)?;
+            let rd = locate(Side::Dst, d[i], MemoryKind::Device)?;
+            bytes = bytes.wrapping_add(z[i]);
+            bits |= s[i] | d[i] | z[i];
+            match runs.last_mut() {
+                Some((ps, pd, pz, prs, prd))
+                    if coalesce
+                        && (*prs, *prd) == (rs, rd)
+                        && *ps + *pz == s[i]
+                        && *pd + *pz == d[i] =>
+                {
+                    *pz += z[i]
+                }
+                _ => runs.push((s[i], d[i], z[i], rs, rd)),
+            }
+        }
+        let dst: Vec<u64> = runs.iter().map(|r| r.1).collect();
+        let size: Vec<u64> = runs.iter().map(|r| r.2).collect();
+        check_disjoint(&dst, &size, &mut Scratch::default())?;
+        let prepared = Prepared {
+            len: runs.len(),
+            bytes,
+            max_size: size.iter().copied().max().unwrap_or(0),
+            alignment: 1 << bits.trailing_zeros().min(4),
+        };
+        Ok((prepared, runs.iter().map(|r| (r.0, r.1, r.2)).collect()))
+    }
+
+    fn prepared(
+        s: &[u64],
+        d: &[u64],
+        z: &[u64],
+        coalesce: bool,
+        scratch: &mut Scratch,
+    ) -> Result<(Prepared, Runs), DescriptorError> {
+        let n = s.len();
+        let (mut os, mut od, mut oz) = (vec![0; n], vec![0; n], vec![0; n]);
+        let cols = Columns {
+            src: &mut os,
+            dst: &mut od,
+            size: &mut oz,
+        };
+        let p = prepare_into(
+            s,
+            d,
+            z,
+            Direction::HostToDevice,
+            &table(),
+            coalesce,
+            cols,
+            scratch,
+        )?;
+        Ok((p, (0..p.len).map(|i| (os[i], od[i], oz[i])).collect()))
+    }
+
+    /// Pages of one size, as a KV cache moves them: sources and destinations in one region on
+    /// each side (destinations a shuffle of its slots, so disjoint until there are more pages
+    /// than slots), now and then a page in the neighbouring region, some pages continuing their
+    /// predecessor on both sides, and up to three faults.
+    fn long_batch() -> impl Strategy<Value = (Vec<u64>, Vec<u64>, Vec<u64>)> {
+        let rates = (
+            prop::sample::select(vec![0.0, 0.005, 0.3]), // continues its predecessor
+            prop::sample::select(vec![0.0, 0.01, 0.1]),  // lies in the other region
+        );
+        (
+            prop::sample::select(vec![16u64, 48, 128]),
+            1usize..300,
+            rates,
+        )
+            .prop_flat_map(|(page, n, (cont, away))| {
+                let slots = (LEN / page) as usize;
+                (
+                    Just(page),
+                    prop::collection::vec((0..slots, prop::bool::weighted(away)), n),
+                    Just((0..slots).collect::<Vec<_>>()).prop_shuffle(),
+                    prop::collection::vec(
+                        (prop::bool::weighted(away), prop::bool::weighted(cont)),
+                        n,
+                    ),
+                    prop::collection::vec((any::<prop::sample::Index>(), 0u8..8), 0..3),
+                )
+            })
+            .prop_map(|(page, src_slots, dst_slots, flags, faults)| {
+                let n = src_slots.len();
+                let (mut s, mut d, mut z) = (vec![0; n], vec![0; n], vec![page; n]);
+                for i in 0..n {
+                    let ((src_slot, src_away), (dst_away, continues)) = (src_slots[i], flags[i]);
+                    let region = |away| if away { LEN } else { 0 };
+                    (s[i], d[i]) = if continues && i > 0 {
+                        (s[i - 1] + page, d[i - 1] + page)
+                    } else {
+                        (
+                            HOST + region(src_away) + src_slot as u64 * page,
+                            DEV + region(dst_away) + dst_slots[i % dst_slots.len()] as u64 * page,
+                        )
+                    };
+                }
+                for (at, fault) in faults {
+                    let i = at.index(n);
+                    match fault {
+                        0 => z[i] = 0,
+                        1 => z[i] = 1 << 63,
+                        2 => s[i] = u64::MAX - 3,
+                        3 => d[i] = u64::MAX - 3,
+                        4 => s[i] = HOST - 8, // starts before every region
+                        5 => d[i] = DEV + LEN - page / 2, // across the boundary of two regions
+                        6 => d[i] = HOST,     // host memory as a destination
+                        _ => d[i] = d[(i + 1) % n], // two pages on one slot
+                    }
+                }
+                (s, d, z)
+            })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(1024))]
+
+        #[test]
+        fn blocks_agree_with_one_descriptor_at_a_time((s, d, z) in long_batch(), coalesce: bool) {
+            prop_assert_eq!(
+                prepared(&s, &d, &z, coalesce, &mut Scratch::default()),
+                reference(&s, &d, &z, coalesce)
+            );
+        }
+    }
+
+    #[test]
+    fn a_bad_descriptor_after_many_fast_blocks_is_named() {
+        let n = 20 * BLOCK + 7;
+        let s: Vec<u64> = (0..n as u64)
+            .map(|i| HOST + 16 * ((i * 7) % 1024))
+            .collect();
+        let d: Vec<u64> = (0..n as u64).map(|i| DEV + 16 * i).collect();
+        let mut scratch = Scratch::default();
+        let (p, runs) = prepared(&s, &d, &[16; 20 * BLOCK + 7], true, &mut scratch).unwrap();
+        assert_eq!(
+            (p.len, p.bytes, p.max_size, p.alignment),
+            (n, 16 * n as u64, 16, 16)
+        );
+        assert_eq!(runs[n - 1], (s[n - 1], d[n - 1], 16));
+        for (at, side) in [(BLOCK * 13 + 5, Side::Src), (n - 1, Side::Dst)] {
+            let (mut s, mut d) = (s.clone(), d.clone());
+            match side {
+                Side::Src => s[at] = DEV,
+                Side::Dst => d[at] = HOST + LEN - 8,
+            }
+            let addr = if side == Side::Src { s[at] } else { d[at] };
+            let kind = if side == Side::Src {
+                MemoryKind::Host
+            } else {
+                MemoryKind::Device
+            };
+            assert_eq!(
+                prepared(&s, &d, &[16; 20 * BLOCK + 7], true, &mut scratch),
+                Err(DescriptorError::OutOfRegion {
+                    index: at,
+                    side,
+                    addr,
+                    size: 16,
+                    kind
+                })
+            );
         }
     }
 }
