@@ -13,8 +13,10 @@ and host submission time (perf_counter, median): blockswap's submit split into t
 and blockswap's own work (validation, coalescing, slab, record), and the cuda-bindings call.
 Own work is split again, from the engine's counters: the call into the compiled core and back,
 validating and writing the descriptors, and the engine and backend around the driver call.
-blockswap's submissions and the cuda-bindings calls alternate rep by rep, and the ratio of the
-two is taken per rep, so that the driver's own drift falls on both.
+blockswap's submissions and the cuda-bindings calls alternate rep by rep (which of the two goes
+first alternates too), and the ratio of the two is taken per rep, so that the driver's own drift
+falls on both. cuda-bindings' call less blockswap's driver time in the same rep estimates what
+cuda-bindings spends around the same driver call.
 Blocks are scattered (random permutations); host buffers are pinned.
 """
 
@@ -74,7 +76,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--reps", type=int, default=31)
     ap.add_argument("--kernel-ctas", type=int, nargs="*", default=[8, 16])
     ap.add_argument("--h2d-order", default="any", choices=["any", "stream"])
     ap.add_argument("--kernel-warps", type=int, default=4)
@@ -116,8 +118,9 @@ def main() -> None:
     job = 0
     launchers: dict = {}
 
-    def events_around(issue):
-        """(start event, end event, host seconds) of ``issue()`` on the copy stream."""
+    def events_around(issue, sync=False):
+        """(start event, end event, host seconds) of ``issue()`` on the copy stream; with
+        ``sync``, after the end event has passed."""
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(stream):
@@ -127,7 +130,21 @@ def main() -> None:
         t1 = time.perf_counter()
         with torch.cuda.stream(stream):
             end.record()
+        if sync:
+            end.synchronize()
         return start, end, t1 - t0
+
+    def blockswap_rep(j, args):
+        """One blockswap submission of ``args`` as job ``j``, waited for: its events, host
+        seconds, and the engine's counters before and after."""
+        s0 = core.stats()
+        start, end, host_s = events_around(lambda: core.submit(j, *args))
+        s1 = core.stats()
+        core.wait([j], None)
+        (r,) = core.get_finished()
+        assert r.success, r.error
+        end.synchronize()
+        return start, end, host_s, s0, s1
 
     def pipelined(submit, total, depth=8):
         """Bandwidth with `depth` transfers queued back to back (steady state: host work of
@@ -219,14 +236,19 @@ def main() -> None:
                     )
                 cb_gpu, cb_sub = [], []
 
-                own, parts = [], []
+                own, parts, cb_own = [], [], []
                 for i in range(args.reps + 3):
                     job += 1
-                    s0 = core.stats()
-                    start, end, host_s = events_around(
-                        lambda j=job, a=(src, dst, szs, direction, None): core.submit(j, *a)
-                    )
-                    s1 = core.stats()
+                    # The two alternate which goes first, so that neither always finds the
+                    # source in the CPU's caches after the other (the driver reads it for small
+                    # host->device copies).
+                    a = (src, dst, szs, direction, None)
+                    if call is not None and i % 2:
+                        cb = events_around(call, sync=True)
+                        start, end, host_s, s0, s1 = blockswap_rep(job, a)
+                    else:
+                        start, end, host_s, s0, s1 = blockswap_rep(job, a)
+                        cb = events_around(call, sync=True) if call is not None else None
                     d0, d1 = s0["driver_ns"], s1["driver_ns"]
                     # Own work in three parts (seconds): the call into the compiled core and
                     # back (argument conversion, the GIL), validating and writing descriptors,
@@ -234,22 +256,18 @@ def main() -> None:
                     engine_s = (s1["submit_ns"] - s0["submit_ns"]) * 1e-9
                     prep_s = (s1["prepare_ns"] - s0["prepare_ns"]) * 1e-9
                     part = (host_s - engine_s, prep_s, engine_s - prep_s - (d1 - d0) * 1e-9)
-                    core.wait([job], None)
-                    (r,) = core.get_finished()
-                    assert r.success, r.error
-                    end.synchronize()
                     if i >= 3:
                         gpu.append(start.elapsed_time(end) / 1e3)
                         sub.append(host_s)
                         drv.append((d1 - d0) * 1e-9)
                         own.append(host_s - (d1 - d0) * 1e-9)
                         parts.append(part)
-                    if call is not None:
-                        start, end, host_s = events_around(call)
-                        end.synchronize()
-                        if i >= 3:
-                            cb_gpu.append(start.elapsed_time(end) / 1e3)
-                            cb_sub.append(host_s)
+                        if cb is not None:
+                            cb_gpu.append(cb[0].elapsed_time(cb[1]) / 1e3)
+                            cb_sub.append(cb[2])
+                            # The same driver call made by blockswap in this rep stands in for
+                            # cuda-bindings' own: what is left is its argument conversion.
+                            cb_own.append(cb[2] - (d1 - d0) * 1e-9)
                 row = {
                     "direction": direction,
                     "block_bytes": size,
@@ -277,6 +295,9 @@ def main() -> None:
                     row["cuda_bindings_build_lists_us"] = call.build_s * 1e6
                     # Rep by rep: blockswap's whole submission over the cuda-bindings call.
                     row["submit_ratio_vs_cuda_bindings"] = med([a / b for a, b in zip(sub, cb_sub)])
+                    # cuda-bindings' call less blockswap's driver time in the same rep, median:
+                    # an estimate of its own work around the same driver call.
+                    row["cuda_bindings_own_ns_per_desc"] = med(cb_own) * 1e9 / blocks
                 rows.append(row)
                 print(
                     f"{direction} {size // KiB:>5} KiB x {blocks:>5}: ceiling {row['ceiling_gbps']:6.2f} "
@@ -288,7 +309,8 @@ def main() -> None:
                     f"prepare {row['own_prepare_us']:.1f} + engine {row['own_engine_us']:.1f} us, "
                     f"driver {row['driver_ns_per_desc']:6.1f} ns/desc) "
                     f"cuda-bindings {row.get('cuda_bindings_submit_us', float('nan')):8.1f} "
-                    f"(ratio {row.get('submit_ratio_vs_cuda_bindings', float('nan')):.3f})"
+                    f"(own ~{row.get('cuda_bindings_own_ns_per_desc', float('nan')):5.1f} ns/desc, "
+                    f"ratio {row.get('submit_ratio_vs_cuda_bindings', float('nan')):.3f})"
                     + f" | pipelined: dma {row['dma_pipelined_gbps']:6.2f}"
                     + "".join(f" | kernel {c} CTAs {g:6.2f} GB/s" for c, g in kernel.items()),
                     flush=True,

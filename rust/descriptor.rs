@@ -465,8 +465,8 @@ impl Pass {
 #[derive(Debug, Default)]
 pub struct Scratch {
     keys: Vec<u64>,
-    /// Bucket strategy of the overlap check: a bit per bucket, set where a range starts there,
-    /// and the index of that range.
+    /// A bit per slot (pages strategy of the overlap check) or per bucket (bucket strategy, with
+    /// `at`: the index of the range starting in that bucket).
     taken: Vec<u64>,
     at: Vec<u32>,
     pub(crate) pairs: Vec<(u64, u64)>,
