@@ -15,8 +15,10 @@ Own work is split again, from the engine's counters: the call into the compiled 
 validating and writing the descriptors, and the engine and backend around the driver call.
 blockswap's submissions and the cuda-bindings calls alternate rep by rep (which of the two goes
 first alternates too), and the ratio of the two is taken per rep, so that the driver's own drift
-falls on both. cuda-bindings' call less blockswap's driver time in the same rep estimates what
-cuda-bindings spends around the same driver call.
+falls on both; pairs go on for --pair-seconds at each point (at least --reps of them), and the
+median ratio comes with a distribution-free 95 % confidence interval. cuda-bindings' call less
+blockswap's driver time in the same rep estimates what cuda-bindings spends around the same
+driver call.
 Blocks are scattered (random permutations); host buffers are pinned.
 """
 
@@ -26,6 +28,7 @@ import argparse
 import json
 import sys
 import time
+from math import nan
 
 import numpy as np
 import torch
@@ -36,6 +39,15 @@ from blockswap.bench.common import cuda_time_on as timed_on
 from blockswap.bench.common import median as med
 from blockswap.bench.report import write_json
 from blockswap.kernels import engine_launcher
+
+
+def median_ci95(xs: list[float]) -> tuple[float, float]:
+    """A distribution-free 95 % confidence interval of the median: the order statistics at
+    ranks n/2 -+ 0.98 sqrt(n) (the binomial(n, 1/2) quantiles, normal approximation)."""
+    s = sorted(xs)
+    n = len(s)
+    half = 0.98 * n**0.5
+    return s[max(0, int(n / 2 - half))], s[min(n - 1, int(n / 2 + half + 1) - 1)]
 
 
 def cuda_bindings_batch():
@@ -76,7 +88,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--reps", type=int, default=31)
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument(
+        "--pair-seconds",
+        type=float,
+        default=6.0,
+        help="blockswap / cuda-bindings pairs go on for at least this long at each point "
+        "(at least --reps pairs, at most --pair-max)",
+    )
+    ap.add_argument("--pair-max", type=int, default=401)
     ap.add_argument("--kernel-ctas", type=int, nargs="*", default=[8, 16])
     ap.add_argument("--h2d-order", default="any", choices=["any", "stream"])
     ap.add_argument("--kernel-warps", type=int, default=4)
@@ -237,7 +257,16 @@ def main() -> None:
                 cb_gpu, cb_sub = [], []
 
                 own, parts, cb_own = [], [], []
-                for i in range(args.reps + 3):
+                # Where the driver's cost jitters by a few percent from call to call (small
+                # host->device copies, which it moves itself) a ratio near 1 needs hundreds of
+                # pairs to resolve: pairs go on for a while, not for a fixed count.
+                t_end = time.perf_counter() + args.pair_seconds
+                i = -1
+                while True:
+                    i += 1
+                    done = i >= args.reps + 3 and time.perf_counter() >= t_end
+                    if done or i >= args.pair_max + 3:
+                        break
                     job += 1
                     # The two alternate which goes first, so that neither always finds the
                     # source in the CPU's caches after the other (the driver reads it for small
@@ -294,7 +323,12 @@ def main() -> None:
                     row["cuda_bindings_submit_us"] = med(cb_sub) * 1e6
                     row["cuda_bindings_build_lists_us"] = call.build_s * 1e6
                     # Rep by rep: blockswap's whole submission over the cuda-bindings call.
-                    row["submit_ratio_vs_cuda_bindings"] = med([a / b for a, b in zip(sub, cb_sub)])
+                    ratios = [a / b for a, b in zip(sub, cb_sub)]
+                    row["submit_ratio_vs_cuda_bindings"] = med(ratios)
+                    row["submit_ratio_ci95"] = median_ci95(ratios)
+                    row["pairs"] = len(ratios)
+                    # Rep by rep: blockswap's bandwidth over cuda-bindings' (GPU time, inverted).
+                    row["gbps_ratio_vs_cuda_bindings"] = med([b / a for a, b in zip(gpu, cb_gpu)])
                     # cuda-bindings' call less blockswap's driver time in the same rep, median:
                     # an estimate of its own work around the same driver call.
                     row["cuda_bindings_own_ns_per_desc"] = med(cb_own) * 1e9 / blocks
@@ -303,14 +337,18 @@ def main() -> None:
                     f"{direction} {size // KiB:>5} KiB x {blocks:>5}: ceiling {row['ceiling_gbps']:6.2f} "
                     f"blockswap {row['blockswap_gbps']:6.2f} GB/s "
                     f"({100 * row['blockswap_gbps'] / row['ceiling_gbps']:5.1f}%) "
-                    f"cuda-bindings {row.get('cuda_bindings_gbps', float('nan')):6.2f} | submit us: "
+                    f"cuda-bindings {row.get('cuda_bindings_gbps', float('nan')):6.2f} "
+                    f"(ratio {row.get('gbps_ratio_vs_cuda_bindings', float('nan')):.3f}) | submit us: "
                     f"blockswap {row['blockswap_submit_us']:8.1f} (driver {row['driver_call_us']:8.1f}, "
                     f"own {row['own_ns_per_desc']:5.1f} ns/desc = call {row['own_call_us']:.1f} + "
                     f"prepare {row['own_prepare_us']:.1f} + engine {row['own_engine_us']:.1f} us, "
                     f"driver {row['driver_ns_per_desc']:6.1f} ns/desc) "
                     f"cuda-bindings {row.get('cuda_bindings_submit_us', float('nan')):8.1f} "
                     f"(own ~{row.get('cuda_bindings_own_ns_per_desc', float('nan')):5.1f} ns/desc, "
-                    f"ratio {row.get('submit_ratio_vs_cuda_bindings', float('nan')):.3f})"
+                    f"ratio {row.get('submit_ratio_vs_cuda_bindings', float('nan')):.3f} "
+                    f"[{row.get('submit_ratio_ci95', (nan, nan))[0]:.3f}, "
+                    f"{row.get('submit_ratio_ci95', (nan, nan))[1]:.3f}], "
+                    f"{row.get('pairs', 0)} pairs)"
                     + f" | pipelined: dma {row['dma_pipelined_gbps']:6.2f}"
                     + "".join(f" | kernel {c} CTAs {g:6.2f} GB/s" for c, g in kernel.items()),
                     flush=True,
