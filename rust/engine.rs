@@ -16,8 +16,8 @@ use std::time::{Duration, Instant};
 use crossbeam_queue::ArrayQueue;
 
 use crate::backend::{
-    Backend, BackendError, BackendInfo, HostAlloc, KernelBatch, KernelLauncher, SubmitRequest,
-    Submitted,
+    AddElapsed, Backend, BackendError, BackendInfo, HostAlloc, KernelBatch, KernelLauncher,
+    SubmitRequest, Submitted,
 };
 use crate::completion::{InFlight, Lane};
 use crate::descriptor::{
@@ -225,23 +225,6 @@ pub fn fork_generation() -> u64 {
 /// Whether this process is a fork of one that used blockswap.
 pub fn in_forked_child() -> bool {
     fork_generation() != 0
-}
-
-/// Adds the time from [`AddElapsed::start`] to its drop to a counter, on every way out.
-struct AddElapsed<'a>(&'a AtomicU64, Instant);
-
-impl<'a> AddElapsed<'a> {
-    fn start(counter: &'a AtomicU64) -> Self {
-        AddElapsed(counter, Instant::now())
-    }
-}
-
-impl Drop for AddElapsed<'_> {
-    fn drop(&mut self) {
-        // Relaxed: a statistic.
-        self.0
-            .fetch_add(self.1.elapsed().as_nanos() as u64, Ordering::Relaxed);
-    }
 }
 
 /// Moves batches of blocks over a backend. Shared between threads (`&self` everywhere).

@@ -23,8 +23,8 @@ use std::time::{Duration, Instant};
 use cudarc::driver::sys;
 
 use super::{
-    take_injected, Backend, BackendError, BackendInfo, HostAlloc, KernelBatch, SubmitRequest,
-    Submitted,
+    take_injected, AddElapsed, Backend, BackendError, BackendInfo, HostAlloc, KernelBatch,
+    SubmitRequest, Submitted,
 };
 use crate::descriptor::Direction;
 use crate::pool::{SlabInner, SlabRef};
@@ -920,11 +920,8 @@ impl Backend for CudaBackend {
             });
         }
         if outcome.is_ok() && first < slab.len() {
-            let t = Instant::now();
+            let _timed = AddElapsed::start(&self.driver_ns);
             outcome = self.issue_copies(lane, slab, first);
-            // Relaxed: a statistic.
-            self.driver_ns
-                .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
         }
         if let (Ok(()), Some((_, end))) = (&outcome, timing) {
             // SAFETY: as above.

@@ -8,7 +8,8 @@
 
 use std::fmt;
 use std::ptr::NonNull;
-use std::time::Duration;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use crate::descriptor::Direction;
 use crate::pool::SlabRef;
@@ -16,6 +17,25 @@ use crate::region::MemoryKind;
 
 pub mod cuda;
 pub mod host;
+
+/// Adds the time from [`AddElapsed::start`] to its drop to a counter, on every way out: the
+/// host-time statistics of the engine (`submit_ns`, `prepare_ns`) and of the CUDA backend
+/// (`driver_ns`).
+pub(crate) struct AddElapsed<'a>(&'a AtomicU64, Instant);
+
+impl<'a> AddElapsed<'a> {
+    pub(crate) fn start(counter: &'a AtomicU64) -> Self {
+        AddElapsed(counter, Instant::now())
+    }
+}
+
+impl Drop for AddElapsed<'_> {
+    fn drop(&mut self) {
+        // Relaxed: a statistic.
+        self.0
+            .fetch_add(self.1.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    }
+}
 
 /// A failure of the machinery below the engine: the driver, the worker, or an injected fault.
 #[derive(Clone, Debug, PartialEq, Eq)]
