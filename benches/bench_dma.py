@@ -227,17 +227,9 @@ def main() -> None:
                     kt = []
                     for i in range(args.reps + 3):
                         job += 1
-                        start = torch.cuda.Event(enable_timing=True)
-                        end = torch.cuda.Event(enable_timing=True)
-                        with torch.cuda.stream(stream):
-                            start.record()
-                        core.submit(job, src, dst, szs, direction, None, 1 << 62, launch)
-                        with torch.cuda.stream(stream):
-                            end.record()
-                        core.wait([job], None)
-                        (r,) = core.get_finished()
-                        assert r.success, r.error
-                        end.synchronize()
+                        start, end, *_ = blockswap_rep(
+                            job, (src, dst, szs, direction, None, 1 << 62, launch)
+                        )
                         if i >= 3:
                             kt.append(start.elapsed_time(end) / 1e3)
                     kernel[max_ctas] = total / med(kt) / 1e9

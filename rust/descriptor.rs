@@ -225,7 +225,7 @@ pub fn prepare_into(
     direction: Direction,
     regions: &RegionTable,
     coalesce: bool,
-    out: Columns<'_>,
+    mut out: Columns<'_>,
     scratch: &mut Scratch,
 ) -> Result<Prepared, DescriptorError> {
     let n = src.len();
@@ -261,7 +261,6 @@ pub fn prepare_into(
         regions.locate(src[0], size[0], pass.kinds.0, &mut pass.hints.0);
         regions.locate(dst[0], size[0], pass.kinds.1, &mut pass.hints.1);
     }
-    let mut out = out;
     let mut start = 0;
     while start < n {
         let end = n.min(start + BLOCK);
