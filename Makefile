@@ -69,7 +69,24 @@ clean:
 	rm -rf $(VENV) dist
 
 # Checks of the Rust core beyond `cargo test` (see docs/reliability.md).
-.PHONY: loom fuzz-short fuzz-long stress-rust
+.PHONY: loom miri fuzz-short fuzz-long stress-rust test-random
+
+# Undefined-behaviour check of the host-only Rust tests under Miri (nightly and its miri component,
+# installed when missing): the modules with unsafe code (slab pool, completion lane) and the engine
+# tests over the host backend, under Stacked Borrows, then the pool and lane under Tree Borrows.
+# Property tests run 2 cases and loops are shortened there (Miri is ~1000x slower); MIRI_TIMEOUT
+# bounds each run.
+MIRI_TIMEOUT ?= 1500
+miri:
+	cargo +nightly miri --version >/dev/null 2>&1 || rustup component add --toolchain nightly miri rust-src
+	timeout $(MIRI_TIMEOUT) cargo +nightly miri test --lib -- pool:: completion:: transfer:: region::
+	timeout $(MIRI_TIMEOUT) cargo +nightly miri test --test engine
+	MIRIFLAGS="-Zmiri-tree-borrows" timeout $(MIRI_TIMEOUT) cargo +nightly miri test --lib -- pool:: completion::
+
+# The property tests with fresh random examples (CI runs them derandomised: the same examples
+# each run). A failure prints the example and the seed to reproduce it.
+test-random: develop
+	HYPOTHESIS_PROFILE=random $(PY) -m pytest -q tests/test_reliability.py -k property
 
 # Model checking of the lock-free completion lane and slab pool with loom (about a minute).
 # `--cfg loom` rebuilds every dependency, so it gets its own target directory.

@@ -192,7 +192,7 @@ mod tests {
 
     #[test]
     fn racing_pollers_report_each_record_exactly_once() {
-        const N: u64 = 20_000;
+        const N: u64 = if cfg!(miri) { 200 } else { 20_000 };
         let pool = Arc::new(Pool::new(Arc::new(HostBackend::new()), 1 << 24));
         let lane = Arc::new(Lane::new(256));
         let completed = Arc::new(AtomicU64::new(0));

@@ -1115,7 +1115,7 @@ mod fuzz {
     }
 
     proptest! {
-        #![proptest_config(ProptestConfig::with_cases(512))]
+        #![proptest_config(ProptestConfig::with_cases(if cfg!(miri) { 2 } else { 512 }))]
 
         #[test]
         fn arbitrary_batches_never_panic_and_stay_faithful((s, d, z) in batch(), coalesce: bool) {
@@ -1322,7 +1322,7 @@ mod blocks {
     }
 
     proptest! {
-        #![proptest_config(ProptestConfig::with_cases(1024))]
+        #![proptest_config(ProptestConfig::with_cases(if cfg!(miri) { 2 } else { 1024 }))]
 
         #[test]
         fn blocks_agree_with_one_descriptor_at_a_time((s, d, z) in long_batch(), coalesce: bool) {
@@ -1474,7 +1474,7 @@ mod disjoint {
     }
 
     proptest! {
-        #![proptest_config(ProptestConfig::with_cases(1024))]
+        #![proptest_config(ProptestConfig::with_cases(if cfg!(miri) { 2 } else { 1024 }))]
 
         #[test]
         fn slotted_pages_agree_with_the_reference((d, z) in slotted(), (d2, z2) in slotted()) {

@@ -585,6 +585,13 @@ impl Engine {
             return Err(e.clone().into());
         }
         let mut state = self.lock();
+        // Again under the lock: `shutdown` raises the flag before it takes the lock, so either
+        // this submit holds the lock first (and shutdown waits for its transfer) or it sees the
+        // flag here. Checked only before the lock, a submit could pass the check, wait for the
+        // lock while shutdown stops the backend, and be accepted onto a stopped backend.
+        if self.shut.load(Ordering::Acquire) {
+            return Err(EngineError::ShutDown);
+        }
         while let Some(id) = self.retired.pop() {
             state.live.remove(&id);
         }

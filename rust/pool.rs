@@ -34,6 +34,12 @@ pub enum PoolError {
     },
     /// More descriptors than the largest slab holds.
     TooLarge { descriptors: usize, max: usize },
+    /// The slab for this many descriptors is larger than the whole pool: polling cannot help.
+    ExceedsCap {
+        descriptors: usize,
+        bytes: usize,
+        cap: usize,
+    },
     /// The backend could not allocate.
     Backend(BackendError),
 }
@@ -56,6 +62,15 @@ impl fmt::Display for PoolError {
                     "{descriptors} descriptors do not fit one slab (at most {max})"
                 )
             }
+            PoolError::ExceedsCap {
+                descriptors,
+                bytes,
+                cap,
+            } => write!(
+                f,
+                "{descriptors} descriptors need a {bytes}-byte slab, more than the whole \
+                 descriptor pool ({cap} bytes): raise pool_bytes or split the transfer"
+            ),
             PoolError::Backend(e) => write!(f, "descriptor pool: {e}"),
         }
     }
@@ -144,44 +159,75 @@ impl SlabInner {
 }
 
 /// A slab owned by one transfer. Return it with [`Pool::release`].
+///
+/// The allocation is held through the raw pointer of `Box::into_raw`, never through a `Box`: the
+/// slab is moved (into the lane's in-flight record) while the backend reads and writes the same
+/// `SlabInner` through a [`SlabRef`], and moving a `Box` would assert unique ownership of memory
+/// that handle still uses (undefined behaviour under Stacked and Tree Borrows; `cargo miri test`
+/// checks it). The `Box` is rebuilt only when the slab comes home ([`Slab::into_box`]); a slab
+/// dropped instead of released (a panic unwinding past it) is leaked, since the device may still
+/// read it.
 #[derive(Debug)]
-pub struct Slab(Box<SlabInner>);
+pub struct Slab(NonNull<SlabInner>);
+
+// SAFETY: a Slab owns its SlabInner as a Box would (SlabInner is Send + Sync: atomics, a
+// OnceLock, and columns written only through `&mut Slab`).
+unsafe impl Send for Slab {}
+// SAFETY: as above; `&Slab` only hands out `&SlabInner`.
+unsafe impl Sync for Slab {}
 
 impl Slab {
+    fn from_box(inner: Box<SlabInner>) -> Self {
+        Slab(NonNull::from(Box::leak(inner)))
+    }
+
+    /// The allocation as a Box again, once no [`SlabRef`] of it can be used any more.
+    fn into_box(self) -> Box<SlabInner> {
+        let ptr = self.0.as_ptr();
+        // SAFETY: `ptr` came from `Box::leak` in `from_box` and is owned by this Slab alone, which
+        // this call consumes (a Slab has no Drop); the pool calls this only for a slab whose
+        // transfer completed, so no SlabRef of it is used again.
+        unsafe { Box::from_raw(ptr) }
+    }
+
     pub fn capacity(&self) -> usize {
-        self.0.cap
+        self.cap
     }
 
     /// The three columns, writable, at full capacity.
     pub fn columns(&mut self) -> Columns<'_> {
-        let cap = self.0.cap;
+        let cap = self.cap;
         // SAFETY: the three columns are disjoint ranges of one allocation of 3 * cap u64s, and
         // `&mut self` proves no one else (host or device) holds this slab.
         unsafe {
             Columns {
-                src: std::slice::from_raw_parts_mut(self.0.column(0), cap),
-                dst: std::slice::from_raw_parts_mut(self.0.column(1), cap),
-                size: std::slice::from_raw_parts_mut(self.0.column(2), cap),
+                src: std::slice::from_raw_parts_mut(self.column(0), cap),
+                dst: std::slice::from_raw_parts_mut(self.column(1), cap),
+                size: std::slice::from_raw_parts_mut(self.column(2), cap),
             }
         }
     }
 
     /// Sets how many descriptors are in use. Panics past the capacity.
     pub fn set_len(&mut self, len: usize) {
-        assert!(len <= self.0.cap);
-        self.0.len = len;
+        assert!(len <= self.cap);
+        // SAFETY: `&mut self`: the slab is not shared yet (no SlabRef is handed out before the
+        // descriptors are written), so this write races with nothing.
+        unsafe { (*self.0.as_ptr()).len = len };
     }
 
     /// A handle the backend keeps while the transfer is in flight.
     pub fn share(&self) -> SlabRef {
-        SlabRef(NonNull::from(&*self.0))
+        SlabRef(self.0)
     }
 }
 
 impl std::ops::Deref for Slab {
     type Target = SlabInner;
     fn deref(&self) -> &SlabInner {
-        &self.0
+        // SAFETY: the pointer is valid for the life of the Slab (see `from_box`); everything
+        // reached through `&SlabInner` is safe to share with the backend's SlabRef.
+        unsafe { self.0.as_ref() }
     }
 }
 
@@ -203,7 +249,8 @@ impl SlabRef {
     /// Only between [`Backend::submit`](crate::Backend::submit) receiving this handle and the
     /// backend publishing the transfer's completion.
     pub unsafe fn get(&self) -> &SlabInner {
-        // SAFETY: the caller upholds the in-flight window; the box is not freed or moved then.
+        // SAFETY: the caller upholds the in-flight window; the allocation is not freed then, and
+        // it is never reached through a Box while shared (see [`Slab`]).
         unsafe { self.0.as_ref() }
     }
 }
@@ -260,7 +307,8 @@ impl Pool {
     }
 
     /// A slab with room for `n` descriptors: a free one of the smallest class that fits, a new one
-    /// while under the cap, else a free one of a larger class.
+    /// while under the cap (freeing idle slabs of other classes to make room), else a free one of
+    /// a larger class.
     pub fn acquire(&self, n: usize) -> Result<Slab, PoolError> {
         let n = n.max(1);
         if n > Self::max_descriptors() {
@@ -271,45 +319,33 @@ impl Pool {
         }
         let class = n.next_power_of_two().trailing_zeros().max(MIN_CLASS);
         let idx = (class - MIN_CLASS) as usize;
-        if let Some(inner) = self.free[idx].pop() {
-            return Ok(Slab(inner));
-        }
         let want = class_bytes(class);
-        // Reserve the bytes first so concurrent growth never passes the cap. Relaxed suffices:
-        // the counter guards a budget, it publishes no memory.
-        let reserved = self
-            .bytes
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |b| {
-                (b + want <= self.cap).then_some(b + want)
-            })
-            .is_ok();
-        if reserved {
-            match self.backend.alloc_host(want) {
-                Ok(alloc) => {
-                    // SAFETY: the allocation is `want` bytes, exclusively ours; zeroing makes every
-                    // column element initialised.
-                    unsafe { std::ptr::write_bytes(alloc.as_ptr(), 0, want) };
-                    self.slabs.fetch_add(1, Ordering::Relaxed);
-                    return Ok(Slab(Box::new(SlabInner {
-                        alloc,
-                        class,
-                        cap: 1 << class,
-                        len: 0,
-                        status: AtomicU8::new(STATUS_OK),
-                        device_ns: AtomicU64::new(0),
-                        error: OnceLock::new(),
-                    })));
-                }
-                Err(e) => {
-                    self.bytes.fetch_sub(want, Ordering::Relaxed);
-                    return Err(PoolError::Backend(e));
-                }
-            }
+        if want > self.cap {
+            // No amount of polling frees room the pool never has.
+            return Err(PoolError::ExceedsCap {
+                descriptors: n,
+                bytes: want,
+                cap: self.cap,
+            });
         }
-        for larger in &self.free[idx + 1..] {
-            if let Some(inner) = larger.pop() {
-                return Ok(Slab(inner));
+        if let Some(inner) = self.free[idx].pop() {
+            return Ok(Slab::from_box(inner));
+        }
+        loop {
+            if self.reserve(want) {
+                return self.allocate(class, want);
             }
+            // Over the cap: a free slab of a larger class serves as is...
+            for larger in &self.free[idx + 1..] {
+                if let Some(inner) = larger.pop() {
+                    return Ok(Slab::from_box(inner));
+                }
+            }
+            // ...and one of a smaller class is freed to make room, until none is left at home.
+            let Some(inner) = self.free[..idx].iter().rev().find_map(ArrayQueue::pop) else {
+                break;
+            };
+            self.free_inner(*inner);
         }
         Err(PoolError::Exhausted {
             requested: want,
@@ -318,9 +354,44 @@ impl Pool {
         })
     }
 
+    /// Reserves `want` bytes of the cap. Relaxed suffices: the counter guards a budget, it
+    /// publishes no memory; the update is atomic, so concurrent growth never passes the cap.
+    fn reserve(&self, want: usize) -> bool {
+        self.bytes
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |b| {
+                (b + want <= self.cap).then_some(b + want)
+            })
+            .is_ok()
+    }
+
+    /// A new slab of `class` (`want` bytes already reserved).
+    fn allocate(&self, class: u32, want: usize) -> Result<Slab, PoolError> {
+        match self.backend.alloc_host(want) {
+            Ok(alloc) => {
+                // SAFETY: the allocation is `want` bytes, exclusively ours; zeroing makes every
+                // column element initialised.
+                unsafe { std::ptr::write_bytes(alloc.as_ptr(), 0, want) };
+                self.slabs.fetch_add(1, Ordering::Relaxed);
+                Ok(Slab::from_box(Box::new(SlabInner {
+                    alloc,
+                    class,
+                    cap: 1 << class,
+                    len: 0,
+                    status: AtomicU8::new(STATUS_OK),
+                    device_ns: AtomicU64::new(0),
+                    error: OnceLock::new(),
+                })))
+            }
+            Err(e) => {
+                self.bytes.fetch_sub(want, Ordering::Relaxed);
+                Err(PoolError::Backend(e))
+            }
+        }
+    }
+
     /// Returns a slab whose transfer is complete: the device no longer reads it.
     pub fn release(&self, slab: Slab) {
-        let mut inner = slab.0;
+        let mut inner = slab.into_box();
         inner.len = 0;
         inner.status.store(STATUS_OK, Ordering::Relaxed);
         inner.device_ns.store(0, Ordering::Relaxed);
@@ -486,6 +557,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "Miri cannot fork")]
     fn a_pool_dropped_in_a_forked_child_frees_nothing() {
         let backend = Arc::new(Counting(
             HostBackend::new(),

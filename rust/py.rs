@@ -70,7 +70,9 @@ impl From<EngineError> for PyErr {
             | EngineError::Region(_)
             | EngineError::Table(_)
             | EngineError::JobIdLive(_)
-            | EngineError::Pool(PoolError::TooLarge { .. }) => InvalidTransferError::new_err(msg),
+            | EngineError::Pool(PoolError::TooLarge { .. } | PoolError::ExceedsCap { .. }) => {
+                InvalidTransferError::new_err(msg)
+            }
             EngineError::Pool(PoolError::Backend(_)) | EngineError::Backend(_) => {
                 BackendError::new_err(msg)
             }
@@ -306,6 +308,7 @@ impl PyEngine {
     #[allow(clippy::too_many_arguments)]
     fn register_table(
         &self,
+        py: Python<'_>,
         bases: PyReadonlyArray1<'_, i64>,
         strides: PyReadonlyArray1<'_, i64>,
         nbytes: PyReadonlyArray1<'_, i64>,
@@ -319,13 +322,18 @@ impl PyEngine {
         let b = as_u64("bases", &bases)?.to_vec();
         let st = as_u64("strides", &strides)?.to_vec();
         let n = as_u64("nbytes", &nbytes)?.to_vec();
-        self.engine
-            .register_table(b, st, n, num_blocks, kind, name, unit)
-            .map_err(Into::into)
+        // Every binding that takes the engine lock lets go of the GIL first: a submit holding the
+        // lock may be waiting for the GIL (a Python launcher), and would wait forever.
+        py.detach(|| {
+            self.engine
+                .register_table(b, st, n, num_blocks, kind, name, unit)
+        })
+        .map_err(Into::into)
     }
 
-    fn unregister_table(&self, table: u32) -> PyResult<()> {
-        self.engine.unregister_table(table).map_err(Into::into)
+    fn unregister_table(&self, py: Python<'_>, table: u32) -> PyResult<()> {
+        py.detach(|| self.engine.unregister_table(table))
+            .map_err(Into::into)
     }
 
     /// Issues the transfer of blocks `src_ids` of table `src_table` to blocks `dst_ids` of
@@ -389,12 +397,13 @@ impl PyEngine {
 
     /// Registers `nbytes` at `ptr` as `kind` memory ('host' or 'device') that transfers may use.
     /// The caller vouches that the memory stays allocated until unregistered.
-    fn register(&self, ptr: u64, nbytes: u64, kind: &str) -> PyResult<()> {
+    fn register(&self, py: Python<'_>, ptr: u64, nbytes: u64, kind: &str) -> PyResult<()> {
         let kind = MemoryKind::parse(kind)
             .ok_or_else(|| invalid(format!("kind must be 'host' or 'device', not {kind:?}")))?;
         // SAFETY: the Python caller vouches for the range (documented on Engine.register); the
         // Python layer registers only memory of objects it keeps alive.
-        unsafe { self.engine.register(ptr, nbytes, kind) }.map_err(Into::into)
+        py.detach(|| unsafe { self.engine.register(ptr, nbytes, kind) })
+            .map_err(Into::into)
     }
 
     /// Page-locks `nbytes` of existing host memory at `ptr` (cuMemHostRegister on CUDA) and
@@ -405,8 +414,9 @@ impl PyEngine {
             .map_err(Into::into)
     }
 
-    fn unregister(&self, ptr: u64) -> PyResult<()> {
-        self.engine.unregister(ptr).map_err(Into::into)
+    fn unregister(&self, py: Python<'_>, ptr: u64) -> PyResult<()> {
+        py.detach(|| self.engine.unregister(ptr))
+            .map_err(Into::into)
     }
 
     /// Allocates `nbytes` of host memory (page-locked on CUDA), registered; returns its address.

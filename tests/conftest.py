@@ -5,6 +5,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from hypothesis import settings
 
 # Without a GPU, Triton kernels run under the interpreter over host memory. Triton decides at
 # `@triton.jit` time, so this must be set before any kernel module is imported.
@@ -12,6 +13,14 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import blockswap
+
+# Hypothesis profiles. "ci" (the default under CI=true, and what `make test` uses) is derandomised:
+# the same examples every run, so CI passes or fails deterministically. "random" draws new examples
+# each run and is how property tests look for new failures (`make test-random`); a failure it finds
+# prints the example to add as an `@example` regression.
+settings.register_profile("ci", derandomize=True, print_blob=True)
+settings.register_profile("random", derandomize=False, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def _cuda_available() -> bool:
