@@ -25,7 +25,9 @@ use crate::descriptor::{
 };
 use crate::pool::{Pool, PoolError, PoolStats};
 use crate::region::{MemoryKind, RegionError, RegionTable};
-use crate::table::{expand_into, BlockTable, TableError};
+use crate::table::{
+    block_runs, expand_into, expand_runs_into, BlockTable, Run, TableError, PITCHED_ENTRIES,
+};
 use crate::transfer::{JobId, TransferResult, TransferState, TransitionError};
 
 /// Engine settings.
@@ -197,6 +199,13 @@ fn table_pair(
         get(src, direction.src_kind())?,
         get(dst, direction.dst_kind())?,
     ))
+}
+
+/// What a slab holds: `(src, dst, size)` descriptors, of which those below a size may go to a
+/// kernel launcher, or the 2-D copies of a block plan.
+enum Shape<'a> {
+    Pages(Option<(u64, KernelLauncher<'a>)>),
+    Runs,
 }
 
 /// Forks this process image descends through, counted in each child (pthread_atfork). An engine
@@ -473,7 +482,7 @@ impl Engine {
             |_| Ok(src.len()),
             direction,
             wait_stream,
-            kernel,
+            Shape::Pages(kernel),
             |state, cols| {
                 let SubmitState {
                     regions, scratch, ..
@@ -501,7 +510,8 @@ impl Engine {
         self.check_usable()?;
         let mut state = self.lock();
         let table = BlockTable::new(bases, strides, nbytes, num_blocks, kind, &state.regions)?
-            .named(name, unit);
+            .named(name, unit)
+            .in_allocations(|a| self.backend.allocation_base(a));
         let id = state
             .tables
             .iter()
@@ -551,7 +561,7 @@ impl Engine {
             },
             direction,
             wait_stream,
-            kernel,
+            Shape::Pages(kernel),
             |state, cols| {
                 let SubmitState {
                     tables,
@@ -561,6 +571,64 @@ impl Engine {
                 } = state;
                 let (s, d) = table_pair(tables, src_table, dst_table, direction)?;
                 expand_into(s, src_ids, d, dst_ids, coalesce, cols, bits, scratch)
+                    .map_err(EngineError::from)
+            },
+        )
+    }
+
+    /// The block plan of a table pair for `direction` (see [`block_runs`]): the 2-D copies one
+    /// block takes with [`Engine::submit_block_runs`]. `None` where the pair has none.
+    pub fn block_runs(
+        &self,
+        src_table: u32,
+        dst_table: u32,
+        direction: Direction,
+    ) -> Result<Option<Vec<Run>>, EngineError> {
+        let state = self.lock();
+        let (s, d) = table_pair(&state.tables, src_table, dst_table, direction)?;
+        Ok(block_runs(s, d))
+    }
+
+    /// [`Engine::submit_blocks`], each block moved as the 2-D copies of the pair's block plan
+    /// (one per [`Run`]) instead of a descriptor per page: copy engines only. Refused where the
+    /// pair has no block plan.
+    #[allow(clippy::too_many_arguments)]
+    pub fn submit_block_runs(
+        &self,
+        job_id: JobId,
+        src_table: u32,
+        src_ids: &[u64],
+        dst_table: u32,
+        dst_ids: &[u64],
+        direction: Direction,
+        wait_stream: Option<u64>,
+    ) -> Result<(), EngineError> {
+        let no_plan = || TableError::BadSegment {
+            segment: 0,
+            reason: "these tables have no block plan (different pages, or destination pages \
+                     that may share bytes): move them page by page"
+                .into(),
+        };
+        self.submit_with(
+            job_id,
+            |state| {
+                let (s, d) = table_pair(&state.tables, src_table, dst_table, direction)?;
+                let runs = block_runs(s, d).ok_or_else(no_plan)?;
+                Ok((PITCHED_ENTRIES * runs.len()).saturating_mul(src_ids.len()))
+            },
+            direction,
+            wait_stream,
+            Shape::Runs,
+            |state, cols| {
+                let SubmitState {
+                    tables,
+                    bits,
+                    scratch,
+                    ..
+                } = state;
+                let (s, d) = table_pair(tables, src_table, dst_table, direction)?;
+                let runs = block_runs(s, d).ok_or_else(no_plan)?;
+                expand_runs_into(s, src_ids, d, dst_ids, &runs, cols, bits, scratch)
                     .map_err(EngineError::from)
             },
         )
@@ -576,7 +644,7 @@ impl Engine {
         descriptors: impl FnOnce(&SubmitState) -> Result<usize, EngineError>,
         direction: Direction,
         wait_stream: Option<u64>,
-        kernel: Option<(u64, KernelLauncher<'_>)>,
+        shape: Shape<'_>,
         fill: impl FnOnce(&mut SubmitState, Columns<'_>) -> Result<Prepared, EngineError>,
     ) -> Result<(), EngineError> {
         let _timed = AddElapsed::start(&self.submit_ns);
@@ -633,8 +701,9 @@ impl Engine {
         let mut request = SubmitRequest {
             wait_stream,
             kernel: None,
+            pitched: matches!(shape, Shape::Runs),
         };
-        if let Some((below, launch)) = kernel {
+        if let Shape::Pages(Some((below, launch))) = shape {
             // Every descriptor small (the usual KV-cache case): no partition pass.
             let (len, max_size, alignment) = if prepared.max_size < below {
                 (prepared.len, prepared.max_size, prepared.alignment)

@@ -493,6 +493,7 @@ mod tests {
         p.release(big);
         let small = p.acquire(1).unwrap();
         assert_eq!(small.capacity(), 512);
+        p.release(small);
     }
 
     #[test]

@@ -367,6 +367,52 @@ impl PyEngine {
         .map_err(Into::into)
     }
 
+    /// Issues the transfer of blocks `src_ids` of table `src_table` to blocks `dst_ids` of
+    /// `dst_table` as the pair's block plan: one 2-D copy per (block, run of segments at one
+    /// pitch), copy engines only. Ids checked as for `submit_blocks`.
+    #[pyo3(signature = (job_id, src_table, src_ids, dst_table, dst_ids, direction = "h2d",
+        wait_stream = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn submit_block_runs(
+        &self,
+        py: Python<'_>,
+        job_id: u64,
+        src_table: u32,
+        src_ids: PyReadonlyArray1<'_, i64>,
+        dst_table: u32,
+        dst_ids: PyReadonlyArray1<'_, i64>,
+        direction: &str,
+        wait_stream: Option<u64>,
+    ) -> PyResult<()> {
+        let dir = self::direction(direction)?;
+        let (s, d) = (as_u64("src_ids", &src_ids)?, as_u64("dst_ids", &dst_ids)?);
+        py.detach(|| {
+            self.engine
+                .submit_block_runs(job_id, src_table, s, dst_table, d, dir, wait_stream)
+        })
+        .map_err(Into::into)
+    }
+
+    /// The block plan of a table pair: `(first segment, rows, width, src pitch, dst pitch)` per
+    /// 2-D copy of one block, or None where the pair has none.
+    #[pyo3(signature = (src_table, dst_table, direction = "h2d"))]
+    #[allow(clippy::type_complexity)]
+    fn block_runs(
+        &self,
+        py: Python<'_>,
+        src_table: u32,
+        dst_table: u32,
+        direction: &str,
+    ) -> PyResult<Option<Vec<(usize, u64, u64, u64, u64)>>> {
+        let dir = self::direction(direction)?;
+        let runs = py.detach(|| self.engine.block_runs(src_table, dst_table, dir))?;
+        Ok(runs.map(|rs| {
+            rs.iter()
+                .map(|r| (r.first, r.rows, r.width, r.src_pitch, r.dst_pitch))
+                .collect()
+        }))
+    }
+
     /// Results of the transfers finished since the last call. Lock-free, never blocks.
     fn get_finished(&self) -> Vec<PyTransferResult> {
         let mut out = Vec::new();

@@ -970,3 +970,183 @@ def test_cuda_tensors_on_another_device_than_the_current_one() -> None:
                 assert torch.equal(sel(t, "kv_split", [10, 11]), sel(t, "kv_split", [1, 2]))
         finally:
             h.shutdown()
+
+
+# --------------------------------------------------------------------------------------------
+# The block-major CPU cache and the block plan
+# --------------------------------------------------------------------------------------------
+
+#: (layout, per-layer shape with block dim of N blocks) for layer tensors that are views of one
+#: allocation, as serving engines allocate them.
+ONE_ALLOCATION = {
+    "kv_split": lambda n: (2, n, 4, 2, 8),
+    "kv_fused": lambda n: (n, 2, 4, 2, 8),
+    "mla": lambda n: (n, 4, 24),
+}
+
+
+def one_allocation(layout: str, layers: int, n: int, device: str = "cpu") -> list[torch.Tensor]:
+    shape = ONE_ALLOCATION[layout](n)
+    buf = torch.randint(0, 256, (layers, *shape), dtype=torch.uint8, device=device)
+    return [buf[i].view(torch.float16) for i in range(layers)]
+
+
+def page_of(t: torch.Tensor, layout: str, b: int) -> list[torch.Tensor]:
+    """The pages of block ``b`` of one layer tensor as uint8, in block-table order."""
+    u = t.view(torch.uint8)
+    return [u[0, b], u[1, b]] if layout == "kv_split" else [u[b]]
+
+
+@pytest.mark.parametrize("factor", FACTORS)
+@pytest.mark.parametrize("layout", sorted(ONE_ALLOCATION))
+def test_block_major_cache_moves_blocks_as_one_copy_each(layout: str, factor: int) -> None:
+    layers = 5
+    gpu = one_allocation(layout, layers, N_GPU)
+    h = CpuGpuHandlers(
+        gpu, N_CPU, layout=layout, block_size_factor=factor, backend="host", path="blocks"
+    )
+    mirror = CpuGpuHandlers(
+        [t.clone() for t in gpu],
+        N_CPU,
+        layout=layout,
+        block_size_factor=factor,
+        backend="host",
+        cpu_layout="mirror",
+    )
+    try:
+        # One 2-D copy per block, both directions: every page of a layer at one pitch.
+        for d in ("d2h", "h2d"):
+            assert h.routes[d].plan == "blocks", h.routes[d]
+            assert h.block_plans[d] is not None and len(h.block_plans[d]) == 1
+        assert mirror.cpu_chunks is None and mirror.routes["d2h"].plan == "pages"
+        (chunks,) = h.cpu_chunks
+        segs = len(page_of(gpu[0], layout, 0))
+        assert chunks.shape[:2] == (N_CPU * factor, layers * segs)
+        assert chunks.is_contiguous()
+        rng = np.random.default_rng(factor)
+        n = 8
+        perm = rng.permutation(N_GPU)
+        src, dst = perm[:n], perm[n : 2 * n]
+        cpu = rng.permutation(N_CPU)[: -(-n // factor)]
+        for k, hh in enumerate((h, mirror)):
+            assert hh.d2h.transfer_async(10 + k, (src, cpu)) is True
+            hh.wait([10 + k])
+            assert [r.success for r in hh.get_finished()] == [True]
+        # The views read what a per-layer cache holds, and the chunk of sub-block s holds the
+        # block's pages in table order, one after another.
+        stored = ref_store_subs(cpu.tolist(), n, factor)
+        for tv, tm in zip(h.cpu_caches[0], mirror.cpu_caches[0]):
+            for s in stored:
+                for a, b in zip(page_of(tv, layout, s), page_of(tm, layout, s)):
+                    assert torch.equal(a, b)
+        flat = chunks.view(torch.uint8).reshape(N_CPU * factor, -1)
+        for i, s in enumerate(ref_store_subs(cpu.tolist(), n, factor)):
+            pages = [p for t in gpu for p in page_of(t, layout, int(src[i]))]
+            assert torch.equal(flat[s], torch.cat([p.reshape(-1) for p in pages]))
+        # Back into other GPU blocks (end-aligned when n is not a multiple of the factor).
+        n2 = n - 1 if factor > 1 else n
+        for k, hh in enumerate((h, mirror)):
+            assert hh.h2d.transfer_async(20 + k, (cpu, dst[:n2])) is True
+            hh.wait([20 + k])
+            assert [r.success for r in hh.get_finished()] == [True]
+        for ta, tb in zip(gpu, mirror.gpu_caches[0]):
+            assert torch.equal(ta.view(torch.uint8), tb.view(torch.uint8))
+        subs = ref_load_subs(cpu.tolist(), n2, factor)
+        for t in gpu:
+            for i, s in enumerate(subs):
+                j = ref_store_subs(cpu.tolist(), n, factor).index(s)
+                for a, b in zip(page_of(t, layout, int(dst[i])), page_of(t, layout, int(src[j]))):
+                    assert torch.equal(a, b)
+        # A failed block-plan transfer is reported failed, once; the next one works.
+        h.engine.inject_failures(1)
+        assert h.d2h.transfer_async(30, (src, cpu)) is True
+        h.wait([30])
+        (r,) = h.get_finished()
+        assert not r.success and "injected" in (r.error or "")
+        assert h.d2h.transfer_async(31, (src, cpu)) is True
+        h.wait([31])
+        assert [r.success for r in h.get_finished()] == [True]
+        # Bad ids are refused as on the page route, naming the block.
+        with pytest.raises(InvalidTransferError, match="out of range"):
+            h.d2h.transfer_async(32, ([N_GPU], [0]))
+    finally:
+        h.shutdown()
+        mirror.shutdown()
+
+
+def test_auto_takes_the_block_plan_for_pages_of_16_kib_and_more() -> None:
+    from blockswap.handler import BLOCK_MIN_PAGE
+
+    def route(page: int, layers: int = 4) -> str:
+        buf = torch.zeros((layers, N_GPU, 1, page), dtype=torch.uint8)
+        gpu = [buf[i] for i in range(layers)]
+        h = CpuGpuHandlers(gpu, N_CPU, layout="mla", backend="host")
+        try:
+            assert h.routes["d2h"].plan == h.routes["h2d"].plan
+            return h.routes["d2h"].plan
+        finally:
+            h.shutdown()
+
+    assert route(BLOCK_MIN_PAGE) == "blocks"
+    assert route(BLOCK_MIN_PAGE // 4) == "pages"
+    # The mirrored CPU cache keeps the page route.
+    gpu = [torch.zeros((N_GPU, 1, BLOCK_MIN_PAGE), dtype=torch.uint8)]
+    h = CpuGpuHandlers(gpu, N_CPU, layout="mla", backend="host", cpu_layout="mirror")
+    try:
+        assert h.routes["d2h"].plan == "pages"
+    finally:
+        h.shutdown()
+
+
+def test_block_route_is_chosen_only_where_it_saves_copies_and_path_blocks_insists() -> None:
+    # Two KV-cache groups: block plans are per group pair in the core, not yet across groups.
+    g = [one_allocation("kv_fused", 2, N_GPU), one_allocation("kv_fused", 2, N_GPU)]
+    h = CpuGpuHandlers(g, N_CPU, layout="kv_fused", backend="host")
+    try:
+        assert h.routes["d2h"].plan == "pages"
+        assert h.block_plans == {"d2h": None, "h2d": None}
+    finally:
+        h.shutdown()
+    with pytest.raises(ValueError, match="path='blocks'"):
+        CpuGpuHandlers(g, N_CPU, layout="kv_fused", backend="host", path="blocks")
+    # path="dma" keeps the page route even where a block plan exists.
+    h = CpuGpuHandlers(one_allocation("mla", 3, N_GPU), N_CPU, layout="mla", path="dma",
+                       backend="host")  # fmt: skip
+    try:
+        assert h.routes["h2d"].plan == "pages" and h.block_plans["h2d"] is not None
+    finally:
+        h.shutdown()
+    with pytest.raises(ValueError, match="cpu_layout"):
+        CpuGpuHandlers(one_allocation("mla", 1, N_GPU), N_CPU, layout="mla", cpu_layout="x")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("factor", FACTORS)
+@pytest.mark.parametrize("layout", sorted(ONE_ALLOCATION))
+def test_cuda_block_plan_roundtrip(layout: str, factor: int) -> None:
+    """On the GPU: one cuMemcpy2DAsync per block both ways, byte-exact, 80 layers."""
+    gpu = one_allocation(layout, 80, 64, device="cuda")
+    h = CpuGpuHandlers(gpu, 32, layout=layout, block_size_factor=factor, path="blocks")
+    try:
+        assert h.backend == "cuda" and h.routes["d2h"].plan == "blocks"
+        assert h.routes["h2d"].plan == "blocks"
+        rng = np.random.default_rng(7 + factor)
+        perm = rng.permutation(64)
+        n = 32
+        src, dst = perm[:n], perm[n:]
+        cpu = rng.permutation(32)[: n // factor]
+        before = [torch.stack([p for p in page_of(t, layout, int(b))]) for t in gpu for b in src]
+        assert h.d2h.transfer_async(1, (src, cpu)) is True
+        h.wait([1])
+        (r,) = h.get_finished()
+        assert r.success, r.error
+        assert r.bytes == n * int(h.gpu_tables[0].nbytes.sum())
+        assert h.h2d.transfer_async(2, (cpu, dst)) is True
+        h.wait([2])
+        (r,) = h.get_finished()
+        assert r.success, r.error
+        after = [torch.stack([p for p in page_of(t, layout, int(b))]) for t in gpu for b in dst]
+        for a, b in zip(after, before):
+            assert torch.equal(a, b)
+    finally:
+        h.shutdown()

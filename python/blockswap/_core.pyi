@@ -82,6 +82,19 @@ class Engine:
         kernel_below: int = 0,
         launcher: Callable[[int, int, int, int, int, int, int], object] | None = None,
     ) -> None: ...
+    def submit_block_runs(
+        self,
+        job_id: int,
+        src_table: int,
+        src_ids: npt.NDArray[np.int64],
+        dst_table: int,
+        dst_ids: npt.NDArray[np.int64],
+        direction: str = "h2d",
+        wait_stream: int | None = None,
+    ) -> None: ...
+    def block_runs(
+        self, src_table: int, dst_table: int, direction: str = "h2d"
+    ) -> list[tuple[int, int, int, int, int]] | None: ...
     def get_finished(self) -> list[TransferResult]: ...
     def wait(self, job_ids: list[int], timeout: float | None = None) -> None: ...
     def shutdown(self) -> None: ...

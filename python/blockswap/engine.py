@@ -254,6 +254,48 @@ class Engine:
         except (OverflowError, TypeError) as e:
             raise _submit_argument_error(e, direction, wait_stream, kernel_below) from None
 
+    def submit_block_runs(
+        self,
+        job_id: int,
+        src_table: int,
+        src_ids: Any,
+        dst_table: int,
+        dst_ids: Any,
+        direction: str = "h2d",
+        *,
+        wait_stream: int | None = None,
+    ) -> None:
+        """:meth:`submit_blocks`, each block moved by the pair's block plan (see
+        :meth:`block_runs`): one 2-D copy per run of its pages instead of a descriptor per page,
+        on the copy engines only. Refused where the pair has no block plan."""
+        job_id = check_job_id(job_id)
+        for t in (src_table, dst_table):
+            if not _is_int(t) or not 0 <= t < 1 << 32:
+                raise InvalidTransferError(f"no block table {t!r}")
+        s = as_int64("src_ids", src_ids)
+        d = as_int64("dst_ids", dst_ids)
+        try:
+            self._core.submit_block_runs(
+                job_id, int(src_table), s, int(dst_table), d, direction, wait_stream
+            )
+        except (OverflowError, TypeError) as e:
+            raise _submit_argument_error(e, direction, wait_stream, 0) from None
+
+    def block_runs(
+        self, src_table: int, dst_table: int, direction: str = "h2d"
+    ) -> list[tuple[int, int, int, int, int]] | None:
+        """The block plan of two block tables: one ``(first segment, rows, width, source pitch,
+        destination pitch)`` per 2-D copy a block takes (consecutive segments whose pages lie
+        at one pitch on both sides), or ``None`` where the pair has none (pages that differ,
+        destination pages that may share bytes). A block-major CPU table against layer tensors
+        at one pitch is one copy per block."""
+        for t in (src_table, dst_table):
+            if not _is_int(t) or not 0 <= t < 1 << 32:
+                raise InvalidTransferError(f"no block table {t!r}")
+        if not isinstance(direction, str):
+            raise InvalidTransferError(f"direction must be a str, not {direction!r}")
+        return self._core.block_runs(int(src_table), int(dst_table), direction)
+
     def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> None:
         """Blocks until the listed jobs finished; their results still come from get_finished.
         Ids never submitted (or already reported) are not waited for."""

@@ -98,6 +98,7 @@ from .layout import (
     build_group_transfer,
     build_transfer,
     expand_sub_blocks,
+    make_block_major_cpu_cache,
     make_cpu_cache_like,
 )
 
@@ -386,12 +387,15 @@ KERNEL_LAUNCH_BYTES = 8 * 1024 * 1024
 
 
 class Route(NamedTuple):
-    """How a handler's transfers are split: descriptors below ``kernel_below`` bytes go to the
-    copy kernel ``launcher`` launches (0 and ``None``: DMA only)."""
+    """How a handler's transfers move. ``plan="blocks"``: each block as the 2-D copies of the
+    table pair's block plan (:meth:`blockswap.Engine.block_runs`), copy engines only.
+    ``plan="pages"``: a descriptor per page, those below ``kernel_below`` bytes by the copy
+    kernel ``launcher`` launches (0 and ``None``: DMA only)."""
 
     kernel_below: int
     launcher: Callable[..., None] | None
     reason: str
+    plan: str = "pages"
 
 
 def _check_positive_int(name: str, value: Any, alternative: str = "") -> None:
@@ -444,6 +448,44 @@ def choose_route(
         return Route(threshold, launcher, f"kernel ({kernel_ctas} CTAs): pages {sizes} bytes")
     return Route(
         threshold, launcher, f"hybrid: pages < {threshold} bytes by kernel, the rest by DMA"
+    )
+
+
+#: The block plan is taken where a block moves in at most this many 2-D copies: each copy costs
+#: the host ~3 us and runs a few rows, and with 10-40 copies per block (layer tensors allocated
+#: one by one, a run per driver allocation) it fell to 19-74 % of the link where the page route
+#: held 81-91 % (H100, 2026-11-23, `python benches/bench_blocks.py`, docs/benchmarks.md).
+BLOCK_MAX_COPIES = 2
+
+#: ...and where pages are at least this large: at 4 KiB one 2-D copy per block reached 69-75 %
+#: of the link against the copy kernel's 83-86 %; from 16 KiB it leads (91 / 98 / 100 % at 16 /
+#: 64 / 256 KiB, against 88-90 / 88-91 / 83-85 %), on the copy engines alone. Same run.
+BLOCK_MIN_PAGE = 16 * 1024
+
+
+def block_route(
+    runs: Sequence[tuple[int, int, int, int, int]] | None,
+    segments: int,
+    direction: str,
+    *,
+    insist: bool = False,
+) -> Route | None:
+    """The block-plan route of one direction, or None where the page route measured faster (see
+    :data:`BLOCK_MAX_COPIES`, :data:`BLOCK_MIN_PAGE`) or the plan saves no copy. ``insist``
+    (``path="blocks"``): wherever the plan saves a copy."""
+    if runs is None or len(runs) >= segments:
+        return None
+    if not insist and (len(runs) > BLOCK_MAX_COPIES or runs[0][2] < BLOCK_MIN_PAGE):
+        return None
+    rows = [r[1] for r in runs]
+    gpu_pitch = {r[3] if direction == "d2h" else r[4] for r in runs}
+    return Route(
+        0,
+        None,
+        f"blocks: {len(runs)} 2-D cop{'y' if len(runs) == 1 else 'ies'} per block "
+        f"({'+'.join(map(str, rows))} pages of {runs[0][2]} B, GPU pitch "
+        f"{', '.join(map(str, sorted(gpu_pitch)))} B), copy engines only",
+        "blocks",
     )
 
 
@@ -507,6 +549,7 @@ class SingleDirectionHandler:
         self.route = route if route is not None else Route(0, None, "dma")
         self._kernel_below = self.route.kernel_below
         self._launcher = self.route.launcher
+        self._blocks = self.route.plan == "blocks" and table_ids is not None
         self._closed = False
         self._build = self._build1 if self._ngroups == 1 else self._build_groups
         core = owner.engine._core
@@ -515,6 +558,7 @@ class SingleDirectionHandler:
         # Hot paths bound straight to the core.
         self._submit = core.submit
         self._submit_blocks = core.submit_blocks
+        self._submit_block_runs = core.submit_block_runs
         self.get_finished = core.get_finished
         self._core_wait = core.wait
         self._core_stats = core.stats
@@ -568,17 +612,28 @@ class SingleDirectionHandler:
             ws = self._wait_stream
             prev = None if self._device_index is None else _get_device()
             try:
-                self._submit_blocks(
-                    job_id,
-                    tables[0],
-                    s_ids,
-                    tables[1],
-                    d_ids,
-                    self.direction,
-                    None if ws is None else ws(),
-                    self._kernel_below,
-                    self._launcher,
-                )
+                if self._blocks:
+                    self._submit_block_runs(
+                        job_id,
+                        tables[0],
+                        s_ids,
+                        tables[1],
+                        d_ids,
+                        self.direction,
+                        None if ws is None else ws(),
+                    )
+                else:
+                    self._submit_blocks(
+                        job_id,
+                        tables[0],
+                        s_ids,
+                        tables[1],
+                        d_ids,
+                        self.direction,
+                        None if ws is None else ws(),
+                        self._kernel_below,
+                        self._launcher,
+                    )
             except InvalidTransferError as e:
                 raise InvalidTransferError(f"{self.direction} job {job_id}: {e}") from e
             finally:
@@ -857,11 +912,12 @@ class CpuGpuHandlers:
         kernel_below: int | None = None,
         kernel_launch_bytes: int | None = KERNEL_LAUNCH_BYTES,
         calibrate: bool = False,
+        cpu_layout: str = "block_major",
         **engine_options: Any,
     ) -> None:
         self._lock = threading.Lock()
-        if path not in ("auto", "dma", "kernel"):
-            raise ValueError(f"path must be 'auto', 'dma' or 'kernel', not {path!r}")
+        if path not in ("auto", "blocks", "dma", "kernel"):
+            raise ValueError(f"path must be 'auto', 'blocks', 'dma' or 'kernel', not {path!r}")
         self._shut = False
         _check_positive_int("num_cpu_blocks", num_cpu_blocks)
         _check_positive_int("block_size_factor", block_size_factor)
@@ -918,14 +974,38 @@ class CpuGpuHandlers:
 
         # CPU cache: allocated here, or the caller's, checked against the GPU tensors.
         self._owns_cpu = cpu_caches is None
+        #: The block-major CPU cache, one ``(num_cpu_blocks * block_size_factor, pages, page
+        #: elements)`` tensor per group (see :func:`~blockswap.layout.make_block_major_cpu_cache`),
+        #: where it was allocated here block-major; ``cpu_caches`` are per-layer views into it.
+        self.cpu_chunks: list[torch.Tensor] | None = None
+        if cpu_layout not in ("block_major", "mirror"):
+            raise ValueError(f"cpu_layout must be 'block_major' or 'mirror', not {cpu_layout!r}")
         if cpu_caches is None:
             with torch.cuda.device(device_index) if on_cuda else contextlib.nullcontext():
-                cpu_groups = [
-                    make_cpu_cache_like(
-                        ts, self.num_cpu_blocks, layout=lay, block_size_factor=f, pin_memory=on_cuda
-                    )
-                    for ts, lay in zip(gpu_groups, layouts)
-                ]
+                if cpu_layout == "block_major":
+                    made = [
+                        make_block_major_cpu_cache(
+                            ts,
+                            self.num_cpu_blocks,
+                            layout=lay,
+                            block_size_factor=f,
+                            pin_memory=on_cuda,
+                        )
+                        for ts, lay in zip(gpu_groups, layouts)
+                    ]
+                    self.cpu_chunks = [c for c, _ in made]
+                    cpu_groups = [v for _, v in made]
+                else:
+                    cpu_groups = [
+                        make_cpu_cache_like(
+                            ts,
+                            self.num_cpu_blocks,
+                            layout=lay,
+                            block_size_factor=f,
+                            pin_memory=on_cuda,
+                        )
+                        for ts, lay in zip(gpu_groups, layouts)
+                    ]
         else:
             cpu_groups, cpu_grouped = _as_groups(cpu_caches, "cpu_caches")
             if len(cpu_groups) != ng or cpu_grouped != grouped:
@@ -1022,13 +1102,39 @@ class CpuGpuHandlers:
                 gpu_tables,
                 on_cuda=on_cuda,
                 direction=d,
-                path=path,
+                path="auto" if path == "blocks" else path,
                 kernel_ctas=kernel_ctas,
                 below=kernel_below,
                 launch_bytes=kernel_launch_bytes,
             )
             for d in ("d2h", "h2d")
         }
+        tids = self._table_ids
+        #: The block plan of each direction (:meth:`blockswap.Engine.block_runs`: one ``(first
+        #: page, pages, page bytes, source pitch, destination pitch)`` per 2-D copy of a block),
+        #: or None where the geometry gives none (several KV-cache groups included).
+        self.block_plans: dict[str, list[tuple[int, int, int, int, int]] | None] = {
+            "d2h": None,
+            "h2d": None,
+        }
+        if tids is not None:
+            for d, (a, b) in (("d2h", tids), ("h2d", (tids[1], tids[0]))):
+                self.block_plans[d] = self.engine.block_runs(a, b, d)
+        if path == "blocks" or (path == "auto" and self.cpu_chunks is not None):
+            # The block plan, where the two sides' geometry gives one (see block_route). A CPU
+            # cache laid out as a mirror of the GPU (the caller's, or cpu_layout="mirror") keeps
+            # the page route by default: pitched copies into it measured 10-25 % slower below
+            # 32 KiB pages than into a block-major cache (H100, 2026-11-23).
+            segments = len(gpu_tables[0].nbytes)
+            for d, runs in self.block_plans.items():
+                r = block_route(runs, segments, d, insist=path == "blocks")
+                if r is not None:
+                    self.routes[d] = r
+        if path == "blocks" and any(r.plan != "blocks" for r in self.routes.values()):
+            raise ValueError(
+                "path='blocks' needs one KV-cache group whose pages lie at one pitch on both "
+                f"sides; here: {self.routes['d2h'].reason}"
+            )
         tids = self._table_ids
         self.gpu_to_cpu_handler = SingleDirectionHandler(
             self, "d2h", gpu_tables, cpu_tables, wait_stream, device_index, self.routes["d2h"], tids
@@ -1176,8 +1282,15 @@ class CpuGpuHandlers:
             (self.cpu_to_gpu_handler, (cpu_ids, gpu_ids)),
         ):
             speeds: dict[str, float] = {}
-            for name, below, launch in (("dma", 0, None), ("kernel", 1 << 62, launcher)):
-                h._kernel_below, h._launcher = below, launch
+            candidates: list[tuple[str, int, Any, bool]] = [
+                ("dma", 0, None, False),
+                ("kernel", 1 << 62, launcher, False),
+            ]
+            plan = self.block_plans[h.direction]
+            if block_route(plan, len(self.gpu_tables[0].nbytes), h.direction, insist=True):
+                candidates.append(("blocks", 0, None, True))
+            for name, below, launch, blocks in candidates:
+                h._kernel_below, h._launcher, h._blocks = below, launch, blocks
                 times = []
                 for _ in range(reps):
                     t0 = time.perf_counter()
@@ -1190,8 +1303,12 @@ class CpuGpuHandlers:
                 speeds[name] = nbytes / statistics.median(times[1:]) / 1e9
             chosen = max(speeds, key=speeds.__getitem__)
             h._kernel_below, h._launcher = (1 << 62, launcher) if chosen == "kernel" else (0, None)
+            h._blocks = chosen == "blocks"
             h.route = self.routes[h.direction] = Route(
-                h._kernel_below, h._launcher, f"calibrated: {chosen}"
+                h._kernel_below,
+                h._launcher,
+                f"calibrated: {chosen}",
+                "blocks" if h._blocks else "pages",
             )
             report[h.direction] = {
                 "blocks": n,

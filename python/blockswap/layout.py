@@ -48,6 +48,7 @@ __all__ = [
     "build_group_transfer",
     "build_transfer",
     "expand_sub_blocks",
+    "make_block_major_cpu_cache",
     "make_cpu_cache_like",
 ]
 
@@ -610,6 +611,85 @@ def expand_sub_blocks(
 # --------------------------------------------------------------------------------------------
 
 
+def make_block_major_cpu_cache(
+    gpu_tensors: torch.Tensor | Sequence[torch.Tensor],
+    num_cpu_blocks: int,
+    *,
+    layout: Layout | None = None,
+    block_dim: int | None = None,
+    block_size_factor: int = 1,
+    pin_memory: bool = False,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Allocate a block-major CPU cache for one KV-cache group: ``(chunks, views)``.
+
+    ``chunks`` is one dense tensor of shape ``(num_cpu_blocks * block_size_factor, S, P)``
+    (the GPU tensors' dtype; ``S`` pages of ``P`` elements per GPU-sized sub-block): every page
+    of a sub-block -- each layer's, each segment's, in the order of the GPU block table -- lies in
+    one contiguous chunk, and so does every CPU block of ``block_size_factor`` sub-blocks. A block
+    crosses PCIe as one large range on the host side, and against GPU pages at one pitch as one
+    2-D copy (see :meth:`blockswap.Engine.block_runs`).
+
+    ``views`` are tensors shaped like the GPU tensors (block dim ``num_cpu_blocks *
+    block_size_factor``), strided views into ``chunks``: they read and write the same bytes as
+    per-layer tensors would, for tests, debugging and code written against per-layer caches.
+    Uninitialised; pinned only when ``pin_memory`` (which needs CUDA).
+    """
+    # The same checks, shapes and dim orders as the mirrored cache; only the strides differ.
+    mirror_meta = _cpu_like_meta(gpu_tensors, num_cpu_blocks, layout, block_dim, block_size_factor)
+    bd0 = _resolve_block_dim(layout, block_dim)
+    ts = _as_tensor_list(gpu_tensors)
+    blocks = num_cpu_blocks * block_size_factor
+    plan = []
+    segments = 0
+    page_elems = None
+    for i, (t, m) in enumerate(zip(ts, mirror_meta)):
+        bd = _normalise_dim(i, t, bd0)
+        outer = math.prod(m.shape[:bd])
+        pe = math.prod(m.shape[bd + 1 :])
+        if page_elems is None:
+            page_elems = pe
+        elif pe != page_elems or t.dtype != ts[0].dtype:
+            raise LayoutError(
+                f"{_describe(i, t)}: a block-major cache needs one page size and dtype per group"
+            )
+        plan.append((m, bd, segments))
+        segments += outer
+    assert page_elems is not None
+    chunks = torch.empty(
+        (blocks, segments, page_elems), dtype=ts[0].dtype, device="cpu", pin_memory=pin_memory
+    )
+    views = []
+    for m, bd, first in plan:
+        strides = list(m.stride())
+        # Dims after the block dim: the page, dense as in the mirror. The block dim steps over a
+        # whole chunk; the dims before it enumerate segments, row-major, one page apart.
+        strides[bd] = segments * page_elems
+        acc = page_elems
+        for d in reversed(range(bd)):
+            strides[d] = acc
+            acc *= m.shape[d]
+        views.append(chunks.as_strided(m.shape, strides, first * page_elems))
+    return chunks, views
+
+
+def _cpu_like_meta(
+    gpu_tensors: torch.Tensor | Sequence[torch.Tensor],
+    num_cpu_blocks: int,
+    layout: Layout | None,
+    block_dim: int | None,
+    block_size_factor: int,
+) -> list[torch.Tensor]:
+    """The tensors :func:`make_cpu_cache_like` would allocate, on the meta device."""
+    return make_cpu_cache_like(
+        gpu_tensors,
+        num_cpu_blocks,
+        layout=layout,
+        block_dim=block_dim,
+        block_size_factor=block_size_factor,
+        _device="meta",
+    )
+
+
 def make_cpu_cache_like(
     gpu_tensors: torch.Tensor | Sequence[torch.Tensor],
     num_cpu_blocks: int,
@@ -618,6 +698,7 @@ def make_cpu_cache_like(
     block_dim: int | None = None,
     block_size_factor: int = 1,
     pin_memory: bool = False,
+    _device: str = "cpu",
 ) -> list[torch.Tensor]:
     """Allocate CPU tensors matching ``gpu_tensors`` (one KV-cache group), uninitialised.
 
@@ -657,6 +738,12 @@ def make_cpu_cache_like(
             strides[k] = acc
             acc *= max(shape[k], 1)
         out.append(
-            torch.empty_strided(shape, strides, dtype=t.dtype, device="cpu", pin_memory=pin_memory)
+            torch.empty_strided(
+                shape,
+                strides,
+                dtype=t.dtype,
+                device=_device,
+                pin_memory=pin_memory and _device == "cpu",
+            )
         )
     return out

@@ -644,6 +644,51 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// Issues the 2-D copies of a pitched transfer (see [`crate::table::expand_runs_into`]) on
+    /// the lane's stream, one `cuMemcpy2DAsync` each: rows of pages at one pitch per side, copy
+    /// engines only. On failure, the index of the failing copy.
+    fn issue_pitched(&self, lane: Direction, slab: &SlabInner) -> Result<(), BackendError> {
+        let stream = self.lane(lane).stream;
+        let (src, dst, size) = (slab.src(), slab.dst(), slab.size());
+        let ops = src.len() / crate::table::PITCHED_ENTRIES;
+        // The injected fault: a null destination in the middle copy, which the driver refuses.
+        let poison = take_injected(&self.fail_next).then_some(ops / 2);
+        for k in 0..ops {
+            let e = crate::table::PITCHED_ENTRIES * k;
+            // Unified addressing: the driver finds each side's kind (pinned host or device) from
+            // the address, as cuMemcpyAsync does. (Not `mem::zeroed`: the memory-type enum has no
+            // zero value.)
+            let c = sys::CUDA_MEMCPY2D {
+                srcXInBytes: 0,
+                srcY: 0,
+                srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_UNIFIED,
+                srcHost: std::ptr::null(),
+                srcDevice: src[e],
+                srcArray: std::ptr::null_mut(),
+                srcPitch: src[e + 1] as usize,
+                dstXInBytes: 0,
+                dstY: 0,
+                dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_UNIFIED,
+                dstHost: std::ptr::null_mut(),
+                dstDevice: if poison == Some(k) { 0 } else { dst[e] },
+                dstArray: std::ptr::null_mut(),
+                dstPitch: dst[e + 1] as usize,
+                WidthInBytes: size[e] as usize,
+                Height: size[e + 1] as usize,
+            };
+            // SAFETY: every row lies in a registered block table's pages (checked at registration
+            // and submission); the struct is read during the call only; the stream is valid.
+            let r = unsafe { sys::cuMemcpy2DAsync_v2(&c, stream) };
+            if r != sys::CUresult::CUDA_SUCCESS {
+                return Err(BackendError::CopyFailed {
+                    index: Some(k),
+                    reason: format!("cuMemcpy2DAsync: {}", error_name(r)),
+                });
+            }
+        }
+        Ok(())
+    }
+
     /// After a failed batch whose ABI does not say which descriptor failed: the first one whose
     /// source or destination the driver does not know.
     fn find_bad_descriptor(&self, src: &[u64], dst: &[u64]) -> Option<usize> {
@@ -772,6 +817,14 @@ impl Backend for CudaBackend {
                 "event query"
             },
         }
+    }
+
+    fn allocation_base(&self, addr: u64) -> Option<u64> {
+        let _ctx = self.make_current().ok()?;
+        let (mut base, mut size) = (0 as sys::CUdeviceptr, 0usize);
+        // SAFETY: two out-pointers to locals; the driver only looks the address up.
+        let r = unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, addr) };
+        (r == sys::CUresult::CUDA_SUCCESS).then_some(base)
     }
 
     fn check_region(&self, start: u64, len: u64, kind: MemoryKind) -> Result<(), BackendError> {
@@ -921,7 +974,11 @@ impl Backend for CudaBackend {
         }
         if outcome.is_ok() && first < slab.len() {
             let _timed = AddElapsed::start(&self.driver_ns);
-            outcome = self.issue_copies(lane, slab, first);
+            outcome = if request.pitched {
+                self.issue_pitched(lane, slab)
+            } else {
+                self.issue_copies(lane, slab, first)
+            };
         }
         if let (Ok(()), Some((_, end))) = (&outcome, timing) {
             // SAFETY: as above.

@@ -33,6 +33,8 @@ struct Job {
     slab: SlabRef,
     /// Descriptors before this index were moved by a kernel already.
     first: usize,
+    /// The slab holds 2-D copies (see [`SubmitRequest::pitched`]).
+    pitched: bool,
 }
 
 #[derive(Debug, Default)]
@@ -119,17 +121,37 @@ fn worker_loop(rx: Receiver<Job>, shared: std::sync::Arc<Shared>) {
         } else {
             job.first
         };
-        let fail_at = take_injected(&shared.fail_next).then_some(first + (src.len() - first) / 2);
-        for i in first..src.len() {
-            if Some(i) == fail_at {
-                slab.set_failed(BackendError::Injected { index: i }.to_string());
-                break;
-            }
-            // SAFETY: the engine checked before submission that every range lies inside memory
-            // registered for this direction, and that destinations are pairwise disjoint.
-            // `copy` (memmove) stays correct even if a source overlaps its own destination.
-            unsafe {
-                std::ptr::copy(src[i] as *const u8, dst[i] as *mut u8, size[i] as usize);
+        let injected = take_injected(&shared.fail_next);
+        if job.pitched && first < src.len() {
+            let ops = src.len() / crate::table::PITCHED_ENTRIES;
+            let fail_at = injected.then_some(ops / 2);
+            let mut failed = false;
+            crate::table::for_each_row(src, dst, size, |op, s, d, n| {
+                if failed || Some(op) == fail_at {
+                    if !failed {
+                        slab.set_failed(BackendError::Injected { index: op }.to_string());
+                    }
+                    failed = true;
+                    return;
+                }
+                // SAFETY: every row is a page of a registered block table (checked at
+                // registration, ids checked at submission), destinations pairwise disjoint.
+                unsafe { std::ptr::copy(s as *const u8, d as *mut u8, n as usize) };
+            });
+        } else if !job.pitched {
+            let fail_at = injected.then_some(first + (src.len() - first) / 2);
+            for i in first..src.len() {
+                if Some(i) == fail_at {
+                    slab.set_failed(BackendError::Injected { index: i }.to_string());
+                    break;
+                }
+                // SAFETY: the engine checked before submission that every range lies inside
+                // memory registered for this direction, and that destinations are pairwise
+                // disjoint. `copy` (memmove) stays correct even if a source overlaps its own
+                // destination.
+                unsafe {
+                    std::ptr::copy(src[i] as *const u8, dst[i] as *mut u8, size[i] as usize);
+                }
             }
         }
         slab.set_device_ns(start.elapsed().as_nanos() as u64);
@@ -210,6 +232,7 @@ impl Backend for HostBackend {
             seq,
             slab,
             first,
+            pitched: request.pitched,
         })
         .map_err(|e| match e {
             crossbeam_channel::TrySendError::Full(_) => BackendError::CopyFailed {

@@ -181,6 +181,9 @@ pub struct SubmitRequest<'a> {
     pub wait_stream: Option<u64>,
     /// Descriptors `[0, kernel.len)` go to this kernel launcher, the rest to DMA.
     pub kernel: Option<(KernelBatch, KernelLauncher<'a>)>,
+    /// The slab holds 2-D copies, two entries each (see [`crate::table::expand_runs_into`]),
+    /// not `(src, dst, size)` descriptors. Never with `kernel`.
+    pub pitched: bool,
 }
 
 impl fmt::Debug for SubmitRequest<'_> {
@@ -188,6 +191,7 @@ impl fmt::Debug for SubmitRequest<'_> {
         f.debug_struct("SubmitRequest")
             .field("wait_stream", &self.wait_stream)
             .field("kernel", &self.kernel.map(|(b, _)| b))
+            .field("pitched", &self.pitched)
             .finish()
     }
 }
@@ -205,6 +209,14 @@ pub enum Submitted {
 /// Moves bytes for the engine. Implementations are shared between threads.
 pub trait Backend: Send + Sync + fmt::Debug {
     fn info(&self) -> BackendInfo;
+
+    /// The start of the driver allocation holding `addr`, where the backend knows allocations:
+    /// one 2-D copy must stay inside one allocation (the CUDA driver refuses a pitched copy whose
+    /// rows lie in different ones), so block plans keep a run of pages to one. `None`: no such
+    /// bound (host memory under `memcpy`).
+    fn allocation_base(&self, _addr: u64) -> Option<u64> {
+        None
+    }
 
     /// Checks that `[start, start + len)` is memory of `kind` this backend can copy from and to.
     /// Called once per registration, never per copy.

@@ -1,0 +1,169 @@
+"""Blocks, not pages: the handler's block plan against the per-page route, beside the link.
+
+    python benches/bench_blocks.py [--pages 4,16,64,256,1024] [--layers 80] [--blocks 32]
+                                   [--reps 20] [--json out.json]
+
+A KV cache of ``--layers`` layer tensors, one page of P bytes per block per layer (the page a
+serving engine moves per layer), 64 GPU blocks; a transfer moves ``--blocks`` random GPU blocks
+to (or from) random CPU blocks. GPU layer tensors either views of one allocation ("one alloc")
+or allocated one by one ("separate"). Two handlers per case:
+
+* ``blocks``: the default CpuGpuHandlers (block-major CPU cache; the block plan where the
+  geometry gives one, else the page route);
+* ``pages``: ``cpu_layout="mirror"`` (a CPU cache laid out like the GPU one): the per-page route
+  (copy kernel below 256 KiB pages, DMA above).
+
+Per direction: the isolated transfer (GPU time of the copies, CUDA events: ``timing=True``), 8
+transfers queued back to back (bytes / wall time from the first submit to the last completion)
+and the host time of ``transfer_async`` (median), as % of the link's ceiling measured in the
+same run (one 256 MiB pinned copy per direction, best of 5).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+from blockswap.handler import CpuGpuHandlers
+
+
+def ceiling(nbytes: int = 256 << 20, reps: int = 5) -> dict[str, float]:
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    out = {}
+    for d, (dst, src) in {"h2d": (dev, host), "d2h": (host, dev)}.items():
+        best = 0.0
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            dst.copy_(src, non_blocking=True)
+            b.record()
+            b.synchronize()
+            best = max(best, nbytes / (a.elapsed_time(b) * 1e-3) / 1e9)
+        out[d] = best
+    return out
+
+
+def gpu_layers(layers: int, nb: int, page: int, one_alloc: bool) -> list[torch.Tensor]:
+    if one_alloc:
+        buf = torch.empty((layers, nb, 1, page), dtype=torch.uint8, device="cuda")
+        return [buf[i] for i in range(layers)]
+    return [torch.empty((nb, 1, page), dtype=torch.uint8, device="cuda") for _ in range(layers)]
+
+
+def measure(h: CpuGpuHandlers, blocks: int, reps: int, rng: np.random.Generator) -> dict:
+    nb = h.gpu_tables[0].num_blocks
+    nbytes = blocks * int(h.gpu_tables[0].nbytes.sum())
+    job = 0
+    out = {}
+    for d, handler in (("d2h", h.d2h), ("h2d", h.h2d)):
+        gpu_s, host_s = [], []
+
+        def spec(d: str = d) -> tuple[np.ndarray, np.ndarray]:
+            g = rng.permutation(nb)[:blocks]
+            c = rng.permutation(h.num_cpu_blocks)[:blocks]
+            return (g, c) if d == "d2h" else (c, g)
+
+        for i in range(reps + 3):  # isolated
+            job += 1
+            s = spec()
+            t0 = time.perf_counter()
+            handler.transfer_async(job, s)
+            t1 = time.perf_counter()
+            handler.wait([job])
+            (r,) = h.get_finished()
+            assert r.success, r.error
+            if i >= 3:
+                gpu_s.append(r.seconds)
+                host_s.append(t1 - t0)
+        queued = []
+        for _ in range(3):  # 8 queued
+            specs = [spec() for _ in range(8)]
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            ids = []
+            for s in specs:
+                job += 1
+                ids.append(job)
+                handler.transfer_async(job, s)
+            handler.wait(ids)
+            queued.append(8 * nbytes / (time.perf_counter() - t0) / 1e9)
+            assert all(r.success for r in h.get_finished())
+        out[d] = {
+            "isolated_gbps": nbytes / statistics.median(gpu_s) / 1e9,
+            "queued_gbps": max(queued),
+            "host_us": statistics.median(host_s) * 1e6,
+        }
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--pages", default="4,16,64,256,1024", help="page sizes in KiB")
+    ap.add_argument("--layers", type=int, default=80)
+    ap.add_argument("--blocks", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_blocks: needs a CUDA GPU", file=sys.stderr)
+        return 1
+    rng = np.random.default_rng(0)
+    ceil = ceiling()
+    rows = []
+    print(f"# {torch.cuda.get_device_name()}; ceiling h2d {ceil['h2d']:.1f} GB/s, "
+          f"d2h {ceil['d2h']:.1f} GB/s; {args.layers} layers x {args.blocks} random blocks")  # fmt: skip
+    print(f"{'page':>6} {'GPU layers':>10} {'handler':>8} {'route':<34} "
+          f"{'dir':>4} {'isol %':>7} {'8 q %':>6} {'host us':>8}")  # fmt: skip
+    for kib in (int(x) for x in args.pages.split(",")):
+        for one_alloc in (True, False):
+            gpu = gpu_layers(args.layers, 64, kib * 1024, one_alloc)
+            for name, kw in (("blocks", {}), ("pages", {"cpu_layout": "mirror"})):
+                h = CpuGpuHandlers(gpu, args.blocks, layout="mla", timing=True, **kw)
+                try:
+                    res = measure(h, args.blocks, args.reps, rng)
+                    for d, m in res.items():
+                        route = h.routes[d].reason.split(" (")[0]
+                        row = {
+                            "page_kib": kib,
+                            "gpu_layers": "one alloc" if one_alloc else "separate",
+                            "handler": name,
+                            "route": h.routes[d].reason,
+                            "plan": h.routes[d].plan,
+                            "direction": d,
+                            "ceiling_gbps": ceil[d],
+                            **m,
+                        }
+                        rows.append(row)
+                        print(f"{kib:>5}K {row['gpu_layers']:>10} {name:>8} {route[:34]:<34} "
+                              f"{d:>4} {100 * m['isolated_gbps'] / ceil[d]:>6.1f}% "
+                              f"{100 * m['queued_gbps'] / ceil[d]:>5.1f}% "
+                              f"{m['host_us']:>8.1f}")  # fmt: skip
+                finally:
+                    h.shutdown()
+            del gpu
+            torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {
+                    "gpu": torch.cuda.get_device_name(),
+                    "date": time.strftime("%Y-%m-%d"),
+                    "command": " ".join(["python", "benches/bench_blocks.py", *sys.argv[1:]]),
+                    "ceiling_gbps": ceil,
+                    "rows": rows,
+                },
+                f,
+                indent=1,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
