@@ -176,7 +176,10 @@ fn call_launcher(launcher: &Py<PyAny>, b: KernelBatch) -> Result<(), String> {
 /// Moves batches of (src, dst, size) blocks on a backend. See the Python docs of `Engine`.
 #[pyclass(name = "Engine", module = "blockswap._core", frozen)]
 struct PyEngine {
-    engine: Engine,
+    // Boxed: the engine's lock-free queues are cache-line aligned (128 bytes), more than the
+    // 16 bytes Python's allocator gives the object PyO3 writes this struct into. Held inline,
+    // every access would be a misaligned reference (debug builds abort on the first one).
+    engine: Box<Engine>,
 }
 
 #[pymethods]
@@ -250,7 +253,7 @@ impl PyEngine {
             Arc::new(HostBackend::new())
         };
         Ok(PyEngine {
-            engine: Engine::new(backend, config),
+            engine: Box::new(Engine::new(backend, config)),
         })
     }
 
