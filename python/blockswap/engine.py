@@ -211,8 +211,8 @@ class Engine:
 
     Every refusal is a :class:`~blockswap.BlockswapError`; an argument of the wrong type is an
     :class:`ArgumentTypeError` naming it (an ``InvalidTransferError`` and a ``TypeError``; an
-    unknown keyword option is Python's own ``TypeError``). An engine that is garbage-collected first waits for its transfers in flight,
-    so registered objects are never freed under a copy.
+    unknown keyword option is Python's own ``TypeError``). An engine that is garbage-collected
+    first waits for its transfers in flight, so registered objects are never freed under a copy.
     """
 
     def __init__(
@@ -317,7 +317,8 @@ class Engine:
         """
         if type(job_id) is not int or not 0 <= job_id < _U64_END:
             job_id = check_job_id(job_id)
-        check_arg("launcher", launcher, "callable", callable, optional=True)
+        if launcher is not None and not callable(launcher):  # the check off the hot path
+            check_arg("launcher", launcher, "callable", callable, optional=True)
         args = (
             as_int64("src_ptrs", src_ptrs),
             as_int64("dst_ptrs", dst_ptrs),
@@ -379,7 +380,8 @@ class Engine:
         against its table (negative ids included) and that destination ids are distinct, then
         writes the descriptors itself. Otherwise as :meth:`submit`."""
         job_id = check_job_id(job_id)
-        check_arg("launcher", launcher, "callable", callable, optional=True)
+        if launcher is not None and not callable(launcher):  # the check off the hot path
+            check_arg("launcher", launcher, "callable", callable, optional=True)
         for t in (src_table, dst_table):
             if not _is_int(t) or not 0 <= t < 1 << 32:
                 raise InvalidTransferError(f"no block table {t!r}")
