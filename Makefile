@@ -37,12 +37,14 @@ test-python: develop
 # The test command: Rust tests, then Python tests against a fresh build.
 test: setup test-rust test-python
 
-lint: setup
+# stubtest checks the hand-written python/blockswap/_core.pyi against the built extension.
+lint: develop
 	cargo fmt --check
 	cargo clippy --all-targets --features python -- -D warnings
 	$(VENV)/bin/ruff check python tests benches
 	$(VENV)/bin/ruff format --check python tests benches
 	$(VENV)/bin/mypy
+	$(PY) -m mypy.stubtest blockswap._core --mypy-config-file pyproject.toml
 
 fmt: setup
 	cargo fmt

@@ -30,18 +30,20 @@ use crate::table::{
 };
 use crate::transfer::{JobId, TransferResult, TransferState, TransitionError};
 
-/// Engine settings.
+/// Engine settings. [`EngineConfig::validate`] holds every limit; an engine refuses a setting
+/// outside them rather than adjusting it.
 #[derive(Clone, Debug)]
 pub struct EngineConfig {
-    /// Transfers in flight per direction before submit refuses.
+    /// Transfers in flight per direction before submit refuses: 1 to [`MAX_IN_FLIGHT`].
     pub max_in_flight: usize,
-    /// Byte cap of the descriptor slab pool.
+    /// Byte cap of the descriptor slab pool: at least [`MIN_POOL_BYTES`].
     pub pool_bytes: usize,
-    /// Descriptors one transfer may carry.
+    /// Descriptors one transfer may carry: 1 to [`Pool::max_descriptors`].
     pub max_descriptors: usize,
     /// Merge descriptors whose source and destination both continue the previous one.
     pub coalesce: bool,
-    /// How long shutdown waits for transfers in flight before failing them.
+    /// How long shutdown waits for transfers in flight before failing them. A duration past what
+    /// the clock can count ([`Duration::MAX`], what [`seconds`] makes of infinity) waits forever.
     pub shutdown_timeout: Duration,
 }
 
@@ -57,6 +59,120 @@ impl Default for EngineConfig {
     }
 }
 
+/// The most transfers one direction may have in flight: a quarter of the host backend's worker
+/// queue, so that the four directions full never hold more jobs than it has room for.
+pub const MAX_IN_FLIGHT: usize = crate::backend::host::QUEUE_DEPTH / 4;
+
+/// The smallest descriptor pool: one slab of the smallest class (256 descriptors). A smaller
+/// pool could never hand out a slab, so every transfer would be refused.
+pub const MIN_POOL_BYTES: usize = crate::pool::DESCRIPTOR_BYTES << crate::pool::MIN_CLASS;
+
+impl EngineConfig {
+    /// Checks every setting against its limits.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        Self::sizes(
+            self.max_in_flight as i128,
+            self.pool_bytes as i128,
+            self.max_descriptors as i128,
+        )
+        .map(drop)
+    }
+
+    /// A configuration from settings as a caller outside Rust gives them: integers of any sign
+    /// and a timeout in seconds (infinity waits forever; NaN and negatives are refused).
+    /// `max_descriptors: None` keeps the default. Checked as by [`EngineConfig::validate`].
+    pub fn from_settings(
+        max_in_flight: i128,
+        pool_bytes: i128,
+        max_descriptors: Option<i128>,
+        coalesce: bool,
+        shutdown_timeout: f64,
+    ) -> Result<Self, ConfigError> {
+        let max_descriptors = max_descriptors.unwrap_or(Pool::max_descriptors() as i128);
+        let (max_in_flight, pool_bytes, max_descriptors) =
+            Self::sizes(max_in_flight, pool_bytes, max_descriptors)?;
+        Ok(EngineConfig {
+            max_in_flight,
+            pool_bytes,
+            max_descriptors,
+            coalesce,
+            shutdown_timeout: seconds("shutdown_timeout", shutdown_timeout)?,
+        })
+    }
+
+    /// The limits of the integer settings: the one place they live.
+    fn sizes(
+        max_in_flight: i128,
+        pool_bytes: i128,
+        max_descriptors: i128,
+    ) -> Result<(usize, usize, usize), ConfigError> {
+        Ok((
+            within("max_in_flight", max_in_flight, 1, MAX_IN_FLIGHT)?,
+            within("pool_bytes", pool_bytes, MIN_POOL_BYTES, usize::MAX)?,
+            within(
+                "max_descriptors",
+                max_descriptors,
+                1,
+                Pool::max_descriptors(),
+            )?,
+        ))
+    }
+}
+
+/// `value` as a usize in `[lo, hi]`, or the error naming `option`.
+fn within(option: &'static str, value: i128, lo: usize, hi: usize) -> Result<usize, ConfigError> {
+    match usize::try_from(value) {
+        Ok(v) if (lo..=hi).contains(&v) => Ok(v),
+        _ => Err(ConfigError {
+            option,
+            expected: format!("an int from {lo} to {hi}"),
+            given: value.to_string(),
+        }),
+    }
+}
+
+/// A timeout of `secs` seconds: infinity (or any time past [`Duration::MAX`]) becomes
+/// [`Duration::MAX`], which the engine waits out without a deadline; NaN and negative times are
+/// refused, naming `option`.
+pub fn seconds(option: &'static str, secs: f64) -> Result<Duration, ConfigError> {
+    if secs.is_nan() || secs < 0.0 {
+        return Err(ConfigError {
+            option,
+            expected: "a non-negative number of seconds (inf waits forever)".into(),
+            given: secs.to_string(),
+        });
+    }
+    Ok(Duration::try_from_secs_f64(secs).unwrap_or(Duration::MAX))
+}
+
+/// The deadline `timeout` from now; `None` (no deadline) where the clock cannot count that far.
+fn deadline(timeout: Duration) -> Option<Instant> {
+    Instant::now().checked_add(timeout)
+}
+
+/// An engine setting outside its limits (see [`EngineConfig::validate`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ConfigError {
+    /// The setting, spelled as its keyword.
+    pub option: &'static str,
+    /// What it must be.
+    pub expected: String,
+    /// What it was.
+    pub given: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} must be {}, not {}",
+            self.option, self.expected, self.given
+        )
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
 /// Everything submit, wait and registration can refuse.
 #[derive(Clone, Debug, PartialEq)]
 pub enum EngineError {
@@ -66,6 +182,8 @@ pub enum EngineError {
     Backend(BackendError),
     Transition(TransitionError),
     Table(TableError),
+    /// A setting outside its limits, refused when the engine is made.
+    Config(ConfigError),
     /// The job id names a transfer whose result has not been reported yet.
     JobIdLive(JobId),
     /// Too many transfers in flight on one direction.
@@ -90,6 +208,7 @@ impl fmt::Display for EngineError {
             EngineError::Backend(e) => e.fmt(f),
             EngineError::Transition(e) => e.fmt(f),
             EngineError::Table(e) => e.fmt(f),
+            EngineError::Config(e) => e.fmt(f),
             EngineError::JobIdLive(id) => {
                 write!(
                     f,
@@ -125,7 +244,8 @@ macro_rules! from_error {
     )*};
 }
 from_error!(DescriptorError => Descriptor, RegionError => Region, PoolError => Pool,
-    BackendError => Backend, TransitionError => Transition, TableError => Table);
+    BackendError => Backend, TransitionError => Transition, TableError => Table,
+    ConfigError => Config);
 
 /// Per-direction counters.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -256,18 +376,22 @@ pub struct Engine {
 }
 
 impl Engine {
+    /// An engine over `backend`.
+    ///
+    /// # Panics
+    /// If `config` is outside its limits ([`EngineConfig::validate`]); [`Engine::try_new`]
+    /// returns the error instead.
     pub fn new(backend: Arc<dyn Backend>, config: EngineConfig) -> Self {
+        Self::try_new(backend, config).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// An engine over `backend`, or the setting of `config` that is outside its limits.
+    pub fn try_new(backend: Arc<dyn Backend>, config: EngineConfig) -> Result<Self, EngineError> {
+        config.validate()?;
         install_fork_hook();
         let generation = fork_generation();
-        let max_in_flight = config
-            .max_in_flight
-            .clamp(1, crate::backend::host::QUEUE_DEPTH / 4);
-        let config = EngineConfig {
-            max_in_flight,
-            max_descriptors: config.max_descriptors.clamp(1, Pool::max_descriptors()),
-            ..config
-        };
-        Engine {
+        let max_in_flight = config.max_in_flight;
+        Ok(Engine {
             pool: Pool::new(backend.clone(), config.pool_bytes),
             backend,
             lanes: std::array::from_fn(|_| Lane::new(max_in_flight)),
@@ -288,7 +412,7 @@ impl Engine {
             generation,
             submit_ns: AtomicU64::new(0),
             prepare_ns: AtomicU64::new(0),
-        }
+        })
     }
 
     /// Whether this engine was made in a parent of this process (then nothing of it works here).
@@ -821,7 +945,7 @@ impl Engine {
         if self.forked() {
             return Err(BackendError::Forked.into());
         }
-        let deadline = timeout.map(|t| Instant::now() + t);
+        let deadline = timeout.and_then(deadline);
         let targets: Vec<(JobId, Direction, u64)> = {
             let state = self.lock();
             job_ids
@@ -860,14 +984,11 @@ impl Engine {
         // Take the lock so no submit is half-way through.
         let _state = self.lock();
         if !self.forked() {
-            let deadline = Instant::now() + self.config.shutdown_timeout;
+            let deadline = deadline(self.config.shutdown_timeout);
             for direction in Direction::ALL {
                 let last = self.lanes[direction.lane()].next_seq() - 1;
-                let left = deadline.saturating_duration_since(Instant::now());
-                let reached = self
-                    .backend
-                    .wait(direction, last, Some(left))
-                    .unwrap_or(false);
+                let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+                let reached = self.backend.wait(direction, last, left).unwrap_or(false);
                 if !reached {
                     let _ = self.failed_lanes[direction.lane()].set(BackendError::CopyFailed {
                         index: None,

@@ -1,7 +1,6 @@
 //! PyO3 bindings: argument conversion, GIL release, error mapping. No decisions live here.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use numpy::PyReadonlyArray1;
 use pyo3::create_exception;
@@ -13,7 +12,7 @@ use crate::backend::cuda::{self, CudaBackend, CudaOptions};
 use crate::backend::host::HostBackend;
 use crate::backend::{Backend, KernelBatch, KernelLauncher};
 use crate::descriptor::{DescriptorError, Direction};
-use crate::engine::{Engine, EngineConfig, EngineError};
+use crate::engine::{self, Engine, EngineConfig, EngineError};
 use crate::pool::PoolError;
 use crate::region::MemoryKind;
 use crate::transfer::TransferResult;
@@ -28,8 +27,9 @@ create_exception!(
     blockswap,
     InvalidTransferError,
     BlockswapError,
-    "A transfer or registration refused before anything was issued: bad descriptors, addresses \
-     outside registered memory, overlapping destinations, a live job id."
+    "A transfer, registration or engine setting refused before anything was issued: bad \
+     descriptors, addresses outside registered memory, overlapping destinations, a live job id, \
+     a setting outside its limits."
 );
 create_exception!(
     blockswap,
@@ -47,7 +47,8 @@ create_exception!(
     blockswap,
     TransferStateError,
     BlockswapError,
-    "A transfer lifecycle edge that does not exist."
+    "Deprecated: never raised. The transfer lifecycle is the engine's own; no call can ask a \
+     transfer to take an edge it does not have. Kept so that code naming it still imports."
 );
 create_exception!(
     blockswap,
@@ -67,6 +68,7 @@ impl From<EngineError> for PyErr {
         let msg = e.to_string();
         match e {
             EngineError::Descriptor(_)
+            | EngineError::Config(_)
             | EngineError::Region(_)
             | EngineError::Table(_)
             | EngineError::JobIdLive(_)
@@ -79,7 +81,10 @@ impl From<EngineError> for PyErr {
             EngineError::Pool(_) | EngineError::TooManyInFlight { .. } => {
                 PoolExhaustedError::new_err(msg)
             }
-            EngineError::Transition(_) => TransferStateError::new_err(msg),
+            // The engine takes only legal edges: one that is refused is a bug in blockswap.
+            EngineError::Transition(_) => {
+                BlockswapError::new_err(format!("internal error (a blockswap bug): {msg}"))
+            }
             EngineError::Timeout { .. } => WaitTimeoutError::new_err(msg),
             EngineError::ShutDown => ShutdownError::new_err(msg),
         }
@@ -178,13 +183,16 @@ fn call_launcher(launcher: &Py<PyAny>, b: KernelBatch) -> Result<(), String> {
 /// Moves batches of (src, dst, size) blocks on a backend. See the Python docs of `Engine`.
 #[pyclass(name = "Engine", module = "blockswap._core", frozen)]
 struct PyEngine {
-    engine: Engine,
+    // Boxed: the engine's lock-free queues are cache-line aligned (128 bytes), more than the
+    // 16 bytes Python's allocator gives the object PyO3 writes this struct into. Held inline,
+    // every access would be a misaligned reference (debug builds abort on the first one).
+    engine: Box<Engine>,
 }
 
 #[pymethods]
 impl PyEngine {
     #[new]
-    #[pyo3(signature = (backend = "auto", *, device = 0, max_in_flight = 1024, pool_bytes = 256 << 20,
+    #[pyo3(signature = (backend = "auto", *, device = 0, max_in_flight = 1024, pool_bytes = 268435456,
         max_descriptors = None, coalesce = true, shutdown_timeout = 60.0, copy_path = "auto",
         max_batch = None, timing = false, completion = "auto", h2d_order = "any",
         d2h_order = "stream", h2d_stream = None, d2h_stream = None))]
@@ -193,9 +201,9 @@ impl PyEngine {
         py: Python<'_>,
         backend: &str,
         device: i32,
-        max_in_flight: usize,
-        pool_bytes: usize,
-        max_descriptors: Option<usize>,
+        max_in_flight: i128,
+        pool_bytes: i128,
+        max_descriptors: Option<i128>,
         coalesce: bool,
         shutdown_timeout: f64,
         copy_path: &str,
@@ -207,18 +215,14 @@ impl PyEngine {
         h2d_stream: Option<u64>,
         d2h_stream: Option<u64>,
     ) -> PyResult<Self> {
-        let mut config = EngineConfig {
+        let config = EngineConfig::from_settings(
             max_in_flight,
             pool_bytes,
+            max_descriptors,
             coalesce,
-            shutdown_timeout: Duration::try_from_secs_f64(shutdown_timeout).map_err(|_| {
-                invalid("shutdown_timeout must be a non-negative number of seconds")
-            })?,
-            ..EngineConfig::default()
-        };
-        if let Some(m) = max_descriptors {
-            config.max_descriptors = m;
-        }
+            shutdown_timeout,
+        )
+        .map_err(EngineError::from)?;
         let want_cuda = match backend {
             "host" => false,
             "cuda" => true,
@@ -229,21 +233,21 @@ impl PyEngine {
                 )))
             }
         };
+        // Parsed on every backend, so that a misspelt option is refused on machines without a
+        // GPU too.
+        let mut opts = CudaOptions::new(device);
+        opts.copy_path = copy_path.parse().map_err(invalid)?;
+        if let Some(m) = max_batch {
+            opts.max_batch = m;
+        }
+        opts.timing = timing;
+        opts.completion = completion.parse().map_err(invalid)?;
+        opts.access_order[Direction::HostToDevice.lane()] = h2d_order.parse().map_err(invalid)?;
+        opts.access_order[Direction::DeviceToHost.lane()] = d2h_order.parse().map_err(invalid)?;
+        opts.streams[Direction::HostToDevice.lane()] = h2d_stream;
+        opts.streams[Direction::DeviceToHost.lane()] = d2h_stream;
+        opts.max_in_flight = config.max_in_flight;
         let backend: Arc<dyn Backend> = if want_cuda {
-            let mut opts = CudaOptions::new(device);
-            opts.copy_path = copy_path.parse().map_err(invalid)?;
-            if let Some(m) = max_batch {
-                opts.max_batch = m;
-            }
-            opts.timing = timing;
-            opts.completion = completion.parse().map_err(invalid)?;
-            opts.access_order[Direction::HostToDevice.lane()] =
-                h2d_order.parse().map_err(invalid)?;
-            opts.access_order[Direction::DeviceToHost.lane()] =
-                d2h_order.parse().map_err(invalid)?;
-            opts.streams[Direction::HostToDevice.lane()] = h2d_stream;
-            opts.streams[Direction::DeviceToHost.lane()] = d2h_stream;
-            opts.max_in_flight = config.max_in_flight;
             let b = py
                 .detach(|| CudaBackend::new(opts))
                 .map_err(EngineError::from)?;
@@ -252,7 +256,7 @@ impl PyEngine {
             Arc::new(HostBackend::new())
         };
         Ok(PyEngine {
-            engine: Engine::new(backend, config),
+            engine: Box::new(Engine::try_new(backend, config)?),
         })
     }
 
@@ -424,9 +428,9 @@ impl PyEngine {
     #[pyo3(signature = (job_ids, timeout = None))]
     fn wait(&self, py: Python<'_>, job_ids: Vec<u64>, timeout: Option<f64>) -> PyResult<()> {
         let timeout = timeout
-            .map(Duration::try_from_secs_f64)
+            .map(|t| engine::seconds("timeout", t))
             .transpose()
-            .map_err(|_| invalid("timeout must be a non-negative number of seconds"))?;
+            .map_err(EngineError::from)?;
         py.detach(|| self.engine.wait(&job_ids, timeout))
             .map_err(Into::into)
     }

@@ -4,9 +4,14 @@ the speed of the PCIe link.
 The low-level API is :class:`Engine`: register memory, submit batches of ``(src, dst, size)``
 descriptors under a job id, and poll ``get_finished()``. The Rust core validates every address
 against registered memory before any copy is issued.
+
+Every error blockswap raises is a :class:`BlockswapError`.
 """
 
 from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING, Any
 
 from ._core import (
     BackendError,
@@ -15,22 +20,44 @@ from ._core import (
     PoolExhaustedError,
     ShutdownError,
     TransferResult,
-    TransferStateError,
     WaitTimeoutError,
     __version__,
     cuda_status,
 )
-from .engine import Engine, info
+from ._types import EngineInfo, EngineStats, LaneStats, PoolStats
+from .engine import ArgumentTypeError, Engine, info
+
+if TYPE_CHECKING:
+    from ._core import TransferStateError as TransferStateError
+else:
+
+    def __getattr__(name: str) -> Any:
+        if name == "TransferStateError":
+            warnings.warn(
+                "blockswap.TransferStateError is deprecated: it is never raised (no call can "
+                "make a transfer take an edge its lifecycle does not have); catch BlockswapError",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            from ._core import TransferStateError
+
+            return TransferStateError
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
+    "ArgumentTypeError",
     "BackendError",
     "BlockswapError",
     "Engine",
+    "EngineInfo",
+    "EngineStats",
     "InvalidTransferError",
+    "LaneStats",
     "PoolExhaustedError",
+    "PoolStats",
     "ShutdownError",
     "TransferResult",
-    "TransferStateError",
     "WaitTimeoutError",
     "__version__",
     "cuda_status",

@@ -1,10 +1,38 @@
-"""Type stubs of the compiled core (rust/py.rs)."""
+"""Type stubs of the compiled core (rust/py.rs). `make lint` checks them against the built
+extension with mypy.stubtest."""
 
 from collections.abc import Callable
-from typing import Any
+from types import TracebackType
+from typing import ClassVar, final
 
 import numpy as np
 import numpy.typing as npt
+from typing_extensions import deprecated
+
+from ._types import (
+    AccessOrder,
+    BackendName,
+    CompletionMode,
+    CopyPath,
+    Direction,
+    EngineInfo,
+    EngineStats,
+    MemoryKind,
+)
+
+__all__ = [
+    "BackendError",
+    "BlockswapError",
+    "Engine",
+    "InvalidTransferError",
+    "PoolExhaustedError",
+    "ShutdownError",
+    "TransferResult",
+    "TransferStateError",
+    "WaitTimeoutError",
+    "__version__",
+    "cuda_status",
+]
 
 __version__: str
 
@@ -12,10 +40,14 @@ class BlockswapError(Exception): ...
 class InvalidTransferError(BlockswapError): ...
 class PoolExhaustedError(BlockswapError): ...
 class BackendError(BlockswapError): ...
+
+@deprecated("never raised: no call can make a transfer take an edge it does not have")
 class TransferStateError(BlockswapError): ...
+
 class ShutdownError(BlockswapError): ...
 class WaitTimeoutError(BlockswapError): ...
 
+@final
 class TransferResult:
     @property
     def job_id(self) -> int: ...
@@ -27,34 +59,37 @@ class TransferResult:
     def seconds(self) -> float: ...
     @property
     def error(self) -> str | None: ...
+    def __eq__(self, value: object, /) -> bool: ...
+    __hash__: ClassVar[None]  # type: ignore[assignment]
 
+@final
 class Engine:
-    def __init__(
-        self,
-        backend: str = "auto",
+    def __new__(
+        cls,
+        backend: BackendName = "auto",
         *,
         device: int = 0,
         max_in_flight: int = 1024,
-        pool_bytes: int = ...,
+        pool_bytes: int = 268435456,
         max_descriptors: int | None = None,
         coalesce: bool = True,
         shutdown_timeout: float = 60.0,
-        copy_path: str = "auto",
+        copy_path: CopyPath = "auto",
         max_batch: int | None = None,
         timing: bool = False,
-        completion: str = "auto",
-        h2d_order: str = "any",
-        d2h_order: str = "stream",
+        completion: CompletionMode = "auto",
+        h2d_order: AccessOrder = "any",
+        d2h_order: AccessOrder = "stream",
         h2d_stream: int | None = None,
         d2h_stream: int | None = None,
-    ) -> None: ...
+    ) -> Engine: ...
     def submit(
         self,
         job_id: int,
         src_ptrs: npt.NDArray[np.int64],
         dst_ptrs: npt.NDArray[np.int64],
         sizes: npt.NDArray[np.int64],
-        direction: str = "h2d",
+        direction: Direction = "h2d",
         wait_stream: int | None = None,
         kernel_below: int = 0,
         launcher: Callable[[int, int, int, int, int, int, int], object] | None = None,
@@ -65,7 +100,7 @@ class Engine:
         strides: npt.NDArray[np.int64],
         nbytes: npt.NDArray[np.int64],
         num_blocks: int,
-        kind: str,
+        kind: MemoryKind,
         name: str = "",
         unit: int = 1,
     ) -> int: ...
@@ -77,7 +112,7 @@ class Engine:
         src_ids: npt.NDArray[np.int64],
         dst_table: int,
         dst_ids: npt.NDArray[np.int64],
-        direction: str = "h2d",
+        direction: Direction = "h2d",
         wait_stream: int | None = None,
         kernel_below: int = 0,
         launcher: Callable[[int, int, int, int, int, int, int], object] | None = None,
@@ -100,15 +135,20 @@ class Engine:
     def shutdown(self) -> None: ...
     @property
     def is_shut_down(self) -> bool: ...
-    def register(self, ptr: int, nbytes: int, kind: str) -> None: ...
+    def register(self, ptr: int, nbytes: int, kind: MemoryKind) -> None: ...
     def pin(self, ptr: int, nbytes: int) -> None: ...
     def unregister(self, ptr: int) -> None: ...
     def alloc_host(self, nbytes: int) -> int: ...
     def free_host(self, ptr: int) -> None: ...
     def inject_failures(self, count: int) -> None: ...
-    def stats(self) -> dict[str, Any]: ...
-    def info(self) -> dict[str, Any]: ...
+    def stats(self) -> EngineStats: ...
+    def info(self) -> EngineInfo: ...
     def __enter__(self) -> Engine: ...
-    def __exit__(self, *exc: object) -> None: ...
+    def __exit__(
+        self,
+        _ty: type[BaseException] | None,
+        _value: BaseException | None,
+        _tb: TracebackType | None,
+    ) -> None: ...
 
 def cuda_status() -> tuple[bool, str]: ...

@@ -8,29 +8,108 @@ for as long as their memory is registered. Every rule about descriptors lives in
 from __future__ import annotations
 
 import ctypes
+import inspect
+import math
+import warnings
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, get_args
 
 import numpy as np
 
 from . import _core
-from ._core import InvalidTransferError
+from ._core import InvalidTransferError, TransferResult
+from ._types import (
+    AccessOrder,
+    BackendName,
+    BlockswapInfo,
+    CompletionMode,
+    CopyPath,
+    Direction,
+    EngineInfo,
+    EngineStats,
+    MemoryKind,
+)
 
 _I64_MAX = np.iinfo(np.int64).max
 _U64_END = 1 << 64
+
+
+class ArgumentTypeError(InvalidTransferError, TypeError):
+    """An argument of the wrong type: refused before anything was issued, like any
+    :class:`~blockswap.InvalidTransferError`, and a ``TypeError`` too, as Python's own are."""
 
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
+def _is_bool(x: Any) -> bool:
+    return isinstance(x, (bool, np.bool_))
+
+
+def _is_str(x: Any) -> bool:
+    return isinstance(x, str)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float, np.integer, np.floating)) and not _is_bool(x)
+
+
+def _one_of(choices: Any) -> str:
+    """``'a', 'b' or 'c'``: the strings of a Literal type."""
+    names = [repr(c) for c in get_args(choices)]
+    return ", ".join(names[:-1]) + " or " + names[-1]
+
+
+def check_arg(
+    name: str,
+    value: Any,
+    expected: str,
+    ok: Callable[[Any], bool],
+    *,
+    span: tuple[int, int, str] | None = None,
+    optional: bool = False,
+) -> Any:
+    """``value`` of argument ``name`` if ``ok(value)``, else an :class:`ArgumentTypeError` saying
+    ``"<name> must be <expected>, not <value>"``. ``span``: ``(lo, hi, text)``, the ``[lo, hi)``
+    an int must lie in to reach the core at all (the width of its integer, or the sign of an
+    address), else an :class:`~blockswap.InvalidTransferError` saying ``"<name> must be
+    <expected> <text>, not <value>"``. ``optional``: None passes too.
+
+    The one place Python checks arguments: the limits that mean something (settings, addresses,
+    block ids) and the strings the core parses are the core's.
+    """
+    if value is None and optional:
+        return None
+    if not ok(value):
+        raise ArgumentTypeError(
+            f"{name} must be {expected}{' or None' if optional else ''}, not {value!r}"
+        )
+    if span is not None and not span[0] <= value < span[1]:
+        raise InvalidTransferError(f"{name} must be {expected} {span[2]}, not {value!r}")
+    return value
+
+
+def _seconds(name: str, value: Any) -> float:
+    """A time in seconds as a float (an int past a float's range is infinite)."""
+    check_arg(name, value, "a number of seconds", _is_number)
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+
+
+# The widths of the core's integer arguments (what PyO3 converts into): an int outside cannot
+# reach the core's own checks.
+_I32 = (-(1 << 31), 1 << 31, "in [-2**31, 2**31)")
+_I128 = (-(1 << 127), 1 << 127, "in [-2**127, 2**127)")
+_U64 = (0, _U64_END, "below 2**64")
+_U64_POSITIVE = (1, _U64_END, "below 2**64")
+
+
 def check_job_id(job_id: Any) -> int:
     """``job_id`` as an int in ``[0, 2**64)``; anything else is an InvalidTransferError."""
-    if _is_int(job_id) and 0 <= job_id < _U64_END:
-        return int(job_id)
-    if _is_int(job_id) and job_id >= _U64_END:
-        raise InvalidTransferError(f"job_id {job_id} does not fit in 64 bits")
-    raise InvalidTransferError(f"job_id must be a non-negative int, not {job_id!r}")
+    return int(check_arg("job_id", job_id, "a non-negative int", _is_int, span=_U64))
 
 
 def check_job_ids(job_ids: Any) -> list[int]:
@@ -43,19 +122,16 @@ def check_job_ids(job_ids: Any) -> list[int]:
 
 
 def _check_u64(name: str, value: Any, *, positive: bool = False) -> int:
-    if not _is_int(value):
-        raise InvalidTransferError(f"{name} must be an int, not {value!r}")
-    lo = 1 if positive else 0
-    if not lo <= value < _U64_END:
-        what = "a positive" if positive else "a non-negative"
-        raise InvalidTransferError(f"{name} must be {what} int below 2**64, not {value}")
-    return int(value)
+    if positive:
+        return int(check_arg(name, value, "a positive int", _is_int, span=_U64_POSITIVE))
+    return int(check_arg(name, value, "a non-negative int", _is_int, span=_U64))
 
 
 def as_int64(name: str, values: Any) -> np.ndarray:
     """``values`` as a contiguous 1-D int64 array, without a copy where it already is one.
 
-    Refuses non-integral input (floats, bools, objects) rather than truncating it.
+    Refuses non-integral input (floats, bools, objects other than ints) rather than truncating
+    it, and ints outside int64.
     """
     if isinstance(values, np.ndarray) and values.dtype == np.int64 and values.ndim == 1:
         return values if values.flags.c_contiguous else np.ascontiguousarray(values)
@@ -64,16 +140,20 @@ def as_int64(name: str, values: Any) -> np.ndarray:
         return np.zeros(0, dtype=np.int64)
     if a.ndim != 1:
         raise InvalidTransferError(f"{name} must be one-dimensional, not of shape {a.shape}")
+    if a.dtype == object and all(_is_int(v) for v in a):
+        # Python ints (as numpy makes of a list with one past 64 bits, or dtype=object).
+        outside = [int(v) for v in a if not -(1 << 63) <= v < 1 << 63]
+        if outside:
+            raise InvalidTransferError(f"{name} holds {outside[0]}, outside int64 [-2**63, 2**63)")
+        return np.array(a.tolist(), dtype=np.int64)
     if a.dtype.kind not in "iu":
-        if a.dtype == object and all(_is_int(v) for v in a):
-            raise InvalidTransferError(f"{name} holds integers outside [-2**63, 2**63)")
         raise InvalidTransferError(f"{name} must hold integers, not {a.dtype}")
     if a.dtype == np.uint64 and bool((a > _I64_MAX).any()):
         raise InvalidTransferError(f"{name} holds values past 2**63 - 1")
     return np.ascontiguousarray(a, dtype=np.int64)
 
 
-def _address_of(obj: Any, what: str = "register") -> tuple[int, int, str]:
+def _address_of(obj: Any, what: str = "register") -> tuple[int, int, MemoryKind]:
     """(address, nbytes, kind) of a numpy array or a torch tensor (contiguous, of the CPU or a
     CUDA device)."""
     if isinstance(obj, np.ndarray):
@@ -108,32 +188,100 @@ class Engine:
 
     ``backend`` is ``"auto"`` (CUDA where a driver is present, else host), ``"cuda"`` or
     ``"host"`` (``memcpy`` on a worker thread: runs anywhere, and stands in for the GPU in tests).
-    Keyword options go to the core: ``device``, ``max_in_flight``, ``pool_bytes``,
-    ``max_descriptors``, ``coalesce``, ``shutdown_timeout``, and on CUDA ``copy_path``
-    (``"auto"``, ``"batch"``, ``"loop"``), ``max_batch``, ``timing``, ``completion``,
-    ``h2d_order`` / ``d2h_order`` (``"any"`` or ``"stream"``), ``h2d_stream`` / ``d2h_stream``.
+
+    Options of every backend:
+
+    - ``max_in_flight``: transfers in flight per direction before :meth:`submit` refuses
+      (1 to 16,384);
+    - ``pool_bytes``: byte cap of the descriptor slab pool (at least 6,144: one slab);
+    - ``max_descriptors``: descriptors one transfer may carry (1 to 2**20, the default);
+    - ``coalesce``: merge descriptors whose source and destination both continue the previous one;
+    - ``shutdown_timeout``: seconds :meth:`shutdown` waits for transfers in flight before failing
+      them (``math.inf``: as long as they take).
+
+    Options of the CUDA backend (the host backend ignores them, with a warning where one is not
+    the default): ``device``; ``copy_path`` (``"auto"``, ``"batch"``, ``"loop"``); ``max_batch``
+    (descriptors per driver call); ``timing`` (device time from events); ``completion``
+    (``"auto"``, ``"write_value"``, ``"event"``); ``h2d_order`` / ``d2h_order`` (source access
+    order, ``"any"`` or ``"stream"``); ``h2d_stream`` / ``d2h_stream`` (a raw ``CUstream`` to use
+    instead of the engine's own).
 
     Every address a transfer names must lie in memory registered with :meth:`register`,
     :meth:`pin` or :meth:`alloc_host`; anything else is refused before a copy is issued.
 
-    Every refusal is a :class:`~blockswap.BlockswapError` (an unknown keyword option is a
-    ``TypeError``, as for any Python call). An engine that is garbage-collected first waits for
-    its transfers in flight, so registered objects are never freed under a copy.
+    Every refusal is a :class:`~blockswap.BlockswapError`; an argument of the wrong type is an
+    :class:`ArgumentTypeError` naming it (an ``InvalidTransferError`` and a ``TypeError``; an
+    unknown keyword option is Python's own ``TypeError``). An engine that is garbage-collected
+    first waits for its transfers in flight, so registered objects are never freed under a copy.
     """
 
-    def __init__(self, backend: str = "auto", **options: Any) -> None:
-        try:
-            self._core = _core.Engine(backend, **options)
-        except OverflowError as e:
-            bad = {k: v for k, v in options.items() if _is_int(v) and v < 0}
-            raise InvalidTransferError(
-                f"engine options out of range ({bad or options}): {e}"
-            ) from None
+    def __init__(
+        self,
+        backend: BackendName = "auto",
+        *,
+        device: int = 0,
+        max_in_flight: int = 1024,
+        pool_bytes: int = 256 << 20,
+        max_descriptors: int | None = None,
+        coalesce: bool = True,
+        shutdown_timeout: float = 60.0,
+        copy_path: CopyPath = "auto",
+        max_batch: int | None = None,
+        timing: bool = False,
+        completion: CompletionMode = "auto",
+        h2d_order: AccessOrder = "any",
+        d2h_order: AccessOrder = "stream",
+        h2d_stream: int | None = None,
+        d2h_stream: int | None = None,
+    ) -> None:
+        integer = "an int"
+        self._core = _core.Engine(
+            check_arg("backend", backend, _one_of(BackendName), _is_str),
+            device=check_arg("device", device, integer, _is_int, span=_I32),
+            max_in_flight=check_arg("max_in_flight", max_in_flight, integer, _is_int, span=_I128),
+            pool_bytes=check_arg("pool_bytes", pool_bytes, integer, _is_int, span=_I128),
+            max_descriptors=check_arg(
+                "max_descriptors", max_descriptors, integer, _is_int, span=_I128, optional=True
+            ),
+            coalesce=check_arg("coalesce", coalesce, "a bool", _is_bool),
+            shutdown_timeout=_seconds("shutdown_timeout", shutdown_timeout),
+            copy_path=check_arg("copy_path", copy_path, _one_of(CopyPath), _is_str),
+            max_batch=check_arg("max_batch", max_batch, integer, _is_int, span=_U64, optional=True),
+            timing=check_arg("timing", timing, "a bool", _is_bool),
+            completion=check_arg("completion", completion, _one_of(CompletionMode), _is_str),
+            h2d_order=check_arg("h2d_order", h2d_order, _one_of(AccessOrder), _is_str),
+            d2h_order=check_arg("d2h_order", d2h_order, _one_of(AccessOrder), _is_str),
+            h2d_stream=check_arg(
+                "h2d_stream", h2d_stream, "a raw CUstream int", _is_int, span=_U64, optional=True
+            ),
+            d2h_stream=check_arg(
+                "d2h_stream", d2h_stream, "a raw CUstream int", _is_int, span=_U64, optional=True
+            ),
+        )
         self._kept: dict[int, Any] = {}
-        # Hot paths bound straight to the core: no Python frame in between.
-        self.get_finished = self._core.get_finished
-        self.stats = self._core.stats
-        self.info = self._core.info
+        # The hot paths bound straight to the core (no Python frame in between), shadowing the
+        # methods of the same names, which document them.
+        self.__dict__.update(
+            get_finished=self._core.get_finished, stats=self._core.stats, info=self._core.info
+        )
+        if self._core.info()["backend"] == "host":
+            _warn_ignored(locals())
+
+    def get_finished(self) -> list[TransferResult]:
+        """The results of the transfers finished since the last call, each reported once.
+        Lock-free; never blocks."""
+        return self._core.get_finished()
+
+    def stats(self) -> EngineStats:
+        """Counters: bytes, seconds and GB/s per direction, transfers in flight, host time spent
+        submitting (``submit_ns``), validating (``prepare_ns``) and in driver copy calls
+        (``driver_ns``), and the descriptor pool."""
+        return self._core.stats()
+
+    def info(self) -> EngineInfo:
+        """The backend, driver, device, copy path and completion mechanism in use, and the
+        engine's settings."""
+        return self._core.info()
 
     def __del__(self) -> None:
         # Drain before the registered objects in ``_kept`` go: the instance dict is cleared in no
@@ -150,7 +298,7 @@ class Engine:
         src_ptrs: Any,
         dst_ptrs: Any,
         sizes: Any,
-        direction: str = "h2d",
+        direction: Direction = "h2d",
         *,
         wait_stream: int | None = None,
         kernel_below: int = 0,
@@ -169,8 +317,8 @@ class Engine:
         """
         if type(job_id) is not int or not 0 <= job_id < _U64_END:
             job_id = check_job_id(job_id)
-        if launcher is not None and not callable(launcher):
-            raise _not_callable(launcher)
+        if launcher is not None and not callable(launcher):  # the check off the hot path
+            check_arg("launcher", launcher, "callable", callable, optional=True)
         args = (
             as_int64("src_ptrs", src_ptrs),
             as_int64("dst_ptrs", dst_ptrs),
@@ -187,7 +335,7 @@ class Engine:
         strides: Any,
         nbytes: Any,
         num_blocks: int,
-        kind: str,
+        kind: MemoryKind,
         name: str = "",
         unit: int = 1,
     ) -> int:
@@ -203,8 +351,8 @@ class Engine:
             if col.size and int(col.min()) < 0:
                 raise InvalidTransferError(f"{col_name} holds a negative value ({int(col.min())})")
         blocks = _check_u64("num_blocks", num_blocks, positive=True)
-        if not isinstance(kind, str) or not isinstance(name, str):
-            raise InvalidTransferError(f"kind and name must be str, not {kind!r} and {name!r}")
+        check_arg("kind", kind, _one_of(MemoryKind), _is_str)
+        check_arg("name", name, "a str", _is_str)
         u = _check_u64("unit", unit, positive=True)
         return int(self._core.register_table(b, st, nb, blocks, kind, name, u))
 
@@ -221,7 +369,7 @@ class Engine:
         src_ids: Any,
         dst_table: int,
         dst_ids: Any,
-        direction: str = "h2d",
+        direction: Direction = "h2d",
         *,
         wait_stream: int | None = None,
         kernel_below: int = 0,
@@ -232,8 +380,8 @@ class Engine:
         against its table (negative ids included) and that destination ids are distinct, then
         writes the descriptors itself. Otherwise as :meth:`submit`."""
         job_id = check_job_id(job_id)
-        if launcher is not None and not callable(launcher):
-            raise _not_callable(launcher)
+        if launcher is not None and not callable(launcher):  # the check off the hot path
+            check_arg("launcher", launcher, "callable", callable, optional=True)
         for t in (src_table, dst_table):
             if not _is_int(t) or not 0 <= t < 1 << 32:
                 raise InvalidTransferError(f"no block table {t!r}")
@@ -298,8 +446,10 @@ class Engine:
 
     def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> None:
         """Blocks until the listed jobs finished; their results still come from get_finished.
-        Ids never submitted (or already reported) are not waited for."""
-        self._core.wait(check_job_ids(job_ids), timeout)
+        Ids never submitted (or already reported) are not waited for. ``timeout`` in seconds
+        (None or ``math.inf``: no limit); past it, a :class:`~blockswap.WaitTimeoutError`."""
+        ids = check_job_ids(job_ids)
+        self._core.wait(ids, None if timeout is None else _seconds("timeout", timeout))
 
     def shutdown(self) -> None:
         """Waits for transfers in flight and stops the backend. Results stay available."""
@@ -309,7 +459,7 @@ class Engine:
     def is_shut_down(self) -> bool:
         return bool(self._core.is_shut_down)
 
-    def register(self, obj: Any, nbytes: int | None = None, kind: str | None = None) -> int:
+    def register(self, obj: Any, nbytes: int | None = None, kind: MemoryKind | None = None) -> int:
         """Registers memory transfers may use; returns its address.
 
         ``obj`` is a numpy array or a torch tensor (kept alive until unregistered), or a raw
@@ -327,8 +477,7 @@ class Engine:
             kind = found_kind if kind is None else kind
             if _is_int(nbytes) and nbytes > size:
                 raise InvalidTransferError(f"nbytes={nbytes} is larger than the object ({size})")
-        if not isinstance(kind, str):
-            raise InvalidTransferError(f"kind must be 'host' or 'device', not {kind!r}")
+        check_arg("kind", kind, _one_of(MemoryKind), _is_str)
         self._core.register(ptr, _check_u64("nbytes", nbytes, positive=True), kind)
         if not _is_int(obj):
             self._kept[ptr] = obj
@@ -388,31 +537,49 @@ class Engine:
         self.shutdown()
 
 
+# The options only the CUDA backend reads.
+_CUDA_ONLY = (
+    "device",
+    "copy_path",
+    "max_batch",
+    "timing",
+    "completion",
+    "h2d_order",
+    "d2h_order",
+    "h2d_stream",
+    "d2h_stream",
+)
+
+
+def _warn_ignored(arguments: dict[str, Any]) -> None:
+    """Warns of the CUDA options among an engine's ``arguments`` that differ from their defaults
+    (the engine is on the host backend, which ignores them)."""
+    params = inspect.signature(Engine).parameters
+    ignored = [f"{k}={arguments[k]!r}" for k in _CUDA_ONLY if arguments[k] != params[k].default]
+    if ignored:
+        warnings.warn(
+            "this engine runs on the host backend, which ignores the CUDA option"
+            f"{'s' if len(ignored) > 1 else ''} {', '.join(ignored)}",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
 def _submit_argument_error(
     e: Exception, direction: Any, wait_stream: Any, kernel_below: Any
 ) -> Exception:
     """The typed error for a submission argument the core could not convert (slow path)."""
-    if not isinstance(direction, str):
-        return InvalidTransferError(
-            f"direction must be 'h2d', 'd2h', 'h2h' or 'd2d', not {direction!r}"
-        )
-    if wait_stream is not None and not (_is_int(wait_stream) and 0 <= wait_stream < _U64_END):
-        return InvalidTransferError(
-            "wait_stream must be a raw CUstream int (e.g. "
-            f"torch.cuda.current_stream().cuda_stream) or None, not {wait_stream!r}"
-        )
-    if not (_is_int(kernel_below) and 0 <= kernel_below < _U64_END):
-        return InvalidTransferError(
-            f"kernel_below must be a non-negative int below 2**64, not {kernel_below!r}"
-        )
+    stream = "a raw CUstream int (e.g. torch.cuda.current_stream().cuda_stream)"
+    try:
+        check_arg("direction", direction, _one_of(Direction), _is_str)
+        check_arg("wait_stream", wait_stream, stream, _is_int, span=_U64, optional=True)
+        check_arg("kernel_below", kernel_below, "a non-negative int", _is_int, span=_U64)
+    except InvalidTransferError as refused:
+        return refused
     return e
 
 
-def _not_callable(launcher: Any) -> InvalidTransferError:
-    return InvalidTransferError(f"launcher must be callable or None, not {launcher!r}")
-
-
-def info() -> dict[str, Any]:
+def info() -> BlockswapInfo:
     """What blockswap would use here: version, CUDA availability (and why not), default backend."""
     cuda_ok, cuda_why = _core.cuda_status()
     return {

@@ -86,9 +86,16 @@ from typing import Any, Callable, NamedTuple, Union, cast
 
 import numpy as np
 import numpy.typing as npt
-import torch
+
+from . import _optional
+
+try:
+    import torch
+except ModuleNotFoundError as e:
+    _optional.missing(e, __name__)
 
 from ._core import BlockswapError, InvalidTransferError, ShutdownError, TransferResult, cuda_status
+from ._types import Direction
 from .engine import Engine, check_job_id, check_job_ids
 from .layout import (
     LAYOUTS,
@@ -522,7 +529,7 @@ class SingleDirectionHandler:
         if direction not in _SHORT:
             raise ValueError(f"direction must be 'd2h' or 'h2d', not {direction!r}")
         self._owner = owner
-        self.direction = direction
+        self.direction: Direction = "d2h" if direction == "d2h" else "h2d"
         self._d2h = d2h = direction == "d2h"
         self._ngroups = len(src_tables)
         self._factor = f = owner.block_size_factor
@@ -1054,7 +1061,7 @@ class CpuGpuHandlers:
         self._device_index = device_index
         self._registered: list[int] = []
         with _KeepDevice(device_index):
-            self.engine = Engine(backend, **options)
+            self.engine = Engine("cuda" if on_cuda else "host", **options)
             try:
                 for start, n in _union_spans(gpu_tables):
                     self.engine.register(start, n, "device")

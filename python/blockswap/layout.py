@@ -36,7 +36,15 @@ from typing import Any, Literal, NamedTuple, NoReturn, Union, cast
 
 import numpy as np
 import numpy.typing as npt
-import torch
+
+from . import _optional
+
+try:
+    import torch
+except ModuleNotFoundError as e:
+    _optional.missing(e, __name__)
+
+from ._core import BlockswapError
 
 __all__ = [
     "LAYOUTS",
@@ -76,7 +84,7 @@ _I64 = np.int64
 _I64_MAX = np.iinfo(np.int64).max
 
 
-class LayoutError(ValueError):
+class LayoutError(BlockswapError, ValueError):
     """A tensor does not fit the layout, or two tables cannot be copied between."""
 
 

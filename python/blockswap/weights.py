@@ -99,8 +99,9 @@ trace, and emulates the capture rules (:meth:`PrefetchOffloader.emulate_capture`
 else -- selection, slot assignment, validation, the wrappers, submissions -- is the code the GPU
 runs.
 
-Every configuration error is an :class:`OffloadConfigError` (a ``ValueError``), raised before
-anything is changed: a failed construction leaves the model as it was.
+Every configuration error is an :class:`OffloadConfigError` (a ``ValueError`` and a
+:class:`~blockswap.BlockswapError`), raised before anything is changed: a failed construction
+leaves the model as it was.
 """
 
 from __future__ import annotations
@@ -113,8 +114,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
-from torch import nn
+
+from . import _optional
+
+try:
+    import torch
+    from torch import nn
+except ModuleNotFoundError as e:
+    _optional.missing(e, __name__)
 
 from ._core import BlockswapError
 from .engine import Engine
@@ -143,7 +150,7 @@ _MARK = "_blockswap_offloader"
 _NO_FORWARD = object()
 
 
-class OffloadConfigError(ValueError):
+class OffloadConfigError(BlockswapError, ValueError):
     """A configuration the offloader refuses (raised before the model is changed)."""
 
 

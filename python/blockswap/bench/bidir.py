@@ -20,12 +20,13 @@ from typing import Any
 
 import numpy as np
 
+from .._types import Direction
 from ..engine import Engine
 from .common import address, fmt_bytes, fmt_count, median, scatter
 from .context import Context
 from .sweep import KERNEL_ALL, check_result, kernel_launchers
 
-DIRS = ("h2d", "d2h")
+DIRS: tuple[Direction, Direction] = ("h2d", "d2h")
 
 
 def run(ctx: Context) -> dict[str, Any]:
@@ -167,7 +168,7 @@ def _submitters(
             launch = launchers[d] if launchers is not None else None
 
             def issue(
-                j: int = j, src: Any = src, dst: Any = dst, d: str = d, launch: Any = launch
+                j: int = j, src: Any = src, dst: Any = dst, d: Direction = d, launch: Any = launch
             ) -> None:
                 eng.submit(j, src, dst, szs, d, kernel_below=below, launcher=launch)
 

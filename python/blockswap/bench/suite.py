@@ -28,7 +28,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from ..engine import Engine
 from .common import Progress, cuda_ready, run_metadata, slug
@@ -48,14 +48,14 @@ def _runners() -> dict[str, Callable[..., dict[str, Any]]]:
     }
 
 
-def resolve_backend(backend: str) -> str:
+def resolve_backend(backend: str) -> Literal["cuda", "host"]:
     if backend == "auto":
         return "cuda" if cuda_ready() else "host"
     if backend == "cuda" and not cuda_ready():
         raise SystemExit("--backend cuda: no usable GPU here (blockswap.info() says why)")
     if backend not in ("cuda", "host"):
         raise ValueError(f"backend must be auto, cuda or host, not {backend!r}")
-    return backend
+    return "cuda" if backend == "cuda" else "host"
 
 
 def default_out_dir(meta: dict[str, Any], backend: str, profile_name: str) -> str:

@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from .._types import Direction
 from ..engine import Engine
 from .common import (
     address,
@@ -61,7 +62,7 @@ SHORT = {
     "auto": "auto",
 }
 KERNEL_ALL = 1 << 62  # kernel_below: every descriptor to the kernel
-DIRS = ("h2d", "d2h")
+DIRS: tuple[Direction, Direction] = ("h2d", "d2h")
 
 
 def check_result(results: list[Any], job: int) -> None:
@@ -128,7 +129,7 @@ def run(ctx: Context) -> dict[str, Any]:
             handler = _Handler(ctx, size)
             try:
                 for n in p.counts:
-                    for direction in ("h2d", "d2h"):
+                    for direction in DIRS:
                         launcher = launchers[direction] if launchers else None
                         point = _point(ctx, eng, launcher, kernel_note, handler, direction, size, n)
                         for r in point:
@@ -185,7 +186,7 @@ def kernel_launchers(ctx: Context) -> tuple[dict[str, Any] | None, str | None, d
         finally:
             h.shutdown()
         if all(r is not None and r.launcher is not None for r in routes.values()):
-            launchers = {d: r.launcher for d, r in routes.items()}
+            launchers: dict[str, Any] = {d: r.launcher for d, r in routes.items()}
             return (
                 launchers,
                 None,
@@ -224,7 +225,7 @@ def _point(
     launcher: Any,
     kernel_note: str | None,
     handler: _Handler,
-    direction: str,
+    direction: Direction,
     size: int,
     n: int,
 ) -> list[dict[str, Any]]:

@@ -100,9 +100,14 @@ import ctypes
 from collections.abc import Callable, Sequence
 from typing import Any, Union
 
-import torch
-import triton
-import triton.language as tl
+from blockswap import _optional
+
+try:
+    import torch
+    import triton
+    import triton.language as tl
+except ModuleNotFoundError as e:
+    _optional.missing(e, "blockswap.kernels")
 
 __all__ = [
     "copy_blocks",

@@ -1,0 +1,87 @@
+"""The types of the engine's arguments and of the dicts it returns (for type checkers and help()).
+
+The literal types list the strings the core accepts; the core checks them (an unknown one is an
+:class:`~blockswap.InvalidTransferError`), these only let a type checker see them.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, TypedDict
+
+BackendName = Literal["auto", "host", "cuda"]
+"""``"auto"``: CUDA where a driver is present, else the host backend."""
+
+Direction = Literal["h2d", "d2h", "h2h", "d2d"]
+"""Where a transfer reads and writes: host to device, device to host, host to host, device to
+device."""
+
+MemoryKind = Literal["host", "device"]
+"""What registered memory is."""
+
+CopyPath = Literal["auto", "batch", "loop"]
+"""CUDA: ``cuMemcpyBatchAsync`` where the driver has it (``"auto"``), always (``"batch"``), or one
+``cuMemcpyAsync`` per descriptor (``"loop"``)."""
+
+CompletionMode = Literal["auto", "write_value", "event"]
+"""CUDA: how completions are signalled (``cuStreamWriteValue`` or events)."""
+
+AccessOrder = Literal["any", "stream"]
+"""CUDA: the source access order of batched copies (``CU_MEMCPY_SRC_ACCESS_ORDER_*``)."""
+
+
+class LaneStats(TypedDict):
+    """Counters of one direction."""
+
+    transfers: int
+    failed: int
+    bytes: int
+    seconds: float
+    gb_per_s: float
+
+
+class PoolStats(TypedDict):
+    """The descriptor slab pool."""
+
+    slabs: int
+    free: int
+    bytes: int
+    cap: int
+
+
+class EngineStats(TypedDict):
+    """What :meth:`Engine.stats` returns: counters per direction, transfers in flight, host time
+    in submissions (``submit_ns``), in validation (``prepare_ns``) and in driver copy calls
+    (``driver_ns``), and the descriptor pool."""
+
+    h2d: LaneStats
+    d2h: LaneStats
+    h2h: LaneStats
+    d2d: LaneStats
+    in_flight: int
+    driver_ns: int
+    submit_ns: int
+    prepare_ns: int
+    pool: PoolStats
+
+
+class EngineInfo(TypedDict):
+    """What :meth:`Engine.info` returns: the backend in use and the engine's settings."""
+
+    backend: str
+    driver_version: int
+    device: str | None
+    copy_path: str
+    completion: str
+    max_in_flight: int
+    pool_bytes: int
+    max_descriptors: int
+    coalesce: bool
+
+
+class BlockswapInfo(TypedDict):
+    """What :func:`blockswap.info` returns."""
+
+    version: str
+    cuda: bool
+    cuda_status: str
+    default_backend: Literal["cuda", "host"]
