@@ -250,9 +250,7 @@ impl Engine {
     pub fn new(backend: Arc<dyn Backend>, config: EngineConfig) -> Self {
         install_fork_hook();
         let generation = fork_generation();
-        let max_in_flight = config
-            .max_in_flight
-            .clamp(1, crate::backend::host::QUEUE_DEPTH / 4);
+        let max_in_flight = crate::backend::clamp_in_flight(config.max_in_flight);
         let config = EngineConfig {
             max_in_flight,
             max_descriptors: config.max_descriptors.clamp(1, Pool::max_descriptors()),
@@ -799,7 +797,7 @@ impl Engine {
                     });
                 }
             }
-            self.backend.shutdown();
+            self.backend.shutdown(Some(deadline));
         }
     }
 
