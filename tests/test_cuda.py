@@ -96,6 +96,11 @@ def test_roundtrip_bytes(torch, sizes, options):
         roundtrip(torch, eng, rng, SIZE_SETS[sizes](rng).clip(1, 4 * MiB))
 
 
+def test_blockswap_can_use_the_gpu_torch_sees():
+    ok, why = blockswap.cuda_status()
+    assert ok and blockswap.info()["cuda"], why
+
+
 def test_info_names_the_batch_abi(torch):
     with blockswap.Engine("cuda") as eng:
         i = eng.info()
