@@ -80,7 +80,7 @@ clean:
 # bounds each run.
 MIRI_TIMEOUT ?= 1500
 miri:
-	cargo +nightly miri --version >/dev/null 2>&1 || rustup component add --toolchain nightly miri rust-src
+	cargo +nightly miri --version >/dev/null 2>&1 || rustup toolchain install nightly --profile minimal --component miri,rust-src
 	timeout $(MIRI_TIMEOUT) cargo +nightly miri test --lib -- pool:: completion:: transfer:: region::
 	timeout $(MIRI_TIMEOUT) cargo +nightly miri test --test engine
 	MIRIFLAGS="-Zmiri-tree-borrows" timeout $(MIRI_TIMEOUT) cargo +nightly miri test --lib -- pool:: completion::

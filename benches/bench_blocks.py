@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -155,7 +156,11 @@ def main() -> int:
                 {
                     "gpu": torch.cuda.get_device_name(),
                     "date": time.strftime("%Y-%m-%d"),
-                    "command": " ".join(["python", "benches/bench_blocks.py", *sys.argv[1:]]),
+                    # The output folder is the machine's, not part of the command.
+                    "command": " ".join(
+                        ["python", "benches/bench_blocks.py"]
+                        + [os.path.basename(a) if a == args.json else a for a in sys.argv[1:]]
+                    ),
                     "ceiling_gbps": ceil,
                     "rows": rows,
                 },

@@ -61,7 +61,7 @@ impl Default for EngineConfig {
 
 /// The most transfers one direction may have in flight: a quarter of the host backend's worker
 /// queue, so that the four directions full never hold more jobs than it has room for.
-pub const MAX_IN_FLIGHT: usize = crate::backend::host::QUEUE_DEPTH / 4;
+pub use crate::backend::MAX_IN_FLIGHT;
 
 /// The smallest descriptor pool: one slab of the smallest class (256 descriptors). A smaller
 /// pool could never hand out a slab, so every transfer would be refused.
@@ -390,7 +390,8 @@ impl Engine {
         config.validate()?;
         install_fork_hook();
         let generation = fork_generation();
-        let max_in_flight = config.max_in_flight;
+        // Within the limits by `validate`; the backend sizes its rings by the same rule.
+        let max_in_flight = crate::backend::clamp_in_flight(config.max_in_flight);
         Ok(Engine {
             pool: Pool::new(backend.clone(), config.pool_bytes),
             backend,
@@ -996,7 +997,7 @@ impl Engine {
                     });
                 }
             }
-            self.backend.shutdown();
+            self.backend.shutdown(deadline);
         }
     }
 

@@ -552,8 +552,8 @@ mod tests {
         fn inject_failures(&self, count: u64) {
             self.0.inject_failures(count)
         }
-        fn shutdown(&self) {
-            self.0.shutdown()
+        fn shutdown(&self, deadline: Option<std::time::Instant>) -> u64 {
+            self.0.shutdown(deadline)
         }
     }
 

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
+import subprocess
+import sys
+import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -89,6 +94,11 @@ def test_roundtrip_bytes(torch, sizes, options):
     rng = np.random.default_rng(7)
     with blockswap.Engine("cuda", **options) as eng:
         roundtrip(torch, eng, rng, SIZE_SETS[sizes](rng).clip(1, 4 * MiB))
+
+
+def test_blockswap_can_use_the_gpu_torch_sees():
+    ok, why = blockswap.cuda_status()
+    assert ok and blockswap.info()["cuda"], why
 
 
 def test_info_names_the_batch_abi(torch):
@@ -344,3 +354,118 @@ def test_stress_random_transfers_every_byte_verified(torch):
     assert rep.transfers == 20_000 and rep.rounds == 5
     assert all(rep.by_direction[d] > 4000 for d in ("h2d", "d2h", "h2h", "d2d"))
     assert rep.pool["free"] == rep.pool["slabs"]
+
+
+def run_python(code: str, timeout: float = 120) -> str:
+    """Runs ``code`` in a fresh interpreter (no torch, nothing holding the GPU); its stdout."""
+    r = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout
+
+
+def test_shutdown_keeps_its_timeout_and_fails_what_it_left(torch):
+    """Transfers still held back by the compute stream when ``shutdown_timeout`` passes: shutdown
+    returns on time, each is reported failed once, and an engine collected with them still queued
+    frees nothing they use: they run later, into memory that is still there."""
+    n = MiB
+    host = torch.randint(0, 256, (n,), dtype=torch.uint8).pin_memory()
+    src = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda")
+    dev = torch.zeros(n, dtype=torch.uint8, device="cuda")
+    busy = torch.cuda.Stream()
+    eng = blockswap.Engine("cuda", shutdown_timeout=0.2)
+    for t in (host, src, dev):
+        eng.register(t)
+    back = eng.alloc_host(n)
+    with torch.cuda.stream(busy):
+        torch.cuda._sleep(4_000_000_000)  # about two seconds of GPU clock
+    eng.submit(1, [host.data_ptr()], [dev.data_ptr()], [n], "h2d", wait_stream=busy.cuda_stream)
+    eng.submit(2, [src.data_ptr()], [back.ctypes.data], [n], "d2h", wait_stream=busy.cuda_stream)
+    started = time.perf_counter()
+    eng.shutdown()
+    took = time.perf_counter() - started
+    assert not busy.query(), "the compute stream finished early: nothing was left in flight"
+    assert 0.2 <= took < 1.0, f"shutdown took {took:.2f} s with shutdown_timeout=0.2"
+    results = eng.get_finished()
+    assert sorted(r.job_id for r in results) == [1, 2]
+    for r in results:
+        assert not r.success and "shut down" in r.error, r
+    assert eng.get_finished() == []
+    # The engine, its slabs and `back` go while both copies are still queued behind the sleep.
+    del eng, back
+    gc.collect()
+    torch.cuda.synchronize()  # raises if a copy or a completion write hit freed memory
+    assert torch.equal(dev.cpu(), host), "the h2d copy ran after the shutdown"
+
+
+def test_a_refused_engine_holds_no_context_reference():
+    """An engine refused after the driver was reached keeps nothing of it: the device's primary
+    context is released (a fresh process, where nothing else holds it)."""
+    out = run_python(
+        """
+        import ctypes, gc
+        import blockswap
+
+        cu = ctypes.CDLL("libcuda.so.1")
+        assert cu.cuInit(0) == 0
+        dev = ctypes.c_int()
+        assert cu.cuDeviceGet(ctypes.byref(dev), 0) == 0
+
+        def active():
+            flags, on = ctypes.c_uint(), ctypes.c_int()
+            assert cu.cuDevicePrimaryCtxGetState(dev, ctypes.byref(flags), ctypes.byref(on)) == 0
+            return on.value
+
+        assert not active(), "something else holds the primary context"
+        for bad in ({"d2h_stream": 1}, {"h2d_stream": 2}):
+            try:
+                blockswap.Engine("cuda", **bad)
+            except blockswap.BlockswapError as e:
+                assert "default stream" in str(e), e
+            else:
+                raise AssertionError(f"{bad} was accepted")
+            assert not active(), f"{bad}: the context reference leaked"
+        eng = blockswap.Engine("cuda")
+        assert active()
+        eng.shutdown()
+        del eng
+        gc.collect()
+        assert not active(), "a collected engine kept its context reference"
+        print("ok")
+        """
+    )
+    assert out.strip() == "ok"
+
+
+def test_the_event_ring_is_sized_by_the_clamped_max_in_flight():
+    """``max_in_flight`` far past the limit: the engine clamps it, and the CUDA backend sizes its
+    event ring by the same clamped value (it used to create two events per unclamped transfer)."""
+    out = run_python(
+        """
+        import time
+        import blockswap
+
+        started = time.perf_counter()
+        with blockswap.Engine("cuda", completion="event", max_in_flight=2**40) as eng:
+            took = time.perf_counter() - started
+            info = eng.info()
+            assert info["completion"] == "event query", info
+            n = 1 << 20
+            a, b = eng.alloc_host(n), eng.alloc_host(n)
+            a[:] = 7
+            for job in range(3):
+                eng.submit(job, [a.ctypes.data], [b.ctypes.data], [n], "h2h")
+            eng.wait(range(3))
+            assert all(r.success for r in eng.get_finished())
+            assert (b == 7).all()
+        print(info["max_in_flight"], f"{took:.1f}")
+        """,
+        timeout=300,
+    )
+    clamped, took = out.split()
+    assert int(clamped) == 16384
+    assert float(took) < 60

@@ -14,12 +14,14 @@
 
 use std::ffi::{c_void, CStr, CString};
 use std::fmt;
+use std::mem::ManuallyDrop;
 use std::ptr;
 use std::str::FromStr;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::OnceLock;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
+use cudarc::driver::result::{self, DriverError};
 use cudarc::driver::sys;
 
 use super::{
@@ -223,15 +225,7 @@ fn error_name(code: sys::CUresult) -> String {
 }
 
 fn check(call: &'static str, code: sys::CUresult) -> Result<(), BackendError> {
-    if code == sys::CUresult::CUDA_SUCCESS {
-        Ok(())
-    } else {
-        Err(BackendError::Driver {
-            call,
-            code: code as i32,
-            name: error_name(code),
-        })
-    }
+    code.result().map_err(|e| driver_error(call, e))
 }
 
 /// Opens the driver library and checks every symbol this backend calls. Never panics.
@@ -316,41 +310,314 @@ fn resolve_batch(driver_version: i32) -> Option<BatchFn> {
     }
 }
 
+/// A driver error as a [`BackendError`] naming the call.
+fn driver_error(call: &'static str, e: DriverError) -> BackendError {
+    BackendError::Driver {
+        call,
+        code: e.0 as i32,
+        name: error_name(e.0),
+    }
+}
+
+/// Test hooks on the driver resources a thread creates: how many are alive, and a failure
+/// injected into the n-th creation from now (a construction must then free all it made).
+#[cfg(test)]
+mod hooks {
+    use std::cell::Cell;
+
+    thread_local! {
+        pub(super) static LIVE: Cell<i64> = const { Cell::new(0) };
+        pub(super) static FAIL_AT: Cell<Option<usize>> = const { Cell::new(None) };
+    }
+}
+
+/// Called before each driver resource is created: a test may make that creation fail.
+fn may_create(call: &'static str) -> Result<(), BackendError> {
+    #[cfg(test)]
+    {
+        let fail = hooks::FAIL_AT.with(|f| match f.get() {
+            Some(0) => {
+                f.set(None);
+                true
+            }
+            Some(n) => {
+                f.set(Some(n - 1));
+                false
+            }
+            None => false,
+        });
+        if fail {
+            return Err(BackendError::Driver {
+                call,
+                code: sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY as i32,
+                name: "CUDA_ERROR_OUT_OF_MEMORY (injected)".into(),
+            });
+        }
+    }
+    #[cfg(not(test))]
+    let _ = call;
+    Ok(())
+}
+
+/// Counts driver resources made (+1) and dropped (-1), for the tests.
+fn tally(_delta: i64) {
+    #[cfg(test)]
+    hooks::LIVE.with(|l| l.set(l.get() + _delta));
+}
+
+/// Makes `ctx` current on the calling thread until the guard drops, then puts back whatever was
+/// current before (the caller's device, as torch set it).
+fn bind(ctx: sys::CUcontext) -> Result<CtxGuard, BackendError> {
+    let prev = result::ctx::get_current()
+        .map_err(|e| driver_error("cuCtxGetCurrent", e))?
+        .unwrap_or(ptr::null_mut());
+    if prev != ctx {
+        // SAFETY: `ctx` is a retained primary context, alive while its owner lives.
+        unsafe { result::ctx::set_current(ctx) }.map_err(|e| driver_error("cuCtxSetCurrent", e))?;
+    }
+    Ok(CtxGuard {
+        prev: (prev != ctx).then_some(prev),
+    })
+}
+
+/// A reference to a device's primary context (the one torch uses), from `retain` until drop.
+#[derive(Debug)]
+struct PrimaryCtx {
+    device: sys::CUdevice,
+    raw: sys::CUcontext,
+}
+
+impl PrimaryCtx {
+    fn retain(device: sys::CUdevice) -> Result<Self, BackendError> {
+        may_create("cuDevicePrimaryCtxRetain")?;
+        // SAFETY: `device` came from cuDeviceGet; the reference is released once, in Drop.
+        let raw = unsafe { result::primary_ctx::retain(device) }
+            .map_err(|e| driver_error("cuDevicePrimaryCtxRetain", e))?;
+        tally(1);
+        Ok(PrimaryCtx { device, raw })
+    }
+}
+
+impl Drop for PrimaryCtx {
+    fn drop(&mut self) {
+        // SAFETY: retained once in `retain`, released once here. An error is ignored: Drop must
+        // not panic, and no one is left to tell.
+        let _ = unsafe { result::primary_ctx::release(self.device) };
+        tally(-1);
+    }
+}
+
+/// A lane's stream: one this backend created (destroyed on drop) or the caller's (left alone).
+#[derive(Debug)]
+struct Stream {
+    raw: sys::CUstream,
+    ctx: sys::CUcontext,
+    owned: bool,
+}
+
+impl Stream {
+    /// A non-blocking stream of `ctx`: it never synchronises with the legacy default stream.
+    fn create(ctx: sys::CUcontext) -> Result<Self, BackendError> {
+        may_create("cuStreamCreate")?;
+        let _bound = bind(ctx)?;
+        let raw = result::stream::create(result::stream::StreamKind::NonBlocking)
+            .map_err(|e| driver_error("cuStreamCreate", e))?;
+        tally(1);
+        Ok(Stream {
+            raw,
+            ctx,
+            owned: true,
+        })
+    }
+
+    /// The caller's stream, used as it is and never destroyed here.
+    fn borrowed(raw: u64, ctx: sys::CUcontext) -> Self {
+        Stream {
+            raw: raw as sys::CUstream,
+            ctx,
+            owned: false,
+        }
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        if !self.owned {
+            return;
+        }
+        if let Ok(_bound) = bind(self.ctx) {
+            // SAFETY: created by `create` and destroyed once, here. Work still queued on it is no
+            // obstacle: the driver releases the stream once that work is done. Errors are
+            // ignored: Drop must not panic.
+            let _ = unsafe { result::stream::destroy(self.raw) };
+        }
+        tally(-1);
+    }
+}
+
+/// An event, destroyed on drop.
+#[derive(Debug)]
+struct Event {
+    raw: sys::CUevent,
+    ctx: sys::CUcontext,
+}
+
+impl Event {
+    fn create(ctx: sys::CUcontext, timing: bool) -> Result<Self, BackendError> {
+        may_create("cuEventCreate")?;
+        let _bound = bind(ctx)?;
+        let flags = if timing {
+            sys::CUevent_flags::CU_EVENT_DEFAULT
+        } else {
+            sys::CUevent_flags::CU_EVENT_DISABLE_TIMING
+        };
+        let raw = result::event::create(flags).map_err(|e| driver_error("cuEventCreate", e))?;
+        tally(1);
+        Ok(Event { raw, ctx })
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        if let Ok(_bound) = bind(self.ctx) {
+            // SAFETY: created by `create` and destroyed once, here. An event still pending in a
+            // stream may be destroyed: the driver releases it once it completes.
+            let _ = unsafe { result::event::destroy(self.raw) };
+        }
+        tally(-1);
+    }
+}
+
+/// Page-locked, device-mapped, cached host memory from `cuMemHostAlloc`, zeroed; freed on drop.
+#[derive(Debug)]
+struct PinnedHost {
+    ptr: ptr::NonNull<u8>,
+    ctx: sys::CUcontext,
+}
+
+impl PinnedHost {
+    fn alloc(ctx: sys::CUcontext, len: usize) -> Result<Self, BackendError> {
+        may_create("cuMemHostAlloc")?;
+        let _bound = bind(ctx)?;
+        // SAFETY: portable, device-mapped, cached memory (not write-combined: the CPU reads it).
+        let p = unsafe {
+            result::malloc_host(
+                len,
+                sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP,
+            )
+        }
+        .map_err(|e| driver_error("cuMemHostAlloc", e))?;
+        let ptr =
+            ptr::NonNull::new(p as *mut u8).ok_or(BackendError::OutOfMemory { bytes: len })?;
+        // SAFETY: `len` bytes just allocated, not shared yet.
+        unsafe { ptr::write_bytes(ptr.as_ptr(), 0, len) };
+        tally(1);
+        Ok(PinnedHost { ptr, ctx })
+    }
+
+    fn as_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+}
+
+impl Drop for PinnedHost {
+    fn drop(&mut self) {
+        if let Ok(_bound) = bind(self.ctx) {
+            // SAFETY: allocated by `alloc` and freed once, here; the owner drops it only once no
+            // stream can write it. Errors are ignored: Drop must not panic.
+            let _ = unsafe { result::free_host(self.ptr.as_ptr() as *mut c_void) };
+        }
+        tally(-1);
+    }
+}
+
 /// One direction's stream and completion state.
 #[derive(Debug)]
 struct CudaLane {
-    stream: sys::CUstream,
-    owns_stream: bool,
-    /// Mapped pinned u64 the stream writes completed sequence numbers into (write-value mode).
+    /// Event ring, indexed by `seq % len`: completion (event mode).
+    done_events: Vec<Event>,
+    /// Timing event pairs, indexed by `seq % len` (timing on).
+    timing_events: Vec<(Event, Event)>,
+    /// Recorded on the caller's stream and waited for by ours.
+    dep_event: Event,
+    /// Dropped after the events recorded on it.
+    stream: Stream,
+    /// Mapped pinned u64 the stream writes completed sequence numbers into (write-value mode),
+    /// inside the backend's `counters`.
     counter: *mut u64,
     counter_dev: sys::CUdeviceptr,
-    /// Event ring, indexed by `seq % len`: completion (event mode).
-    done_events: Vec<sys::CUevent>,
-    /// Timing event pairs, indexed by `seq % len` (timing on).
-    timing_events: Vec<(sys::CUevent, sys::CUevent)>,
-    /// Recorded on the caller's stream and waited for by ours.
-    dep_event: sys::CUevent,
     submitted: AtomicU64,
     /// Highest sequence number known complete (event mode).
     known: AtomicU64,
+    /// Set once copies may be queued with no completion marker after them (the marker failed to
+    /// enqueue): then only the stream itself says when this lane's work is done.
+    unmarked: AtomicBool,
     error: OnceLock<BackendError>,
     /// Nanoseconds since `CudaBackend::epoch` of the last stream health check.
     last_check: AtomicU64,
 }
 
+impl CudaLane {
+    /// Lane `i`: counter `i` of `counters`, the caller's `stream` or a new one, its dependency
+    /// event. `ctx` is current.
+    fn new(
+        ctx: sys::CUcontext,
+        counters: &PinnedHost,
+        i: usize,
+        stream: Option<u64>,
+    ) -> Result<Self, BackendError> {
+        // SAFETY: inside the 4 * 64-byte allocation, 8-byte aligned.
+        let counter = unsafe { counters.as_ptr().add(i * 64) } as *mut u64;
+        let mut counter_dev = 0;
+        // SAFETY: `counter` lies in mapped pinned memory; the driver writes one device pointer.
+        check("cuMemHostGetDevicePointer", unsafe {
+            sys::cuMemHostGetDevicePointer_v2(&mut counter_dev, counter as *mut c_void, 0)
+        })?;
+        let stream = match stream {
+            Some(s) => Stream::borrowed(s, ctx),
+            None => Stream::create(ctx)?,
+        };
+        Ok(CudaLane {
+            done_events: Vec::new(),
+            timing_events: Vec::new(),
+            dep_event: Event::create(ctx, false)?,
+            stream,
+            counter,
+            counter_dev,
+            submitted: AtomicU64::new(0),
+            known: AtomicU64::new(0),
+            unmarked: AtomicBool::new(false),
+            error: OnceLock::new(),
+            last_check: AtomicU64::new(0),
+        })
+    }
+
+    /// Whether `cuStreamWriteValue64` works here: one write, then a synchronize.
+    fn probe_write_value(&self) -> bool {
+        // SAFETY: the counter is mapped pinned memory of the backend being built; the stream is
+        // ours or the caller's, valid for the backend's life.
+        unsafe {
+            sys::cuStreamWriteValue64_v2(self.stream.raw, self.counter_dev, 0, 0)
+                == sys::CUresult::CUDA_SUCCESS
+                && sys::cuStreamSynchronize(self.stream.raw) == sys::CUresult::CUDA_SUCCESS
+        }
+    }
+}
+
 /// Copies with the CUDA driver.
+///
+/// Every driver resource is owned by a value that frees it on drop (the context reference, the
+/// counters, each stream and event), so a construction that fails midway frees what it made.
+/// The backend drops them by hand (see its `Drop`): in a forked child, or while a lane the
+/// engine gave up on may still run, the memory the device may write is leaked, never freed.
 #[derive(Debug)]
 pub struct CudaBackend {
-    device: sys::CUdevice,
     ordinal: i32,
-    ctx: sys::CUcontext,
     name: String,
     driver_version: i32,
     batch: Option<BatchFn>,
     opts: CudaOptions,
     write_value: bool,
-    counters: *mut c_void,
-    lanes: Vec<CudaLane>,
     epoch: Instant,
     /// Nanoseconds inside copy calls (cuMemcpyBatchAsync / cuMemcpyAsync), for profiling.
     driver_ns: AtomicU64,
@@ -359,32 +626,52 @@ pub struct CudaBackend {
     /// [`crate::engine::fork_generation`] when the backend was made: in a child forked since,
     /// its context and handles are the parent's and must not be touched.
     generation: u64,
+    /// Set by `shutdown`: from then on host memory is freed only once every lane is idle.
+    shut: AtomicBool,
+    /// Host memory handed back while a lane might still reach it: freed once every lane is idle,
+    /// else leaked.
+    deferred: Mutex<Vec<HostAlloc>>,
+    // The driver resources, dropped in this order in `Drop`.
+    lanes: ManuallyDrop<Vec<CudaLane>>,
+    /// One cache line per lane's completion counter: the device writes them independently.
+    counters: ManuallyDrop<PinnedHost>,
+    ctx: ManuallyDrop<PrimaryCtx>,
 }
 
 // SAFETY: driver handles (context, streams, events) may be used from any thread once the context is
 // made current there, which every entry point does first; `counter` is only read atomically on the
 // host and written by the device.
 unsafe impl Send for CudaBackend {}
-// SAFETY: as above; mutation goes through atomics and OnceLocks, and submissions are serialised by
-// the engine's submit lock.
+// SAFETY: as above; mutation goes through atomics, OnceLocks and a Mutex, and submissions are
+// serialised by the engine's submit lock.
 unsafe impl Sync for CudaBackend {}
 
 /// How long between stream health checks while transfers are outstanding.
 const HEALTH_CHECK: Duration = Duration::from_millis(20);
 
 impl CudaBackend {
-    pub fn new(opts: CudaOptions) -> Result<Self, BackendError> {
+    /// `opts.max_in_flight` is clamped as the engine clamps it ([`super::clamp_in_flight`]): the
+    /// event rings hold twice that.
+    pub fn new(mut opts: CudaOptions) -> Result<Self, BackendError> {
+        opts.max_in_flight = super::clamp_in_flight(opts.max_in_flight);
+        // Arguments first, before any driver resource exists.
+        for s in opts.streams.iter().flatten() {
+            if *s <= 2 {
+                return Err(BackendError::InvalidArgument(format!(
+                    "stream {s:#x} is a legacy or per-thread default stream; copies need a created stream"
+                )));
+            }
+        }
         let driver_version = driver_available()?;
         let mut device = 0;
         // SAFETY: symbols checked by `driver_available`; cuDeviceGet writes one handle.
         check("cuDeviceGet", unsafe {
             sys::cuDeviceGet(&mut device, opts.device)
         })?;
-        let mut ctx = ptr::null_mut();
-        // SAFETY: retains the device's primary context (the one torch uses); released in Drop.
-        check("cuDevicePrimaryCtxRetain", unsafe {
-            sys::cuDevicePrimaryCtxRetain(&mut ctx, device)
-        })?;
+        // From here on every resource is owned by a local: an early return drops them in reverse
+        // order (lanes, counters, the binding, the context).
+        let ctx = PrimaryCtx::retain(device)?;
+        let _bound = bind(ctx.raw)?;
         let mut name_buf = [0 as std::ffi::c_char; 256];
         // SAFETY: writes at most 256 bytes, NUL-terminated.
         let name = if unsafe { sys::cuDeviceGetName(name_buf.as_mut_ptr(), 256, device) }
@@ -406,144 +693,106 @@ impl CudaBackend {
                 ))
             })?),
         };
-        for s in opts.streams.iter().flatten() {
-            if *s <= 2 {
-                return Err(BackendError::InvalidArgument(format!(
-                    "stream {s:#x} is a legacy or per-thread default stream; copies need a created stream"
-                )));
+        let counters = PinnedHost::alloc(ctx.raw, Direction::ALL.len() * 64)?;
+        let mut lanes = Vec::with_capacity(Direction::ALL.len());
+        for (i, dir) in Direction::ALL.into_iter().enumerate() {
+            debug_assert_eq!(dir.lane(), i, "lanes are indexed by Direction::lane");
+            lanes.push(CudaLane::new(ctx.raw, &counters, i, opts.streams[i])?);
+        }
+        let write_value = match opts.completion {
+            CompletionMode::Event => false,
+            CompletionMode::Auto => lanes[0].probe_write_value(),
+            CompletionMode::WriteValue => {
+                if !lanes[0].probe_write_value() {
+                    return Err(BackendError::Unavailable(
+                        "this device or driver has no 64-bit stream memory operations (completion='write_value')".into(),
+                    ));
+                }
+                true
+            }
+        };
+        // Twice the transfers the engine lets into flight: a slot is recorded again only once
+        // the transfer that used it is complete.
+        let ring = 2 * opts.max_in_flight;
+        for lane in &mut lanes {
+            if !write_value {
+                lane.done_events = (0..ring)
+                    .map(|_| Event::create(ctx.raw, false))
+                    .collect::<Result<_, _>>()?;
+            }
+            if opts.timing {
+                lane.timing_events = (0..ring)
+                    .map(|_| Ok((Event::create(ctx.raw, true)?, Event::create(ctx.raw, true)?)))
+                    .collect::<Result<_, BackendError>>()?;
             }
         }
-        let mut backend = CudaBackend {
-            device,
+        Ok(CudaBackend {
             ordinal: opts.device,
-            ctx,
             name,
             driver_version,
             batch,
-            write_value: opts.completion != CompletionMode::Event,
             opts,
-            counters: ptr::null_mut(),
-            lanes: Vec::new(),
+            write_value,
             epoch: Instant::now(),
             driver_ns: AtomicU64::new(0),
             fail_next: AtomicU64::new(0),
             generation: crate::engine::fork_generation(),
-        };
-        let ctx_guard = backend.make_current()?;
-        backend.init_lanes()?;
-        if backend.opts.completion == CompletionMode::Auto && !backend.probe_write_value() {
-            backend.write_value = false;
-        } else if backend.opts.completion == CompletionMode::WriteValue
-            && !backend.probe_write_value()
-        {
-            return Err(BackendError::Unavailable(
-                "this device or driver has no 64-bit stream memory operations (completion='write_value')".into(),
-            ));
-        }
-        drop(ctx_guard);
-        Ok(backend)
-    }
-
-    /// Makes this backend's context current on the calling thread until the guard drops, then
-    /// puts back whatever was current before (the caller's device, as torch set it).
-    fn make_current(&self) -> Result<CtxGuard, BackendError> {
-        let mut prev = ptr::null_mut();
-        // SAFETY: writes the calling thread's current context (possibly null).
-        check("cuCtxGetCurrent", unsafe {
-            sys::cuCtxGetCurrent(&mut prev)
-        })?;
-        if prev != self.ctx {
-            // SAFETY: the context is retained for the life of the backend.
-            check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(self.ctx) })?;
-        }
-        Ok(CtxGuard {
-            prev: (prev != self.ctx).then_some(prev),
+            shut: AtomicBool::new(false),
+            deferred: Mutex::new(Vec::new()),
+            lanes: ManuallyDrop::new(lanes),
+            counters: ManuallyDrop::new(counters),
+            ctx: ManuallyDrop::new(ctx),
         })
     }
 
-    fn init_lanes(&mut self) -> Result<(), BackendError> {
-        // One cache line per lane's counter: the device writes them independently.
-        let mut p = ptr::null_mut();
-        // SAFETY: allocates 4 * 64 bytes of page-locked, device-mapped, cached (not write-combined:
-        // the CPU reads these) host memory; freed in Drop.
-        check("cuMemHostAlloc", unsafe {
-            sys::cuMemHostAlloc(
-                &mut p,
-                4 * 64,
-                sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP,
-            )
-        })?;
-        // SAFETY: 256 bytes just allocated.
-        unsafe { ptr::write_bytes(p as *mut u8, 0, 4 * 64) };
-        self.counters = p;
-        let ring = 2 * self.opts.max_in_flight.max(1);
-        for (i, dir) in Direction::ALL.into_iter().enumerate() {
-            // SAFETY: inside the 256-byte allocation.
-            let counter = unsafe { (p as *mut u8).add(i * 64) } as *mut u64;
-            let mut counter_dev = 0;
-            // SAFETY: `counter` lies in mapped pinned memory; the driver writes one device pointer.
-            check("cuMemHostGetDevicePointer", unsafe {
-                sys::cuMemHostGetDevicePointer_v2(&mut counter_dev, counter as *mut c_void, 0)
-            })?;
-            let (stream, owns_stream) = match self.opts.streams[dir.lane()] {
-                Some(s) => (s as sys::CUstream, false),
-                None => {
-                    let mut s = ptr::null_mut();
-                    // SAFETY: creates a non-blocking stream (never synchronises with the legacy
-                    // default stream); destroyed in Drop.
-                    check("cuStreamCreate", unsafe {
-                        sys::cuStreamCreate(
-                            &mut s,
-                            sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
-                        )
-                    })?;
-                    (s, true)
-                }
-            };
-            let mut lane = CudaLane {
-                stream,
-                owns_stream,
-                counter,
-                counter_dev,
-                done_events: Vec::new(),
-                timing_events: Vec::new(),
-                dep_event: ptr::null_mut(),
-                submitted: AtomicU64::new(0),
-                known: AtomicU64::new(0),
-                error: OnceLock::new(),
-                last_check: AtomicU64::new(0),
-            };
-            lane.dep_event = new_event(false)?;
-            if !self.write_value || self.opts.completion == CompletionMode::Auto {
-                // Kept for the event fallback (and auto mode before the probe decides).
-                lane.done_events = (0..ring)
-                    .map(|_| new_event(false))
-                    .collect::<Result<_, _>>()?;
-            }
-            if self.opts.timing {
-                lane.timing_events = (0..ring)
-                    .map(|_| Ok((new_event(true)?, new_event(true)?)))
-                    .collect::<Result<_, BackendError>>()?;
-            }
-            self.lanes.push(lane);
-        }
-        Ok(())
-    }
-
-    /// Whether `cuStreamWriteValue64` works here: one write, then a synchronize.
-    fn probe_write_value(&self) -> bool {
-        let lane = &self.lanes[0];
-        // SAFETY: the counter is mapped pinned memory owned by this backend; the stream is ours or
-        // the caller's, valid for the backend's life.
-        unsafe {
-            sys::cuStreamWriteValue64_v2(lane.stream, lane.counter_dev, 0, 0)
-                == sys::CUresult::CUDA_SUCCESS
-                && sys::cuStreamSynchronize(lane.stream) == sys::CUresult::CUDA_SUCCESS
-        }
+    /// Makes this backend's context current on the calling thread until the guard drops.
+    fn make_current(&self) -> Result<CtxGuard, BackendError> {
+        bind(self.ctx.raw)
     }
 
     fn lane(&self, d: Direction) -> &CudaLane {
         &self.lanes[d.lane()]
+    }
+
+    /// Whether nothing this backend queued on `lane` can still run: every completion marker
+    /// reached, or, where a marker may be missing, the stream idle. Never blocks; the context is
+    /// current.
+    fn lane_idle(&self, lane: Direction) -> bool {
+        let l = self.lane(lane);
+        // Acquire: pairs with the Release stores in `submit`.
+        if l.unmarked.load(Ordering::Acquire) {
+            // SAFETY: the stream is valid for the backend's life; cuStreamQuery never blocks.
+            return unsafe { sys::cuStreamQuery(l.stream.raw) } == sys::CUresult::CUDA_SUCCESS;
+        }
+        self.completed(lane) >= l.submitted.load(Ordering::Acquire)
+    }
+
+    /// Whether host memory may be freed now. Until shutdown, and while no lane has failed, the
+    /// engine frees only what no transfer in flight uses; after either, only once every lane is
+    /// idle. The context is current.
+    fn may_free(&self) -> bool {
+        // Acquire: pairs with the store in `shutdown`.
+        let trusted = !self.shut.load(Ordering::Acquire)
+            && self.lanes.iter().all(|l| l.error.get().is_none());
+        trusted || Direction::ALL.into_iter().all(|d| self.lane_idle(d))
+    }
+
+    /// The transfers not known complete on lanes that are not idle.
+    fn left(&self) -> u64 {
+        Direction::ALL
+            .into_iter()
+            .filter(|&d| !self.lane_idle(d))
+            .map(|d| self.left_on(d))
+            .sum()
+    }
+
+    /// The transfers of `lane` not known complete (at least 1 where the lane is not idle).
+    fn left_on(&self, lane: Direction) -> u64 {
+        let l = self.lane(lane);
+        l.submitted
+            .load(Ordering::Acquire)
+            .saturating_sub(self.completed(lane))
+            .max(1)
     }
 
     fn attrs(&self, lane: Direction) -> sys::CUmemcpyAttributes {
@@ -564,7 +813,7 @@ impl CudaBackend {
         slab: &SlabInner,
         first: usize,
     ) -> Result<(), BackendError> {
-        let stream = self.lane(lane).stream;
+        let stream = self.lane(lane).stream.raw;
         let (src, size) = (&slab.src()[first..], &slab.size()[first..]);
         let poisoned;
         let dst = if take_injected(&self.fail_next) {
@@ -648,7 +897,7 @@ impl CudaBackend {
     /// the lane's stream, one `cuMemcpy2DAsync` each: rows of pages at one pitch per side, copy
     /// engines only. On failure, the index of the failing copy.
     fn issue_pitched(&self, lane: Direction, slab: &SlabInner) -> Result<(), BackendError> {
-        let stream = self.lane(lane).stream;
+        let stream = self.lane(lane).stream.raw;
         let (src, dst, size) = (slab.src(), slab.dst(), slab.size());
         let ops = src.len() / crate::table::PITCHED_ENTRIES;
         // The injected fault: a null destination in the middle copy, which the driver refuses.
@@ -701,13 +950,15 @@ impl CudaBackend {
             // SAFETY: writes one u64 into our mapped pinned counter, after the preceding copies
             // (flags 0 keeps the memory barrier: the copied bytes are visible before the value).
             check("cuStreamWriteValue64", unsafe {
-                sys::cuStreamWriteValue64_v2(l.stream, l.counter_dev, seq, 0)
+                sys::cuStreamWriteValue64_v2(l.stream.raw, l.counter_dev, seq, 0)
             })
         } else {
-            let ev = l.done_events[(seq as usize) % l.done_events.len()];
+            let ev = l.done_events[(seq as usize) % l.done_events.len()].raw;
             // SAFETY: the event and stream are valid; re-recording a ring slot is safe because the
             // engine never has more than half the ring in flight.
-            check("cuEventRecord", unsafe { sys::cuEventRecord(ev, l.stream) })
+            check("cuEventRecord", unsafe {
+                sys::cuEventRecord(ev, l.stream.raw)
+            })
         }
     }
 
@@ -717,7 +968,7 @@ impl CudaBackend {
             return;
         }
         // SAFETY: the stream is valid for the backend's life; cuStreamQuery never blocks.
-        let r = unsafe { sys::cuStreamQuery(l.stream) };
+        let r = unsafe { sys::cuStreamQuery(l.stream.raw) };
         if r != sys::CUresult::CUDA_SUCCESS && r != sys::CUresult::CUDA_ERROR_NOT_READY {
             let _ = l.error.set(BackendError::Driver {
                 call: "cuStreamQuery",
@@ -728,7 +979,7 @@ impl CudaBackend {
     }
 }
 
-/// Restores the calling thread's previous context on drop (see `CudaBackend::make_current`).
+/// Restores the calling thread's previous context on drop (see [`bind`]).
 #[must_use]
 struct CtxGuard {
     prev: Option<sys::CUcontext>,
@@ -739,23 +990,9 @@ impl Drop for CtxGuard {
         if let Some(prev) = self.prev {
             // SAFETY: `prev` was current on this thread a moment ago (or null, which unsets).
             // A failure leaves our context current, which is harmless; Drop must not panic.
-            let _ = unsafe { sys::cuCtxSetCurrent(prev) };
+            let _ = unsafe { result::ctx::set_current(prev) };
         }
     }
-}
-
-fn new_event(timing: bool) -> Result<sys::CUevent, BackendError> {
-    let flags = if timing {
-        sys::CUevent_flags::CU_EVENT_DEFAULT as u32
-    } else {
-        sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32
-    };
-    let mut ev = ptr::null_mut();
-    // SAFETY: creates one event in the current context; destroyed in Drop.
-    check("cuEventCreate", unsafe {
-        sys::cuEventCreate(&mut ev, flags)
-    })?;
-    Ok(ev)
 }
 
 /// The driver's memory type of `addr`, or `None` where the driver does not know the address.
@@ -898,10 +1135,22 @@ impl Backend for CudaBackend {
     }
 
     unsafe fn free_host(&self, alloc: HostAlloc) {
-        let _ctx = self.make_current();
-        // SAFETY: allocated by cuMemHostAlloc; the caller guarantees nothing touches it again.
-        // Errors are ignored: freeing must not panic, and there is nothing left to do.
-        let _ = unsafe { sys::cuMemFreeHost(alloc.as_ptr() as *mut c_void) };
+        let Ok(_ctx) = self.make_current() else {
+            // Nothing can be checked or freed without the context: leaked.
+            return;
+        };
+        let mut deferred = self.deferred.lock().unwrap_or_else(|e| e.into_inner());
+        if !self.may_free() {
+            // A lane the engine gave up on may still reach it: freed once every lane is idle.
+            deferred.push(alloc);
+            return;
+        }
+        for a in deferred.drain(..).chain([alloc]) {
+            // SAFETY: allocated by cuMemHostAlloc; the caller guarantees nothing touches it again
+            // and, for memory deferred, every lane is idle now. Errors are ignored: freeing must
+            // not panic, and there is nothing left to do.
+            let _ = unsafe { result::free_host(a.as_ptr() as *mut c_void) };
+        }
     }
 
     unsafe fn pin_host(&self, start: u64, len: u64) -> Result<(), BackendError> {
@@ -918,6 +1167,12 @@ impl Backend for CudaBackend {
 
     unsafe fn unpin_host(&self, start: u64) -> Result<(), BackendError> {
         let _ctx = self.make_current()?;
+        if !self.may_free() {
+            // The device may still reach the range through a lane the engine gave up on.
+            return Err(BackendError::StillInFlight {
+                transfers: self.left(),
+            });
+        }
         // SAFETY: registered by pin_host; nothing in flight (the caller's guarantee).
         check("cuMemHostUnregister", unsafe {
             sys::cuMemHostUnregister(start as *mut c_void)
@@ -941,20 +1196,22 @@ impl Backend for CudaBackend {
             // SAFETY: `s` is the caller's stream handle (0 is the legacy default stream, which
             // may be recorded on); a bad handle comes back as an error, failing this transfer only.
             outcome = check("cuEventRecord", unsafe {
-                sys::cuEventRecord(l.dep_event, s as sys::CUstream)
+                sys::cuEventRecord(l.dep_event.raw, s as sys::CUstream)
             })
             .and_then(|_| {
                 // SAFETY: both handles valid; our stream waits for the caller's work so far.
                 check("cuStreamWaitEvent", unsafe {
-                    sys::cuStreamWaitEvent(l.stream, l.dep_event, 0)
+                    sys::cuStreamWaitEvent(l.stream.raw, l.dep_event.raw, 0)
                 })
             });
         }
-        let timing = (!l.timing_events.is_empty())
-            .then(|| l.timing_events[(seq as usize) % l.timing_events.len()]);
+        let timing = (!l.timing_events.is_empty()).then(|| {
+            let (start, end) = &l.timing_events[(seq as usize) % l.timing_events.len()];
+            (start.raw, end.raw)
+        });
         if let (Ok(()), Some((start, _))) = (&outcome, timing) {
             // SAFETY: valid event and stream. A failed timing record only loses the timing.
-            let _ = unsafe { sys::cuEventRecord(start, l.stream) };
+            let _ = unsafe { sys::cuEventRecord(start, l.stream.raw) };
         }
         // Copies are issued only when the ordering they depend on is in place.
         let mut first = 0;
@@ -964,7 +1221,7 @@ impl Backend for CudaBackend {
             // submission, one completion.
             first = batch.len;
             outcome = launch(KernelBatch {
-                stream: l.stream as u64,
+                stream: l.stream.raw as u64,
                 ..batch
             })
             .map_err(|reason| BackendError::CopyFailed {
@@ -982,13 +1239,15 @@ impl Backend for CudaBackend {
         }
         if let (Ok(()), Some((_, end))) = (&outcome, timing) {
             // SAFETY: as above.
-            let _ = unsafe { sys::cuEventRecord(end, l.stream) };
+            let _ = unsafe { sys::cuEventRecord(end, l.stream.raw) };
         }
         if let Err(e) = &outcome {
             slab.set_failed(e.to_string());
         }
         // The completion marker goes in whatever happened to the copies, so the lane stays ordered.
         if let Err(e) = self.signal(lane, seq) {
+            // Release: pairs with the Acquire load in `lane_idle`.
+            l.unmarked.store(true, Ordering::Release);
             let _ = l.error.set(e.clone());
             return Err(e);
         }
@@ -1012,7 +1271,7 @@ impl Backend for CudaBackend {
         let submitted = l.submitted.load(Ordering::Acquire);
         let mut known = l.known.load(Ordering::Acquire);
         while known < submitted {
-            let ev = l.done_events[((known + 1) as usize) % l.done_events.len()];
+            let ev = l.done_events[((known + 1) as usize) % l.done_events.len()].raw;
             // SAFETY: valid event; cuEventQuery never blocks.
             if unsafe { sys::cuEventQuery(ev) } != sys::CUresult::CUDA_SUCCESS {
                 break;
@@ -1090,10 +1349,10 @@ impl Backend for CudaBackend {
         if l.timing_events.is_empty() {
             return None;
         }
-        let (start, end) = l.timing_events[(seq as usize) % l.timing_events.len()];
+        let (start, end) = &l.timing_events[(seq as usize) % l.timing_events.len()];
         let mut ms = 0f32;
         // SAFETY: both events were recorded for this (complete) transfer; the call never blocks.
-        let r = unsafe { sys::cuEventElapsedTime_v2(&mut ms, start, end) };
+        let r = unsafe { sys::cuEventElapsedTime_v2(&mut ms, start.raw, end.raw) };
         (r == sys::CUresult::CUDA_SUCCESS).then_some((ms as f64 * 1e6) as u64)
     }
 
@@ -1101,14 +1360,54 @@ impl Backend for CudaBackend {
         self.fail_next.store(count, Ordering::Relaxed);
     }
 
-    fn shutdown(&self) {
-        let Ok(_ctx) = self.make_current() else {
-            return;
-        };
-        for l in &self.lanes {
-            // SAFETY: valid streams; waiting for our own work before teardown.
-            let _ = unsafe { sys::cuStreamSynchronize(l.stream) };
+    fn shutdown(&self, deadline: Option<Instant>) -> u64 {
+        // Release: pairs with the Acquire load in `may_free`.
+        self.shut.store(true, Ordering::Release);
+        // Without the context the queries below fail, and every lane counts as still running.
+        let _ctx = self.make_current();
+        // Waits without spinning a core and never inside the driver (a stream synchronize has no
+        // bound), for every lane that can still finish: a failed lane never does.
+        let mut sleep = Duration::from_micros(10);
+        let mut last_check = Instant::now();
+        loop {
+            let running: Vec<Direction> = Direction::ALL
+                .into_iter()
+                .filter(|&d| self.lane(d).error.get().is_none() && !self.lane_idle(d))
+                .collect();
+            if running.is_empty() {
+                break;
+            }
+            if let Some(d) = deadline {
+                let now = Instant::now();
+                if now >= d {
+                    break;
+                }
+                sleep = sleep.min(d - now);
+            }
+            if last_check.elapsed() >= HEALTH_CHECK {
+                for &d in &running {
+                    self.check_stream(d);
+                }
+                last_check = Instant::now();
+            }
+            std::thread::sleep(sleep);
+            sleep = (sleep * 2).min(Duration::from_micros(500));
         }
+        let mut left = 0;
+        for d in Direction::ALL {
+            if self.lane_idle(d) {
+                continue;
+            }
+            let transfers = self.left_on(d);
+            left += transfers;
+            // Every transfer of the lane not complete yet is reported failed with this (unless the
+            // lane already failed), and the memory it may reach stays allocated.
+            let _ = self
+                .lane(d)
+                .error
+                .set(BackendError::StillInFlight { transfers });
+        }
+        left
     }
 }
 
@@ -1116,41 +1415,394 @@ impl Drop for CudaBackend {
     fn drop(&mut self) {
         // Never panics: driver errors during teardown are ignored (there is no one left to tell).
         if crate::engine::fork_generation() != self.generation {
+            // A forked child: the handles are the parent's. The fields are never dropped.
             return;
         }
-        let Ok(_ctx) = self.make_current() else {
-            return;
+        let idle = match self.make_current() {
+            Ok(_ctx) => {
+                let idle = Direction::ALL.into_iter().all(|d| self.lane_idle(d));
+                if idle {
+                    let deferred = self.deferred.get_mut().unwrap_or_else(|e| e.into_inner());
+                    for a in deferred.drain(..) {
+                        // SAFETY: from cuMemHostAlloc, handed back by its owner, and every lane
+                        // is idle: nothing can reach it any more.
+                        let _ = unsafe { result::free_host(a.as_ptr() as *mut c_void) };
+                    }
+                }
+                idle
+            }
+            Err(_) => false,
         };
-        for l in &self.lanes {
-            // SAFETY: each handle was created by this backend and is destroyed once; streams are
-            // synchronised first so no queued work refers to the events or the counter.
+        // SAFETY: each field is dropped at most once, here, and the backend is not used again.
+        // Streams and events may go with work still queued: the driver releases them after it.
+        unsafe { ManuallyDrop::drop(&mut self.lanes) };
+        if idle {
+            // SAFETY: as above. No stream writes the counters any more, and nothing made in the
+            // context is left.
             unsafe {
-                let _ = sys::cuStreamSynchronize(l.stream);
-                for &e in l.done_events.iter().chain([&l.dep_event]) {
-                    let _ = sys::cuEventDestroy_v2(e);
-                }
-                for &(a, b) in &l.timing_events {
-                    let _ = sys::cuEventDestroy_v2(a);
-                    let _ = sys::cuEventDestroy_v2(b);
-                }
-                if l.owns_stream {
-                    let _ = sys::cuStreamDestroy_v2(l.stream);
-                }
+                ManuallyDrop::drop(&mut self.counters);
+                ManuallyDrop::drop(&mut self.ctx);
             }
         }
-        if !self.counters.is_null() {
-            // SAFETY: allocated by cuMemHostAlloc in init_lanes; no stream writes it any more.
-            let _ = unsafe { sys::cuMemFreeHost(self.counters) };
-        }
-        // SAFETY: retained in `new`.
-        let _ = unsafe { sys::cuDevicePrimaryCtxRelease_v2(self.device) };
+        // Otherwise a lane the engine gave up on may still write its counter or reach memory
+        // handed back: the counters, that memory and the context reference are leaked, never
+        // freed under the device.
     }
 }
 
 // Miri cannot dlopen a driver (or probe for one).
 #[cfg(all(test, not(miri)))]
 mod tests {
+    use std::sync::atomic::AtomicU32;
+    use std::sync::{mpsc, Arc, MutexGuard};
+
     use super::*;
+    use crate::engine::{Engine, EngineConfig};
+
+    /// The tests that make a backend share the device's primary context, whose state some check.
+    fn gpu() -> MutexGuard<'static, ()> {
+        static GPU: Mutex<()> = Mutex::new(());
+        GPU.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Driver resources alive that this thread made.
+    fn live() -> i64 {
+        hooks::LIVE.with(|l| l.get())
+    }
+
+    fn device0() -> sys::CUdevice {
+        driver_available().expect("a CUDA driver");
+        let mut dev = 0;
+        // SAFETY: symbols checked; writes one handle.
+        check("cuDeviceGet", unsafe { sys::cuDeviceGet(&mut dev, 0) }).expect("device 0");
+        dev
+    }
+
+    /// Whether anyone holds a reference to device 0's primary context.
+    fn primary_ctx_active() -> bool {
+        let (mut flags, mut active) = (0u32, 0i32);
+        // SAFETY: writes two ints.
+        check("cuDevicePrimaryCtxGetState", unsafe {
+            sys::cuDevicePrimaryCtxGetState(device0(), &mut flags, &mut active)
+        })
+        .expect("primary context state");
+        active != 0
+    }
+
+    /// Constructions failing at each driver resource in turn: `(step, error)` of each, then the
+    /// number of steps of the one that succeeds (dropped at once).
+    fn fail_at_each_step(opts: &CudaOptions) -> (Vec<(usize, BackendError)>, usize) {
+        let mut failures = Vec::new();
+        for step in 0.. {
+            hooks::FAIL_AT.with(|f| f.set(Some(step)));
+            let made = CudaBackend::new(opts.clone());
+            hooks::FAIL_AT.with(|f| f.set(None));
+            match made {
+                Err(e) => failures.push((step, e)),
+                Ok(b) => {
+                    drop(b);
+                    return (failures, step);
+                }
+            }
+        }
+        unreachable!()
+    }
+
+    #[test]
+    #[ignore = "needs CUDA"]
+    fn a_construction_failing_at_any_resource_frees_all_it_made() {
+        let _gpu = gpu();
+        // A reference of our own keeps the context alive across the attempts (a primary context
+        // is slow to create); the next test checks the driver's own count.
+        let held = PrimaryCtx::retain(device0()).expect("retain");
+        let before = live();
+        for completion in [CompletionMode::Event, CompletionMode::Auto] {
+            let opts = CudaOptions {
+                completion,
+                timing: true,
+                max_in_flight: 3,
+                ..CudaOptions::new(0)
+            };
+            let (failures, steps) = fail_at_each_step(&opts);
+            // The context, the counters, a stream and an event per lane, and the rings of 6.
+            let rings = if completion == CompletionMode::Event {
+                3
+            } else {
+                2
+            };
+            assert_eq!(steps, 2 + 4 * 2 + 4 * 6 * rings, "{completion:?}");
+            assert_eq!(failures.len(), steps);
+            for (step, e) in failures {
+                assert!(e.to_string().contains("injected"), "{step}: {e}");
+                assert_eq!(
+                    live(),
+                    before,
+                    "{completion:?}: step {step} left resources alive"
+                );
+            }
+            assert_eq!(live(), before);
+        }
+        drop(held);
+    }
+
+    #[test]
+    #[ignore = "needs CUDA"]
+    fn a_failed_construction_releases_the_primary_context() {
+        let _gpu = gpu();
+        assert!(
+            !primary_ctx_active(),
+            "something else holds the primary context"
+        );
+        // A legacy default stream is refused before any driver resource exists.
+        let mut opts = CudaOptions::new(0);
+        opts.streams[Direction::DeviceToHost.lane()] = Some(1);
+        let e = CudaBackend::new(opts).expect_err("stream 1 is refused");
+        assert!(matches!(e, BackendError::InvalidArgument(_)), "{e}");
+        assert!(!primary_ctx_active(), "the context reference leaked");
+        // Failures after the context: at the counters, at the third lane's stream, mid-ring.
+        let opts = CudaOptions {
+            completion: CompletionMode::Event,
+            max_in_flight: 3,
+            ..CudaOptions::new(0)
+        };
+        for step in [1, 6, 20] {
+            hooks::FAIL_AT.with(|f| f.set(Some(step)));
+            let made = CudaBackend::new(opts.clone());
+            hooks::FAIL_AT.with(|f| f.set(None));
+            assert!(made.is_err(), "step {step}");
+            assert!(
+                !primary_ctx_active(),
+                "step {step}: the context reference leaked"
+            );
+        }
+        drop(CudaBackend::new(opts).expect("a backend"));
+        assert!(
+            !primary_ctx_active(),
+            "a backend dropped keeps its context reference"
+        );
+    }
+
+    #[test]
+    #[ignore = "needs CUDA"]
+    fn the_event_ring_holds_what_the_engine_lets_into_flight() {
+        let _gpu = gpu();
+        let opts = CudaOptions {
+            completion: CompletionMode::Event,
+            max_in_flight: usize::MAX,
+            ..CudaOptions::new(0)
+        };
+        let backend = Arc::new(CudaBackend::new(opts).expect("a backend"));
+        let engine = Engine::new(
+            backend.clone(),
+            EngineConfig {
+                max_in_flight: usize::MAX,
+                ..EngineConfig::default()
+            },
+        );
+        let clamped = engine.config().max_in_flight;
+        assert_eq!(clamped, super::super::MAX_IN_FLIGHT);
+        assert_eq!(backend.opts.max_in_flight, clamped);
+        for l in backend.lanes.iter() {
+            assert_eq!(l.done_events.len(), 2 * clamped);
+        }
+    }
+
+    /// A stream of the caller's held back until `open`: the transfers that wait for it cannot
+    /// finish before then.
+    struct Gate {
+        flag: PinnedHost,
+        stream: Stream,
+    }
+
+    impl Gate {
+        fn new(ctx: sys::CUcontext) -> Gate {
+            let _bound = bind(ctx).expect("bind");
+            let flag = PinnedHost::alloc(ctx, 64).expect("flag");
+            let mut flag_dev = 0;
+            // SAFETY: the flag is mapped pinned memory; writes one device pointer.
+            check("cuMemHostGetDevicePointer", unsafe {
+                sys::cuMemHostGetDevicePointer_v2(&mut flag_dev, flag.as_ptr() as *mut c_void, 0)
+            })
+            .expect("device pointer");
+            let stream = Stream::create(ctx).expect("stream");
+            // SAFETY: valid stream and mapped address, alive until the gate drops (after `open`).
+            check("cuStreamWaitValue32", unsafe {
+                sys::cuStreamWaitValue32_v2(
+                    stream.raw,
+                    flag_dev,
+                    1,
+                    sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32,
+                )
+            })
+            .expect("wait value");
+            Gate { flag, stream }
+        }
+
+        fn raw(&self) -> u64 {
+            self.stream.raw as u64
+        }
+
+        /// The flag's address, for a thread that opens the gate while it lives.
+        fn flag(&self) -> usize {
+            self.flag.as_ptr() as usize
+        }
+
+        fn open(&self) {
+            open_flag(self.flag());
+        }
+
+        /// Opens the gate and waits for its stream.
+        fn drain(&self) {
+            self.open();
+            let _bound = bind(self.stream.ctx).expect("bind");
+            // SAFETY: a valid stream; the gate is open, so this returns.
+            check("cuStreamSynchronize", unsafe {
+                sys::cuStreamSynchronize(self.stream.raw)
+            })
+            .expect("the gated stream ran");
+        }
+    }
+
+    fn open_flag(flag: usize) {
+        // SAFETY: 4 aligned bytes of a live gate's flag; the device only reads them.
+        unsafe { AtomicU32::from_ptr(flag as *mut u32) }.store(1, Ordering::Release);
+    }
+
+    /// An engine on `backend` whose h2d and d2h transfers (job ids 1 and 2, one MiB each between
+    /// an engine buffer and device memory) wait for a closed gate.
+    fn held_transfers(backend: &Arc<CudaBackend>, timeout: Duration) -> (Engine, Gate, u64) {
+        let gate = Gate::new(backend.ctx.raw);
+        let engine = Engine::new(
+            backend.clone(),
+            EngineConfig {
+                shutdown_timeout: timeout,
+                ..EngineConfig::default()
+            },
+        );
+        let n = 1u64 << 20;
+        let host = engine.alloc_host(n as usize).expect("host buffer");
+        let dev = {
+            let _bound = bind(backend.ctx.raw).expect("bind");
+            // SAFETY: a plain device allocation, freed by the caller after the gate's drain.
+            unsafe { result::malloc_sync(n as usize) }.expect("device memory")
+        };
+        // SAFETY: device memory of `n` bytes that outlives the engine.
+        unsafe { engine.register(dev, n, MemoryKind::Device) }.expect("register");
+        let w = Some(gate.raw());
+        engine
+            .submit(1, &[host], &[dev], &[n], Direction::HostToDevice, w)
+            .expect("submit h2d");
+        engine
+            .submit(2, &[dev], &[host], &[n], Direction::DeviceToHost, w)
+            .expect("submit d2h");
+        (engine, gate, dev)
+    }
+
+    fn free_device(backend: &CudaBackend, dev: sys::CUdeviceptr) {
+        let _bound = bind(backend.ctx.raw).expect("bind");
+        // SAFETY: from malloc_sync; the gate is drained, so no copy uses it.
+        unsafe { result::free_sync(dev) }.expect("free device memory");
+    }
+
+    #[test]
+    #[ignore = "needs CUDA"]
+    fn shutdown_keeps_its_deadline_and_frees_nothing_the_device_may_reach() {
+        let _gpu = gpu();
+        let backend = Arc::new(CudaBackend::new(CudaOptions::new(0)).expect("a backend"));
+        let (engine, gate, dev) = held_transfers(&backend, Duration::from_millis(200));
+        let (stop, stopped) = mpsc::channel::<()>();
+        let flag = gate.flag();
+        std::thread::scope(|s| {
+            // A watchdog: a shutdown that waits for the gate fails the timing check, not hangs.
+            // Scoped: it ends before the gate does.
+            s.spawn(move || {
+                if stopped.recv_timeout(Duration::from_secs(5)).is_err() {
+                    open_flag(flag);
+                }
+            });
+            let started = Instant::now();
+            engine.shutdown();
+            let took = started.elapsed();
+            let _ = stop.send(());
+            assert!(
+                took >= Duration::from_millis(200) && took < Duration::from_secs(2),
+                "shutdown took {took:?} with a 200 ms timeout"
+            );
+        });
+        let mut results = Vec::new();
+        engine.get_finished(&mut results);
+        results.sort_by_key(|r| r.job_id);
+        assert_eq!(results.iter().map(|r| r.job_id).collect::<Vec<_>>(), [1, 2]);
+        for r in &results {
+            assert!(!r.success, "{r:?}");
+            assert!(
+                r.error.as_deref().unwrap_or("").contains("shut down"),
+                "{r:?}"
+            );
+        }
+        assert_eq!(
+            backend.shutdown(Some(Instant::now())),
+            2,
+            "both left in flight"
+        );
+        for d in [Direction::HostToDevice, Direction::DeviceToHost] {
+            assert_eq!(
+                backend.lane_error(d),
+                Some(BackendError::StillInFlight { transfers: 1 })
+            );
+        }
+        // The engine goes while the device may still read its slabs: they wait in the backend.
+        drop(engine);
+        let waiting = backend.deferred.lock().unwrap().len();
+        assert!(waiting > 0, "the pool's slabs were freed under the device");
+        // The transfers run once the gate opens, and what they use is still there. (`wait` says
+        // no at once for a lane shutdown gave up on: the context's synchronize waits instead.)
+        gate.drain();
+        {
+            let _bound = bind(backend.ctx.raw).unwrap();
+            // SAFETY: no argument; reports a fault of any work in the context.
+            check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() }).expect("no fault");
+        }
+        for d in [Direction::HostToDevice, Direction::DeviceToHost] {
+            assert_eq!(backend.completed(d), 1, "{d:?} ran after the shutdown");
+        }
+        free_device(&backend, dev);
+        drop(gate);
+        let before = live();
+        let backend = Arc::into_inner(backend).expect("the last reference");
+        drop(backend);
+        // 4 streams, 4 events, the counters and the context: every lane is idle now.
+        assert_eq!(live(), before - 10, "an idle backend frees everything");
+    }
+
+    #[test]
+    #[ignore = "needs CUDA"]
+    fn a_backend_dropped_under_running_copies_leaks_rather_than_frees() {
+        let _gpu = gpu();
+        let backend = Arc::new(CudaBackend::new(CudaOptions::new(0)).expect("a backend"));
+        let ctx = backend.ctx.raw;
+        let (engine, gate, dev) = held_transfers(&backend, Duration::ZERO);
+        engine.shutdown();
+        drop(engine);
+        let before = live();
+        drop(Arc::into_inner(backend).expect("the last reference"));
+        // Streams and events go (the driver releases them after their work); the counters the
+        // streams will write, and the context reference, stay.
+        assert_eq!(live(), before - 8);
+        assert!(primary_ctx_active());
+        gate.drain();
+        let _bound = bind(ctx).unwrap();
+        // SAFETY: no argument; reports a fault of any work in the context.
+        check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })
+            .expect("the copies and completion writes ran into memory still allocated");
+        // SAFETY: from malloc_sync; the context is idle.
+        unsafe { result::free_sync(dev) }.unwrap();
+        drop(gate);
+        drop(_bound);
+        // Give back the reference the backend kept, for the tests after this one.
+        // SAFETY: one reference was leaked by the drop above.
+        unsafe { result::primary_ctx::release(device0()) }.unwrap();
+    }
 
     #[test]
     fn parses_settings() {
@@ -1183,6 +1835,7 @@ mod tests {
 
     #[test]
     fn without_a_driver_the_backend_reports_why() {
+        let _gpu = gpu();
         match CudaBackend::new(CudaOptions::new(0)) {
             Ok(b) => assert_eq!(b.info().name, "cuda"), // a machine with a GPU
             Err(e) => {

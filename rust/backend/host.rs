@@ -286,7 +286,9 @@ impl Backend for HostBackend {
         Ok(reached)
     }
 
-    fn shutdown(&self) {
+    /// The worker finishes what is queued, whatever the deadline: it copies with the CPU, and
+    /// memory it may still copy cannot be handed back before it has. So nothing is left (0).
+    fn shutdown(&self, _deadline: Option<Instant>) -> u64 {
         // Dropping the sender lets the worker finish what is queued, then exit.
         self.sender.lock().unwrap_or_else(|e| e.into_inner()).take();
         if let Some(worker) = self.worker.lock().unwrap_or_else(|e| e.into_inner()).take() {
@@ -298,11 +300,12 @@ impl Backend for HostBackend {
                 let _ = worker.join();
             }
         }
+        0
     }
 }
 
 impl Drop for HostBackend {
     fn drop(&mut self) {
-        self.shutdown();
+        self.shutdown(None);
     }
 }

@@ -65,6 +65,9 @@ pub enum BackendError {
     Forked,
     /// An argument the backend cannot use (a legacy default stream for copies, say).
     InvalidArgument(String),
+    /// Transfers the backend stopped waiting for (shutdown's deadline passed, or their lane
+    /// failed): the device may still run them, so the memory they may reach is kept.
+    StillInFlight { transfers: u64 },
 }
 
 impl fmt::Display for BackendError {
@@ -91,6 +94,11 @@ impl fmt::Display for BackendError {
             }
             BackendError::ShutDown => f.write_str("the backend is shut down"),
             BackendError::InvalidArgument(why) => f.write_str(why),
+            BackendError::StillInFlight { transfers } => write!(
+                f,
+                "{transfers} transfers were still in flight when the backend stopped waiting for \
+                 them; the memory they may reach stays allocated"
+            ),
             BackendError::Forked => f.write_str(
                 "this engine was created in another process: a CUDA context does not survive \
                  fork(); create a new engine in the child",
@@ -301,8 +309,23 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// The transfer must then complete as failed, in order, with its slab returned.
     fn inject_failures(&self, count: u64);
 
-    /// Stops worker threads and streams once everything submitted is done. Idempotent.
-    fn shutdown(&self);
+    /// Stops the backend once everything submitted is done, waiting no later than `deadline`
+    /// (`None`: no bound). Past it, every transfer still in flight is reported failed through
+    /// [`Backend::lane_error`], and no memory it may reach is freed or unpinned, then or later,
+    /// while it may still run. Returns how many transfers were left in flight (0 when all
+    /// finished). Idempotent.
+    fn shutdown(&self, deadline: Option<Instant>) -> u64;
+}
+
+/// The most transfers in flight per direction: the host backend's one queue holds the jobs of
+/// all four lanes.
+pub const MAX_IN_FLIGHT: usize = host::QUEUE_DEPTH / 4;
+
+/// `max_in_flight` as the engine and every backend take it: at least 1, at most
+/// [`MAX_IN_FLIGHT`]. The one place this rule lives, so a backend sizing rings by it holds every
+/// transfer the engine lets into flight, and no more.
+pub fn clamp_in_flight(max_in_flight: usize) -> usize {
+    max_in_flight.clamp(1, MAX_IN_FLIGHT)
 }
 
 /// Takes one injected failure from `counter`, if any is left.
@@ -312,4 +335,17 @@ pub(crate) fn take_injected(counter: &std::sync::atomic::AtomicU64) -> bool {
     counter
         .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
         .is_ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn max_in_flight_is_clamped_in_one_place() {
+        assert_eq!(clamp_in_flight(0), 1);
+        assert_eq!(clamp_in_flight(7), 7);
+        assert_eq!(clamp_in_flight(usize::MAX), MAX_IN_FLIGHT);
+        assert_eq!(MAX_IN_FLIGHT, host::QUEUE_DEPTH / 4);
+    }
 }
