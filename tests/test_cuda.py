@@ -442,15 +442,20 @@ def test_a_refused_engine_holds_no_context_reference():
 
 
 def test_the_event_ring_is_sized_by_the_clamped_max_in_flight():
-    """``max_in_flight`` far past the limit: the engine clamps it, and the CUDA backend sizes its
-    event ring by the same clamped value (it used to create two events per unclamped transfer)."""
+    """``max_in_flight`` at its limit: the CUDA backend sizes its event ring by the same value
+    (it used to create two events per unclamped transfer); past the limit it is refused."""
     out = run_python(
         """
         import time
         import blockswap
 
+        try:
+            blockswap.Engine("cuda", completion="event", max_in_flight=2**40)
+            raise AssertionError("max_in_flight=2**40 accepted")
+        except blockswap.InvalidTransferError as e:
+            assert "max_in_flight" in str(e), e
         started = time.perf_counter()
-        with blockswap.Engine("cuda", completion="event", max_in_flight=2**40) as eng:
+        with blockswap.Engine("cuda", completion="event", max_in_flight=16384) as eng:
             took = time.perf_counter() - started
             info = eng.info()
             assert info["completion"] == "event query", info

@@ -1592,10 +1592,11 @@ mod tests {
             ..CudaOptions::new(0)
         };
         let backend = Arc::new(CudaBackend::new(opts).expect("a backend"));
+        // The engine refuses a setting past the limit; the backend, given one, clamps it.
         let engine = Engine::new(
             backend.clone(),
             EngineConfig {
-                max_in_flight: usize::MAX,
+                max_in_flight: super::super::MAX_IN_FLIGHT,
                 ..EngineConfig::default()
             },
         );
