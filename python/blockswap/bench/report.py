@@ -425,6 +425,28 @@ def _interference_table(sec: dict[str, Any], res: dict[str, Any]) -> list[str]:
 # ---- files ------------------------------------------------------------------------------------
 
 
+def remove_previous(out_dir: str) -> list[str]:
+    """Removes the files an earlier run wrote into ``out_dir`` (those its ``results.json``
+    names: the summary, the JSON, its plots), so that a rerun leaves no stale plot behind.
+    Nothing else in the folder is touched. Returns the names removed."""
+    path = os.path.join(out_dir, "results.json")
+    try:
+        with open(path) as f:
+            plots = json.load(f).get("plots") or []
+    except (OSError, ValueError, AttributeError):
+        plots = []
+    removed = []
+    for name in ["summary.md", "results.json", *plots]:
+        if not isinstance(name, str) or os.path.basename(name) != name:
+            continue  # only plain file names of this folder
+        try:
+            os.remove(os.path.join(out_dir, name))
+        except OSError:
+            continue
+        removed.append(name)
+    return removed
+
+
 def write_json(res: dict[str, Any], path: str) -> None:
     with open(path, "w") as f:
         json.dump(res, f, indent=1, default=str)
