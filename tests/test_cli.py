@@ -78,6 +78,51 @@ def test_info_routes_on_the_host_backend() -> None:
     assert all("memcpy" in r for r in d["routes"].values())
 
 
+def test_info_on_a_cuda_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What `blockswap info` says where the CUDA backend starts (the engine is a stand-in)."""
+    pytest.importorskip("torch")
+    import importlib.util
+
+    import blockswap.__main__ as cli
+
+    class FakeEngine:
+        def __init__(self, backend: str) -> None:
+            assert backend == "cuda"
+
+        def info(self) -> dict[str, object]:
+            return {
+                "backend": "cuda",
+                "driver_version": 13000,
+                "device": "cuda:0 (NVIDIA H100 80GB HBM3)",
+                "copy_path": "cuMemcpyBatchAsync (13.0 ABI)",
+                "completion": "cuStreamWriteValue64 into mapped pinned memory",
+            }
+
+        def shutdown(self) -> None:
+            pass
+
+    monkeypatch.setattr(cli, "Engine", FakeEngine)
+    monkeypatch.setattr(
+        cli,
+        "info",
+        lambda: {
+            "version": "0",
+            "cuda": True,
+            "cuda_status": "CUDA driver 13000",
+            "default_backend": "cuda",
+        },
+    )
+    text = cli.format_info(cli.describe())
+    assert "driver:          CUDA 13.0 (13000)" in text
+    assert "copy path:       cuMemcpyBatchAsync (13.0 ABI)" in text
+    kernel = "Triton copy kernel (16 CTAs, at most 8 MiB per launch)"
+    if importlib.util.find_spec("triton") is None:
+        kernel = "DMA: triton is not installed"
+    for d in ("GPU->CPU (d2h)", "CPU->GPU (h2d)"):
+        assert f"{d}: pages < 256 KiB: {kernel}\n" in text
+    assert text.count("larger pages: cuMemcpyBatchAsync (13.0 ABI)") == 2
+
+
 def test_bench_writes_only_where_asked(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

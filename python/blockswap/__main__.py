@@ -34,7 +34,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _driver(version: int) -> str:
     """The driver's CUDA version, as ``cuDriverGetVersion`` encodes it (12080 -> ``12.8``)."""
-    return f"{version // 1000}.{version % 1000 // 10}" if version else "-"
+    return f"CUDA {version // 1000}.{version % 1000 // 10} ({version})" if version else "-"
 
 
 def _routes(backend: str, copy_path: str | None) -> dict[str, str]:
@@ -55,8 +55,8 @@ def _routes(backend: str, copy_path: str | None) -> dict[str, str]:
     if importlib.util.find_spec("triton") is None:
         kernel = "DMA: triton is not installed (the copy kernel needs it)"
     return {
-        d: f"pages < {below >> 10} KiB: {kernel}; larger pages: {dma}"
-        for d, below in handler.KERNEL_BELOW.items()
+        d: f"pages < {handler.KERNEL_BELOW[d] >> 10} KiB: {kernel}; larger pages: {dma}"
+        for d in ("d2h", "h2d")
     }
 
 
@@ -95,7 +95,11 @@ def format_info(d: dict[str, Any]) -> str:
         "handler routes (path='auto'):",
     ]
     names = {"d2h": "GPU->CPU (d2h)", "h2d": "CPU->GPU (h2d)"}
-    lines += [f"  {names[k]}: {v}" for k, v in d.get("routes", {}).items()]
+    for k, v in d.get("routes", {}).items():
+        head = f"  {names[k]}: "
+        lines += [
+            (head if i == 0 else " " * len(head)) + part for i, part in enumerate(v.split("; "))
+        ]
     return "\n".join(lines)
 
 
