@@ -268,6 +268,8 @@ pub struct EngineStats {
     /// part of it spent validating, coalescing and writing descriptors.
     pub submit_ns: u64,
     pub prepare_ns: u64,
+    /// Whether `shutdown` gave up waiting: transfers were still in flight at its timeout.
+    pub shutdown_timed_out: bool,
 }
 
 #[derive(Debug, Default)]
@@ -367,6 +369,8 @@ pub struct Engine {
     counters: [LaneCounters; 4],
     failed_lanes: [OnceLock<BackendError>; 4],
     shut: AtomicBool,
+    /// Set by a shutdown that reached its timeout with transfers in flight.
+    shutdown_timed_out: AtomicBool,
     config: EngineConfig,
     /// [`fork_generation`] when the engine was made.
     generation: u64,
@@ -409,6 +413,7 @@ impl Engine {
             counters: Default::default(),
             failed_lanes: Default::default(),
             shut: AtomicBool::new(false),
+            shutdown_timed_out: AtomicBool::new(false),
             config,
             generation,
             submit_ns: AtomicU64::new(0),
@@ -991,6 +996,8 @@ impl Engine {
                 let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
                 let reached = self.backend.wait(direction, last, left).unwrap_or(false);
                 if !reached {
+                    // Relaxed: a flag read by `stats` only, after `shutdown` returned.
+                    self.shutdown_timed_out.store(true, Ordering::Relaxed);
                     let _ = self.failed_lanes[direction.lane()].set(BackendError::CopyFailed {
                         index: None,
                         reason: "still in flight when the engine shut down".into(),
@@ -1022,6 +1029,7 @@ impl Engine {
             driver_ns: self.backend.driver_ns(),
             submit_ns: self.submit_ns.load(Ordering::Relaxed),
             prepare_ns: self.prepare_ns.load(Ordering::Relaxed),
+            shutdown_timed_out: self.shutdown_timed_out.load(Ordering::Relaxed),
         }
     }
 }

@@ -512,6 +512,7 @@ impl PyEngine {
         d.set_item("driver_ns", s.driver_ns)?;
         d.set_item("submit_ns", s.submit_ns)?;
         d.set_item("prepare_ns", s.prepare_ns)?;
+        d.set_item("shutdown_timed_out", s.shutdown_timed_out)?;
         let p = PyDict::new(py);
         p.set_item("slabs", s.pool.slabs)?;
         p.set_item("free", s.pool.free)?;

@@ -149,6 +149,37 @@ fn failure_is_reported_once_and_the_lane_goes_on() {
 }
 
 #[test]
+fn a_shutdown_past_its_timeout_says_so_in_stats() {
+    let n = 128 << 20;
+    let mut b = Buffers {
+        src: vec![1; n],
+        dst: vec![0; n],
+    };
+    let config = EngineConfig {
+        shutdown_timeout: Duration::ZERO,
+        ..EngineConfig::default()
+    };
+    let (engine, _host) = engine_with(&mut b, config);
+    let (s, d) = (b.src.as_ptr() as u64, b.dst.as_ptr() as u64);
+    // 128 MiB takes milliseconds to copy: still in flight when a zero timeout runs out.
+    engine
+        .submit(1, &[s], &[d], &[n as u64], Direction::HostToDevice, None)
+        .unwrap();
+    engine.shutdown();
+    assert!(engine.stats().shutdown_timed_out);
+    drop(engine);
+
+    let (engine, _host) = engine_with(&mut b, EngineConfig::default());
+    engine
+        .submit(1, &[s], &[d], &[4096], Direction::HostToDevice, None)
+        .unwrap();
+    finish(&engine, &[1]);
+    engine.shutdown();
+    assert!(!engine.stats().shutdown_timed_out, "nothing was in flight");
+    drop(engine);
+}
+
+#[test]
 fn refusals_are_typed_and_issue_nothing() {
     let mut b = Buffers {
         src: vec![1; 1 << 16],

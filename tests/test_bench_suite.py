@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from blockswap.__main__ import main as cli_main
-from blockswap.bench import SECTIONS, profile, suite
+from blockswap.bench import SECTIONS, profile, report, suite
 from blockswap.bench.models import MODELS
 from blockswap.bench.sweep import PATHS
 from blockswap.kernels import interpreter_mode
@@ -150,8 +150,8 @@ def test_summary_tables(run: tuple[dict[str, Any], Path]) -> None:
     text = (run[1] / "summary.md").read_text()
     for head in (
         "## Sweep",
-        "### h2d, N = 16",
-        "### d2h, N = 256",
+        "### CPU->GPU (h2d), N = 16",
+        "### GPU->CPU (d2h), N = 256",
         "## Handler level",
         "## Bidirectional",
         "## interference: skipped",
@@ -162,6 +162,69 @@ def test_summary_tables(run: tuple[dict[str, Any], Path]) -> None:
     assert "over the 4 MiB cap" in text  # a skipped point is shown, not dropped
     table_rows = [line for line in text.splitlines() if line.startswith("| ")]
     assert len(table_rows) > 20
+
+
+def test_summary_reads_in_100_columns_and_notes_are_not_rows(
+    run: tuple[dict[str, Any], Path],
+) -> None:
+    text = (run[1] / "summary.md").read_text()
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= report.WIDTH
+    # Every row of a table has its header's cells: a skipped point is a note under the table.
+    cells = None
+    for line in lines:
+        if not line.startswith("|"):
+            cells = None
+            continue
+        n = line.count("|")
+        cells = n if cells is None else cells
+        assert n == cells, line
+    assert "Not measured: 64 KiB (x 256 blocks is over the 4 MiB cap per transfer)." in text
+
+
+def test_wide_tables_split_with_their_key_columns() -> None:
+    head = ["name", *(f"column {i}" for i in range(12))]
+    rows = [["a", *(f"{i}.0" for i in range(12))], ["b: skipped, no reason"]]
+    out = report._table(head, rows, [False] + [True] * 12, width=60, breaks=(9,))
+    tables = [t.splitlines() for t in "\n".join(out).split("\n\n")]
+    assert all(len(line) <= 60 for t in tables for line in t)
+    assert [t[0].split("|")[1].strip() for t in tables[:-1]] == ["name"] * (len(tables) - 1)
+    assert any(t[0].split("|")[2].strip() == "column 8" for t in tables[:-1])  # the forced break
+    assert tables[-1] == ["- b: skipped, no reason"]
+
+
+def test_a_rerun_into_the_same_folder_leaves_no_stale_file(tmp_path: Path) -> None:
+    kw: dict[str, Any] = {"backend": "host", "sections": ("bidir",), "verbose": False}
+    first = suite.run_suite("tiny", out_dir=str(tmp_path), plots=True, **kw)
+    (tmp_path / "notes.txt").write_text("mine")
+    if first["plots"]:
+        assert (tmp_path / first["plots"][0]).exists()
+    suite.run_suite("tiny", out_dir=str(tmp_path), plots=False, **kw)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "results.json", "summary.md"]
+
+
+@pytest.mark.skipif(not _has_matplotlib(), reason="matplotlib is not installed")
+def test_sweep_plots_leave_out_what_has_no_data(run: tuple[dict[str, Any], Path]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    res = run[0]
+    figs = dict(report._plot_sweep(res, plt))
+    ax = figs["sweep_h2d_n256.png"].axes[0]
+    # 64 KiB x 256 is over the tiny profile's cap: not on the axis, named under it.
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["1KiB"]
+    assert "host backend" in ax.get_title() and "CPU->GPU" in ax.get_title()
+    notes = " ".join(t.get_text() for t in ax.texts)
+    assert "not measured: 64 KiB" in notes
+    ax = figs["sweep_h2d_n16.png"].axes[0]
+    kernel = [r for r in res["sweep"]["rows"] if r["path"] == "kernel" and r["status"] == "ok"]
+    if interpreter_mode() and kernel:  # the interpreter's kernel: far below the rest
+        notes = " ".join(t.get_text() for t in ax.texts)
+        assert "kernel" not in ax.get_legend_handles_labels()[1] and "kernel left out" in notes
+    for fig in figs.values():
+        plt.close(fig)
 
 
 @pytest.mark.skipif(not _has_matplotlib(), reason="matplotlib is not installed")

@@ -1,36 +1,160 @@
-"""``python -m blockswap`` (also the ``blockswap`` command): info, and the benchmark suite.
+"""``python -m blockswap`` (also the ``blockswap`` command).
 
-    python -m blockswap info
-    python -m blockswap bench [--full | --tiny] [--out DIR] [--only sweep,handler,bidir,interference]
+    blockswap --version
+    blockswap info [--json]
+    blockswap bench [--full | --tiny] [--out DIR] [--only sweep,handler,bidir,interference] ...
 
-``bench`` runs the suite's short version unless ``--full`` is given (``bench --help`` lists the
-options; see :mod:`blockswap.bench.suite`). With no command, ``bench`` is run.
+``info`` says what blockswap would use on this machine: whether CUDA can be used (and why not),
+the backend, driver and batch-copy ABI an engine gets, and the copy path the offloading handler
+would take per direction. ``bench`` runs the benchmark suite (its short version unless ``--full``;
+``bench --help`` lists the options) and is the only command that writes files: its results
+folder. Errors are one line on stderr and a non-zero exit status.
 """
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
+import inspect
 import json
 import sys
+from collections.abc import Sequence
+from typing import Any, NoReturn, cast
 
-from .engine import info
+from . import __version__
+from .engine import Engine, info
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if args[:1] == ["info"]:
-        print(json.dumps(info(), indent=1))
-        return 0
-    if args[:1] in (["-h"], ["--help"]):
-        print(__doc__)
-        return 0
-    if args[:1] == ["bench"]:
-        args = args[1:]
-    elif args and not args[0].startswith("-"):
-        print(f"blockswap: unknown command {args[0]!r} (info, bench)", file=sys.stderr)
-        return 2
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line (argparse prints the usage above them otherwise)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _driver(version: int) -> str:
+    """The driver's CUDA version, as ``cuDriverGetVersion`` encodes it (12080 -> ``12.8``)."""
+    return f"CUDA {version // 1000}.{version % 1000 // 10} ({version})" if version else "-"
+
+
+def _routes(backend: str, copy_path: str | None) -> dict[str, str]:
+    """Per direction, the copy path ``CpuGpuHandlers(path="auto")`` would take here."""
+    if backend != "cuda":
+        return {d: "memcpy (host backend: no GPU to run a kernel on)" for d in ("d2h", "h2d")}
+    try:
+        from . import handler
+    except ImportError as e:
+        why = f"unknown: blockswap.handler needs torch ({e})"
+        return {d: why for d in ("d2h", "h2d")}
+    ctas = inspect.signature(handler.CpuGpuHandlers).parameters["kernel_ctas"].default
+    dma = copy_path or "DMA"
+    kernel = (
+        f"Triton copy kernel ({ctas} CTAs, at most {handler.KERNEL_LAUNCH_BYTES >> 20} MiB "
+        "per launch)"
+    )
+    if importlib.util.find_spec("triton") is None:
+        kernel = "DMA: triton is not installed (the copy kernel needs it)"
+    return {
+        d: f"pages < {handler.KERNEL_BELOW[d] >> 10} KiB: {kernel}; larger pages: {dma}"
+        for d in ("d2h", "h2d")
+    }
+
+
+def describe() -> dict[str, Any]:
+    """Everything ``blockswap info`` reports, as one dict."""
+    out: dict[str, Any] = dict(info())
+    try:
+        eng = Engine(out["default_backend"])
+    except Exception as e:
+        out["engine"] = {"error": f"{type(e).__name__}: {e}"}
+        return out
+    try:
+        out["engine"] = dict(eng.info())
+    finally:
+        eng.shutdown()
+    ei = out["engine"]
+    out["routes"] = _routes(ei["backend"], ei["copy_path"] if ei["backend"] == "cuda" else None)
+    return out
+
+
+def format_info(d: dict[str, Any]) -> str:
+    e = d.get("engine", {})
+    lines = [
+        f"blockswap {d['version']}",
+        f"CUDA:            {'yes' if d['cuda'] else 'no'} ({d['cuda_status']})",
+        f"default backend: {d['default_backend']}",
+    ]
+    if "error" in e:
+        lines.append(f"engine:          could not start: {e['error']}")
+        return "\n".join(lines)
+    lines += [
+        f"device:          {e.get('device') or 'host memory only'}",
+        f"driver:          {_driver(e.get('driver_version') or 0)}",
+        f"copy path:       {e.get('copy_path')}",
+        f"completion:      {e.get('completion')}",
+        "handler routes (path='auto'):",
+    ]
+    names = {"d2h": "GPU->CPU (d2h)", "h2d": "CPU->GPU (h2d)"}
+    for k, v in d.get("routes", {}).items():
+        head = f"  {names[k]}: "
+        lines += [
+            (head if i == 0 else " " * len(head)) + part for i, part in enumerate(v.split("; "))
+        ]
+    return "\n".join(lines)
+
+
+def _info(args: argparse.Namespace) -> int:
+    d = describe()
+    print(json.dumps(d, indent=1) if args.json else format_info(d))
+    return 1 if "error" in d.get("engine", {}) else 0
+
+
+def _bench(args: argparse.Namespace) -> int:
     from .bench import suite
 
-    return suite.main(args, prog="blockswap bench", default_profile="quick")
+    return suite.run_args(args, prog="blockswap bench", argv=args.argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .bench import suite
+
+    ap = _Parser(
+        prog="blockswap",
+        description="Move KV-cache blocks between pinned host memory and GPU memory.",
+    )
+    ap.add_argument("--version", action="version", version=f"blockswap {__version__}")
+    sub = ap.add_subparsers(dest="command", metavar="COMMAND")
+    p = sub.add_parser(
+        "info",
+        help="what blockswap would use here: CUDA, driver, batch-copy ABI, handler routes",
+        description="What blockswap would use on this machine (writes nothing).",
+    )
+    p.add_argument("--json", action="store_true", help="print it as JSON")
+    p.set_defaults(func=_info)
+    p = sub.add_parser(
+        "bench",
+        # The suite's own options (benches/suite.py takes the same).
+        parents=[cast(_Parser, suite.build_parser(default_profile="quick", add_help=False))],
+        help="run the benchmark suite (writes its results folder)",
+        description=suite.DESCRIPTION,
+    )
+    p.set_defaults(func=_bench)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    ap = build_parser()
+    args = ap.parse_args(args_list)
+    if args.command is None:
+        ap.print_help(sys.stderr)
+        return 2
+    args.argv = ["python", "-m", "blockswap", *args_list]
+    try:
+        return int(args.func(args))
+    except KeyboardInterrupt:
+        print("blockswap: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

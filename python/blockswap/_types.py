@@ -51,7 +51,8 @@ class PoolStats(TypedDict):
 class EngineStats(TypedDict):
     """What :meth:`Engine.stats` returns: counters per direction, transfers in flight, host time
     in submissions (``submit_ns``), in validation (``prepare_ns``) and in driver copy calls
-    (``driver_ns``), and the descriptor pool."""
+    (``driver_ns``), the descriptor pool, and whether a shutdown gave up on transfers still in
+    flight (``shutdown_timed_out``: they are reported failed)."""
 
     h2d: LaneStats
     d2h: LaneStats
@@ -62,6 +63,7 @@ class EngineStats(TypedDict):
     submit_ns: int
     prepare_ns: int
     pool: PoolStats
+    shutdown_timed_out: bool
 
 
 class EngineInfo(TypedDict):

@@ -3,13 +3,20 @@
 A thin layer over the compiled core (``blockswap._core.Engine``): it turns array-likes into the
 contiguous int64 arrays the core reads without copying, and keeps registered Python objects alive
 for as long as their memory is registered. Every rule about descriptors lives in the core.
+
+What the core decides on its own and a person may want to know (the copy path the CUDA backend
+picked, a fallback from the batch call to a loop, a shutdown that timed out, pinned allocations
+and their time) is asked of the core here and logged to the ``blockswap`` logger
+(:mod:`logging`); the library prints nothing.
 """
 
 from __future__ import annotations
 
 import ctypes
 import inspect
+import logging
 import math
+import time
 import warnings
 from collections.abc import Callable, Iterable
 from typing import Any, get_args
@@ -29,6 +36,8 @@ from ._types import (
     EngineStats,
     MemoryKind,
 )
+
+log = logging.getLogger(__name__)
 
 _I64_MAX = np.iinfo(np.int64).max
 _U64_END = 1 << 64
@@ -264,7 +273,8 @@ class Engine:
         self.__dict__.update(
             get_finished=self._core.get_finished, stats=self._core.stats, info=self._core.info
         )
-        if self._core.info()["backend"] == "host":
+        self._backend = _log_start(self._core.info(), copy_path)
+        if self._backend == "host":
             _warn_ignored(locals())
 
     def get_finished(self) -> list[TransferResult]:
@@ -452,8 +462,18 @@ class Engine:
         self._core.wait(ids, None if timeout is None else _seconds("timeout", timeout))
 
     def shutdown(self) -> None:
-        """Waits for transfers in flight and stops the backend. Results stay available."""
+        """Waits for transfers in flight and stops the backend. Results stay available.
+
+        Transfers still in flight after the engine's ``shutdown_timeout`` are reported failed,
+        and a warning is logged."""
+        first = not self._core.is_shut_down
         self._core.shutdown()
+        if first and self._core.stats().get("shutdown_timed_out"):
+            log.warning(
+                "engine shutdown timed out with transfers in flight: they are reported failed, "
+                "and their memory may still be copied to or from (raise shutdown_timeout, or "
+                "wait for the transfers before shutting down)"
+            )
 
     @property
     def is_shut_down(self) -> bool:
@@ -489,7 +509,9 @@ class Engine:
         ptr, nbytes, kind = _address_of(obj, "pin")
         if kind != "host":
             raise InvalidTransferError("only host memory can be pinned")
+        t0 = time.perf_counter()
         self._core.pin(ptr, _check_u64("nbytes", nbytes, positive=True))
+        _log_alloc("pin", nbytes, time.perf_counter() - t0, self._backend)
         self._kept[ptr] = obj
         return ptr
 
@@ -507,7 +529,9 @@ class Engine:
         uint8 numpy array over blockswap's memory. Valid until :meth:`free_host`; the array
         keeps the engine's memory alive (the buffer outlives a collected engine)."""
         n = _check_u64("nbytes", nbytes, positive=True)
+        t0 = time.perf_counter()
         ptr = self._core.alloc_host(n)
+        _log_alloc("alloc_host", n, time.perf_counter() - t0, self._backend)
         buf = (ctypes.c_uint8 * n).from_address(ptr)
         # The core frees its buffers when it is dropped: the array keeps it alive.
         buf._blockswap_core = self._core  # type: ignore[attr-defined]
@@ -563,6 +587,34 @@ def _warn_ignored(arguments: dict[str, Any]) -> None:
             UserWarning,
             stacklevel=3,
         )
+
+
+def _log_start(info: Any, copy_path: Any) -> str:
+    """Logs what the core chose for a new engine; returns its backend's name."""
+    backend = str(info["backend"])
+    log.info(
+        "engine: %s backend%s, copy path %s, completion by %s",
+        backend,
+        f" on {info['device']}" if info.get("device") else "",
+        info["copy_path"],
+        info["completion"],
+    )
+    if backend == "cuda" and "loop" in str(info["copy_path"]) and copy_path != "loop":
+        v = int(info.get("driver_version") or 0)
+        log.warning(
+            "the CUDA driver (%d.%d) has no batch copy (cuMemcpyBatchAsync, CUDA 12.8+): each "
+            "descriptor is one cuMemcpyAsync call, which is slow for small blocks; a newer "
+            "driver gives the batch call",
+            v // 1000,
+            v % 1000 // 10,
+        )
+    return backend
+
+
+def _log_alloc(call: str, nbytes: int, seconds: float, backend: str) -> None:
+    """Pinned allocations are slow (the driver page-locks every page): their size and time."""
+    how = "pinned" if backend == "cuda" else "(host backend: not pinned)"
+    log.info("%s: %.1f MiB of host memory %s in %.3f s", call, nbytes / 2**20, how, seconds)
 
 
 def _submit_argument_error(

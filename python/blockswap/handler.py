@@ -77,10 +77,10 @@ calls leave torch's current device as they found it.
 from __future__ import annotations
 
 import contextlib
+import logging
 import statistics
 import threading
 import time
-import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Callable, NamedTuple, Union, cast
 
@@ -129,6 +129,10 @@ tensor}`` dict (as vLLM holds them; values in order) -- all one KV-cache group -
 groups, each a list of tensors (hybrid models)."""
 
 _SHORT = {"d2h": "GPU -> CPU", "h2d": "CPU -> GPU"}
+
+#: Route choices, calibration results, descriptor-building fallbacks, the CPU cache's
+#: allocation and shutdowns that timed out (see :mod:`blockswap.engine`).
+log = logging.getLogger(__name__)
 
 
 # torch's current CUDA device (``cudaGetDevice``), and setting it back without creating a context.
@@ -543,6 +547,13 @@ class SingleDirectionHandler:
         self._plans: list[_Plan] | None = (
             cast("list[_Plan]", plans) if all(p is not None for p in plans) else None
         )
+        if self._plans is None and table_ids is None:
+            log.info(
+                "%s: the KV-cache tables' strides or K/V interleaving have no vectorised plan: "
+                "descriptors are built by blockswap.layout.build_transfer (more host time per "
+                "transfer)",
+                _SHORT[direction],
+            )
         # Groups in the order of their lowest destination address (the whole batch ascends
         # where the groups' memory does not interleave).
         lo = [int(t.bases.min()) for t in dst_tables]
@@ -988,6 +999,7 @@ class CpuGpuHandlers:
         if cpu_layout not in ("block_major", "mirror"):
             raise ValueError(f"cpu_layout must be 'block_major' or 'mirror', not {cpu_layout!r}")
         if cpu_caches is None:
+            t0 = time.perf_counter()
             with torch.cuda.device(device_index) if on_cuda else contextlib.nullcontext():
                 if cpu_layout == "block_major":
                     made = [
@@ -1013,6 +1025,13 @@ class CpuGpuHandlers:
                         )
                         for ts, lay in zip(gpu_groups, layouts)
                     ]
+            log.info(
+                "CPU cache: %.1f MiB of %s host memory for %d blocks in %.3f s",
+                sum(t.numel() * t.element_size() for ts in cpu_groups for t in ts) / 2**20,
+                "pinned" if on_cuda else "unpinned (host backend)",
+                self.num_cpu_blocks,
+                time.perf_counter() - t0,
+            )
         else:
             cpu_groups, cpu_grouped = _as_groups(cpu_caches, "cpu_caches")
             if len(cpu_groups) != ng or cpu_grouped != grouped:
@@ -1134,9 +1153,11 @@ class CpuGpuHandlers:
             # 32 KiB pages than into a block-major cache (H100, 2026-11-23).
             segments = len(gpu_tables[0].nbytes)
             for d, runs in self.block_plans.items():
-                r = block_route(runs, segments, d, insist=path == "blocks")
-                if r is not None:
-                    self.routes[d] = r
+                blk = block_route(runs, segments, d, insist=path == "blocks")
+                if blk is not None:
+                    self.routes[d] = blk
+        for d, r in self.routes.items():
+            log.info("%s route (path=%r): %s", _SHORT[d], path, r.reason)
         if path == "blocks" and any(r.plan != "blocks" for r in self.routes.values()):
             raise ValueError(
                 "path='blocks' needs one KV-cache group whose pages lie at one pitch on both "
@@ -1322,6 +1343,14 @@ class CpuGpuHandlers:
                 "chosen": chosen,
                 **{f"{k}_gbps": v for k, v in speeds.items()},
             }
+            log.info(
+                "calibration %s, %d blocks: DMA %.2f GB/s, kernel %.2f GB/s: %s",
+                _SHORT[h.direction],
+                n,
+                speeds["dma"],
+                speeds["kernel"],
+                chosen,
+            )
         return report
 
     def shutdown(self) -> None:
@@ -1353,11 +1382,10 @@ class CpuGpuHandlers:
             if failed:
                 # Copies may still touch the memory (shutdown timed out): keep it alive rather
                 # than free memory a copy could write.
-                warnings.warn(
-                    "blockswap: transfers still in flight after shutdown; the KV-cache memory is "
-                    f"kept allocated ({failed[0]})",
-                    RuntimeWarning,
-                    stacklevel=2,
+                log.warning(
+                    "transfers still in flight after shutdown (shutdown_timeout): the KV-cache "
+                    "memory is kept allocated (%s)",
+                    failed[0],
                 )
                 _leaked.append(
                     (self._gpu_caches, self._cpu_caches, self.gpu_tables, self.cpu_tables)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+import textwrap
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -17,28 +19,92 @@ TABLE_PATHS = ("one_copy", "per_block_copy", "dma", "kernel", "auto")
 
 # ---- small helpers ----------------------------------------------------------------------------
 
+#: Widest line of a table or paragraph in the summary: it reads in a terminal as it is.
+WIDTH = 100
 
-def _table(head: Sequence[str], rows: Iterable[Sequence[str]], right: Sequence[bool]) -> list[str]:
-    rows = [list(r) for r in rows]
-    widths = [len(h) for h in head]
-    for r in rows:
-        if len(r) == len(head):
-            widths = [max(w, len(c)) for w, c in zip(widths, r)]
+#: One name per direction, in tables and plots alike.
+DIRECTION = {"h2d": "CPU->GPU", "d2h": "GPU->CPU"}
 
-    def line(cells: Sequence[str]) -> str:
-        if len(cells) != len(head):  # a note spanning the row
-            return "| " + cells[0] + " |"
-        out = [c.rjust(w) if r else c.ljust(w) for c, w, r in zip(cells, widths, right)]
-        return "| " + " | ".join(out) + " |"
+#: Column heads of the sweep's paths (short: five of them share a 100-column table).
+SWEEP_HEAD = {
+    "one_copy": "one copy",
+    "per_block_copy": "copy_ per block",
+    "dma": "DMA batch",
+    "kernel": "kernel",
+    "auto": "auto",
+}
 
-    sep = (
-        "|"
-        + "|".join(
-            ("-" * (w + 1) + ":") if r else (":" + "-" * (w + 1)) for w, r in zip(widths, right)
+
+def _direction(d: str) -> str:
+    return f"{DIRECTION.get(d, d)} ({d})"
+
+
+def _line(cells: Sequence[str], widths: Sequence[int], right: Sequence[bool]) -> str:
+    out = [c.rjust(w) if r else c.ljust(w) for c, w, r in zip(cells, widths, right)]
+    return "| " + " | ".join(out) + " |"
+
+
+def _table(
+    head: Sequence[str],
+    rows: Iterable[Sequence[str]],
+    right: Sequence[bool],
+    *,
+    keys: int = 1,
+    width: int = WIDTH,
+    breaks: Sequence[int] = (),
+) -> list[str]:
+    """A markdown table. A row of one cell is a note (a skipped or failed point): it is listed
+    under the table, not drawn as a row of it. A table wider than ``width`` is split into tables
+    that each fit, every one starting with the first ``keys`` columns; a new one also starts at
+    each column index in ``breaks`` (columns that belong together stay together)."""
+    all_rows = [list(r) for r in rows]
+    body = [r for r in all_rows if len(r) == len(head)]
+    notes = [r[0] for r in all_rows if len(r) != len(head)]
+    widths = [max([len(h)] + [len(r[i]) for r in body]) for i, h in enumerate(head)]
+
+    def span(cols: Sequence[int]) -> int:
+        return sum(widths[c] for c in cols) + 3 * len(cols) + 1
+
+    groups: list[list[int]] = []
+    cols = list(range(keys))
+    for c in range(keys, len(head)):
+        if (c in breaks or span([*cols, c]) > width) and len(cols) > keys:
+            groups.append(cols)
+            cols = list(range(keys))
+        cols.append(c)
+    groups.append(cols)
+    out: list[str] = []
+    for g in groups:
+        w = [widths[c] for c in g]
+        rt = [right[c] for c in g]
+        sep = (
+            "|"
+            + "|".join(("-" * (x + 1) + ":") if r else (":" + "-" * (x + 1)) for x, r in zip(w, rt))
+            + "|"
         )
-        + "|"
-    )
-    return [line(head), sep] + [line(r) for r in rows]
+        if out:
+            out.append("")
+        out += [_line([head[c] for c in g], w, rt), sep]
+        out += [_line([r[c] for c in g], w, rt) for r in body]
+    if notes:
+        out.append("")
+        out += [f"- {n}" for n in notes]
+    return out
+
+
+def _wrap(lines: list[str], width: int = WIDTH) -> list[str]:
+    """Paragraphs and list items wrapped to ``width`` (table lines are left alone)."""
+    out = []
+    for line in lines:
+        if len(line) <= width or line.startswith("|"):
+            out.append(line)
+            continue
+        indent = len(line) - len(line.lstrip(" "))
+        lead = " " * indent + ("  " if line.lstrip().startswith("- ") else "")
+        out += textwrap.wrap(
+            line, width, subsequent_indent=lead, break_long_words=False, break_on_hyphens=False
+        )
+    return out
 
 
 def _g(x: float | None, digits: int = 3) -> str:
@@ -145,10 +211,10 @@ def format_summary(res: dict[str, Any]) -> str:
     after = res.get("ceiling_after", {})
     if ceil:
         what = next(iter(ceil.values())).get("what", "")
-        c = ", ".join(f"{d} {v['gbps']:.2f} GB/s" for d, v in ceil.items())
+        c = ", ".join(f"{DIRECTION.get(d, d)} {v['gbps']:.2f} GB/s" for d, v in ceil.items())
         lines.append(f"- the link's ceiling ({what}): {c}")
         if after:
-            a = ", ".join(f"{d} {v['gbps']:.2f}" for d, v in after.items())
+            a = ", ".join(f"{DIRECTION.get(d, d)} {v['gbps']:.2f}" for d, v in after.items())
             drift = max(abs(after[d]["gbps"] / ceil[d]["gbps"] - 1) for d in after if d in ceil)
             note = (
                 f" (moved by up to {100 * drift:.0f} %: something else used the machine or the "
@@ -183,26 +249,44 @@ def format_summary(res: dict[str, Any]) -> str:
             lines.append(f"## {name}: failed ({sec['failed']})")
             continue
         lines.extend(fmt(sec, res))
-    return "\n".join(lines) + "\n"
+    return "\n".join(_wrap(lines)) + "\n"
+
+
+_CAP = re.compile(r"^(?P<total>.+) per transfer is over the (?P<cap>.+) cap$")
+
+
+def _unmeasured(points: list[tuple[int, str]], n: int) -> str:
+    """One note for the block sizes of a table that were not measured at all."""
+    caps = [_CAP.match(reason) for _, reason in points]
+    if all(caps) and len({m["cap"] for m in caps if m}) == 1:
+        cap = caps[0]["cap"] if caps[0] else ""
+        sizes = ", ".join(fmt_bytes(size) for size, _ in points)
+        return (
+            f"Not measured: {sizes} (x {fmt_count(n)} blocks is over the {cap} cap per transfer)."
+        )
+    return "Not measured: " + "; ".join(f"{fmt_bytes(z)}: {why}" for z, why in points) + "."
 
 
 def _sweep_tables(sec: dict[str, Any], res: dict[str, Any]) -> list[str]:
     rows = sec["rows"]
     points = sweep_points(rows)
+    host = res.get("backend") == "host"
     timing = "CUDA events" if sec.get("timing") == "cuda_events" else "wall clock"
     out = [
         "## Sweep: GB/s (percent of the link's ceiling)",
         "",
         f"Scattered blocks, {timing}; medians. 'one copy' moves the same bytes in one contiguous "
         "copy; 'copy_ per block' is one copy call per block; 'auto' is the handler's own choice "
-        "(named in 'chose'), and 'of best' its bandwidth over the better of DMA and kernel. "
-        "'submit' is host time to issue, µs (DMA / kernel / auto).",
+        "(the last table names it, with its bandwidth over the better of DMA and kernel, and the "
+        "host time to submit).",
     ]
-    if res.get("backend") == "host":
-        out.append(
-            "Host backend: the ceiling is one large memcpy through DRAM; transfers small enough "
-            "to stay in the CPU's caches beat it (over 100 %)."
-        )
+    if host:
+        out += [
+            "",
+            "Host backend: 'GPU' memory is a second host buffer and every path is memcpy; the "
+            "ceiling is one large memcpy through DRAM, and transfers small enough to stay in the "
+            "CPU's caches beat it (over 100 %). The kernel runs under Triton's interpreter.",
+        ]
     notes: dict[str, int] = {}
 
     def cell(r: dict[str, Any] | None) -> str:
@@ -215,43 +299,71 @@ def _sweep_tables(sec: dict[str, Any], res: dict[str, Any]) -> list[str]:
             notes[reason] = len(notes) + 1
         return f"{r['status']} [{notes[reason]}]"
 
-    vs = {(v["direction"], v["blocks"], v["block_bytes"]): v for v in auto_vs_best(rows)}
     combos = sorted({(d, n) for d, n, _ in points}, key=lambda x: (x[0] != "h2d", x[1]))
     for d, n in combos:
         ceiling = next((r["ceiling_gbps"] for r in rows if r["direction"] == d), None)
-        out += ["", f"### {d}, N = {fmt_count(n)} (ceiling {_g(ceiling)} GB/s)", ""]
-        body = []
+        out += ["", f"### {_direction(d)}, N = {fmt_count(n)} (ceiling {_g(ceiling)} GB/s)", ""]
+        body, skipped = [], []
         for size in sorted(s for dd, nn, s in points if (dd, nn) == (d, n)):
             paths = points[(d, n, size)]
             if (
                 all(r["status"] == "skipped" for r in paths.values())
                 and len({r["reason"] for r in paths.values()}) == 1
             ):
-                body.append([f"{fmt_bytes(size)}: skipped, {next(iter(paths.values()))['reason']}"])
+                skipped.append((size, str(next(iter(paths.values()))["reason"])))
                 continue
-            a = paths.get("auto")
-            v = vs.get((d, n, size))
-            sub = "/".join(
-                f"{paths[p]['submit_us']:.0f}"
-                if paths.get(p) and paths[p]["submit_us"] is not None
-                else "-"
-                for p in ("dma", "kernel", "auto")
-            )
-            body.append(
-                [fmt_bytes(size)]
-                + [cell(paths.get(p)) for p in TABLE_PATHS]
-                + [
-                    (a or {}).get("chosen") or "-",
-                    _pct(v["of_best"]) if v else "-",
-                    sub,
-                ]
-            )
-        head = (
-            ["block"] + [SWEEP_LABELS[p] for p in TABLE_PATHS] + ["chose", "of best", "submit µs"]
-        )
-        out += _table(head, body, [True] * 6 + [False, True, True])
+            body.append([fmt_bytes(size)] + [cell(paths.get(p)) for p in TABLE_PATHS])
+        head = ["block"] + [SWEEP_HEAD[p] for p in TABLE_PATHS]
+        if body:
+            out += _table(head, body, [True] * len(head))
+        if skipped:
+            out += [*([""] if body else []), _unmeasured(skipped, n)]
     if notes:
         out += [""] + [f"[{i}] {reason}" for reason, i in notes.items()]
+
+    vs = {(v["direction"], v["blocks"], v["block_bytes"]): v for v in auto_vs_best(rows)}
+    body = []
+    for (d, n, size), paths in sorted(
+        points.items(), key=lambda x: (x[0][0] != "h2d", x[0][1], x[0][2])
+    ):
+        a = paths.get("auto")
+        if not any(r["status"] == "ok" for r in paths.values()):
+            continue
+        v = vs.get((d, n, size))
+        body.append(
+            [
+                DIRECTION.get(d, d),
+                fmt_count(n),
+                fmt_bytes(size),
+                (a or {}).get("chosen") or "-",
+                _pct(v["of_best"]) if v else "-",
+                *(
+                    f"{paths[p]['submit_us']:.0f}"
+                    if paths.get(p) and paths[p].get("submit_us") is not None
+                    else "-"
+                    for p in ("dma", "kernel", "auto")
+                ),
+            ]
+        )
+    if body:
+        out += [
+            "",
+            "### auto's choice, and host time to submit one transfer (µs)",
+            "",
+            "'of best': auto's bandwidth over the better of DMA and kernel at that point.",
+            "",
+        ]
+        head = [
+            "direction",
+            "N",
+            "block",
+            "auto chose",
+            "of best",
+            "DMA µs",
+            "kernel µs",
+            "auto µs",
+        ]
+        out += _table(head, body, [False, True, True, False, True, True, True, True], keys=3)
     summary = auto_vs_best(rows)
     if summary:
         good = [v for v in summary if v["of_best"] >= 0.9]
@@ -259,12 +371,13 @@ def _sweep_tables(sec: dict[str, Any], res: dict[str, Any]) -> list[str]:
         out += [
             "",
             f"- auto reached at least 90 % of the better batched path at {len(good)} of "
-            f"{len(summary)} points (worst: {_pct(worst['of_best'])}, {worst['direction']} "
-            f"{fmt_bytes(worst['block_bytes'])} x {fmt_count(worst['blocks'])}: chose "
-            f"{worst['chosen']}, the faster batched path there was {worst['best']}).",
+            f"{len(summary)} points (worst: {_pct(worst['of_best'])}, "
+            f"{DIRECTION.get(worst['direction'])} {fmt_bytes(worst['block_bytes'])} x "
+            f"{fmt_count(worst['blocks'])}: chose {worst['chosen']}, the faster batched path "
+            f"there was {worst['best']}).",
         ]
     cross = crossovers(rows)
-    if cross:
+    if cross and not host:  # under the interpreter the kernel is never the faster path
         txt = "; ".join(f"{k}: {fmt_bytes(v) if v else 'never'}" for k, v in cross.items())
         out.append(f"- DMA at least as fast as the kernel from this block size up: {txt}.")
     return out
@@ -281,15 +394,16 @@ def _handler_table(sec: dict[str, Any], res: dict[str, Any]) -> list[str]:
             f"{ok[0]['blocks_per_transfer']} scattered blocks per transfer, every layer; "
             f"`transfer_async` host time, then `get_finished` polled until done (end to end, "
             f"wall clock); {warm} warm-up + {reps} measured (auto). Baselines, same process: "
-            f"{sec.get('baseline')}; per block: {sec.get('baseline_block')}."
+            f"{sec.get('baseline')} ('per page'); {sec.get('baseline_block')} ('per block')."
         )
         out.append("")
     body = []
     for r in rows:
         what = f"{r['name']}"
+        d = DIRECTION.get(r["direction"], r["direction"])
         path = r["path"] + (f" -> {r['chosen']}" if r["path"] == "auto" and r.get("chosen") else "")
         if r["status"] != "ok":
-            body.append([f"{what} {r['direction']} {path}: {r['status']}, {r['reason']}"])
+            body.append([f"{what} {d} {path}: {r['status']}, {r['reason']}"])
             continue
         shape = f"{r['layers']} x {fmt_bytes(r['page_bytes'])}" + (
             f", {r['groups']} groups" if r.get("groups", 1) > 1 else ""
@@ -297,44 +411,42 @@ def _handler_table(sec: dict[str, Any], res: dict[str, Any]) -> list[str]:
         body.append(
             [
                 what,
-                shape,
-                fmt_bytes(r["bytes_per_transfer"]),
-                r["direction"],
+                d,
                 path,
-                f"{r['transfer_async_us_median']:.1f} / {r['transfer_async_us_p90']:.1f}",
                 _g(r["gbps"]),
                 _pct(r.get("fraction_of_ceiling")),
+                shape,
+                fmt_bytes(r["bytes_per_transfer"]),
+                f"{r['transfer_async_us_median']:.1f} / {r['transfer_async_us_p90']:.1f}",
+                f"{r['get_finished_empty_us']:.2f}" if r.get("get_finished_empty_us") else "",
                 _g(r.get("baseline_gbps")),
                 f"{r['speedup_vs_baseline']:.1f}x" if r.get("speedup_vs_baseline") else "-",
                 _g(r.get("baseline_block_gbps")),
                 f"{r['speedup_vs_block_loop']:.1f}x" if r.get("speedup_vs_block_loop") else "-",
-                f"{r['get_finished_empty_us']:.2f}" if r.get("get_finished_empty_us") else "",
             ]
         )
     head = [
         "model",
-        "layers x page",
-        "per transfer",
-        "dir",
+        "direction",
         "path",
-        "transfer_async µs med / p90",
         "GB/s",
         "of ceiling",
-        "copy_ per page GB/s",
-        "speedup",
-        "copy_ per block GB/s",
-        "speedup",
+        "layers x page",
+        "per transfer",
+        "submit µs med / p90",
         "empty poll µs",
+        "per page GB/s",
+        "speedup",
+        "per block GB/s",
+        "speedup",
     ]
-    out += _table(
-        head,
-        body,
-        [False, False, True, False, False, True, True, True, True, True, True, True, True],
-    )
+    right = [False, False, False, True, True, False, True, True, True, True, True, True, True]
+    out += _table(head, body, right, keys=3, breaks=(7, 9))
     return out
 
 
 def _bidir_table(sec: dict[str, Any], res: dict[str, Any]) -> list[str]:
+    h2d, d2h = DIRECTION["h2d"], DIRECTION["d2h"]
     out = [
         "## Bidirectional: onload and offload at once (GB/s)",
         "",
@@ -346,7 +458,6 @@ def _bidir_table(sec: dict[str, Any], res: dict[str, Any]) -> list[str]:
     body = []
     for r in sec["rows"]:
         block = fmt_bytes(r["block_bytes"]) if r.get("block_bytes") else "one copy"
-        first = [r["path"], block, fmt_count(r["blocks"]), fmt_bytes(r["bytes_per_direction"])]
         if r["status"] != "ok":
             body.append(
                 [f"{r['path']} {block} x {fmt_count(r['blocks'])}: {r['status']}, {r['reason']}"]
@@ -354,7 +465,10 @@ def _bidir_table(sec: dict[str, Any], res: dict[str, Any]) -> list[str]:
             continue
         body.append(
             [
-                *first,
+                r["path"],
+                block,
+                fmt_count(r["blocks"]),
+                fmt_bytes(r["bytes_per_direction"]),
                 _g(r.get("h2d_alone_gbps")),
                 _g(r.get("d2h_alone_gbps")),
                 _g(r.get("both_h2d_gbps")),
@@ -369,23 +483,25 @@ def _bidir_table(sec: dict[str, Any], res: dict[str, Any]) -> list[str]:
         "block",
         "N",
         "per direction",
-        "h2d alone",
-        "d2h alone",
-        "both: h2d",
-        "both: d2h",
+        f"{h2d} alone",
+        f"{d2h} alone",
+        f"both: {h2d}",
+        f"both: {d2h}",
         "aggregate",
-        "of h2d + d2h ceiling",
+        "of both ceilings",
         "duplex gain",
     ]
-    out += _table(head, body, [False] + [True] * 10)
+    out += _table(head, body, [False] + [True] * 10, keys=2, breaks=(6,))
     return out
 
 
 def _interference_table(sec: dict[str, Any], res: dict[str, Any]) -> list[str]:
     out = [
-        "## Interference: a GEMM on the compute stream beside an onload",
+        f"## Interference: a GEMM on the compute stream beside a {DIRECTION['h2d']} onload",
         "",
-        f"{sec.get('gemm')}; copies: {sec.get('copies')}. auto: {sec.get('auto_route')}.",
+        f"{sec.get('gemm')}; copies: {sec.get('copies')}. auto: {sec.get('auto_route')}. "
+        "'outlasted': the copies were still running when the GEMMs ended (so every GEMM ran "
+        "beside them).",
         "",
     ]
     body = []
@@ -411,18 +527,40 @@ def _interference_table(sec: dict[str, Any], res: dict[str, Any]) -> list[str]:
     head = [
         "path",
         "CTAs",
-        "bytes per launch",
-        "GEMM alone ms",
-        "beside copies ms",
+        "per launch",
+        "GEMM ms alone",
+        "GEMM ms beside",
         "slowdown",
         "copies GB/s",
-        "copies outlasted GEMMs",
+        "outlasted",
     ]
     out += _table(head, body, [False, True, True, True, True, True, True, False])
     return out
 
 
 # ---- files ------------------------------------------------------------------------------------
+
+
+def remove_previous(out_dir: str) -> list[str]:
+    """Removes the files an earlier run wrote into ``out_dir`` (those its ``results.json``
+    names: the summary, the JSON, its plots), so that a rerun leaves no stale plot behind.
+    Nothing else in the folder is touched. Returns the names removed."""
+    path = os.path.join(out_dir, "results.json")
+    try:
+        with open(path) as f:
+            plots = json.load(f).get("plots") or []
+    except (OSError, ValueError, AttributeError):
+        plots = []
+    removed = []
+    for name in ["summary.md", "results.json", *plots]:
+        if not isinstance(name, str) or os.path.basename(name) != name:
+            continue  # only plain file names of this folder
+        try:
+            os.remove(os.path.join(out_dir, name))
+        except OSError:
+            continue
+        removed.append(name)
+    return removed
 
 
 def write_json(res: dict[str, Any], path: str) -> None:
@@ -458,41 +596,90 @@ _STYLE = {
 }
 
 
+def _backend_note(res: dict[str, Any]) -> str:
+    return " (host backend: memcpy, no GPU)" if res.get("backend") == "host" else ""
+
+
+def _footnote(ax: Any, lines: list[str], below: float) -> None:
+    """Notes ``below`` points under the axes (clear of their labels and legend): what the
+    figure leaves out, and why. The saved figure grows to hold them (``bbox_inches="tight"``)."""
+    if lines:
+        ax.annotate(
+            "\n".join(lines),
+            xy=(0, 0),
+            xycoords="axes fraction",
+            xytext=(0, -below),
+            textcoords="offset points",
+            ha="left",
+            va="top",
+            fontsize=7.5,
+            color="0.3",
+        )
+
+
+#: A series whose best point is this many times below the worst point of the others is left out
+#: of a log-scale sweep plot (it would squash them into the top of the figure) and named in a note.
+OFF_CHART = 30.0
+
+
 def _plot_sweep(res: dict[str, Any], plt: Any) -> list[tuple[str, Any]]:
     import matplotlib.ticker
 
     sec = res.get("sweep") or {}
     rows = sec.get("rows", [])
     points = sweep_points(rows)
+    host = res.get("backend") == "host"
     out = []
     for d, n in sorted({(d, n) for d, n, _ in points}):
-        sizes = sorted(s for dd, nn, s in points if (dd, nn) == (d, n))
-        if not any(r["status"] == "ok" for s in sizes for r in points[(d, n, s)].values()):
-            continue
-        fig, ax = plt.subplots(figsize=(7.5, 4.5))
+        all_sizes = sorted(s for dd, nn, s in points if (dd, nn) == (d, n))
+        series: dict[str, tuple[list[int], list[float]]] = {}
         for path in TABLE_PATHS:
             xs, ys = [], []
-            for s in sizes:
+            for s in all_sizes:
                 r = points[(d, n, s)].get(path)
                 if r and r["status"] == "ok" and r["gbps"]:
                     xs.append(s)
-                    ys.append(r["gbps"])
+                    ys.append(float(r["gbps"]))
             if xs:
-                ax.plot(xs, ys, label=SWEEP_LABELS[path], **_STYLE[path])
+                series[path] = (xs, ys)
+        if not series:
+            continue
+        notes = []
+        for path, (_, ys) in list(series.items()):
+            others = [y for p, (_, v) in series.items() if p != path for y in v]
+            if others and max(ys) * OFF_CHART < min(others):
+                del series[path]
+                why = " (Triton's interpreter: no GPU)" if host and path == "kernel" else ""
+                notes.append(
+                    f"{SWEEP_LABELS[path]} left out, {_g(min(ys))}-{_g(max(ys))} GB/s{why}: over "
+                    f"{min(others) / max(ys):.0f}x below every other point"
+                )
+        sizes = sorted({x for xs, _ in series.values() for x in xs})
+        missing = [s for s in all_sizes if s not in sizes]
+        if missing:
+            reasons = {
+                str(r.get("reason"))
+                for s in missing
+                for r in points[(d, n, s)].values()
+                if r.get("reason")
+            }
+            cap = {m["cap"] for m in map(_CAP.match, reasons) if m}
+            why = f"over the {cap.pop()} cap per transfer" if len(cap) == 1 else "see summary.md"
+            notes.append(f"not measured: {', '.join(fmt_bytes(s) for s in missing)} ({why})")
+        fig, ax = plt.subplots(figsize=(7.5, 4.5))
+        for path, (xs, ys) in series.items():
+            ax.plot(xs, ys, label=SWEEP_LABELS[path], **_STYLE[path])
         ceiling = next((r["ceiling_gbps"] for r in rows if r["direction"] == d), None)
         if ceiling:
             ax.axhline(ceiling, color="tab:purple", linestyle="-.", linewidth=1)
             ax.annotate(
-                f"ceiling {ceiling:.1f} GB/s",
+                f"{'memcpy ' if host else ''}ceiling {ceiling:.1f} GB/s",
                 (sizes[0], ceiling),
                 xytext=(2, 3),
                 textcoords="offset points",
                 color="tab:purple",
                 fontsize=8,
             )
-        skipped = [
-            s for s in sizes if all(r["status"] == "skipped" for r in points[(d, n, s)].values())
-        ]
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         lo, hi = ax.get_ylim()
@@ -505,15 +692,18 @@ def _plot_sweep(res: dict[str, Any], plt: Any) -> list[tuple[str, Any]]:
         )
         ax.tick_params(axis="y", which="minor", labelsize=7)
         ax.set_xticks(sizes)
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
         ax.set_xticklabels([fmt_bytes(s).replace(" ", "") for s in sizes], rotation=45, fontsize=8)
+        if len(sizes) == 1:
+            ax.set_xlim(sizes[0] / 2, sizes[0] * 2)
         ax.set_xlabel("block size")
         ax.set_ylabel("GB/s")
-        title = f"{d}, N = {fmt_count(n)} scattered blocks"
-        if skipped:
-            title += f" (skipped over the cap: {', '.join(fmt_bytes(s) for s in skipped)})"
-        ax.set_title(title, fontsize=10)
+        ax.set_title(
+            f"{_direction(d)}, N = {fmt_count(n)} scattered blocks{_backend_note(res)}", fontsize=10
+        )
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8, loc="lower right")
+        _footnote(ax, notes, below=62)
         out.append((f"sweep_{d}_n{n}.png", fig))
     return out
 
@@ -525,17 +715,18 @@ def _plot_handler(res: dict[str, Any], plt: Any) -> list[tuple[str, Any]]:
     models = list(dict.fromkeys(r["name"] for r in rows))
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     width = 0.38
+    colors = {"d2h": "tab:blue", "h2d": "tab:orange"}
     for i, d in enumerate(("d2h", "h2d")):
         by = {r["name"]: r for r in rows if r["direction"] == d}
         xs = [k + (i - 0.5) * width for k in range(len(models))]
         sp = [by[m]["speedup_vs_baseline"] or 0 if m in by else 0 for m in models]
-        bars = ax1.bar(xs, sp, width, label={"d2h": "GPU -> CPU", "h2d": "CPU -> GPU"}[d])
+        bars = ax1.bar(xs, sp, width, label=DIRECTION[d], color=colors[d])
         ax1.bar_label(
             bars, labels=[f"{v:.0f}x" if v >= 10 else f"{v:.1f}x" for v in sp], fontsize=7
         )
         gb = [by[m]["gbps"] if m in by else 0 for m in models]
         base = [by[m].get("baseline_gbps") or 0 if m in by else 0 for m in models]
-        ax2.bar(xs, gb, width, label=f"handler {d}")
+        ax2.bar(xs, gb, width, label=DIRECTION[d], color=colors[d])
         ax2.scatter(
             xs,
             base,
@@ -543,34 +734,35 @@ def _plot_handler(res: dict[str, Any], plt: Any) -> list[tuple[str, Any]]:
             s=200,
             color="black",
             zorder=3,
-            label="copy_ per page" if i else None,
+            label="one copy per page" if i else None,
         )
     for ax in (ax1, ax2):
         ax.set_xticks(range(len(models)))
         ax.set_xticklabels(models, rotation=20, ha="right", fontsize=8)
         ax.grid(True, axis="y", alpha=0.3)
     ax1.axhline(1, color="black", linewidth=0.8)
-    ax1.set_ylabel("speedup over one copy_ per page")
-    ax1.set_title("handler speedup per model", fontsize=10)
+    ax1.set_ylabel("speedup over one copy per page")
+    ax1.set_title(f"handler speedup per model{_backend_note(res)}", fontsize=10)
     ax1.legend(fontsize=8)
     ceil = res.get("ceiling", {})
-    for d, style in (("h2d", "-."), ("d2h", ":")):
+    for d, style in (("d2h", ":"), ("h2d", "-.")):
         if d in ceil:
             ax2.axhline(
                 ceil[d]["gbps"],
-                color="tab:purple",
+                color=colors[d],
                 linestyle=style,
                 linewidth=1,
-                label=f"ceiling {d}",
+                label=f"ceiling {DIRECTION[d]}",
             )
     ax2.set_ylabel("GB/s end to end")
-    ax2.set_title("handler bandwidth per model", fontsize=10)
+    ax2.set_title(f"handler bandwidth per model{_backend_note(res)}", fontsize=10)
     ax2.legend(fontsize=7, bbox_to_anchor=(1.01, 1), loc="upper left")
     return [("handler_speedup.png", fig)]
 
 
 def _plot_bidir(res: dict[str, Any], plt: Any) -> list[tuple[str, Any]]:
-    rows = ok_rows(res.get("bidir"))
+    sec = res.get("bidir") or {}
+    rows = ok_rows(sec)
     if not rows:
         return []
     labels = [
@@ -579,30 +771,37 @@ def _plot_bidir(res: dict[str, Any], plt: Any) -> list[tuple[str, Any]]:
     ]
     fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(rows)), 4.5))
     width = 0.27
-    for i, (key, name) in enumerate(
+    for i, (key, name, color) in enumerate(
         (
-            ("h2d_alone_gbps", "h2d alone"),
-            ("d2h_alone_gbps", "d2h alone"),
-            ("aggregate_gbps", "both (aggregate)"),
+            ("h2d_alone_gbps", f"{DIRECTION['h2d']} alone", "tab:orange"),
+            ("d2h_alone_gbps", f"{DIRECTION['d2h']} alone", "tab:blue"),
+            ("aggregate_gbps", "both at once (aggregate)", "tab:green"),
         )
     ):
         xs = [k + (i - 1) * width for k in range(len(rows))]
-        ax.bar(xs, [r.get(key) or 0 for r in rows], width, label=name)
-    ceil = (res.get("bidir") or {}).get("ceiling_gbps", {})
+        ax.bar(xs, [r.get(key) or 0 for r in rows], width, label=name, color=color)
+    ceil = sec.get("ceiling_gbps", {})
     if ceil:
         ax.axhline(
             sum(ceil.values()),
             color="tab:purple",
             linestyle="-.",
             linewidth=1,
-            label="h2d + d2h ceiling",
+            label="sum of both ceilings",
         )
     ax.set_xticks(range(len(rows)))
     ax.set_xticklabels(labels, fontsize=8)
     ax.set_ylabel("GB/s")
-    ax.set_title("bidirectional transfers", fontsize=10)
+    ax.set_title(f"bidirectional transfers{_backend_note(res)}", fontsize=10)
     ax.grid(True, axis="y", alpha=0.3)
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=4)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
+    left_out = [
+        f"{r['path']} {fmt_bytes(r['block_bytes']) if r.get('block_bytes') else ''}: "
+        f"{r['status']} ({r.get('reason')})"
+        for r in sec.get("rows", [])
+        if r.get("status") != "ok"
+    ]
+    _footnote(ax, left_out, below=80)
     return [("bidir.png", fig)]
 
 
@@ -623,6 +822,6 @@ def _plot_interference(res: dict[str, Any], plt: Any) -> list[tuple[str, Any]]:
     ax.set_xticks(range(len(rows)))
     ax.set_xticklabels(labels, fontsize=8)
     ax.set_ylabel("GEMM slowdown beside the copies, %")
-    ax.set_title("interference with the compute stream", fontsize=10)
+    ax.set_title(f"a GEMM beside a {DIRECTION['h2d']} onload", fontsize=10)
     ax.grid(True, axis="y", alpha=0.3)
     return [("interference.png", fig)]

@@ -52,7 +52,7 @@ def resolve_backend(backend: str) -> Literal["cuda", "host"]:
     if backend == "auto":
         return "cuda" if cuda_ready() else "host"
     if backend == "cuda" and not cuda_ready():
-        raise SystemExit("--backend cuda: no usable GPU here (blockswap.info() says why)")
+        raise ValueError("--backend cuda: no usable GPU here (`blockswap info` says why)")
     if backend not in ("cuda", "host"):
         raise ValueError(f"backend must be auto, cuda or host, not {backend!r}")
     return "cuda" if backend == "cuda" else "host"
@@ -150,6 +150,7 @@ def run_suite(
         if out_dir == "default":
             out_dir = default_out_dir(meta, backend, prof.name)
         os.makedirs(out_dir, exist_ok=True)
+        report.remove_previous(out_dir)
         res["out_dir"] = out_dir
         if plots:
             files, why = report.write_plots(res, out_dir)
@@ -171,12 +172,16 @@ def failures(res: dict[str, Any]) -> int:
     )
 
 
-def build_parser(prog: str | None = None, default_profile: str = "full") -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog=prog,
-        description="blockswap's benchmark suite: sweep, handler level, bidirectional, "
-        "interference; tables, JSON and PNG plots in one folder.",
-    )
+DESCRIPTION = (
+    "blockswap's benchmark suite: sweep, handler level, bidirectional, interference; tables, "
+    "JSON and PNG plots in one folder."
+)
+
+
+def build_parser(
+    prog: str | None = None, default_profile: str = "full", *, add_help: bool = True
+) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=prog, description=DESCRIPTION, add_help=add_help)
     g = ap.add_mutually_exclusive_group()
     for name, what in (
         ("full", "every size, count, model and path (a few minutes on a GPU)"),
@@ -194,7 +199,8 @@ def build_parser(prog: str | None = None, default_profile: str = "full") -> argp
     ap.add_argument(
         "--out",
         default="default",
-        help="results folder (default: results/<date>-<gpu or host>[-<profile>])",
+        help="results folder (default: results/<date>-<gpu or host>[-<profile>]); the files of "
+        "an earlier run there are replaced",
     )
     ap.add_argument(
         "--only",
@@ -211,32 +217,55 @@ def main(
     argv: Sequence[str] | None = None, *, prog: str | None = None, default_profile: str = "full"
 ) -> int:
     args = build_parser(prog, default_profile).parse_args(argv)
-    sections = [s.strip() for s in args.only.split(",") if s.strip()]
-    overrides: dict[str, Any] = {}
-    if args.models:
-        from .models import select
-
-        overrides["models"] = tuple(m.key for m in select(args.models))
     if prog is None:
         head = [sys.argv[0]]
     elif prog.endswith(".py"):
         head = ["python", prog]
     else:  # "blockswap bench"
         head = ["python", "-m", *prog.split()]
-    full_argv = [*head, *(sys.argv[1:] if argv is None else argv)]
+    return run_args(args, prog=prog, argv=[*head, *(sys.argv[1:] if argv is None else argv)])
+
+
+def run_args(args: argparse.Namespace, *, prog: str | None, argv: Sequence[str]) -> int:
+    """Runs the suite for parsed ``args`` (:func:`build_parser`); ``argv`` is the command line
+    recorded in the results. A bad argument is one line on stderr and exit status 2."""
+    name = prog or "suite"
+
+    def error(msg: object) -> int:
+        print(f"{name}: error: {msg}", file=sys.stderr)
+        return 2
+
+    sections = [s.strip() for s in args.only.split(",") if s.strip()]
+    unknown = [s for s in sections if s not in SECTIONS]
+    if unknown or not sections:
+        return error(
+            f"unknown section(s) {', '.join(map(repr, unknown)) or '(none given)'}; "
+            f"choose from {', '.join(SECTIONS)}"
+        )
+    overrides: dict[str, Any] = {}
+    if args.models:
+        from .models import select
+
+        try:
+            overrides["models"] = tuple(m.key for m in select(args.models))
+        except ValueError as e:
+            return error(e)
+    try:
+        backend = resolve_backend(args.backend)
+    except ValueError as e:
+        return error(e)
     try:
         res = run_suite(
             args.profile,
-            backend=args.backend,
+            backend=backend,
             sections=sections,
             out_dir=args.out,
             overrides=overrides,
             plots=not args.no_plots,
-            argv=full_argv,
+            argv=list(argv),
         )
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except (ValueError, OSError) as e:
+        return error(e)
     from .report import format_summary
 
     print()
@@ -256,4 +285,4 @@ def main(
     return 0
 
 
-__all__ = ["SCHEMA", "build_parser", "failures", "main", "run_suite"]
+__all__ = ["DESCRIPTION", "SCHEMA", "build_parser", "failures", "main", "run_args", "run_suite"]

@@ -1,0 +1,209 @@
+"""The command line (``python -m blockswap``) and the library's logging, on the host backend."""
+
+from __future__ import annotations
+
+import ast
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import blockswap
+from blockswap.__main__ import describe, main
+from blockswap.engine import _log_start
+
+
+def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "blockswap", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=120,
+    )
+
+
+def test_version(tmp_path: Path) -> None:
+    p = cli("--version", cwd=tmp_path)
+    assert p.returncode == 0 and p.stdout.strip() == f"blockswap {blockswap.__version__}"
+
+
+def test_no_command_prints_the_help_and_writes_nothing(tmp_path: Path) -> None:
+    p = cli(cwd=tmp_path)
+    assert p.returncode == 2
+    assert "info" in p.stderr and "bench" in p.stderr and p.stdout == ""
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["frob"], "invalid choice: 'frob'"),
+        (["bench", "--models", "nope"], "unknown model 'nope'"),
+        (["bench", "--only", "sweep,nope"], "unknown section(s) 'nope'"),
+        (["bench", "--backend", "tpu"], "invalid choice: 'tpu'"),
+        (["bench", "--tiny", "--quick"], "not allowed with argument"),
+        (["info", "--bogus"], "unrecognized arguments: --bogus"),
+    ],
+)
+def test_a_bad_argument_is_one_line_and_exit_2(tmp_path: Path, args: list[str], said: str) -> None:
+    p = cli(*args, cwd=tmp_path)
+    assert p.returncode == 2
+    assert p.stderr.count("\n") == 1 and said in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr and p.stdout == ""
+    assert list(tmp_path.iterdir()) == [], "an error wrote files"
+
+
+def test_info(tmp_path: Path) -> None:
+    p = cli("info", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    for what in ("default backend:", "copy path:", "GPU->CPU (d2h):", "CPU->GPU (h2d):"):
+        assert what in p.stdout, what
+    d = json.loads(cli("info", "--json", cwd=tmp_path).stdout)
+    assert d["version"] == blockswap.__version__ and d["engine"]["backend"] in ("cuda", "host")
+    assert set(d["routes"]) == {"d2h", "h2d"}
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_info_routes_on_the_host_backend() -> None:
+    if blockswap.info()["cuda"]:
+        pytest.skip("the default backend here is CUDA")
+    d = describe()
+    assert d["default_backend"] == "host" and d["engine"]["copy_path"]
+    assert all("memcpy" in r for r in d["routes"].values())
+
+
+def test_info_on_a_cuda_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What `blockswap info` says where the CUDA backend starts (the engine is a stand-in)."""
+    pytest.importorskip("torch")
+    import importlib.util
+
+    import blockswap.__main__ as cli
+
+    class FakeEngine:
+        def __init__(self, backend: str) -> None:
+            assert backend == "cuda"
+
+        def info(self) -> dict[str, object]:
+            return {
+                "backend": "cuda",
+                "driver_version": 13000,
+                "device": "cuda:0 (NVIDIA H100 80GB HBM3)",
+                "copy_path": "cuMemcpyBatchAsync (13.0 ABI)",
+                "completion": "cuStreamWriteValue64 into mapped pinned memory",
+            }
+
+        def shutdown(self) -> None:
+            pass
+
+    monkeypatch.setattr(cli, "Engine", FakeEngine)
+    monkeypatch.setattr(
+        cli,
+        "info",
+        lambda: {
+            "version": "0",
+            "cuda": True,
+            "cuda_status": "CUDA driver 13000",
+            "default_backend": "cuda",
+        },
+    )
+    text = cli.format_info(cli.describe())
+    assert "driver:          CUDA 13.0 (13000)" in text
+    assert "copy path:       cuMemcpyBatchAsync (13.0 ABI)" in text
+    kernel = "Triton copy kernel (16 CTAs, at most 8 MiB per launch)"
+    if importlib.util.find_spec("triton") is None:
+        kernel = "DMA: triton is not installed"
+    for d in ("GPU->CPU (d2h)", "CPU->GPU (h2d)"):
+        assert f"{d}: pages < 256 KiB: {kernel}\n" in text
+    assert text.count("larger pages: cuMemcpyBatchAsync (13.0 ABI)") == 2
+
+
+def test_bench_writes_only_where_asked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    args = ["bench", "--tiny", "--backend", "host", "--only", "bidir", "--no-plots"]
+    assert main([*args, "--out", "here"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["here"]
+    assert "written to here/" in capsys.readouterr().out
+
+
+# ---- logging ----------------------------------------------------------------------------------
+
+
+def test_engine_start_and_host_allocation_are_logged(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="blockswap")
+    with blockswap.Engine("host") as eng:
+        eng.alloc_host(3 << 20)
+    msgs = [r.getMessage() for r in caplog.records if r.name.startswith("blockswap")]
+    assert any(m.startswith("engine: host backend, copy path memcpy") for m in msgs), msgs
+    assert any(m.startswith("alloc_host: 3.0 MiB of host memory") for m in msgs), msgs
+
+
+def test_the_loop_fallback_is_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="blockswap")
+    info = {
+        "backend": "cuda",
+        "device": "cuda:0 (test)",
+        "driver_version": 12040,
+        "copy_path": "cuMemcpyAsync loop",
+        "completion": "event query",
+    }
+    _log_start(info, "auto")
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "driver (12.4) has no batch copy" in warned[0].getMessage()
+    caplog.clear()
+    _log_start(info, "loop")  # asked for: no warning
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+
+
+def test_a_shutdown_past_its_timeout_is_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="blockswap")
+    n = 256 << 20
+    src, dst = np.ones(n, dtype=np.uint8), np.zeros(n, dtype=np.uint8)
+    eng = blockswap.Engine("host", shutdown_timeout=0.0)
+    eng.register(src)
+    eng.register(dst)
+    eng.submit(1, [src.ctypes.data], [dst.ctypes.data], [n], "h2h")
+    eng.shutdown()  # 256 MiB takes milliseconds: still in flight at a zero timeout
+    eng.shutdown()  # logged once
+    msgs = [r.getMessage() for r in caplog.records]
+    assert len(msgs) == 1 and "shutdown timed out" in msgs[0], msgs
+    assert eng.stats()["shutdown_timed_out"]
+
+
+def test_handler_routes_are_logged(caplog: pytest.LogCaptureFixture) -> None:
+    torch = pytest.importorskip("torch")
+    from blockswap.handler import CpuGpuHandlers
+
+    caplog.set_level(logging.INFO, logger="blockswap")
+    gpu = [torch.zeros(2, 8, 4, 16, dtype=torch.float16) for _ in range(2)]
+    with CpuGpuHandlers(gpu, 8, layout="kv_split", backend="host"):
+        pass
+    msgs = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("GPU -> CPU route (path='auto'): host backend") for m in msgs), msgs
+    assert any(m.startswith("CPU cache: ") for m in msgs), msgs
+
+
+def test_the_library_prints_nothing() -> None:
+    """Only the command line and the benchmark suite print; the library logs."""
+    root = Path(blockswap.__file__).parent
+    printing = []
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(root).as_posix()
+        if rel == "__main__.py" or rel.startswith("bench/"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id == "print"
+            ):
+                printing.append(f"{rel}:{node.lineno}")
+    assert printing == []
+    assert os.path.exists(root / "py.typed")
