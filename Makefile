@@ -79,12 +79,12 @@ clean:
 # installed when missing): the modules with unsafe code (slab pool, completion lane) and the engine
 # tests over the host backend, under Stacked Borrows, then the pool and lane under Tree Borrows.
 # Property tests run 2 cases and loops are shortened there (Miri is ~1000x slower); MIRI_TIMEOUT
-# bounds each run.
+# bounds each run. The engine tests run without isolation: proptest looks for its regression files.
 MIRI_TIMEOUT ?= 1500
 miri:
 	cargo +nightly miri --version >/dev/null 2>&1 || rustup toolchain install nightly --profile minimal --component miri,rust-src
 	timeout $(MIRI_TIMEOUT) cargo +nightly miri test --lib -- pool:: completion:: transfer:: region::
-	timeout $(MIRI_TIMEOUT) cargo +nightly miri test --test engine
+	MIRIFLAGS="-Zmiri-disable-isolation" timeout $(MIRI_TIMEOUT) cargo +nightly miri test --test engine
 	MIRIFLAGS="-Zmiri-tree-borrows" timeout $(MIRI_TIMEOUT) cargo +nightly miri test --lib -- pool:: completion::
 
 # The property tests with fresh random examples (CI runs them derandomised: the same examples
