@@ -8,8 +8,10 @@ serving engine moves per layer), 64 GPU blocks; a transfer moves ``--blocks`` ra
 to (or from) random CPU blocks. GPU layer tensors either views of one allocation ("one alloc")
 or allocated one by one ("separate"). Two handlers per case:
 
-* ``blocks``: the default CpuGpuHandlers (block-major CPU cache; the block plan where the
-  geometry gives one, else the page route);
+* ``auto``: the default CpuGpuHandlers (block-major CPU cache; the route ``path="auto"`` picks);
+* ``blocks`` (one allocation only): ``path="blocks"``, the block plan whatever the page size, its
+  2-D copies batched into one ``cuMemcpy3DBatchAsync`` per transfer;
+* ``blocks-loop``: the same plan with ``copy_path="loop"``: one ``cuMemcpy2DAsync`` per block;
 * ``pages``: ``cpu_layout="mirror"`` (a CPU cache laid out like the GPU one): the per-page route
   (copy kernel below 256 KiB pages, DMA above).
 
@@ -106,7 +108,7 @@ def measure(h: CpuGpuHandlers, blocks: int, reps: int, rng: np.random.Generator)
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--pages", default="4,16,64,256,1024", help="page sizes in KiB")
+    ap.add_argument("--pages", default="4,8,16,32,64,256,1024", help="page sizes in KiB")
     ap.add_argument("--layers", type=int, default=80)
     ap.add_argument("--blocks", type=int, default=32)
     ap.add_argument("--reps", type=int, default=20)
@@ -120,12 +122,19 @@ def main() -> int:
     rows = []
     print(f"# {torch.cuda.get_device_name()}; ceiling h2d {ceil['h2d']:.1f} GB/s, "
           f"d2h {ceil['d2h']:.1f} GB/s; {args.layers} layers x {args.blocks} random blocks")  # fmt: skip
-    print(f"{'page':>6} {'GPU layers':>10} {'handler':>8} {'route':<34} "
+    print(f"{'page':>6} {'GPU layers':>10} {'handler':>11} {'route':<34} "
           f"{'dir':>4} {'isol %':>7} {'8 q %':>6} {'host us':>8}")  # fmt: skip
     for kib in (int(x) for x in args.pages.split(",")):
         for one_alloc in (True, False):
             gpu = gpu_layers(args.layers, 64, kib * 1024, one_alloc)
-            for name, kw in (("blocks", {}), ("pages", {"cpu_layout": "mirror"})):
+            variants: list[tuple[str, dict]] = [("auto", {})]
+            if one_alloc:
+                variants += [
+                    ("blocks", {"path": "blocks"}),
+                    ("blocks-loop", {"path": "blocks", "copy_path": "loop"}),
+                ]
+            variants.append(("pages", {"cpu_layout": "mirror"}))
+            for name, kw in variants:
                 h = CpuGpuHandlers(gpu, args.blocks, layout="mla", timing=True, **kw)
                 try:
                     res = measure(h, args.blocks, args.reps, rng)
@@ -142,7 +151,7 @@ def main() -> int:
                             **m,
                         }
                         rows.append(row)
-                        print(f"{kib:>5}K {row['gpu_layers']:>10} {name:>8} {route[:34]:<34} "
+                        print(f"{kib:>5}K {row['gpu_layers']:>10} {name:>11} {route[:34]:<34} "
                               f"{d:>4} {100 * m['isolated_gbps'] / ceil[d]:>6.1f}% "
                               f"{100 * m['queued_gbps'] / ceil[d]:>5.1f}% "
                               f"{m['host_us']:>8.1f}")  # fmt: skip

@@ -89,6 +89,61 @@ type BatchV13 = unsafe extern "C" fn(
     sys::CUstream,
 ) -> sys::CUresult;
 
+/// `cuMemcpy3DBatchAsync`, CUDA 12.8 ABI: `failIdx` before the flags.
+type Batch3dV12 = unsafe extern "C" fn(
+    usize,
+    *mut sys::CUDA_MEMCPY3D_BATCH_OP,
+    *mut usize,
+    std::ffi::c_ulonglong,
+    sys::CUstream,
+) -> sys::CUresult;
+
+/// `cuMemcpy3DBatchAsync_v2`, CUDA 13.0 ABI: no `failIdx`.
+type Batch3dV13 = unsafe extern "C" fn(
+    usize,
+    *mut sys::CUDA_MEMCPY3D_BATCH_OP,
+    std::ffi::c_ulonglong,
+    sys::CUstream,
+) -> sys::CUresult;
+
+/// The batched 3-D copy of the installed driver: a block plan's 2-D copies in one call.
+#[derive(Clone, Copy)]
+enum Batch3dFn {
+    V12(Batch3dV12),
+    V13(Batch3dV13),
+}
+
+impl fmt::Debug for Batch3dFn {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Batch3dFn::V12(_) => "cuMemcpy3DBatchAsync (12.8 ABI)",
+            Batch3dFn::V13(_) => "cuMemcpy3DBatchAsync (13.0 ABI)",
+        })
+    }
+}
+
+/// The 3-D batch copy entry point of the installed driver, by the ABI it offers (as
+/// [`resolve_batch`]).
+fn resolve_batch3d(driver_version: i32) -> Option<Batch3dFn> {
+    if driver_version >= 13000 {
+        let p = resolve("cuMemcpy3DBatchAsync", 13000)?;
+        // SAFETY: asked at version 13.0, the driver hands out the `_v2` ABI (no failIdx), which
+        // Batch3dV13 matches.
+        Some(Batch3dFn::V13(unsafe {
+            std::mem::transmute::<*mut c_void, Batch3dV13>(p)
+        }))
+    } else if driver_version >= 12080 {
+        let p = resolve("cuMemcpy3DBatchAsync", 12080)?;
+        // SAFETY: asked at version 12.8, the driver hands out the 12.8 ABI, which Batch3dV12
+        // matches.
+        Some(Batch3dFn::V12(unsafe {
+            std::mem::transmute::<*mut c_void, Batch3dV12>(p)
+        }))
+    } else {
+        None
+    }
+}
+
 #[derive(Clone, Copy)]
 enum BatchFn {
     V12(BatchV12),
@@ -616,6 +671,8 @@ pub struct CudaBackend {
     name: String,
     driver_version: i32,
     batch: Option<BatchFn>,
+    /// The batched 3-D copy for block plans; `None`: one cuMemcpy2DAsync per copy.
+    batch3d: Option<Batch3dFn>,
     opts: CudaOptions,
     write_value: bool,
     epoch: Instant,
@@ -693,6 +750,12 @@ impl CudaBackend {
                 ))
             })?),
         };
+        // Block plans follow the 1-D choice: batched where the driver has the call, unless the
+        // loop was asked for.
+        let batch3d = match opts.copy_path {
+            CopyPath::Loop => None,
+            CopyPath::Auto | CopyPath::Batch => resolve_batch3d(driver_version),
+        };
         let counters = PinnedHost::alloc(ctx.raw, Direction::ALL.len() * 64)?;
         let mut lanes = Vec::with_capacity(Direction::ALL.len());
         for (i, dir) in Direction::ALL.into_iter().enumerate() {
@@ -731,6 +794,7 @@ impl CudaBackend {
             name,
             driver_version,
             batch,
+            batch3d,
             opts,
             write_value,
             epoch: Instant::now(),
@@ -902,6 +966,9 @@ impl CudaBackend {
         let ops = src.len() / crate::table::PITCHED_ENTRIES;
         // The injected fault: a null destination in the middle copy, which the driver refuses.
         let poison = take_injected(&self.fail_next).then_some(ops / 2);
+        if let Some(batch3d) = self.batch3d {
+            return self.issue_pitched_batch(lane, batch3d, slab, poison);
+        }
         for k in 0..ops {
             let e = crate::table::PITCHED_ENTRIES * k;
             // Unified addressing: the driver finds each side's kind (pinned host or device) from
@@ -934,6 +1001,79 @@ impl CudaBackend {
                     reason: format!("cuMemcpy2DAsync: {}", error_name(r)),
                 });
             }
+        }
+        Ok(())
+    }
+
+    /// The 2-D copies of a pitched transfer as `cuMemcpy3DBatchAsync` calls (depth 1), up to
+    /// `max_batch` copies a call: one driver call per transfer instead of one per block.
+    fn issue_pitched_batch(
+        &self,
+        lane: Direction,
+        batch3d: Batch3dFn,
+        slab: &SlabInner,
+        poison: Option<usize>,
+    ) -> Result<(), BackendError> {
+        let stream = self.lane(lane).stream.raw;
+        let (src, dst, size) = (slab.src(), slab.dst(), slab.size());
+        let ops = src.len() / crate::table::PITCHED_ENTRIES;
+        let order = self.attrs(lane).srcAccessOrder;
+        let operand = |ptr: u64, pitch: u64, rows: u64| sys::CUmemcpy3DOperand {
+            type_: sys::CUmemcpy3DOperandType::CU_MEMCPY_OPERAND_TYPE_POINTER,
+            op: sys::CUmemcpy3DOperand_st__bindgen_ty_1 {
+                // Pointer operands count in bytes (element size 1): a row is `pitch` bytes, a
+                // layer `rows` rows.
+                ptr: sys::CUmemcpy3DOperand_st__bindgen_ty_1__bindgen_ty_1 {
+                    ptr,
+                    rowLength: pitch as usize,
+                    layerHeight: rows as usize,
+                    locHint: sys::CUmemLocation {
+                        type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_INVALID,
+                        id: 0,
+                    },
+                },
+            },
+        };
+        let mut list: Vec<sys::CUDA_MEMCPY3D_BATCH_OP> = (0..ops)
+            .map(|k| {
+                let e = crate::table::PITCHED_ENTRIES * k;
+                let rows = size[e + 1];
+                let d = if poison == Some(k) { 0 } else { dst[e] };
+                sys::CUDA_MEMCPY3D_BATCH_OP {
+                    src: operand(src[e], src[e + 1], rows),
+                    dst: operand(d, dst[e + 1], rows),
+                    extent: sys::CUextent3D {
+                        width: size[e] as usize,
+                        height: rows as usize,
+                        depth: 1,
+                    },
+                    srcAccessOrder: order,
+                    flags: 0,
+                }
+            })
+            .collect();
+        let chunk = self.opts.max_batch.max(1);
+        let mut start = 0;
+        while start < ops {
+            let n = chunk.min(ops - start);
+            let list = list[start..].as_mut_ptr();
+            let mut fail_idx = usize::MAX;
+            // SAFETY: `list` holds n valid ops, read during the call only; every row lies in a
+            // registered block table's pages, inside one driver allocation per side (block plans
+            // keep to one); the stream is valid.
+            let r = unsafe {
+                match batch3d {
+                    Batch3dFn::V12(f) => f(n, list, &mut fail_idx, 0, stream),
+                    Batch3dFn::V13(f) => f(n, list, 0, stream),
+                }
+            };
+            if r != sys::CUresult::CUDA_SUCCESS {
+                return Err(BackendError::CopyFailed {
+                    index: (fail_idx < n).then_some(start + fail_idx),
+                    reason: format!("cuMemcpy3DBatchAsync: {}", error_name(r)),
+                });
+            }
+            start += n;
         }
         Ok(())
     }
