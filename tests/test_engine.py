@@ -327,3 +327,32 @@ def test_info_and_cuda_without_driver():
     e = blockswap.Engine("host")
     assert e.info()["backend"] == "host"
     e.shutdown()
+
+
+def test_an_engine_collected_after_a_timed_out_shutdown_keeps_its_registered_objects():
+    """A shutdown that gave up on copies in flight (``shutdown_timeout``) leaves them running on
+    a GPU: the objects registered with the engine must then outlive it, never be freed under the
+    device. Here a 256 MiB host copy outlasts a zero timeout."""
+    import gc
+    import weakref
+
+    from blockswap import engine as engine_module
+
+    eng = blockswap.Engine("host", shutdown_timeout=0.0)
+    src = np.ones(256 << 20, np.uint8)
+    dst = np.zeros(256 << 20, np.uint8)
+    eng.register(src, kind="host")
+    eng.register(dst, kind="device")
+    alive = weakref.ref(dst)
+    eng.submit(1, [src.ctypes.data], [dst.ctypes.data], [src.nbytes])
+    eng.shutdown()
+    timed_out = eng.stats()["shutdown_timed_out"]
+    del eng, src, dst
+    gc.collect()
+    try:
+        if timed_out:
+            assert alive() is not None, "a registered object was freed after a timed-out shutdown"
+        else:  # the copy won the race against the zero timeout: nothing to keep
+            assert alive() is None
+    finally:
+        engine_module._ABANDONED.clear()

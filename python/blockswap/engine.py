@@ -39,6 +39,9 @@ from ._types import (
 
 log = logging.getLogger(__name__)
 
+#: Registered objects of engines collected after a shutdown that timed out (see Engine.__del__).
+_ABANDONED: list[Any] = []
+
 _I64_MAX = np.iinfo(np.int64).max
 _U64_END = 1 << 64
 
@@ -301,6 +304,10 @@ class Engine:
         core = self.__dict__.get("_core")
         if core is not None:
             core.shutdown()
+            if core.stats().get("shutdown_timed_out"):
+                # Copies the shutdown gave up on may still read or write the registered objects:
+                # they are kept for the life of the process rather than freed under the device.
+                _ABANDONED.append(self.__dict__.get("_kept"))
 
     def submit(
         self,
