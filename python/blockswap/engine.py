@@ -375,9 +375,7 @@ class Engine:
 
     def unregister_table(self, table: int) -> None:
         """Removes a block table (refused while transfers are in flight)."""
-        if not _is_int(table) or not 0 <= table < 1 << 32:
-            raise InvalidTransferError(f"no block table {table!r}")
-        self._core.unregister_table(int(table))
+        self._core.unregister_table(_table_id(table))
 
     def submit_blocks(
         self,
@@ -399,17 +397,15 @@ class Engine:
         job_id = check_job_id(job_id)
         if launcher is not None and not callable(launcher):  # the check off the hot path
             check_arg("launcher", launcher, "callable", callable, optional=True)
-        for t in (src_table, dst_table):
-            if not _is_int(t) or not 0 <= t < 1 << 32:
-                raise InvalidTransferError(f"no block table {t!r}")
+        src_table, dst_table = _table_id(src_table), _table_id(dst_table)
         s = as_int64("src_ids", src_ids)
         d = as_int64("dst_ids", dst_ids)
         try:
             self._core.submit_blocks(
                 job_id,
-                int(src_table),
+                src_table,
                 s,
-                int(dst_table),
+                dst_table,
                 d,
                 direction,
                 wait_stream,
@@ -434,15 +430,11 @@ class Engine:
         :meth:`block_runs`): one 2-D copy per run of its pages instead of a descriptor per page,
         on the copy engines only. Refused where the pair has no block plan."""
         job_id = check_job_id(job_id)
-        for t in (src_table, dst_table):
-            if not _is_int(t) or not 0 <= t < 1 << 32:
-                raise InvalidTransferError(f"no block table {t!r}")
+        src_table, dst_table = _table_id(src_table), _table_id(dst_table)
         s = as_int64("src_ids", src_ids)
         d = as_int64("dst_ids", dst_ids)
         try:
-            self._core.submit_block_runs(
-                job_id, int(src_table), s, int(dst_table), d, direction, wait_stream
-            )
+            self._core.submit_block_runs(job_id, src_table, s, dst_table, d, direction, wait_stream)
         except (OverflowError, TypeError) as e:
             raise _submit_argument_error(e, direction, wait_stream, 0) from None
 
@@ -454,12 +446,10 @@ class Engine:
         at one pitch on both sides), or ``None`` where the pair has none (pages that differ,
         destination pages that may share bytes). A block-major CPU table against layer tensors
         at one pitch is one copy per block."""
-        for t in (src_table, dst_table):
-            if not _is_int(t) or not 0 <= t < 1 << 32:
-                raise InvalidTransferError(f"no block table {t!r}")
+        src_table, dst_table = _table_id(src_table), _table_id(dst_table)
         if not isinstance(direction, str):
             raise InvalidTransferError(f"direction must be a str, not {direction!r}")
-        return self._core.block_runs(int(src_table), int(dst_table), direction)
+        return self._core.block_runs(src_table, dst_table, direction)
 
     def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> None:
         """Blocks until the listed jobs finished; their results still come from get_finished.
@@ -594,6 +584,13 @@ def _warn_ignored(arguments: dict[str, Any]) -> None:
             UserWarning,
             stacklevel=3,
         )
+
+
+def _table_id(table: Any) -> int:
+    """A block table id as the core takes it; anything else names no table."""
+    if not _is_int(table) or not 0 <= table < 1 << 32:
+        raise InvalidTransferError(f"no block table {table!r}")
+    return int(table)
 
 
 def _log_start(info: Any, copy_path: Any) -> str:
