@@ -739,12 +739,17 @@ impl Engine {
                      that may share bytes): move them page by page"
                 .into(),
         };
+        // The plan is worked out once per submission, when the slab is sized, and handed to the
+        // fill: both run under one hold of the lock, so the tables cannot change in between.
+        let plan = std::cell::Cell::new(Vec::new());
         self.submit_with(
             job_id,
             |state| {
                 let (s, d) = table_pair(&state.tables, src_table, dst_table, direction)?;
                 let runs = block_runs(s, d).ok_or_else(no_plan)?;
-                Ok((PITCHED_ENTRIES * runs.len()).saturating_mul(src_ids.len()))
+                let entries = (PITCHED_ENTRIES * runs.len()).saturating_mul(src_ids.len());
+                plan.set(runs);
+                Ok(entries)
             },
             direction,
             wait_stream,
@@ -757,8 +762,7 @@ impl Engine {
                     ..
                 } = state;
                 let (s, d) = table_pair(tables, src_table, dst_table, direction)?;
-                let runs = block_runs(s, d).ok_or_else(no_plan)?;
-                expand_runs_into(s, src_ids, d, dst_ids, &runs, cols, bits, scratch)
+                expand_runs_into(s, src_ids, d, dst_ids, &plan.take(), cols, bits, scratch)
                     .map_err(EngineError::from)
             },
         )

@@ -422,7 +422,7 @@ class Engine:
         src_ids: Any,
         dst_table: int,
         dst_ids: Any,
-        direction: str = "h2d",
+        direction: Direction = "h2d",
         *,
         wait_stream: int | None = None,
     ) -> None:
