@@ -81,11 +81,15 @@ clean:
 # Property tests run 2 cases and loops are shortened there (Miri is ~1000x slower); MIRI_TIMEOUT
 # bounds each run. The engine tests run without isolation: proptest looks for its regression files.
 MIRI_TIMEOUT ?= 1500
+# The three runs are independent single-threaded interpreters: after one build they run side by
+# side (each into its own log, printed in order), which halves the step on a 2-core machine.
 miri:
 	cargo +nightly miri --version >/dev/null 2>&1 || rustup toolchain install nightly --profile minimal --component miri,rust-src
-	timeout $(MIRI_TIMEOUT) cargo +nightly miri test --lib -- pool:: completion:: transfer:: region::
-	MIRIFLAGS="-Zmiri-disable-isolation" timeout $(MIRI_TIMEOUT) cargo +nightly miri test --test engine
-	MIRIFLAGS="-Zmiri-tree-borrows" timeout $(MIRI_TIMEOUT) cargo +nightly miri test --lib -- pool:: completion::
+	cargo +nightly miri test --lib --test engine --no-run
+	.ci/parallel "$(MIRI_TIMEOUT)" \
+	  "cargo +nightly miri test --lib -- pool:: completion:: transfer:: region::" \
+	  "MIRIFLAGS=-Zmiri-disable-isolation cargo +nightly miri test --test engine" \
+	  "MIRIFLAGS=-Zmiri-tree-borrows cargo +nightly miri test --lib -- pool:: completion::"
 
 # The property tests with fresh random examples (CI runs them derandomised: the same examples
 # each run). A failure prints the example and the seed to reproduce it.
