@@ -26,7 +26,7 @@ use crate::descriptor::{
 use crate::pool::{Pool, PoolError, PoolStats};
 use crate::region::{MemoryKind, RegionError, RegionTable};
 use crate::table::{
-    block_runs, expand_into, expand_runs_into, BlockTable, Run, TableError, PITCHED_ENTRIES,
+    block_runs, expand_groups_into, BlockTable, Group, Run, TableError, PITCHED_ENTRIES,
 };
 use crate::transfer::{JobId, TransferResult, TransferState, TransitionError};
 
@@ -294,6 +294,8 @@ struct SubmitState {
     /// Bitset of the destination-uniqueness check, kept clear between transfers.
     bits: Vec<u64>,
     scratch: Scratch,
+    /// Chunk ids expanded to table blocks, per side (see [`expand_groups_into`]).
+    chunk_ids: [Vec<u64>; 2],
 }
 
 /// The two tables of a block-id transfer, checked against the memory kinds of `direction`.
@@ -323,11 +325,100 @@ fn table_pair(
     ))
 }
 
+/// One KV-cache group of [`Engine::submit_groups`]: a source and a destination table by id, with
+/// their ids (see [`Group`]: `chunks: Some(skip)` names the side whose table counts chunks by
+/// chunk ids).
+#[derive(Clone, Copy, Debug)]
+pub struct GroupIds<'a> {
+    pub src_table: u32,
+    pub src_ids: &'a [u64],
+    pub dst_table: u32,
+    pub dst_ids: &'a [u64],
+    pub chunks: Option<u64>,
+}
+
+impl<'a> GroupIds<'a> {
+    /// Both sides named by table blocks.
+    pub fn blocks(src_table: u32, src_ids: &'a [u64], dst_table: u32, dst_ids: &'a [u64]) -> Self {
+        GroupIds {
+            src_table,
+            src_ids,
+            dst_table,
+            dst_ids,
+            chunks: None,
+        }
+    }
+}
+
+/// The groups of a transfer with their tables looked up and checked against `direction`.
+fn resolve_groups<'a>(
+    tables: &'a [Option<BlockTable>],
+    groups: &[GroupIds<'a>],
+    direction: Direction,
+) -> Result<Vec<Group<'a>>, EngineError> {
+    if groups.is_empty() {
+        return Err(TableError::Empty.into());
+    }
+    let many = groups.len() > 1;
+    groups
+        .iter()
+        .enumerate()
+        .map(
+            |(gi, g)| match table_pair(tables, g.src_table, g.dst_table, direction) {
+                Ok((src, dst)) => Ok(Group {
+                    src,
+                    src_ids: g.src_ids,
+                    dst,
+                    dst_ids: g.dst_ids,
+                    chunks: g.chunks,
+                }),
+                Err(error) if many => Err(TableError::InGroup {
+                    group: gi,
+                    error: Box::new(error),
+                }
+                .into()),
+                Err(e) => Err(e.into()),
+            },
+        )
+        .collect()
+}
+
+fn no_plan(group: usize, groups: usize) -> EngineError {
+    let error = TableError::BadSegment {
+        segment: 0,
+        reason: "these tables have no block plan (different pages, or destination pages that \
+                 may share bytes): move them page by page"
+            .into(),
+    };
+    if groups > 1 {
+        TableError::InGroup {
+            group,
+            error: Box::new(error),
+        }
+        .into()
+    } else {
+        error.into()
+    }
+}
+
 /// What a slab holds: `(src, dst, size)` descriptors, of which those below a size may go to a
 /// kernel launcher, or the 2-D copies of a block plan.
-enum Shape<'a> {
+pub enum Shape<'a> {
+    /// A descriptor per page; with `Some((below, launcher))` those below `below` bytes (after
+    /// coalescing) are moved by the copy kernel `launcher` launches, the rest by DMA.
     Pages(Option<(u64, KernelLauncher<'a>)>),
+    /// The 2-D copies of each table pair's block plan: copy engines only.
     Runs,
+}
+
+impl fmt::Debug for Shape<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Shape::Pages(None) => f.write_str("Pages(dma)"),
+            Shape::Pages(Some((below, _))) => write!(f, "Pages(kernel below {below} bytes)"),
+            Shape::Runs => f.write_str("Runs"),
+        }
+    }
 }
 
 /// Forks this process image descends through, counted in each child (pthread_atfork). An engine
@@ -408,6 +499,7 @@ impl Engine {
                 tables: Vec::new(),
                 bits: Vec::new(),
                 scratch: Scratch::default(),
+                chunk_ids: [Vec::new(), Vec::new()],
             }),
             retired: ArrayQueue::new(4 * max_in_flight),
             counters: Default::default(),
@@ -681,28 +773,13 @@ impl Engine {
         wait_stream: Option<u64>,
         kernel: Option<(u64, KernelLauncher<'_>)>,
     ) -> Result<(), EngineError> {
-        let coalesce = self.config.coalesce;
-        self.submit_with(
+        let group = GroupIds::blocks(src_table, src_ids, dst_table, dst_ids);
+        self.submit_groups(
             job_id,
-            // The slab holds a descriptor per (segment, block) pair before coalescing.
-            |state| {
-                let (s, _) = table_pair(&state.tables, src_table, dst_table, direction)?;
-                Ok(s.segments().saturating_mul(src_ids.len()))
-            },
+            &[group],
             direction,
             wait_stream,
             Shape::Pages(kernel),
-            |state, cols| {
-                let SubmitState {
-                    tables,
-                    bits,
-                    scratch,
-                    ..
-                } = state;
-                let (s, d) = table_pair(tables, src_table, dst_table, direction)?;
-                expand_into(s, src_ids, d, dst_ids, coalesce, cols, bits, scratch)
-                    .map_err(EngineError::from)
-            },
         )
     }
 
@@ -733,36 +810,64 @@ impl Engine {
         direction: Direction,
         wait_stream: Option<u64>,
     ) -> Result<(), EngineError> {
-        let no_plan = || TableError::BadSegment {
-            segment: 0,
-            reason: "these tables have no block plan (different pages, or destination pages \
-                     that may share bytes): move them page by page"
-                .into(),
-        };
-        // The plan is worked out once per submission, when the slab is sized, and handed to the
-        // fill: both run under one hold of the lock, so the tables cannot change in between.
-        let plan = std::cell::Cell::new(Vec::new());
+        let group = GroupIds::blocks(src_table, src_ids, dst_table, dst_ids);
+        self.submit_groups(job_id, &[group], direction, wait_stream, Shape::Runs)
+    }
+
+    /// Issues one transfer of several KV-cache groups, each a pair of tables with its ids (see
+    /// [`GroupIds`]; a side may be named by chunk ids), as one batch with one completion:
+    /// descriptors per page (`Shape::Pages`, optionally with the small ones to a kernel) or the
+    /// 2-D copies of each pair's block plan (`Shape::Runs`, refused where a pair has none). Ids,
+    /// chunk counts and destinations are checked as [`expand_groups_into`] documents.
+    pub fn submit_groups(
+        &self,
+        job_id: JobId,
+        groups: &[GroupIds<'_>],
+        direction: Direction,
+        wait_stream: Option<u64>,
+        shape: Shape<'_>,
+    ) -> Result<(), EngineError> {
+        let coalesce = self.config.coalesce;
+        let pitched = matches!(shape, Shape::Runs);
+        // The plans are worked out once per submission, when the slab is sized, and handed to
+        // the fill: both run under one hold of the lock, so the tables cannot change in between.
+        let plans = std::cell::Cell::new(Vec::new());
         self.submit_with(
             job_id,
             |state| {
-                let (s, d) = table_pair(&state.tables, src_table, dst_table, direction)?;
-                let runs = block_runs(s, d).ok_or_else(no_plan)?;
-                let entries = (PITCHED_ENTRIES * runs.len()).saturating_mul(src_ids.len());
-                plan.set(runs);
+                let resolved = resolve_groups(&state.tables, groups, direction)?;
+                if !pitched {
+                    // A descriptor per (segment, block) pair before coalescing.
+                    return Ok(resolved.iter().fold(0usize, |n, g| {
+                        n.saturating_add(g.src.segments().saturating_mul(g.blocks()))
+                    }));
+                }
+                let mut entries = 0usize;
+                let mut runs = Vec::with_capacity(resolved.len());
+                for (gi, g) in resolved.iter().enumerate() {
+                    let r = block_runs(g.src, g.dst).ok_or_else(|| no_plan(gi, groups.len()))?;
+                    entries = entries
+                        .saturating_add((PITCHED_ENTRIES * r.len()).saturating_mul(g.blocks()));
+                    runs.push(r);
+                }
+                plans.set(runs);
                 Ok(entries)
             },
             direction,
             wait_stream,
-            Shape::Runs,
+            shape,
             |state, cols| {
                 let SubmitState {
                     tables,
                     bits,
                     scratch,
+                    chunk_ids,
                     ..
                 } = state;
-                let (s, d) = table_pair(tables, src_table, dst_table, direction)?;
-                expand_runs_into(s, src_ids, d, dst_ids, &plan.take(), cols, bits, scratch)
+                let resolved = resolve_groups(tables, groups, direction)?;
+                let runs = plans.take();
+                let runs = pitched.then_some(&runs[..]);
+                expand_groups_into(&resolved, runs, coalesce, cols, bits, scratch, chunk_ids)
                     .map_err(EngineError::from)
             },
         )

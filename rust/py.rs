@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use numpy::PyReadonlyArray1;
+use numpy::{PyArray1, PyReadonlyArray1};
 use pyo3::create_exception;
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
@@ -12,9 +12,10 @@ use crate::backend::cuda::{self, CudaBackend, CudaOptions};
 use crate::backend::host::HostBackend;
 use crate::backend::{Backend, KernelBatch, KernelLauncher};
 use crate::descriptor::{DescriptorError, Direction};
-use crate::engine::{self, Engine, EngineConfig, EngineError};
+use crate::engine::{self, Engine, EngineConfig, EngineError, GroupIds, Shape};
 use crate::pool::PoolError;
 use crate::region::MemoryKind;
+use crate::table;
 use crate::transfer::TransferResult;
 
 create_exception!(
@@ -397,6 +398,58 @@ impl PyEngine {
         .map_err(Into::into)
     }
 
+    /// Issues one transfer of several KV-cache groups as one batch: `groups` holds one
+    /// `(src_table, src_ids, dst_table, dst_ids, chunks)` per group (int64 id arrays; `chunks`:
+    /// None, or the sub-blocks skipped in the first chunk where the side whose table has
+    /// `unit` > 1 is named by chunk ids). A group may be empty. `runs`: each pair's block plan
+    /// (copy engines only) instead of a descriptor per page; routing otherwise as for `submit`.
+    #[pyo3(signature = (job_id, groups, direction = "h2d", wait_stream = None, kernel_below = 0,
+        launcher = None, runs = false))]
+    #[allow(clippy::too_many_arguments, clippy::type_complexity)]
+    fn submit_groups(
+        &self,
+        py: Python<'_>,
+        job_id: u64,
+        groups: Vec<(
+            u32,
+            PyReadonlyArray1<'_, i64>,
+            u32,
+            PyReadonlyArray1<'_, i64>,
+            Option<u64>,
+        )>,
+        direction: &str,
+        wait_stream: Option<u64>,
+        kernel_below: u64,
+        launcher: Option<Py<PyAny>>,
+        runs: bool,
+    ) -> PyResult<()> {
+        let dir = self::direction(direction)?;
+        let mut gs = Vec::with_capacity(groups.len());
+        for (src_table, src_ids, dst_table, dst_ids, chunks) in &groups {
+            gs.push(GroupIds {
+                src_table: *src_table,
+                src_ids: as_u64("src_ids", src_ids)?,
+                dst_table: *dst_table,
+                dst_ids: as_u64("dst_ids", dst_ids)?,
+                chunks: *chunks,
+            });
+        }
+        let launch = |b: KernelBatch| call_launcher(launcher.as_ref().expect("routed"), b);
+        let shape = if runs {
+            Shape::Runs
+        } else {
+            Shape::Pages(
+                (launcher.is_some() && kernel_below > 0)
+                    .then_some((kernel_below, &launch as KernelLauncher<'_>)),
+            )
+        };
+        py.detach(|| {
+            self.engine
+                .submit_groups(job_id, &gs, dir, wait_stream, shape)
+        })
+        .map_err(Into::into)
+    }
+
     /// The block plan of a table pair: `(first segment, rows, width, src pitch, dst pitch)` per
     /// 2-D copy of one block, or None where the pair has none.
     #[pyo3(signature = (src_table, dst_table, direction = "h2d"))]
@@ -555,6 +608,33 @@ impl PyEngine {
 }
 
 /// Whether the CUDA backend can start here, and if not, why.
+/// The sub-block ids a transfer of `blocks` blocks names by `chunk_ids` (chunks of `unit`
+/// sub-blocks, `num_chunks` of them: unbounded by default), starting `skip` sub-blocks into the
+/// first chunk: the rule the engine applies to a chunked side (see `submit_groups`).
+#[pyfunction]
+#[pyo3(signature = (chunk_ids, unit, blocks, skip = 0, num_chunks = None))]
+fn chunk_blocks<'py>(
+    py: Python<'py>,
+    chunk_ids: PyReadonlyArray1<'_, i64>,
+    unit: u64,
+    blocks: usize,
+    skip: u64,
+    num_chunks: Option<u64>,
+) -> PyResult<Bound<'py, PyArray1<i64>>> {
+    let chunks = as_u64("chunk_ids", &chunk_ids)?;
+    let mut out = Vec::new();
+    let limit = num_chunks
+        .unwrap_or(u64::MAX)
+        .min(i64::MAX as u64 / unit.max(1));
+    table::map_chunks(["CPU", "GPU"], unit, limit, chunks, blocks, skip, &mut out)
+        .map_err(EngineError::from)?;
+    // In range of i64: every id is below `limit * unit <= i64::MAX`.
+    Ok(PyArray1::from_vec(
+        py,
+        out.into_iter().map(|b| b as i64).collect(),
+    ))
+}
+
 #[pyfunction]
 fn cuda_status() -> (bool, String) {
     match cuda::driver_available() {
@@ -570,6 +650,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyEngine>()?;
     m.add_class::<PyTransferResult>()?;
     m.add_function(wrap_pyfunction!(cuda_status, m)?)?;
+    m.add_function(wrap_pyfunction!(chunk_blocks, m)?)?;
     m.add("BlockswapError", py.get_type::<BlockswapError>())?;
     m.add(
         "InvalidTransferError",

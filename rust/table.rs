@@ -32,6 +32,8 @@ pub struct BlockTable {
     /// Per segment, the start of the driver allocation it lies in, where the backend knows
     /// (see [`BlockTable::in_allocations`]): a block plan's run never crosses from one to another.
     allocations: Vec<Option<u64>>,
+    /// `[lowest byte, end)` over every segment: tables whose spans are apart share no byte.
+    span: (u64, u64),
 }
 
 /// A table or a block-id transfer that cannot be used.
@@ -73,6 +75,23 @@ pub enum TableError {
     },
     /// The same destination block twice in one transfer, in the caller's units.
     DuplicateDestination { name: String, index: usize, id: u64 },
+    /// Chunk ids that do not match the blocks on the other side (see [`chunk_blocks`]).
+    ChunkCount {
+        name: String,
+        other: String,
+        blocks: usize,
+        unit: u64,
+        skip: u64,
+        got: usize,
+    },
+    /// A group's mapping that cannot be used: a skip of a whole chunk or more, chunk ids on both
+    /// sides or on neither.
+    BadChunking(String),
+    /// An error in one KV-cache group of a transfer of several.
+    InGroup {
+        group: usize,
+        error: Box<TableError>,
+    },
 }
 
 impl fmt::Display for TableError {
@@ -135,6 +154,26 @@ impl fmt::Display for TableError {
                 f,
                 "{name} block id {id} is a destination more than once (again at position {index})"
             ),
+            TableError::ChunkCount {
+                name,
+                other,
+                blocks,
+                unit,
+                skip,
+                got,
+            } => write!(
+                f,
+                "{blocks} {other} blocks from sub-block {skip} of the first {name} block take \
+                 ceil(({skip} + {blocks}) / {unit}) = {} {name} block ids ({unit} sub-blocks \
+                 each), got {got}",
+                if *blocks == 0 {
+                    0
+                } else {
+                    (*skip as usize + blocks).div_ceil(*unit as usize)
+                }
+            ),
+            TableError::BadChunking(reason) => f.write_str(reason),
+            TableError::InGroup { group, error } => write!(f, "group {group}: {error}"),
         }
     }
 }
@@ -215,6 +254,9 @@ impl BlockTable {
         spans.sort_unstable();
         let disjoint = spans.windows(2).all(|w| w[0].0 + w[0].1 <= w[1].0)
             || interleaved(&bases, &strides, &nbytes, num_blocks);
+        let span = spans.iter().fold((u64::MAX, 0), |(lo, hi), &(b, len)| {
+            (lo.min(b), hi.max(b + len))
+        });
         Ok(BlockTable {
             bases,
             strides,
@@ -225,6 +267,7 @@ impl BlockTable {
             unit: 1,
             disjoint,
             allocations: vec![None; n],
+            span,
         })
     }
 
@@ -580,6 +623,255 @@ pub fn for_each_row(
     }
 }
 
+/// The table blocks a transfer of `blocks` blocks names by chunk ids on one side: a chunk is
+/// `table.unit` consecutive table blocks (a CPU block of GPU-sized sub-blocks), and the transfer
+/// uses `blocks` consecutive sub-blocks of the listed chunks, in order, starting `skip`
+/// sub-blocks into the first; the last chunk may be partial too. So `chunks.len()` must be
+/// `ceil((skip + blocks) / unit)` (none for no block). Chunk ids are checked in range before they
+/// are scaled; the table blocks are written to `out`.
+#[allow(clippy::too_many_arguments)]
+pub fn chunk_blocks(
+    table: &BlockTable,
+    side: Side,
+    other: &BlockTable,
+    chunks: &[u64],
+    blocks: usize,
+    skip: u64,
+    out: &mut Vec<u64>,
+) -> Result<(), TableError> {
+    let (name, unit) = (table.label(side), table.unit);
+    let other_side = match side {
+        Side::Src => Side::Dst,
+        Side::Dst => Side::Src,
+    };
+    let names = [name.as_str(), &other.label(other_side)];
+    map_chunks(
+        names,
+        unit,
+        table.num_blocks / unit,
+        chunks,
+        blocks,
+        skip,
+        out,
+    )
+}
+
+/// [`chunk_blocks`] without tables: chunks of `unit` blocks, `num_chunks` of them; `names`: what
+/// errors call the chunks' blocks and the other side's.
+pub fn map_chunks(
+    names: [&str; 2],
+    unit: u64,
+    num_chunks: u64,
+    chunks: &[u64],
+    blocks: usize,
+    skip: u64,
+    out: &mut Vec<u64>,
+) -> Result<(), TableError> {
+    let name = names[0].to_string();
+    if unit == 0 || skip >= unit {
+        return Err(TableError::BadChunking(format!(
+            "a skip of {skip} sub-blocks into the first {name} block, which holds {unit}: the \
+             skip must be below {unit}"
+        )));
+    }
+    let need = if blocks == 0 {
+        0
+    } else {
+        (skip as usize)
+            .saturating_add(blocks)
+            .div_ceil(unit as usize)
+    };
+    if chunks.len() != need {
+        return Err(TableError::ChunkCount {
+            name,
+            other: names[1].to_string(),
+            blocks,
+            unit,
+            skip,
+            got: chunks.len(),
+        });
+    }
+    // Checked before scaling: no chunk id wraps into a valid block.
+    let limit = num_chunks.min(u64::MAX / unit);
+    if let Some(index) = chunks.iter().position(|&c| c >= limit) {
+        return Err(TableError::OutOfRange {
+            name,
+            index,
+            id: chunks[index] as i64,
+            num_blocks: num_chunks,
+        });
+    }
+    out.clear();
+    out.reserve(blocks);
+    let (mut first, mut left) = (skip, blocks as u64);
+    for &c in chunks {
+        // No overflow: `c < u64::MAX / unit`.
+        let take = (unit - first).min(left);
+        let b = c * unit + first;
+        out.extend(b..b + take);
+        left -= take;
+        first = 0;
+    }
+    Ok(())
+}
+
+/// One KV-cache group of a block transfer (see [`expand_groups_into`]): its two tables and ids.
+///
+/// With `chunks: Some(skip)`, the side whose table counts chunks (registered with `unit` > 1: a
+/// CPU block of `unit` GPU-sized sub-blocks) is named by chunk ids, mapped by [`chunk_blocks`]
+/// from sub-block `skip` of its first chunk, and the other side's ids give the number of blocks.
+/// With `None`, both sides are named by table blocks.
+#[derive(Clone, Copy, Debug)]
+pub struct Group<'a> {
+    pub src: &'a BlockTable,
+    pub src_ids: &'a [u64],
+    pub dst: &'a BlockTable,
+    pub dst_ids: &'a [u64],
+    pub chunks: Option<u64>,
+}
+
+impl Group<'_> {
+    /// The blocks the group moves (before its ids are checked: a bound for sizing a slab).
+    pub fn blocks(&self) -> usize {
+        match self.chunks {
+            Some(_) if self.src.unit > 1 => self.dst_ids.len(),
+            _ => self.src_ids.len(),
+        }
+    }
+}
+
+/// Checks a transfer of several KV-cache groups and writes their descriptors (`runs: None`, as
+/// [`expand_into`]) or 2-D copies (one plan per group, as [`expand_runs_into`]) into `out`, group
+/// after group. A group may be empty (no id on either side); the transfer may not. Errors name the
+/// group where there are several, and positions in chunk ids where a side has them.
+///
+/// Destinations are proven disjoint within each group as [`expand_into`] does; across groups by
+/// their tables' spans, or, where two groups' destination tables may share bytes (one tensor in
+/// two groups), by checking the whole batch (page descriptors; 2-D copies are refused there).
+/// `out` must have room for every group's descriptors; `bufs` holds expanded chunk ids.
+#[allow(clippy::too_many_arguments)]
+pub fn expand_groups_into(
+    groups: &[Group<'_>],
+    runs: Option<&[Vec<Run>]>,
+    coalesce: bool,
+    out: Columns<'_>,
+    bits: &mut Vec<u64>,
+    scratch: &mut Scratch,
+    bufs: &mut [Vec<u64>; 2],
+) -> Result<Prepared, TableError> {
+    let many = groups.len() > 1;
+    let in_group = |group: usize, error: TableError| {
+        if many {
+            TableError::InGroup {
+                group,
+                error: Box::new(error),
+            }
+        } else {
+            error
+        }
+    };
+    let Columns { src, dst, size } = out;
+    let mut total = Prepared {
+        len: 0,
+        bytes: 0,
+        max_size: 0,
+        alignment: 16,
+    };
+    let mut used: Vec<(u64, u64)> = Vec::new();
+    let mut shared = false;
+    for (gi, g) in groups.iter().enumerate() {
+        let [sb, db] = &mut *bufs;
+        let (sids, dids, skip) = match (g.chunks, g.src.unit > 1, g.dst.unit > 1) {
+            (None, ..) | (Some(0), false, false) => (g.src_ids, g.dst_ids, None),
+            (Some(skip), true, false) => {
+                chunk_blocks(
+                    g.src,
+                    Side::Src,
+                    g.dst,
+                    g.src_ids,
+                    g.dst_ids.len(),
+                    skip,
+                    sb,
+                )
+                .map_err(|e| in_group(gi, e))?;
+                (&sb[..], g.dst_ids, None)
+            }
+            (Some(skip), false, true) => {
+                chunk_blocks(
+                    g.dst,
+                    Side::Dst,
+                    g.src,
+                    g.dst_ids,
+                    g.src_ids.len(),
+                    skip,
+                    db,
+                )
+                .map_err(|e| in_group(gi, e))?;
+                (g.src_ids, &db[..], Some(skip))
+            }
+            (Some(_), true, true) => {
+                let e = "both tables count chunks (unit > 1): name one side by block ids";
+                return Err(in_group(gi, TableError::BadChunking(e.into())));
+            }
+            (Some(skip), false, false) => {
+                let e = format!(
+                    "a skip of {skip} sub-blocks, but neither table counts chunks (unit > 1)"
+                );
+                return Err(in_group(gi, TableError::BadChunking(e)));
+            }
+        };
+        if sids.is_empty() && dids.is_empty() && many {
+            continue;
+        }
+        let w = total.len;
+        let cols = Columns {
+            src: &mut src[w..],
+            dst: &mut dst[w..],
+            size: &mut size[w..],
+        };
+        let p = match runs {
+            None => expand_into(g.src, sids, g.dst, dids, coalesce, cols, bits, scratch),
+            Some(r) => expand_runs_into(g.src, sids, g.dst, dids, &r[gi], cols, bits, scratch),
+        };
+        let p = p.map_err(|e| {
+            let e = match (e, skip) {
+                // A repeated chunk: its position among the chunk ids.
+                (TableError::DuplicateDestination { name, index, id }, Some(skip)) => {
+                    let index = ((skip + index as u64) / g.dst.unit) as usize;
+                    TableError::DuplicateDestination { name, index, id }
+                }
+                (e, _) => e,
+            };
+            in_group(gi, e)
+        })?;
+        total.len += p.len;
+        total.bytes = total.bytes.wrapping_add(p.bytes);
+        total.max_size = total.max_size.max(p.max_size);
+        total.alignment = total.alignment.min(p.alignment);
+        let (lo, hi) = g.dst.span;
+        shared |= used.iter().any(|&(a, b)| lo < b && a < hi);
+        used.push(g.dst.span);
+    }
+    if total.len == 0 {
+        return Err(TableError::Empty);
+    }
+    if shared {
+        if runs.is_some() {
+            return Err(TableError::BadChunking(
+                "two groups' destination tables share memory: their 2-D copies cannot be proven \
+                 disjoint; move them page by page"
+                    .into(),
+            ));
+        }
+        let len = total.len;
+        check_disjoint(&dst[..len], &size[..len], scratch).map_err(|e| TableError::BadSegment {
+            segment: 0,
+            reason: format!("destination pages of different groups overlap: {e}"),
+        })?;
+    }
+    Ok(total)
+}
+
 /// The largest bitset [`unique`] keeps: 8 MiB, a table of 2^26 blocks. Larger tables (only a
 /// pathological registration makes one) are checked by sorting the ids instead, so the bitset
 /// stays bounded whatever the table.
@@ -917,6 +1209,222 @@ mod tests {
 }
 
 #[cfg(test)]
+mod group_tests {
+    use super::*;
+
+    fn regions() -> RegionTable {
+        let mut t = RegionTable::default();
+        t.insert(0x10000, 0x10000, MemoryKind::Device).unwrap();
+        t.insert(0x40000, 0x10000, MemoryKind::Host).unwrap();
+        t
+    }
+
+    /// One segment of 64-byte pages at a 64-byte stride: `blocks` blocks from `base`.
+    fn flat(base: u64, blocks: u64, kind: MemoryKind) -> BlockTable {
+        BlockTable::new(vec![base], vec![64], vec![64], blocks, kind, &regions()).unwrap()
+    }
+
+    fn chunked(c: &[u64], unit: u64, chunks: u64, blocks: usize, skip: u64) -> Vec<u64> {
+        let t = flat(0x40000, chunks * unit, MemoryKind::Host).named("CPU", unit);
+        let g = flat(0x10000, 8, MemoryKind::Device).named("GPU", 1);
+        let mut out = vec![99];
+        chunk_blocks(&t, Side::Dst, &g, c, blocks, skip, &mut out).unwrap();
+        out
+    }
+
+    #[test]
+    fn chunk_ids_name_consecutive_sub_blocks_from_the_skip() {
+        assert_eq!(
+            chunked(&[0, 1, 3], 4, 4, 12, 0),
+            [0, 1, 2, 3, 4, 5, 6, 7, 12, 13, 14, 15]
+        );
+        // Partial first and last chunk.
+        assert_eq!(
+            chunked(&[0, 1, 3], 4, 4, 9, 1),
+            [1, 2, 3, 4, 5, 6, 7, 12, 13]
+        );
+        assert_eq!(chunked(&[3], 4, 4, 1, 2), [14]);
+        // End-aligned onload of 6 blocks from 2 chunks: skip (-6) mod 4 = 2.
+        assert_eq!(chunked(&[3, 1], 4, 4, 6, 2), [14, 15, 4, 5, 6, 7]);
+        assert_eq!(chunked(&[], 4, 4, 0, 3), Vec::<u64>::new());
+        assert_eq!(chunked(&[2, 0], 1, 4, 2, 0), [2, 0]);
+    }
+
+    #[test]
+    fn bad_chunk_ids_are_refused_by_name() {
+        let t = flat(0x40000, 16, MemoryKind::Host).named("CPU", 4);
+        let g = flat(0x10000, 8, MemoryKind::Device).named("GPU", 1);
+        let mut out = Vec::new();
+        let err = |c: &[u64], blocks, skip| {
+            chunk_blocks(&t, Side::Dst, &g, c, blocks, skip, &mut Vec::new())
+                .unwrap_err()
+                .to_string()
+        };
+        let e = err(&[0, 1], 9, 0);
+        assert!(
+            e.contains("ceil((0 + 9) / 4) = 3 CPU block ids") && e.contains("got 2"),
+            "{e}"
+        );
+        let e = err(&[0, 1, 2], 5, 0);
+        assert!(
+            e.contains("= 2 CPU block ids") && e.contains("got 3"),
+            "{e}"
+        );
+        // A partial last chunk from a skip: 3 + 2 sub-blocks span two chunks.
+        let e = err(&[0], 2, 3);
+        assert!(
+            e.contains("ceil((3 + 2) / 4) = 2 CPU block ids") && e.contains("got 1"),
+            "{e}"
+        );
+        assert!(err(&[0], 1, 4).contains("skip must be below 4"));
+        // Checked before scaling: a huge chunk id must not wrap into a valid block.
+        let huge = (u64::MAX / 4) + 1;
+        assert!(err(&[huge], 1, 0).contains("out of range"));
+        assert!(err(&[4], 1, 0).contains("there are 4 blocks"));
+        assert!(err(&[(-1i64) as u64], 1, 0).contains("negative block id (-1"));
+        assert!(chunk_blocks(&t, Side::Dst, &g, &[3, 1, 0], 9, 3, &mut out).is_ok());
+    }
+
+    fn run(groups: &[Group<'_>]) -> Result<Vec<(u64, u64, u64)>, TableError> {
+        let n: usize = groups
+            .iter()
+            .map(|g| g.src.segments() * g.blocks())
+            .sum::<usize>();
+        let (mut a, mut b, mut z) = (vec![0; n], vec![0; n], vec![0; n]);
+        let p = expand_groups_into(
+            groups,
+            None,
+            false,
+            Columns {
+                src: &mut a,
+                dst: &mut b,
+                size: &mut z,
+            },
+            &mut Vec::new(),
+            &mut Scratch::default(),
+            &mut [Vec::new(), Vec::new()],
+        )?;
+        Ok((0..p.len).map(|i| (a[i], b[i], z[i])).collect())
+    }
+
+    #[test]
+    fn groups_go_one_after_another_with_chunk_ids_on_the_cpu_side() {
+        let (g0, g1) = (
+            flat(0x10000, 8, MemoryKind::Device),
+            flat(0x12000, 8, MemoryKind::Device),
+        );
+        let (c0, c1) = (
+            flat(0x40000, 8, MemoryKind::Host).named("CPU", 2),
+            flat(0x42000, 8, MemoryKind::Host).named("CPU", 2),
+        );
+        let group = |src, src_ids, dst, dst_ids, chunks| Group {
+            src,
+            src_ids,
+            dst,
+            dst_ids,
+            chunks,
+        };
+        // Offload: group 0 three blocks into chunks 3, 1 from sub-block 1; group 1 empty; group
+        // 2 (group 0's tables again, other blocks) one block.
+        let got = run(&[
+            group(&g0, &[5, 6, 7], &c0, &[3, 1], Some(1)),
+            group(&g1, &[], &c1, &[], Some(0)),
+            group(&g1, &[2], &c1, &[0], Some(0)),
+        ])
+        .unwrap();
+        let page = |t: &BlockTable, b: u64| t.bases[0] + 64 * b;
+        assert_eq!(
+            got,
+            [
+                (page(&g0, 5), page(&c0, 7), 64),
+                (page(&g0, 6), page(&c0, 2), 64),
+                (page(&g0, 7), page(&c0, 3), 64),
+                (page(&g1, 2), page(&c1, 0), 64),
+            ]
+        );
+        // Onload, chunked source.
+        let got = run(&[group(&c0, &[2], &g0, &[0, 4], Some(0))]).unwrap();
+        assert_eq!(
+            got,
+            [
+                (page(&c0, 4), page(&g0, 0), 64),
+                (page(&c0, 5), page(&g0, 4), 64)
+            ]
+        );
+
+        // Errors name the group, and a repeated chunk by its position among the chunk ids.
+        let e = run(&[
+            group(&g0, &[0], &c0, &[0], Some(0)),
+            group(&g1, &[0, 1, 2], &c1, &[1, 1], Some(0)),
+        ])
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.starts_with(
+                "group 1: CPU block id 1 is a destination more than once (again at position 1)"
+            ),
+            "{e}"
+        );
+        let e = run(&[group(&g0, &[0, 1], &c0, &[0], Some(1))])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("= 2 CPU block ids") && e.contains("got 1"),
+            "{e}"
+        );
+        let e = run(&[group(&g0, &[0], &g1, &[0], Some(1))])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("neither table counts chunks"), "{e}");
+        let e = run(&[group(&c0, &[0], &c1, &[0], Some(0))])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("both tables count chunks"), "{e}");
+        assert_eq!(
+            run(&[
+                group(&g0, &[], &c0, &[], Some(0)),
+                group(&g1, &[], &c1, &[], Some(0))
+            ]),
+            Err(TableError::Empty)
+        );
+        assert_eq!(
+            run(&[group(&g0, &[], &c0, &[], Some(0))]),
+            Err(TableError::Empty)
+        );
+    }
+
+    #[test]
+    fn groups_sharing_a_destination_table_are_checked_across_groups() {
+        let (g0, g1) = (
+            flat(0x10000, 8, MemoryKind::Device),
+            flat(0x12000, 8, MemoryKind::Device),
+        );
+        let c = flat(0x40000, 8, MemoryKind::Host);
+        let group = |src, src_ids, dst_ids| Group {
+            src,
+            src_ids,
+            dst: &c,
+            dst_ids,
+            chunks: None,
+        };
+        // Distinct blocks of one table from two groups: fine; the same block twice: refused.
+        assert_eq!(
+            run(&[group(&g0, &[0], &[1]), group(&g1, &[0], &[2])])
+                .unwrap()
+                .len(),
+            2
+        );
+        let e = run(&[group(&g0, &[0], &[1]), group(&g1, &[0], &[1])])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("destination pages of different groups overlap"),
+            "{e}"
+        );
+    }
+}
+
+#[cfg(test)]
 mod props {
     use super::*;
     use proptest::prelude::*;
@@ -931,6 +1439,34 @@ mod props {
 
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(if cfg!(miri) { 2 } else { 256 }))]
+
+        /// Chunk ids map to the sub-blocks of expanding every chunk whole and keeping `blocks`
+        /// of them from `skip`; any other number of chunk ids is refused.
+        #[test]
+        fn chunk_blocks_match_the_reference(
+            unit in 1u64..6,
+            chunks in proptest::collection::vec(0u64..8, 0..6),
+            skip_seed in 0u64..64,
+            cut in 0usize..6,
+        ) {
+            let t = BlockTable::new(vec![0x400000], vec![64], vec![64], 8 * unit, MemoryKind::Host,
+                &regions()).unwrap().named("CPU", unit);
+            let all: Vec<u64> = chunks.iter().flat_map(|&c| c * unit..c * unit + unit).collect();
+            let skip = skip_seed % unit;
+            // Every block count the chunks can hold from `skip`, and one too many or too few.
+            let blocks = (all.len() as u64).saturating_sub(skip).saturating_sub(cut as u64) as usize;
+            let mut out = Vec::new();
+            let got = map_chunks(["CPU", "GPU"], t.unit, t.num_blocks / t.unit, &chunks, blocks, skip, &mut out);
+            let need = if blocks == 0 { 0 } else { (skip as usize + blocks).div_ceil(unit as usize) };
+            if need == chunks.len() {
+                prop_assert!(got.is_ok());
+                let want = if blocks == 0 { &[][..] } else { &all[skip as usize..skip as usize + blocks] };
+                prop_assert_eq!(&out[..], want);
+            } else {
+                let is_count_error = matches!(got, Err(TableError::ChunkCount { .. }));
+                prop_assert!(is_count_error);
+            }
+        }
 
         /// A table judged disjoint (spans apart, or pages interleaved inside one block stride)
         /// has no two (segment, block) pages sharing a byte: the uniqueness of destination ids

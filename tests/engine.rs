@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use blockswap::backend::host::HostBackend;
-use blockswap::engine::{Engine, EngineConfig, EngineError};
+use blockswap::engine::{Engine, EngineConfig, EngineError, GroupIds, Shape};
 use blockswap::{Direction, MemoryKind, TransferResult};
 use proptest::prelude::*;
 
@@ -813,4 +813,82 @@ fn block_plans_are_refused_where_a_table_pair_has_none() {
         .unwrap_err();
     assert!(err.to_string().contains("out of range"), "{err}");
     assert_eq!(engine.stats().in_flight, 0);
+}
+
+#[test]
+fn groups_move_as_one_transfer_with_chunk_ids_and_skips() {
+    // Two KV-cache groups: GPU tables of 64-byte and 32-byte pages (16 blocks each, in "device"
+    // memory), CPU tables of 4 chunks of 4 sub-blocks each. Group 0 stores GPU blocks 3, 4, 5
+    // from sub-block 2 of chunk 1 (chunks 1 and 0: sub-blocks 6, 7, 0); group 1 stores block 9
+    // into sub-block 3 of chunk 2, and group 1 then loads it back into block 0 by chunk id.
+    let mut b = Buffers {
+        src: vec![0; 2048],
+        dst: (0..2048).map(|i| (i % 251) as u8).collect(),
+    };
+    let (engine, _) = engine_with(&mut b, EngineConfig::default());
+    let (h, d) = (b.src.as_ptr() as u64, b.dst.as_ptr() as u64);
+    let table = |base, page: u64, blocks, kind, name: &str, unit| {
+        engine
+            .register_table(vec![base], vec![page], vec![page], blocks, kind, name, unit)
+            .unwrap()
+    };
+    let gpu0 = table(d, 64, 16, MemoryKind::Device, "GPU", 1);
+    let gpu1 = table(d + 1024, 32, 16, MemoryKind::Device, "GPU", 1);
+    let cpu0 = table(h, 64, 16, MemoryKind::Host, "CPU", 4);
+    let cpu1 = table(h + 1024, 32, 16, MemoryKind::Host, "CPU", 4);
+    let group = |src_table, src_ids, dst_table, dst_ids, chunks| GroupIds {
+        src_table,
+        src_ids,
+        dst_table,
+        dst_ids,
+        chunks,
+    };
+    let store = [
+        group(gpu0, &[3u64, 4, 5][..], cpu0, &[1u64, 0][..], Some(2)),
+        group(gpu1, &[9], cpu1, &[2], Some(3)),
+    ];
+    engine
+        .submit_groups(1, &store, Direction::DeviceToHost, None, Shape::Pages(None))
+        .unwrap();
+    let r = finish(&engine, &[1]);
+    assert!(r[0].success);
+    assert_eq!(r[0].bytes, 3 * 64 + 32);
+    for (gpu_block, sub) in [(3, 6), (4, 7), (5, 0)] {
+        assert_eq!(
+            b.src[sub * 64..sub * 64 + 64],
+            b.dst[gpu_block * 64..gpu_block * 64 + 64]
+        );
+    }
+    let (c1, g1) = (1024 + 11 * 32, 1024 + 9 * 32);
+    assert_eq!(b.src[c1..c1 + 32], b.dst[g1..g1 + 32]);
+
+    // Load group 1's sub-block 11 into GPU block 0, with group 0 empty, as the block plan.
+    let load = [
+        group(cpu0, &[], gpu0, &[], Some(0)),
+        group(cpu1, &[2], gpu1, &[0], Some(3)),
+    ];
+    engine
+        .submit_groups(2, &load, Direction::HostToDevice, None, Shape::Runs)
+        .unwrap();
+    assert!(finish(&engine, &[2])[0].success);
+    assert_eq!(b.dst[1024..1024 + 32], b.src[c1..c1 + 32]);
+
+    // Refusals name the group: a wrong chunk count, a repeated chunk sub-block.
+    let bad = [
+        group(gpu0, &[1], cpu0, &[0], Some(0)),
+        group(gpu1, &[1, 2], cpu1, &[0], Some(3)),
+    ];
+    let err = engine
+        .submit_groups(3, &bad, Direction::DeviceToHost, None, Shape::Pages(None))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.starts_with("group 1: 2 GPU blocks from sub-block 3 of the first CPU block take"),
+        "{err}"
+    );
+    let err = engine
+        .submit_groups(3, &[], Direction::DeviceToHost, None, Shape::Pages(None))
+        .unwrap_err();
+    assert!(err.to_string().contains("empty"), "{err}");
+    drop(engine);
 }

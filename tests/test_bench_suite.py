@@ -3,6 +3,7 @@ JSON's schema, the tables, the plots. Figures are checked for sanity, never for 
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import math
@@ -218,13 +219,33 @@ def test_sweep_plots_leave_out_what_has_no_data(run: tuple[dict[str, Any], Path]
     assert "host backend" in ax.get_title() and "CPU->GPU" in ax.get_title()
     notes = " ".join(t.get_text() for t in ax.texts)
     assert "not measured: 64 KiB" in notes
-    ax = figs["sweep_h2d_n16.png"].axes[0]
-    kernel = [r for r in res["sweep"]["rows"] if r["path"] == "kernel" and r["status"] == "ok"]
-    if interpreter_mode() and kernel:  # the interpreter's kernel: far below the rest
-        notes = " ".join(t.get_text() for t in ax.texts)
-        assert "kernel" not in ax.get_legend_handles_labels()[1] and "kernel left out" in notes
     for fig in figs.values():
         plt.close(fig)
+    # A series far below the others (the interpreter's kernel) is left out and named; one near
+    # them is drawn. Set by hand: measured speeds on a busy machine decide nothing here.
+    rows = [r for r in res["sweep"]["rows"] if r["status"] == "ok" and r["gbps"]]
+    kernel = [r for r in rows if r["path"] == "kernel"]
+    if not kernel or not any(r["path"] != "kernel" for r in rows):
+        return
+    with_kernel = {f"sweep_{r['direction']}_n{r['blocks']}.png" for r in kernel}
+    for factor, left_out in ((1e-3 / report.OFF_CHART, True), (1.0, False)):
+        low = min(float(r["gbps"]) for r in rows if r["path"] != "kernel")
+        edited = copy.deepcopy(res)
+        for r in edited["sweep"]["rows"]:
+            if r["path"] == "kernel" and r["status"] == "ok":
+                r["gbps"] = low * factor
+        figs = dict(report._plot_sweep(edited, plt))
+        assert with_kernel <= set(figs)
+        for name in with_kernel:
+            fig = figs[name]
+            labels = fig.axes[0].get_legend_handles_labels()[1]
+            notes = " ".join(t.get_text() for t in fig.axes[0].texts)
+            if left_out:
+                assert "kernel" not in labels and "kernel left out" in notes, name
+            else:
+                assert "kernel" in labels and "kernel left out" not in notes, name
+        for fig in figs.values():
+            plt.close(fig)
 
 
 @pytest.mark.skipif(not _has_matplotlib(), reason="matplotlib is not installed")

@@ -74,6 +74,12 @@ def ref_load_subs(cpu: Sequence[int], n: int, f: int) -> list[int]:
     return [cpu[(skip + i) // f] * f + (skip + i) % f for i in range(n)]
 
 
+def ref_subs_from(cpu: Sequence[int], n: int, f: int, skip: int) -> list[int]:
+    """Either direction with block_indices: n sub-blocks from sub-block skip of cpu[0]."""
+    assert len(cpu) == math.ceil((skip + n) / f)
+    return [cpu[(skip + i) // f] * f + (skip + i) % f for i in range(n)]
+
+
 def all_tensors(groups: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
     return [t for g in groups for t in g]
 
@@ -89,7 +95,6 @@ class Case:
     build: Callable[[], list[list[torch.Tensor]]]
     layouts: list[str]
     grouped: bool = False
-    fast: bool = True  # whether the handler's vectorised plan applies (else layout's fallback)
 
     def gpu_arg(self, groups: list[list[torch.Tensor]]) -> Any:
         return groups if self.grouped else groups[0]
@@ -130,7 +135,7 @@ CASES = [
         lambda: [_kv_split(torch.float16, interleaved=True)],
         ["kv_split"],
     ),
-    Case("kv_split-uneven-padding", lambda: [_uneven_padding()], ["kv_split"], fast=False),
+    Case("kv_split-uneven-padding", lambda: [_uneven_padding()], ["kv_split"]),
     Case("kv_fused-f16", lambda: [_kv_fused(torch.float16)], ["kv_fused"]),
     Case("kv_fused-bf16-padded", lambda: [_kv_fused(torch.bfloat16, pad=16)], ["kv_fused"]),
     Case("kv_fused-fp8-hnd", lambda: [_kv_fused(F8, hnd=True)], ["kv_fused"]),
@@ -182,11 +187,14 @@ def spec_of(case: Case, per_group: list[Any]) -> Any:
 
 
 @st.composite
-def plan(draw: st.DrawFn, factor: int, n_gpu: int) -> tuple[list[int], list[int], int, list[int]]:
-    """(GPU source ids, CPU block ids of the store, load count k, GPU destination ids)."""
+def plan(
+    draw: st.DrawFn, factor: int, n_gpu: int, skip: int = 0
+) -> tuple[list[int], list[int], int, list[int]]:
+    """(GPU source ids, CPU block ids of the store, load count k, GPU destination ids); the store
+    starts ``skip`` sub-blocks into its first CPU block."""
     n = draw(st.integers(1, 8))
     src = draw(st.lists(st.integers(0, n_gpu - 1), min_size=n, max_size=n))
-    cpu = draw(st.permutations(range(N_CPU)))[: math.ceil(n / factor)]
+    cpu = draw(st.permutations(range(N_CPU)))[: math.ceil((skip + n) / factor)]
     free = [b for b in range(n_gpu) if b not in set(src)]
     k = draw(st.integers(1, min(n, len(free))))
     dst = draw(st.permutations(free))[:k]
@@ -200,30 +208,39 @@ def plan(draw: st.DrawFn, factor: int, n_gpu: int) -> tuple[list[int], list[int]
 def test_roundtrip(case: Case, factor: int, data: st.DataObject) -> None:
     h, gpus = make(case, factor)
     try:
-        assert (h.d2h._plans is not None) == case.fast
-        assert (h.h2d._plans is not None) == case.fast
         cpus = h.cpu_caches
         gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
         fill_random(all_tensors(gpus) + all_tensors(cpus), gen)
         bds = [LAYOUTS[lay] for lay in case.layouts]
+        # vLLM 0.33's block_indices (the first GPU block's position in its request, per group):
+        # both directions start block_indices[g] % factor sub-blocks into the first CPU block.
+        # Without them, stores start-align and loads end-align.
+        starts = data.draw(
+            st.none() | st.lists(st.integers(0, 99), min_size=len(gpus), max_size=len(gpus)),
+            label="block_indices",
+        )
+        skips = [0] * len(gpus) if starts is None else [b % factor for b in starts]
         plans = [
-            data.draw(plan(factor, g[0].shape[bd]), label=f"plan of group {i}")
-            for i, (g, bd) in enumerate(zip(gpus, bds))
+            data.draw(plan(factor, g[0].shape[bd], skip), label=f"plan of group {i}")
+            for i, (g, bd, skip) in enumerate(zip(gpus, bds, skips))
         ]
         as_ids = data.draw(st.sampled_from(ID_TYPES))
         page = [t.page_bytes for t in h.gpu_tables]
 
-        # store: GPU -> CPU, start-aligned in the CPU blocks
+        # store: GPU -> CPU
         gpu0 = [snapshot(g) for g in gpus]
         want_cpu = [snapshot(c) for c in cpus]
-        stored = [ref_store_subs(cpu, len(src), factor) for src, cpu, _, _ in plans]
+        stored = [
+            ref_subs_from(cpu, len(src), factor, skip)
+            for (src, cpu, _, _), skip in zip(plans, skips)
+        ]
         for i, (src, _, _, _) in enumerate(plans):
             apply_move(want_cpu[i], gpu0[i], gpus[i], src, cpus[i], stored[i], bds[i])
         spec = (
             spec_of(case, [as_ids(p[0]) for p in plans]),
             spec_of(case, [as_ids(p[1]) for p in plans]),
         )
-        assert h.gpu_to_cpu_handler.transfer_async(11, spec) is True
+        assert h.gpu_to_cpu_handler.transfer_async(11, spec, block_indices=starts) is True
         h.gpu_to_cpu_handler.wait([11])
         (r,) = h.get_finished()
         assert (r.job_id, r.success, r.error) == (11, True, None)
@@ -232,20 +249,25 @@ def test_roundtrip(case: Case, factor: int, data: st.DataObject) -> None:
             assert_storage(cpus[i], want_cpu[i])
             assert_storage(gpus[i], gpu0[i])  # the source is untouched
 
-        # load: CPU -> other GPU blocks, end-aligned to the last CPU block
+        # load: CPU -> other GPU blocks: the first k blocks of the same request position, or
+        # (without block_indices) end-aligned to the last CPU block
         cpu1 = [snapshot(c) for c in cpus]
         want_gpu = [snapshot(g) for g in gpus]
         loads = []
         for i, (_, cpu, k, dst) in enumerate(plans):
-            cpu_load = cpu[len(cpu) - math.ceil(k / factor) :]
-            subs = ref_load_subs(cpu_load, k, factor)
+            if starts is None:
+                cpu_load = cpu[len(cpu) - math.ceil(k / factor) :]
+                subs = ref_load_subs(cpu_load, k, factor)
+            else:
+                cpu_load = cpu[: math.ceil((skips[i] + k) / factor)]
+                subs = ref_subs_from(cpu_load, k, factor, skips[i])
             loads.append((cpu_load, subs))
             apply_move(want_gpu[i], cpu1[i], cpus[i], subs, gpus[i], dst, bds[i])
         spec = (
             spec_of(case, [as_ids(c) for c, _ in loads]),
             spec_of(case, [as_ids(p[3]) for p in plans]),
         )
-        assert h.cpu_to_gpu_handler.transfer_async(12, spec) is True
+        assert h.cpu_to_gpu_handler.transfer_async(12, spec, block_indices=starts) is True
         h.wait([12])
         (r,) = h.cpu_to_gpu_handler.get_finished()
         assert (r.job_id, r.success) == (12, True)
@@ -264,49 +286,6 @@ def test_roundtrip(case: Case, factor: int, data: st.DataObject) -> None:
                         before = gpu0[i][raw(t).data_ptr()][block_bytes(t, bd, s)]
                         assert torch.equal(raw(t)[block_bytes(t, bd, d)], before)
         assert h.get_finished() == []
-    finally:
-        h.shutdown()
-
-
-@pytest.mark.parametrize("factor", FACTORS)
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_descriptors_are_the_layout_modules_in_ascending_destination_order(
-    case: Case, factor: int
-) -> None:
-    """The handler's vectorised descriptors are layout.build_transfer's, reordered so that the
-    destinations ascend within each group (the core then checks them for overlap in one linear
-    pass instead of sorting them)."""
-    from blockswap.layout import build_group_transfer
-
-    h, _ = make(case, factor)
-    try:
-        rng = np.random.default_rng(7)
-        for handler in h.handlers:
-            src_t, dst_t = (
-                (h.gpu_tables, h.cpu_tables) if handler.gpu_to_cpu else (h.cpu_tables, h.gpu_tables)
-            )
-            for _ in range(5):
-                gpu_ids, cpu_ids, subs = [], [], []
-                for tab in h.gpu_tables:
-                    n = int(rng.integers(1, 9))
-                    gpu_ids.append(rng.permutation(tab.num_blocks)[:n])
-                    cpu_ids.append(rng.permutation(N_CPU)[: math.ceil(n / factor)])
-                    ref = ref_store_subs if handler.gpu_to_cpu else ref_load_subs
-                    subs.append(np.asarray(ref(cpu_ids[-1].tolist(), n, factor), dtype=np.int64))
-                if handler.gpu_to_cpu:
-                    spec, s_ids, d_ids = (gpu_ids, cpu_ids), gpu_ids, subs
-                else:
-                    spec, s_ids, d_ids = (cpu_ids, gpu_ids), subs, gpu_ids
-                got = handler._build(*(spec if case.grouped else (spec[0][0], spec[1][0])))
-                want = build_group_transfer(src_t, s_ids, dst_t, d_ids)
-                assert sorted(zip(*[a.tolist() for a in got])) == sorted(
-                    zip(*[a.tolist() for a in want])
-                )
-                if case.fast:
-                    # ascending within each group (groups may interleave in memory)
-                    _, dp, sz = got
-                    descents = int((dp[:-1] + sz[:-1] > dp[1:]).sum())
-                    assert descents <= len(h.gpu_tables) - 1, "destinations do not ascend"
     finally:
         h.shutdown()
 
@@ -508,8 +487,13 @@ BAD_D2H: list[tuple[str, Any, str]] = [
     ("cpu-out-of-range", ([0, 1], [N_CPU]), "CPU block ids hold block id 8, out of range"),
     ("cpu-negative", ([0, 1], [-2]), "CPU block ids hold a negative block id"),
     ("cpu-repeated", ([0, 1, 2, 3, 4], [5, 5]), "CPU block id 5 is a destination more than once"),
-    ("too-many-cpu", ([0, 1], [4, 5]), r"2 GPU blocks take ceil\(2 / block_size_factor 4\) = 1"),
-    ("too-few-cpu", ([0, 1, 2, 3, 4], [5]), r"= 2 CPU blocks, got 1"),
+    (
+        "too-many-cpu",
+        ([0, 1], [4, 5]),
+        r"2 GPU blocks from sub-block 0 of the first CPU block take "
+        r"ceil\(\(0 \+ 2\) / 4\) = 1 CPU block ids \(4 sub-blocks each\), got 2",
+    ),
+    ("too-few-cpu", ([0, 1, 2, 3, 4], [5]), r"= 2 CPU block ids \(4 sub-blocks each\), got 1"),
     ("float", (np.array([0.0, 1.0]), [5]), "must hold integers"),
     ("bool", (np.array([True]), [5]), "must hold integers"),
     ("float-tensor", (torch.tensor([0.0]), [5]), "must hold integers"),
@@ -524,7 +508,7 @@ BAD_H2D: list[tuple[str, Any, str]] = [
     ("gpu-repeated", ([5], [8, 9, 8]), "GPU block id 8 is a destination more than once"),
     ("gpu-out-of-range", ([5], [8, 99]), "GPU block ids hold block id 99"),
     ("cpu-out-of-range", ([9], [8]), "CPU block ids hold block id 9"),
-    ("lengths", ([5, 4], [8]), "1 GPU blocks take"),
+    ("lengths", ([5, 4], [8]), "1 GPU blocks from sub-block 3 of the first CPU block take"),
 ]
 
 
@@ -1017,7 +1001,8 @@ def test_block_major_cache_moves_blocks_as_one_copy_each(layout: str, factor: in
         # One 2-D copy per block, both directions: every page of a layer at one pitch.
         for d in ("d2h", "h2d"):
             assert h.routes[d].plan == "blocks", h.routes[d]
-            assert h.block_plans[d] is not None and len(h.block_plans[d]) == 1
+            (plan,) = h.block_plans[d]
+            assert plan is not None and len(plan) == 1
         assert mirror.cpu_chunks is None and mirror.routes["d2h"].plan == "pages"
         (chunks,) = h.cpu_chunks
         segs = len(page_of(gpu[0], layout, 0))
@@ -1099,21 +1084,49 @@ def test_auto_takes_the_block_plan_for_pages_of_16_kib_and_more() -> None:
 
 
 def test_block_route_is_chosen_only_where_it_saves_copies_and_path_blocks_insists() -> None:
-    # Two KV-cache groups: block plans are per group pair in the core, not yet across groups.
-    g = [one_allocation("kv_fused", 2, N_GPU), one_allocation("kv_fused", 2, N_GPU)]
+    # Two KV-cache groups, each its own allocation: a plan per group; pages of 128 bytes take the
+    # page route by default, path="blocks" takes the plans, and moves both groups in one batch.
+    g = [one_allocation("kv_fused", 2, N_GPU), one_allocation("kv_fused", 3, N_GPU)]
     h = CpuGpuHandlers(g, N_CPU, layout="kv_fused", backend="host")
     try:
         assert h.routes["d2h"].plan == "pages"
-        assert h.block_plans == {"d2h": None, "h2d": None}
+        assert [len(p or []) for p in h.block_plans["d2h"]] == [1, 1]
+    finally:
+        h.shutdown()
+    h = CpuGpuHandlers(
+        g, N_CPU, layout="kv_fused", backend="host", path="blocks", block_size_factor=2
+    )
+    try:
+        assert h.routes["d2h"].plan == h.routes["h2d"].plan == "blocks"
+        assert h.routes["d2h"].reason.startswith("group 0: blocks: 1 2-D copy per block")
+        before = [[page_of(t, "kv_fused", b)[0].clone() for b in (1, 2, 3)] for t in g[1]]
+        h.d2h.transfer_async(1, ([[4], [1, 2, 3]], [[0], [5, 6]]), block_indices=[0, 3])
+        h.wait([1])  # the directions run on their own lanes
+        h.h2d.transfer_async(2, ([[], [5, 6]], [[], [7, 8, 9]]),
+                             block_indices=[0, 3])  # fmt: skip
+        h.wait([1, 2])
+        assert [r.success for r in h.get_finished()] == [True, True]
+        # Group 1 stored blocks 1, 2, 3 from sub-block 1 of CPU block 5 and loaded them back.
+        for t, pages in zip(g[1], before):
+            for b, page in zip((7, 8, 9), pages):
+                assert torch.equal(page_of(t, "kv_fused", b)[0], page)
+    finally:
+        h.shutdown()
+    # Groups sharing memory (the same tensors twice): no block plan can prove their 2-D copies
+    # disjoint, so the page route, and path="blocks" is refused.
+    shared = [g[0], g[0]]
+    h = CpuGpuHandlers(shared, N_CPU, layout="kv_fused", backend="host")
+    try:
+        assert h.routes["d2h"].plan == "pages"
     finally:
         h.shutdown()
     with pytest.raises(ValueError, match="path='blocks'"):
-        CpuGpuHandlers(g, N_CPU, layout="kv_fused", backend="host", path="blocks")
+        CpuGpuHandlers(shared, N_CPU, layout="kv_fused", backend="host", path="blocks")
     # path="dma" keeps the page route even where a block plan exists.
     h = CpuGpuHandlers(one_allocation("mla", 3, N_GPU), N_CPU, layout="mla", path="dma",
                        backend="host")  # fmt: skip
     try:
-        assert h.routes["h2d"].plan == "pages" and h.block_plans["h2d"] is not None
+        assert h.routes["h2d"].plan == "pages" and h.block_plans["h2d"][0] is not None
     finally:
         h.shutdown()
     with pytest.raises(ValueError, match="cpu_layout"):

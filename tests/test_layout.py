@@ -14,21 +14,20 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
+import numpy.typing as npt
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from blockswap import Engine
 from blockswap.layout import (
     LAYOUTS,
     BlockTable,
     LayoutError,
-    Transfer,
-    build_group_transfer,
-    build_transfer,
     expand_sub_blocks,
     make_cpu_cache_like,
 )
@@ -39,12 +38,61 @@ from kv_helpers import assert_storage, block_bytes, fill_random, raw, snapshot, 
 # --------------------------------------------------------------------------------------------
 
 
+class Transfer(NamedTuple):
+    src_ptrs: npt.NDArray[np.int64]
+    dst_ptrs: npt.NDArray[np.int64]
+    sizes: npt.NDArray[np.int64]
+
+
+def build_transfer(src: BlockTable, src_ids: Any, dst: BlockTable, dst_ids: Any) -> Transfer:
+    """Reference descriptors of a table pair, by the definition: segment-major, block-minor,
+    descriptor ``s * n + i`` copies segment ``s`` of block ``src_ids[i]`` (no checks)."""
+    s_ids, d_ids = np.asarray(src_ids, dtype=np.int64), np.asarray(dst_ids, dtype=np.int64)
+    assert src.is_compatible(dst) and s_ids.shape == d_ids.shape
+    sp = (src.bases[:, None] + src.strides[:, None] * s_ids[None, :]).ravel()
+    dp = (dst.bases[:, None] + dst.strides[:, None] * d_ids[None, :]).ravel()
+    sz = np.repeat(src.nbytes, s_ids.shape[0])
+    return Transfer(sp, dp, sz)
+
+
 def memmove_copy(t: Transfer) -> None:
     """Reference copier: one memmove per descriptor."""
-    assert t.src_ptrs.dtype == t.dst_ptrs.dtype == t.sizes.dtype == np.int64
-    assert t.src_ptrs.shape == t.dst_ptrs.shape == t.sizes.shape
     for s, d, n in zip(t.src_ptrs.tolist(), t.dst_ptrs.tolist(), t.sizes.tolist()):
         ctypes.memmove(d, s, n)
+
+
+def engine_copy(
+    src: Sequence[BlockTable],
+    src_ids: Sequence[Any],
+    dst: Sequence[BlockTable],
+    dst_ids: Sequence[Any],
+    direction: str,
+    skips: Sequence[int],
+    factor: int,
+) -> int:
+    """Moves a transfer of several groups through a host engine's block tables, the CPU side
+    named by CPU block ids (``factor`` sub-blocks each, from ``skips[g]``); returns its bytes."""
+    with Engine("host") as eng:
+        kinds = ("device", "host") if direction == "d2h" else ("host", "device")
+        for tabs, kind in zip((src, dst), kinds):
+            for t in tabs:
+                for start, n in t.spans().tolist():
+                    eng.register(start, n, kind)
+        groups = []
+        for g in range(len(src)):
+            ids = []
+            for t, kind in zip((src[g], dst[g]), kinds):
+                unit = factor if kind == "host" else 1
+                ids.append(eng.register_table(t.bases, t.strides, t.nbytes, t.num_blocks, kind,
+                                              "CPU" if kind == "host" else "GPU", unit))  # fmt: skip
+            s_ids = np.asarray(src_ids[g], dtype=np.int64)
+            d_ids = np.asarray(dst_ids[g], dtype=np.int64)
+            groups.append((ids[0], s_ids, ids[1], d_ids, skips[g]))
+        eng.submit_groups(1, groups, direction)
+        eng.wait([1])
+        (r,) = eng.get_finished()
+        assert r.success, r.error
+        return r.bytes
 
 
 def dim_order(t: torch.Tensor) -> list[int]:
@@ -222,22 +270,16 @@ def _group_roundtrip(cases: Sequence[Case], factor: int, data: st.DataObject) ->
         assert g.is_compatible(t)
     plans = [data.draw(transfer_plan(factor)) for _ in cases]
     subs = [expand_sub_blocks(cpu, factor, skip, len(src)) for src, cpu, skip, _ in plans]
+    skips = [p[2] for p in plans]
 
-    # store: GPU -> CPU
+    # store: GPU -> CPU, through the engine's block tables (CPU side by CPU block ids)
     gpu0 = [snapshot(g) for g in gpus]
     cpu_expected = [snapshot(t) for t in cpus]
     for i, c in enumerate(cases):
         apply_move(cpu_expected[i], gpu0[i], gpus[i], plans[i][0], cpus[i], subs[i].tolist(), c.bd)
-    if len(cases) == 1:
-        store = build_transfer(gtab[0], plans[0][0], ctab[0], subs[0])
-        same = build_group_transfer(gtab, [plans[0][0]], ctab, subs)
-        for a, b in zip(store, same):
-            np.testing.assert_array_equal(a, b)
-    else:
-        store = build_group_transfer(gtab, [p[0] for p in plans], ctab, subs)
-    assert store.num_descriptors == sum(t.num_segments * len(p[0]) for t, p in zip(gtab, plans))
-    assert store.total_bytes == sum(t.page_bytes * len(p[0]) for t, p in zip(gtab, plans))
-    memmove_copy(store)
+    moved = engine_copy(gtab, [p[0] for p in plans], ctab, [p[1] for p in plans], "d2h", skips,
+                        factor)  # fmt: skip
+    assert moved == sum(t.page_bytes * len(p[0]) for t, p in zip(gtab, plans))
     for i in range(len(cases)):
         assert_storage(cpus[i], cpu_expected[i])
         assert_storage(gpus[i], gpu0[i])  # the source is untouched
@@ -247,8 +289,7 @@ def _group_roundtrip(cases: Sequence[Case], factor: int, data: st.DataObject) ->
     gpu_expected = [snapshot(g) for g in gpus]
     for i, c in enumerate(cases):
         apply_move(gpu_expected[i], cpu1[i], cpus[i], subs[i].tolist(), gpus[i], plans[i][3], c.bd)
-    load = build_group_transfer(ctab, subs, gtab, [p[3] for p in plans])
-    memmove_copy(load)
+    engine_copy(ctab, [p[1] for p in plans], gtab, [p[3] for p in plans], "h2d", skips, factor)
     for i, (src, _, _, dst) in enumerate(plans):
         assert_storage(gpus[i], gpu_expected[i])
         assert_storage(cpus[i], cpu1[i])
@@ -281,7 +322,7 @@ def test_roundtrip_hybrid_groups(factor: int, data: st.DataObject) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def test_descriptor_order_is_segment_major_block_minor() -> None:
+def test_segments_are_ordered_tensor_by_tensor_then_k_v() -> None:
     gpu = [strided((2, N_GPU, 4, 2, 8), torch.bfloat16, 1, pad=8) for _ in range(2)]
     cpu = make_cpu_cache_like(gpu, N_CPU, layout="kv_split")
     g = BlockTable.from_tensors(gpu, "kv_split")
@@ -293,15 +334,7 @@ def test_descriptor_order_is_segment_major_block_minor() -> None:
     k0, k1 = gpu[0].data_ptr(), gpu[1].data_ptr()
     v_off = gpu[0].stride(0) * 2
     np.testing.assert_array_equal(g.bases, [k0, k0 + v_off, k1, k1 + v_off])
-    src, dst = np.array([7, 2, 5]), np.array([0, 9, 4])
-    t = build_transfer(g, src, c, dst)
-    for k in range(t.num_descriptors):
-        seg, i = divmod(k, len(src))
-        assert t.src_ptrs[k] == g.bases[seg] + src[i] * g.strides[seg]
-        assert t.dst_ptrs[k] == c.bases[seg] + dst[i] * c.strides[seg]
-        assert t.sizes[k] == page
-    for a in t:
-        assert a.dtype == np.int64 and a.ndim == 1 and a.flags.c_contiguous
+    assert c.is_compatible(g) and (c.nbytes == page).all()
 
 
 @pytest.mark.parametrize(
@@ -356,30 +389,6 @@ def test_table_basics() -> None:
     direct = BlockTable(bases=[4096], strides=[64], nbytes=[32], num_blocks=8, device="cpu")
     t = build_transfer(direct, [0, 1], direct, [3, 4])
     assert t.src_ptrs.tolist() == [4096, 4160] and t.dst_ptrs.tolist() == [4288, 4352]
-
-
-def test_block_id_types_are_accepted() -> None:
-    g = BlockTable.from_tensors(torch.empty(N_GPU, 4, 40, dtype=F8), "mla")
-    ref = build_transfer(g, np.array([1, 2]), g, np.array([3, 4]))
-    for s, d in [
-        ([1, 2], (3, 4)),
-        (np.array([1, 2], dtype=np.int32), np.array([3, 4], dtype=np.uint8)),
-        (torch.tensor([1, 2]), torch.tensor([3, 4], dtype=torch.int32)),
-        (np.array([[1, 2]])[0], np.array([3, 4], dtype=np.uint64)),
-    ]:
-        t = build_transfer(g, s, g, d)
-        for a, b in zip(t, ref):
-            np.testing.assert_array_equal(a, b)
-    empty = build_transfer(g, [], g, np.array([], dtype=np.int64))
-    assert all(a.shape == (0,) and a.dtype == np.int64 for a in empty)
-
-
-def test_check_unique_dst_can_be_disabled() -> None:
-    g = BlockTable.from_tensors(torch.empty(N_GPU, 4, 40, dtype=F8), "mla")
-    with pytest.raises(ValueError, match="more than once"):
-        build_transfer(g, [1, 2], g, [3, 3])
-    t = build_transfer(g, [1, 2], g, [3, 3], check_unique_dst=False)
-    assert t.num_descriptors == 2
 
 
 # --------------------------------------------------------------------------------------------
@@ -463,10 +472,15 @@ def test_expand_sub_blocks_matches_reference(ids: list[int], factor: int, data: 
         ({"block_ids": [1], "factor": 0}, ValueError, "factor"),
         ({"block_ids": [1], "factor": 4, "skip": 4}, ValueError, "skip"),
         ({"block_ids": [1], "factor": 4, "skip": -1}, ValueError, "skip"),
-        ({"block_ids": [1, 2], "factor": 4, "skip": 1, "count": 8}, ValueError, "count"),
-        ({"block_ids": [1, 2], "factor": 4, "count": 4}, ValueError, "unused"),
-        ({"block_ids": [1], "factor": 4, "count": 0}, ValueError, "unused"),
-        ({"block_ids": [], "factor": 4, "skip": 1}, ValueError, "skip"),
+        (
+            {"block_ids": [1, 2], "factor": 4, "skip": 1, "count": 8},
+            ValueError,
+            r"ceil\(\(1 \+ 8\) / 4\) = 3 CPU block ids",
+        ),
+        ({"block_ids": [1, 2], "factor": 4, "count": 4}, ValueError, "= 1 CPU block ids .* got 2"),
+        ({"block_ids": [1], "factor": 4, "count": 0}, ValueError, "= 0 CPU block ids .* got 1"),
+        ({"block_ids": [1], "factor": 4, "count": -1}, ValueError, "count must be >= 0"),
+        ({"block_ids": [2**62], "factor": 4}, IndexError, "out of range"),
         ({"block_ids": [-1], "factor": 4}, IndexError, "negative"),
         ({"block_ids": [1.0], "factor": 4}, TypeError, "integers"),
     ],
@@ -585,43 +599,9 @@ def test_incompatible_tables() -> None:
     )
     assert not g.is_compatible(fewer) and not g.is_compatible(bigger)
     with pytest.raises(LayoutError, match="4 segments per block on one side, 2"):
-        build_transfer(g, [0], fewer, [0])
+        g.check_compatible(fewer)
     with pytest.raises(LayoutError, match="segment 2 is 128 B on one side and 256 B"):
-        build_transfer(g, [0], bigger, [0])
-
-
-@pytest.mark.parametrize(
-    "src,dst,exc,match",
-    [
-        ([0.0, 1.0], [0, 1], TypeError, "src_blocks must hold integers"),
-        ([0, 1], [True, False], TypeError, "dst_blocks must hold integers"),
-        ([0, 1], torch.tensor([0.0, 1.0]), TypeError, "dst_blocks must hold integers"),
-        (["a"], [0], TypeError, "src_blocks must hold integers"),
-        ([[0, 1]], [0, 1], ValueError, "src_blocks must be 1-D"),
-        ([0, 1], [0], ValueError, "differ in length"),
-        ([0, -1], [0, 1], IndexError, "src_blocks holds a negative block id"),
-        ([0, 1], [0, N_GPU], IndexError, "dst_blocks holds block id 12, out of range"),
-        (np.array([0, 2**64 - 1], dtype=np.uint64), [0, 1], IndexError, "out of range"),
-        ([0, 1], [5, 5], ValueError, "dst_blocks holds block id 5 more than once"),
-    ],
-)
-def test_block_id_errors(src: Any, dst: Any, exc: type, match: str) -> None:
-    g = BlockTable.from_tensors(_kv_split_tensors(), "kv_split")
-    with pytest.raises(exc, match=match):
-        build_transfer(g, src, g, dst)
-
-
-def test_group_transfer_errors() -> None:
-    g = BlockTable.from_tensors(_kv_split_tensors(), "kv_split")
-    m = BlockTable.from_tensors(torch.zeros(N_GPU, 4, 40), "mla")
-    with pytest.raises(ValueError, match="one entry per group"):
-        build_group_transfer([g, m], [[0]], [g, m], [[0], [1]])
-    with pytest.raises(IndexError, match="group 1: dst_blocks holds block id 99"):
-        build_group_transfer([g, m], [[0], [1]], [g, m], [[1], [99]])
-    with pytest.raises(LayoutError, match="group 0: tables are incompatible"):
-        build_group_transfer([g, m], [[0], [1]], [m, m], [[1], [2]])
-    empty = build_group_transfer([g, m], [[], [1]], [g, m], [[], [2]])
-    assert empty.num_descriptors == 1
+        g.check_compatible(bigger)
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Type stubs of the compiled core (rust/py.rs). `make lint` checks them against the built
 extension with mypy.stubtest."""
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import ClassVar, final
 
@@ -31,6 +31,7 @@ __all__ = [
     "TransferStateError",
     "WaitTimeoutError",
     "__version__",
+    "chunk_blocks",
     "cuda_status",
 ]
 
@@ -117,6 +118,16 @@ class Engine:
         kernel_below: int = 0,
         launcher: Callable[[int, int, int, int, int, int, int], object] | None = None,
     ) -> None: ...
+    def submit_groups(
+        self,
+        job_id: int,
+        groups: Sequence[tuple[int, npt.NDArray[np.int64], int, npt.NDArray[np.int64], int | None]],
+        direction: Direction = "h2d",
+        wait_stream: int | None = None,
+        kernel_below: int = 0,
+        launcher: Callable[[int, int, int, int, int, int, int], object] | None = None,
+        runs: bool = False,
+    ) -> None: ...
     def submit_block_runs(
         self,
         job_id: int,
@@ -152,3 +163,10 @@ class Engine:
     ) -> None: ...
 
 def cuda_status() -> tuple[bool, str]: ...
+def chunk_blocks(
+    chunk_ids: npt.NDArray[np.int64],
+    unit: int,
+    blocks: int,
+    skip: int = 0,
+    num_chunks: int | None = None,
+) -> npt.NDArray[np.int64]: ...

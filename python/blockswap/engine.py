@@ -359,8 +359,10 @@ class Engine:
         """Registers a block table: one side of a KV cache, where segment ``s`` of block ``b``
         is ``nbytes[s]`` bytes at ``bases[s] + b * strides[s]``. The core checks every segment's
         span, over all ``num_blocks`` blocks, against registered ``kind`` memory (``"host"`` or
-        ``"device"``) once, here. ``name`` and ``unit`` only shape error messages (``unit`` table
-        blocks per block the caller names). Returns the table's id for :meth:`submit_blocks`."""
+        ``"device"``) once, here. ``name`` names the table's blocks in errors. ``unit``: table
+        blocks per block the caller names (a CPU block of ``unit`` GPU-sized sub-blocks), used
+        where :meth:`submit_groups` names this side by chunk ids, and in errors. Returns the
+        table's id for :meth:`submit_blocks` and :meth:`submit_groups`."""
         b = as_int64("bases", bases)
         st = as_int64("strides", strides)
         nb = as_int64("nbytes", nbytes)
@@ -437,6 +439,58 @@ class Engine:
             self._core.submit_block_runs(job_id, src_table, s, dst_table, d, direction, wait_stream)
         except (OverflowError, TypeError) as e:
             raise _submit_argument_error(e, direction, wait_stream, 0) from None
+
+    def submit_groups(
+        self,
+        job_id: int,
+        groups: Iterable[tuple[int, Any, int, Any, int | None]],
+        direction: Direction = "h2d",
+        *,
+        wait_stream: int | None = None,
+        kernel_below: int = 0,
+        launcher: Callable[[int, int, int, int, int, int, int], None] | None = None,
+        runs: bool = False,
+    ) -> None:
+        """Issues one transfer of several KV-cache groups as one batch with one result.
+
+        ``groups``: one ``(src_table, src_ids, dst_table, dst_ids, skip)`` per group. With
+        ``skip=None`` both sides are named by table blocks, as in :meth:`submit_blocks`. With an
+        int, the side whose table was registered with ``unit`` > 1 is named by *chunk* ids (a
+        CPU block of ``unit`` sub-blocks): the group moves ``len(other side's ids)`` blocks, from
+        sub-block ``skip`` of the first chunk on, so it needs ``ceil((skip + n) / unit)`` chunk
+        ids (the first and the last chunk may be partial). A group may be empty on both sides.
+        The core checks every id, every chunk count and that destinations are distinct, across
+        groups too. ``runs``: each pair's block plan (:meth:`block_runs`, copy engines only)
+        instead of a descriptor per page. Otherwise as :meth:`submit`."""
+        job_id = check_job_id(job_id)
+        if launcher is not None and not callable(launcher):  # the check off the hot path
+            check_arg("launcher", launcher, "callable", callable, optional=True)
+        check_arg("runs", runs, "a bool", _is_bool)
+        core_groups = []
+        for g, group in enumerate(groups):
+            try:
+                src_table, src_ids, dst_table, dst_ids, skip = group
+            except (TypeError, ValueError):
+                raise InvalidTransferError(
+                    f"groups[{g}] must be (src_table, src_ids, dst_table, dst_ids, skip)"
+                ) from None
+            if skip is not None:
+                skip = _check_u64(f"groups[{g}] skip", skip)
+            core_groups.append(
+                (
+                    _table_id(src_table),
+                    as_int64(f"groups[{g}] src_ids", src_ids),
+                    _table_id(dst_table),
+                    as_int64(f"groups[{g}] dst_ids", dst_ids),
+                    skip,
+                )
+            )
+        try:
+            self._core.submit_groups(
+                job_id, core_groups, direction, wait_stream, kernel_below, launcher, runs
+            )
+        except (OverflowError, TypeError) as e:
+            raise _submit_argument_error(e, direction, wait_stream, kernel_below) from None
 
     def block_runs(
         self, src_table: int, dst_table: int, direction: str = "h2d"

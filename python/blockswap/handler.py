@@ -16,9 +16,10 @@ Modelled on vLLM's CPU offloading worker (``CpuGpuOffloadingHandlers`` with one
 
 Everything that can be computed once is computed at construction: the per-block address tables
 (:class:`~blockswap.layout.BlockTable`) of the GPU tensors and of the CPU cache, and the memory
-registrations with one :class:`~blockswap.Engine`. Per transfer, ``transfer_async`` turns block
-ids into ``(src_ptrs, dst_ptrs, sizes)`` with numpy only (no per-block Python loop) and submits
-them; ``get_finished`` is the engine's own lock-free poll, bound directly.
+registrations with one :class:`~blockswap.Engine`, which holds both tables of every KV-cache
+group. Per transfer, ``transfer_async`` hands the block ids to the engine, which maps CPU blocks
+to sub-blocks, checks every id and writes the copies (:meth:`blockswap.Engine.submit_groups`);
+``get_finished`` is the engine's own lock-free poll, bound directly.
 
 Block ids and ``block_size_factor``
 -----------------------------------
@@ -38,6 +39,12 @@ are used, one per GPU block, in order:
 When ``n`` is a multiple of ``f`` (vLLM's stores always are) both rules name the same
 sub-blocks. The number of CPU blocks must be exactly ``ceil(n / f)``.
 
+**With ``block_indices``** (vLLM 0.33's ``GPULoadStoreSpec.block_indices``: per group, the
+position of the first GPU block in its request), both directions start ``skip = block_indices[g]
+% f`` sub-blocks into the first CPU block, and take ``ceil((skip + n) / f)`` CPU blocks: the first
+and the last may be partial. The rule lives in the engine (:func:`blockswap._core.chunk_blocks`
+computes it for inspection).
+
 For hybrid models (several KV-cache groups, each with its own tensors, page size and block-id
 space) each side of a spec is a sequence with one block-id array per group; the rules above apply
 per group, and one transfer moves all groups in one batch.
@@ -53,11 +60,9 @@ size and transfer time).
 
 Host cost
 ---------
-``transfer_async`` validates the ids and writes the descriptors with a handful of numpy calls
-over precomputed per-segment bases (no per-block Python loop), in ascending destination order
-within each KV-cache group, which lets the core prove the destinations disjoint in one linear
-pass instead of a sort. Tables the vectorised form does not cover (per-layer strides that differ,
-uneven K/V interleaving) fall back to :func:`~blockswap.layout.build_transfer`.
+``transfer_async`` converts each side's ids to an int64 array (no copy where they are one) and
+makes one call into the engine, which writes the copies straight into its descriptor pool with
+the GIL released: no per-block Python work, whatever the layout.
 
 Ordering (CUDA)
 ---------------
@@ -102,8 +107,7 @@ from .layout import (
     BlockTable,
     Layout,
     LayoutError,
-    build_group_transfer,
-    build_transfer,
+    as_block_ids,
     expand_sub_blocks,
     make_block_major_cpu_cache,
     make_cpu_cache_like,
@@ -241,120 +245,12 @@ def _stream_handle(s: Any, device_index: int | None, what: str) -> int:
 
 
 _I64 = np.int64
-_U64 = np.uint64
 _I64_MAX = int(np.iinfo(np.int64).max)
-_EMPTY = np.zeros(0, dtype=np.int64)
-_EMPTY.setflags(write=False)
 _JOB_END = 1 << 64
-_max = np.maximum.reduce
-_count = np.count_nonzero
-
-
-def _to_ids(x: Any, name: str) -> npt.NDArray[np.int64]:
-    """One side's block ids as a 1-D int64 array (no copy where it already is one). Accepts
-    integer numpy arrays, sequences of ints, integer CPU tensors and objects with ``block_ids``
-    (vLLM's ``BlockIDsLoadStoreSpec``). Raises TypeError / ValueError / IndexError."""
-    if type(x) is np.ndarray:
-        a = x
-    else:
-        x = getattr(x, "block_ids", x)
-        if isinstance(x, torch.Tensor):
-            if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
-                raise TypeError(f"{name} must hold integers, got torch dtype {x.dtype}")
-            try:
-                a = x.detach().cpu().numpy()
-            except (RuntimeError, TypeError) as e:  # meta, sparse, nested tensors
-                raise TypeError(f"{name}: cannot read ids from this tensor ({e})") from None
-        else:
-            a = np.asarray(x)
-            if a.size == 0 and a.dtype.kind not in "iu":
-                a = a.astype(_I64)
-    if a.dtype != _I64:
-        kind = a.dtype.kind
-        if kind != "i" and kind != "u":
-            raise TypeError(f"{name} must hold integers, got dtype {a.dtype}")
-        if kind == "u" and a.size and int(a.max()) > _I64_MAX:
-            raise IndexError(f"{name} hold block id {int(a.max())}, out of range")
-        a = a.astype(_I64)
-    if a.ndim != 1:
-        raise ValueError(f"{name} must be 1-D, got shape {a.shape}")
-    if not a.flags.c_contiguous:  # a strided view: the core reads ids in place
-        a = np.ascontiguousarray(a)
-    return a
-
-
-def _range_error(a: npt.NDArray[np.int64], n: int, name: str) -> IndexError:
-    lo = int(a.min())
-    if lo < 0:
-        return IndexError(f"{name} hold a negative block id ({lo})")
-    return IndexError(f"{name} hold block id {int(a.max())}, out of range for {n} blocks")
 
 
 _bad_job_id = check_job_id
-
-
-class _Plan:
-    """How one KV-cache group's descriptors are written fast, in ascending destination order.
-
-    The destination table's segments are sorted by address and cut into *clusters*: segments
-    whose runs over all blocks overlap (K/V interleaved inside a block, layer views of one
-    cross-layer buffer) form one cluster and must all sit inside one block stride; segments
-    whose runs are clear of each other (per-layer tensors, K and V regions) are clusters of
-    their own. With every cluster of ``k`` segments and one stride and page size per side,
-    descriptor ``(c, i, j)`` -- cluster ``c``, ``i``-th block in ascending destination id,
-    ``j``-th segment of the cluster -- has addresses ``bases[c, j] + stride * id[i]``, ascending
-    in that order: one broadcast add per side, and the core checks the destinations for overlap
-    in one linear pass instead of a sort. Where a table does not fit (non-uniform strides or
-    pages, uneven clusters), there is no plan and :func:`~blockswap.layout.build_transfer` is used.
-    """
-
-    __slots__ = ("dst_bases", "dst_stride", "per_block", "rep", "size", "src_bases", "src_stride")
-
-    def __init__(self, src: BlockTable, dst: BlockTable) -> None:
-        self.src_bases: npt.NDArray[np.int64]
-        self.dst_bases: npt.NDArray[np.int64]
-        st, dt, nb = src.strides, dst.strides, dst.nbytes
-        if not ((st == st[0]).all() and (dt == dt[0]).all() and (nb == nb[0]).all()):
-            raise _NoPlan
-        if not np.array_equal(src.nbytes, nb):
-            raise _NoPlan
-        z, stride, nblk = int(nb[0]), int(dt[0]), dst.num_blocks
-        order = np.argsort(dst.bases, kind="stable")
-        b = dst.bases[order]
-        end = b + max(nblk - 1, 0) * stride + z
-        new = np.ones(b.shape[0], dtype=bool)
-        new[1:] = b[1:] >= np.maximum.accumulate(end)[:-1]
-        starts = np.flatnonzero(new)
-        sizes = np.diff(np.append(starts, b.shape[0]))
-        k = int(sizes[0])
-        if not (sizes == k).all():
-            raise _NoPlan
-        c = starts.shape[0]
-        bb = b.reshape(c, k)
-        if k > 1:
-            if nblk > 1 and (bb[:, -1] - bb[:, 0] + z > stride).any():
-                raise _NoPlan
-            if (np.diff(bb, axis=1) < z).any():
-                raise _NoPlan
-        plan = order.reshape(c, k)
-        self.src_bases = np.ascontiguousarray(src.bases[plan].reshape(c, 1, k))
-        self.dst_bases = np.ascontiguousarray(dst.bases[plan].reshape(c, 1, k))
-        self.src_stride = int(st[0])
-        self.dst_stride = stride
-        self.size = z
-        self.per_block = c * k
-        self.rep: dict[int, tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]] = {}
-
-
-class _NoPlan(Exception):
-    pass
-
-
-def _make_plan(src: BlockTable, dst: BlockTable) -> _Plan | None:
-    try:
-        return _Plan(src, dst)
-    except _NoPlan:
-        return None
+_to_ids = as_block_ids
 
 
 # --------------------------------------------------------------------------------------------
@@ -500,6 +396,35 @@ def block_route(
     )
 
 
+def _groups_block_route(
+    plans: Sequence[list[tuple[int, int, int, int, int]] | None],
+    gpu_tables: Sequence[BlockTable],
+    cpu_tables: Sequence[BlockTable],
+    direction: str,
+    *,
+    insist: bool = False,
+) -> Route | None:
+    """The block route of a cache of one or more KV-cache groups: :func:`block_route` for every
+    group, and no two groups sharing memory on either side (their 2-D copies could not be proven
+    disjoint)."""
+    routes = [
+        block_route(p, len(t.nbytes), direction, insist=insist) for p, t in zip(plans, gpu_tables)
+    ]
+    if any(r is None for r in routes):
+        return None
+    if len(routes) > 1:
+        for tables in (gpu_tables, cpu_tables):
+            spans = sorted(
+                (int(sp[:, 0].min()), int((sp[:, 0] + sp[:, 1]).max()))
+                for sp in (t.spans() for t in tables)
+            )
+            if any(a[1] > b[0] for a, b in zip(spans, spans[1:])):
+                return None
+        reason = "; ".join(f"group {g}: {r.reason}" for g, r in enumerate(routes) if r)
+        return Route(0, None, reason, "blocks")
+    return routes[0]
+
+
 class SingleDirectionHandler:
     """Moves KV-cache blocks in one direction: GPU -> CPU (``"d2h"``) or CPU -> GPU (``"h2d"``).
 
@@ -523,60 +448,32 @@ class SingleDirectionHandler:
         self,
         owner: CpuGpuHandlers,
         direction: str,
-        src_tables: list[BlockTable],
-        dst_tables: list[BlockTable],
+        tables: list[tuple[int, int]],
         wait_stream: Callable[[], int] | None,
         device_index: int | None,
         route: Route | None = None,
-        table_ids: tuple[int, int] | None = None,
     ) -> None:
         if direction not in _SHORT:
             raise ValueError(f"direction must be 'd2h' or 'h2d', not {direction!r}")
         self._owner = owner
         self.direction: Direction = "d2h" if direction == "d2h" else "h2d"
-        self._d2h = d2h = direction == "d2h"
-        self._ngroups = len(src_tables)
-        self._factor = f = owner.block_size_factor
-        self._arange = np.arange(f, dtype=_I64)
-        self._num_cpu = owner.num_cpu_blocks
-        gpu_tables = src_tables if d2h else dst_tables
-        self._num_gpu = [t.num_blocks for t in gpu_tables]
-        self._src_tables = src_tables
-        self._dst_tables = dst_tables
-        plans = [_make_plan(s, d) for s, d in zip(src_tables, dst_tables)]
-        self._plans: list[_Plan] | None = (
-            cast("list[_Plan]", plans) if all(p is not None for p in plans) else None
-        )
-        if self._plans is None and table_ids is None:
-            log.info(
-                "%s: the KV-cache tables' strides or K/V interleaving have no vectorised plan: "
-                "descriptors are built by blockswap.layout.build_transfer (more host time per "
-                "transfer)",
-                _SHORT[direction],
-            )
-        # Groups in the order of their lowest destination address (the whole batch ascends
-        # where the groups' memory does not interleave).
-        lo = [int(t.bases.min()) for t in dst_tables]
-        self._group_order = sorted(range(self._ngroups), key=lo.__getitem__)
-        sizes = {p.size for p in self._plans} if self._plans is not None else set()
-        self._uniform_size = sizes.pop() if len(sizes) == 1 else None
-        self._sizes_buf = _EMPTY
+        self._d2h = direction == "d2h"
+        self._ngroups = len(tables)
+        self._factor = owner.block_size_factor
+        # (GPU table, CPU table) per group in the core, which maps CPU block ids to sub-blocks,
+        # checks every id and writes the copies.
+        self._tables = tables
         self._wait_stream = wait_stream
         self._device_index = device_index
         #: The copy path of this direction (see :func:`choose_route`).
         self.route = route if route is not None else Route(0, None, "dma")
         self._kernel_below = self.route.kernel_below
         self._launcher = self.route.launcher
-        self._blocks = self.route.plan == "blocks" and table_ids is not None
+        self._blocks = self.route.plan == "blocks"
         self._closed = False
-        self._build = self._build1 if self._ngroups == 1 else self._build_groups
         core = owner.engine._core
-        # (source table, destination table) in the core, where the core expands block ids.
-        self._tables = table_ids
         # Hot paths bound straight to the core.
-        self._submit = core.submit
-        self._submit_blocks = core.submit_blocks
-        self._submit_block_runs = core.submit_block_runs
+        self._submit_groups = core.submit_groups
         self.get_finished = core.get_finished
         self._core_wait = core.wait
         self._core_stats = core.stats
@@ -594,7 +491,7 @@ class SingleDirectionHandler:
 
     # ---- the hot path ----------------------------------------------------------------------
 
-    def transfer_async(self, job_id: int, spec: Any) -> bool:
+    def transfer_async(self, job_id: int, spec: Any, *, block_indices: Any = None) -> bool:
         """Issues the transfer ``spec`` under ``job_id`` and returns ``True`` at once (it never
         waits on the GPU); its result comes from :meth:`get_finished`.
 
@@ -602,9 +499,15 @@ class SingleDirectionHandler:
         CPU then GPU block ids for CPU -> GPU, each a 1-D integer numpy array, list of ints,
         CPU integer tensor or an object with a ``block_ids`` attribute (vLLM's
         ``BlockIDsLoadStoreSpec``). With several KV-cache groups, each side is a sequence with one
-        such array per group. ``n`` GPU blocks take ``ceil(n / block_size_factor)`` CPU blocks,
-        mapped to sub-blocks as the module documents (offload: start-aligned, onload:
-        end-aligned). Source ids may repeat; destination ids may not.
+        such array per group (a group may be empty on both sides).
+
+        ``block_indices``: per group, the position of the group's first GPU block in its request
+        (vLLM's ``GPULoadStoreSpec.block_indices``); the transfer then starts ``block_indices[g] %
+        block_size_factor`` sub-blocks into the first CPU block, in both directions, and the
+        first and last CPU blocks may be partial. Without it, offloads start at the first CPU
+        block's start and onloads end at the last one's end (see the module's documentation).
+        ``n`` GPU blocks from sub-block ``skip`` take ``ceil((skip + n) / block_size_factor)``
+        CPU blocks. Source ids may repeat; destination ids may not.
 
         Every refusal raises a :class:`~blockswap.BlockswapError` and issues nothing, leaving
         earlier transfers unaffected: :class:`~blockswap.InvalidTransferError` for bad input
@@ -618,234 +521,73 @@ class SingleDirectionHandler:
             raise ShutdownError("the offloading handlers are shut down")
         if type(job_id) is not int or not 0 <= job_id < _JOB_END:
             job_id = _bad_job_id(job_id)
-        tables = self._tables
-        if tables is not None:
-            # One group: the core checks the ids against its tables (in range, distinct
-            # destinations) and writes the descriptors; only CPU sub-blocks are expanded here.
-            try:
-                src, dst = spec
-                s_ids, d_ids = self._ids(src, dst)
-            except (IndexError, ValueError, TypeError) as e:
-                raise InvalidTransferError(f"{self.direction} job {job_id}: {e}") from e
-            ws = self._wait_stream
-            prev = None if self._device_index is None else _get_device()
-            try:
-                if self._blocks:
-                    self._submit_block_runs(
-                        job_id,
-                        tables[0],
-                        s_ids,
-                        tables[1],
-                        d_ids,
-                        self.direction,
-                        None if ws is None else ws(),
-                    )
-                else:
-                    self._submit_blocks(
-                        job_id,
-                        tables[0],
-                        s_ids,
-                        tables[1],
-                        d_ids,
-                        self.direction,
-                        None if ws is None else ws(),
-                        self._kernel_below,
-                        self._launcher,
-                    )
-            except InvalidTransferError as e:
-                raise InvalidTransferError(f"{self.direction} job {job_id}: {e}") from e
-            finally:
-                if prev is not None and prev != self._device_index:
-                    _maybe_exchange_device(prev)
-            return True
         try:
             src, dst = spec
-            sp, dp, sz = self._build(src, dst)
+            groups = self._groups(src, dst, block_indices)
         except (IndexError, ValueError, TypeError) as e:
             raise InvalidTransferError(f"{self.direction} job {job_id}: {e}") from e
-        if sz.shape[0] == 0:
-            raise InvalidTransferError(
-                f"{self.direction} job {job_id}: empty transfer (no blocks in any group)"
-            )
-        if self._device_index is None:  # host backend
-            self._submit(
-                job_id, sp, dp, sz, self.direction, None, self._kernel_below, self._launcher
-            )
-            return True
-        # CUDA. The core makes the engine's device current on this thread: give torch its
-        # current device back where it differs (a handler on cuda:1 called under cuda:0).
-        prev = _get_device()
         ws = self._wait_stream
+        prev = None if self._device_index is None else _get_device()
         try:
-            self._submit(
+            self._submit_groups(
                 job_id,
-                sp,
-                dp,
-                sz,
+                groups,
                 self.direction,
                 None if ws is None else ws(),
                 self._kernel_below,
                 self._launcher,
+                self._blocks,
             )
+        except InvalidTransferError as e:
+            raise InvalidTransferError(f"{self.direction} job {job_id}: {e}") from e
         finally:
-            if prev != self._device_index:
+            # The core makes the engine's device current on this thread: give torch its current
+            # device back where it differs (a handler on cuda:1 called under cuda:0).
+            if prev is not None and prev != self._device_index:
                 _maybe_exchange_device(prev)
         return True
 
-    def _gpu_cpu(self, src: Any, dst: Any) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-        """(GPU ids, CPU sub-block ids) of one transfer: CPU block ids range-checked, then
-        expanded (offload start-aligned, onload end-aligned)."""
-        f = self._factor
-        d2h = self._d2h
-        gpu = _to_ids(src if d2h else dst, "GPU block ids")
-        cpu = _to_ids(dst if d2h else src, "CPU block ids")
-        n = gpu.shape[0]
-        m = cpu.shape[0]
-        if m != -(-n // f):
-            if f == 1:
-                raise ValueError(f"{n} GPU block ids but {m} CPU block ids")
-            raise ValueError(
-                f"{n} GPU blocks take ceil({n} / block_size_factor {f}) = {-(-n // f)} CPU "
-                f"blocks, got {m}"
-            )
-        if f != 1 and n:
-            # Range-check CPU ids before scaling them (no overflow into valid ids).
-            if _max(cpu.view(_U64)) >= self._num_cpu:
-                raise _range_error(cpu, self._num_cpu, "CPU block ids")
-            sub = (cpu[:, None] * f + self._arange).reshape(-1)
-            skip = 0 if d2h else -n % f
-            cpu = sub[skip : skip + n]
-        return gpu, cpu
-
-    def _ids(self, src: Any, dst: Any) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-        """(source ids, destination ids) for the core's block tables. Range and uniqueness checks
-        are the core's."""
-        gpu, cpu = self._gpu_cpu(src, dst)
-        return (gpu, cpu) if self._d2h else (cpu, gpu)
-
-    def _pairs(
-        self, g: int, src: Any, dst: Any
-    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-        """Validated (source ids, destination ids) of group ``g``, CPU ids expanded to sub-block
-        ids, in ascending destination order."""
-        f = self._factor
-        d2h = self._d2h
-        gpu, cpu = self._gpu_cpu(src, dst)
-        n = gpu.shape[0]
-        if n == 0:
-            return _EMPTY, _EMPTY
-        num_cpu = self._num_cpu * f
-        if d2h:
-            s, d, s_max, d_max, s_name = gpu, cpu, self._num_gpu[g], num_cpu, "GPU block ids"
-        else:
-            s, d, s_max, d_max, s_name = cpu, gpu, num_cpu, self._num_gpu[g], "CPU block ids"
-        if _max(s.view(_U64)) >= s_max:  # negative ids wrap to huge ones
-            raise _range_error(s, s_max, s_name)
-        if n > 1 and _count(d[1:] <= d[:-1]):  # not strictly ascending: sort
-            order = d.argsort()
-            d = d[order]
-            s = s[order]
-            if _count(d[1:] == d[:-1]):
-                x = int(d[1:][d[1:] == d[:-1]][0])
-                what = f"CPU block id {x // f}" if d2h else f"GPU block id {x}"
-                raise ValueError(f"{what} is a destination more than once")
-        if d[0] < 0 or d[-1] >= d_max:  # d is ascending
-            raise _range_error(d, d_max, "CPU block ids" if d2h else "GPU block ids")
-        return s, d
-
-    def _sizes(self, total: int, size: int) -> npt.NDArray[np.int64]:
-        buf = self._sizes_buf
-        if buf.shape[0] < total:
-            buf = np.full(max(total, 2 * buf.shape[0]), size, dtype=_I64)
-            buf.setflags(write=False)
-            self._sizes_buf = buf
-        return buf[:total]
-
-    def _fill(
-        self, p: _Plan, s: npt.NDArray[np.int64], d: npt.NDArray[np.int64], out: np.ndarray
-    ) -> None:
-        """Write group plan ``p``'s descriptors for ids ``s`` -> ``d`` into ``out[0]`` / ``out[1]``
-        (each of ``p.per_block * n`` elements)."""
-        n = s.shape[0]
-        c, _, k = p.src_bases.shape
-        if k == 1:
-            # Contiguous passes only (a broadcast add over short rows costs 3x): the ids' offsets
-            # copied into every row, plus the segment bases repeated n times (cached per n).
-            rep = p.rep.get(n)
-            if rep is None:
-                if len(p.rep) > 64:
-                    p.rep.clear()
-                rep = p.rep[n] = (
-                    np.repeat(p.src_bases.ravel(), n),
-                    np.repeat(p.dst_bases.ravel(), n),
-                )
-            o = out[0]
-            np.copyto(o.reshape(c, n), s * p.src_stride)
-            np.add(o, rep[0], out=o)
-            o = out[1]
-            np.copyto(o.reshape(c, n), d * p.dst_stride)
-            np.add(o, rep[1], out=o)
-        else:
-            np.add(p.src_bases, (s * p.src_stride)[:, None], out=out[0].reshape(c, n, k))
-            np.add(p.dst_bases, (d * p.dst_stride)[:, None], out=out[1].reshape(c, n, k))
-
-    def _build1(self, src: Any, dst: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        s, d = self._pairs(0, src, dst)
-        plans = self._plans
-        if plans is None:
-            return self._fallback([s], [d])
-        p = plans[0]
-        total = p.per_block * s.shape[0]
-        out = np.empty((2, total), dtype=_I64)
-        self._fill(p, s, d, out)
-        return out[0], out[1], self._sizes(total, p.size)
-
-    def _build_groups(self, src: Any, dst: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _groups(
+        self, src: Any, dst: Any, block_indices: Any
+    ) -> list[tuple[int, npt.NDArray[np.int64], int, npt.NDArray[np.int64], int]]:
+        """The core's ``(source table, ids, destination table, ids, skip)`` per group: ids as
+        int64 arrays (CPU ones still block ids: the core maps them to sub-blocks)."""
         ng = self._ngroups
-        src = list(getattr(src, "block_ids", src))
-        dst = list(getattr(dst, "block_ids", dst))
-        if len(src) != ng or len(dst) != ng:
-            raise ValueError(
-                f"this cache has {ng} KV-cache groups: each side of the spec must hold one "
-                f"block-id array per group, got {len(src)} and {len(dst)}"
-            )
-        pairs = []
-        for g in range(ng):
-            try:
-                pairs.append(self._pairs(g, src[g], dst[g]))
-            except (IndexError, ValueError, TypeError) as e:
-                raise type(e)(f"group {g}: {e}") from e
-        plans = self._plans
-        if plans is None:
-            return self._fallback([p[0] for p in pairs], [p[1] for p in pairs])
-        total = sum(plans[g].per_block * pairs[g][0].shape[0] for g in range(ng))
-        out = np.empty((2, total), dtype=_I64)
-        size = self._uniform_size
-        sz = self._sizes(total, size) if size is not None else np.empty(total, dtype=_I64)
-        lo = 0
-        for g in self._group_order:
-            s, d = pairs[g]
-            if s.shape[0] == 0:
-                continue
-            p = plans[g]
-            hi = lo + p.per_block * s.shape[0]
-            self._fill(p, s, d, out[:, lo:hi])
-            if size is None:
-                sz[lo:hi] = p.size
-            lo = hi
-        return out[0], out[1], sz
-
-    def _fallback(
-        self, s: list[npt.NDArray[np.int64]], d: list[npt.NDArray[np.int64]]
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Tables without a plan: the layout module's descriptors (ids already validated)."""
-        if not self._src_tables:  # shut down by another thread
-            raise ShutdownError("the offloading handlers are shut down")
-        if len(s) == 1:
-            t = build_transfer(self._src_tables[0], s[0], self._dst_tables[0], d[0])
+        if ng == 1:
+            srcs, dsts = [src], [dst]
         else:
-            t = build_group_transfer(self._src_tables, s, self._dst_tables, d)
-        return t.src_ptrs, t.dst_ptrs, t.sizes
+            srcs = list(getattr(src, "block_ids", src))
+            dsts = list(getattr(dst, "block_ids", dst))
+            if len(srcs) != ng or len(dsts) != ng:
+                raise ValueError(
+                    f"this cache has {ng} KV-cache groups: each side of the spec must hold one "
+                    f"block-id array per group, got {len(srcs)} and {len(dsts)}"
+                )
+        if block_indices is not None:
+            starts = _to_ids(block_indices, "block_indices")
+            if starts.shape[0] != ng:
+                raise ValueError(
+                    f"block_indices holds {starts.shape[0]} entries for {ng} KV-cache group(s)"
+                )
+            if ng and int(starts.min()) < 0:
+                raise ValueError(f"block_indices must be >= 0, got {int(starts.min())}")
+        f = self._factor
+        d2h = self._d2h
+        out = []
+        for g in range(ng):
+            where = f"group {g}: " if ng > 1 else ""
+            s = _to_ids(srcs[g], f"{where}{'GPU' if d2h else 'CPU'} block ids")
+            d = _to_ids(dsts[g], f"{where}{'CPU' if d2h else 'GPU'} block ids")
+            if block_indices is not None:
+                skip = int(starts[g]) % f
+            else:
+                skip = 0 if d2h else -d.shape[0] % f
+            gpu_table, cpu_table = self._tables[g]
+            if d2h:
+                out.append((gpu_table, s, cpu_table, d, skip))
+            else:
+                out.append((cpu_table, s, gpu_table, d, skip))
+        return out
 
     # ---- everything else ---------------------------------------------------------------------
 
@@ -1088,19 +830,21 @@ class CpuGpuHandlers:
                 for start, n in _union_spans(cpu_tables):
                     self.engine.register(start, n, "host")
                     self._registered.append(start)
-                # One group: the core expands block ids itself (see transfer_async), from
-                # tables it checked once against the memory registered above.
-                self._table_ids: tuple[int, int] | None = None
-                if ng == 1:
-                    core = self.engine._core
-                    gt, ct = gpu_tables[0], cpu_tables[0]
-                    self._table_ids = (
-                        core.register_table(
-                            gt.bases, gt.strides, gt.nbytes, gt.num_blocks, "device", "GPU", 1
-                        ),
-                        core.register_table(
-                            ct.bases, ct.strides, ct.nbytes, ct.num_blocks, "host", "CPU", f
-                        ),
+                # Per group, the GPU and the CPU table in the core, which maps block ids to
+                # copies (see transfer_async); checked once against the memory registered above.
+                # The CPU table counts sub-blocks, block_size_factor to a CPU block.
+                core = self.engine._core
+                self._table_ids: list[tuple[int, int]] = []
+                for gt, ct in zip(gpu_tables, cpu_tables):
+                    self._table_ids.append(
+                        (
+                            core.register_table(
+                                gt.bases, gt.strides, gt.nbytes, gt.num_blocks, "device", "GPU", 1
+                            ),
+                            core.register_table(
+                                ct.bases, ct.strides, ct.nbytes, ct.num_blocks, "host", "CPU", f
+                            ),
+                        )
                     )
             except BaseException:
                 self.engine.shutdown()
@@ -1136,46 +880,34 @@ class CpuGpuHandlers:
             for d in ("d2h", "h2d")
         }
         tids = self._table_ids
-        #: The block plan of each direction (:meth:`blockswap.Engine.block_runs`: one ``(first
-        #: page, pages, page bytes, source pitch, destination pitch)`` per 2-D copy of a block),
-        #: or None where the geometry gives none (several KV-cache groups included).
-        self.block_plans: dict[str, list[tuple[int, int, int, int, int]] | None] = {
-            "d2h": None,
-            "h2d": None,
+        #: The block plan of each direction, per KV-cache group (:meth:`blockswap.Engine.block_runs`:
+        #: one ``(first page, pages, page bytes, source pitch, destination pitch)`` per 2-D copy of
+        #: a block), None for a group whose geometry gives none.
+        self.block_plans: dict[str, list[list[tuple[int, int, int, int, int]] | None]] = {
+            "d2h": [self.engine.block_runs(gt, ct, "d2h") for gt, ct in tids],
+            "h2d": [self.engine.block_runs(ct, gt, "h2d") for gt, ct in tids],
         }
-        if tids is not None:
-            for d, (a, b) in (("d2h", tids), ("h2d", (tids[1], tids[0]))):
-                self.block_plans[d] = self.engine.block_runs(a, b, d)
         if path == "blocks" or (path == "auto" and self.cpu_chunks is not None):
             # The block plan, where the two sides' geometry gives one (see block_route). A CPU
             # cache laid out as a mirror of the GPU (the caller's, or cpu_layout="mirror") keeps
             # the page route by default: pitched copies into it measured 10-25 % slower below
             # 32 KiB pages than into a block-major cache (H100, 2026-11-23).
-            segments = len(gpu_tables[0].nbytes)
-            for d, runs in self.block_plans.items():
-                blk = block_route(runs, segments, d, insist=path == "blocks")
+            for d, plans in self.block_plans.items():
+                blk = _groups_block_route(plans, gpu_tables, cpu_tables, d, insist=path == "blocks")
                 if blk is not None:
                     self.routes[d] = blk
         for d, r in self.routes.items():
             log.info("%s route (path=%r): %s", _SHORT[d], path, r.reason)
         if path == "blocks" and any(r.plan != "blocks" for r in self.routes.values()):
             raise ValueError(
-                "path='blocks' needs one KV-cache group whose pages lie at one pitch on both "
-                f"sides; here: {self.routes['d2h'].reason}"
+                "path='blocks' needs KV-cache groups whose pages lie at one pitch on both sides, "
+                f"in memory no other group shares; here: {self.routes['d2h'].reason}"
             )
-        tids = self._table_ids
         self.gpu_to_cpu_handler = SingleDirectionHandler(
-            self, "d2h", gpu_tables, cpu_tables, wait_stream, device_index, self.routes["d2h"], tids
+            self, "d2h", tids, wait_stream, device_index, self.routes["d2h"]
         )
         self.cpu_to_gpu_handler = SingleDirectionHandler(
-            self,
-            "h2d",
-            cpu_tables,
-            gpu_tables,
-            None,
-            device_index,
-            self.routes["h2d"],
-            None if tids is None else (tids[1], tids[0]),
+            self, "h2d", tids, None, device_index, self.routes["h2d"]
         )
         self.get_finished = self.engine._core.get_finished
         self.calibration: dict[str, dict[str, Any]] | None = None
@@ -1314,7 +1046,7 @@ class CpuGpuHandlers:
                 ("dma", 0, None, False),
                 ("kernel", 1 << 62, launcher, False),
             ]
-            plan = self.block_plans[h.direction]
+            plan = self.block_plans[h.direction][0]
             if block_route(plan, len(self.gpu_tables[0].nbytes), h.direction, insist=True):
                 candidates.append(("blocks", 0, None, True))
             for name, below, launch, blocks in candidates:
@@ -1367,13 +1099,13 @@ class CpuGpuHandlers:
             failed: list[str] = []
             with _KeepDevice(self._device_index):
                 self.engine.shutdown()  # waits for every transfer in flight
-                if self._table_ids is not None:
-                    for tid in self._table_ids:
+                for pair in self._table_ids:
+                    for tid in pair:
                         try:
                             self.engine._core.unregister_table(tid)
                         except BlockswapError as e:
                             failed.append(str(e))
-                    self._table_ids = None
+                self._table_ids = []
                 for start in self._registered:
                     try:
                         self.engine.unregister(start)
@@ -1391,9 +1123,6 @@ class CpuGpuHandlers:
                     (self._gpu_caches, self._cpu_caches, self.gpu_tables, self.cpu_tables)
                 )
             self._registered = []
-            for h in self.handlers:
-                h._src_tables = h._dst_tables = []
-                h._plans = None
             self.gpu_tables = []
             self.cpu_tables = []
             self._gpu_caches = None
@@ -1420,17 +1149,28 @@ _leaked: list[Any] = []
 
 
 def store_sub_blocks(
-    cpu_block_ids: Any, num_gpu_blocks: int, block_size_factor: int
+    cpu_block_ids: Any,
+    num_gpu_blocks: int,
+    block_size_factor: int,
+    block_index: int | None = None,
 ) -> npt.NDArray[np.int64]:
     """The CPU sub-block ids a GPU -> CPU transfer of ``num_gpu_blocks`` blocks into
-    ``cpu_block_ids`` writes, in GPU-block order (start-aligned)."""
-    return expand_sub_blocks(cpu_block_ids, block_size_factor, 0, num_gpu_blocks)
+    ``cpu_block_ids`` writes, in GPU-block order: start-aligned, or from ``block_index %
+    block_size_factor`` (see the module's documentation)."""
+    f = block_size_factor
+    skip = 0 if block_index is None else block_index % f
+    return expand_sub_blocks(cpu_block_ids, f, skip, num_gpu_blocks)
 
 
 def load_sub_blocks(
-    cpu_block_ids: Any, num_gpu_blocks: int, block_size_factor: int
+    cpu_block_ids: Any,
+    num_gpu_blocks: int,
+    block_size_factor: int,
+    block_index: int | None = None,
 ) -> npt.NDArray[np.int64]:
     """The CPU sub-block ids a CPU -> GPU transfer of ``num_gpu_blocks`` blocks from
-    ``cpu_block_ids`` reads, in GPU-block order (end-aligned: ``skip = (-n) % f``)."""
+    ``cpu_block_ids`` reads, in GPU-block order: end-aligned (``skip = (-n) % f``), or from
+    ``block_index % block_size_factor``."""
     f = block_size_factor
-    return expand_sub_blocks(cpu_block_ids, f, -num_gpu_blocks % f, num_gpu_blocks)
+    skip = -num_gpu_blocks % f if block_index is None else block_index % f
+    return expand_sub_blocks(cpu_block_ids, f, skip, num_gpu_blocks)

@@ -1,30 +1,28 @@
-"""Per-block address tables for KV-cache tensors, and vectorised copy descriptors.
+"""Per-block address tables for KV-cache tensors, and the CPU caches that mirror them.
 
 Model
 -----
 Every supported KV-cache layout reduces to a list of *segments per block*: for block ``b``,
 segment ``s`` is ``nbytes[s]`` contiguous bytes starting at ``bases[s] + b * strides[s]``.
 A :class:`BlockTable` holds those three int64 arrays for one block-id space (one KV-cache group
-on one side, GPU or CPU). It is built once, when a handler is built, from the torch tensors;
-per transfer, :func:`build_transfer` turns two tables and two lists of block ids into the flat
-``(src_ptrs, dst_ptrs, sizes)`` int64 arrays the copy engine consumes, with numpy only.
+on one side, GPU or CPU). It is built once, when a handler is built, from the torch tensors,
+and handed to the engine (:meth:`blockswap.Engine.register_table`), which turns block ids into
+copies per transfer.
 
 Segments of one table are ordered tensor by tensor (in the order the tensors were given) and,
 inside a tensor, by the row-major index of the dims before the block dim (for ``kv_split``:
-K then V). Descriptors are ordered segment-major, block-minor: descriptor ``s * n + i`` copies
-segment ``s`` of ``src_blocks[i]`` to segment ``s`` of ``dst_blocks[i]``. So runs of consecutive
-block ids in both lists produce runs of byte-adjacent descriptors wherever the layout stores
-consecutive blocks back to back (``src_ptrs[k] + sizes[k] == src_ptrs[k + 1]``), which a
-coalescer can merge.
+K then V). The engine writes descriptors segment-major, block-minor, so runs of consecutive
+block ids in both lists give byte-adjacent descriptors wherever the layout stores consecutive
+blocks back to back, which it coalesces.
 
 CPU side and ``block_size_factor``
 ----------------------------------
 The offload (CPU) cache is allocated by :func:`make_cpu_cache_like` in the same layout as the
 GPU cache, with ``num_cpu_blocks * block_size_factor`` GPU-sized *sub-blocks* in its block dim:
 CPU block ``c`` is sub-blocks ``c * factor .. c * factor + factor - 1``. A CPU table built with
-:meth:`BlockTable.from_tensors` counts sub-blocks, and transfers address it with sub-block ids,
-which :func:`expand_sub_blocks` derives from CPU block ids (vLLM's semantics: expand, drop the
-first ``skip`` sub-blocks, take ``count``).
+:meth:`BlockTable.from_tensors` counts sub-blocks; the engine maps CPU block ids to them
+(:func:`expand_sub_blocks` shows the rule: expand, drop the first ``skip`` sub-blocks, take
+``count``). :func:`make_block_major_cpu_cache` lays each sub-block's pages out contiguously.
 """
 
 from __future__ import annotations
@@ -32,7 +30,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, NamedTuple, NoReturn, Union, cast
+from typing import Any, Literal, Union, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -44,7 +42,7 @@ try:
 except ModuleNotFoundError as e:
     _optional.missing(e, __name__)
 
-from ._core import BlockswapError
+from ._core import BlockswapError, InvalidTransferError, chunk_blocks
 
 __all__ = [
     "LAYOUTS",
@@ -52,9 +50,7 @@ __all__ = [
     "BlockTable",
     "Layout",
     "LayoutError",
-    "Transfer",
-    "build_group_transfer",
-    "build_transfer",
+    "as_block_ids",
     "expand_sub_blocks",
     "make_block_major_cpu_cache",
     "make_cpu_cache_like",
@@ -86,25 +82,6 @@ _I64_MAX = np.iinfo(np.int64).max
 
 class LayoutError(BlockswapError, ValueError):
     """A tensor does not fit the layout, or two tables cannot be copied between."""
-
-
-class Transfer(NamedTuple):
-    """Flat copy descriptors: copy ``sizes[k]`` bytes from ``src_ptrs[k]`` to ``dst_ptrs[k]``.
-
-    All three are 1-D C-contiguous int64 arrays of the same length.
-    """
-
-    src_ptrs: npt.NDArray[np.int64]
-    dst_ptrs: npt.NDArray[np.int64]
-    sizes: npt.NDArray[np.int64]
-
-    @property
-    def num_descriptors(self) -> int:
-        return int(self.sizes.shape[0])
-
-    @property
-    def total_bytes(self) -> int:
-        return int(self.sizes.sum())
 
 
 # --------------------------------------------------------------------------------------------
@@ -243,14 +220,7 @@ class BlockTable:
     num_blocks: int
     device: torch.device
     owners: tuple[torch.Tensor, ...] = field(default=(), repr=False)
-    # Precomputed for build_transfer (column views and a hashable compatibility key).
-    _bases_col: npt.NDArray[np.int64] = field(init=False, repr=False)
-    _strides_col: npt.NDArray[np.int64] = field(init=False, repr=False)
-    _nbytes_col: npt.NDArray[np.int64] = field(init=False, repr=False)
-    _nseg: int = field(init=False, repr=False)
-    _stride: int | None = field(init=False, repr=False)  # the stride if all are equal
-    _size: int | None = field(init=False, repr=False)  # the nbytes if all are equal
-    _key: bytes = field(init=False, repr=False)
+    _key: bytes = field(init=False, repr=False)  # pages per segment: compatibility
 
     def __post_init__(self) -> None:
         arrays = {}
@@ -279,13 +249,6 @@ class BlockTable:
         object.__setattr__(self, "num_blocks", int(self.num_blocks))
         object.__setattr__(self, "device", torch.device(self.device))
         object.__setattr__(self, "owners", tuple(self.owners))
-        object.__setattr__(self, "_bases_col", arrays["bases"][:, None])
-        object.__setattr__(self, "_strides_col", arrays["strides"][:, None])
-        object.__setattr__(self, "_nbytes_col", arrays["nbytes"][:, None])
-        object.__setattr__(self, "_nseg", n)
-        st, nb = arrays["strides"], arrays["nbytes"]
-        object.__setattr__(self, "_stride", int(st[0]) if (st == st[0]).all() else None)
-        object.__setattr__(self, "_size", int(nb[0]) if (nb == nb[0]).all() else None)
         object.__setattr__(self, "_key", arrays["nbytes"].tobytes())
 
     @classmethod
@@ -398,170 +361,39 @@ class BlockTable:
 # --------------------------------------------------------------------------------------------
 
 
-def _block_ids(
-    ids: BlockIds, num_blocks: int, name: str, unique: bool = False
-) -> npt.NDArray[np.int64]:
-    """Validate block ids and return them as a 1-D int64 array (no copy when already so)."""
-    a: npt.NDArray[Any]
-    if type(ids) is np.ndarray:
-        a = ids
-    elif isinstance(ids, np.ndarray):
-        a = np.asarray(ids)
-    elif isinstance(ids, torch.Tensor):
-        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
-            raise TypeError(f"{name} must hold integers, got torch dtype {ids.dtype}")
-        a = ids.detach().cpu().numpy()
+def as_block_ids(x: Any, name: str) -> npt.NDArray[np.int64]:
+    """One side's block ids as a 1-D C-contiguous int64 array (no copy where it already is one),
+    for the engine, which checks their range. Accepts integer numpy arrays, sequences of ints,
+    integer CPU tensors and objects with ``block_ids`` (vLLM's ``BlockIDsLoadStoreSpec``).
+    Raises ``TypeError`` for non-integers, ``ValueError`` for other than 1-D, ``IndexError`` for
+    unsigned ids beyond int64."""
+    if type(x) is np.ndarray:
+        a = x
     else:
-        a = np.asarray(ids)
-        if a.size == 0:
-            a = a.astype(_I64)
+        x = getattr(x, "block_ids", x)
+        if isinstance(x, torch.Tensor):
+            if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
+                raise TypeError(f"{name} must hold integers, got torch dtype {x.dtype}")
+            try:
+                a = x.detach().cpu().numpy()
+            except (RuntimeError, TypeError) as e:  # meta, sparse, nested tensors
+                raise TypeError(f"{name}: cannot read ids from this tensor ({e})") from None
+        else:
+            a = np.asarray(x)
+            if a.size == 0 and a.dtype.kind not in "iu":
+                a = a.astype(_I64)
     if a.dtype != _I64:
         kind = a.dtype.kind
         if kind != "i" and kind != "u":
             raise TypeError(f"{name} must hold integers, got dtype {a.dtype}")
-        if kind == "u" and a.size and a.max() > _I64_MAX:
-            raise IndexError(f"{name} holds block id {int(a.max())}, out of range")
+        if kind == "u" and a.size and int(a.max()) > _I64_MAX:
+            raise IndexError(f"{name} hold block id {int(a.max())}, out of range")
         a = a.astype(_I64)
     if a.ndim != 1:
         raise ValueError(f"{name} must be 1-D, got shape {a.shape}")
-    if unique and a.shape[0] > 1:
-        srt = np.sort(a)  # gives the range check for free
-        if srt[0] < 0 or srt[-1] >= num_blocks:
-            _range_error(a, num_blocks, name)
-        dup = srt[1:] == srt[:-1]
-        if dup.any():
-            raise ValueError(
-                f"{name} holds block id {int(srt[1:][dup][0])} more than once; destinations "
-                "must be unique"
-            )
-    # One pass: as uint64, negative ids wrap to huge values, so `max < num_blocks` checks both.
-    elif a.shape[0] and a.view(np.uint64).max() >= num_blocks:
-        _range_error(a, num_blocks, name)
+    if not a.flags.c_contiguous:  # a strided view: the core reads ids in place
+        a = np.ascontiguousarray(a)
     return cast("npt.NDArray[np.int64]", a)
-
-
-def _range_error(a: npt.NDArray[Any], num_blocks: int, name: str) -> NoReturn:
-    lo = int(a.min())
-    if lo < 0:
-        raise IndexError(f"{name} holds a negative block id ({lo})")
-    raise IndexError(f"{name} holds block id {int(a.max())}, out of range for {num_blocks} blocks")
-
-
-def _prepare(
-    src: BlockTable,
-    src_blocks: BlockIds,
-    dst: BlockTable,
-    dst_blocks: BlockIds,
-    check_unique_dst: bool,
-) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-    if src._key != dst._key:
-        src.check_compatible(dst)
-    s = _block_ids(src_blocks, src.num_blocks, "src_blocks")
-    d = _block_ids(dst_blocks, dst.num_blocks, "dst_blocks", check_unique_dst)
-    if s.shape[0] != d.shape[0]:
-        raise ValueError(
-            f"src_blocks and dst_blocks differ in length ({s.shape[0]} vs {d.shape[0]})"
-        )
-    return s, d
-
-
-def _fill(
-    out: npt.NDArray[np.int64],
-    lo: int,
-    src: BlockTable,
-    s: npt.NDArray[np.int64],
-    dst: BlockTable,
-    d: npt.NDArray[np.int64],
-) -> int:
-    """Write the descriptors of one group into ``out[:, lo:]``; return the new offset."""
-    n = s.shape[0]
-    hi = lo + src._nseg * n
-    if n == 0:
-        return hi
-    shape = (src._nseg, n)
-    # ptr[seg, i] = base[seg] + stride[seg] * id[i]. A broadcast copy of the (1, n) row plus an
-    # in-place add of the (S, 1) column is the cheapest form of this outer sum in numpy.
-    p = out[0, lo:hi].reshape(shape)
-    if src._stride is not None:
-        p[...] = s * src._stride
-    else:
-        np.multiply(src._strides_col, s, out=p)
-    p += src._bases_col
-    p = out[1, lo:hi].reshape(shape)
-    if dst._stride is not None:
-        p[...] = d * dst._stride
-    else:
-        np.multiply(dst._strides_col, d, out=p)
-    p += dst._bases_col
-    if src._size is not None:
-        out[2, lo:hi].fill(src._size)
-    else:
-        out[2, lo:hi].reshape(shape)[...] = src._nbytes_col
-    return hi
-
-
-def build_transfer(
-    src: BlockTable,
-    src_blocks: BlockIds,
-    dst: BlockTable,
-    dst_blocks: BlockIds,
-    *,
-    check_unique_dst: bool = True,
-) -> Transfer:
-    """Descriptors copying block ``src_blocks[i]`` of ``src`` to ``dst_blocks[i]`` of ``dst``.
-
-    Descriptor ``s * n + i`` (``n = len(src_blocks)``) copies segment ``s`` of block
-    ``src_blocks[i]``: segment-major, block-minor, so consecutive ids give byte-adjacent
-    descriptors where the layout stores consecutive blocks back to back.
-
-    For a CPU table built over ``block_size_factor`` sub-blocks per CPU block, pass sub-block
-    ids (see :func:`expand_sub_blocks`).
-
-    Raises :class:`LayoutError` if the tables are incompatible, ``TypeError`` for non-integer
-    ids, ``ValueError`` for non-1-D ids, a length mismatch or (with ``check_unique_dst``)
-    repeated destinations, ``IndexError`` for ids out of ``[0, num_blocks)``. Nothing is built
-    before validation passes.
-    """
-    s, d = _prepare(src, src_blocks, dst, dst_blocks, check_unique_dst)
-    out = np.empty((3, src.bases.shape[0] * s.shape[0]), dtype=_I64)
-    _fill(out, 0, src, s, dst, d)
-    return Transfer(out[0], out[1], out[2])
-
-
-def build_group_transfer(
-    src: Sequence[BlockTable],
-    src_blocks: Sequence[BlockIds],
-    dst: Sequence[BlockTable],
-    dst_blocks: Sequence[BlockIds],
-    *,
-    check_unique_dst: bool = True,
-) -> Transfer:
-    """One flat batch over several KV-cache groups (hybrid models), block ids per group.
-
-    Group ``g`` copies ``src_blocks[g]`` of ``src[g]`` to ``dst_blocks[g]`` of ``dst[g]``; the
-    result is the concatenation, in group order, of what :func:`build_transfer` would return
-    per group (a group with no blocks contributes nothing). All groups are validated first.
-    """
-    ng = len(src)
-    if not (len(src_blocks) == ng and len(dst) == ng and len(dst_blocks) == ng):
-        raise ValueError(
-            "src, src_blocks, dst and dst_blocks must have one entry per group, got lengths "
-            f"{[len(src), len(src_blocks), len(dst), len(dst_blocks)]}"
-        )
-    ids = []
-    total = 0
-    for g in range(ng):
-        try:
-            s, d = _prepare(src[g], src_blocks[g], dst[g], dst_blocks[g], check_unique_dst)
-        except (ValueError, TypeError, IndexError) as e:
-            raise type(e)(f"group {g}: {e}") from e
-        ids.append((s, d))
-        total += src[g].bases.shape[0] * s.shape[0]
-    out = np.empty((3, total), dtype=_I64)
-    lo = 0
-    for g, (s, d) in enumerate(ids):
-        lo = _fill(out, lo, src[g], s, dst[g], d)
-    return Transfer(out[0], out[1], out[2])
 
 
 def expand_sub_blocks(
@@ -570,48 +402,38 @@ def expand_sub_blocks(
     skip: int = 0,
     count: int | None = None,
 ) -> npt.NDArray[np.int64]:
-    """Sub-block ids of CPU blocks holding ``factor`` GPU-sized sub-blocks each.
+    """Sub-block ids of CPU blocks holding ``factor`` GPU-sized sub-blocks each: the engine's
+    rule for a transfer that names CPU blocks (:func:`blockswap._core.chunk_blocks`).
 
-    Expands each id ``c`` to ``c * factor + arange(factor)``, drops the first ``skip``
-    (``0 <= skip < factor``) and keeps the next ``count`` (default: all the rest). Every given
-    block must be used: the kept run must reach into the last block. For example
-    ``expand_sub_blocks([0, 1, 3], 4, skip=1, count=9)`` is ``[1, 2, 3, 4, 5, 6, 7, 12, 13]``.
+    The ``count`` sub-blocks (default: all after ``skip``) that follow the first ``skip``
+    (``0 <= skip < factor``) of the given blocks expanded in order, ``c -> c * factor +
+    arange(factor)``. Every given block must be used: ``len(block_ids)`` must be
+    ``ceil((skip + count) / factor)``. For example ``expand_sub_blocks([0, 1, 3], 4, skip=1,
+    count=9)`` is ``[1, 2, 3, 4, 5, 6, 7, 12, 13]``.
 
     vLLM's semantics: a store of ``n`` GPU blocks writes sub-blocks starting ``skip`` into the
-    first CPU block (``count=n``); its loads align the run to the end of the last CPU block,
-    i.e. ``skip = len(block_ids) * factor - n`` (``(-n) % factor`` when ``len(block_ids)`` is
-    ``ceil(n / factor)``).
+    first CPU block (``count=n``); its loads align the run to the end of the last CPU block
+    (``skip = (-n) % factor``), or, given the first block's position in the request (vLLM 0.33's
+    ``block_indices``), both start ``block_index % factor`` into the first CPU block.
     """
-    if isinstance(factor, bool) or not isinstance(factor, (int, np.integer)) or factor < 1:
+    for name, v in (("factor", factor), ("skip", skip), ("count", count)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer))):
+            raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+    if factor < 1:
         raise ValueError(f"factor must be an int >= 1, got {factor!r}")
-    if isinstance(skip, bool) or not isinstance(skip, (int, np.integer)):
-        raise TypeError(f"skip must be an int, got {type(skip).__name__}")
     if not 0 <= skip < factor:
         raise ValueError(f"skip must be in [0, factor={factor}), got {skip}")
-    ids = _block_ids(block_ids, _I64_MAX // factor, "block_ids")
-    avail = ids.shape[0] * factor - skip
-    if ids.shape[0] == 0:
-        avail = 0
-        if skip:
-            raise ValueError("skip must be 0 when no blocks are given")
+    ids = as_block_ids(block_ids, "block_ids")
     if count is None:
-        count = avail
-    if isinstance(count, bool) or not isinstance(count, (int, np.integer)):
-        raise TypeError(f"count must be an int, got {type(count).__name__}")
-    if not 0 <= count <= avail:
-        raise ValueError(
-            f"count {count} out of range: {ids.shape[0]} blocks x factor {factor} minus skip "
-            f"{skip} hold {avail} sub-blocks"
-        )
-    if ids.shape[0] and (count == 0 or avail - count >= factor):
-        raise ValueError(
-            f"{ids.shape[0]} blocks given but the {count} sub-blocks after skip {skip} leave the "
-            "last block unused"
-        )
-    if factor == 1:
-        return ids.copy()
-    sub = (ids[:, None] * factor + np.arange(factor, dtype=_I64)).reshape(-1)
-    return sub[skip : skip + count]
+        count = max(ids.shape[0] * factor - skip, 0)
+    if count < 0:
+        raise ValueError(f"count must be >= 0, got {count}")
+    try:
+        return chunk_blocks(ids, int(factor), int(count), int(skip))
+    except InvalidTransferError as e:
+        raise (IndexError if "out of range" in str(e) or "negative" in str(e) else ValueError)(
+            str(e)
+        ) from None
 
 
 # --------------------------------------------------------------------------------------------
