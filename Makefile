@@ -9,6 +9,9 @@ PY := $(VENV)/bin/python
 TORCH_INDEX ?=
 TORCH_SPEC ?= torch>=2.4
 TRITON_SPEC ?= triton>=3.0
+# The vLLM the plug-in's tests run against (tests/test_vllm.py): its Python sources, without its
+# dependencies (they pin another torch), and msgspec, which its offloading types import.
+VLLM_SPEC ?= vllm==0.33.0
 
 .PHONY: setup develop test test-rust test-python lint fmt run bench bench-rust wheel clean
 
@@ -22,6 +25,7 @@ $(VENV)/.setup-done: pyproject.toml Makefile
 	  $(PY) -m pip install -q --index-url "$(TORCH_INDEX)" "$(TORCH_SPEC)" || $(PY) -m pip install -q "$(TORCH_SPEC)"; \
 	else $(PY) -m pip install -q "$(TORCH_SPEC)"; fi
 	$(PY) -m pip install -q "$(TRITON_SPEC)"
+	$(PY) -m pip install -q --no-deps "$(VLLM_SPEC)" msgspec
 	touch $@
 
 # Builds the extension (release) into the virtual environment.

@@ -71,8 +71,9 @@ order on their own stream, so the two directions overlap. A GPU -> CPU transfer 
 issued on the current torch stream of the handlers' device *before* ``transfer_async`` was called
 (``wait_stream=torch.cuda.current_stream(device)``), so the bytes offloaded are those the model
 wrote; ``transfer_async`` itself never waits on the GPU. CPU -> GPU transfers do not wait for the
-compute stream: as in vLLM, the connector consumes their blocks only after ``get_finished``
-reported them. The engine runs on the tensors' device whatever torch's current device is, and
+compute stream unless ``load_waits_for_compute=True`` (vLLM 0.33 asks it: a load must not overtake
+zeroing of its destination blocks still queued on the compute stream); the connector consumes
+their blocks only after ``get_finished`` reported them. The engine runs on the tensors' device whatever torch's current device is, and
 calls leave torch's current device as they found it.
 
 ``import blockswap`` does not import this module (torch is optional): import
@@ -627,7 +628,8 @@ class CpuGpuHandlers:
 
     ``layout``: the layout name of :mod:`blockswap.layout` (``"kv_split"``, ``"kv_fused"``,
     ``"cross_layer"``, ``"mla"``), one for all groups or one per group. The layers of one group
-    must share one shape and dtype; any dtype works (bytes are bytes), pages may be padded.
+    must share one shape and dtype where the CPU cache is allocated here (with ``cpu_caches``
+    given, only their number of blocks); any dtype works (bytes are bytes), pages may be padded.
 
     ``cpu_caches``: the CPU cache, in the structure of ``gpu_caches``; by default it is allocated
     here (:func:`~blockswap.layout.make_cpu_cache_like`, page-locked on CUDA) and freed by
@@ -648,6 +650,10 @@ class CpuGpuHandlers:
     and why). ``kernel_launch_bytes`` bounds what one launch of the copy kernel moves, and so how
     long it holds its SMs from the model (:data:`KERNEL_LAUNCH_BYTES`; ``None``: one launch per
     transfer, the most bandwidth).
+
+    ``load_waits_for_compute``: CPU -> GPU transfers also wait for the work issued on the current
+    torch stream before ``transfer_async`` (as GPU -> CPU ones always do): vLLM 0.33's rule, for
+    loads into blocks a kernel may still be writing (zeroing). Off by default.
 
     ``engine_options``: more options of :class:`~blockswap.Engine` (``max_in_flight``,
     ``pool_bytes``, ``copy_path``, ``timing``, ...).
@@ -673,6 +679,7 @@ class CpuGpuHandlers:
         kernel_launch_bytes: int | None = KERNEL_LAUNCH_BYTES,
         calibrate: bool = False,
         cpu_layout: str = "block_major",
+        load_waits_for_compute: bool = False,
         **engine_options: Any,
     ) -> None:
         self._lock = threading.Lock()
@@ -680,6 +687,10 @@ class CpuGpuHandlers:
             raise ValueError(f"path must be 'auto', 'blocks', 'dma' or 'kernel', not {path!r}")
         self._shut = False
         _check_positive_int("num_cpu_blocks", num_cpu_blocks)
+        if not isinstance(load_waits_for_compute, bool):
+            raise TypeError(
+                f"load_waits_for_compute must be a bool, not {type(load_waits_for_compute).__name__}"
+            )
         _check_positive_int("block_size_factor", block_size_factor)
         for key in ("device", "h2d_stream", "d2h_stream"):
             if key in engine_options:
@@ -723,10 +734,11 @@ class CpuGpuHandlers:
         self.device = device
         self.backend = backend
 
-        # GPU tables (validate layouts and uniform layers).
+        # GPU tables (validate layouts; layers of one shape where the CPU cache is made here).
         gpu_tables = []
         for g, (ts, lay) in enumerate(zip(gpu_groups, layouts)):
-            _check_group_uniform(ts, g, "gpu_caches")
+            if cpu_caches is None:
+                _check_group_uniform(ts, g, "gpu_caches")
             try:
                 gpu_tables.append(BlockTable.from_tensors(ts, lay))
             except (LayoutError, TypeError) as e:
@@ -907,7 +919,12 @@ class CpuGpuHandlers:
             self, "d2h", tids, wait_stream, device_index, self.routes["d2h"]
         )
         self.cpu_to_gpu_handler = SingleDirectionHandler(
-            self, "h2d", tids, None, device_index, self.routes["h2d"]
+            self,
+            "h2d",
+            tids,
+            wait_stream if load_waits_for_compute else None,
+            device_index,
+            self.routes["h2d"],
         )
         self.get_finished = self.engine._core.get_finished
         self.calibration: dict[str, dict[str, Any]] | None = None
