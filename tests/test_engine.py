@@ -356,3 +356,26 @@ def test_an_engine_collected_after_a_timed_out_shutdown_keeps_its_registered_obj
             assert alive() is None
     finally:
         engine_module._ABANDONED.clear()
+
+
+def test_submit_groups_refuses_malformed_groups_by_name() -> None:
+    """Engine.submit_groups: a group that is not a 5-tuple, a negative skip, float ids, and a
+    wrong chunk count are typed errors naming the problem; nothing is issued."""
+    src = np.zeros(4096, np.uint8)
+    dst = np.zeros(4096, np.uint8)
+    with blockswap.Engine("host") as eng:
+        eng.register(src, kind="host")
+        eng.register(dst, kind="device")
+        cpu = eng.register_table([src.ctypes.data], [64], [64], 16, "host", "CPU", 4)
+        gpu = eng.register_table([dst.ctypes.data], [64], [64], 16, "device", "GPU", 1)
+        with pytest.raises(blockswap.InvalidTransferError, match=r"groups\[0\] must be"):
+            eng.submit_groups(1, [(cpu, [0], gpu)], "h2d")
+        with pytest.raises(blockswap.InvalidTransferError, match="skip"):
+            eng.submit_groups(1, [(cpu, [0], gpu, [0], -1)], "h2d")
+        with pytest.raises(blockswap.InvalidTransferError, match="must hold integers"):
+            eng.submit_groups(1, [(cpu, [0.5], gpu, [0], 0)], "h2d")
+        with pytest.raises(blockswap.InvalidTransferError, match=r"= 1 CPU block ids .* got 2"):
+            eng.submit_groups(1, [(cpu, [0, 1], gpu, [0, 1], 0)], "h2d")
+        eng.submit_groups(2, [(cpu, [1, 2], gpu, [0, 1], 3)], "h2d")  # sub-blocks 7, 8
+        eng.wait([2])
+        assert [(r.job_id, r.success, r.bytes) for r in eng.get_finished()] == [(2, True, 128)]
