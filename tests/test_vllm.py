@@ -1,5 +1,5 @@
 """The vLLM plug-in's worker against vLLM's own types (``vllm.v1.kv_offload.base``), on the host
-backend: CPU tensors stand in for the GPU KV cache. Every byte is checked against a reference of
+backend (CPU tensors stand in for the GPU KV cache) and, marked ``cuda``, on the GPU. Every byte is checked against a reference of
 vLLM's block mapping (its ``compute_sub_block_ptrs``: sub-block ``j`` of chunk ``c`` is GPU-block
 slot ``c * blocks_per_chunk + j``; per group, ``block_indices[g] % blocks_per_chunk`` sub-blocks
 of the first chunk are skipped in both directions)."""
@@ -32,6 +32,12 @@ from blockswap.vllm import BlockswapOffloadingWorker  # noqa: E402
 BPC = 4  # GPU blocks per CPU chunk
 N_GPU = 24
 N_CHUNKS = 10
+#: Where the "GPU" KV cache lives, and the backend that moves it.
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+def backend_of(device: str) -> str:
+    return "host" if device == "cpu" else "cuda"
 
 
 class CPULoadStoreSpec:
@@ -42,14 +48,17 @@ class CPULoadStoreSpec:
         self.block_ids = np.array(block_ids, dtype=np.int32)
 
 
-def caches(seed: int = 0) -> tuple[CanonicalKVCaches, list[torch.Tensor]]:
+def caches(seed: int = 0, device: str = "cpu") -> tuple[CanonicalKVCaches, list[torch.Tensor]]:
     """Three tensors: two per-layer tensors of 256-byte rows whose pages are 192 bytes (padded),
     and one of 1,024-byte rows. Group 0 uses tensors 0 and 1; group 1 tensor 2 (a cross-layer
     page) and, like a hybrid model's shared tensor, tensor 1 again with a 128-byte page; group 2
     has no layer (an attention-free group)."""
     gen = torch.Generator().manual_seed(seed)
     rows = [256, 256, 1024]
-    ts = [torch.randint(-128, 128, (N_GPU, r), dtype=torch.int8, generator=gen) for r in rows]
+    ts = [
+        torch.randint(-128, 128, (N_GPU, r), dtype=torch.int8, generator=gen).to(device)
+        for r in rows
+    ]
     kv = CanonicalKVCaches(
         tensors=[CanonicalKVCacheTensor(t, r) for t, r in zip(ts, rows)],
         group_data_refs=[
@@ -107,14 +116,19 @@ def per_group(ids: list[list[int]], chunks: list[int], starts: list[int]) -> lis
     return out
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@pytest.mark.parametrize("device", DEVICES)
+@settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 @given(t=transfer(), expedited=st.booleans())
 def test_store_then_load_moves_vllms_sub_blocks(
-    t: tuple[list[list[int]], list[int], list[int]], expedited: bool
+    device: str, t: tuple[list[list[int]], list[int], list[int]], expedited: bool
 ) -> None:
     ids, chunks, starts = t
-    kv, ts = caches()
-    w = BlockswapOffloadingWorker(kv, BPC, N_CHUNKS, backend="host")
+    kv, ts = caches(device=device)
+    w = BlockswapOffloadingWorker(kv, BPC, N_CHUNKS, backend=backend_of(device))
     try:
         before = [x.clone() for x in ts]
         assert w.submit_store(1, spec_of(ids, starts), CPULoadStoreSpec(chunks)) is True
@@ -126,7 +140,8 @@ def test_store_then_load_moves_vllms_sub_blocks(
         for g, refs in enumerate(PAGES):
             for tensor, page in refs:
                 for b, sub in zip(ids[g], subs[g]):
-                    assert torch.equal(stored(w, tensor, page, sub), before[tensor][b, :page])
+                    want = before[tensor][b, :page].cpu()
+                    assert torch.equal(stored(w, tensor, page, sub), want)
 
         # Load them back into other blocks (the model's blocks cleared first).
         taken = {b for g in ids for b in g}
@@ -161,9 +176,12 @@ def test_store_then_load_moves_vllms_sub_blocks(
         w.shutdown()
 
 
-def test_a_bad_spec_is_a_false_return_not_an_exception(caplog: pytest.LogCaptureFixture) -> None:
-    kv, _ = caches()
-    w = BlockswapOffloadingWorker(kv, BPC, N_CHUNKS, backend="host")
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_bad_spec_is_a_false_return_not_an_exception(
+    device: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    kv, _ = caches(device=device)
+    w = BlockswapOffloadingWorker(kv, BPC, N_CHUNKS, backend=backend_of(device))
     try:
         good = spec_of([[0, 1], [2], []], [0, 0, 0])
         cases: list[tuple[Any, Any]] = [
@@ -223,3 +241,310 @@ def test_without_vllm_the_import_names_the_install_command() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert "pip install 'vllm>=0.33'" in out.stdout
+
+
+# ---- vLLM's own worker tests (tests/v1/kv_offload/cpu/test_gpu_worker.py), ported ---------------
+
+
+def sub_block_of(w: BlockswapOffloadingWorker, group: int, ref: int, sub: int) -> torch.Tensor:
+    """The CPU cache's copy of the page of ``group``'s ``ref``-th tensor in sub-block ``sub``
+    (every tensor of these tests appears once per group)."""
+    hg = w._groups[group]
+    assert hg is not None
+    return w.handlers[0].cpu_caches[hg][ref][sub, 0]  # type: ignore[index]
+
+
+def run(
+    w: BlockswapOffloadingWorker, kv: CanonicalKVCaches, job: int, store: bool, gpu: Any, cpu: Any
+) -> None:
+    """One store or load, waited for; its result is checked against the spec."""
+    ok = w.submit_store(job, gpu, cpu) if store else w.submit_load(job, cpu, gpu)
+    assert ok is True
+    w.wait({job})
+    (r,) = w.get_finished()
+    assert (r.job_id, r.success) == (job, True)
+    assert r.transfer_size == sum(
+        n * sum(ref.page_size_bytes for ref in refs)
+        for n, refs in zip(gpu.group_sizes, kv.group_data_refs)
+    )
+    assert r.transfer_time >= 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("gpu_to_cpu", [True, False])
+@pytest.mark.parametrize("page", [512, 1024])
+@pytest.mark.parametrize("bpc", [1, 3])
+def test_vllm_transfer(device: str, gpu_to_cpu: bool, page: int, bpc: int) -> None:
+    """vLLM's ``test_transfer``: 4 tensors of one group, 3 chunks of ``bpc`` blocks, the first
+    ``bpc - 1`` sub-blocks skipped (reading or writing from the middle of a CPU chunk)."""
+    gen = torch.Generator().manual_seed(page * 10 + bpc)
+    n_gpu, n_cpu, n_tensors, n_map = 64, 256, 4, 3
+    ts = [
+        torch.randint(-128, 128, (n_gpu, page), dtype=torch.int8, generator=gen).to(device)
+        for _ in range(n_tensors)
+    ]
+    kv = CanonicalKVCaches(
+        tensors=[CanonicalKVCacheTensor(t, page) for t in ts],
+        group_data_refs=[[CanonicalKVCacheRef(i, page) for i in range(n_tensors)]],
+    )
+    w = BlockswapOffloadingWorker(kv, bpc, n_cpu, backend=backend_of(device))
+    try:
+        perm = torch.randperm(n_gpu, generator=gen).tolist()
+        gpu_blocks = perm[: n_map * bpc]
+        cpu_blocks = torch.randperm(n_cpu, generator=gen)[:n_map].tolist()
+        expanded = [c * bpc + j for c in cpu_blocks for j in range(bpc)]
+        skip = bpc - 1
+        gpu_blocks, expanded = gpu_blocks[skip:], expanded[skip:]
+        spec = GPULoadStoreSpec(gpu_blocks, group_sizes=(len(gpu_blocks),), block_indices=(skip,))
+        cpu = w.handlers[0].cpu_caches[0]
+        # The CPU cache holds random bytes too, so a copy that lands nowhere would show.
+        for layer in cpu:  # type: ignore[union-attr]
+            layer.copy_(torch.randint(-128, 128, layer.shape, dtype=torch.int8, generator=gen))
+        cpu_before = [x.clone() for x in cpu]  # type: ignore[union-attr]
+        gpu_before = [t.clone() for t in ts]
+        run(w, kv, 1, gpu_to_cpu, spec, CPULoadStoreSpec(cpu_blocks))
+        if gpu_to_cpu:
+            dst_to_src = dict(zip(expanded, gpu_blocks))
+            for i in range(n_tensors):
+                assert torch.equal(ts[i], gpu_before[i])  # the source is untouched
+                for sub in range(n_cpu * bpc):
+                    src = dst_to_src.get(sub)
+                    want = gpu_before[i][src].cpu() if src is not None else cpu_before[i][sub, 0]
+                    assert torch.equal(sub_block_of(w, 0, i, sub), want), (i, sub)
+        else:
+            dst_to_src = dict(zip(gpu_blocks, expanded))
+            for i in range(n_tensors):
+                assert torch.equal(cpu[i], cpu_before[i])  # type: ignore[index]
+                got = ts[i].cpu()
+                for b in range(n_gpu):
+                    src = dst_to_src.get(b)
+                    want = cpu_before[i][src, 0] if src is not None else gpu_before[i][b].cpu()
+                    assert torch.equal(got[b], want), (i, b)
+    finally:
+        w.shutdown()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("gpu_to_cpu", [True, False])
+@pytest.mark.parametrize("page", [512, 1024])
+@pytest.mark.parametrize("bpc", [1, 3])
+def test_vllm_transfer_multi_group(device: str, gpu_to_cpu: bool, page: int, bpc: int) -> None:
+    """vLLM's ``test_transfer_multi_group``: three groups of two tensors; group 0 aligned,
+    group 1 empty, group 2 offset at both ends (its first and last chunk partial)."""
+    gen = torch.Generator().manual_seed(page + bpc)
+    n_gpu, n_cpu, per_group, n_map = 64, 256, 2, 2
+    ts = [
+        torch.randint(-128, 128, (n_gpu, page), dtype=torch.int8, generator=gen).to(device)
+        for _ in range(3 * per_group)
+    ]
+    kv = CanonicalKVCaches(
+        tensors=[CanonicalKVCacheTensor(t, page) for t in ts],
+        group_data_refs=[
+            [CanonicalKVCacheRef(g * per_group + i, page) for i in range(per_group)]
+            for g in range(3)
+        ],
+    )
+    w = BlockswapOffloadingWorker(kv, bpc, n_cpu, backend=backend_of(device))
+    try:
+        sizes = [n_map, 0, n_map]  # in chunks
+        gpu_all = torch.randperm(n_gpu, generator=gen)[: sum(sizes) * bpc].tolist()
+        cpu_all = torch.randperm(n_cpu, generator=gen)[: sum(sizes)].tolist()
+        gpu_g, cpu_g, o, c = [], [], 0, 0
+        for n in sizes:
+            gpu_g.append(gpu_all[o : o + n * bpc])
+            cpu_g.append(cpu_all[c : c + n])
+            o, c = o + n * bpc, c + n
+        exp_g = [[x * bpc + j for x in cs for j in range(bpc)] for cs in cpu_g]
+        skip = bpc - 1
+        if skip:
+            gpu_g[2], exp_g[2] = gpu_g[2][skip:-skip], exp_g[2][skip:-skip]
+        spec = GPULoadStoreSpec(
+            [b for g in gpu_g for b in g], [len(g) for g in gpu_g], [0, 0, skip]
+        )
+        cpu_spec = CPULoadStoreSpec([x for cs in cpu_g for x in cs])
+        cpu_views = {
+            (g, i): w.handlers[0].cpu_caches[hg][i]  # type: ignore[index]
+            for g, hg in enumerate(w._groups)
+            if hg is not None
+            for i in range(per_group)
+        }
+        for v in cpu_views.values():
+            v.copy_(torch.randint(-128, 128, v.shape, dtype=torch.int8, generator=gen))
+        cpu_before = {k: v.clone() for k, v in cpu_views.items()}
+        gpu_before = [t.clone() for t in ts]
+        run(w, kv, 1, gpu_to_cpu, spec, cpu_spec)
+        for g in (0, 2):
+            for i in range(per_group):
+                t = g * per_group + i
+                if gpu_to_cpu:
+                    m = dict(zip(exp_g[g], gpu_g[g]))
+                    for sub in range(n_cpu * bpc):
+                        src = m.get(sub)
+                        want = (
+                            gpu_before[t][src].cpu()
+                            if src is not None
+                            else cpu_before[g, i][sub, 0]
+                        )
+                        assert torch.equal(cpu_views[g, i][sub, 0], want), (g, i, sub)
+                else:
+                    m = dict(zip(gpu_g[g], exp_g[g]))
+                    got = ts[t].cpu()
+                    for b in range(n_gpu):
+                        src = m.get(b)
+                        want = (
+                            cpu_before[g, i][src, 0] if src is not None else gpu_before[t][b].cpu()
+                        )
+                        assert torch.equal(got[b], want), (g, i, b)
+        # Group 1 (no block in this transfer) is untouched on both sides.
+        for i in range(per_group):
+            assert torch.equal(ts[per_group + i], gpu_before[per_group + i])
+            assert torch.equal(cpu_views[1, i], cpu_before[1, i])
+    finally:
+        w.shutdown()
+
+
+# ---- GPU only: ordering against the compute stream, real models' caches ----------------------
+
+
+@pytest.mark.cuda
+def test_load_waits_for_pending_compute_stream_writes() -> None:
+    """vLLM's test of the same name: a load lands after the writes already queued on the compute
+    stream to its GPU blocks (a delayed zeroing of freshly allocated blocks), not before them."""
+    page, n, loaded, sentinel = 128 * 1024, 64, list(range(32)), 0x5A
+    gpu = torch.zeros((n, page), dtype=torch.int8, device="cuda")
+    ids = torch.tensor(loaded, dtype=torch.long, device="cuda")
+    kv = CanonicalKVCaches([CanonicalKVCacheTensor(gpu, page)], [[CanonicalKVCacheRef(0, page)]])
+    w = BlockswapOffloadingWorker(kv, 1, n, backend="cuda")
+    try:
+        assert w.cpu_cache is not None
+        w.cpu_cache.fill_(sentinel)
+        for trial in range(3):
+            gpu.fill_(0x11)
+            torch.cuda.synchronize()
+            torch.cuda._sleep(50_000_000)
+            gpu.index_fill_(0, ids, 0)
+            spec = GPULoadStoreSpec(loaded, group_sizes=(len(loaded),), block_indices=(0,))
+            assert w.submit_load(trial + 1, CPULoadStoreSpec(loaded), spec)
+            w.wait({trial + 1})
+            (r,) = w.get_finished()
+            assert r.success
+            torch.cuda.synchronize()
+            got = gpu.cpu()
+            assert (got[loaded] == sentinel).all(), f"trial {trial}: the zeroing overwrote the load"
+            assert (got[32:] == 0x11).all()
+    finally:
+        w.shutdown()
+
+
+@pytest.mark.cuda
+def test_store_waits_for_a_kernel_still_writing_its_blocks() -> None:
+    """A store submitted while the compute stream is still writing its GPU blocks copies what
+    that write leaves, not what was there before."""
+    page, n = 128 * 1024, 64
+    gpu = torch.zeros((n, page), dtype=torch.int8, device="cuda")
+    kv = CanonicalKVCaches([CanonicalKVCacheTensor(gpu, page)], [[CanonicalKVCacheRef(0, page)]])
+    w = BlockswapOffloadingWorker(kv, 1, n, backend="cuda")
+    try:
+        assert w.cpu_cache is not None
+        for trial in range(3):
+            gpu.fill_(0x11)
+            torch.cuda.synchronize()
+            torch.cuda._sleep(50_000_000)
+            gpu.fill_(0x22 + trial)  # still queued behind the sleep when the store is submitted
+            blocks = list(range(trial, 32 + trial))
+            spec = GPULoadStoreSpec(blocks, group_sizes=(32,), block_indices=(0,))
+            assert w.submit_store(trial + 1, spec, CPULoadStoreSpec(blocks))
+            w.wait({trial + 1})
+            (r,) = w.get_finished()
+            assert r.success
+            assert (w.cpu_cache[blocks] == 0x22 + trial).all(), f"trial {trial}: stale bytes"
+    finally:
+        w.shutdown()
+
+
+#: (name, layers, page bytes per layer and block, groups): real models' per-rank KV caches in
+#: vLLM's canonical form (block size 16, bf16). A model with two groups (sliding window and full
+#: attention) shares each tensor between one layer of each group, as vLLM's hybrid allocation does.
+MODELS = [
+    ("Llama-3.1-8B", 32, 2 * 16 * 8 * 128 * 2, 1),
+    ("Llama-3.1-70B TP=4", 80, 2 * 16 * 2 * 128 * 2, 1),
+    ("Qwen2.5-7B", 28, 2 * 16 * 4 * 128 * 2, 1),
+    ("DeepSeek-V3 (MLA)", 61, 16 * 576 * 2, 1),
+    ("gpt-oss-120b", 36, 2 * 16 * 8 * 64 * 2, 2),
+    ("DeepSeek-V3 (MLA, fp8, rows padded to 11 KiB)", 61, 16 * 656, 1),
+]
+
+
+def model_caches(
+    layers: int, page: int, groups: int, cross_layer: bool, n_gpu: int, padded: bool
+) -> tuple[CanonicalKVCaches, list[torch.Tensor]]:
+    row = 11 * 1024 if padded else page
+    if cross_layer:
+        t = torch.randint(-128, 128, (n_gpu, layers * page), dtype=torch.int8, device="cuda")
+        return CanonicalKVCaches(
+            [CanonicalKVCacheTensor(t, layers * page)], [[CanonicalKVCacheRef(0, layers * page)]]
+        ), [t]
+    n_t = layers // groups
+    ts = [
+        torch.randint(-128, 128, (n_gpu, row), dtype=torch.int8, device="cuda") for _ in range(n_t)
+    ]
+    refs = [[CanonicalKVCacheRef(i, page) for i in range(n_t)] for _ in range(groups)]
+    return CanonicalKVCaches([CanonicalKVCacheTensor(t, row) for t in ts], refs), ts
+
+
+#: Every model per-layer and cross-layer, but a hybrid model (two groups) per-layer only: its
+#: groups cannot share one cross-layer tensor.
+CASES = [(m, x) for m in MODELS for x in (False, True) if not (x and m[3] > 1)]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("bpc", [1, 4])
+@pytest.mark.parametrize(
+    ("model", "cross_layer"),
+    CASES,
+    ids=[f"{m[0]}-{'cross-layer' if x else 'per-layer'}" for m, x in CASES],
+)
+def test_real_models_caches_round_trip_byte_exact(
+    model: tuple[str, int, int, int], cross_layer: bool, bpc: int
+) -> None:
+    """Store random blocks of each group at an offset into random chunks, clear the GPU cache,
+    load them into other blocks: every page comes back byte for byte, nothing else is written."""
+    name, layers, page, groups = model
+    padded = "padded" in name
+    n_gpu, n_chunks = 48, 16
+    kv, ts = model_caches(layers, page, groups, cross_layer, n_gpu, padded)
+    w = BlockswapOffloadingWorker(kv, bpc, n_chunks, backend="cuda")
+    try:
+        gen = torch.Generator().manual_seed(layers * bpc)
+        perm = torch.randperm(n_gpu, generator=gen).tolist()
+        per = 5 if groups == 1 else 4
+        ids = [perm[g * per : (g + 1) * per] for g in range(groups)]
+        starts = [1 + g for g in range(groups)]
+        need = [math.ceil((s % bpc + len(i)) / bpc) for i, s in zip(ids, starts)]
+        chunks = torch.randperm(n_chunks, generator=gen)[: sum(need)].tolist()
+        before = [t.clone() for t in ts]
+        spec = spec_of(ids, starts)
+        assert w.submit_store(1, spec, CPULoadStoreSpec(chunks)) is True
+        w.wait({1})
+        assert [(r.job_id, r.success) for r in w.get_finished()] == [(1, True)]
+        taken = {b for g in ids for b in g}
+        others = [b for b in range(n_gpu) if b not in taken]
+        back = [others[g * per : (g + 1) * per] for g in range(groups)]
+        for t in ts:
+            t.zero_()
+        assert w.submit_load(2, CPULoadStoreSpec(chunks), spec_of(back, starts)) is True
+        w.wait({2})
+        assert [(r.job_id, r.success) for r in w.get_finished()] == [(2, True)]
+        torch.cuda.synchronize()
+        p = layers * page if cross_layer else page
+        for t, b0 in zip(ts, before):
+            got, want = t.cpu(), b0.cpu()
+            dsts = {d: s for g in range(groups) for s, d in zip(ids[g], back[g])}
+            for b in range(t.shape[0]):
+                if b in dsts:
+                    assert torch.equal(got[b, :p], want[dsts[b], :p]), (name, b)
+                    assert not got[b, p:].any()  # padding is not copied
+                else:
+                    assert not got[b].any(), (name, b)
+    finally:
+        w.shutdown()
