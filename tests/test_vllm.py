@@ -27,6 +27,7 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
     TransferResult,
 )
 
+from blockswap.bench.models import MODELS as CATALOGUE  # noqa: E402
 from blockswap.vllm import BlockswapOffloadingWorker  # noqa: E402
 
 BPC = 4  # GPU blocks per CPU chunk
@@ -462,27 +463,25 @@ def test_store_waits_for_a_kernel_still_writing_its_blocks() -> None:
         w.shutdown()
 
 
-#: (name, layers, page bytes per layer and block, groups): real models' per-rank KV caches in
-#: vLLM's canonical form (block size 16, bf16). A model with two groups (sliding window and full
-#: attention) shares each tensor between one layer of each group, as vLLM's hybrid allocation does.
-MODELS = [
-    ("Llama-3.1-8B", 32, 2 * 16 * 8 * 128 * 2, 1),
-    ("Llama-3.1-70B TP=4", 80, 2 * 16 * 2 * 128 * 2, 1),
-    ("Qwen2.5-7B", 28, 2 * 16 * 4 * 128 * 2, 1),
-    ("DeepSeek-V3 (MLA)", 61, 16 * 576 * 2, 1),
-    ("gpt-oss-120b", 36, 2 * 16 * 8 * 64 * 2, 2),
-    ("DeepSeek-V3 (MLA, fp8, rows padded to 11 KiB)", 61, 16 * 656, 1),
+#: (name, layers, page bytes per layer and block, groups, row padding): the per-rank KV caches
+#: of the benchmark catalogue's six models (``blockswap.bench.models``) in vLLM's canonical form
+#: (a layer's K and V pages of one block are one page), and one with padded rows. A model with two
+#: groups (sliding window and full attention) shares each tensor between one layer of each group,
+#: as vLLM's hybrid allocation does.
+MODELS = [(m.name, m.layers, m.block_bytes(1), m.groups, 0) for m in CATALOGUE] + [
+    ("DeepSeek-V3 (MLA), rows padded by 1 KiB", 61, 64 * 576 * 2, 1, 1024)
 ]
 
 
 def model_caches(
-    layers: int, page: int, groups: int, cross_layer: bool, n_gpu: int, padded: bool
+    layers: int, page: int, groups: int, cross_layer: bool, n_gpu: int, pad: int
 ) -> tuple[CanonicalKVCaches, list[torch.Tensor]]:
-    row = 11 * 1024 if padded else page
+    row = page + pad
     if cross_layer:
-        t = torch.randint(-128, 128, (n_gpu, layers * page), dtype=torch.int8, device="cuda")
+        t = torch.randint(-128, 128, (n_gpu, layers * page + pad), dtype=torch.int8, device="cuda")
         return CanonicalKVCaches(
-            [CanonicalKVCacheTensor(t, layers * page)], [[CanonicalKVCacheRef(0, layers * page)]]
+            [CanonicalKVCacheTensor(t, layers * page + pad)],
+            [[CanonicalKVCacheRef(0, layers * page)]],
         ), [t]
     n_t = layers // groups
     ts = [
@@ -505,14 +504,13 @@ CASES = [(m, x) for m in MODELS for x in (False, True) if not (x and m[3] > 1)]
     ids=[f"{m[0]}-{'cross-layer' if x else 'per-layer'}" for m, x in CASES],
 )
 def test_real_models_caches_round_trip_byte_exact(
-    model: tuple[str, int, int, int], cross_layer: bool, bpc: int
+    model: tuple[str, int, int, int, int], cross_layer: bool, bpc: int
 ) -> None:
     """Store random blocks of each group at an offset into random chunks, clear the GPU cache,
     load them into other blocks: every page comes back byte for byte, nothing else is written."""
-    name, layers, page, groups = model
-    padded = "padded" in name
+    name, layers, page, groups, pad = model
     n_gpu, n_chunks = 48, 16
-    kv, ts = model_caches(layers, page, groups, cross_layer, n_gpu, padded)
+    kv, ts = model_caches(layers, page, groups, cross_layer, n_gpu, pad)
     w = BlockswapOffloadingWorker(kv, bpc, n_chunks, backend="cuda")
     try:
         gen = torch.Generator().manual_seed(layers * bpc)

@@ -1,0 +1,324 @@
+"""The vLLM plug-in's worker against vLLM 0.33's own transfer paths, same GPU, same run.
+
+    python benches/bench_vllm.py [--blocks 32] [--reps 15] [--models llama-3.1-8b,...]
+                                 [--json out.json]
+
+Needs a GPU, vLLM's Python sources on the path (``vllm/v1/kv_offload/cpu/swap_blocks_triton.py``
+is run from its source; vLLM's compiled ops are not needed) and cuda-bindings.
+
+Per model of the benchmark catalogue (``blockswap.bench.models``), in vLLM's canonical form (one
+int8 tensor per layer of ``(num_blocks, page)``, K and V of a block one page; or one cross-layer
+tensor whose page is every layer's), ``blocks_per_chunk`` 1 and 4, each direction:
+
+* ``blockswap``: :class:`blockswap.vllm.BlockswapOffloadingWorker` (its block-major CPU cache,
+  the route its handler picks), through ``submit_store`` / ``submit_load``;
+* ``vllm dma``: what vLLM's ``CpuGpuOffloadingHandlers`` issues on its DMA path: one
+  ``cuMemcpyBatchAsync`` over one descriptor per (layer, block) between the GPU tensors and a CPU
+  cache that mirrors them (one pinned tensor per GPU tensor), here through cuda-bindings;
+* ``vllm triton`` (CPU->GPU only, pages under 28 KiB, as vLLM picks it): vLLM's own Triton copy
+  kernel (``_swap_blocks_kernel``, 12 CTAs) over the same descriptors.
+
+A transfer moves ``--blocks`` random GPU blocks (per KV-cache group) to or from random CPU chunks.
+"isolated": GPU time of one transfer (blockswap: its ``transfer_time``, CUDA events around its
+copies; vLLM's paths: CUDA events around the call), median of ``--reps``; "8 queued": 8 transfers
+back to back, bytes over wall time, best of 3. Percent of the link's ceiling measured in the same
+run (one 256 MiB pinned copy per direction, best of 5).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_blocks import ceiling
+from bench_dma import cuda_bindings_batch
+from blockswap.bench.models import MODELS, KVModel
+
+N_GPU = 256
+N_CHUNKS = 128
+
+
+def vllm_triton() -> Any:
+    """vLLM's ``swap_blocks_triton`` module, run from its source with its two vLLM imports
+    replaced (same line count, so Triton reads the kernel's source where it is)."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("bench_vllm: vLLM's Python sources are not on the path")
+    path = os.path.join(
+        spec.submodule_search_locations[0], "v1", "kv_offload", "cpu", "swap_blocks_triton.py"
+    )
+    with open(path) as f:
+        src = f.read()
+    src = src.replace("from vllm import _custom_ops as ops", "ops = None")
+    src = src.replace(
+        "from vllm.triton_utils import tl, triton",
+        "import triton; import triton.language as tl  # noqa",
+    )
+    mod: dict[str, Any] = {"__name__": "vllm_swap_blocks_triton", "__file__": path}
+    exec(compile(src, path, "exec"), mod)
+    return mod
+
+
+class Case:
+    """One model's canonical KV caches on the GPU and the descriptors vLLM's handler would build
+    for a transfer (its CPU cache: one pinned tensor per GPU tensor, ``bpc`` pages a row)."""
+
+    def __init__(self, m: KVModel, cross_layer: bool, bpc: int) -> None:
+        from vllm.v1.kv_offload.base import (
+            CanonicalKVCacheRef,
+            CanonicalKVCaches,
+            CanonicalKVCacheTensor,
+        )
+
+        self.m, self.cross_layer, self.bpc = m, cross_layer, bpc
+        page = m.block_bytes(1)
+        if cross_layer:
+            self.gpu = [torch.empty((N_GPU, m.layers * page), dtype=torch.int8, device="cuda")]
+            refs = [[CanonicalKVCacheRef(0, m.layers * page)]]
+        else:
+            n_t = m.layers // m.groups
+            self.gpu = [
+                torch.empty((N_GPU, page), dtype=torch.int8, device="cuda") for _ in range(n_t)
+            ]
+            refs = [[CanonicalKVCacheRef(i, page) for i in range(n_t)] for _ in range(m.groups)]
+        for t in self.gpu:
+            t.random_(-128, 127)
+        self.page = self.gpu[0].shape[1]
+        self.kv = CanonicalKVCaches([CanonicalKVCacheTensor(t, self.page) for t in self.gpu], refs)
+        self.refs = refs
+        # vLLM's own CPU cache (pinned, a mirror of the GPU tensors).
+        self.cpu = [
+            torch.zeros((N_CHUNKS, self.page * bpc), dtype=torch.int8, pin_memory=True)
+            for _ in self.gpu
+        ]
+
+    def spec(self, rng: np.random.Generator, blocks: int) -> tuple[list[list[int]], list[int]]:
+        """Per group ``blocks`` random GPU blocks, and the chunks they take (first index 0)."""
+        free = rng.permutation(N_GPU).tolist()
+        ids = [free[g * blocks : (g + 1) * blocks] for g in range(len(self.refs))]
+        need = sum(-(-blocks // self.bpc) for _ in ids)
+        return ids, rng.permutation(N_CHUNKS)[:need].tolist()
+
+    def nbytes(self, blocks: int) -> int:
+        return blocks * sum(r.page_size_bytes for g in self.refs for r in g)
+
+    def descriptors(
+        self, ids: list[list[int]], chunks: list[int], gpu_to_cpu: bool
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """vLLM's direct-layout descriptors: one per (group, ref, block)."""
+        src, dst, size = [], [], []
+        c0 = 0
+        for gids, refs in zip(ids, self.refs):
+            n = len(gids)
+            subs = np.arange(n)
+            rows = np.asarray(chunks[c0 : c0 + -(-n // self.bpc)])
+            c0 += len(rows)
+            for r in refs:
+                g_addr = self.gpu[r.tensor_idx].data_ptr() + np.asarray(gids) * self.page
+                cpu_sub = rows[subs // self.bpc] * self.bpc + subs % self.bpc
+                c_addr = self.cpu[r.tensor_idx].data_ptr() + cpu_sub * self.page
+                s, d = (g_addr, c_addr) if gpu_to_cpu else (c_addr, g_addr)
+                src.append(s)
+                dst.append(d)
+                size.append(np.full(n, r.page_size_bytes))
+        return (
+            np.concatenate(src).astype(np.int64),
+            np.concatenate(dst).astype(np.int64),
+            np.concatenate(size).astype(np.int64),
+        )
+
+
+def events_time(stream: torch.cuda.Stream, fn: Callable[[], None]) -> float:
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.cuda.stream(stream):
+        a.record()
+        fn()
+        b.record()
+    b.synchronize()
+    return a.elapsed_time(b) * 1e-3
+
+
+def measure_vllm(
+    case: Case, path: str, gpu_to_cpu: bool, blocks: int, reps: int, rng: np.random.Generator
+) -> dict[str, float]:
+    """vLLM's DMA path (cuda-bindings' cuMemcpyBatchAsync) or its Triton kernel."""
+    stream = torch.cuda.Stream()
+    prepare = cuda_bindings_batch()
+    tri = vllm_triton() if path == "triton" else None
+
+    def call(gpu_to_cpu: bool = gpu_to_cpu) -> Callable[[], None]:
+        ids, chunks = case.spec(rng, blocks)
+        s, d, z = case.descriptors(ids, chunks, gpu_to_cpu)
+        if tri is None:
+            return prepare(s, d, z, False, stream)  # type: ignore[misc]
+        ts, td, tz = (torch.from_numpy(x).pin_memory() for x in (s, d, z))
+        chunk = min(1 << (int(z.max()) - 1).bit_length(), 8192)
+        return lambda: tri["swap_blocks_batch"](ts, td, tz, bytes_per_chunk=chunk)
+
+    nbytes = case.nbytes(blocks)
+    iso = [events_time(stream, call()) for _ in range(reps + 3)][3:]
+    queued = []
+    for _ in range(3):
+        calls = [call() for _ in range(8)]
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.cuda.stream(stream):
+            for c in calls:
+                c()
+        stream.synchronize()
+        queued.append(8 * nbytes / (time.perf_counter() - t0) / 1e9)
+    return {"isolated_gbps": nbytes / statistics.median(iso) / 1e9, "queued_gbps": max(queued)}
+
+
+def measure_worker(
+    case: Case, gpu_to_cpu: bool, blocks: int, reps: int, rng: np.random.Generator
+) -> tuple[dict[str, float], str]:
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+    from blockswap.vllm import BlockswapOffloadingWorker
+
+    class CPUSpec:  # vLLM's CPULoadStoreSpec as the worker reads it
+        def __init__(self, ids: list[int]) -> None:
+            self.block_ids = np.asarray(ids, dtype=np.int64)
+
+    w = BlockswapOffloadingWorker(case.kv, case.bpc, N_CHUNKS, backend="cuda")
+    job = 0
+    try:
+
+        def submit() -> int:
+            nonlocal job
+            job += 1
+            ids, chunks = case.spec(rng, blocks)
+            gspec = GPULoadStoreSpec(
+                [b for g in ids for b in g], [len(g) for g in ids], [0] * len(ids)
+            )
+            t0 = time.perf_counter()
+            ok = (
+                w.submit_store(job, gspec, CPUSpec(chunks))
+                if gpu_to_cpu
+                else w.submit_load(job, CPUSpec(chunks), gspec)
+            )
+            host.append(time.perf_counter() - t0)
+            assert ok
+            return job
+
+        host: list[float] = []
+        iso = []
+        for i in range(reps + 3):
+            j = submit()
+            w.wait({j})
+            (r,) = w.get_finished()
+            assert r.success
+            if i >= 3:
+                iso.append(r.transfer_time)
+        host_iso = host[3:]
+        nbytes = case.nbytes(blocks)
+        queued = []
+        for _ in range(3):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            jobs = {submit() for _ in range(8)}
+            w.wait(jobs)
+            queued.append(8 * nbytes / (time.perf_counter() - t0) / 1e9)
+            assert all(r.success for r in w.get_finished())
+        route = w.handlers[0].routes["d2h" if gpu_to_cpu else "h2d"].reason
+        return {
+            "isolated_gbps": nbytes / statistics.median(iso) / 1e9,
+            "queued_gbps": max(queued),
+            "host_us": statistics.median(host_iso) * 1e6,
+        }, route
+    finally:
+        w.shutdown()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--blocks", type=int, default=32, help="GPU blocks per group per transfer")
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--models", default=",".join(m.key for m in MODELS))
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_vllm: needs a CUDA GPU", file=sys.stderr)
+        return 1
+    if cuda_bindings_batch() is None:
+        print("bench_vllm: needs cuda-bindings (vLLM's DMA path)", file=sys.stderr)
+        return 1
+    rng = np.random.default_rng(0)
+    ceil = ceiling()
+    print(f"# {torch.cuda.get_device_name()}; ceiling h2d {ceil['h2d']:.1f} GB/s, "
+          f"d2h {ceil['d2h']:.1f} GB/s; {args.blocks} random blocks per group")  # fmt: skip
+    print(f"{'model':<20} {'tensors':<11} {'bpc':>3} {'page':>8} {'dir':>4} "
+          f"{'blockswap':>13} {'host us':>7} {'vllm dma':>13} {'vllm triton':>13}  route")  # fmt: skip
+    rows = []
+    wanted = set(args.models.split(","))
+    for m in (m for m in MODELS if m.key in wanted):
+        for cross_layer in (False, True):
+            if cross_layer and m.groups > 1:
+                continue  # a hybrid model's groups cannot share one cross-layer tensor
+            for bpc in (1, 4):
+                case = Case(m, cross_layer, bpc)
+                for gpu_to_cpu in (True, False):
+                    d = "d2h" if gpu_to_cpu else "h2d"
+                    bs, route = measure_worker(case, gpu_to_cpu, args.blocks, args.reps, rng)
+                    dma = measure_vllm(case, "dma", gpu_to_cpu, args.blocks, args.reps, rng)
+                    tri = None
+                    if not gpu_to_cpu and case.page < 28 * 1024 and case.page % 8 == 0:
+                        tri = measure_vllm(case, "triton", False, args.blocks, args.reps, rng)
+                    row = {
+                        "model": m.name,
+                        "tensors": "cross-layer" if cross_layer else "per-layer",
+                        "blocks_per_chunk": bpc,
+                        "page_bytes": case.page,
+                        "direction": d,
+                        "ceiling_gbps": ceil[d],
+                        "blockswap": bs,
+                        "blockswap_route": route,
+                        "vllm_dma": dma,
+                        "vllm_triton": tri,
+                    }
+                    rows.append(row)
+
+                    def pct(r: dict[str, float] | None, d: str = d) -> str:
+                        if r is None:
+                            return f"{'-':>13}"
+                        i, q = (100 * r[k] / ceil[d] for k in ("isolated_gbps", "queued_gbps"))
+                        return f"{i:>5.1f}/{q:>5.1f} %"
+
+                    print(f"{m.name[:20]:<20} {row['tensors']:<11} {bpc:>3} "
+                          f"{case.page // 1024:>6}Ki {d:>4} {pct(bs)} {bs['host_us']:>7.0f} "
+                          f"{pct(dma)} {pct(tri)}  {route[:60]}")  # fmt: skip
+                del case
+                torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {
+                    "gpu": torch.cuda.get_device_name(),
+                    "date": time.strftime("%Y-%m-%d"),
+                    "command": " ".join(
+                        ["python", "benches/bench_vllm.py"]
+                        + [os.path.basename(a) if a == args.json else a for a in sys.argv[1:]]
+                    ),
+                    "ceiling_gbps": ceil,
+                    "rows": rows,
+                },
+                f,
+                indent=1,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
