@@ -9,9 +9,14 @@ PY := $(VENV)/bin/python
 TORCH_INDEX ?=
 TORCH_SPEC ?= torch>=2.4
 TRITON_SPEC ?= triton>=3.0
-# The vLLM the plug-in's tests run against (tests/test_vllm.py): its Python sources, without its
-# dependencies (they pin another torch), and msgspec, which its offloading types import.
+# The vLLM the plug-in's tests run against (tests/test_vllm*.py): its Python sources without its
+# dependencies (they pin another torch, and its compiled ops need a GPU), then what importing its
+# CPU offloading spec needs (most of vLLM's Python side), with vLLM 0.33's own version bounds.
 VLLM_SPEC ?= vllm==0.33.0
+VLLM_IMPORT_DEPS ?= msgspec regex "requests>=2.33.0" psutil "pyzmq>=25.0.0" \
+  "transformers>=5.16.1,<5.21.0" cbor2 "aiohttp>=3.14.4" openai-harmony "openai>=2.25.0" \
+  pybase64 cachetools cloudpickle uvloop py-cpuinfo "prometheus_client>=0.18.0" \
+  "xgrammar==0.2.8" "fastapi>=0.133.0,<0.137.0" partial-json-parser "llguidance>=1.7.0,<1.8.0"
 
 .PHONY: setup develop test test-rust test-python lint fmt run bench bench-rust wheel clean
 
@@ -25,7 +30,8 @@ $(VENV)/.setup-done: pyproject.toml Makefile
 	  $(PY) -m pip install -q --index-url "$(TORCH_INDEX)" "$(TORCH_SPEC)" || $(PY) -m pip install -q "$(TORCH_SPEC)"; \
 	else $(PY) -m pip install -q "$(TORCH_SPEC)"; fi
 	$(PY) -m pip install -q "$(TRITON_SPEC)"
-	$(PY) -m pip install -q --no-deps "$(VLLM_SPEC)" msgspec
+	$(PY) -m pip install -q --no-deps "$(VLLM_SPEC)"
+	$(PY) -m pip install -q $(VLLM_IMPORT_DEPS)
 	touch $@
 
 # Builds the extension (release) into the virtual environment.
