@@ -165,7 +165,8 @@ impl fmt::Display for DescriptorError {
             } => write!(
                 f,
                 "{side} range of descriptor {index} ({addr:#x}, {size} bytes) is not inside \
-                 registered {kind} memory"
+                 registered {kind} memory (one region: no copy crosses from one region into the \
+                 next)"
             ),
             DescriptorError::OverlappingDestinations { first, second } => write!(
                 f,

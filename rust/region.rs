@@ -5,6 +5,11 @@
 //! direction needs: host memory (page-locked on the CUDA backend, which checks that at
 //! registration) or device memory. A stray integer can therefore never reach a copy engine or a
 //! `memcpy`.
+//!
+//! A large host buffer is registered in pieces (one driver registration of 512 GiB or more fails;
+//! see [`crate::hostmem`]): adjacent regions, each piece after the first starting at a *seam*. A
+//! block table may span several adjacent regions ([`RegionTable::cover`]), but no single copy
+//! ever crosses from one region into the next, and no 2-D copy joins rows across a seam.
 
 use std::fmt;
 
@@ -47,6 +52,10 @@ pub struct Region {
     pub start: u64,
     pub end: u64,
     pub kind: MemoryKind,
+    /// The region begins a piece of memory registered with the driver on its own (a piece of a
+    /// host buffer, see [`crate::hostmem`]): nothing before `start` is in the same driver
+    /// registration, so no copy may join bytes across it.
+    pub seam: bool,
 }
 
 /// A registration that cannot be made or undone.
@@ -66,6 +75,9 @@ pub enum RegionError {
     Busy { start: u64, in_flight: usize },
     /// A block table lies in the region: unregister the table first.
     UsedByTable { start: u64, table: u32 },
+    /// The region is a piece of a registration made at another address (a host buffer registered
+    /// in pieces): that registration is removed as a whole.
+    PartOf { start: u64, registration: u64 },
 }
 
 impl fmt::Display for RegionError {
@@ -93,6 +105,14 @@ impl fmt::Display for RegionError {
                 f,
                 "block table {table} lies in the region at {start:#x}: unregister the table first"
             ),
+            RegionError::PartOf {
+                start,
+                registration,
+            } => write!(
+                f,
+                "the region at {start:#x} is a piece of the registration at {registration:#x}: \
+                 unregister {registration:#x}"
+            ),
             RegionError::Busy { start, in_flight } => write!(
                 f,
                 "region at {start:#x} cannot be removed while {in_flight} transfers are in flight"
@@ -112,6 +132,27 @@ pub struct RegionTable {
 impl RegionTable {
     /// Registers `[start, start + len)`.
     pub fn insert(&mut self, start: u64, len: u64, kind: MemoryKind) -> Result<(), RegionError> {
+        self.insert_region(start, len, kind, false)
+    }
+
+    /// Registers `[start, start + len)` as a piece of host memory the driver registered on its
+    /// own: its start is a seam (see [`Region::seam`]).
+    pub fn insert_piece(
+        &mut self,
+        start: u64,
+        len: u64,
+        kind: MemoryKind,
+    ) -> Result<(), RegionError> {
+        self.insert_region(start, len, kind, true)
+    }
+
+    fn insert_region(
+        &mut self,
+        start: u64,
+        len: u64,
+        kind: MemoryKind,
+        seam: bool,
+    ) -> Result<(), RegionError> {
         let end = match start.checked_add(len) {
             Some(end) if len > 0 => end,
             _ => return Err(RegionError::Invalid { start, len }),
@@ -128,7 +169,15 @@ impl RegionTable {
                 }
             }
         }
-        self.regions.insert(at, Region { start, end, kind });
+        self.regions.insert(
+            at,
+            Region {
+                start,
+                end,
+                kind,
+                seam,
+            },
+        );
         Ok(())
     }
 
@@ -176,6 +225,46 @@ impl RegionTable {
             Some(at)
         } else {
             None
+        }
+    }
+
+    /// The seams strictly inside `(lo, hi)`, in address order.
+    pub fn seams(&self, lo: u64, hi: u64) -> impl Iterator<Item = u64> + '_ {
+        let from = self.regions.partition_point(|r| r.start <= lo);
+        self.regions[from..]
+            .iter()
+            .take_while(move |r| r.start < hi)
+            .filter(|r| r.seam)
+            .map(|r| r.start)
+    }
+
+    /// The regions of `kind` that together hold all of `[addr, addr + len)`: their indices, each
+    /// region starting where the one before it ends. `None` where a byte of the range lies in no
+    /// region of `kind`. One index where a single region holds the range; the starts of the
+    /// others are the boundaries inside the range. `len` must be positive and `addr + len` must
+    /// not overflow (the caller checked).
+    pub fn cover(&self, addr: u64, len: u64, kind: MemoryKind) -> Option<std::ops::Range<usize>> {
+        let end = addr + len;
+        let first = self
+            .regions
+            .partition_point(|r| r.start <= addr)
+            .checked_sub(1)?;
+        if addr >= self.regions[first].end {
+            return None;
+        }
+        let mut last = first;
+        loop {
+            let r = self.regions[last];
+            if r.kind != kind {
+                return None;
+            }
+            if end <= r.end {
+                return Some(first..last + 1);
+            }
+            match self.regions.get(last + 1) {
+                Some(next) if next.start == r.end => last += 1,
+                _ => return None,
+            }
         }
     }
 }
@@ -243,6 +332,43 @@ mod tests {
             "past the end"
         );
         assert_eq!(t.locate(0, 1, MemoryKind::Host, &mut hint), None);
+    }
+
+    #[test]
+    fn cover_takes_adjacent_regions_of_one_kind() {
+        let mut t = RegionTable::default();
+        t.insert(100, 100, MemoryKind::Host).unwrap();
+        t.insert(200, 50, MemoryKind::Host).unwrap();
+        t.insert(250, 50, MemoryKind::Device).unwrap();
+        t.insert(400, 100, MemoryKind::Host).unwrap();
+        assert_eq!(t.cover(120, 50, MemoryKind::Host), Some(0..1));
+        assert_eq!(t.cover(120, 100, MemoryKind::Host), Some(0..2));
+        assert_eq!(t.cover(100, 150, MemoryKind::Host), Some(0..2));
+        assert_eq!(t.cover(200, 50, MemoryKind::Host), Some(1..2));
+        assert_eq!(
+            t.cover(120, 140, MemoryKind::Host),
+            None,
+            "runs into device memory"
+        );
+        assert_eq!(t.cover(260, 10, MemoryKind::Device), Some(2..3));
+        assert_eq!(t.cover(280, 130, MemoryKind::Device), None, "a gap");
+        assert_eq!(t.cover(290, 20, MemoryKind::Host), None);
+        assert_eq!(t.cover(300, 10, MemoryKind::Host), None, "in the gap");
+        assert_eq!(t.cover(50, 60, MemoryKind::Host), None, "starts before");
+        assert_eq!(t.cover(450, 51, MemoryKind::Host), None, "past the end");
+        assert_eq!(RegionTable::default().cover(0, 1, MemoryKind::Host), None);
+    }
+
+    #[test]
+    fn seams_are_the_starts_of_pieces() {
+        let mut t = RegionTable::default();
+        t.insert(100, 100, MemoryKind::Host).unwrap();
+        t.insert_piece(200, 100, MemoryKind::Host).unwrap();
+        t.insert_piece(300, 100, MemoryKind::Host).unwrap();
+        t.insert(400, 100, MemoryKind::Host).unwrap();
+        assert_eq!(t.seams(0, 1000).collect::<Vec<_>>(), [200, 300]);
+        assert_eq!(t.seams(200, 300).count(), 0, "strictly inside");
+        assert_eq!(t.seams(199, 301).collect::<Vec<_>>(), [200, 300]);
     }
 
     #[test]

@@ -3,10 +3,12 @@
 //! A KV cache is a few tensors whose blocks sit at fixed strides. A block table describes one
 //! side of it once (segment `s` of block `b` is `nbytes[s]` bytes at `bases[s] + b * strides[s]`),
 //! and is checked once, when registered, against the memory the engine knows: every segment's
-//! whole span must lie in one registered region of the table's kind. A transfer then only names
-//! block ids; [`expand_into`] checks them (in range; destinations unique) and writes the
-//! descriptors straight into a pool slab, segment-major and block-minor so that runs of
-//! consecutive blocks coalesce. No address from the caller is ever copied from unchecked.
+//! whole span must lie in registered memory of the table's kind, one region or several adjacent
+//! ones (a large host buffer is registered in pieces), with no page crossing from one region into
+//! the next. A transfer then only names block ids; [`expand_into`] checks them (in range;
+//! destinations unique) and writes the descriptors straight into a pool slab, segment-major and
+//! block-minor so that runs of consecutive blocks coalesce. No address from the caller is ever
+//! copied from unchecked, and no descriptor or 2-D copy crosses a boundary between two regions.
 
 use std::fmt;
 
@@ -32,6 +34,11 @@ pub struct BlockTable {
     /// Per segment, the start of the driver allocation it lies in, where the backend knows
     /// (see [`BlockTable::in_allocations`]): a block plan's run never crosses from one to another.
     allocations: Vec<Option<u64>>,
+    /// Boundaries no copy may cross, sorted: between the adjacent regions covering a segment's
+    /// span, and every seam (the start of a piece of a host buffer) inside the table's span. No
+    /// page contains one strictly inside it (checked at registration); descriptors and 2-D
+    /// copies never join pages across one.
+    cuts: Vec<u64>,
     /// `[lowest byte, end)` over every segment: tables whose spans are apart share no byte.
     span: (u64, u64),
 }
@@ -41,12 +48,22 @@ pub struct BlockTable {
 pub enum TableError {
     /// A segment that is empty, overflows, or whose pages overlap the next block's.
     BadSegment { segment: usize, reason: String },
-    /// A segment's span is not inside one registered region of the table's kind.
+    /// A segment's span is not inside registered memory of the table's kind (one region, or
+    /// adjacent regions of that kind).
     NotRegistered {
         segment: usize,
         start: u64,
         len: u64,
         kind: MemoryKind,
+    },
+    /// A segment's span lies in adjacent registered regions, but the page of `block` (`nbytes`
+    /// at `page`) crosses `boundary`, where one region ends and the next begins: no copy may.
+    Straddles {
+        segment: usize,
+        block: u64,
+        page: u64,
+        nbytes: u64,
+        boundary: u64,
     },
     /// No table has this id.
     Unknown(u32),
@@ -109,6 +126,19 @@ impl fmt::Display for TableError {
                 f,
                 "block table segment {segment} ([{start:#x}, +{len})) is not inside registered \
                  {kind} memory"
+            ),
+            TableError::Straddles {
+                segment,
+                block,
+                page,
+                nbytes,
+                boundary,
+            } => write!(
+                f,
+                "block table segment {segment}: the page of block {block} ([{page:#x}, \
+                 +{nbytes})) crosses the boundary at {boundary:#x} between two registered \
+                 regions; a copy may not cross one (register the memory in pieces that end \
+                 between pages)"
             ),
             TableError::Unknown(id) => write!(f, "no block table {id}"),
             TableError::WrongKind {
@@ -200,6 +230,36 @@ fn interleaved(bases: &[u64], strides: &[u64], nbytes: &[u64], num_blocks: u64) 
     in_period && offs.windows(2).all(|w| w[0].0 + w[0].1 <= w[1].0)
 }
 
+/// The first of `cuts` (sorted) strictly inside the range of `extent` bytes from `start + b *
+/// stride` of some block `b` in `0..num_blocks`, with that block: `(block, cut)`. A page
+/// (`extent` = its bytes) or a block's 2-D copy (`extent` = from its first row's start to its
+/// last row's end) must contain none. The ranges must not overflow (checked at registration).
+fn crossing(
+    start: u64,
+    stride: u64,
+    num_blocks: u64,
+    extent: u64,
+    cuts: &[u64],
+) -> Option<(u64, u64)> {
+    let last = num_blocks.max(1) - 1;
+    let stride = if last == 0 { 0 } else { stride };
+    let reach = last * stride + extent;
+    let from = cuts.partition_point(|&c| c <= start);
+    for &c in &cuts[from..] {
+        let d = c - start;
+        if d >= reach {
+            break;
+        }
+        // The last block starting before the cut: it reaches furthest past it of all the blocks
+        // that start before it.
+        let b = (d - 1).checked_div(stride).map_or(0, |b| b.min(last));
+        if b * stride + extent > d {
+            return Some((b, c));
+        }
+    }
+    None
+}
+
 impl BlockTable {
     /// Checks a table against `regions` and builds it.
     pub fn new(
@@ -223,6 +283,7 @@ impl BlockTable {
             });
         }
         let mut spans = Vec::with_capacity(n);
+        let mut cuts = Vec::new();
         for s in 0..n {
             let (base, stride, size) = (bases[s], strides[s], nbytes[s]);
             let bad = |reason: &str| TableError::BadSegment {
@@ -240,23 +301,43 @@ impl BlockTable {
                 .and_then(|x| x.checked_add(size))
                 .filter(|&len| base.checked_add(len).is_some())
                 .ok_or_else(|| bad("the segment's span overflows the address space"))?;
-            let mut hint = usize::MAX;
-            if regions.locate(base, len, kind, &mut hint).is_none() {
+            let Some(cover) = regions.cover(base, len, kind) else {
                 return Err(TableError::NotRegistered {
                     segment: s,
                     start: base,
                     len,
                     kind,
                 });
-            }
+            };
+            cuts.extend(regions.regions()[cover].iter().skip(1).map(|r| r.start));
             spans.push((base, len));
+        }
+        let (lo, hi) = spans.iter().fold((u64::MAX, 0), |(lo, hi), &(b, len)| {
+            (lo.min(b), hi.max(b + len))
+        });
+        // Segments in different pieces of one host buffer: a block's 2-D copy may not join
+        // them, though no span crosses from one into the other.
+        cuts.extend(regions.seams(lo, hi));
+        cuts.sort_unstable();
+        cuts.dedup();
+        // A boundary strictly inside a page is inside its segment's span, so one of the
+        // boundaries between the regions covering it: each segment is checked against them all.
+        for s in 0..n {
+            let (base, stride, size) = (bases[s], strides[s], nbytes[s]);
+            if let Some((block, boundary)) = crossing(base, stride, num_blocks, size, &cuts) {
+                return Err(TableError::Straddles {
+                    segment: s,
+                    block,
+                    page: base + block * stride,
+                    nbytes: size,
+                    boundary,
+                });
+            }
         }
         spans.sort_unstable();
         let disjoint = spans.windows(2).all(|w| w[0].0 + w[0].1 <= w[1].0)
             || interleaved(&bases, &strides, &nbytes, num_blocks);
-        let span = spans.iter().fold((u64::MAX, 0), |(lo, hi), &(b, len)| {
-            (lo.min(b), hi.max(b + len))
-        });
+        let span = (lo, hi);
         Ok(BlockTable {
             bases,
             strides,
@@ -267,8 +348,38 @@ impl BlockTable {
             unit: 1,
             disjoint,
             allocations: vec![None; n],
+            cuts,
             span,
         })
+    }
+
+    /// The boundaries no copy of the table may cross, sorted: between the adjacent regions a
+    /// segment's span lies in, and the seams inside the table's span (empty where every segment
+    /// lies in one region and no seam is near).
+    pub fn cuts(&self) -> &[u64] {
+        &self.cuts
+    }
+
+    /// Whether a region boundary lies at `addr`: two pages that meet there are not joined.
+    #[inline]
+    fn is_cut(&self, addr: u64) -> bool {
+        !self.cuts.is_empty() && self.cuts.binary_search(&addr).is_ok()
+    }
+
+    /// Whether no block's rows of a 2-D copy from segment `first` through segment `last` (at one
+    /// block stride, bases increasing) cross a region boundary.
+    fn run_in_one_region(&self, first: usize, last: usize) -> bool {
+        self.cuts.is_empty() || {
+            let extent = self.bases[last] + self.nbytes[last] - self.bases[first];
+            crossing(
+                self.bases[first],
+                self.strides[first],
+                self.num_blocks,
+                extent,
+                &self.cuts,
+            )
+            .is_none()
+        }
     }
 
     /// Records the driver allocation of each segment (`base(address)`: the allocation's start, or
@@ -373,7 +484,8 @@ fn check_ids(
 
 /// Checks block ids and writes the transfer's descriptors into `out`: for each segment, for each
 /// block pair, `(src base + src id * stride, dst base + dst id * stride, nbytes)`, merging a
-/// descriptor into the previous one when both its addresses continue it (same segment only).
+/// descriptor into the previous one when both its addresses continue it (same segment only, and
+/// not across a boundary between two registered regions on either side).
 ///
 /// Ids are the caller's int64 values read as u64 (negative ones become huge and are refused as
 /// out of range). `bits` is a reusable bitset for the uniqueness check. `out` must have room for
@@ -403,6 +515,7 @@ pub fn expand_into(
     let merge = &mut scratch.merge;
     let mut merge_key = None;
     let mut any_merge = false;
+    let cuts = !src.cuts.is_empty() || !dst.cuts.is_empty();
     for s in 0..segments {
         let (sb, ss, db, ds, z) = (
             src.bases[s],
@@ -425,7 +538,11 @@ pub fn expand_into(
         let start = w;
         if any_merge {
             for i in 0..n {
-                if merge[i] {
+                // Pages that continue each other across a region boundary stay two descriptors.
+                let joins = merge[i]
+                    && !(cuts
+                        && (src.is_cut(sb + src_ids[i] * ss) || dst.is_cut(db + dst_ids[i] * ds)));
+                if joins {
                     out.size[w - 1] += z;
                 } else {
                     // In range by the checks above; the spans were proven not to overflow.
@@ -495,7 +612,8 @@ pub struct Run {
 ///
 /// A block then moves as `runs.len()` copies instead of `segments` descriptors: a block-major
 /// CPU cache (every page of a block in one chunk) against layer tensors at one pitch is one run.
-/// A run stays inside one driver allocation per side (see [`BlockTable::in_allocations`]).
+/// A run stays inside one driver allocation per side (see [`BlockTable::in_allocations`]), and
+/// no block's run crosses a boundary between two registered regions on either side.
 pub fn block_runs(src: &BlockTable, dst: &BlockTable) -> Option<Vec<Run>> {
     if src.nbytes != dst.nbytes || !dst.disjoint {
         return None;
@@ -516,15 +634,16 @@ pub fn block_runs(src: &BlockTable, dst: &BlockTable) -> Option<Vec<Run>> {
                 && dst.allocations[s] == dst.allocations[f];
             let (sp, dp) = (pitch(src, s), pitch(dst, s));
             let continues = match (sp, dp) {
-                (Some(sp), Some(dp)) if same && r.rows == 1 => {
-                    r.src_pitch = sp;
-                    r.dst_pitch = dp;
-                    true
-                }
+                (Some(_), Some(_)) if same && r.rows == 1 => true,
                 (Some(sp), Some(dp)) => same && sp == r.src_pitch && dp == r.dst_pitch,
                 _ => false,
-            };
+            } && src.run_in_one_region(f, s)
+                && dst.run_in_one_region(f, s);
             if continues {
+                if let (1, Some(sp), Some(dp)) = (r.rows, sp, dp) {
+                    r.src_pitch = sp;
+                    r.dst_pitch = dp;
+                }
                 r.rows += 1;
                 continue;
             }
@@ -1537,6 +1656,343 @@ mod props {
             }
             prop_assert_eq!(got, want);
             prop_assert_eq!(p.bytes, (n as u64) * z);
+        }
+    }
+}
+
+#[cfg(test)]
+mod boundaries {
+    //! Block tables over memory registered in adjacent pieces (a large host buffer): accepted
+    //! where no page crosses from one piece into the next, and no copy ever does.
+    use super::*;
+    use proptest::prelude::*;
+    use std::collections::BTreeMap;
+
+    const DEV: u64 = 0x100000;
+    const HOST: u64 = 0x800000;
+
+    /// One device region of `dev_len`; host memory of `host_len` registered in pieces that begin
+    /// at the offsets `cuts`.
+    fn regions(dev_len: u64, host_len: u64, cuts: &[u64]) -> RegionTable {
+        let mut t = RegionTable::default();
+        t.insert(DEV, dev_len, MemoryKind::Device).unwrap();
+        let mut at = 0;
+        for &c in cuts.iter().chain([&host_len]) {
+            if at == 0 {
+                t.insert(HOST, c, MemoryKind::Host).unwrap();
+            } else {
+                t.insert_piece(HOST + at, c - at, MemoryKind::Host).unwrap();
+            }
+            at = c;
+        }
+        t
+    }
+
+    /// A block-major CPU table (every page of a block in one row) of `segs` pages of `z` bytes.
+    fn block_major(segs: u64, z: u64, nb: u64, r: &RegionTable) -> Result<BlockTable, TableError> {
+        BlockTable::new(
+            (0..segs).map(|s| HOST + s * z).collect(),
+            vec![segs * z; segs as usize],
+            vec![z; segs as usize],
+            nb,
+            MemoryKind::Host,
+            r,
+        )
+    }
+
+    #[test]
+    fn a_table_may_span_adjacent_regions_if_no_page_crosses_a_boundary() {
+        // Rows of two 64-byte pages, 8 blocks, pieces of 3 rows: cut at 384 and 768.
+        let r = regions(0x1000, 1024, &[384, 768]);
+        let t = block_major(2, 64, 8, &r).unwrap();
+        assert_eq!(t.cuts(), [HOST + 384, HOST + 768]);
+        // A cut inside a row but between its pages is fine too.
+        let r = regions(0x1000, 1024, &[64, 448]);
+        assert!(block_major(2, 64, 8, &r).is_ok());
+        // A cut inside a page: refused, naming the segment, the block and the boundary.
+        let r = regions(0x1000, 1024, &[384, 800]);
+        let e = block_major(2, 64, 8, &r).unwrap_err();
+        assert_eq!(
+            e,
+            TableError::Straddles {
+                segment: 0,
+                block: 6,
+                page: HOST + 768,
+                nbytes: 64,
+                boundary: HOST + 800
+            }
+        );
+        let msg = e.to_string();
+        assert!(
+            msg.starts_with("block table segment 0: the page of block 6")
+                && msg.contains(&format!("crosses the boundary at {:#x}", HOST + 800)),
+            "{msg}"
+        );
+        // Segment 1's page of block 3 holds offset 448.
+        let r = regions(0x1000, 1024, &[400, 448 + 8]);
+        assert!(matches!(
+            block_major(2, 64, 8, &r),
+            Err(TableError::Straddles {
+                segment: 0,
+                block: 3,
+                ..
+            })
+        ));
+        let r = regions(0x1000, 1024, &[456]);
+        assert!(matches!(
+            block_major(2, 64, 8, &r),
+            Err(TableError::Straddles {
+                segment: 1,
+                block: 3,
+                boundary,
+                ..
+            }) if boundary == HOST + 456
+        ));
+        // A gap, or the wrong kind next door: not registered.
+        let mut gap = RegionTable::default();
+        gap.insert(HOST, 384, MemoryKind::Host).unwrap();
+        gap.insert(HOST + 400, 1024, MemoryKind::Host).unwrap();
+        assert!(matches!(
+            block_major(2, 64, 8, &gap),
+            Err(TableError::NotRegistered { segment: 0, .. })
+        ));
+        let mut kinds = RegionTable::default();
+        kinds.insert(HOST, 384, MemoryKind::Host).unwrap();
+        kinds.insert(HOST + 384, 1024, MemoryKind::Device).unwrap();
+        assert!(matches!(
+            block_major(2, 64, 8, &kinds),
+            Err(TableError::NotRegistered { .. })
+        ));
+        // One block, a stride smaller than its page: only that page counts.
+        let r = regions(0x1000, 1024, &[32]);
+        let one = |base| BlockTable::new(vec![base], vec![0], vec![64], 1, MemoryKind::Host, &r);
+        assert!(matches!(
+            one(HOST),
+            Err(TableError::Straddles { block: 0, .. })
+        ));
+        assert!(one(HOST + 32).is_ok());
+    }
+
+    #[test]
+    fn pages_that_continue_each_other_across_a_boundary_stay_apart() {
+        // One 64-byte page per row: consecutive blocks coalesce, except across a cut (192).
+        let r = regions(0x1000, 1024, &[192]);
+        let cpu = block_major(1, 64, 16, &r).unwrap();
+        let gpu =
+            BlockTable::new(vec![DEV], vec![64], vec![64], 16, MemoryKind::Device, &r).unwrap();
+        let mut cols = (vec![0; 16], vec![0; 16], vec![0; 16]);
+        let p = expand_into(
+            &gpu,
+            &[0, 1, 2, 3, 4],
+            &cpu,
+            &[1, 2, 3, 4, 5],
+            true,
+            Columns {
+                src: &mut cols.0,
+                dst: &mut cols.1,
+                size: &mut cols.2,
+            },
+            &mut Vec::new(),
+            &mut Scratch::default(),
+        )
+        .unwrap();
+        let got: Vec<_> = (0..p.len)
+            .map(|i| (cols.0[i], cols.1[i], cols.2[i]))
+            .collect();
+        assert_eq!(
+            got,
+            vec![(DEV, HOST + 64, 128), (DEV + 128, HOST + 192, 192)],
+            "the run is cut where the CPU side crosses into the second piece"
+        );
+        // The same on the source side of the other direction.
+        let p = expand_into(
+            &cpu,
+            &[1, 2, 3, 4, 5],
+            &gpu,
+            &[0, 1, 2, 3, 4],
+            true,
+            Columns {
+                src: &mut cols.0,
+                dst: &mut cols.1,
+                size: &mut cols.2,
+            },
+            &mut Vec::new(),
+            &mut Scratch::default(),
+        )
+        .unwrap();
+        assert_eq!(p.len, 2);
+    }
+
+    #[test]
+    fn a_block_plan_never_joins_rows_across_a_boundary() {
+        // A CPU row of four 64-byte pages; a cut inside row 2, between its second and third page.
+        let r = regions(0x10000, 2048, &[2 * 256 + 128]);
+        let cpu = block_major(4, 64, 8, &r).unwrap();
+        // Layers at one pitch on the GPU: one run of four rows per block where nothing cuts it.
+        let gpu = BlockTable::new(
+            (0..4).map(|l| DEV + l * 0x800).collect(),
+            vec![64; 4],
+            vec![64; 4],
+            8,
+            MemoryKind::Device,
+            &r,
+        )
+        .unwrap();
+        let rows = |a: &BlockTable, b: &BlockTable| {
+            block_runs(a, b)
+                .unwrap()
+                .iter()
+                .map(|r| r.rows)
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(rows(&gpu, &cpu), vec![2, 2]);
+        assert_eq!(rows(&cpu, &gpu), vec![2, 2]);
+        let whole = regions(0x10000, 2048, &[]);
+        assert_eq!(rows(&gpu, &block_major(4, 64, 8, &whole).unwrap()), vec![4]);
+        // Cuts between rows leave every block's run whole.
+        let rows_apart = regions(0x10000, 2048, &[256, 3 * 256]);
+        assert_eq!(
+            rows(&gpu, &block_major(4, 64, 8, &rows_apart).unwrap()),
+            vec![4]
+        );
+        // Layer tables of 8 pages each: segments 0-1 in the first piece, 2-3 in the second (a
+        // seam at 1024, though no segment's span crosses it). Their rows never join there...
+        let per_layer = |r: &RegionTable| {
+            BlockTable::new(
+                (0..4).map(|l| HOST + l * 512).collect(),
+                vec![64; 4],
+                vec![64; 4],
+                8,
+                MemoryKind::Host,
+                r,
+            )
+            .unwrap()
+        };
+        let pieces = regions(0x10000, 2048, &[1024]);
+        assert_eq!(per_layer(&pieces).cuts(), [HOST + 1024]);
+        assert_eq!(rows(&gpu, &per_layer(&pieces)), vec![2, 2]);
+        // ...while regions that merely touch (two registrations, say a tensor's K and V halves)
+        // keep the plan whole, as before.
+        let mut touching = RegionTable::default();
+        touching.insert(DEV, 0x10000, MemoryKind::Device).unwrap();
+        touching.insert(HOST, 1024, MemoryKind::Host).unwrap();
+        touching
+            .insert(HOST + 1024, 1024, MemoryKind::Host)
+            .unwrap();
+        assert!(per_layer(&touching).cuts().is_empty());
+        assert_eq!(rows(&gpu, &per_layer(&touching)), vec![4]);
+    }
+
+    /// Where every descriptor or 2-D copy row of a slab lies: the region of each side.
+    fn region_of(r: &RegionTable, addr: u64, len: u64, kind: MemoryKind) -> usize {
+        let mut hint = usize::MAX;
+        r.locate(addr, len, kind, &mut hint)
+            .unwrap_or_else(|| panic!("[{addr:#x}, +{len}) crosses a region boundary"))
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(if cfg!(miri) { 2 } else { 256 }))]
+
+        /// Over host memory cut at any byte offsets, a table is refused exactly where a page
+        /// holds a cut strictly inside it; an accepted one moves the bytes of the naive copy,
+        /// page by page and by block plan, in descriptors and 2-D copies each inside one region
+        /// on each side (every row of a 2-D copy in the same one).
+        #[test]
+        fn copies_stay_inside_one_region(
+            z in (1u64..5).prop_map(|p| p * 16),
+            segs in 1u64..5,
+            nb in 1u64..20,
+            block_major_cpu in any::<bool>(),
+            cut_at in prop::collection::vec((0u64..400, any::<bool>()), 0..6),
+            runs in prop::collection::vec((0u64..20, 1u64..5), 1..5),
+            start in 0u64..20,
+            d2h in any::<bool>(),
+        ) {
+            let host_len = segs * nb * z;
+            // Cuts at page multiples (always fine for these layouts) or at any byte.
+            let mut cuts: Vec<u64> = cut_at
+                .iter()
+                .map(|&(k, paged)| if paged { k % (segs * nb) * z } else { k * 7 % host_len })
+                .filter(|&c| c > 0 && c < host_len)
+                .collect();
+            cuts.sort_unstable();
+            cuts.dedup();
+            let r = regions(0x100000, host_len, &cuts);
+            let (cb, cs): (Vec<u64>, u64) = if block_major_cpu {
+                ((0..segs).map(|s| HOST + s * z).collect(), segs * z)
+            } else {
+                ((0..segs).map(|s| HOST + s * nb * z).collect(), z)
+            };
+            let cpu = BlockTable::new(cb.clone(), vec![cs; segs as usize],
+                vec![z; segs as usize], nb, MemoryKind::Host, &r);
+            let straddles = (0..segs as usize).any(|s| (0..nb).any(|b| {
+                let p = cb[s] + b * cs;
+                cuts.iter().any(|&c| p < HOST + c && HOST + c < p + z)
+            }));
+            let cpu = match cpu {
+                Err(TableError::Straddles { .. }) if straddles => return Ok(()),
+                Err(e) => return Err(TestCaseError::fail(format!("{e}"))),
+                Ok(_) if straddles => return Err(TestCaseError::fail("accepted a straddle")),
+                Ok(t) => t,
+            };
+            // Layers at one pitch on the GPU, pages dense in each.
+            let gpu = BlockTable::new((0..segs).map(|s| DEV + s * 0x4000).collect(),
+                vec![z; segs as usize], vec![z; segs as usize], nb, MemoryKind::Device, &r)
+                .unwrap();
+            let mut gid = vec![];
+            for (first, len) in runs {
+                gid.extend((first..first + len).filter(|&b| b < nb));
+            }
+            gid.dedup();
+            let mut seen = std::collections::HashSet::new();
+            gid.retain(|b| seen.insert(*b));
+            prop_assume!(!gid.is_empty());
+            let cid: Vec<u64> = (0..gid.len() as u64).map(|i| (start + i) % nb).collect();
+            let (src, sid, dst, did) = if d2h {
+                (&gpu, &gid, &cpu, &cid)
+            } else {
+                (&cpu, &cid, &gpu, &gid)
+            };
+            let mut want = BTreeMap::new();
+            for s in 0..segs as usize {
+                for i in 0..sid.len() {
+                    for k in 0..z {
+                        want.insert(dst.bases[s] + did[i] * dst.strides[s] + k,
+                            src.bases[s] + sid[i] * src.strides[s] + k);
+                    }
+                }
+            }
+            let n = segs as usize * sid.len();
+            let (mut a, mut b, mut c) = (vec![0; 2 * n], vec![0; 2 * n], vec![0; 2 * n]);
+            let p = expand_into(src, sid, dst, did, true,
+                Columns { src: &mut a, dst: &mut b, size: &mut c },
+                &mut Vec::new(), &mut Scratch::default()).unwrap();
+            let mut got = BTreeMap::new();
+            for i in 0..p.len {
+                region_of(&r, a[i], c[i], src.kind);
+                region_of(&r, b[i], c[i], dst.kind);
+                for k in 0..c[i] {
+                    got.insert(b[i] + k, a[i] + k);
+                }
+            }
+            prop_assert_eq!(&got, &want);
+            let plan = block_runs(src, dst).unwrap();
+            let m = PITCHED_ENTRIES * plan.len() * sid.len();
+            prop_assert!(m <= a.len());
+            let p = expand_runs_into(src, sid, dst, did, &plan,
+                Columns { src: &mut a, dst: &mut b, size: &mut c },
+                &mut Vec::new(), &mut Scratch::default()).unwrap();
+            let mut got = BTreeMap::new();
+            let mut copy_regions: BTreeMap<usize, (usize, usize)> = BTreeMap::new();
+            for_each_row(&a[..p.len], &b[..p.len], &c[..p.len], |k, s, d, width| {
+                let rs = (region_of(&r, s, width, src.kind), region_of(&r, d, width, dst.kind));
+                assert_eq!(*copy_regions.entry(k).or_insert(rs), rs,
+                    "rows of one 2-D copy in different regions");
+                for x in 0..width {
+                    got.insert(d + x, s + x);
+                }
+            });
+            prop_assert_eq!(&got, &want);
         }
     }
 }

@@ -41,6 +41,24 @@ fn region_of(regions: &RegionTable, addr: u64, len: u64, kind: MemoryKind) -> Op
         .position(|r| r.kind == kind && r.start <= addr && end <= r.end as u128)
 }
 
+/// Whether regions of `kind`, each starting where the one before it ends, hold all of `[addr,
+/// addr + len)`, by a linear scan.
+fn covered(regions: &RegionTable, addr: u64, len: u64, kind: MemoryKind) -> bool {
+    let end = addr as u128 + len as u128;
+    let mut at = addr as u128;
+    while at < end {
+        match regions
+            .regions()
+            .iter()
+            .find(|r| r.kind == kind && r.start as u128 <= at && at < r.end as u128)
+        {
+            Some(r) => at = r.end as u128,
+            None => return false,
+        }
+    }
+    true
+}
+
 /// A region to register: small and page-aligned (most inputs), or any 64-bit range.
 #[derive(Arbitrary, Debug)]
 pub enum RegionSpec {
@@ -573,6 +591,9 @@ pub mod expand {
     #[derive(Arbitrary, Debug)]
     pub struct Input {
         extra: Vec<RegionSpec>,
+        /// Where the fixed regions are cut into adjacent pieces (offsets of 16 bytes, any order):
+        /// tables may span them, pages and copies may not cross them.
+        cuts: Vec<(bool, u16)>,
         src: Table,
         dst: Table,
         /// The destination table takes the source's page sizes (compatible tables).
@@ -613,10 +634,12 @@ pub mod expand {
         (bases, strides, nbytes, num_blocks, kind)
     }
 
-    /// Whether `BlockTable::new` must accept the table, the slow way.
-    fn valid((bases, strides, nbytes, nb, kind): &Spec, regions: &RegionTable) -> bool {
+    /// Whether `BlockTable::new` must accept the table, the slow way: `Some(true)` to accept,
+    /// `Some(false)` to refuse because a page crosses a region boundary, `None` to refuse
+    /// otherwise.
+    fn valid((bases, strides, nbytes, nb, kind): &Spec, regions: &RegionTable) -> Option<bool> {
         let n = bases.len();
-        n > 0
+        let shaped = n > 0
             && *nb > 0
             && (0..n).all(|s| {
                 let (b, st, z) = (bases[s] as u128, strides[s] as u128, nbytes[s] as u128);
@@ -624,16 +647,39 @@ pub mod expand {
                 z > 0
                     && (*nb == 1 || st >= z)
                     && b + len <= u64::MAX as u128
-                    && region_of(regions, bases[s], len as u64, *kind).is_some()
+                    && covered(regions, bases[s], len as u64, *kind)
+            });
+        if !shaped {
+            return None;
+        }
+        // A region starting strictly inside a page: pages of a segment do not overlap, so the
+        // only page that can hold an address is that of the last block starting before it.
+        let straddles = (0..n).any(|s| {
+            let (b, st, z) = (bases[s] as u128, strides[s] as u128, nbytes[s] as u128);
+            regions.regions().iter().any(|r| {
+                let c = r.start as u128;
+                if c <= b {
+                    return false;
+                }
+                let block = if st == 0 || *nb == 1 {
+                    0
+                } else {
+                    ((c - b - 1) / st).min(*nb as u128 - 1)
+                };
+                let page = b + block * st;
+                page < c && c < page + z
             })
+        });
+        Some(!straddles)
     }
 
     fn table(t: &Table, spec: &Spec, regions: &RegionTable) -> Option<BlockTable> {
         let (bases, strides, nbytes, nb, kind) = spec.clone();
         let got = BlockTable::new(bases, strides, nbytes, nb, kind, regions);
         match (&got, valid(spec, regions)) {
-            (Ok(_), true) => {}
-            (Err(TableError::BadSegment { .. } | TableError::NotRegistered { .. }), false) => {}
+            (Ok(_), Some(true)) => {}
+            (Err(TableError::Straddles { .. }), Some(false)) => {}
+            (Err(TableError::BadSegment { .. } | TableError::NotRegistered { .. }), None) => {}
             _ => panic!("BlockTable::new({spec:?}) gave {got:?}"),
         }
         let unit = t.unit as u64 % 5;
@@ -712,10 +758,25 @@ pub mod expand {
 
     pub fn check(input: &Input) {
         let mut regions = RegionTable::default();
-        regions
-            .insert(DEVICE.0, DEVICE.1, MemoryKind::Device)
-            .unwrap();
-        regions.insert(HOST.0, HOST.1, MemoryKind::Host).unwrap();
+        for (host, (start, len)) in [(false, DEVICE), (true, HOST)] {
+            let mut at: Vec<u64> = input
+                .cuts
+                .iter()
+                .take(6)
+                .filter(|c| c.0 == host)
+                .map(|c| c.1 as u64 * 16 % len)
+                .filter(|&o| o > 0)
+                .collect();
+            at.sort_unstable();
+            at.dedup();
+            let mut from = 0;
+            for end in at.into_iter().chain([len]) {
+                regions
+                    .insert(start + from, end - from, kind(host))
+                    .unwrap();
+                from = end;
+            }
+        }
         for r in input.extra.iter().take(4) {
             let (start, len, host) = match *r {
                 RegionSpec::Small { .. } => continue,
@@ -789,10 +850,15 @@ pub mod expand {
                     let out = outputs(&cols, p.len);
                     let naive = naive(&s, &sid, &d, &did);
                     let n = sid.len();
+                    // Pages that continue each other, in one region on each side (never joined
+                    // across a boundary between two adjacent regions).
                     let contiguous = |i: usize| {
+                        let (a, b) = (naive[i - 1], naive[i]);
                         !i.is_multiple_of(n)
-                            && naive[i - 1].0 as u128 + naive[i - 1].2 as u128 == naive[i].0 as u128
-                            && naive[i - 1].1 as u128 + naive[i - 1].2 as u128 == naive[i].1 as u128
+                            && a.0 as u128 + a.2 as u128 == b.0 as u128
+                            && a.1 as u128 + a.2 as u128 == b.1 as u128
+                            && region_of(&regions, a.0, a.2 + b.2, s.kind).is_some()
+                            && region_of(&regions, a.1, a.2 + b.2, d.kind).is_some()
                     };
                     check_grouping(
                         &naive,
