@@ -23,6 +23,7 @@ use crate::completion::{InFlight, Lane};
 use crate::descriptor::{
     partition_small, prepare_into, Columns, DescriptorError, Direction, Prepared, Scratch,
 };
+use crate::hostmem;
 use crate::pool::{Pool, PoolError, PoolStats};
 use crate::region::{MemoryKind, RegionError, RegionTable};
 use crate::table::{
@@ -289,6 +290,9 @@ struct SubmitState {
     buffers: HashMap<u64, HostAlloc>,
     /// Host ranges page-locked through the engine, by address.
     pinned: std::collections::HashSet<u64>,
+    /// Host registrations cut into several regions at the pieces of host buffers, or lying in
+    /// one, by the address they were registered at (see [`crate::hostmem`]).
+    parts: HashMap<u64, Parts>,
     /// Block tables by id (a removed one leaves a hole that the next registration fills).
     tables: Vec<Option<BlockTable>>,
     /// Bitset of the destination-uniqueness check, kept clear between transfers.
@@ -296,6 +300,15 @@ struct SubmitState {
     scratch: Scratch,
     /// Chunk ids expanded to table blocks, per side (see [`expand_groups_into`]).
     chunk_ids: [Vec<u64>; 2],
+}
+
+/// One registration of host memory in [`crate::hostmem::HostBuffer`]s: the starts of its regions
+/// (one per piece it covers) and the buffers it is a user of.
+#[derive(Debug)]
+struct Parts {
+    starts: Vec<u64>,
+    end: u64,
+    buffers: Vec<u64>,
 }
 
 /// The two tables of a block-id transfer, checked against the memory kinds of `direction`.
@@ -430,7 +443,7 @@ extern "C" fn mark_forked() {
     FORK_GENERATION.fetch_add(1, Ordering::Relaxed);
 }
 
-fn install_fork_hook() {
+pub(crate) fn install_fork_hook() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
         // SAFETY: registers a child handler that only adds to a static atomic (async-signal-safe).
@@ -496,6 +509,7 @@ impl Engine {
                 live: HashMap::with_capacity(4 * max_in_flight),
                 buffers: HashMap::new(),
                 pinned: Default::default(),
+                parts: HashMap::new(),
                 tables: Vec::new(),
                 bits: Vec::new(),
                 scratch: Scratch::default(),
@@ -550,6 +564,10 @@ impl Engine {
 
     /// Registers `[start, start + len)` as memory of `kind` that transfers may read and write.
     ///
+    /// Host memory in a [`crate::hostmem::HostBuffer`] is registered as one region per piece it
+    /// covers (adjacent regions: a block table may span them, no copy crosses between them), and
+    /// the buffer is not unpinned until [`Engine::unregister`] removes them all.
+    ///
     /// # Safety
     /// The range must be memory of that kind that stays allocated, and that nothing else frees,
     /// until it is unregistered: copies will read and write any byte of it.
@@ -560,8 +578,59 @@ impl Engine {
         kind: MemoryKind,
     ) -> Result<(), EngineError> {
         self.check_usable()?;
-        self.backend.check_region(start, len, kind)?;
-        self.lock().regions.insert(start, len, kind)?;
+        let end = start.checked_add(len).filter(|_| len > 0);
+        let (parts, buffers) = match end {
+            Some(_) if kind == MemoryKind::Host => hostmem::acquire(start, len),
+            _ => (vec![(start, len, false)], Vec::new()),
+        };
+        let registered = self.register_parts(start, &parts, kind, &buffers);
+        if registered.is_err() {
+            hostmem::release(&buffers);
+        }
+        registered
+    }
+
+    /// Registers adjacent `parts` (`(start, bytes, seam)`, together `[start, ...)`) as one region
+    /// each: all of them or none. Where there are several, or they lie in host buffers, they are
+    /// recorded as one registration at `start`, a user of `buffers`.
+    fn register_parts(
+        &self,
+        start: u64,
+        parts: &[(u64, u64, bool)],
+        kind: MemoryKind,
+        buffers: &[u64],
+    ) -> Result<(), EngineError> {
+        for &(s, len, _) in parts {
+            self.backend.check_region(s, len, kind)?;
+        }
+        let mut state = self.lock();
+        for (i, &(s, len, seam)) in parts.iter().enumerate() {
+            let inserted = if seam {
+                state.regions.insert_piece(s, len, kind)
+            } else {
+                state.regions.insert(s, len, kind)
+            };
+            if let Err(e) = inserted {
+                for &(done, _, _) in &parts[..i] {
+                    state.regions.remove(done)?;
+                }
+                return Err(e.into());
+            }
+        }
+        if parts.len() > 1 || !buffers.is_empty() {
+            let (last, n, _) = parts[parts.len() - 1];
+            let starts = parts.iter().map(|p| p.0).collect();
+            let buffers = buffers.to_vec();
+            let end = last + n;
+            state.parts.insert(
+                start,
+                Parts {
+                    starts,
+                    end,
+                    buffers,
+                },
+            );
+        }
         Ok(())
     }
 
@@ -591,6 +660,34 @@ impl Engine {
         if state.buffers.contains_key(&start) {
             drop(state);
             return self.free_host(start);
+        }
+        if let Some(p) = state.parts.get(&start) {
+            let end = p.end;
+            let used = |t: &Option<BlockTable>| t.as_ref().is_some_and(|t| t.overlaps(start, end));
+            if let Some(table) = state.tables.iter().position(used) {
+                return Err(RegionError::UsedByTable {
+                    start,
+                    table: table as u32,
+                }
+                .into());
+            }
+            self.check_idle(start)?;
+            let p = state.parts.remove(&start).expect("looked up above");
+            for s in p.starts {
+                state.regions.remove(s)?;
+            }
+            drop(state);
+            hostmem::release(&p.buffers);
+            return Ok(());
+        }
+        if let Some((&registration, _)) =
+            state.parts.iter().find(|(_, p)| p.starts.contains(&start))
+        {
+            return Err(RegionError::PartOf {
+                start,
+                registration,
+            }
+            .into());
         }
         // What is wrong with the request itself first; whether now is a good time last.
         let Some(r) = state.regions.regions().iter().find(|r| r.start == start) else {
@@ -1156,7 +1253,15 @@ impl Drop for Engine {
         self.get_finished(&mut sink);
         let buffers = std::mem::take(&mut self.lock().buffers);
         let pinned = std::mem::take(&mut self.lock().pinned);
+        let parts = std::mem::take(&mut self.lock().parts);
         let all_done = self.unfinished() == 0;
+        if all_done {
+            // Nothing in flight: the host buffers registered here may be unpinned now. Otherwise
+            // this engine stays their user for the life of the process.
+            for p in parts.into_values() {
+                hostmem::release(&p.buffers);
+            }
+        }
         if all_done {
             for start in pinned {
                 // SAFETY: nothing in flight; the engine is going away.

@@ -7,6 +7,7 @@
 //! - [`descriptor`]: validation and coalescing of `(src, dst, size)` batches;
 //! - [`region`]: the memory blockswap knows about; every address of a transfer must lie in it;
 //! - [`table`]: block tables, for transfers named by block ids;
+//! - [`hostmem`]: exactly sized host buffers for CPU caches, page-locked in pieces;
 //! - [`pool`]: reused descriptor slabs (page-locked on CUDA), never reused while in flight;
 //! - [`transfer`]: the transfer lifecycle state machine and its results;
 //! - [`completion`]: lock-free completion polling over per-lane sequence numbers;
@@ -20,6 +21,7 @@ pub mod completion;
 pub mod descriptor;
 pub mod engine;
 pub mod error;
+pub mod hostmem;
 pub mod pool;
 pub mod region;
 mod sync;

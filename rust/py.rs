@@ -13,6 +13,7 @@ use crate::backend::host::HostBackend;
 use crate::backend::{Backend, KernelBatch, KernelLauncher};
 use crate::descriptor::{DescriptorError, Direction};
 use crate::engine::{self, Engine, EngineConfig, EngineError, GroupIds, Shape};
+use crate::hostmem::{self, HostBuffer, HostBufferError, Pinner};
 use crate::pool::PoolError;
 use crate::region::MemoryKind;
 use crate::table;
@@ -88,6 +89,17 @@ impl From<EngineError> for PyErr {
             }
             EngineError::Timeout { .. } => WaitTimeoutError::new_err(msg),
             EngineError::ShutDown => ShutdownError::new_err(msg),
+        }
+    }
+}
+
+impl From<HostBufferError> for PyErr {
+    fn from(e: HostBufferError) -> PyErr {
+        match e {
+            HostBufferError::Size(_) | HostBufferError::InUse { .. } => {
+                InvalidTransferError::new_err(e.to_string())
+            }
+            HostBufferError::Backend(b) => EngineError::Backend(b).into(),
         }
     }
 }
@@ -607,6 +619,101 @@ impl PyEngine {
     }
 }
 
+/// Host memory of `rows` rows of `row_bytes` bytes, exactly that size, page-locked in pieces of
+/// whole rows of at most `piece_bytes` (on the CUDA backend; on the host backend nothing is
+/// pinned, but the pieces are recorded the same). Engines register it one region per piece.
+#[pyclass(name = "HostBuffer", module = "blockswap._core", frozen)]
+struct PyHostBuffer {
+    buf: HostBuffer,
+    backend: &'static str,
+}
+
+#[pymethods]
+impl PyHostBuffer {
+    #[new]
+    #[pyo3(signature = (rows, row_bytes, piece_bytes = hostmem::DEFAULT_PIECE_BYTES,
+        backend = "auto", device = 0))]
+    fn new(
+        py: Python<'_>,
+        rows: u64,
+        row_bytes: u64,
+        piece_bytes: u64,
+        backend: &str,
+        device: i32,
+    ) -> PyResult<Self> {
+        let cuda = match backend {
+            "host" => false,
+            "cuda" => true,
+            "auto" => cuda::driver_available().is_ok(),
+            other => {
+                return Err(invalid(format!(
+                    "backend must be 'auto', 'host' or 'cuda', not {other:?}"
+                )))
+            }
+        };
+        let buf = py.detach(|| {
+            let pinner: Option<Box<dyn Pinner>> = if cuda {
+                Some(Box::new(cuda::HostPinner::new(device)?))
+            } else {
+                None
+            };
+            HostBuffer::new(rows, row_bytes, piece_bytes, pinner)
+        })?;
+        Ok(PyHostBuffer {
+            buf,
+            backend: if cuda { "cuda" } else { "host" },
+        })
+    }
+
+    #[getter]
+    fn addr(&self) -> u64 {
+        self.buf.addr()
+    }
+
+    #[getter]
+    fn nbytes(&self) -> u64 {
+        self.buf.len()
+    }
+
+    #[getter]
+    fn rows(&self) -> u64 {
+        self.buf.rows()
+    }
+
+    #[getter]
+    fn row_bytes(&self) -> u64 {
+        self.buf.row_bytes()
+    }
+
+    /// `(address, bytes)` of each piece, in address order.
+    #[getter]
+    fn pieces(&self) -> Vec<(u64, u64)> {
+        self.buf.pieces().to_vec()
+    }
+
+    #[getter]
+    fn pinned(&self) -> bool {
+        self.buf.is_pinned()
+    }
+
+    #[getter]
+    fn backend(&self) -> &'static str {
+        self.backend
+    }
+
+    /// Engine registrations in the buffer now.
+    #[getter]
+    fn users(&self) -> usize {
+        self.buf.users()
+    }
+
+    /// Unpins every piece now (refused while engines hold registrations in it); the memory
+    /// stays mapped until the buffer is collected. Idempotent.
+    fn unpin(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| self.buf.unpin()).map_err(Into::into)
+    }
+}
+
 /// Whether the CUDA backend can start here, and if not, why.
 /// The sub-block ids a transfer of `blocks` blocks names by `chunk_ids` (chunks of `unit`
 /// sub-blocks, `num_chunks` of them: unbounded by default), starting `skip` sub-blocks into the
@@ -649,6 +756,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_class::<PyEngine>()?;
     m.add_class::<PyTransferResult>()?;
+    m.add_class::<PyHostBuffer>()?;
+    m.add("DEFAULT_PIECE_BYTES", hostmem::DEFAULT_PIECE_BYTES)?;
+    m.add("REGISTRATION_LIMIT", hostmem::REGISTRATION_LIMIT)?;
     m.add_function(wrap_pyfunction!(cuda_status, m)?)?;
     m.add_function(wrap_pyfunction!(chunk_blocks, m)?)?;
     m.add("BlockswapError", py.get_type::<BlockswapError>())?;

@@ -21,9 +21,12 @@ from ._types import (
 )
 
 __all__ = [
+    "DEFAULT_PIECE_BYTES",
+    "REGISTRATION_LIMIT",
     "BackendError",
     "BlockswapError",
     "Engine",
+    "HostBuffer",
     "InvalidTransferError",
     "PoolExhaustedError",
     "ShutdownError",
@@ -36,6 +39,8 @@ __all__ = [
 ]
 
 __version__: str
+DEFAULT_PIECE_BYTES: int
+REGISTRATION_LIMIT: int
 
 class BlockswapError(Exception): ...
 class InvalidTransferError(BlockswapError): ...
@@ -161,6 +166,34 @@ class Engine:
         _value: BaseException | None,
         _tb: TracebackType | None,
     ) -> None: ...
+
+@final
+class HostBuffer:
+    def __new__(
+        cls,
+        rows: int,
+        row_bytes: int,
+        piece_bytes: int = ...,
+        backend: BackendName = "auto",
+        device: int = 0,
+    ) -> HostBuffer: ...
+    @property
+    def addr(self) -> int: ...
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def rows(self) -> int: ...
+    @property
+    def row_bytes(self) -> int: ...
+    @property
+    def pieces(self) -> list[tuple[int, int]]: ...
+    @property
+    def pinned(self) -> bool: ...
+    @property
+    def backend(self) -> str: ...
+    @property
+    def users(self) -> int: ...
+    def unpin(self) -> None: ...
 
 def cuda_status() -> tuple[bool, str]: ...
 def chunk_blocks(

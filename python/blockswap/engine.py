@@ -359,10 +359,12 @@ class Engine:
         """Registers a block table: one side of a KV cache, where segment ``s`` of block ``b``
         is ``nbytes[s]`` bytes at ``bases[s] + b * strides[s]``. The core checks every segment's
         span, over all ``num_blocks`` blocks, against registered ``kind`` memory (``"host"`` or
-        ``"device"``) once, here. ``name`` names the table's blocks in errors. ``unit``: table
-        blocks per block the caller names (a CPU block of ``unit`` GPU-sized sub-blocks), used
-        where :meth:`submit_groups` names this side by chunk ids, and in errors. Returns the
-        table's id for :meth:`submit_blocks` and :meth:`submit_groups`."""
+        ``"device"``) once, here: one region, or adjacent ones (memory registered in pieces, see
+        :mod:`blockswap.hostmem`) where no page crosses from one into the next. ``name`` names
+        the table's blocks in errors. ``unit``: table blocks per block the caller names (a CPU
+        block of ``unit`` GPU-sized sub-blocks), used where :meth:`submit_groups` names this side
+        by chunk ids, and in errors. Returns the table's id for :meth:`submit_blocks` and
+        :meth:`submit_groups`."""
         b = as_int64("bases", bases)
         st = as_int64("strides", strides)
         nb = as_int64("nbytes", nbytes)
@@ -536,7 +538,10 @@ class Engine:
         ``obj`` is a numpy array or a torch tensor (kept alive until unregistered), or a raw
         address with ``nbytes`` and ``kind`` (``"host"`` or ``"device"``), which the caller
         vouches for. On CUDA, host memory must be page-locked and device memory must be this
-        engine's device; both are checked here, once.
+        engine's device; both are checked here, once. Host memory of a
+        :class:`~blockswap.hostmem.PinnedRows` is registered as one region per piece it covers
+        (no copy crosses from one piece into the next), all removed by one :meth:`unregister` of
+        the address returned here.
         """
         if _is_int(obj):
             if nbytes is None or kind is None:

@@ -586,6 +586,74 @@ impl Drop for PinnedHost {
     }
 }
 
+/// Page-locks `[start, start + len)` for every context (portable) and maps it into the device
+/// address space (device-mapped): how blockswap registers host memory. A context is current.
+///
+/// # Safety
+/// The range must be mapped host memory that stays mapped until [`unregister_host`].
+unsafe fn register_host(start: u64, len: u64) -> Result<(), BackendError> {
+    // SAFETY: the caller guarantees the range is mapped host memory outliving the registration.
+    check("cuMemHostRegister", unsafe {
+        sys::cuMemHostRegister_v2(
+            start as *mut c_void,
+            len as usize,
+            sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP,
+        )
+    })
+}
+
+/// Undoes [`register_host`] of the range starting at `start`. A context is current.
+///
+/// # Safety
+/// No copy may reach the range any more.
+unsafe fn unregister_host(start: u64) -> Result<(), BackendError> {
+    // SAFETY: registered by `register_host`; the caller guarantees nothing reaches it.
+    check("cuMemHostUnregister", unsafe {
+        sys::cuMemHostUnregister(start as *mut c_void)
+    })
+}
+
+/// Page-locks the pieces of a [`crate::hostmem::HostBuffer`] with the driver, in the primary
+/// context of a device (retained while the pinner lives); the registrations are portable, so
+/// every context of the process, any engine's, reaches them.
+#[derive(Debug)]
+pub struct HostPinner {
+    ctx: PrimaryCtx,
+}
+
+// SAFETY: the context handle is a driver object the driver lets any thread use; the pinner holds
+// no other state.
+unsafe impl Send for HostPinner {}
+// SAFETY: as above; every method makes the context current on the calling thread first.
+unsafe impl Sync for HostPinner {}
+
+impl HostPinner {
+    /// A pinner in the primary context of device `device`.
+    pub fn new(device: i32) -> Result<Self, BackendError> {
+        driver_available()?;
+        let mut dev = 0;
+        // SAFETY: symbols checked by `driver_available`; cuDeviceGet writes one handle.
+        check("cuDeviceGet", unsafe { sys::cuDeviceGet(&mut dev, device) })?;
+        Ok(HostPinner {
+            ctx: PrimaryCtx::retain(dev)?,
+        })
+    }
+}
+
+impl crate::hostmem::Pinner for HostPinner {
+    unsafe fn pin(&self, start: u64, len: u64) -> Result<(), BackendError> {
+        let _bound = bind(self.ctx.raw)?;
+        // SAFETY: the caller guarantees the range stays mapped until unpinned.
+        unsafe { register_host(start, len) }
+    }
+
+    unsafe fn unpin(&self, start: u64) -> Result<(), BackendError> {
+        let _bound = bind(self.ctx.raw)?;
+        // SAFETY: pinned by `pin`; the caller guarantees no copy reaches it.
+        unsafe { unregister_host(start) }
+    }
+}
+
 /// One direction's stream and completion state.
 #[derive(Debug)]
 struct CudaLane {
@@ -1296,13 +1364,7 @@ impl Backend for CudaBackend {
     unsafe fn pin_host(&self, start: u64, len: u64) -> Result<(), BackendError> {
         let _ctx = self.make_current()?;
         // SAFETY: the caller guarantees the range is allocated host memory outliving the pin.
-        check("cuMemHostRegister", unsafe {
-            sys::cuMemHostRegister_v2(
-                start as *mut c_void,
-                len as usize,
-                sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP,
-            )
-        })
+        unsafe { register_host(start, len) }
     }
 
     unsafe fn unpin_host(&self, start: u64) -> Result<(), BackendError> {
@@ -1314,9 +1376,7 @@ impl Backend for CudaBackend {
             });
         }
         // SAFETY: registered by pin_host; nothing in flight (the caller's guarantee).
-        check("cuMemHostUnregister", unsafe {
-            sys::cuMemHostUnregister(start as *mut c_void)
-        })
+        unsafe { unregister_host(start) }
     }
 
     fn submit(

@@ -1,0 +1,807 @@
+//! Host memory for large CPU caches: exactly the bytes asked for, one contiguous virtual range,
+//! page-locked in pieces.
+//!
+//! A CPU KV cache is `rows` rows of `row_bytes` (a row: a CPU sub-block or chunk, every page it
+//! holds). Allocated as one pinned tensor it costs more than it holds at serving sizes: torch's
+//! pinned allocator rounds a request up to a power of two (a 40 GiB cache takes 64 GiB), and the
+//! CUDA driver fails one registration of 512 GiB or more. A [`HostBuffer`] maps exactly the bytes
+//! asked for (an anonymous mapping, zeroed) and page-locks it in pieces ([`plan_pieces`]): each a
+//! whole number of rows, at most a given size, and ending on an OS page, since page-locking is
+//! per page and two pieces must not share one.
+//!
+//! While a buffer is pinned its pieces are recorded in a process-wide table, and
+//! [`crate::engine::Engine::register`] cuts a host registration at their boundaries: every
+//! registered region lies inside one piece, a block table may span several adjacent ones
+//! ([`crate::table`]), and no descriptor or 2-D copy crosses from one piece into the next. An
+//! engine holding such a registration is a user of the buffer: the buffer is not unpinned while
+//! it has users, and memory whose owner is dropped first is released by the last user to let go
+//! (an engine that gave up on transfers in flight never lets go: the device may still write it).
+//!
+//! On the host backend the same code runs without a driver: nothing is page-locked, but the
+//! pieces are recorded and cut registrations all the same, so the piece logic is tested without a
+//! GPU.
+
+use std::fmt;
+use std::ptr::{self, NonNull};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, MutexGuard};
+
+use crate::backend::BackendError;
+
+/// One driver registration of this many bytes or more fails (`cuMemHostRegister`): no piece may
+/// be this large.
+pub const REGISTRATION_LIMIT: u64 = 512 << 30;
+
+/// The largest piece by default: half of [`REGISTRATION_LIMIT`].
+pub const DEFAULT_PIECE_BYTES: u64 = 256 << 30;
+
+/// What a [`HostBuffer`] cannot do.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum HostBufferError {
+    /// Rows, row bytes or the piece size that cannot make a buffer, with why.
+    Size(String),
+    /// Engines still hold registrations in the buffer: unregister them first.
+    InUse { users: usize },
+    /// The mapping or a driver call failed.
+    Backend(BackendError),
+}
+
+impl fmt::Display for HostBufferError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            HostBufferError::Size(why) => f.write_str(why),
+            HostBufferError::InUse { users } => write!(
+                f,
+                "the host buffer is registered with {users} engine(s): unregister it (or shut \
+                 them down) first"
+            ),
+            HostBufferError::Backend(e) => e.fmt(f),
+        }
+    }
+}
+
+impl std::error::Error for HostBufferError {}
+
+impl From<BackendError> for HostBufferError {
+    fn from(e: BackendError) -> Self {
+        HostBufferError::Backend(e)
+    }
+}
+
+fn gcd(mut a: u64, mut b: u64) -> u64 {
+    while b != 0 {
+        (a, b) = (b, a % b);
+    }
+    a
+}
+
+/// The pieces of a buffer of `rows` rows of `row_bytes`: `(offset, bytes)` each, in order,
+/// covering the buffer. One piece where the buffer fits in `max_piece_bytes`; otherwise as many
+/// whole rows per piece as fit in it, rounded down so that every piece boundary falls on a multiple
+/// of `page` bytes (the OS page: page-locking is per page), the last piece taking the rest.
+///
+/// Refused: no row or an empty row, a size past the address space, a piece size of 0 or of
+/// [`REGISTRATION_LIMIT`] or more, a row larger than a piece, or rows whose page-aligned multiple
+/// does not fit in a piece.
+pub fn plan_pieces(
+    rows: u64,
+    row_bytes: u64,
+    max_piece_bytes: u64,
+    page: u64,
+) -> Result<Vec<(u64, u64)>, HostBufferError> {
+    let size = |why: String| Err(HostBufferError::Size(why));
+    if rows == 0 || row_bytes == 0 {
+        return size(format!(
+            "a host buffer of {rows} rows of {row_bytes} bytes: both must be positive"
+        ));
+    }
+    let total = match rows.checked_mul(row_bytes) {
+        Some(t) if t <= isize::MAX as u64 => t,
+        _ => {
+            return size(format!(
+                "{rows} rows of {row_bytes} bytes are more than the address space holds"
+            ))
+        }
+    };
+    if max_piece_bytes == 0 || max_piece_bytes >= REGISTRATION_LIMIT {
+        return size(format!(
+            "piece_bytes must be from 1 to {} (one driver registration of {} bytes or more \
+             fails), not {max_piece_bytes}",
+            REGISTRATION_LIMIT - 1,
+            REGISTRATION_LIMIT
+        ));
+    }
+    if total <= max_piece_bytes {
+        return Ok(vec![(0, total)]);
+    }
+    let fit = max_piece_bytes / row_bytes;
+    if fit == 0 {
+        return size(format!(
+            "a row of {row_bytes} bytes does not fit in a piece of {max_piece_bytes} bytes (a row \
+             is never split): raise piece_bytes"
+        ));
+    }
+    // Rows per piece must be a multiple of `quantum` for its end to fall on a page.
+    let page = page.max(1);
+    let quantum = page / gcd(row_bytes, page);
+    let per = fit / quantum * quantum;
+    if per == 0 {
+        return size(format!(
+            "pieces of rows of {row_bytes} bytes end on a {page}-byte page every {quantum} rows \
+             ({} bytes), more than a piece of {max_piece_bytes} bytes: raise piece_bytes",
+            quantum * row_bytes
+        ));
+    }
+    Ok((0..rows)
+        .step_by(per as usize)
+        .map(|first| (first * row_bytes, per.min(rows - first) * row_bytes))
+        .collect())
+}
+
+/// The OS page size.
+pub fn os_page() -> u64 {
+    // SAFETY: sysconf reads a constant of the system; no memory is passed.
+    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if p > 0 {
+        p as u64
+    } else {
+        4096
+    }
+}
+
+/// Page-locks host ranges with the driver (`cuMemHostRegister` on CUDA).
+pub trait Pinner: Send + Sync + fmt::Debug {
+    /// Page-locks `[start, start + len)`.
+    ///
+    /// # Safety
+    /// The range must be mapped host memory that stays mapped until [`Pinner::unpin`].
+    unsafe fn pin(&self, start: u64, len: u64) -> Result<(), BackendError>;
+
+    /// Undoes [`Pinner::pin`] of the range starting at `start`.
+    ///
+    /// # Safety
+    /// No copy may reach the range any more.
+    unsafe fn unpin(&self, start: u64) -> Result<(), BackendError>;
+}
+
+/// The mapping of a buffer and the pieces pinned in it: released (unpinned, then unmapped) by its
+/// owner, or by the last engine using it where the owner went first.
+#[derive(Debug)]
+struct Mapping {
+    ptr: NonNull<u8>,
+    len: usize,
+    /// `(start, bytes, pinned)` per piece.
+    pieces: Vec<(u64, u64, bool)>,
+    pinner: Option<Box<dyn Pinner>>,
+}
+
+// SAFETY: a Mapping is an owned range of host memory and a thread-safe pinner; nothing about it
+// is tied to a thread.
+unsafe impl Send for Mapping {}
+
+impl Mapping {
+    /// Unpins every piece still pinned; the first failure is returned (its piece stays pinned).
+    ///
+    /// # Safety
+    /// No copy may reach the memory any more.
+    unsafe fn unpin(&mut self) -> Result<(), BackendError> {
+        let Some(pinner) = &self.pinner else {
+            return Ok(());
+        };
+        let mut first = Ok(());
+        for (start, _, pinned) in &mut self.pieces {
+            if *pinned {
+                // SAFETY: pinned by `pin` at this start; the caller guarantees no copy reaches it.
+                match unsafe { pinner.unpin(*start) } {
+                    Ok(()) => *pinned = false,
+                    Err(e) => {
+                        if first.is_ok() {
+                            first = Err(e);
+                        }
+                    }
+                }
+            }
+        }
+        first
+    }
+
+    /// Unpins, then unmaps. Where a piece cannot be unpinned the mapping is left in place (the
+    /// driver still holds its pages): leaked, never unmapped under the driver.
+    ///
+    /// # Safety
+    /// No copy and no reference may reach the memory any more.
+    unsafe fn release(mut self) {
+        // SAFETY: the caller's guarantee.
+        if unsafe { self.unpin() }.is_err() {
+            return;
+        }
+        self.pinner = None;
+        // SAFETY: mapped by `map` with this length; nothing reaches it any more.
+        unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
+    }
+}
+
+/// A buffer's pieces in the process-wide table, while pinned (see the module's documentation).
+#[derive(Debug)]
+struct Live {
+    id: u64,
+    start: u64,
+    end: u64,
+    /// Starts of the pieces after the first.
+    cuts: Vec<u64>,
+    /// Engine registrations in the buffer.
+    users: usize,
+    /// The buffer's memory, where its owner was dropped while engines still used it: the last
+    /// user releases it.
+    orphan: Option<Mapping>,
+}
+
+static LIVE: Mutex<Vec<Live>> = Mutex::new(Vec::new());
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+fn live() -> MutexGuard<'static, Vec<Live>> {
+    // Every mutation is a single push, remove or field update: a poisoned lock holds consistent
+    // data.
+    LIVE.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// `[start, start + len)` cut where a piece of a pinned buffer begins or ends inside it, as
+/// `(start, bytes, seam)`: `seam` where the part begins at such a boundary (see
+/// [`crate::region::Region::seam`]); and the buffers it overlaps, each counting one more user
+/// until [`release`]. A range in no buffer comes back whole, with none. `len` must be positive and
+/// `start + len` must not overflow.
+pub(crate) fn acquire(start: u64, len: u64) -> (Vec<(u64, u64, bool)>, Vec<u64>) {
+    let end = start + len;
+    let mut cuts = Vec::new();
+    let mut ids = Vec::new();
+    let mut seam = false;
+    for b in live().iter_mut().filter(|b| b.start < end && start < b.end) {
+        b.users += 1;
+        ids.push(b.id);
+        let edges = [b.start, b.end].into_iter().chain(b.cuts.iter().copied());
+        for c in edges {
+            seam |= c == start;
+            if start < c && c < end {
+                cuts.push(c);
+            }
+        }
+    }
+    cuts.sort_unstable();
+    cuts.dedup();
+    let mut parts = Vec::with_capacity(cuts.len() + 1);
+    let mut at = start;
+    for c in cuts {
+        parts.push((at, c - at, seam));
+        at = c;
+        seam = true;
+    }
+    parts.push((at, end - at, seam));
+    (parts, ids)
+}
+
+/// Undoes one [`acquire`] of each buffer in `ids`. The last user of a buffer whose owner is gone
+/// releases its memory.
+pub(crate) fn release(ids: &[u64]) {
+    let mut freed = Vec::new();
+    {
+        let mut table = live();
+        for id in ids {
+            if let Some(i) = table.iter().position(|b| b.id == *id) {
+                table[i].users -= 1;
+                if table[i].users == 0 && table[i].orphan.is_some() {
+                    freed.extend(table.remove(i).orphan);
+                }
+            }
+        }
+    }
+    for m in freed {
+        // SAFETY: its owner is gone and so is its last registration: nothing reaches it.
+        unsafe { m.release() };
+    }
+}
+
+/// A host buffer of `rows` rows of `row_bytes`, exactly that size, page-locked in pieces of whole
+/// rows where a [`Pinner`] is given (see the module's documentation). Unpinned and unmapped when
+/// dropped (or later, by the last engine still registered in it).
+#[derive(Debug)]
+pub struct HostBuffer {
+    id: u64,
+    addr: u64,
+    len: u64,
+    rows: u64,
+    row_bytes: u64,
+    /// `(start, bytes)` per piece.
+    pieces: Vec<(u64, u64)>,
+    /// `None` once handed over (drop) or in a forked child's copy.
+    mapping: Mutex<Option<Mapping>>,
+    /// [`crate::engine::fork_generation`] when made.
+    generation: u64,
+}
+
+impl HostBuffer {
+    /// Maps `rows * row_bytes` bytes and page-locks them with `pinner` in pieces of at most
+    /// `max_piece_bytes` ([`plan_pieces`]); without a pinner nothing is page-locked, but the
+    /// pieces are recorded all the same. A failure undoes everything done so far.
+    pub fn new(
+        rows: u64,
+        row_bytes: u64,
+        max_piece_bytes: u64,
+        pinner: Option<Box<dyn Pinner>>,
+    ) -> Result<Self, HostBufferError> {
+        crate::engine::install_fork_hook();
+        let plan = plan_pieces(rows, row_bytes, max_piece_bytes, os_page())?;
+        let len = (rows * row_bytes) as usize;
+        // SAFETY: a new anonymous private mapping where the kernel chooses; no existing memory is
+        // touched.
+        let p = unsafe {
+            libc::mmap(
+                ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(BackendError::OutOfMemory { bytes: len }.into());
+        }
+        let ptr = NonNull::new(p.cast::<u8>()).ok_or(BackendError::OutOfMemory { bytes: len })?;
+        let addr = ptr.as_ptr() as u64;
+        if pinner.is_some() {
+            // Advice only, so failures are ignored. Huge pages: fewer pages to fault in and lock.
+            // Not inherited by a fork: the kernel would copy every pinned page into the child
+            // at once (and the child's copy is none of the driver's business).
+            // SAFETY: advice on the mapping just made; no memory is read or written.
+            unsafe {
+                libc::madvise(p, len, libc::MADV_HUGEPAGE);
+                libc::madvise(p, len, libc::MADV_DONTFORK);
+            }
+        }
+        let mut mapping = Mapping {
+            ptr,
+            len,
+            pieces: plan.iter().map(|&(o, n)| (addr + o, n, false)).collect(),
+            pinner,
+        };
+        if let Some(pinner) = &mapping.pinner {
+            for i in 0..mapping.pieces.len() {
+                let (start, n, _) = mapping.pieces[i];
+                // SAFETY: inside the mapping, which stays mapped until the pieces are unpinned.
+                if let Err(e) = unsafe { pinner.pin(start, n) } {
+                    // SAFETY: never shared: nothing reaches the memory.
+                    unsafe { mapping.release() };
+                    return Err(e.into());
+                }
+                mapping.pieces[i].2 = true;
+            }
+        }
+        let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
+        let pieces: Vec<(u64, u64)> = mapping.pieces.iter().map(|&(s, n, _)| (s, n)).collect();
+        live().push(Live {
+            id,
+            start: addr,
+            end: addr + len as u64,
+            cuts: pieces.iter().skip(1).map(|p| p.0).collect(),
+            users: 0,
+            orphan: None,
+        });
+        Ok(HostBuffer {
+            id,
+            addr,
+            len: len as u64,
+            rows,
+            row_bytes,
+            pieces,
+            mapping: Mutex::new(Some(mapping)),
+            generation: crate::engine::fork_generation(),
+        })
+    }
+
+    pub fn addr(&self) -> u64 {
+        self.addr
+    }
+
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn rows(&self) -> u64 {
+        self.rows
+    }
+
+    pub fn row_bytes(&self) -> u64 {
+        self.row_bytes
+    }
+
+    /// `(start, bytes)` of each piece, in address order.
+    pub fn pieces(&self) -> &[(u64, u64)] {
+        &self.pieces
+    }
+
+    fn mapping(&self) -> MutexGuard<'_, Option<Mapping>> {
+        self.mapping.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether the pieces are page-locked now (never on the host backend).
+    pub fn is_pinned(&self) -> bool {
+        self.mapping()
+            .as_ref()
+            .is_some_and(|m| m.pieces.iter().any(|p| p.2))
+    }
+
+    /// Engine registrations in the buffer now.
+    pub fn users(&self) -> usize {
+        live()
+            .iter()
+            .find(|b| b.id == self.id)
+            .map_or(0, |b| b.users)
+    }
+
+    /// Unpins every piece now and forgets them (registrations are no longer cut at them); the
+    /// memory stays mapped until the buffer is dropped. Refused while engines hold registrations
+    /// in it. Idempotent.
+    pub fn unpin(&self) -> Result<(), HostBufferError> {
+        if crate::engine::fork_generation() != self.generation {
+            return Err(BackendError::Forked.into());
+        }
+        let mut mapping = self.mapping();
+        {
+            let mut table = live();
+            if let Some(i) = table.iter().position(|b| b.id == self.id) {
+                if table[i].users > 0 {
+                    return Err(HostBufferError::InUse {
+                        users: table[i].users,
+                    });
+                }
+                table.remove(i);
+            }
+        }
+        match mapping.as_mut() {
+            // SAFETY: no engine holds a registration in it, so no copy can reach it.
+            Some(m) => unsafe { m.unpin() }.map_err(Into::into),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for HostBuffer {
+    fn drop(&mut self) {
+        let Some(mapping) = self.mapping().take() else {
+            return;
+        };
+        if crate::engine::fork_generation() != self.generation {
+            // A forked child's copy: the driver state and the pinner are the parent's.
+            std::mem::forget(mapping);
+            return;
+        }
+        {
+            let mut table = live();
+            if let Some(i) = table.iter().position(|b| b.id == self.id) {
+                if table[i].users > 0 {
+                    // Engines still hold registrations: the last one releases the memory.
+                    table[i].orphan = Some(mapping);
+                    return;
+                }
+                table.remove(i);
+            }
+        }
+        // SAFETY: no engine holds a registration in it and its owner is going away.
+        unsafe { mapping.release() };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::{Arc, Mutex as StdMutex};
+
+    #[test]
+    fn pieces_are_whole_rows_ending_on_pages() {
+        const G: u64 = 1 << 30;
+        // Fits: one piece, whatever the alignment.
+        assert_eq!(plan_pieces(10, 100, 1000, 4096).unwrap(), vec![(0, 1000)]);
+        assert_eq!(plan_pieces(3, 4096, 3 * 4096, 4096).unwrap().len(), 1);
+        // 10 rows of a page, 3 per piece.
+        let p = plan_pieces(10, 4096, 3 * 4096 + 100, 4096).unwrap();
+        assert_eq!(
+            p,
+            vec![
+                (0, 3 * 4096),
+                (3 * 4096, 3 * 4096),
+                (6 * 4096, 3 * 4096),
+                (9 * 4096, 4096)
+            ]
+        );
+        // Rows of 1,536 bytes end on a 4,096-byte page every 8 rows (12 KiB): 19 rows fit in
+        // 30,000 bytes, 16 are taken.
+        let p = plan_pieces(20, 1536, 30_000, 4096).unwrap();
+        assert_eq!(p, vec![(0, 24576), (24576, 6144)]);
+        let e = plan_pieces(20, 1536, 10_000, 4096).unwrap_err().to_string();
+        assert!(e.contains("every 8 rows"), "{e}");
+        // 6 GiB of 2 MiB rows in 1 GiB pieces: six of 512 rows, no rounding.
+        let p = plan_pieces(3072, 2 << 20, G, 4096).unwrap();
+        assert_eq!(p.len(), 6);
+        assert!(p.iter().all(|&(_, n)| n == G));
+        // The limits.
+        let e = plan_pieces(4, 100, 99, 4096).unwrap_err().to_string();
+        assert!(e.contains("does not fit in a piece"), "{e}");
+        assert!(plan_pieces(0, 100, G, 4096).is_err());
+        assert!(plan_pieces(4, 0, G, 4096).is_err());
+        assert!(plan_pieces(u64::MAX, 2, G, 4096).is_err());
+        assert!(plan_pieces(4, 100, 0, 4096).is_err());
+        let e = plan_pieces(4, 100, REGISTRATION_LIMIT, 4096)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("or more fails"), "{e}");
+        // A terabyte of 2 MiB rows: four pieces of 256 GiB by default, each under the limit.
+        let p = plan_pieces(1 << 19, 2 << 20, DEFAULT_PIECE_BYTES, 4096).unwrap();
+        assert_eq!(p.len(), 4);
+        assert!(p.iter().all(|&(_, n)| n < REGISTRATION_LIMIT));
+    }
+
+    proptest::proptest! {
+        /// Pieces tile the buffer in order, each of whole rows, at most the piece size (where
+        /// there is more than one), every boundary on a page.
+        #[test]
+        fn pieces_tile_the_buffer(
+            rows in 1u64..5000,
+            row in 1u64..20_000,
+            piece in 1u64..400_000,
+            page in proptest::sample::select(vec![1u64, 4096, 65536]),
+        ) {
+            let Ok(p) = plan_pieces(rows, row, piece, page) else {
+                // Refused only where no page-aligned whole number of rows fits.
+                let q = page / gcd(row, page);
+                proptest::prop_assert!(rows * row > piece && q * row > piece);
+                return Ok(());
+            };
+            let mut at = 0;
+            for &(o, n) in &p {
+                proptest::prop_assert_eq!(o, at);
+                proptest::prop_assert!(n > 0 && n % row == 0);
+                if p.len() > 1 {
+                    proptest::prop_assert!(n <= piece);
+                    proptest::prop_assert_eq!(o % page, 0);
+                }
+                at += n;
+            }
+            proptest::prop_assert_eq!(at, rows * row);
+        }
+    }
+
+    /// Records pins and unpins; fails the `fail_at`-th pin (from 0).
+    #[derive(Debug, Default)]
+    struct Recorder {
+        log: StdMutex<Vec<(char, u64)>>,
+        fail_at: Option<usize>,
+    }
+
+    impl Pinner for Arc<Recorder> {
+        unsafe fn pin(&self, start: u64, _len: u64) -> Result<(), BackendError> {
+            let mut log = self.log.lock().unwrap();
+            if self.fail_at == Some(log.iter().filter(|e| e.0 == 'p').count()) {
+                return Err(BackendError::Driver {
+                    call: "cuMemHostRegister",
+                    code: 2,
+                    name: "CUDA_ERROR_OUT_OF_MEMORY".into(),
+                });
+            }
+            log.push(('p', start));
+            Ok(())
+        }
+
+        unsafe fn unpin(&self, start: u64) -> Result<(), BackendError> {
+            self.log.lock().unwrap().push(('u', start));
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_buffer_pins_its_pieces_and_unpins_them_once() {
+        let rec = Arc::new(Recorder::default());
+        let b = HostBuffer::new(10, 4096, 3 * 4096, Some(Box::new(rec.clone()))).unwrap();
+        assert_eq!(b.len(), 10 * 4096);
+        assert_eq!(b.pieces().len(), 4);
+        assert!(b.is_pinned());
+        // Zeroed, and every byte writable.
+        // SAFETY: the buffer's own mapping, alive until `b` drops.
+        let bytes = unsafe { std::slice::from_raw_parts_mut(b.addr() as *mut u8, 10 * 4096) };
+        assert!(bytes.iter().all(|&x| x == 0));
+        bytes.fill(7);
+        let starts: Vec<u64> = b.pieces().iter().map(|p| p.0).collect();
+        let pins: Vec<(char, u64)> = starts.iter().map(|&s| ('p', s)).collect();
+        assert_eq!(*rec.log.lock().unwrap(), pins);
+        b.unpin().unwrap();
+        b.unpin().unwrap();
+        assert!(!b.is_pinned());
+        drop(b);
+        let log = rec.log.lock().unwrap();
+        let unpins: Vec<(char, u64)> = starts.iter().map(|&s| ('u', s)).collect();
+        assert_eq!(log[4..], unpins[..], "each piece unpinned once: {log:?}");
+    }
+
+    #[test]
+    fn a_failed_pin_undoes_the_pieces_before_it() {
+        let rec = Arc::new(Recorder {
+            fail_at: Some(2),
+            ..Default::default()
+        });
+        let e = HostBuffer::new(10, 4096, 3 * 4096, Some(Box::new(rec.clone()))).unwrap_err();
+        assert!(e.to_string().contains("cuMemHostRegister"), "{e}");
+        let log = rec.log.lock().unwrap();
+        let (a, b) = (log[0].1, log[1].1);
+        assert_eq!(*log, vec![('p', a), ('p', b), ('u', a), ('u', b)]);
+    }
+
+    #[test]
+    fn registrations_are_cut_at_pieces_and_counted() {
+        let b = HostBuffer::new(10, 4096, 3 * 4096, None).unwrap();
+        assert!(!b.is_pinned());
+        let a = b.addr();
+        let (parts, ids) = acquire(a + 100, 7 * 4096);
+        assert_eq!(
+            parts,
+            vec![
+                (a + 100, 3 * 4096 - 100, false),
+                (a + 3 * 4096, 3 * 4096, true),
+                (a + 6 * 4096, 4096 + 100, true)
+            ]
+        );
+        assert_eq!(b.users(), 1);
+        assert!(matches!(
+            b.unpin(),
+            Err(HostBufferError::InUse { users: 1 })
+        ));
+        release(&ids);
+        assert_eq!(b.users(), 0);
+        // A range outside every buffer is whole; one from a piece's start begins at a seam.
+        let (parts, ids) = acquire(8, 16);
+        assert_eq!((parts, ids.len()), (vec![(8, 16, false)], 0));
+        let (parts, ids) = acquire(a + 3 * 4096, 4096);
+        assert_eq!(parts, vec![(a + 3 * 4096, 4096, true)]);
+        release(&ids);
+        // Dropped while registered: released by the last user.
+        let (_, ids) = acquire(a, 4096);
+        drop(b);
+        assert!(live().iter().any(|l| l.id == ids[0] && l.orphan.is_some()));
+        release(&ids);
+        assert!(!live().iter().any(|l| l.id == ids[0]));
+    }
+
+    #[test]
+    fn an_engine_registers_a_buffer_piece_by_piece_and_moves_blocks_across_pieces() {
+        use crate::backend::host::HostBackend;
+        use crate::descriptor::Direction;
+        use crate::engine::{Engine, EngineConfig, EngineError};
+        use crate::region::{MemoryKind, RegionError};
+        use std::time::Duration;
+
+        // A CPU cache of 10 rows of two 2 KiB pages in pieces of 3 rows, and a "GPU" of 10
+        // blocks.
+        let (rows, page) = (10u64, 2048u64);
+        let cpu = HostBuffer::new(rows, 2 * page, 3 * 2 * page, None).unwrap();
+        let mut gpu: Vec<u8> = (0..rows * 2 * page)
+            .map(|i| (i * 31 + i / 7) as u8)
+            .collect();
+        let g = gpu.as_mut_ptr() as u64;
+        let engine = Engine::new(Arc::new(HostBackend::new()), EngineConfig::default());
+        let c = cpu.addr();
+        // SAFETY: both outlive the engine's registrations (unregistered below, then dropped).
+        unsafe {
+            engine.register(c, cpu.len(), MemoryKind::Host).unwrap();
+            engine
+                .register(g, gpu.len() as u64, MemoryKind::Device)
+                .unwrap();
+        }
+        assert_eq!(cpu.users(), 1);
+        assert!(matches!(
+            cpu.unpin(),
+            Err(HostBufferError::InUse { users: 1 })
+        ));
+        // A piece is not a registration of its own.
+        assert!(matches!(
+            engine.unregister(c + 3 * 2 * page),
+            Err(EngineError::Region(RegionError::PartOf { registration, .. })) if registration == c
+        ));
+        // Block-major: segment s of block b at c + b * row + s * page; layers of the GPU side.
+        let cpu_t = engine
+            .register_table(
+                vec![c, c + page],
+                vec![2 * page; 2],
+                vec![page; 2],
+                rows,
+                MemoryKind::Host,
+                "CPU",
+                1,
+            )
+            .unwrap();
+        let gpu_t = engine
+            .register_table(
+                vec![g, g + rows * page],
+                vec![page; 2],
+                vec![page; 2],
+                rows,
+                MemoryKind::Device,
+                "GPU",
+                1,
+            )
+            .unwrap();
+        // Consecutive blocks across both piece boundaries, then back into other blocks.
+        let (there, back) = ([1u64, 2, 3, 4, 5, 6, 7], [3u64, 4, 5, 6, 7, 8, 9]);
+        engine
+            .submit_blocks(
+                1,
+                gpu_t,
+                &there,
+                cpu_t,
+                &there,
+                Direction::DeviceToHost,
+                None,
+                None,
+            )
+            .unwrap();
+        engine.wait(&[1], Some(Duration::from_secs(30))).unwrap();
+        let want = gpu.clone();
+        gpu.fill(0);
+        engine
+            .submit_block_runs(
+                2,
+                cpu_t,
+                &there,
+                gpu_t,
+                &back,
+                Direction::HostToDevice,
+                None,
+            )
+            .unwrap();
+        engine.wait(&[2], Some(Duration::from_secs(30))).unwrap();
+        let mut results = Vec::new();
+        engine.get_finished(&mut results);
+        assert!(results.iter().all(|r| r.success), "{results:?}");
+        for (&s, &d) in there.iter().zip(&back) {
+            for l in 0..2 {
+                let at = |b: u64| ((l * rows + b) * page) as usize;
+                assert_eq!(
+                    gpu[at(d)..at(d) + page as usize],
+                    want[at(s)..at(s) + page as usize]
+                );
+            }
+        }
+        // Unregistered as one, and the buffer is free to unpin.
+        engine.unregister_table(cpu_t).unwrap();
+        engine.unregister(c).unwrap();
+        assert_eq!(cpu.users(), 0);
+        cpu.unpin().unwrap();
+        // Registered again after unpinning: one region, no pieces any more.
+        // SAFETY: as above.
+        unsafe { engine.register(c, cpu.len(), MemoryKind::Host).unwrap() };
+        engine.unregister(c).unwrap();
+        drop(engine);
+        drop(gpu);
+    }
+
+    #[test]
+    fn an_engine_dropped_with_a_registration_lets_go_of_the_buffer() {
+        use crate::backend::host::HostBackend;
+        use crate::engine::{Engine, EngineConfig};
+        use crate::region::MemoryKind;
+
+        let buf = HostBuffer::new(8, 4096, 2 * 4096, None).unwrap();
+        let engine = Engine::new(Arc::new(HostBackend::new()), EngineConfig::default());
+        // SAFETY: the buffer outlives the engine.
+        unsafe {
+            engine
+                .register(buf.addr(), buf.len(), MemoryKind::Host)
+                .unwrap()
+        };
+        assert_eq!(buf.users(), 1);
+        drop(engine);
+        assert_eq!(buf.users(), 0);
+        buf.unpin().unwrap();
+    }
+}
