@@ -546,3 +546,126 @@ def test_real_models_caches_round_trip_byte_exact(
                     assert not got[b].any(), (name, b)
     finally:
         w.shutdown()
+
+
+# ---- the CPU cache in pieces ------------------------------------------------------------------
+
+
+def page_of_4_tensors(seed: int, n_gpu: int, page: int = 1024, device: str = "cpu") -> Any:
+    """Four tensors of one group with pages of ``page`` bytes: a CPU sub-block of ``4 * page``."""
+    gen = torch.Generator().manual_seed(seed)
+    ts = [
+        torch.randint(-128, 128, (n_gpu, page), dtype=torch.int8, generator=gen).to(device)
+        for _ in range(4)
+    ]
+    kv = CanonicalKVCaches(
+        tensors=[CanonicalKVCacheTensor(t, page) for t in ts],
+        group_data_refs=[[CanonicalKVCacheRef(i, page) for i in range(4)]],
+    )
+    return kv, ts
+
+
+@pytest.mark.parametrize("bpc", [1, 4])
+def test_a_cache_in_small_pieces_moves_the_bytes_of_one_registered_whole(
+    bpc: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The worker's CPU cache page-locked (on the host backend: recorded) in pieces of 3
+    sub-blocks, against one in one piece: stores and loads of consecutive chunks across piece
+    boundaries, with offsets at both ends, leave the same bytes in both caches and on both GPUs."""
+    n_gpu, n_chunks, row = 48, 10, 4 * 1024
+    kv_a, ts_a = page_of_4_tensors(bpc, n_gpu)
+    kv_b, ts_b = page_of_4_tensors(bpc, n_gpu)
+    whole = BlockswapOffloadingWorker(kv_a, bpc, n_chunks, backend="host")
+    with caplog.at_level("INFO", logger="blockswap.vllm"):
+        pieces = BlockswapOffloadingWorker(
+            kv_b, bpc, n_chunks, backend="host", pin_piece_bytes=3 * row
+        )
+    try:
+        rows = n_chunks * bpc
+        assert whole.host_memory is not None and len(whole.host_memory.pieces) == 1
+        m = pieces.host_memory
+        assert m is not None and m.nbytes == rows * row == pieces.cpu_cache.nbytes  # type: ignore[union-attr]
+        assert [n for _, n in m.pieces] == [3 * row] * (rows // 3) + [row] * (rows % 3)
+        assert m.users == 2  # the worker's two engines
+        n_pieces = -(-rows // 3)
+        assert f"in {n_pieces} pieces of at most" in caplog.text
+        skip = bpc - 1
+        perm = torch.randperm(n_gpu, generator=torch.Generator().manual_seed(7)).tolist()
+        moves = [
+            # Consecutive chunks over piece boundaries, partial at both ends where bpc > 1.
+            (True, list(range(3 * bpc - 2 * skip)), [2, 3, 4], skip),
+            (True, perm[: 2 * bpc], [n_chunks - 1, 0], 0),
+            (False, perm[10 : 10 + 3 * bpc - 2 * skip], [2, 3, 4], skip),
+            (False, perm[20 : 20 + 2 * bpc], [0, n_chunks - 1], 0),
+        ]
+        for job, (store, gpu, chunks, start) in enumerate(moves):
+            spec = GPULoadStoreSpec(gpu, (len(gpu),), (start,))
+            for w, kv in ((whole, kv_a), (pieces, kv_b)):
+                run(w, kv, job, store, spec, CPULoadStoreSpec(chunks))
+            assert torch.equal(whole.cpu_cache, pieces.cpu_cache), job  # type: ignore[arg-type]
+            for a, b in zip(ts_a, ts_b):
+                assert torch.equal(a, b), job
+        # The chunks really hold the stored pages (the comparison is not of two empty caches).
+        assert whole.cpu_cache is not None and whole.cpu_cache.any()
+    finally:
+        whole.shutdown()
+        pieces.shutdown()
+    assert pieces.cpu_cache is None and pieces.host_memory is None and m.users == 0
+
+
+@pytest.mark.cuda
+def test_a_6_gib_cache_is_pinned_in_1_gib_pieces_without_rounding(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A CPU cache of 6 GiB page-locked in six registrations of 1 GiB (512 sub-blocks of 2 MiB):
+    exactly 6 GiB (torch's pinned allocator would take 8), one log line with the size, the
+    pieces and the time; blocks stored into consecutive chunks across a piece boundary come back
+    byte for byte."""
+    page, n_gpu, bpc = 2 << 20, 64, 4
+    n_chunks = (6 << 30) // (page * bpc)  # 768 chunks of 8 MiB
+    gen = torch.Generator().manual_seed(6)
+    t = torch.randint(-128, 128, (n_gpu, page), dtype=torch.int8, generator=gen).to("cuda")
+    kv = CanonicalKVCaches([CanonicalKVCacheTensor(t, page)], [[CanonicalKVCacheRef(0, page)]])
+    host_stats = getattr(torch.cuda, "host_memory_stats", None)
+    before = host_stats() if host_stats else None
+    with caplog.at_level("INFO", logger="blockswap.vllm"):
+        w = BlockswapOffloadingWorker(kv, bpc, n_chunks, backend="cuda", pin_piece_bytes=1 << 30)
+    try:
+        m = w.host_memory
+        assert m is not None and w.cpu_cache is not None
+        assert m.nbytes == 6 << 30 and w.cpu_cache.nbytes == 6 << 30
+        assert w.cpu_cache.shape == (n_chunks * bpc, page)
+        assert m.pinned and w.cpu_cache.is_pinned()
+        assert [n for _, n in m.pieces] == [1 << 30] * 6
+        assert [a for a, _ in m.pieces] == [m.addr + k * (1 << 30) for k in range(6)]
+        assert m.users == 2
+        if host_stats is not None:
+            # Not from torch's pinned allocator (which rounds up to a power of two).
+            after = host_stats()
+            key = "allocated_bytes.current"
+            assert after.get(key, 0) == (before or {}).get(key, 0)
+        (line,) = [r.getMessage() for r in caplog.records if "CPU KV cache" in r.getMessage()]
+        assert line.startswith("CPU KV cache: 6.00 GiB (768 chunks of 4 blocks, 2097152 bytes")
+        assert "pinned in 6 pieces of at most 1.00 GiB in" in line
+        # Chunks 126-129 are sub-blocks 504-519: across the boundary at 512 (1 GiB). With a skip of
+        # 2 the first and the last chunk are partial.
+        blocks = list(range(0, 14))
+        chunks = [126, 127, 128, 129]
+        before_gpu = t.clone()
+        spec = GPULoadStoreSpec(blocks, (len(blocks),), (2,))
+        run(w, kv, 1, True, spec, CPULoadStoreSpec(chunks))
+        torch.cuda.synchronize()
+        subs = [chunks[(2 + i) // bpc] * bpc + (2 + i) % bpc for i in range(len(blocks))]
+        cpu = w.cpu_cache
+        for b, s in zip(blocks, subs):
+            assert torch.equal(cpu[s], before_gpu[b].cpu()), (b, s)
+        t.zero_()
+        back = list(range(32, 46))
+        run(w, kv, 2, False, GPULoadStoreSpec(back, (len(back),), (2,)), CPULoadStoreSpec(chunks))
+        torch.cuda.synchronize()
+        for src, dst in zip(blocks, back):
+            assert torch.equal(t[dst], before_gpu[src]), (src, dst)
+        assert not t[: back[0]].any() and not t[back[-1] + 1 :].any()
+    finally:
+        w.shutdown()
+    assert w.host_memory is None and not m.pinned

@@ -103,6 +103,7 @@ except ModuleNotFoundError as e:
 from ._core import BlockswapError, InvalidTransferError, ShutdownError, TransferResult, cuda_status
 from ._types import Direction
 from .engine import Engine, check_job_id, check_job_ids
+from .hostmem import DEFAULT_PIECE_BYTES, PinnedRows, size_text
 from .layout import (
     LAYOUTS,
     BlockTable,
@@ -632,10 +633,16 @@ class CpuGpuHandlers:
     given, only their number of blocks); any dtype works (bytes are bytes), pages may be padded.
 
     ``cpu_caches``: the CPU cache, in the structure of ``gpu_caches``; by default it is allocated
-    here (:func:`~blockswap.layout.make_cpu_cache_like`, page-locked on CUDA) and freed by
-    :meth:`shutdown`. A given one must match the GPU tensors (dtype, and shape except the block
-    dim, which holds ``num_cpu_blocks * block_size_factor`` sub-blocks) and, on CUDA, be pinned;
-    it stays the caller's.
+    here (block-major, :func:`~blockswap.layout.make_block_major_cpu_cache`; ``cpu_layout=
+    "mirror"``: :func:`~blockswap.layout.make_cpu_cache_like`) and freed by :meth:`shutdown`. It is
+    allocated by :class:`~blockswap.hostmem.PinnedRows`: exactly the bytes it holds, page-locked
+    on CUDA in pieces of whole sub-blocks (mirror: whole pages) of at most ``pin_piece_bytes``
+    (:data:`~blockswap.hostmem.DEFAULT_PIECE_BYTES`; one driver registration of 512 GiB or more
+    fails), each piece registered with the engine as a region of its own: no copy crosses from one
+    piece into the next. A given cache must match the GPU tensors (dtype, and shape except the
+    block dim, which holds ``num_cpu_blocks * block_size_factor`` sub-blocks) and, on CUDA, be
+    pinned; it stays the caller's (memory of a :class:`~blockswap.hostmem.PinnedRows` is
+    registered piece by piece too).
 
     ``backend``: ``"auto"`` (CUDA when the GPU tensors are on a CUDA device and a driver is
     present, else the host backend), ``"cuda"`` or ``"host"``. On CUDA the engine runs on the
@@ -680,6 +687,7 @@ class CpuGpuHandlers:
         calibrate: bool = False,
         cpu_layout: str = "block_major",
         load_waits_for_compute: bool = False,
+        pin_piece_bytes: int = DEFAULT_PIECE_BYTES,
         **engine_options: Any,
     ) -> None:
         self._lock = threading.Lock()
@@ -752,8 +760,24 @@ class CpuGpuHandlers:
         self.cpu_chunks: list[torch.Tensor] | None = None
         if cpu_layout not in ("block_major", "mirror"):
             raise ValueError(f"cpu_layout must be 'block_major' or 'mirror', not {cpu_layout!r}")
+        _check_positive_int("pin_piece_bytes", pin_piece_bytes)
+        #: The host memory of the CPU cache allocated here, unpinned by :meth:`shutdown`.
+        self._host_memory: list[PinnedRows] = []
         if cpu_caches is None:
             t0 = time.perf_counter()
+
+            def allocate(rows: int, row_bytes: int) -> torch.Tensor:
+                buf = PinnedRows(
+                    rows,
+                    row_bytes,
+                    piece_bytes=pin_piece_bytes,
+                    backend="cuda" if on_cuda else "host",
+                    device=device_index or 0,
+                    log_line=False,
+                )
+                self._host_memory.append(buf)
+                return buf.tensor()
+
             with torch.cuda.device(device_index) if on_cuda else contextlib.nullcontext():
                 if cpu_layout == "block_major":
                     made = [
@@ -762,7 +786,7 @@ class CpuGpuHandlers:
                             self.num_cpu_blocks,
                             layout=lay,
                             block_size_factor=f,
-                            pin_memory=on_cuda,
+                            allocate_rows=allocate,
                         )
                         for ts, lay in zip(gpu_groups, layouts)
                     ]
@@ -775,14 +799,20 @@ class CpuGpuHandlers:
                             self.num_cpu_blocks,
                             layout=lay,
                             block_size_factor=f,
-                            pin_memory=on_cuda,
+                            allocate_rows=allocate,
                         )
                         for ts, lay in zip(gpu_groups, layouts)
                     ]
+            pieces = sum(len(b.pieces) for b in self._host_memory)
             log.info(
-                "CPU cache: %.1f MiB of %s host memory for %d blocks in %.3f s",
-                sum(t.numel() * t.element_size() for ts in cpu_groups for t in ts) / 2**20,
+                "CPU cache: %s of %s host memory in %d piece%s (%d allocation%s) for %d blocks "
+                "in %.3f s",
+                size_text(sum(b.nbytes for b in self._host_memory)),
                 "pinned" if on_cuda else "unpinned (host backend)",
+                pieces,
+                "" if pieces == 1 else "s",
+                len(self._host_memory),
+                "" if len(self._host_memory) == 1 else "s",
                 self.num_cpu_blocks,
                 time.perf_counter() - t0,
             )
@@ -1011,6 +1041,14 @@ class CpuGpuHandlers:
         return self._cpu_caches
 
     @property
+    def host_memory(self) -> tuple[PinnedRows, ...]:
+        """The host memory of the CPU cache allocated here (one
+        :class:`~blockswap.hostmem.PinnedRows` per group, or per layer tensor of a mirrored
+        cache), with its pieces; empty where the cache is the caller's or after
+        :meth:`shutdown`."""
+        return tuple(self._host_memory)
+
+    @property
     def gpu_caches(self) -> list[list[torch.Tensor]]:
         """The GPU tensors, one list per KV-cache group (even for one group)."""
         if self._gpu_caches is None:
@@ -1104,9 +1142,10 @@ class CpuGpuHandlers:
 
     def shutdown(self) -> None:
         """Drains the transfers in flight (both directions), then unregisters the memory and frees
-        the CPU cache allocated here, exactly once: a second call is a no-op. Results of every
-        transfer, including those in flight at the call, are still returned by ``get_finished``;
-        ``transfer_async`` raises :class:`~blockswap.ShutdownError` afterwards."""
+        the CPU cache allocated here (unpinned at once; unmapped once no tensor views it), exactly
+        once: a second call is a no-op. Results of every transfer, including those in flight at
+        the call, are still returned by ``get_finished``; ``transfer_async`` raises
+        :class:`~blockswap.ShutdownError` afterwards."""
         with self._lock:
             if self._shut:
                 return
@@ -1139,6 +1178,16 @@ class CpuGpuHandlers:
                 _leaked.append(
                     (self._gpu_caches, self._cpu_caches, self.gpu_tables, self.cpu_tables)
                 )
+            else:
+                # Nothing of this engine reaches the CPU cache any more: the driver lets go of
+                # it now (unless another engine was given it too; then the last user does).
+                for buf in self._host_memory:
+                    try:
+                        buf.unpin()
+                    except BlockswapError as e:
+                        log.info("CPU cache kept pinned: %s", e)
+            self._host_memory = []
+            self.cpu_chunks = None
             self._registered = []
             self.gpu_tables = []
             self.cpu_tables = []

@@ -23,12 +23,16 @@ CPU block ``c`` is sub-blocks ``c * factor .. c * factor + factor - 1``. A CPU t
 :meth:`BlockTable.from_tensors` counts sub-blocks; the engine maps CPU block ids to them
 (:func:`expand_sub_blocks` shows the rule: expand, drop the first ``skip`` sub-blocks, take
 ``count``). :func:`make_block_major_cpu_cache` lays each sub-block's pages out contiguously.
+
+Pinned caches are allocated by :class:`blockswap.hostmem.PinnedRows` unless the caller passes its
+own ``allocate_rows``: exactly the bytes asked for (torch's pinned allocator rounds up to a power
+of two), page-locked in pieces of whole pages (one driver registration of 512 GiB or more fails).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union, cast
 
@@ -50,6 +54,7 @@ __all__ = [
     "BlockTable",
     "Layout",
     "LayoutError",
+    "RowsAllocator",
     "as_block_ids",
     "expand_sub_blocks",
     "make_block_major_cpu_cache",
@@ -440,6 +445,41 @@ def expand_sub_blocks(
 # CPU cache allocation
 # --------------------------------------------------------------------------------------------
 
+RowsAllocator = Callable[[int, int], "torch.Tensor"]
+"""Allocates a CPU cache's memory: ``allocate(rows, row_bytes)`` returns a contiguous ``(rows,
+row_bytes)`` int8 CPU tensor. A row holds whole pages, and pages never cross rows: memory
+registered in pieces of whole rows moves as memory registered whole
+(:class:`blockswap.hostmem.PinnedRows`)."""
+
+
+def _cpu_rows(
+    rows: int, row_bytes: int, pin_memory: bool, allocate: RowsAllocator | None
+) -> torch.Tensor:
+    """The memory of a CPU cache: ``allocate``'s, else pinned rows of
+    :class:`~blockswap.hostmem.PinnedRows` (``pin_memory``) or plain torch memory."""
+    if allocate is not None and rows * row_bytes > 0:
+        t = allocate(rows, row_bytes)
+        ok = (
+            isinstance(t, torch.Tensor)
+            and t.dtype == torch.int8
+            and tuple(t.shape) == (rows, row_bytes)
+            and t.device.type == "cpu"
+            and t.is_contiguous()
+        )
+        if not ok:
+            raise TypeError(
+                f"allocate_rows({rows}, {row_bytes}) must return a contiguous int8 CPU tensor of "
+                f"shape ({rows}, {row_bytes}), not {t!r:.80}"
+            )
+        return t
+    if pin_memory and rows * row_bytes > 0:
+        from .hostmem import PinnedRows
+
+        return PinnedRows(
+            rows, row_bytes, backend="cuda", device=torch.cuda.current_device()
+        ).tensor()
+    return torch.empty((rows, row_bytes), dtype=torch.int8, pin_memory=pin_memory)
+
 
 def make_block_major_cpu_cache(
     gpu_tensors: torch.Tensor | Sequence[torch.Tensor],
@@ -449,6 +489,7 @@ def make_block_major_cpu_cache(
     block_dim: int | None = None,
     block_size_factor: int = 1,
     pin_memory: bool = False,
+    allocate_rows: RowsAllocator | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Allocate a block-major CPU cache for one KV-cache group: ``(chunks, views)``.
 
@@ -462,7 +503,10 @@ def make_block_major_cpu_cache(
     ``views`` are tensors shaped like the GPU tensors (block dim ``num_cpu_blocks *
     block_size_factor``), strided views into ``chunks``: they read and write the same bytes as
     per-layer tensors would, for tests, debugging and code written against per-layer caches.
-    Uninitialised; pinned only when ``pin_memory`` (which needs CUDA).
+    Uninitialised (zeroed where the memory is new); pinned only when ``pin_memory`` (which needs
+    CUDA), by :class:`~blockswap.hostmem.PinnedRows`: exactly the size asked for, registered in
+    pieces of whole sub-blocks. ``allocate_rows`` (see :data:`RowsAllocator`) allocates the
+    ``num_cpu_blocks * block_size_factor`` rows of one sub-block each instead.
     """
     # The same checks, shapes and dim orders as the mirrored cache; only the strides differ.
     mirror_meta = _cpu_like_meta(gpu_tensors, num_cpu_blocks, layout, block_dim, block_size_factor)
@@ -485,9 +529,9 @@ def make_block_major_cpu_cache(
         plan.append((m, bd, segments))
         segments += outer
     assert page_elems is not None
-    chunks = torch.empty(
-        (blocks, segments, page_elems), dtype=ts[0].dtype, device="cpu", pin_memory=pin_memory
-    )
+    item = ts[0].element_size()
+    rows = _cpu_rows(blocks, segments * page_elems * item, pin_memory, allocate_rows)
+    chunks = rows.view(ts[0].dtype).view(blocks, segments, page_elems)
     views = []
     for m, bd, first in plan:
         strides = list(m.stride())
@@ -528,6 +572,7 @@ def make_cpu_cache_like(
     block_dim: int | None = None,
     block_size_factor: int = 1,
     pin_memory: bool = False,
+    allocate_rows: RowsAllocator | None = None,
     _device: str = "cpu",
 ) -> list[torch.Tensor]:
     """Allocate CPU tensors matching ``gpu_tensors`` (one KV-cache group), uninitialised.
@@ -535,8 +580,11 @@ def make_cpu_cache_like(
     Each CPU tensor has the GPU tensor's shape, dtype and dim order in memory (the same
     permutation of dims, so page bytes match one to one), except that its block dim holds
     ``num_cpu_blocks * block_size_factor`` GPU-sized sub-blocks and it has no padding (dense).
-    Pinned only when ``pin_memory`` (which needs CUDA). The GPU tensors are validated as by
-    :meth:`BlockTable.from_tensors`, so a table built over the result is compatible.
+    Pinned only when ``pin_memory`` (which needs CUDA), by
+    :class:`~blockswap.hostmem.PinnedRows` (exactly the size asked for, in pieces of whole pages);
+    ``allocate_rows`` (see :data:`RowsAllocator`) allocates each tensor's rows of one page instead.
+    The GPU tensors are validated as by :meth:`BlockTable.from_tensors`, so a table built over the
+    result is compatible.
     """
     if (
         isinstance(block_size_factor, bool)
@@ -567,13 +615,15 @@ def make_cpu_cache_like(
         for k in reversed(order):
             strides[k] = acc
             acc *= max(shape[k], 1)
-        out.append(
-            torch.empty_strided(
-                shape,
-                strides,
-                dtype=t.dtype,
-                device=_device,
-                pin_memory=pin_memory and _device == "cpu",
-            )
-        )
+        if _device != "cpu":
+            out.append(torch.empty_strided(shape, strides, dtype=t.dtype, device=_device))
+            continue
+        # Rows of one page (dense in the mirror as on the GPU), or the whole tensor as one row
+        # where another dim steps inside a page.
+        numel = math.prod(shape)
+        page = math.prod(shape[bd + 1 :])
+        outer = [d for d in range(bd + 1) if shape[d] > 1]
+        row = page if page and all(strides[d] % page == 0 for d in outer) else max(numel, 1)
+        rows = _cpu_rows(numel // row, row * t.element_size(), pin_memory, allocate_rows)
+        out.append(rows.view(t.dtype).view(-1).as_strided(shape, strides))
     return out

@@ -13,19 +13,24 @@ turns vLLM's block ids into copies in its core (``CpuGpuHandlers``; no per-block
 
 The CPU cache is blockswap's and block-major: each GPU-sized sub-block of a CPU chunk holds the
 pages of every KV-cache tensor it stores back to back (padding of the GPU pages is not copied
-and takes no room). vLLM's block mapping is kept exactly: a CPU chunk holds ``blocks_per_chunk``
-GPU blocks; per KV-cache group, a transfer starts ``block_indices[g] % blocks_per_chunk``
-sub-blocks into its first chunk, in both directions, and its first and last chunk may be partial.
+and takes no room). It is exactly the bytes vLLM sized it to (torch's pinned allocator would
+round it up to a power of two), page-locked in pieces of whole sub-blocks of at most 256 GiB
+(one driver registration of 512 GiB or more fails; :mod:`blockswap.hostmem`), and no copy
+crosses from one piece into the next; one log line gives its size, pieces and time.
+
+vLLM's block mapping is kept exactly: a CPU chunk holds ``blocks_per_chunk`` GPU blocks; per
+KV-cache group, a transfer starts ``block_indices[g] % blocks_per_chunk`` sub-blocks into its
+first chunk, in both directions, and its first and last chunk may be partial.
 Stores and loads both wait for the work issued on the current compute stream; transfers of one
 direction finish in submission order; expedited loads run on an engine of their own, so they
 never queue behind regular loads. ``transfer_time`` is the copies' GPU time.
 
 Options (``kv_connector_extra_config``, all optional): ``blockswap_path`` (``"auto"``,
-``"blocks"``, ``"dma"`` or ``"kernel"``: the copy path, see :class:`~blockswap.handler.CpuGpuHandlers`)
-and ``blockswap_max_in_flight`` (transfers in flight per direction). Not supported, and refused
-when the worker is built with a message naming the option: ``canonical_layout`` (vLLM's
-parallelism-free CPU layout, ``CanonicalPageMapping``) and the shared offload region
-(``replicated_layout``).
+``"blocks"``, ``"dma"`` or ``"kernel"``: the copy path, see :class:`~blockswap.handler.CpuGpuHandlers`),
+``blockswap_max_in_flight`` (transfers in flight per direction) and ``blockswap_pin_piece_bytes``
+(the largest piece the CPU cache is page-locked in). Not supported, and refused when the worker
+is built with a message naming the option: ``canonical_layout`` (vLLM's parallelism-free CPU
+layout, ``CanonicalPageMapping``) and the shared offload region (``replicated_layout``).
 
 Importing this module needs vLLM; ``import blockswap`` never imports it.
 """
@@ -33,7 +38,6 @@ Importing this module needs vLLM; ``import blockswap`` never imports it.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -63,14 +67,19 @@ except ModuleNotFoundError as e:
     ) from e
 
 from .handler import CpuGpuHandlers
+from .hostmem import DEFAULT_PIECE_BYTES, PinnedRows
 
 __all__ = ["BlockswapOffloadingSpec", "BlockswapOffloadingWorker"]  # noqa: F822 (made on first use)
 
 #: Worker construction, the CPU cache's allocation, refused submissions.
 log = logging.getLogger(__name__)
 
-#: ``kv_connector_extra_config`` keys this backend reads, and the handler option each sets.
-OPTIONS = {"blockswap_path": "path", "blockswap_max_in_flight": "max_in_flight"}
+#: ``kv_connector_extra_config`` keys this backend reads, and the worker option each sets.
+OPTIONS = {
+    "blockswap_path": "path",
+    "blockswap_max_in_flight": "max_in_flight",
+    "blockswap_pin_piece_bytes": "pin_piece_bytes",
+}
 
 
 class BlockswapOffloadingWorker(OffloadingWorker):
@@ -79,8 +88,10 @@ class BlockswapOffloadingWorker(OffloadingWorker):
     ``kv_caches``: vLLM's ``CanonicalKVCaches`` (unique int8 tensors of ``(num_blocks,
     page_size_bytes)`` rows, and per KV-cache group the references to them with the page size
     each copies). ``blocks_per_chunk``: GPU blocks per CPU chunk. ``num_cpu_chunks``: chunks in
-    the CPU cache (vLLM's ``CPULoadStoreSpec.block_ids`` index them). ``backend``, ``path`` and
-    the other keyword options go to :class:`~blockswap.handler.CpuGpuHandlers`.
+    the CPU cache (vLLM's ``CPULoadStoreSpec.block_ids`` index them). ``pin_piece_bytes``: the
+    largest piece the CPU cache is page-locked (and registered) in, a whole number of sub-blocks
+    each (see :class:`~blockswap.hostmem.PinnedRows`). ``backend``, ``path`` and the other keyword
+    options go to :class:`~blockswap.handler.CpuGpuHandlers`.
 
     A failed submission returns ``False`` and logs why; it never raises into vLLM.
     """
@@ -93,6 +104,7 @@ class BlockswapOffloadingWorker(OffloadingWorker):
         *,
         backend: str = "auto",
         path: str = "auto",
+        pin_piece_bytes: int = DEFAULT_PIECE_BYTES,
         **options: Any,
     ) -> None:
         if blocks_per_chunk < 1:
@@ -142,20 +154,28 @@ class BlockswapOffloadingWorker(OffloadingWorker):
         on_cuda = device.type == "cuda" and backend != "host"
         self.blocks_per_chunk = int(blocks_per_chunk)
         self.num_cpu_chunks = int(num_cpu_chunks)
-        t0 = time.perf_counter()
-        #: The CPU cache: ``num_cpu_chunks * blocks_per_chunk`` sub-blocks of every tensor's page.
-        self.cpu_cache: torch.Tensor | None = torch.zeros(
-            (self.num_cpu_chunks * self.blocks_per_chunk, max(sub_block, 1)),
-            dtype=torch.int8,
-            pin_memory=on_cuda,
+        index = device.index if device.index is not None or not on_cuda else None
+        if on_cuda and index is None:
+            index = torch.cuda.current_device()
+        #: The CPU cache's memory: exactly its size, page-locked in pieces of whole sub-blocks.
+        self.host_memory: PinnedRows | None = PinnedRows(
+            self.num_cpu_chunks * self.blocks_per_chunk,
+            max(sub_block, 1),
+            piece_bytes=pin_piece_bytes,
+            backend="cuda" if on_cuda else "host",
+            device=index or 0,
+            log_line=False,
         )
+        #: The CPU cache: ``num_cpu_chunks * blocks_per_chunk`` sub-blocks of every tensor's page.
+        self.cpu_cache: torch.Tensor | None = self.host_memory.tensor()
         log.info(
-            "CPU KV cache: %.2f GiB (%d chunks of %d blocks, %d bytes each) in %.2f s",
-            self.cpu_cache.numel() / 2**30,
+            "CPU KV cache: %.2f GiB (%d chunks of %d blocks, %d bytes each) %s in %.2f s",
+            self.host_memory.nbytes / 2**30,
             self.num_cpu_chunks,
             self.blocks_per_chunk,
             sub_block,
-            time.perf_counter() - t0,
+            self.host_memory.how(),
+            self.host_memory.seconds,
         )
 
         # One handler group per vLLM group with pages; each (tensor, page) is a one-page layer.
@@ -200,12 +220,17 @@ class BlockswapOffloadingWorker(OffloadingWorker):
 
         #: Transfers that move no block (vLLM may submit them): done at once, reported next poll.
         self._empty: list[VllmTransferResult] = []
-        self._main = handlers()
+        try:
+            self._main = handlers()
+        except BaseException:
+            self._free_cache()
+            raise
         try:
             # Expedited loads on an engine of their own: they never queue behind regular loads.
             self._expedited = handlers()
         except BaseException:
             self._main.shutdown()
+            self._free_cache()
             raise
         log.info(
             "blockswap offloading worker: %d KV-cache group(s), %d tensor(s); store %s; load %s",
@@ -254,9 +279,19 @@ class BlockswapOffloadingWorker(OffloadingWorker):
         self._expedited.wait(ids)
 
     def shutdown(self) -> None:
-        """Drains both engines (every accepted transfer runs) and frees the CPU cache."""
+        """Drains both engines (every accepted transfer runs), then frees the CPU cache: unpinned
+        once neither engine holds a registration in it, unmapped once no tensor views it."""
         for h in (self._expedited, self._main):
             h.shutdown()
+        self._free_cache()
+
+    def _free_cache(self) -> None:
+        if self.host_memory is not None:
+            try:
+                self.host_memory.unpin()
+            except Exception as e:  # an engine that timed out keeps it: never freed under a copy
+                log.warning("the CPU KV cache stays pinned: %s", e)
+        self.host_memory = None
         self.cpu_cache = None
 
     # ---- the mapping -----------------------------------------------------------------------------
