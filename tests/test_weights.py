@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import gc
-from contextlib import nullcontext
 from typing import Any
 
 import pytest
@@ -1156,49 +1155,50 @@ def _with_ordering_ops(resident: Stack, layers: list[int]) -> tuple[Stack, int]:
 
 
 @pytest.mark.cuda
-def test_gpu_torch_compile_bit_identical(gpu_resident: Any) -> None:
-    """Under torch.compile, the offloaded model's bits equal those of the resident model
-    compiled into the same graph (the same ordering ops, doing nothing), for prefetch 1 and 2,
-    over repeated calls.
+def test_gpu_torch_compile_bits_do_not_depend_on_when_onloads_land(gpu_resident: Any) -> None:
+    """Under torch.compile, for prefetch 1 and 2: the offloaded model gives the same bits on
+    every call, also when its onloads are held back behind a 1 GiB copy on the link (a kernel
+    reading a slot before its onload landed, or an onload overwriting a slot still being read,
+    would change them), and agrees with the resident model compiled into the same graph (the
+    same ordering ops, doing nothing) to bf16 rounding.
 
-    Against the resident model compiled without those ops, bit-identity is not the
-    offloader's to give: the ops add a user to each layer's output, and Inductor then picks
-    other reduction configurations for the fused RMSNorm (measured on an H200, torch 2.11:
-    ~100k of 524k elements differ by bf16 rounding after 32 layers, and which configuration
-    wins is timing-dependent). That comparison is made with a rounding tolerance below.
-
-    Inductor's deterministic mode keeps it from choosing a reduction configuration by timing
-    (without it, the offloaded and the reference graph each benchmark their own choice, and
-    on an H100 the two differed in the last bf16 bit in one run of several).
+    Bit-identity with a separately compiled resident model is not the offloader's to give: the
+    offloaded layers' parameters are views into shared slots, so Inductor compiles another graph
+    and may choose other reduction configurations, by timing unless in deterministic mode
+    (measured on an H100, torch 2.11: 96-109k of 524k elements differ, by at most 0.84 after 32
+    layers, and identically on every call; in one run of three, without deterministic mode, it
+    chose the same and no bit differed).
     """
     resident, xs = gpu_resident
     torch._dynamo.reset()
     same_graph, oid = _with_ordering_ops(resident, list(range(1, LAYERS, 2)))
-    inductor = torch._inductor.config
-    mode = (
-        inductor.patch(deterministic=True) if hasattr(inductor, "deterministic") else nullcontext()
-    )
-    with mode:
-        try:
-            with torch.no_grad():
-                compiled_ref = torch.compile(same_graph)
-                refs = [compiled_ref(x) for x in xs]
-                plain = torch.compile(copy.deepcopy(resident))
-                plain_refs = [plain(x) for x in xs]
-                for step in (1, 2):
-                    model, off = _offloaded(resident, "prefetch", step)
-                    try:
-                        compiled = torch.compile(model)
-                        for _ in range(2):
-                            for x, ref, plain_ref in zip(xs, refs, plain_refs):
-                                out = compiled(x)
-                                torch.cuda.synchronize()
-                                assert torch.equal(out, ref)
-                                torch.testing.assert_close(out, plain_ref, atol=2.0, rtol=0.1)
-                        assert off.submissions == 2 * 3 * 16 + step
-                    finally:
-                        compiled = None
-                        _dispose(model, off)
-        finally:
-            weights_mod._REGISTRY.pop(oid, None)
-            torch._dynamo.reset()
+    big = 1 << 30
+    host = torch.empty(big, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(big, dtype=torch.uint8, device="cuda")
+    busy = torch.cuda.Stream()
+    try:
+        with torch.no_grad():
+            compiled_ref = torch.compile(same_graph)
+            refs = [compiled_ref(x) for x in xs]
+            for step in (1, 2):
+                model, off = _offloaded(resident, "prefetch", step)
+                try:
+                    compiled = torch.compile(model)
+                    first = [compiled(x) for x in xs]
+                    again = [compiled(x) for x in xs]
+                    torch.cuda.synchronize()
+                    with torch.cuda.stream(busy):  # the link busy for ~20 ms: onloads land late
+                        dev.copy_(host, non_blocking=True)
+                    late = [compiled(x) for x in xs]
+                    torch.cuda.synchronize()
+                    for i, (a, b, c, ref) in enumerate(zip(first, again, late, refs)):
+                        assert torch.equal(a, b), f"prefetch_step {step}, input {i}: call 2"
+                        assert torch.equal(a, c), f"prefetch_step {step}, input {i}: late onloads"
+                        torch.testing.assert_close(a, ref, atol=2.0, rtol=0.1)
+                    assert off.submissions == 3 * 3 * 16 + step
+                finally:
+                    compiled = None
+                    _dispose(model, off)
+    finally:
+        weights_mod._REGISTRY.pop(oid, None)
+        torch._dynamo.reset()
