@@ -29,6 +29,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -51,6 +52,24 @@ def ceiling(nbytes: int = 256 << 20, reps: int = 5) -> dict[str, float]:
             best = max(best, nbytes / (a.elapsed_time(b) * 1e-3) / 1e9)
         out[d] = best
     return out
+
+
+def write_figures(path: str, script: str, ceil: dict[str, float], rows: list[Any]) -> None:
+    """A benchmark's figures as JSON: GPU, date, the command that made them (without the output
+    folder, which is the machine's), the ceiling measured in the same run, the rows."""
+    args = [os.path.basename(a) if a == path else a for a in sys.argv[1:]]
+    with open(path, "w") as f:
+        json.dump(
+            {
+                "gpu": torch.cuda.get_device_name(),
+                "date": time.strftime("%Y-%m-%d"),
+                "command": " ".join(["python", f"benches/{script}", *args]),
+                "ceiling_gbps": ceil,
+                "rows": rows,
+            },
+            f,
+            indent=1,
+        )
 
 
 def gpu_layers(layers: int, nb: int, page: int, one_alloc: bool) -> list[torch.Tensor]:
@@ -160,22 +179,7 @@ def main() -> int:
             del gpu
             torch.cuda.empty_cache()
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "gpu": torch.cuda.get_device_name(),
-                    "date": time.strftime("%Y-%m-%d"),
-                    # The output folder is the machine's, not part of the command.
-                    "command": " ".join(
-                        ["python", "benches/bench_blocks.py"]
-                        + [os.path.basename(a) if a == args.json else a for a in sys.argv[1:]]
-                    ),
-                    "ceiling_gbps": ceil,
-                    "rows": rows,
-                },
-                f,
-                indent=1,
-            )
+        write_figures(args.json, "bench_blocks.py", ceil, rows)
     return 0
 
 

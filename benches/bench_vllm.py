@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import statistics
 import sys
@@ -41,7 +40,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_blocks import ceiling
+from bench_blocks import ceiling, write_figures
 from bench_dma import cuda_bindings_batch
 from blockswap.bench.models import MODELS, KVModel
 
@@ -302,21 +301,7 @@ def main() -> int:
                 del case
                 torch.cuda.empty_cache()
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "gpu": torch.cuda.get_device_name(),
-                    "date": time.strftime("%Y-%m-%d"),
-                    "command": " ".join(
-                        ["python", "benches/bench_vllm.py"]
-                        + [os.path.basename(a) if a == args.json else a for a in sys.argv[1:]]
-                    ),
-                    "ceiling_gbps": ceil,
-                    "rows": rows,
-                },
-                f,
-                indent=1,
-            )
+        write_figures(args.json, "bench_vllm.py", ceil, rows)
     return 0
 
 

@@ -28,16 +28,18 @@ the plan's: the core would issue the same calls.
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import statistics
 import sys
-import time
 from typing import Any
 
 import numpy as np
 import torch
 import triton
 import triton.language as tl
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_blocks import ceiling, write_figures
 
 KiB = 1024
 CTAS = 32  # programs of the scatter / gather kernel (--ctas)
@@ -78,23 +80,6 @@ def _staged_kernel(
             else:
                 x = tl.load(page_ptr[:, None] + idx[None, :], mask=m)
                 tl.store(ring_ptr[:, None] + idx[None, :], x, mask=m)
-
-
-def ceiling(nbytes: int = 256 << 20, reps: int = 5) -> dict[str, float]:
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    out = {}
-    for d, (dst, src) in {"h2d": (dev, host), "d2h": (host, dev)}.items():
-        best = 0.0
-        for _ in range(reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            dst.copy_(src, non_blocking=True)
-            b.record()
-            b.synchronize()
-            best = max(best, nbytes / (a.elapsed_time(b) * 1e-3) / 1e9)
-        out[d] = best
-    return out
 
 
 class Staged:
@@ -251,21 +236,17 @@ def one_page(
     def pick() -> tuple[np.ndarray, np.ndarray]:
         return rng.permutation(n_gpu)[: args.blocks], rng.permutation(n_cpu)[: args.blocks]
 
-    # Byte-exact, both ways.
-    g, c = pick()
-    st.transfer(g, c, True)
-    st.sync()
-    exact_h2d = all(
-        torch.equal(layers[k][g].cpu(), host[c, k * page : (k + 1) * page])
-        for k in range(args.layers)
-    )
-    g2, c2 = pick()
-    st.transfer(g2, c2, False)
-    st.sync()
-    exact_d2h = all(
-        torch.equal(layers[k][g2].cpu(), host[c2, k * page : (k + 1) * page])
-        for k in range(args.layers)
-    )
+    def exact(h2d: bool) -> bool:
+        """One transfer, then every page of its blocks compared on both sides."""
+        g, c = pick()
+        st.transfer(g, c, h2d)
+        st.sync()
+        return all(
+            torch.equal(layers[k][g].cpu(), host[c, k * page : (k + 1) * page])
+            for k in range(args.layers)
+        )
+
+    exact_h2d, exact_d2h = exact(True), exact(False)
 
     def per_page(h2d: bool) -> Any:
         """Today's route for this layout: the copy kernel, one descriptor per page."""
@@ -392,12 +373,7 @@ def main() -> int:
         rows += one_page(kib, args, ceil, rng, a, b, copy_blocks_raw)
         torch.cuda.empty_cache()
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
-                       "command": "python benches/probe_staged.py " + " ".join(
-                           a for a in sys.argv[1:] if a != args.json and a != "--json"),
-                       "ceiling_gbps": ceil,
-                       "rows": rows}, f, indent=1)  # fmt: skip
+        write_figures(args.json, "probe_staged.py", ceil, rows)
     return 0
 
 
