@@ -12,6 +12,8 @@ TRITON_SPEC ?= triton>=3.0
 # The vLLM the plug-in's tests run against (tests/test_vllm*.py): its Python sources without its
 # dependencies (they pin another torch, and its compiled ops need a GPU), then what importing its
 # CPU offloading spec needs (most of vLLM's Python side), with vLLM 0.33's own version bounds.
+# pip then reports vLLM's pins it leaves unmet (its torch, its compiled ops' dependencies) as
+# "dependency conflicts": expected, and not an error.
 VLLM_SPEC ?= vllm==0.33.0
 VLLM_IMPORT_DEPS ?= msgspec regex "requests>=2.33.0" psutil "pyzmq>=25.0.0" \
   "transformers>=5.16.1,<5.21.0" cbor2 "aiohttp>=3.14.4" openai-harmony "openai>=2.25.0" \
