@@ -251,6 +251,11 @@ impl PyEngine {
         let mut opts = CudaOptions::new(device);
         opts.copy_path = copy_path.parse().map_err(invalid)?;
         if let Some(m) = max_batch {
+            if m == 0 {
+                return Err(invalid(
+                    "max_batch must be at least 1 (copies in one driver call), not 0",
+                ));
+            }
             opts.max_batch = m;
         }
         opts.timing = timing;

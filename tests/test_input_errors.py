@@ -151,6 +151,10 @@ def test_cuda_options_on_the_host_backend_warn():
         Engine("host", copy_path="fast")
     with pytest.raises(InvalidTransferError, match="completion must be"):
         Engine("host", completion="poll")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the host backend's warning that it ignores max_batch
+        with pytest.raises(InvalidTransferError, match="max_batch must be at least 1"):
+            Engine("host", max_batch=0)  # was silently one copy per call on CUDA
 
 
 def test_every_error_class_is_a_blockswap_error():
