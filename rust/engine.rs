@@ -396,6 +396,19 @@ fn resolve_groups<'a>(
         .collect()
 }
 
+/// Refuses to remove the registration `[start, end)` while a block table lies in it.
+fn no_table_in(tables: &[Option<BlockTable>], start: u64, end: u64) -> Result<(), EngineError> {
+    let used = |t: &Option<BlockTable>| t.as_ref().is_some_and(|t| t.overlaps(start, end));
+    match tables.iter().position(used) {
+        Some(table) => Err(RegionError::UsedByTable {
+            start,
+            table: table as u32,
+        }
+        .into()),
+        None => Ok(()),
+    }
+}
+
 fn no_plan(group: usize, groups: usize) -> EngineError {
     let error = TableError::BadSegment {
         segment: 0,
@@ -662,15 +675,7 @@ impl Engine {
             return self.free_host(start);
         }
         if let Some(p) = state.parts.get(&start) {
-            let end = p.end;
-            let used = |t: &Option<BlockTable>| t.as_ref().is_some_and(|t| t.overlaps(start, end));
-            if let Some(table) = state.tables.iter().position(used) {
-                return Err(RegionError::UsedByTable {
-                    start,
-                    table: table as u32,
-                }
-                .into());
-            }
+            no_table_in(&state.tables, start, p.end)?;
             self.check_idle(start)?;
             let p = state.parts.remove(&start).expect("looked up above");
             for s in p.starts {
@@ -693,14 +698,7 @@ impl Engine {
         let Some(r) = state.regions.regions().iter().find(|r| r.start == start) else {
             return Err(RegionError::NotRegistered { start }.into());
         };
-        let used = |t: &Option<BlockTable>| t.as_ref().is_some_and(|t| t.overlaps(r.start, r.end));
-        if let Some(table) = state.tables.iter().position(used) {
-            return Err(RegionError::UsedByTable {
-                start,
-                table: table as u32,
-            }
-            .into());
-        }
+        no_table_in(&state.tables, start, r.end)?;
         self.check_idle(start)?;
         state.regions.remove(start)?;
         if state.pinned.remove(&start) {

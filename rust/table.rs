@@ -1061,7 +1061,8 @@ mod tests {
         .unwrap()
     }
 
-    fn expand(
+    /// The copies `expand_into` writes (coalesced), as `(src, dst, size)`.
+    pub(super) fn expand(
         s: &BlockTable,
         sid: &[u64],
         d: &BlockTable,
@@ -1780,47 +1781,15 @@ mod boundaries {
         let cpu = block_major(1, 64, 16, &r).unwrap();
         let gpu =
             BlockTable::new(vec![DEV], vec![64], vec![64], 16, MemoryKind::Device, &r).unwrap();
-        let mut cols = (vec![0; 16], vec![0; 16], vec![0; 16]);
-        let p = expand_into(
-            &gpu,
-            &[0, 1, 2, 3, 4],
-            &cpu,
-            &[1, 2, 3, 4, 5],
-            true,
-            Columns {
-                src: &mut cols.0,
-                dst: &mut cols.1,
-                size: &mut cols.2,
-            },
-            &mut Vec::new(),
-            &mut Scratch::default(),
-        )
-        .unwrap();
-        let got: Vec<_> = (0..p.len)
-            .map(|i| (cols.0[i], cols.1[i], cols.2[i]))
-            .collect();
+        let got = super::tests::expand(&gpu, &[0, 1, 2, 3, 4], &cpu, &[1, 2, 3, 4, 5]).unwrap();
         assert_eq!(
             got,
             vec![(DEV, HOST + 64, 128), (DEV + 128, HOST + 192, 192)],
             "the run is cut where the CPU side crosses into the second piece"
         );
         // The same on the source side of the other direction.
-        let p = expand_into(
-            &cpu,
-            &[1, 2, 3, 4, 5],
-            &gpu,
-            &[0, 1, 2, 3, 4],
-            true,
-            Columns {
-                src: &mut cols.0,
-                dst: &mut cols.1,
-                size: &mut cols.2,
-            },
-            &mut Vec::new(),
-            &mut Scratch::default(),
-        )
-        .unwrap();
-        assert_eq!(p.len, 2);
+        let got = super::tests::expand(&cpu, &[1, 2, 3, 4, 5], &gpu, &[0, 1, 2, 3, 4]).unwrap();
+        assert_eq!(got.len(), 2);
     }
 
     #[test]
