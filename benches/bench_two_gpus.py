@@ -23,12 +23,8 @@ from typing import Any
 
 import numpy as np
 
-
-class CPUSpec:
-    """vLLM's ``CPULoadStoreSpec`` as the worker reads it (its module imports most of vLLM)."""
-
-    def __init__(self, ids: Any) -> None:
-        self.block_ids = np.asarray(ids, dtype=np.int64)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_vllm import CPUSpec
 
 
 def _bandwidth(issue: Any, wait: Any, nbytes: int) -> float:

@@ -28,6 +28,7 @@ run (one 256 MiB pinned copy per direction, best of 5).
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import os
 import statistics
@@ -48,6 +49,15 @@ N_GPU = 256
 N_CHUNKS = 128
 
 
+class CPUSpec:
+    """vLLM's ``CPULoadStoreSpec`` as the worker reads it: chunk ids in ``block_ids`` (its module,
+    ``vllm.v1.kv_offload.cpu.common``, imports most of vLLM)."""
+
+    def __init__(self, ids: Any) -> None:
+        self.block_ids = np.asarray(ids, dtype=np.int64)
+
+
+@functools.cache
 def vllm_triton() -> Any:
     """vLLM's ``swap_blocks_triton`` module, run from its source with its two vLLM imports
     replaced (same line count, so Triton reads the kernel's source where it is)."""
@@ -186,10 +196,6 @@ def measure_worker(
     from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
     from blockswap.vllm import BlockswapOffloadingWorker
-
-    class CPUSpec:  # vLLM's CPULoadStoreSpec as the worker reads it
-        def __init__(self, ids: list[int]) -> None:
-            self.block_ids = np.asarray(ids, dtype=np.int64)
 
     w = BlockswapOffloadingWorker(case.kv, case.bpc, N_CHUNKS, backend="cuda")
     job = 0

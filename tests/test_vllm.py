@@ -11,7 +11,6 @@ import subprocess
 import sys
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -19,6 +18,7 @@ from hypothesis import strategies as st
 
 base = pytest.importorskip("vllm.v1.kv_offload.base", reason="vLLM is not installed")
 from vllm.v1.kv_offload.base import (  # noqa: E402
+    BlockIDsLoadStoreSpec,
     CanonicalKVCacheRef,
     CanonicalKVCaches,
     CanonicalKVCacheTensor,
@@ -41,12 +41,9 @@ def backend_of(device: str) -> str:
     return "host" if device == "cpu" else "cuda"
 
 
-class CPULoadStoreSpec:
-    """vLLM's ``CPULoadStoreSpec`` (``vllm.v1.kv_offload.cpu.common``) as the worker reads it:
-    chunk ids in ``block_ids``. (Its module imports most of vLLM.)"""
-
-    def __init__(self, block_ids: list[int]) -> None:
-        self.block_ids = np.array(block_ids, dtype=np.int32)
+class CPULoadStoreSpec(BlockIDsLoadStoreSpec):
+    """vLLM's ``CPULoadStoreSpec`` (``vllm.v1.kv_offload.cpu.common``, whose module imports most
+    of vLLM; ``tests/test_vllm_spec.py`` uses the real one): chunk ids in ``block_ids``."""
 
 
 def caches(seed: int = 0, device: str = "cpu") -> tuple[CanonicalKVCaches, list[torch.Tensor]]:
@@ -83,11 +80,10 @@ def slots(ids: list[int], chunks: list[int], start: int) -> list[int]:
 
 def stored(w: BlockswapOffloadingWorker, t: int, page: int, sub: int) -> torch.Tensor:
     """The bytes the worker's CPU cache holds for tensor ``t``'s page in sub-block ``sub``."""
-    handlers = w.handlers[0]
     for g, refs in enumerate(PAGES):
         for i, (tt, p) in enumerate(refs):
             if tt == t and p == page:
-                return handlers.cpu_caches[w._groups[g] or 0][i][sub, 0]  # type: ignore[index]
+                return sub_block_of(w, g, i, sub)
     raise AssertionError("no such page")
 
 
@@ -249,7 +245,7 @@ def test_without_vllm_the_import_names_the_install_command() -> None:
 
 def sub_block_of(w: BlockswapOffloadingWorker, group: int, ref: int, sub: int) -> torch.Tensor:
     """The CPU cache's copy of the page of ``group``'s ``ref``-th tensor in sub-block ``sub``
-    (every tensor of these tests appears once per group)."""
+    (a tensor appears at most once per group in these tests)."""
     hg = w._groups[group]
     assert hg is not None
     return w.handlers[0].cpu_caches[hg][ref][sub, 0]  # type: ignore[index]

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 
@@ -27,13 +26,6 @@ from vllm.v1.kv_offload.config import (
 )
 
 from blockswap.vllm import BlockswapOffloadingWorker
-
-
-class CPULoadStoreSpec:
-    """vLLM's ``CPULoadStoreSpec`` as the worker reads it: chunk ids in ``block_ids``."""
-
-    def __init__(self, block_ids: list[int]) -> None:
-        self.block_ids = np.array(block_ids, dtype=np.int32)
 
 
 def offloading_config(canonical_layout: bool = False) -> OffloadingConfig:
@@ -62,6 +54,7 @@ def test_vllms_factory_builds_the_spec_and_its_worker_by_name() -> None:
     """vLLM's factory imports ``blockswap.vllm`` and builds ``BlockswapOffloadingSpec`` (vLLM's
     CPU spec: cache sizing, the scheduler's manager) whose worker is blockswap's; a store and a
     load through it move the bytes; ``canonical_layout`` is refused by name."""
+    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
     from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
     from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
