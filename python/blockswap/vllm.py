@@ -154,16 +154,17 @@ class BlockswapOffloadingWorker(OffloadingWorker):
         on_cuda = device.type == "cuda" and backend != "host"
         self.blocks_per_chunk = int(blocks_per_chunk)
         self.num_cpu_chunks = int(num_cpu_chunks)
-        index = device.index if device.index is not None or not on_cuda else None
-        if on_cuda and index is None:
-            index = torch.cuda.current_device()
+        if device.index is not None:
+            index = device.index
+        else:
+            index = torch.cuda.current_device() if on_cuda else 0
         #: The CPU cache's memory: exactly its size, page-locked in pieces of whole sub-blocks.
         self.host_memory: PinnedRows | None = PinnedRows(
             self.num_cpu_chunks * self.blocks_per_chunk,
             max(sub_block, 1),
             piece_bytes=pin_piece_bytes,
             backend="cuda" if on_cuda else "host",
-            device=index or 0,
+            device=index,
             log_line=False,
         )
         #: The CPU cache: ``num_cpu_chunks * blocks_per_chunk`` sub-blocks of every tensor's page.
