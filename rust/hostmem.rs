@@ -674,6 +674,32 @@ mod tests {
     }
 
     #[test]
+    fn the_owner_and_the_last_user_letting_go_at_once_release_the_memory_once() {
+        // The buffer dropped on one thread while its last registration is released on another:
+        // whichever comes second unpins and unmaps, exactly once.
+        for _ in 0..300 {
+            let rec = Arc::new(Recorder::default());
+            let b = HostBuffer::new(4, 4096, 2 * 4096, Some(Box::new(rec.clone()))).unwrap();
+            let (_, ids) = acquire(b.addr(), 3 * 4096);
+            let id = ids[0];
+            let go = Arc::new(std::sync::Barrier::new(2));
+            let user = {
+                let go = go.clone();
+                std::thread::spawn(move || {
+                    go.wait();
+                    release(&ids);
+                })
+            };
+            go.wait();
+            drop(b);
+            user.join().unwrap();
+            let log = rec.log.lock().unwrap();
+            assert_eq!(log.iter().filter(|e| e.0 == 'u').count(), 2, "{log:?}");
+            assert!(!live().iter().any(|l| l.id == id));
+        }
+    }
+
+    #[test]
     fn an_engine_registers_a_buffer_piece_by_piece_and_moves_blocks_across_pieces() {
         use crate::backend::host::HostBackend;
         use crate::descriptor::Direction;
