@@ -12,6 +12,8 @@ or allocated one by one ("separate"). Two handlers per case:
 * ``blocks`` (one allocation only): ``path="blocks"``, the block plan whatever the page size, its
   2-D copies batched into one ``cuMemcpy3DBatchAsync`` per transfer;
 * ``blocks-loop``: the same plan with ``copy_path="loop"``: one ``cuMemcpy2DAsync`` per block;
+* ``staged``: ``path="staged"``: each block's host row as one copy through the core's device
+  staging ring, its pages moved inside the GPU by the copy kernel the core launches;
 * ``pages``: ``cpu_layout="mirror"`` (a CPU cache laid out like the GPU one): the per-page route
   (copy kernel below 256 KiB pages, DMA above).
 
@@ -152,6 +154,7 @@ def main() -> int:
                     ("blocks", {"path": "blocks"}),
                     ("blocks-loop", {"path": "blocks", "copy_path": "loop"}),
                 ]
+            variants.append(("staged", {"path": "staged"}))
             variants.append(("pages", {"cpu_layout": "mirror"}))
             for name, kw in variants:
                 h = CpuGpuHandlers(gpu, args.blocks, layout="mla", timing=True, **kw)

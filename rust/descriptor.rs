@@ -190,6 +190,9 @@ pub struct Prepared {
     pub max_size: u64,
     /// The largest power of two (capped at 16) dividing every address and size.
     pub alignment: u64,
+    /// Of `len`, the host rows that lead a staged plan's slab (see
+    /// [`crate::table::expand_staged_into`]); 0 for every other plan.
+    pub staged_rows: usize,
 }
 
 /// The output arrays of [`prepare_into`]: a slab's three columns.
@@ -281,6 +284,7 @@ pub fn prepare_into(
         bytes: pass.bytes,
         max_size: pass.max_size,
         alignment: 1u64 << pass.bits.trailing_zeros().min(4),
+        staged_rows: 0,
     })
 }
 
@@ -1230,6 +1234,7 @@ mod blocks {
             bytes,
             max_size: size.iter().copied().max().unwrap_or(0),
             alignment: 1 << bits.trailing_zeros().min(4),
+            staged_rows: 0,
         };
         Ok((prepared, runs.iter().map(|r| (r.0, r.1, r.2)).collect()))
     }

@@ -17,7 +17,7 @@ use crossbeam_queue::ArrayQueue;
 
 use crate::backend::{
     AddElapsed, Backend, BackendError, BackendInfo, HostAlloc, KernelBatch, KernelLauncher,
-    SubmitRequest, Submitted,
+    KernelSpec, StagedRequest, SubmitRequest, Submitted,
 };
 use crate::completion::{InFlight, Lane};
 use crate::descriptor::{
@@ -27,7 +27,8 @@ use crate::hostmem;
 use crate::pool::{Pool, PoolError, PoolStats};
 use crate::region::{MemoryKind, RegionError, RegionTable};
 use crate::table::{
-    block_runs, expand_groups_into, BlockTable, Group, Run, TableError, PITCHED_ENTRIES,
+    block_runs, expand_groups_into, staged_row, BlockTable, Group, Plan, Run, TableError,
+    PITCHED_ENTRIES,
 };
 use crate::transfer::{JobId, TransferResult, TransferState, TransitionError};
 
@@ -46,6 +47,9 @@ pub struct EngineConfig {
     /// How long shutdown waits for transfers in flight before failing them. A duration past what
     /// the clock can count ([`Duration::MAX`], what [`seconds`] makes of infinity) waits forever.
     pub shutdown_timeout: Duration,
+    /// Bytes of each of the two slots of a lane's staging ring (the staged plan): the most one
+    /// step moves, and the largest block row the plan takes. See [`EngineConfig::stage_bytes`].
+    pub stage_bytes: u64,
 }
 
 impl Default for EngineConfig {
@@ -56,6 +60,7 @@ impl Default for EngineConfig {
             max_descriptors: Pool::max_descriptors(),
             coalesce: true,
             shutdown_timeout: Duration::from_secs(60),
+            stage_bytes: DEFAULT_STAGE_BYTES,
         }
     }
 }
@@ -63,6 +68,13 @@ impl Default for EngineConfig {
 /// The most transfers one direction may have in flight: a quarter of the host backend's worker
 /// queue, so that the four directions full never hold more jobs than it has room for.
 pub use crate::backend::MAX_IN_FLIGHT;
+
+/// Default bytes of a staging slot: two per lane, allocated on the lane's first staged transfer.
+/// 16 MiB steps reached 97-99 % of the link from 32 KiB pages (H100, `benches/probe_staged.py`).
+pub const DEFAULT_STAGE_BYTES: u64 = 16 << 20;
+
+/// The smallest staging slot: one 4 KiB page.
+pub const MIN_STAGE_BYTES: u64 = 4096;
 
 /// The smallest descriptor pool: one slab of the smallest class (256 descriptors). A smaller
 /// pool could never hand out a slab, so every transfer would be refused.
@@ -98,7 +110,14 @@ impl EngineConfig {
             max_descriptors,
             coalesce,
             shutdown_timeout: seconds("shutdown_timeout", shutdown_timeout)?,
+            stage_bytes: DEFAULT_STAGE_BYTES,
         })
+    }
+
+    /// Sets the staging slot size, refusing one below [`MIN_STAGE_BYTES`] or past 2^40.
+    pub fn stage_bytes(mut self, bytes: i128) -> Result<Self, ConfigError> {
+        self.stage_bytes = within("stage_bytes", bytes, MIN_STAGE_BYTES as usize, 1 << 40)? as u64;
+        Ok(self)
     }
 
     /// The limits of the integer settings: the one place they live.
@@ -409,6 +428,22 @@ fn no_table_in(tables: &[Option<BlockTable>], start: u64, end: u64) -> Result<()
     }
 }
 
+fn no_staged_plan(group: usize, groups: usize, why: String) -> EngineError {
+    let error = TableError::BadSegment {
+        segment: 0,
+        reason: format!("these tables have no staged plan: {why}"),
+    };
+    if groups > 1 {
+        TableError::InGroup {
+            group,
+            error: Box::new(error),
+        }
+        .into()
+    } else {
+        error.into()
+    }
+}
+
 fn no_plan(group: usize, groups: usize) -> EngineError {
     let error = TableError::BadSegment {
         segment: 0,
@@ -435,6 +470,10 @@ pub enum Shape<'a> {
     Pages(Option<(u64, KernelLauncher<'a>)>),
     /// The 2-D copies of each table pair's block plan: copy engines only.
     Runs,
+    /// The staged plan: each block's host row across PCIe as one copy, into or out of a device
+    /// staging ring, and its pages moved inside the GPU by the loaded kernel `kernel` (see
+    /// [`Engine::load_kernel`]; `None` on the host backend, which copies with memcpy).
+    Staged { kernel: Option<u32> },
 }
 
 impl fmt::Debug for Shape<'_> {
@@ -443,6 +482,7 @@ impl fmt::Debug for Shape<'_> {
             Shape::Pages(None) => f.write_str("Pages(dma)"),
             Shape::Pages(Some((below, _))) => write!(f, "Pages(kernel below {below} bytes)"),
             Shape::Runs => f.write_str("Runs"),
+            Shape::Staged { kernel } => write!(f, "Staged(kernel {kernel:?})"),
         }
     }
 }
@@ -878,6 +918,31 @@ impl Engine {
         )
     }
 
+    /// Makes a compiled copy kernel launchable by this engine's staged plans (see
+    /// [`KernelSpec`]); its id goes in [`Shape::Staged`]. `None` on the host backend, which
+    /// copies pages with memcpy.
+    pub fn load_kernel(&self, spec: KernelSpec) -> Result<Option<u32>, EngineError> {
+        self.check_usable()?;
+        Ok(self.backend.load_kernel(spec)?)
+    }
+
+    /// The bytes of a block's host row where `table` is block-major (see [`staged_row`]): what
+    /// the staged plan moves per block, and what must fit a staging slot. `None` otherwise.
+    pub fn staged_row(&self, table: u32) -> Result<Option<u64>, EngineError> {
+        let state = self.lock();
+        let t = state
+            .tables
+            .get(table as usize)
+            .and_then(Option::as_ref)
+            .ok_or(TableError::Unknown(table))?;
+        Ok(staged_row(t))
+    }
+
+    /// The staging slot size of this engine (see [`EngineConfig::stage_bytes`]).
+    pub fn stage_bytes(&self) -> u64 {
+        self.config.stage_bytes
+    }
+
     /// The block plan of a table pair for `direction` (see [`block_runs`]): the 2-D copies one
     /// block takes with [`Engine::submit_block_runs`]. `None` where the pair has none.
     pub fn block_runs(
@@ -924,6 +989,10 @@ impl Engine {
     ) -> Result<(), EngineError> {
         let coalesce = self.config.coalesce;
         let pitched = matches!(shape, Shape::Runs);
+        let staged = matches!(shape, Shape::Staged { .. });
+        let slot = self.config.stage_bytes;
+        let host_src = direction == Direction::HostToDevice;
+        let staged_rows = std::cell::Cell::new(0usize);
         // The plans are worked out once per submission, when the slab is sized, and handed to
         // the fill: both run under one hold of the lock, so the tables cannot change in between.
         let plans = std::cell::Cell::new(Vec::new());
@@ -931,6 +1000,40 @@ impl Engine {
             job_id,
             |state| {
                 let resolved = resolve_groups(&state.tables, groups, direction)?;
+                if staged {
+                    if !matches!(direction, Direction::HostToDevice | Direction::DeviceToHost) {
+                        return Err(no_staged_plan(
+                            0,
+                            1,
+                            format!("{direction} moves no host row"),
+                        ));
+                    }
+                    // A row per block, then a descriptor per page.
+                    let (mut rows, mut entries) = (0usize, 0usize);
+                    for (gi, g) in resolved.iter().enumerate() {
+                        let host = if host_src { g.src } else { g.dst };
+                        let why = match staged_row(host) {
+                            None => Some(
+                                "the host table is not block-major (a block's pages in \
+                                          one chunk inside one registered region)"
+                                    .to_string(),
+                            ),
+                            Some(row) if row > slot => Some(format!(
+                                "a block's row is {row} bytes, more than a staging slot \
+                                 (stage_bytes = {slot})"
+                            )),
+                            Some(_) => None,
+                        };
+                        if let Some(why) = why {
+                            return Err(no_staged_plan(gi, groups.len(), why));
+                        }
+                        rows = rows.saturating_add(g.blocks());
+                        entries =
+                            entries.saturating_add(g.blocks().saturating_mul(1 + g.src.segments()));
+                    }
+                    staged_rows.set(rows);
+                    return Ok(entries);
+                }
                 if !pitched {
                     // A descriptor per (segment, block) pair before coalescing.
                     return Ok(resolved.iter().fold(0usize, |n, g| {
@@ -961,8 +1064,17 @@ impl Engine {
                 } = state;
                 let resolved = resolve_groups(tables, groups, direction)?;
                 let runs = plans.take();
-                let runs = pitched.then_some(&runs[..]);
-                expand_groups_into(&resolved, runs, coalesce, cols, bits, scratch, chunk_ids)
+                let plan = if staged {
+                    Plan::Staged {
+                        rows: staged_rows.get(),
+                        host_src,
+                    }
+                } else if pitched {
+                    Plan::Runs(&runs)
+                } else {
+                    Plan::Pages { coalesce }
+                };
+                expand_groups_into(&resolved, plan, cols, bits, scratch, chunk_ids)
                     .map_err(EngineError::from)
             },
         )
@@ -1036,6 +1148,14 @@ impl Engine {
             wait_stream,
             kernel: None,
             pitched: matches!(shape, Shape::Runs),
+            staged: match shape {
+                Shape::Staged { kernel } => Some(StagedRequest {
+                    rows: prepared.staged_rows,
+                    slot_bytes: self.config.stage_bytes,
+                    kernel,
+                }),
+                _ => None,
+            },
         };
         if let Shape::Pages(Some((below, launch))) = shape {
             // Every descriptor small (the usual KV-cache case): no partition pass.

@@ -10,7 +10,7 @@ use pyo3::types::PyDict;
 
 use crate::backend::cuda::{self, CudaBackend, CudaOptions};
 use crate::backend::host::HostBackend;
-use crate::backend::{Backend, KernelBatch, KernelLauncher};
+use crate::backend::{Backend, KernelBatch, KernelLauncher, KernelParam, KernelSpec};
 use crate::descriptor::{DescriptorError, Direction};
 use crate::engine::{self, Engine, EngineConfig, EngineError, GroupIds, Shape};
 use crate::hostmem::{self, HostBuffer, HostBufferError, Pinner};
@@ -208,7 +208,8 @@ impl PyEngine {
     #[pyo3(signature = (backend = "auto", *, device = 0, max_in_flight = 1024, pool_bytes = 268435456,
         max_descriptors = None, coalesce = true, shutdown_timeout = 60.0, copy_path = "auto",
         max_batch = None, timing = false, completion = "auto", h2d_order = "any",
-        d2h_order = "stream", h2d_stream = None, d2h_stream = None))]
+        d2h_order = "stream", h2d_stream = None, d2h_stream = None,
+        stage_bytes = 16777216))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -227,6 +228,7 @@ impl PyEngine {
         d2h_order: &str,
         h2d_stream: Option<u64>,
         d2h_stream: Option<u64>,
+        stage_bytes: i128,
     ) -> PyResult<Self> {
         let config = EngineConfig::from_settings(
             max_in_flight,
@@ -235,6 +237,7 @@ impl PyEngine {
             coalesce,
             shutdown_timeout,
         )
+        .and_then(|c| c.stage_bytes(stage_bytes))
         .map_err(EngineError::from)?;
         let want_cuda = match backend {
             "host" => false,
@@ -421,7 +424,7 @@ impl PyEngine {
     /// `unit` > 1 is named by chunk ids). A group may be empty. `runs`: each pair's block plan
     /// (copy engines only) instead of a descriptor per page; routing otherwise as for `submit`.
     #[pyo3(signature = (job_id, groups, direction = "h2d", wait_stream = None, kernel_below = 0,
-        launcher = None, runs = false))]
+        launcher = None, runs = false, staged = false, kernel = None))]
     #[allow(clippy::too_many_arguments, clippy::type_complexity)]
     fn submit_groups(
         &self,
@@ -439,6 +442,8 @@ impl PyEngine {
         kernel_below: u64,
         launcher: Option<Py<PyAny>>,
         runs: bool,
+        staged: bool,
+        kernel: Option<u32>,
     ) -> PyResult<()> {
         let dir = self::direction(direction)?;
         let mut gs = Vec::with_capacity(groups.len());
@@ -452,7 +457,9 @@ impl PyEngine {
             });
         }
         let launch = |b: KernelBatch| call_launcher(launcher.as_ref().expect("routed"), b);
-        let shape = if runs {
+        let shape = if staged {
+            Shape::Staged { kernel }
+        } else if runs {
             Shape::Runs
         } else {
             Shape::Pages(
@@ -465,6 +472,65 @@ impl PyEngine {
                 .submit_groups(job_id, &gs, dir, wait_stream, shape)
         })
         .map_err(Into::into)
+    }
+
+    /// Makes a compiled copy kernel launchable by the core for staged plans (`submit_groups(...,
+    /// staged=True, kernel=id)`): `function` a `CUfunction` loaded in the device's primary
+    /// context (Triton's compiled kernel), `threads` per CTA, `shared` bytes of dynamic shared
+    /// memory, `params` the names of its leading parameters (`srcs`, `dsts`, `sizes`, `count`,
+    /// `split`, `src_base`, `dst_base`; any after them are passed as null pointers), `rows`
+    /// descriptors per CTA step and `ctas` the most CTAs. Returns the kernel's id, or None on the
+    /// host backend (which copies with memcpy).
+    #[pyo3(signature = (function, threads, shared, params, rows, ctas))]
+    #[allow(clippy::too_many_arguments)]
+    fn load_kernel(
+        &self,
+        py: Python<'_>,
+        function: u64,
+        threads: u32,
+        shared: u32,
+        params: Vec<String>,
+        rows: u32,
+        ctas: u32,
+    ) -> PyResult<Option<u32>> {
+        let params = params
+            .iter()
+            .map(|p| match p.as_str() {
+                "srcs" => Ok(KernelParam::Srcs),
+                "dsts" => Ok(KernelParam::Dsts),
+                "sizes" => Ok(KernelParam::Sizes),
+                "count" => Ok(KernelParam::Count),
+                "split" => Ok(KernelParam::Split),
+                "src_base" => Ok(KernelParam::SrcBase),
+                "dst_base" => Ok(KernelParam::DstBase),
+                other => Err(invalid(format!(
+                    "kernel parameter {other:?} is none of srcs, dsts, sizes, count, split, \
+                     src_base, dst_base"
+                ))),
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        let spec = KernelSpec {
+            function,
+            threads,
+            shared,
+            params,
+            rows,
+            ctas,
+        };
+        py.detach(|| self.engine.load_kernel(spec))
+            .map_err(Into::into)
+    }
+
+    /// The bytes of a block's row where the table is block-major (the staged plan moves a row
+    /// per block), else None.
+    fn staged_row(&self, table: u32) -> PyResult<Option<u64>> {
+        Ok(self.engine.staged_row(table)?)
+    }
+
+    /// Bytes of each staging slot (the `stage_bytes` option): the largest row a staged plan takes.
+    #[getter]
+    fn stage_bytes(&self) -> u64 {
+        self.engine.stage_bytes()
     }
 
     /// The block plan of a table pair: `(first segment, rows, width, src pitch, dst pitch)` per

@@ -586,6 +586,7 @@ pub fn expand_into(
         bytes,
         max_size,
         alignment,
+        staged_rows: 0,
     })
 }
 
@@ -721,6 +722,7 @@ pub fn expand_runs_into(
         bytes,
         max_size,
         alignment,
+        staged_rows: 0,
     })
 }
 
@@ -834,6 +836,117 @@ pub fn map_chunks(
     Ok(())
 }
 
+/// The bytes of one block's row in a block-major table (every segment of a block, in table
+/// order, in one contiguous chunk at the block's stride), where the whole row of every block lies
+/// in one registered region: what the staged plan moves across PCIe as one copy per block. `None`
+/// for any other layout.
+pub fn staged_row(t: &BlockTable) -> Option<u64> {
+    let stride = t.strides[0];
+    let mut end = t.bases[0];
+    for s in 0..t.segments() {
+        if t.bases[s] != end || t.strides[s] != stride {
+            return None;
+        }
+        end = end.checked_add(t.nbytes[s])?;
+    }
+    (t.disjoint && t.run_in_one_region(0, t.segments() - 1)).then_some(end - t.bases[0])
+}
+
+/// How [`expand_groups_into`] writes a transfer.
+#[derive(Clone, Copy, Debug)]
+pub enum Plan<'a> {
+    /// A descriptor per page, merged where `coalesce` and both addresses continue ([`expand_into`]).
+    Pages { coalesce: bool },
+    /// One plan of 2-D copies per group ([`expand_runs_into`]).
+    Runs(&'a [Vec<Run>]),
+    /// The staged plan ([`expand_staged_into`]) of a transfer of `rows` blocks in all, the host
+    /// side the source (`host_src`, CPU -> GPU) or the destination.
+    Staged { rows: usize, host_src: bool },
+}
+
+/// Checks block ids as [`expand_into`] does and writes the staged plan of one group: per block
+/// pair, its host row `(row address, ring offset, row bytes)` at `rows[*r]` and one page
+/// descriptor per segment at `pages[*p..]`, in table order, whose ring side holds the page's
+/// offset in the staging ring: `(ring offset, GPU address, bytes)` CPU -> GPU, `(GPU address,
+/// ring offset, bytes)` GPU -> CPU. Ring offsets count from the transfer's first row (`*ring`,
+/// advanced by each row): a backend places a step of whole rows at a slot and adds
+/// `slot - first offset of the step` to the ring side (see [`crate::backend::StagedRequest`]).
+///
+/// The host side must have a [`staged_row`]. A page's bytes in the ring are its bytes in the
+/// host row, so the page descriptors write exactly the bytes [`expand_into`]'s would, and its
+/// proof of disjoint destinations holds (the host side's rows are disjoint by its table).
+#[allow(clippy::too_many_arguments)]
+pub fn expand_staged_into(
+    src: &BlockTable,
+    src_ids: &[u64],
+    dst: &BlockTable,
+    dst_ids: &[u64],
+    host_src: bool,
+    out: Columns<'_>,
+    cursor: &mut StagedCursor,
+    bits: &mut Vec<u64>,
+    scratch: &mut Scratch,
+) -> Result<Prepared, TableError> {
+    check_ids(src, src_ids, dst, dst_ids, bits, scratch)?;
+    let (host, host_ids, gpu, gpu_ids) = if host_src {
+        (src, src_ids, dst, dst_ids)
+    } else {
+        (dst, dst_ids, src, src_ids)
+    };
+    let row = staged_row(host).ok_or_else(|| {
+        TableError::BadChunking(
+            "the staged plan needs a block-major host table (a block's pages in one chunk)".into(),
+        )
+    })?;
+    let segments = host.segments();
+    let n = src_ids.len();
+    assert!(
+        cursor.row + n <= cursor.rows && cursor.page + segments * n <= out.src.len(),
+        "slab too small"
+    );
+    let mut bitmask = row;
+    let mut max_size = 0u64;
+    for s in 0..segments {
+        bitmask |= gpu.bases[s] | gpu.strides[s] | host.nbytes[s] | (host.bases[s] - host.bases[0]);
+        max_size = max_size.max(host.nbytes[s]);
+    }
+    let (r, mut p) = (cursor.row, cursor.page);
+    for (i, (&hi, &gi)) in host_ids.iter().zip(gpu_ids).enumerate() {
+        // In range by `check_ids`; the spans were proven not to overflow at registration.
+        let at = cursor.ring;
+        out.src[r + i] = host.bases[0] + hi * host.strides[0];
+        out.dst[r + i] = at;
+        out.size[r + i] = row;
+        for s in 0..segments {
+            let ring = at + (host.bases[s] - host.bases[0]);
+            let page = gpu.bases[s] + gi * gpu.strides[s];
+            (out.src[p], out.dst[p]) = if host_src { (ring, page) } else { (page, ring) };
+            out.size[p] = host.nbytes[s];
+            p += 1;
+        }
+        cursor.ring += row;
+    }
+    cursor.row += n;
+    let written = p - cursor.page;
+    cursor.page = p;
+    Ok(Prepared {
+        len: written,
+        bytes: row * n as u64,
+        max_size,
+        alignment: 1u64 << (bitmask | max_size).trailing_zeros().min(4),
+        staged_rows: n,
+    })
+}
+
+/// Where [`expand_staged_into`] writes next: rows `[0, rows)` of the slab, then pages.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct StagedCursor {
+    pub rows: usize,
+    pub row: usize,
+    pub page: usize,
+    pub ring: u64,
+}
+
 /// One KV-cache group of a block transfer (see [`expand_groups_into`]): its two tables and ids.
 ///
 /// With `chunks: Some(skip)`, the side whose table counts chunks (registered with `unit` > 1: a
@@ -871,8 +984,7 @@ impl Group<'_> {
 #[allow(clippy::too_many_arguments)]
 pub fn expand_groups_into(
     groups: &[Group<'_>],
-    runs: Option<&[Vec<Run>]>,
-    coalesce: bool,
+    plan: Plan<'_>,
     out: Columns<'_>,
     bits: &mut Vec<u64>,
     scratch: &mut Scratch,
@@ -895,9 +1007,18 @@ pub fn expand_groups_into(
         bytes: 0,
         max_size: 0,
         alignment: 16,
+        staged_rows: 0,
     };
     let mut used: Vec<(u64, u64)> = Vec::new();
     let mut shared = false;
+    let mut cursor = match plan {
+        Plan::Staged { rows, .. } => StagedCursor {
+            rows,
+            page: rows,
+            ..StagedCursor::default()
+        },
+        _ => StagedCursor::default(),
+    };
     for (gi, g) in groups.iter().enumerate() {
         let [sb, db] = &mut *bufs;
         let (sids, dids, skip) = match (g.chunks, g.src.unit > 1, g.dst.unit > 1) {
@@ -942,15 +1063,35 @@ pub fn expand_groups_into(
         if sids.is_empty() && dids.is_empty() && many {
             continue;
         }
-        let w = total.len;
+        // Staged plans place rows and pages themselves (see `StagedCursor`).
+        let w = if matches!(plan, Plan::Staged { .. }) {
+            0
+        } else {
+            total.len
+        };
         let cols = Columns {
             src: &mut src[w..],
             dst: &mut dst[w..],
             size: &mut size[w..],
         };
-        let p = match runs {
-            None => expand_into(g.src, sids, g.dst, dids, coalesce, cols, bits, scratch),
-            Some(r) => expand_runs_into(g.src, sids, g.dst, dids, &r[gi], cols, bits, scratch),
+        let p = match plan {
+            Plan::Pages { coalesce } => {
+                expand_into(g.src, sids, g.dst, dids, coalesce, cols, bits, scratch)
+            }
+            Plan::Runs(r) => {
+                expand_runs_into(g.src, sids, g.dst, dids, &r[gi], cols, bits, scratch)
+            }
+            Plan::Staged { host_src, .. } => expand_staged_into(
+                g.src,
+                sids,
+                g.dst,
+                dids,
+                host_src,
+                cols,
+                &mut cursor,
+                bits,
+                scratch,
+            ),
         };
         let p = p.map_err(|e| {
             let e = match (e, skip) {
@@ -967,6 +1108,7 @@ pub fn expand_groups_into(
         total.bytes = total.bytes.wrapping_add(p.bytes);
         total.max_size = total.max_size.max(p.max_size);
         total.alignment = total.alignment.min(p.alignment);
+        total.staged_rows += p.staged_rows;
         let (lo, hi) = g.dst.span;
         shared |= used.iter().any(|&(a, b)| lo < b && a < hi);
         used.push(g.dst.span);
@@ -974,8 +1116,28 @@ pub fn expand_groups_into(
     if total.len == 0 {
         return Err(TableError::Empty);
     }
+    if let Plan::Staged { rows, .. } = plan {
+        // Rows first, then pages: the slab's length counts both. The caller sized the rows by
+        // the groups' block counts, which the checks above made exact.
+        assert_eq!(cursor.row, rows, "staged rows sized wrong");
+        total.len = cursor.page;
+    }
+    if let (true, Plan::Staged { rows, host_src }) = (shared, plan) {
+        // The bytes written land in GPU pages (CPU -> GPU, by the kernel) or in host rows.
+        let len = total.len;
+        let (addrs, sizes) = if host_src {
+            (&dst[rows..len], &size[rows..len])
+        } else {
+            (&src[..rows], &size[..rows])
+        };
+        check_disjoint(addrs, sizes, scratch).map_err(|e| TableError::BadSegment {
+            segment: 0,
+            reason: format!("destination pages of different groups overlap: {e}"),
+        })?;
+        return Ok(total);
+    }
     if shared {
-        if runs.is_some() {
+        if !matches!(plan, Plan::Pages { .. }) {
             return Err(TableError::BadChunking(
                 "two groups' destination tables share memory: their 2-D copies cannot be proven \
                  disjoint; move them page by page"
@@ -1413,8 +1575,7 @@ mod group_tests {
         let (mut a, mut b, mut z) = (vec![0; n], vec![0; n], vec![0; n]);
         let p = expand_groups_into(
             groups,
-            None,
-            false,
+            Plan::Pages { coalesce: false },
             Columns {
                 src: &mut a,
                 dst: &mut b,

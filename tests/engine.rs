@@ -742,6 +742,235 @@ proptest! {
     }
 }
 
+/// Moves `pairs` of (GPU id, CPU id) GPU -> CPU into a block-major CPU side, then CPU -> GPU
+/// back into fresh GPU memory (CPU id -> GPU id), once page by page and once by the staged plan
+/// with `slot` bytes per staging slot; returns the CPU side and the GPU side written back.
+fn staged_both_ways(
+    g: &Geometry,
+    pairs: &[(u64, u64)],
+    staged: bool,
+    slot: u64,
+) -> (Vec<u8>, Vec<u8>) {
+    let n = g.layers * g.kv;
+    let mut b = Buffers {
+        src: vec![0; n * g.nblocks * g.page],
+        dst: (0..g.gpu_bytes())
+            .map(|i| (i * 131 + i / 7) as u8)
+            .collect(),
+    };
+    let mut back = vec![0u8; g.gpu_bytes()];
+    let config = EngineConfig {
+        stage_bytes: slot,
+        ..EngineConfig::default()
+    };
+    let (engine, _) = engine_with(&mut b, config);
+    // SAFETY: `back` outlives the engine (dropped below, before it).
+    unsafe {
+        engine
+            .register(
+                back.as_mut_ptr() as u64,
+                back.len() as u64,
+                MemoryKind::Device,
+            )
+            .unwrap();
+    }
+    let nb = g.nblocks as u64;
+    let nbytes = vec![g.page as u64; n];
+    let (gb, gs) = g.gpu(b.dst.as_ptr() as u64);
+    let gpu = engine
+        .register_table(gb, gs, nbytes.clone(), nb, MemoryKind::Device, "GPU", 1)
+        .unwrap();
+    let (bb, bs) = g.gpu(back.as_ptr() as u64);
+    let back_t = engine
+        .register_table(bb, bs, nbytes.clone(), nb, MemoryKind::Device, "GPU", 1)
+        .unwrap();
+    let cpu_g = Geometry {
+        block_major: true,
+        ..g.clone()
+    };
+    let (cb, cs) = cpu_g.cpu(b.src.as_ptr() as u64);
+    let cpu = engine
+        .register_table(cb, cs, nbytes, nb, MemoryKind::Host, "CPU", 1)
+        .unwrap();
+    let (gi, ci): (Vec<u64>, Vec<u64>) = pairs.iter().copied().unzip();
+    let shape = || {
+        if staged {
+            Shape::Staged { kernel: None }
+        } else {
+            Shape::Pages(None)
+        }
+    };
+    let groups = |st, si, dt, di| [GroupIds::blocks(st, si, dt, di)];
+    engine
+        .submit_groups(
+            1,
+            &groups(gpu, &gi, cpu, &ci),
+            Direction::DeviceToHost,
+            None,
+            shape(),
+        )
+        .unwrap();
+    let r = finish(&engine, &[1]);
+    assert!(r[0].success, "{:?}", r[0]);
+    engine
+        .submit_groups(
+            2,
+            &groups(cpu, &ci, back_t, &gi),
+            Direction::HostToDevice,
+            None,
+            shape(),
+        )
+        .unwrap();
+    let r = finish(&engine, &[2]);
+    assert!(r[0].success, "{:?}", r[0]);
+    assert_eq!(r[0].bytes as usize, pairs.len() * n * g.page);
+    drop(engine);
+    // Every moved page came back to where it started.
+    let (gb, _) = g.gpu(0);
+    for &(id, _) in pairs {
+        for &base in &gb {
+            let at = base as usize + id as usize * g.page;
+            assert_eq!(back[at..at + g.page], b.dst[at..at + g.page]);
+        }
+    }
+    (b.src, back)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(if cfg!(miri) { 1 } else { 64 }))]
+
+    /// The staged plan writes exactly the bytes the page-by-page route writes, both ways, for any
+    /// segment order and gaps between layers, with staging slots from one row (one block per
+    /// step, the slots reused many times in a transfer) to many.
+    #[test]
+    fn staged_plans_copy_what_pages_copy(
+        g in geometry(),
+        seed in any::<u64>(),
+        n in 1usize..12,
+        rows_per_slot in 1u64..5,
+        spare in 0u64..3,
+    ) {
+        let n = n.min(g.nblocks);
+        let mut ids: Vec<u64> = (0..g.nblocks as u64).collect();
+        let mut x = seed | 1;
+        for i in (1..ids.len()).rev() {
+            x ^= x << 13; x ^= x >> 7; x ^= x << 17;
+            ids.swap(i, (x % (i as u64 + 1)) as usize);
+        }
+        let cpu_ids: Vec<u64> = ids.iter().rev().copied().collect();
+        let pairs: Vec<(u64, u64)> = (0..n).map(|i| (ids[i], cpu_ids[i])).collect();
+        let row = (g.layers * g.kv * g.page) as u64;
+        let slot = rows_per_slot * row + spare * 8;
+        let (cpu_pages, back_pages) = staged_both_ways(&g, &pairs, false, slot);
+        let (cpu_staged, back_staged) = staged_both_ways(&g, &pairs, true, slot);
+        prop_assert_eq!(cpu_pages, cpu_staged);
+        prop_assert_eq!(back_pages, back_staged);
+    }
+}
+
+#[test]
+fn staged_plans_are_refused_where_they_cannot_run() {
+    let g = Geometry {
+        layers: 2,
+        kv: 2,
+        page: 64,
+        nblocks: 4,
+        gap: 0,
+        block_major: false,
+        kv_outer: false,
+    };
+    let mut b = Buffers {
+        src: vec![0; 4096],
+        dst: vec![1; 4096],
+    };
+    let config = EngineConfig {
+        stage_bytes: 128,
+        ..EngineConfig::default()
+    };
+    let (engine, host) = engine_with(&mut b, config);
+    let nbytes = vec![64u64; 4];
+    let (gb, gs) = g.gpu(b.dst.as_ptr() as u64);
+    let gpu = engine
+        .register_table(gb, gs, nbytes.clone(), 4, MemoryKind::Device, "GPU", 1)
+        .unwrap();
+    let mirror = {
+        let (cb, cs) = g.cpu(b.src.as_ptr() as u64);
+        engine
+            .register_table(cb, cs, nbytes.clone(), 4, MemoryKind::Host, "CPU", 1)
+            .unwrap()
+    };
+    let major = {
+        let (cb, cs) = Geometry {
+            block_major: true,
+            ..g.clone()
+        }
+        .cpu(b.src.as_ptr() as u64 + 2048);
+        engine
+            .register_table(cb, cs, nbytes, 4, MemoryKind::Host, "CPU", 1)
+            .unwrap()
+    };
+    let staged = || Shape::Staged { kernel: None };
+    let submit = |job, cpu, dir| {
+        let (gi, ci) = ([0u64, 1], [2u64, 3]);
+        let groups = if dir == Direction::DeviceToHost {
+            [GroupIds::blocks(gpu, &gi, cpu, &ci)]
+        } else {
+            [GroupIds::blocks(cpu, &ci, gpu, &gi)]
+        };
+        engine.submit_groups(job, &groups, dir, None, staged())
+    };
+    // A CPU side that mirrors the GPU layout has no host row.
+    let err = submit(1, mirror, Direction::DeviceToHost).unwrap_err();
+    assert!(err.to_string().contains("not block-major"), "{err}");
+    // A row (4 pages of 64 bytes) larger than a 128-byte slot.
+    let err = submit(2, major, Direction::HostToDevice).unwrap_err();
+    assert!(err.to_string().contains("stage_bytes = 128"), "{err}");
+    assert_eq!(engine.stats().in_flight, 0);
+    drop(engine);
+    drop(host);
+
+    // With room, an injected failure stops the transfer halfway and reports it failed.
+    let mut b = Buffers {
+        src: vec![0; 4096],
+        dst: vec![1; 4096],
+    };
+    let (engine, host) = engine_with(
+        &mut b,
+        EngineConfig {
+            stage_bytes: 256,
+            ..EngineConfig::default()
+        },
+    );
+    let (gb, gs) = g.gpu(b.dst.as_ptr() as u64);
+    let gpu = engine
+        .register_table(gb, gs, vec![64; 4], 4, MemoryKind::Device, "GPU", 1)
+        .unwrap();
+    let (cb, cs) = Geometry {
+        block_major: true,
+        ..g.clone()
+    }
+    .cpu(b.src.as_ptr() as u64);
+    let cpu = engine
+        .register_table(cb, cs, vec![64; 4], 4, MemoryKind::Host, "CPU", 1)
+        .unwrap();
+    blockswap::Backend::inject_failures(&*host, 1);
+    let groups = [GroupIds::blocks(gpu, &[0, 1, 2, 3], cpu, &[0, 1, 2, 3])];
+    engine
+        .submit_groups(3, &groups, Direction::DeviceToHost, None, staged())
+        .unwrap();
+    let r = finish(&engine, &[3]);
+    assert!(!r[0].success);
+    assert!(
+        r[0].error.as_deref().unwrap_or("").contains("injected"),
+        "{:?}",
+        r[0]
+    );
+    engine
+        .submit_groups(4, &groups, Direction::DeviceToHost, None, staged())
+        .unwrap();
+    assert!(finish(&engine, &[4])[0].success);
+}
+
 #[test]
 fn block_plans_are_refused_where_a_table_pair_has_none() {
     // Destination segments whose pages overlap (32 bytes apart, 64 long): their disjointness is

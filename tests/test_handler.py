@@ -1073,7 +1073,8 @@ def test_auto_takes_the_block_plan_for_pages_of_16_kib_and_more() -> None:
             h.shutdown()
 
     assert route(BLOCK_MIN_PAGE) == "blocks"
-    assert route(BLOCK_MIN_PAGE // 4) == "pages"
+    # Below it, the staged plan: a copy per block row through the staging ring.
+    assert route(BLOCK_MIN_PAGE // 4) == "staged"
     # The mirrored CPU cache keeps the page route.
     gpu = [torch.zeros((N_GPU, 1, BLOCK_MIN_PAGE), dtype=torch.uint8)]
     h = CpuGpuHandlers(gpu, N_CPU, layout="mla", backend="host", cpu_layout="mirror")
@@ -1089,7 +1090,7 @@ def test_block_route_is_chosen_only_where_it_saves_copies_and_path_blocks_insist
     g = [one_allocation("kv_fused", 2, N_GPU), one_allocation("kv_fused", 3, N_GPU)]
     h = CpuGpuHandlers(g, N_CPU, layout="kv_fused", backend="host")
     try:
-        assert h.routes["d2h"].plan == "pages"
+        assert h.routes["d2h"].plan == "staged"
         assert [len(p or []) for p in h.block_plans["d2h"]] == [1, 1]
     finally:
         h.shutdown()
@@ -1113,11 +1114,17 @@ def test_block_route_is_chosen_only_where_it_saves_copies_and_path_blocks_insist
     finally:
         h.shutdown()
     # Groups sharing memory (the same tensors twice): no block plan can prove their 2-D copies
-    # disjoint, so the page route, and path="blocks" is refused.
+    # disjoint, so path="blocks" is refused; the staged plan checks its pages as the page route
+    # does, and a transfer writing one page twice is refused.
     shared = [g[0], g[0]]
     h = CpuGpuHandlers(shared, N_CPU, layout="kv_fused", backend="host")
     try:
-        assert h.routes["d2h"].plan == "pages"
+        assert h.routes["d2h"].plan == "staged"
+        with pytest.raises(InvalidTransferError, match="overlap"):
+            h.h2d.transfer_async(3, ([[1], [2]], [[5], [5]]))
+        h.h2d.transfer_async(4, ([[1], [2]], [[5], [6]]))
+        h.wait([4])
+        assert [r.success for r in h.get_finished()] == [True]
     finally:
         h.shutdown()
     with pytest.raises(ValueError, match="path='blocks'"):
@@ -1158,6 +1165,54 @@ def test_cuda_block_plan_roundtrip(layout: str, factor: int) -> None:
         h.wait([2])
         (r,) = h.get_finished()
         assert r.success, r.error
+        after = [torch.stack([p for p in page_of(t, layout, int(b))]) for t in gpu for b in dst]
+        for a, b in zip(after, before):
+            assert torch.equal(a, b)
+    finally:
+        h.shutdown()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("slot_rows", [None, 3])
+@pytest.mark.parametrize("separate", [False, True])
+@pytest.mark.parametrize("factor", FACTORS)
+@pytest.mark.parametrize("layout", sorted(ONE_ALLOCATION))
+def test_cuda_staged_roundtrip(
+    layout: str, factor: int, separate: bool, slot_rows: int | None
+) -> None:
+    """On the GPU: the staged plan both ways, byte-exact, 80 layers one allocation or each its
+    own; with slots of 3 rows a transfer of 8 blocks takes 3 steps and four queued transfers
+    cycle the two slots many times (more blocks in flight than the ring holds)."""
+    gpu = one_allocation(layout, 80, 64, device="cuda")
+    if separate:
+        gpu = [t.clone() for t in gpu]
+    kw: dict = {}
+    if slot_rows is not None:
+        row = 80 * sum(p.numel() for p in page_of(gpu[0], layout, 0))
+        kw["stage_bytes"] = slot_rows * row
+    h = CpuGpuHandlers(gpu, 32, layout=layout, block_size_factor=factor, path="staged", **kw)
+    try:
+        assert h.backend == "cuda" and h.routes["d2h"].plan == h.routes["h2d"].plan == "staged"
+        assert h.routes["h2d"].kernel is not None
+        rng = np.random.default_rng(11 + factor)
+        perm = rng.permutation(64)
+        n = 32
+        src, dst = perm[:n], perm[n:]
+        cpu = rng.permutation(32)[: n // factor]
+        before = [torch.stack([p for p in page_of(t, layout, int(b))]) for t in gpu for b in src]
+        per, cper = n // 4, n // 4 // factor
+        for j in range(4):
+            s, c = src[j * per : (j + 1) * per], cpu[j * cper : (j + 1) * cper]
+            assert h.d2h.transfer_async(1 + j, (s, c)) is True
+        h.wait([1, 2, 3, 4])
+        res = h.get_finished()
+        assert [r.success for r in res] == [True] * 4, [r.error for r in res]
+        assert sum(r.bytes for r in res) == n * int(h.gpu_tables[0].nbytes.sum())
+        for j in range(4):
+            c, d = cpu[j * cper : (j + 1) * cper], dst[j * per : (j + 1) * per]
+            assert h.h2d.transfer_async(5 + j, (c, d)) is True
+        h.wait([5, 6, 7, 8])
+        assert [r.success for r in h.get_finished()] == [True] * 4
         after = [torch.stack([p for p in page_of(t, layout, int(b))]) for t in gpu for b in dst]
         for a, b in zip(after, before):
             assert torch.equal(a, b)

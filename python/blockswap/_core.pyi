@@ -88,6 +88,7 @@ class Engine:
         d2h_order: AccessOrder = "stream",
         h2d_stream: int | None = None,
         d2h_stream: int | None = None,
+        stage_bytes: int = 16777216,
     ) -> Engine: ...
     def submit(
         self,
@@ -132,7 +133,15 @@ class Engine:
         kernel_below: int = 0,
         launcher: Callable[[int, int, int, int, int, int, int], object] | None = None,
         runs: bool = False,
+        staged: bool = False,
+        kernel: int | None = None,
     ) -> None: ...
+    def load_kernel(
+        self, function: int, threads: int, shared: int, params: list[str], rows: int, ctas: int
+    ) -> int | None: ...
+    def staged_row(self, table: int) -> int | None: ...
+    @property
+    def stage_bytes(self) -> int: ...
     def submit_block_runs(
         self,
         job_id: int,

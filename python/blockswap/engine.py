@@ -245,6 +245,7 @@ class Engine:
         d2h_order: AccessOrder = "stream",
         h2d_stream: int | None = None,
         d2h_stream: int | None = None,
+        stage_bytes: int = 16 << 20,
     ) -> None:
         integer = "an int"
         self._core = _core.Engine(
@@ -269,6 +270,7 @@ class Engine:
             d2h_stream=check_arg(
                 "d2h_stream", d2h_stream, "a raw CUstream int", _is_int, span=_U64, optional=True
             ),
+            stage_bytes=check_arg("stage_bytes", stage_bytes, integer, _is_int, span=_I128),
         )
         self._kept: dict[int, Any] = {}
         # The hot paths bound straight to the core (no Python frame in between), shadowing the
@@ -452,6 +454,8 @@ class Engine:
         kernel_below: int = 0,
         launcher: Callable[[int, int, int, int, int, int, int], None] | None = None,
         runs: bool = False,
+        staged: bool = False,
+        kernel: int | None = None,
     ) -> None:
         """Issues one transfer of several KV-cache groups as one batch with one result.
 
@@ -463,11 +467,19 @@ class Engine:
         ids (the first and the last chunk may be partial). A group may be empty on both sides.
         The core checks every id, every chunk count and that destinations are distinct, across
         groups too. ``runs``: each pair's block plan (:meth:`block_runs`, copy engines only)
-        instead of a descriptor per page. Otherwise as :meth:`submit`."""
+        instead of a descriptor per page. ``staged``: the staged plan (a host side that is
+        block-major, see :meth:`staged_row`): each block's row crosses PCIe as one copy into or
+        out of a device staging ring of two ``stage_bytes`` slots, and ``kernel`` (an id from
+        :meth:`load_kernel`; ``None`` on the host backend, which copies with memcpy) moves its
+        pages between the ring and the GPU pages, launched by the core. Otherwise as
+        :meth:`submit`."""
         job_id = check_job_id(job_id)
         if launcher is not None and not callable(launcher):  # the check off the hot path
             check_arg("launcher", launcher, "callable", callable, optional=True)
         check_arg("runs", runs, "a bool", _is_bool)
+        check_arg("staged", staged, "a bool", _is_bool)
+        if kernel is not None:
+            check_arg("kernel", kernel, "an int", _is_int, span=(0, 1 << 32, "below 2**32"))
         core_groups = []
         for g, group in enumerate(groups):
             try:
@@ -489,10 +501,44 @@ class Engine:
             )
         try:
             self._core.submit_groups(
-                job_id, core_groups, direction, wait_stream, kernel_below, launcher, runs
+                job_id,
+                core_groups,
+                direction,
+                wait_stream,
+                kernel_below,
+                launcher,
+                runs,
+                staged,
+                kernel,
             )
         except (OverflowError, TypeError) as e:
             raise _submit_argument_error(e, direction, wait_stream, kernel_below) from None
+
+    def staged_row(self, table: int) -> int | None:
+        """The bytes of one block's row where ``table`` is block-major (every page of a block in
+        one chunk inside one registered region): what the staged plan moves across PCIe per
+        block, at most :attr:`stage_bytes`. ``None`` for any other layout."""
+        return self._core.staged_row(_table_id(table))
+
+    @property
+    def stage_bytes(self) -> int:
+        """Bytes of each of the two slots of a direction's staging ring (the ``stage_bytes``
+        option), allocated in device memory on the direction's first staged transfer."""
+        return self._core.stage_bytes
+
+    def load_kernel(self, kernel: dict[str, Any]) -> int | None:
+        """Makes a compiled copy kernel launchable by the core for staged plans: ``kernel`` as
+        :func:`blockswap.kernels.core_kernel` returns it (which keeps the compiled module, and
+        must be kept alive as long as the engine may launch it). Returns the id for
+        :meth:`submit_groups`, or ``None`` on the host backend."""
+        return self._core.load_kernel(
+            kernel["function"],
+            kernel["threads"],
+            kernel["shared"],
+            kernel["params"],
+            kernel["rows"],
+            kernel["ctas"],
+        )
 
     def block_runs(
         self, src_table: int, dst_table: int, direction: str = "h2d"

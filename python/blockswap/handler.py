@@ -294,10 +294,25 @@ KERNEL_BLOCK_BYTES = 32 * 1024
 #: launches and the model's SMs").
 KERNEL_LAUNCH_BYTES = 8 * 1024 * 1024
 
+#: CTAs of the staged plan's kernel, which moves pages between the staging ring and the GPU
+#: pages inside HBM: 32 reached 97-99 % of the link from 32 KiB pages where 132 gained nothing
+#: (H100, 2026-11-23, ``benches/probe_staged.py``).
+STAGED_CTAS = 32
+
+#: Bytes of a staging slot by default (two per direction, in device memory): 16 MiB steps
+#: reached 97-99 % of the link from 32 KiB pages (H100, ``benches/probe_staged.py``). A slot
+#: grows to one block's row where that is larger, up to ``STAGE_MAX_AUTO``; past it the staged
+#: plan is not taken unless ``stage_bytes`` is given.
+STAGE_BYTES = 16 << 20
+STAGE_MAX_AUTO = 64 << 20
+
 
 class Route(NamedTuple):
     """How a handler's transfers move. ``plan="blocks"``: each block as the 2-D copies of the
     table pair's block plan (:meth:`blockswap.Engine.block_runs`), copy engines only.
+    ``plan="staged"``: each block's host row as one copy through a device staging ring, its
+    pages moved inside the GPU by the core's kernel ``kernel`` (see
+    :meth:`blockswap.Engine.submit_groups`).
     ``plan="pages"``: a descriptor per page, those below ``kernel_below`` bytes by the copy
     kernel ``launcher`` launches (0 and ``None``: DMA only)."""
 
@@ -305,6 +320,9 @@ class Route(NamedTuple):
     launcher: Callable[..., None] | None
     reason: str
     plan: str = "pages"
+    #: The staged plan's kernel, as :meth:`blockswap.Engine.load_kernel` returned its id
+    #: (``None`` on the host backend, which copies the pages with memcpy).
+    kernel: int | None = None
 
 
 def _check_positive_int(name: str, value: Any, alternative: str = "") -> None:
@@ -472,6 +490,8 @@ class SingleDirectionHandler:
         self._kernel_below = self.route.kernel_below
         self._launcher = self.route.launcher
         self._blocks = self.route.plan == "blocks"
+        self._staged = self.route.plan == "staged"
+        self._kernel = self.route.kernel
         self._closed = False
         core = owner.engine._core
         # Hot paths bound straight to the core.
@@ -539,6 +559,8 @@ class SingleDirectionHandler:
                 self._kernel_below,
                 self._launcher,
                 self._blocks,
+                self._staged,
+                self._kernel,
             )
         except InvalidTransferError as e:
             raise InvalidTransferError(f"{self.direction} job {job_id}: {e}") from e
@@ -691,8 +713,10 @@ class CpuGpuHandlers:
         **engine_options: Any,
     ) -> None:
         self._lock = threading.Lock()
-        if path not in ("auto", "blocks", "dma", "kernel"):
-            raise ValueError(f"path must be 'auto', 'blocks', 'dma' or 'kernel', not {path!r}")
+        if path not in ("auto", "blocks", "staged", "dma", "kernel"):
+            raise ValueError(
+                f"path must be 'auto', 'blocks', 'staged', 'dma' or 'kernel', not {path!r}"
+            )
         self._shut = False
         _check_positive_int("num_cpu_blocks", num_cpu_blocks)
         if not isinstance(load_waits_for_compute, bool):
@@ -859,6 +883,11 @@ class CpuGpuHandlers:
                         s, device_index, f"copy_streams[{key!r}]"
                     )
                     self._streams.append(s)
+        if "stage_bytes" not in options:
+            # A staging slot holds at least one block's row (every page of a GPU block), up to
+            # STAGE_MAX_AUTO: two slots per direction are device memory.
+            row = max(int(t.nbytes.sum()) for t in gpu_tables)
+            options["stage_bytes"] = max(STAGE_BYTES, row) if row <= STAGE_MAX_AUTO else STAGE_BYTES
         if on_cuda:
             options["device"] = device_index
         self._device_index = device_index
@@ -914,7 +943,7 @@ class CpuGpuHandlers:
                 gpu_tables,
                 on_cuda=on_cuda,
                 direction=d,
-                path="auto" if path == "blocks" else path,
+                path="auto" if path in ("blocks", "staged") else path,
                 kernel_ctas=kernel_ctas,
                 below=kernel_below,
                 launch_bytes=kernel_launch_bytes,
@@ -938,6 +967,18 @@ class CpuGpuHandlers:
                 blk = _groups_block_route(plans, gpu_tables, cpu_tables, d, insist=path == "blocks")
                 if blk is not None:
                     self.routes[d] = blk
+        #: The compiled kernel of the staged plan, kept loaded while the engine may launch it.
+        self._core_kernel: dict[str, Any] | None = None
+        if path == "staged" or (
+            path == "auto"
+            and self.cpu_chunks is not None
+            and any(r.plan != "blocks" for r in self.routes.values())
+        ):
+            staged = self._staged_route(gpu_tables, device_index, on_cuda, insist=path == "staged")
+            if staged is not None:
+                for d, r in self.routes.items():
+                    if r.plan != "blocks":
+                        self.routes[d] = staged
         for d, r in self.routes.items():
             log.info("%s route (path=%r): %s", _SHORT[d], path, r.reason)
         if path == "blocks" and any(r.plan != "blocks" for r in self.routes.values()):
@@ -962,6 +1003,64 @@ class CpuGpuHandlers:
             self.calibration = self._calibrate(kernel_ctas)
 
     # ---- construction helpers ------------------------------------------------------------------
+
+    def _staged_route(
+        self,
+        gpu_tables: Sequence[BlockTable],
+        device_index: int | None,
+        on_cuda: bool,
+        *,
+        insist: bool,
+    ) -> Route | None:
+        """The staged route where every group's CPU table is block-major with rows that fit a
+        staging slot, and (on CUDA) the core can launch the copy kernel; else None, or with
+        ``insist`` (``path="staged"``) a ``ValueError`` naming why."""
+        core = self.engine._core
+        slot = core.stage_bytes
+        found = [core.staged_row(ct) for _, ct in self._table_ids]
+        rows = [r for r in found if r is not None]
+        why = None
+        if len(rows) < len(found):
+            why = "the CPU cache is not block-major (cpu_layout='block_major', allocated here)"
+        elif max(rows) > slot:
+            why = f"a block's row is {max(rows)} bytes, more than stage_bytes={slot}"
+        kernel = None
+        if why is None and on_cuda:
+            from .kernels import core_kernel
+
+            page = max(int(n) for t in gpu_tables for n in t.nbytes.tolist())
+            try:
+                k = core_kernel(
+                    device_index or 0,
+                    max_size=page,
+                    max_ctas=STAGED_CTAS,
+                    block_bytes=KERNEL_BLOCK_BYTES,
+                )
+                kernel = None if k is None else self.engine.load_kernel(k)
+                if kernel is None:
+                    why = "the copy kernel's build needs scratch memory the core does not pass"
+                else:
+                    self._core_kernel = k
+            except (BlockswapError, RuntimeError) as e:
+                why = f"the core cannot launch the copy kernel: {e}"
+        if why is not None:
+            if insist:
+                raise ValueError(f"path='staged' is not possible here: {why}")
+            log.info("no staged route: %s", why)
+            return None
+        how = (
+            f"pages moved inside the GPU by the core's kernel on {STAGED_CTAS} CTAs"
+            if on_cuda
+            else "host backend: memcpy"
+        )
+        return Route(
+            0,
+            None,
+            f"staged: a copy per block row (up to {max(rows)} B) through a ring of 2 x {slot} B, "
+            f"{how}",
+            "staged",
+            kernel,
+        )
 
     @staticmethod
     def _layouts(layout: Any, ng: int) -> list[Layout]:

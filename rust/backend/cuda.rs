@@ -25,8 +25,8 @@ use cudarc::driver::result::{self, DriverError};
 use cudarc::driver::sys;
 
 use super::{
-    take_injected, AddElapsed, Backend, BackendError, BackendInfo, HostAlloc, KernelBatch,
-    SubmitRequest, Submitted,
+    staged_steps, take_injected, AddElapsed, Backend, BackendError, BackendInfo, HostAlloc,
+    KernelBatch, KernelParam, KernelSpec, StagedRequest, SubmitRequest, Submitted,
 };
 use crate::descriptor::Direction;
 use crate::pool::{SlabInner, SlabRef};
@@ -62,7 +62,18 @@ const REQUIRED_SYMBOLS: &[&str] = &[
     "cuMemcpyAsync",
     "cuGetProcAddress_v2",
     "cuGetErrorName",
+    "cuMemAlloc_v2",
+    "cuMemFree_v2",
+    "cuLaunchKernel",
+    "cuFuncGetAttribute",
 ];
+
+/// `cuFuncGetParamInfo` (CUDA 12.4): the offset and size of a kernel's parameter.
+type ParamInfoFn =
+    unsafe extern "C" fn(sys::CUfunction, usize, *mut usize, *mut usize) -> sys::CUresult;
+
+/// The most parameters a kernel loaded for the staged plan may have.
+const MAX_KERNEL_PARAMS: usize = 16;
 
 /// `cuMemcpyBatchAsync`, CUDA 12.8 ABI.
 type BatchV12 = unsafe extern "C" fn(
@@ -543,6 +554,105 @@ impl Drop for Event {
     }
 }
 
+/// Device memory from `cuMemAlloc`, freed on drop.
+#[derive(Debug)]
+struct DeviceMem {
+    ptr: sys::CUdeviceptr,
+    ctx: sys::CUcontext,
+}
+
+impl DeviceMem {
+    fn alloc(ctx: sys::CUcontext, len: usize) -> Result<Self, BackendError> {
+        may_create("cuMemAlloc")?;
+        let _bound = bind(ctx)?;
+        let mut ptr = 0;
+        // SAFETY: writes one device pointer.
+        check("cuMemAlloc", unsafe { sys::cuMemAlloc_v2(&mut ptr, len) })?;
+        tally(1);
+        Ok(DeviceMem { ptr, ctx })
+    }
+}
+
+impl Drop for DeviceMem {
+    fn drop(&mut self) {
+        if let Ok(_bound) = bind(self.ctx) {
+            // SAFETY: from cuMemAlloc, freed once, here; the owner drops it only once no work
+            // that may reach it can run (see `CudaBackend`'s Drop).
+            let _ = unsafe { sys::cuMemFree_v2(self.ptr) };
+        }
+        tally(-1);
+    }
+}
+
+/// A kernel the staged plan launches (see [`KernelSpec`]), checked against the driver's view of
+/// its parameters when loaded.
+#[derive(Clone, Debug)]
+struct LoadedKernel {
+    function: u64,
+    spec: KernelSpec,
+    /// Parameters of the kernel in all: those of `spec.params`, then null pointers.
+    total: usize,
+}
+
+/// One lane's staging resources, made on its first staged transfer: a ring of two slots in
+/// device memory, a stream for the kernels (the lane's stream does the copies across PCIe) and
+/// the events that hand each slot between the two.
+#[derive(Debug)]
+struct Stage {
+    ring: DeviceMem,
+    slot: u64,
+    stream: Stream,
+    /// Recorded on the lane's stream at a transfer's start; the kernel stream waits for it (the
+    /// caller's stream and the lane's earlier transfers come first).
+    start: Event,
+    /// Per slot: its copy (CPU -> GPU) or kernel (GPU -> CPU) is done; the other stream goes on.
+    ready: [Event; 2],
+    /// Per slot: the last work on it is done; it may be filled again.
+    free: [Event; 2],
+    /// Recorded on the kernel stream after a transfer's last step; the lane's stream waits for
+    /// it before the completion marker, so a transfer completes only once its kernels have.
+    join: Event,
+    /// Steps issued on the lane so far: the next takes slot `steps % 2`.
+    steps: u64,
+    /// The step's row copies, handed to the batch call.
+    src: Vec<u64>,
+    dst: Vec<u64>,
+    size: Vec<u64>,
+}
+
+impl Stage {
+    fn new(ctx: sys::CUcontext, slot: u64) -> Result<Self, BackendError> {
+        let bytes = usize::try_from(slot.saturating_mul(2)).unwrap_or(usize::MAX);
+        Ok(Stage {
+            ring: DeviceMem::alloc(ctx, bytes)?,
+            slot,
+            stream: Stream::create(ctx)?,
+            start: Event::create(ctx, false)?,
+            ready: [Event::create(ctx, false)?, Event::create(ctx, false)?],
+            free: [Event::create(ctx, false)?, Event::create(ctx, false)?],
+            join: Event::create(ctx, false)?,
+            steps: 0,
+            src: Vec::new(),
+            dst: Vec::new(),
+            size: Vec::new(),
+        })
+    }
+}
+
+/// `cuEventRecord` then `cuStreamWaitEvent`: `waiter` goes on only after the work queued on
+/// `on` so far.
+fn order(event: &Event, on: sys::CUstream, waiter: sys::CUstream) -> Result<(), BackendError> {
+    // SAFETY: valid event and streams of the current context. Re-recording an event is safe
+    // once a wait has been queued on it: the wait takes the event's state at the call.
+    check("cuEventRecord", unsafe {
+        sys::cuEventRecord(event.raw, on)
+    })?;
+    // SAFETY: as above.
+    check("cuStreamWaitEvent", unsafe {
+        sys::cuStreamWaitEvent(waiter, event.raw, 0)
+    })
+}
+
 /// Page-locked, device-mapped, cached host memory from `cuMemHostAlloc`, zeroed; freed on drop.
 #[derive(Debug)]
 struct PinnedHost {
@@ -665,6 +775,9 @@ struct CudaLane {
     dep_event: Event,
     /// Dropped after the events recorded on it.
     stream: Stream,
+    /// The staged plan's resources, made on the lane's first staged transfer; only `submit`
+    /// (serialised by the engine's submit lock) takes the lock.
+    stage: Mutex<Option<Stage>>,
     /// Mapped pinned u64 the stream writes completed sequence numbers into (write-value mode),
     /// inside the backend's `counters`.
     counter: *mut u64,
@@ -705,6 +818,7 @@ impl CudaLane {
             timing_events: Vec::new(),
             dep_event: Event::create(ctx, false)?,
             stream,
+            stage: Mutex::new(None),
             counter,
             counter_dev,
             submitted: AtomicU64::new(0),
@@ -756,6 +870,10 @@ pub struct CudaBackend {
     /// Host memory handed back while a lane might still reach it: freed once every lane is idle,
     /// else leaked.
     deferred: Mutex<Vec<HostAlloc>>,
+    /// `cuFuncGetParamInfo`, where the driver has it: [`Backend::load_kernel`] needs it.
+    param_info: Option<ParamInfoFn>,
+    /// Kernels loaded for staged plans, by id.
+    kernels: std::sync::RwLock<Vec<LoadedKernel>>,
     // The driver resources, dropped in this order in `Drop`.
     lanes: ManuallyDrop<Vec<CudaLane>>,
     /// One cache line per lane's completion counter: the device writes them independently.
@@ -871,6 +989,10 @@ impl CudaBackend {
             generation: crate::engine::fork_generation(),
             shut: AtomicBool::new(false),
             deferred: Mutex::new(Vec::new()),
+            // SAFETY: the symbol's ABI is that of CUDA 12.4, the version asked for.
+            param_info: resolve("cuFuncGetParamInfo", 12040)
+                .map(|p| unsafe { std::mem::transmute::<*mut c_void, ParamInfoFn>(p) }),
+            kernels: std::sync::RwLock::new(Vec::new()),
             lanes: ManuallyDrop::new(lanes),
             counters: ManuallyDrop::new(counters),
             ctx: ManuallyDrop::new(ctx),
@@ -945,7 +1067,6 @@ impl CudaBackend {
         slab: &SlabInner,
         first: usize,
     ) -> Result<(), BackendError> {
-        let stream = self.lane(lane).stream.raw;
         let (src, size) = (&slab.src()[first..], &slab.size()[first..]);
         let poisoned;
         let dst = if take_injected(&self.fail_next) {
@@ -962,6 +1083,20 @@ impl CudaBackend {
         } else {
             &slab.dst()[first..]
         };
+        self.copy_arrays(lane, src, dst, size, first)
+    }
+
+    /// Issues the 1-D copies `(src[i], dst[i], size[i])` on the lane's stream, batched where the
+    /// driver can; errors name descriptor `first + i`.
+    fn copy_arrays(
+        &self,
+        lane: Direction,
+        src: &[u64],
+        dst: &[u64],
+        size: &[u64],
+        first: usize,
+    ) -> Result<(), BackendError> {
+        let stream = self.lane(lane).stream.raw;
         let Some(batch) = self.batch else {
             for i in 0..src.len() {
                 // SAFETY: every range was checked against registered memory before submission;
@@ -1148,6 +1283,171 @@ impl CudaBackend {
 
     /// After a failed batch whose ABI does not say which descriptor failed: the first one whose
     /// source or destination the driver does not know.
+    /// Issues a staged transfer (see [`StagedRequest`]): per step, CPU -> GPU, the step's rows
+    /// copied into a ring slot on the lane's stream, then the kernel moving its pages from the
+    /// slot into the GPU pages on the stage's stream; GPU -> CPU the kernel into the slot, then
+    /// the rows out of it. Two slots: a step's copy across PCIe overlaps the previous step's
+    /// kernel. Whatever fails, the lane's stream waits for every kernel issued before the
+    /// completion marker goes in: a slab is never handed back while a kernel may read it.
+    fn issue_staged(
+        &self,
+        lane: Direction,
+        slab: &SlabInner,
+        req: StagedRequest,
+    ) -> Result<(), BackendError> {
+        let l = self.lane(lane);
+        let Some(kernel) = req
+            .kernel
+            .and_then(|k| self.kernels.read().ok()?.get(k as usize).cloned())
+        else {
+            return Err(BackendError::InvalidArgument(format!(
+                "the staged plan needs a kernel loaded by this engine (load_kernel), got {:?}",
+                req.kernel
+            )));
+        };
+        let mut stage = l.stage.lock().unwrap_or_else(|e| e.into_inner());
+        if stage.as_ref().is_some_and(|st| st.slot != req.slot_bytes) {
+            return Err(BackendError::InvalidArgument(format!(
+                "this lane's staging slots are {} bytes, the transfer asks for {}",
+                stage.as_ref().map_or(0, |st| st.slot),
+                req.slot_bytes
+            )));
+        }
+        if stage.is_none() {
+            *stage = Some(Stage::new(self.ctx.raw, req.slot_bytes)?);
+        }
+        let st = stage.as_mut().expect("made above");
+        let host_src = lane == Direction::HostToDevice;
+        let (src, dst, size) = (slab.src(), slab.dst(), slab.size());
+        let r = req.rows;
+        let ring_col = if host_src { &src[r..] } else { &dst[r..] };
+        let steps = staged_steps(&dst[..r], &size[..r], ring_col, req.slot_bytes);
+        let fail_at = take_injected(&self.fail_next).then_some(steps.len() / 2);
+        let kstream = st.stream.raw;
+        let issued = order(&st.start, l.stream.raw, kstream).and_then(|()| {
+            for (k, step) in steps.iter().enumerate() {
+                let slot_i = (st.steps % 2) as usize;
+                st.steps += 1;
+                let slot_addr = st.ring.ptr + slot_i as u64 * st.slot;
+                // The slot's address minus the step's first ring offset: offsets become addresses.
+                let shift = slot_addr.wrapping_sub(step.ring_start);
+                st.src.clear();
+                st.dst.clear();
+                st.size.clear();
+                for i in step.rows.clone() {
+                    let at = dst[i].wrapping_add(shift);
+                    let (a, b) = if host_src { (src[i], at) } else { (at, src[i]) };
+                    st.src.push(a);
+                    st.dst.push(b);
+                    st.size.push(size[i]);
+                }
+                if Some(k) == fail_at {
+                    // The injected fault: a null address the driver refuses, as in
+                    // `issue_copies`.
+                    let mid = st.dst.len() / 2;
+                    st.dst[mid] = 0;
+                }
+                let p0 = r + step.pages.start;
+                let n = step.pages.len() as u64;
+                let (src_base, dst_base) = if host_src { (shift, 0) } else { (0, shift) };
+                let launch = || self.launch(&kernel, kstream, slab, p0, n, src_base, dst_base);
+                let (copy, ready, free) = (&st.src, &st.ready[slot_i], &st.free[slot_i]);
+                let rows_first = step.rows.start;
+                if host_src {
+                    // SAFETY: valid event and stream; a never-recorded event is waited for at once.
+                    check("cuStreamWaitEvent", unsafe {
+                        sys::cuStreamWaitEvent(l.stream.raw, free.raw, 0)
+                    })?;
+                    self.copy_arrays(lane, copy, &st.dst, &st.size, rows_first)?;
+                    order(ready, l.stream.raw, kstream)?;
+                    launch()?;
+                    // SAFETY: valid event and stream.
+                    check("cuEventRecord", unsafe {
+                        sys::cuEventRecord(free.raw, kstream)
+                    })?;
+                } else {
+                    // SAFETY: as above.
+                    check("cuStreamWaitEvent", unsafe {
+                        sys::cuStreamWaitEvent(kstream, free.raw, 0)
+                    })?;
+                    launch()?;
+                    order(ready, kstream, l.stream.raw)?;
+                    self.copy_arrays(lane, copy, &st.dst, &st.size, rows_first)?;
+                    // SAFETY: valid event and stream.
+                    check("cuEventRecord", unsafe {
+                        sys::cuEventRecord(free.raw, l.stream.raw)
+                    })?;
+                }
+            }
+            Ok(())
+        });
+        if order(&st.join, kstream, l.stream.raw).is_err() {
+            // The lane's stream cannot be made to wait: wait here instead, so that the marker
+            // after this never runs ahead of a kernel reading the slab.
+            // SAFETY: a valid stream; blocks until its work is done.
+            let _ = unsafe { sys::cuStreamSynchronize(kstream) };
+        }
+        issued
+    }
+
+    /// Launches `k` on `stream` over pages `[p0, p0 + n)` of the slab (its columns, read in
+    /// place through unified addressing), with the two base addresses.
+    #[allow(clippy::too_many_arguments)]
+    fn launch(
+        &self,
+        k: &LoadedKernel,
+        stream: sys::CUstream,
+        slab: &SlabInner,
+        p0: usize,
+        n: u64,
+        src_base: u64,
+        dst_base: u64,
+    ) -> Result<(), BackendError> {
+        if n == 0 {
+            return Ok(());
+        }
+        let at = 8 * p0 as u64;
+        let mut vals = [0u64; MAX_KERNEL_PARAMS];
+        for (v, p) in vals.iter_mut().zip(&k.spec.params) {
+            *v = match p {
+                KernelParam::Srcs => slab.column_addr(0) + at,
+                KernelParam::Dsts => slab.column_addr(1) + at,
+                KernelParam::Sizes => slab.column_addr(2) + at,
+                KernelParam::Count => n,
+                KernelParam::Split => 1,
+                KernelParam::SrcBase => src_base,
+                KernelParam::DstBase => dst_base,
+            };
+        }
+        let mut ptrs = [ptr::null_mut::<c_void>(); MAX_KERNEL_PARAMS];
+        for (p, v) in ptrs.iter_mut().zip(vals.iter_mut()).take(k.total) {
+            *p = (v as *mut u64).cast();
+        }
+        let grid = n
+            .div_ceil(u64::from(k.spec.rows))
+            .min(u64::from(k.spec.ctas))
+            .max(1) as u32;
+        // SAFETY: `function` was checked at load to take `total` 8-byte parameters, each read
+        // from `vals` during the call; the slab's columns outlive the kernel (the lane's marker
+        // waits for it); the addresses it copies between were checked at submission (pages) or
+        // lie in this lane's ring (the slot).
+        check("cuLaunchKernel", unsafe {
+            sys::cuLaunchKernel(
+                k.function as sys::CUfunction,
+                grid,
+                1,
+                1,
+                k.spec.threads,
+                1,
+                1,
+                k.spec.shared,
+                stream,
+                ptrs.as_mut_ptr(),
+                ptr::null_mut(),
+            )
+        })
+    }
+
     fn find_bad_descriptor(&self, src: &[u64], dst: &[u64]) -> Option<usize> {
         (0..src.len()).find(|&i| memory_type(src[i]).is_none() || memory_type(dst[i]).is_none())
     }
@@ -1262,6 +1562,77 @@ impl Backend for CudaBackend {
                 "event query"
             },
         }
+    }
+
+    fn load_kernel(&self, spec: KernelSpec) -> Result<Option<u32>, BackendError> {
+        let bad = |why: String| Err(BackendError::InvalidArgument(why));
+        if spec.function == 0 {
+            return bad("the kernel's function handle is null".into());
+        }
+        if !(1..=1024).contains(&spec.threads) || spec.rows == 0 || spec.ctas == 0 {
+            return bad(format!(
+                "a kernel needs 1-1024 threads, rows and ctas >= 1; got {}, {}, {}",
+                spec.threads, spec.rows, spec.ctas
+            ));
+        }
+        let Some(info) = self.param_info else {
+            return Err(BackendError::Unavailable(format!(
+                "launching kernels from the core needs cuFuncGetParamInfo (CUDA 12.4+ driver); \
+                 this driver is {}",
+                self.driver_version
+            )));
+        };
+        let _ctx = self.make_current()?;
+        let f = spec.function as sys::CUfunction;
+        let mut sizes = Vec::new();
+        while sizes.len() <= MAX_KERNEL_PARAMS {
+            let (mut offset, mut size) = (0usize, 0usize);
+            // SAFETY: `f` is a CUfunction of this context (the caller's contract); the driver
+            // writes two integers, or fails past the last parameter.
+            if unsafe { info(f, sizes.len(), &mut offset, &mut size) }
+                != sys::CUresult::CUDA_SUCCESS
+            {
+                break;
+            }
+            sizes.push(size);
+        }
+        if sizes.len() > MAX_KERNEL_PARAMS || sizes.len() < spec.params.len() {
+            return bad(format!(
+                "the kernel takes {} parameters; {} named, at most {MAX_KERNEL_PARAMS} in all",
+                sizes.len(),
+                spec.params.len()
+            ));
+        }
+        if let Some(i) = sizes.iter().position(|&z| z != 8) {
+            return bad(format!(
+                "parameter {i} of the kernel is {} bytes; every parameter must be 8 (int64 or \
+                 a pointer)",
+                sizes[i]
+            ));
+        }
+        let mut most = 0;
+        // SAFETY: writes one int.
+        check("cuFuncGetAttribute", unsafe {
+            sys::cuFuncGetAttribute(
+                &mut most,
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK,
+                f,
+            )
+        })?;
+        if spec.threads > most as u32 {
+            return bad(format!(
+                "the kernel runs at most {most} threads per CTA, not {}",
+                spec.threads
+            ));
+        }
+        let mut kernels = self.kernels.write().unwrap_or_else(|e| e.into_inner());
+        let id = kernels.len() as u32;
+        kernels.push(LoadedKernel {
+            function: spec.function,
+            total: sizes.len(),
+            spec,
+        });
+        Ok(Some(id))
     }
 
     fn allocation_base(&self, addr: u64) -> Option<u64> {
@@ -1431,7 +1802,9 @@ impl Backend for CudaBackend {
         }
         if outcome.is_ok() && first < slab.len() {
             let _timed = AddElapsed::start(&self.driver_ns);
-            outcome = if request.pitched {
+            outcome = if let Some(req) = request.staged {
+                self.issue_staged(lane, slab, req)
+            } else if request.pitched {
                 self.issue_pitched(lane, slab)
             } else {
                 self.issue_copies(lane, slab, first)
@@ -1633,6 +2006,13 @@ impl Drop for CudaBackend {
             }
             Err(_) => false,
         };
+        if !idle {
+            // A staging ring a kernel or copy may still reach is leaked with its stream and
+            // events, never freed under the device.
+            for l in self.lanes.iter_mut() {
+                std::mem::forget(l.stage.get_mut().unwrap_or_else(|e| e.into_inner()).take());
+            }
+        }
         // SAFETY: each field is dropped at most once, here, and the backend is not used again.
         // Streams and events may go with work still queued: the driver releases them after it.
         unsafe { ManuallyDrop::drop(&mut self.lanes) };

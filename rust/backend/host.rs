@@ -15,8 +15,8 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender};
 
 use super::{
-    take_injected, Backend, BackendError, BackendInfo, HostAlloc, KernelBatch, SubmitRequest,
-    Submitted,
+    staged_steps, take_injected, Backend, BackendError, BackendInfo, HostAlloc, KernelBatch,
+    StagedRequest, SubmitRequest, Submitted,
 };
 use crate::descriptor::Direction;
 use crate::pool::SlabRef;
@@ -35,6 +35,8 @@ struct Job {
     first: usize,
     /// The slab holds 2-D copies (see [`SubmitRequest::pitched`]).
     pitched: bool,
+    /// The slab holds a staged plan (see [`SubmitRequest::staged`]).
+    staged: Option<StagedRequest>,
 }
 
 #[derive(Debug, Default)]
@@ -108,7 +110,76 @@ fn next_job(rx: &Receiver<Job>) -> Option<Job> {
     }
 }
 
+/// Runs a staged plan (see [`StagedRequest`]) with memcpy through `ring`, one slot: per step,
+/// CPU -> GPU the rows into the slot, then the pages out of it; GPU -> CPU the reverse. The
+/// same steps and offsets as the CUDA backend, so the plan's layout is exercised without a GPU.
+/// Stops at step `fail_at` (an injected failure), reporting it.
+///
+/// # Safety
+/// The slab's rows and pages lie in registered memory (checked at submission), destinations
+/// pairwise disjoint, and nothing else writes them while this runs.
+unsafe fn run_staged(
+    slab: &crate::pool::SlabInner,
+    req: StagedRequest,
+    host_src: bool,
+    ring: &mut Vec<u8>,
+    injected: bool,
+) {
+    let (src, dst, size) = (slab.src(), slab.dst(), slab.size());
+    let r = req.rows;
+    let (row_addr, row_ring, row_bytes) = (&src[..r], &dst[..r], &size[..r]);
+    let (psrc, pdst, psize) = (&src[r..], &dst[r..], &size[r..]);
+    let ring_col = if host_src { psrc } else { pdst };
+    let steps = staged_steps(row_ring, row_bytes, ring_col, req.slot_bytes);
+    let fail_at = injected.then_some(steps.len() / 2);
+    ring.resize(ring.len().max(req.slot_bytes as usize), 0);
+    let base = ring.as_mut_ptr() as u64;
+    for (k, step) in steps.iter().enumerate() {
+        if Some(k) == fail_at {
+            let index = step.rows.start;
+            slab.set_failed(BackendError::Injected { index }.to_string());
+            return;
+        }
+        // The slot's address minus the step's first ring offset: offsets become addresses.
+        let shift = base.wrapping_sub(step.ring_start);
+        let rows = || {
+            step.rows.clone().map(|i| {
+                let at = row_ring[i].wrapping_add(shift);
+                let (s, d) = if host_src {
+                    (row_addr[i], at)
+                } else {
+                    (at, row_addr[i])
+                };
+                (s, d, row_bytes[i])
+            })
+        };
+        let pages = || {
+            step.pages.clone().map(|i| {
+                let (s, d) = if host_src {
+                    (psrc[i].wrapping_add(shift), pdst[i])
+                } else {
+                    (psrc[i], pdst[i].wrapping_add(shift))
+                };
+                (s, d, psize[i])
+            })
+        };
+        let copy = |(s, d, n): (u64, u64, u64)| {
+            // SAFETY: host rows and GPU pages are registered memory (the caller's contract); ring
+            // addresses lie in the slot, whose rows fit it (`staged_steps` cuts at the slot).
+            unsafe { std::ptr::copy(s as *const u8, d as *mut u8, n as usize) }
+        };
+        if host_src {
+            rows().for_each(copy);
+            pages().for_each(copy);
+        } else {
+            pages().for_each(copy);
+            rows().for_each(copy);
+        }
+    }
+}
+
 fn worker_loop(rx: Receiver<Job>, shared: std::sync::Arc<Shared>) {
+    let mut ring = Vec::new();
     while let Some(job) = next_job(&rx) {
         // SAFETY: the engine keeps the slab in flight until it observes `completed >= job.seq`,
         // which only happens after the store below.
@@ -122,7 +193,12 @@ fn worker_loop(rx: Receiver<Job>, shared: std::sync::Arc<Shared>) {
             job.first
         };
         let injected = take_injected(&shared.fail_next);
-        if job.pitched && first < src.len() {
+        if let (Some(req), true) = (job.staged, first < src.len()) {
+            let host_src = job.lane == Direction::HostToDevice;
+            // SAFETY: the slab was checked at submission (see `run_staged`); this worker is the
+            // only writer of its transfers' destinations.
+            unsafe { run_staged(slab, req, host_src, &mut ring, injected) };
+        } else if job.pitched && first < src.len() {
             let ops = src.len() / crate::table::PITCHED_ENTRIES;
             let fail_at = injected.then_some(ops / 2);
             let mut failed = false;
@@ -138,7 +214,7 @@ fn worker_loop(rx: Receiver<Job>, shared: std::sync::Arc<Shared>) {
                 // registration, ids checked at submission), destinations pairwise disjoint.
                 unsafe { std::ptr::copy(s as *const u8, d as *mut u8, n as usize) };
             });
-        } else if !job.pitched {
+        } else if !job.pitched && job.staged.is_none() {
             let fail_at = injected.then_some(first + (src.len() - first) / 2);
             for i in first..src.len() {
                 if Some(i) == fail_at {
@@ -233,6 +309,7 @@ impl Backend for HostBackend {
             slab,
             first,
             pitched: request.pitched,
+            staged: request.staged,
         })
         .map_err(|e| match e {
             crossbeam_channel::TrySendError::Full(_) => BackendError::CopyFailed {

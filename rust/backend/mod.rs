@@ -181,6 +181,109 @@ pub struct KernelBatch {
 /// Launches a copy kernel for a [`KernelBatch`] (the Python layer's Triton kernel).
 pub type KernelLauncher<'a> = &'a (dyn Fn(KernelBatch) -> Result<(), String> + Sync);
 
+/// A value a kernel parameter takes at each launch of the staged plan (see [`KernelSpec`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KernelParam {
+    /// Address of the step's first source / destination / size entry (the slab's columns,
+    /// mapped pinned memory the kernel reads in place).
+    Srcs,
+    Dsts,
+    Sizes,
+    /// Descriptors in the step.
+    Count,
+    /// Slices per descriptor: always 1 here (a step holds many pages).
+    Split,
+    /// Added by the kernel to every source / destination address: the ring side's offsets
+    /// become addresses in the step's slot, the other side's base is 0.
+    SrcBase,
+    DstBase,
+}
+
+/// A compiled copy kernel the backend launches itself for the staged plan (`cuLaunchKernel`),
+/// with no Python and no launcher between: the kernel of [`KernelBatch`] with two base addresses
+/// added (see `blockswap.kernels`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KernelSpec {
+    /// The `CUfunction`, loaded in the device's primary context by whoever compiled it; it must
+    /// stay loaded while the backend lives.
+    pub function: u64,
+    /// Threads per CTA, and bytes of dynamic shared memory.
+    pub threads: u32,
+    pub shared: u32,
+    /// The kernel's leading parameters, each 8 bytes; any parameter after them must be an
+    /// 8-byte pointer the kernel ignores when null (Triton's scratch pointers with no scratch).
+    pub params: Vec<KernelParam>,
+    /// Descriptors a CTA copies side by side (the kernel's `ROWS`), and the most CTAs.
+    pub rows: u32,
+    pub ctas: u32,
+}
+
+/// The staged plan of a transfer (see [`crate::table::expand_staged_into`]): the slab's first
+/// `rows` entries are host rows `(address, ring offset, bytes)`, the rest page descriptors whose
+/// ring side is an offset from the transfer's first row. The backend moves the rows across PCIe
+/// one copy each into (or out of) the slots of its staging ring, a step of whole rows per slot,
+/// and the pages between a slot and the GPU pages with `kernel` (by memcpy on the host backend).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StagedRequest {
+    pub rows: usize,
+    /// Bytes of each of the two slots of a lane's ring; no row is larger.
+    pub slot_bytes: u64,
+    /// From [`Backend::load_kernel`]; `None` where the backend copies pages with memcpy.
+    pub kernel: Option<u32>,
+}
+
+/// A step is cut to at most `ceil(rows / STAGED_MIN_STEPS)` rows, so that a transfer of enough
+/// rows runs in at least this many steps over the two slots: one step's copy across PCIe then
+/// overlaps the previous step's kernel. One step per transfer held 4 KiB pages to 54-81 % of the
+/// link isolated, four 88-91 % (H100, `benches/probe_staged.py`, docs/benchmarks.md).
+pub const STAGED_MIN_STEPS: usize = 4;
+
+/// One step of a staged transfer: slab rows `rows`, slab pages `pages`, and the ring offset of
+/// its first row (the slot's start).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StagedStep {
+    pub rows: std::ops::Range<usize>,
+    pub pages: std::ops::Range<usize>,
+    pub ring_start: u64,
+}
+
+/// Cuts a staged slab into steps (see [`StagedRequest`]): whole rows, at most `slot_bytes` and
+/// `ceil(rows / STAGED_MIN_STEPS)` rows each; a step's pages are those whose ring offset lies in
+/// its rows. `ring_of_page`: the pages' ring-side column (sources CPU -> GPU, destinations GPU ->
+/// CPU). Rows and pages come in ring order, as the table code writes them.
+pub fn staged_steps(
+    row_ring: &[u64],
+    row_bytes: &[u64],
+    ring_of_page: &[u64],
+    slot_bytes: u64,
+) -> Vec<StagedStep> {
+    let rows = row_ring.len();
+    let per = rows.div_ceil(STAGED_MIN_STEPS).max(1);
+    let mut steps = Vec::with_capacity(STAGED_MIN_STEPS + 1);
+    let (mut r, mut p) = (0usize, 0usize);
+    while r < rows {
+        let start = row_ring[r];
+        let mut end = r;
+        while end < rows && end - r < per && row_ring[end] + row_bytes[end] - start <= slot_bytes {
+            end += 1;
+        }
+        // A row larger than a slot was refused before submission; never loop on one.
+        let end = end.max(r + 1);
+        let ring_end = row_ring[end - 1] + row_bytes[end - 1];
+        let first = p;
+        while p < ring_of_page.len() && ring_of_page[p] < ring_end {
+            p += 1;
+        }
+        steps.push(StagedStep {
+            rows: r..end,
+            pages: first..p,
+            ring_start: start,
+        });
+        r = end;
+    }
+    steps
+}
+
 /// What a submission asks of the backend besides the copies.
 #[derive(Clone, Copy, Default)]
 pub struct SubmitRequest<'a> {
@@ -192,6 +295,8 @@ pub struct SubmitRequest<'a> {
     /// The slab holds 2-D copies, two entries each (see [`crate::table::expand_runs_into`]),
     /// not `(src, dst, size)` descriptors. Never with `kernel`.
     pub pitched: bool,
+    /// The slab holds a staged plan. Never with `kernel` or `pitched`.
+    pub staged: Option<StagedRequest>,
 }
 
 impl fmt::Debug for SubmitRequest<'_> {
@@ -200,6 +305,7 @@ impl fmt::Debug for SubmitRequest<'_> {
             .field("wait_stream", &self.wait_stream)
             .field("kernel", &self.kernel.map(|(b, _)| b))
             .field("pitched", &self.pitched)
+            .field("staged", &self.staged)
             .finish()
     }
 }
@@ -224,6 +330,12 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// bound (host memory under `memcpy`).
     fn allocation_base(&self, _addr: u64) -> Option<u64> {
         None
+    }
+
+    /// Makes `spec` launchable by this backend's staged plans; returns its id for
+    /// [`StagedRequest::kernel`]. The host backend copies pages with memcpy and keeps no kernel.
+    fn load_kernel(&self, _spec: KernelSpec) -> Result<Option<u32>, BackendError> {
+        Ok(None)
     }
 
     /// Checks that `[start, start + len)` is memory of `kind` this backend can copy from and to.
@@ -340,6 +452,30 @@ pub(crate) fn take_injected(counter: &std::sync::atomic::AtomicU64) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn staged_steps_take_whole_rows_within_a_slot() {
+        // 10 rows of 3 pages, 96 bytes a row (pages of 32 bytes).
+        let rows: Vec<u64> = (0..10).map(|i| i * 96).collect();
+        let bytes = vec![96u64; 10];
+        let pages: Vec<u64> = (0..30).map(|p| p * 32).collect();
+        for slot in [96u64, 100, 200, 288, 1 << 20] {
+            let steps = staged_steps(&rows, &bytes, &pages, slot);
+            // Every row and page once, in order; each step within a slot.
+            let (mut r, mut p) = (0, 0);
+            for s in &steps {
+                assert_eq!((s.rows.start, s.pages.start), (r, p));
+                assert_eq!(s.ring_start, rows[s.rows.start]);
+                assert_eq!(s.pages.len(), 3 * s.rows.len());
+                assert!(96 * s.rows.len() as u64 <= slot, "{s:?} in {slot}");
+                (r, p) = (s.rows.end, s.pages.end);
+            }
+            assert_eq!((r, p), (10, 30));
+            // At least STAGED_MIN_STEPS steps; no more than the slot forces.
+            let per = (slot / 96).min(10usize.div_ceil(STAGED_MIN_STEPS) as u64);
+            assert_eq!(steps.len(), 10usize.div_ceil(per as usize), "slot {slot}");
+        }
+    }
 
     #[test]
     fn max_in_flight_is_clamped_in_one_place() {

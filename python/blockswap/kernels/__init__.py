@@ -4,6 +4,7 @@ from blockswap.kernels.copy import (
     copy_blocks,
     copy_blocks_raw,
     copy_blocks_reference,
+    core_kernel,
     engine_launcher,
     interpreter_mode,
 )
@@ -12,6 +13,7 @@ __all__ = [
     "copy_blocks",
     "copy_blocks_raw",
     "copy_blocks_reference",
+    "core_kernel",
     "engine_launcher",
     "interpreter_mode",
 ]

@@ -113,6 +113,7 @@ __all__ = [
     "copy_blocks",
     "copy_blocks_raw",
     "copy_blocks_reference",
+    "core_kernel",
     "engine_launcher",
     "interpreter_mode",
 ]
@@ -226,24 +227,31 @@ def _copy_rows16(src, dst, size, part, split, BLOCK_BYTES: tl.constexpr):
 
 
 @triton.jit
-def _load_items(srcs, dsts, sizes, items, n_items, split):
-    """Descriptors of work items ``items`` [ROWS]: (src, dst, size, part), zeros past the end."""
+def _load_items(srcs, dsts, sizes, items, n_items, split, src_base, dst_base):
+    """Descriptors of work items ``items`` [ROWS]: (src, dst, size, part), the bases added, zeros
+    past the end."""
     valid = items < n_items
     job = items // split
     part = items - job * split
-    src = tl.load(srcs + job, mask=valid, other=0)
-    dst = tl.load(dsts + job, mask=valid, other=0)
+    src = tl.load(srcs + job, mask=valid, other=0) + src_base
+    dst = tl.load(dsts + job, mask=valid, other=0) + dst_base
     size = tl.load(sizes + job, mask=valid, other=0)
     return src, dst, size, part
 
 
-@triton.jit(do_not_specialize=["srcs_addr", "dsts_addr", "sizes_addr", "n_jobs", "split"])
+@triton.jit(
+    do_not_specialize=[
+        "srcs_addr", "dsts_addr", "sizes_addr", "n_jobs", "split", "src_base", "dst_base"
+    ]
+)  # fmt: skip
 def _copy_blocks_kernel(
     srcs_addr,
     dsts_addr,
     sizes_addr,
     n_jobs,
     split,
+    src_base,
+    dst_base,
     ALIGNED16: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_BYTES: tl.constexpr,
@@ -253,6 +261,8 @@ def _copy_blocks_kernel(
     srcs_addr, dsts_addr, sizes_addr: addresses (Python ints) of three int64 arrays [n_jobs],
         GPU-addressable (device or pinned host memory); the kernel reads them directly.
     split: slices per job (>= 1); work item i is slice i % split of job i // split.
+    src_base, dst_base: added to every source / destination address (0 but for the core's staged
+        plan, whose descriptors give offsets into a staging slot on one side).
     ALIGNED16: the caller promises that every src, dst and size is a multiple of 16: only
         the 16-byte path is built. Otherwise each row is checked and the misaligned ones
         take the any-alignment path (a false promise faults with a misaligned address).
@@ -270,11 +280,15 @@ def _copy_blocks_kernel(
     nprog = tl.num_programs(0)
     rows = tl.arange(0, ROWS)
     group = tl.program_id(0).to(tl.int64)
-    src, dst, size, part = _load_items(srcs, dsts, sizes, group * ROWS + rows, n_items, split)
+    src, dst, size, part = _load_items(
+        srcs, dsts, sizes, group * ROWS + rows, n_items, split, src_base, dst_base
+    )
     while group < n_groups:
         # Prefetch the next group's descriptors before copying this one.
         nxt = group + nprog
-        nsrc, ndst, nsize, npart = _load_items(srcs, dsts, sizes, nxt * ROWS + rows, n_items, split)
+        nsrc, ndst, nsize, npart = _load_items(
+            srcs, dsts, sizes, nxt * ROWS + rows, n_items, split, src_base, dst_base
+        )
         if ALIGNED16:
             _copy_rows16(src, dst, size, part, split, BLOCK_BYTES)
         else:
@@ -408,7 +422,7 @@ def _launch(
     hold: tuple[torch.Tensor, ...] = (),
 ) -> None:
     grid, split, rows, row_bytes = _plan(n, max_ctas, block_bytes, max_size, total_bytes)
-    args = (srcs_addr, dsts_addr, sizes_addr, n, split)
+    args = (srcs_addr, dsts_addr, sizes_addr, n, split, 0, 0)
     meta = {"ALIGNED16": aligned16, "ROWS": rows, "BLOCK_BYTES": row_bytes, "num_warps": num_warps}
     if interpreter_mode():
         _copy_blocks_kernel[(grid,)](*args, **meta)
@@ -576,6 +590,8 @@ def engine_launcher(
                     sizes,
                     n,
                     split,
+                    0,
+                    0,
                     ALIGNED16=aligned16,
                     ROWS=rows,
                     BLOCK_BYTES=row_bytes,
@@ -585,7 +601,7 @@ def engine_launcher(
         # Then straight to the compiled kernel's launcher: no argument binding, no device or
         # stream switch. The engine calls this with its own context current, on the lane's raw
         # stream. This took the launcher from ~28 us to a few us of host time per transfer.
-        args = (srcs, dsts, sizes, n, split, aligned16, rows, row_bytes)
+        args = (srcs, dsts, sizes, n, split, 0, 0, aligned16, rows, row_bytes)
         meta = kernel.launch_metadata((grid, 1, 1), stream, *args)
         kernel.run(
             grid,
@@ -601,6 +617,51 @@ def engine_launcher(
         )
 
     return launch
+
+
+#: The copy kernel's leading parameters as :meth:`blockswap.Engine.load_kernel` names them.
+CORE_KERNEL_PARAMS = ("srcs", "dsts", "sizes", "count", "split", "src_base", "dst_base")
+
+
+def core_kernel(
+    device: int,
+    *,
+    max_size: int,
+    max_ctas: int = DEFAULT_MAX_CTAS,
+    num_warps: int = DEFAULT_NUM_WARPS,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+) -> dict[str, Any] | None:
+    """The copy kernel compiled for launches by the core (:meth:`blockswap.Engine.load_kernel`):
+    the arguments ``load_kernel`` takes, for descriptors of at most ``max_size`` bytes, on CUDA
+    device ``device``. The any-alignment build (every row checked at run time), every integer
+    parameter 64-bit. ``None`` under Triton's interpreter (the host backend copies with memcpy)
+    or where Triton's build of the kernel needs scratch memory the core would not pass.
+    """
+    _check_launch_params(max_ctas, num_warps, block_bytes)
+    _check_int("max_size", max_size)
+    if interpreter_mode():
+        return None
+    _, _, rows, row_bytes = _plan(1 << 20, max_ctas, block_bytes, max_size, None)
+    big = 1 << 40  # every integer argument typed int64 by the compiler
+    with torch.cuda.device(device):
+        kernel = _copy_blocks_kernel.warmup(
+            big, big, big, big, big, big, big,
+            ALIGNED16=False, ROWS=rows, BLOCK_BYTES=row_bytes, num_warps=num_warps, grid=(1,),
+        )  # fmt: skip
+        kernel._init_handles()
+    meta = kernel.metadata
+    if getattr(meta, "global_scratch_size", 0) or getattr(meta, "profile_scratch_size", 0):
+        return None
+    return {
+        "function": int(kernel.function),
+        "threads": 32 * int(meta.num_warps),
+        "shared": int(meta.shared),
+        "params": list(CORE_KERNEL_PARAMS),
+        "rows": rows,
+        "ctas": max_ctas,
+        # Kept alive with the handler: the module holding the function stays loaded.
+        "compiled": kernel,
+    }
 
 
 def _check_descriptor(name: str, t: Any, interpret: bool) -> None:
