@@ -678,7 +678,12 @@ class CpuGpuHandlers:
     direction, chosen here once (:func:`choose_route`; ``handlers.routes`` says what was chosen
     and why). ``kernel_launch_bytes`` bounds what one launch of the copy kernel moves, and so how
     long it holds its SMs from the model (:data:`KERNEL_LAUNCH_BYTES`; ``None``: one launch per
-    transfer, the most bandwidth).
+    transfer, the most bandwidth). With a block-major CPU cache (the default), ``"auto"`` takes
+    the block plan where a block's GPU pages lie at one pitch and pages are at least
+    :data:`BLOCK_MIN_PAGE`, and the staged plan otherwise (``path="blocks"`` / ``"staged"``
+    insist on one): each block's row through a device staging ring of two ``stage_bytes`` slots
+    (an engine option; by default :data:`STAGE_BYTES`, grown to one block's row up to
+    :data:`STAGE_MAX_AUTO`), its pages moved inside the GPU by the copy kernel the core launches.
 
     ``load_waits_for_compute``: CPU -> GPU transfers also wait for the work issued on the current
     torch stream before ``transfer_async`` (as GPU -> CPU ones always do): vLLM 0.33's rule, for
