@@ -428,29 +428,10 @@ fn no_table_in(tables: &[Option<BlockTable>], start: u64, end: u64) -> Result<()
     }
 }
 
-fn no_staged_plan(group: usize, groups: usize, why: String) -> EngineError {
-    let error = TableError::BadSegment {
-        segment: 0,
-        reason: format!("these tables have no staged plan: {why}"),
-    };
-    if groups > 1 {
-        TableError::InGroup {
-            group,
-            error: Box::new(error),
-        }
-        .into()
-    } else {
-        error.into()
-    }
-}
-
-fn no_plan(group: usize, groups: usize) -> EngineError {
-    let error = TableError::BadSegment {
-        segment: 0,
-        reason: "these tables have no block plan (different pages, or destination pages that \
-                 may share bytes): move them page by page"
-            .into(),
-    };
+/// A pair of tables with no plan of the kind asked for, `reason` naming why, in its group where
+/// there are several.
+fn no_plan(group: usize, groups: usize, reason: String) -> EngineError {
+    let error = TableError::BadSegment { segment: 0, reason };
     if groups > 1 {
         TableError::InGroup {
             group,
@@ -1002,11 +983,10 @@ impl Engine {
                 let resolved = resolve_groups(&state.tables, groups, direction)?;
                 if staged {
                     if !matches!(direction, Direction::HostToDevice | Direction::DeviceToHost) {
-                        return Err(no_staged_plan(
-                            0,
-                            1,
-                            format!("{direction} moves no host row"),
-                        ));
+                        let why = format!(
+                            "these tables have no staged plan: {direction} moves no host row"
+                        );
+                        return Err(no_plan(0, 1, why));
                     }
                     // A row per block, then a descriptor per page.
                     let (mut rows, mut entries) = (0usize, 0usize);
@@ -1025,7 +1005,8 @@ impl Engine {
                             Some(_) => None,
                         };
                         if let Some(why) = why {
-                            return Err(no_staged_plan(gi, groups.len(), why));
+                            let why = format!("these tables have no staged plan: {why}");
+                            return Err(no_plan(gi, groups.len(), why));
                         }
                         rows = rows.saturating_add(g.blocks());
                         entries =
@@ -1043,7 +1024,15 @@ impl Engine {
                 let mut entries = 0usize;
                 let mut runs = Vec::with_capacity(resolved.len());
                 for (gi, g) in resolved.iter().enumerate() {
-                    let r = block_runs(g.src, g.dst).ok_or_else(|| no_plan(gi, groups.len()))?;
+                    let r = block_runs(g.src, g.dst).ok_or_else(|| {
+                        no_plan(
+                            gi,
+                            groups.len(),
+                            "these tables have no block plan (different pages, or destination \
+                             pages that may share bytes): move them page by page"
+                                .into(),
+                        )
+                    })?;
                     entries = entries
                         .saturating_add((PITCHED_ENTRIES * r.len()).saturating_mul(g.blocks()));
                     runs.push(r);
