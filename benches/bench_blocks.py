@@ -133,8 +133,10 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=80)
     ap.add_argument("--blocks", type=int, default=32)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--handlers", default=None, help="only these handlers (comma list)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    only = set(args.handlers.split(",")) if args.handlers else None
     if not torch.cuda.is_available():
         print("bench_blocks: needs a CUDA GPU", file=sys.stderr)
         return 1
@@ -157,6 +159,8 @@ def main() -> int:
             variants.append(("staged", {"path": "staged"}))
             variants.append(("pages", {"cpu_layout": "mirror"}))
             for name, kw in variants:
+                if only is not None and name not in only:
+                    continue
                 try:
                     h = CpuGpuHandlers(gpu, args.blocks, layout="mla", timing=True, **kw)
                 except ValueError as e:  # path="staged" where a row outgrows the slots

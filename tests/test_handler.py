@@ -1220,6 +1220,54 @@ def test_cuda_staged_roundtrip(
         h.shutdown()
 
 
+@pytest.mark.cuda
+def test_cuda_staged_results_keep_their_order_beside_plain_transfers() -> None:
+    """On the GPU: a staged CPU->GPU transfer ends with kernels on the stage's stream while the
+    direction's copy stream goes on to the next transfer; a plain transfer queued behind it on
+    one engine is never reported before it. Each staged transfer (40 MiB, 16 KiB pages, slots
+    of 3 rows: many steps) is followed by a 4 KiB plain copy; waiting for the plain one alone,
+    the staged one must be reported too, its bytes already in place. Both directions, queued."""
+    layers, pages, kib = 80, 64, 16
+    gpu = [
+        torch.randint(0, 256, (pages, 1, kib * 1024), dtype=torch.uint8, device="cuda")
+        for _ in range(layers)
+    ]
+    h = CpuGpuHandlers(gpu, 32, layout="mla", path="staged", stage_bytes=3 * layers * kib * 1024)
+    host = torch.randint(0, 256, (1 << 16,), dtype=torch.uint8).pin_memory()
+    dev = torch.zeros(1 << 16, dtype=torch.uint8, device="cuda")
+    try:
+        assert h.routes["h2d"].plan == h.routes["d2h"].plan == "staged"
+        e = h.engine
+        hp, dp = e.register(host), e.register(dev)
+        rng = np.random.default_rng(5)
+        job = 0
+        for rnd in range(4):
+            src = rng.permutation(pages)[:32]
+            before = torch.stack([t[int(b)] for t in gpu for b in src])
+            job += 1
+            assert h.d2h.transfer_async(job, (src, np.arange(32))) is True
+            e.submit(job + 1, [dp + 4096 * (12 + rnd)], [hp + 4096 * (12 + rnd)], [4096], "d2h")
+            job += 1
+            h.wait([job])
+            assert sorted(r.job_id for r in h.get_finished()) == [job - 1, job]
+            dst = rng.permutation(pages)[:32]
+            job += 1
+            assert h.h2d.transfer_async(job, (np.arange(32), dst)) is True
+            e.submit(job + 1, [hp + 4096 * rnd], [dp + 4096 * (rnd + 8)], [4096], "h2d")
+            job += 1
+            h.wait([job])
+            res = h.get_finished()
+            assert sorted(r.job_id for r in res) == [job - 1, job]
+            assert all(r.success for r in res), [r.error for r in res]
+            # Read at once, on torch's stream: the staged bytes must have landed.
+            after = torch.stack([t[int(b)] for t in gpu for b in dst])
+            assert torch.equal(after, before)
+        torch.cuda.synchronize()
+        assert torch.equal(dev[8 * 4096 : 12 * 4096].cpu(), host[: 4 * 4096])
+    finally:
+        h.shutdown()
+
+
 # --------------------------------------------------------------------------------------------
 # A CPU cache registered in pieces
 # --------------------------------------------------------------------------------------------

@@ -602,36 +602,70 @@ struct Stage {
     ring: DeviceMem,
     slot: u64,
     stream: Stream,
-    /// Recorded on the lane's stream at a transfer's start; the kernel stream waits for it (the
-    /// caller's stream and the lane's earlier transfers come first).
-    start: Event,
+    /// Recorded on the lane's stream before a CPU -> GPU transfer's completion marker goes on
+    /// the kernel stream (see [`CudaBackend::marker_stream`]).
+    lane_done: Event,
     /// Per slot: its copy (CPU -> GPU) or kernel (GPU -> CPU) is done; the other stream goes on.
     ready: [Event; 2],
     /// Per slot: the last work on it is done; it may be filled again.
     free: [Event; 2],
     /// Recorded on the kernel stream after a transfer's last step; the lane's stream waits for
-    /// it before the completion marker, so a transfer completes only once its kernels have.
+    /// it before a completion marker it writes, so a transfer completes only once its kernels
+    /// have.
     join: Event,
+    /// The lane's last completion marker went on the kernel stream: the next one written on
+    /// the lane's stream waits for it (`join`), so markers stay in order.
+    marker_on_stage: bool,
     /// Steps issued on the lane so far: the next takes slot `steps % 2`.
     steps: u64,
+    /// Device memory the transfer's page descriptors are copied into before its first kernel,
+    /// so the kernels read them from HBM, not across the PCIe link the rows are crossing. One
+    /// per lane: the lane's transfers run one after another, and a transfer's copy waits for
+    /// the previous transfer's last kernel (`start`).
+    desc: Option<DeviceMem>,
+    desc_bytes: usize,
+    /// Descriptor buffers outgrown while kernels may still read them: freed with the stage.
+    retired: Vec<DeviceMem>,
     /// The step's row copies, handed to the batch call.
     src: Vec<u64>,
     dst: Vec<u64>,
     size: Vec<u64>,
 }
 
+/// The smallest device descriptor buffer a stage makes (it grows by powers of two).
+const MIN_DESC_BYTES: usize = 64 << 10;
+
 impl Stage {
+    /// A device buffer of at least `bytes` for the descriptors of the transfer being issued. A
+    /// buffer outgrown is kept until the stage goes: an earlier transfer's kernel may still
+    /// read it.
+    fn desc_buffer(&mut self, ctx: sys::CUcontext, bytes: usize) -> Result<u64, BackendError> {
+        if self.desc.is_none() || self.desc_bytes < bytes {
+            let want = bytes.max(MIN_DESC_BYTES).next_power_of_two();
+            let new = DeviceMem::alloc(ctx, want)?;
+            if let Some(old) = self.desc.replace(new) {
+                self.retired.push(old);
+            }
+            self.desc_bytes = want;
+        }
+        Ok(self.desc.as_ref().expect("made above").ptr)
+    }
+
     fn new(ctx: sys::CUcontext, slot: u64) -> Result<Self, BackendError> {
         let bytes = usize::try_from(slot.saturating_mul(2)).unwrap_or(usize::MAX);
         Ok(Stage {
             ring: DeviceMem::alloc(ctx, bytes)?,
             slot,
             stream: Stream::create(ctx)?,
-            start: Event::create(ctx, false)?,
+            lane_done: Event::create(ctx, false)?,
             ready: [Event::create(ctx, false)?, Event::create(ctx, false)?],
             free: [Event::create(ctx, false)?, Event::create(ctx, false)?],
             join: Event::create(ctx, false)?,
+            marker_on_stage: false,
             steps: 0,
+            desc: None,
+            desc_bytes: 0,
+            retired: Vec::new(),
             src: Vec::new(),
             dst: Vec::new(),
             size: Vec::new(),
@@ -775,8 +809,8 @@ struct CudaLane {
     dep_event: Event,
     /// Dropped after the events recorded on it.
     stream: Stream,
-    /// The staged plan's resources, made on the lane's first staged transfer; only `submit`
-    /// (serialised by the engine's submit lock) takes the lock.
+    /// The staged plan's resources, made on the lane's first staged transfer. `submit`
+    /// (serialised by the engine's submit lock) takes the lock; `lane_idle` only tries it.
     stage: Mutex<Option<Stage>>,
     /// Mapped pinned u64 the stream writes completed sequence numbers into (write-value mode),
     /// inside the backend's `counters`.
@@ -1015,8 +1049,17 @@ impl CudaBackend {
         let l = self.lane(lane);
         // Acquire: pairs with the Release stores in `submit`.
         if l.unmarked.load(Ordering::Acquire) {
-            // SAFETY: the stream is valid for the backend's life; cuStreamQuery never blocks.
-            return unsafe { sys::cuStreamQuery(l.stream.raw) } == sys::CUresult::CUDA_SUCCESS;
+            let kernels = l
+                .stage
+                .try_lock()
+                .ok()
+                .map(|st| st.as_ref().map(|st| st.stream.raw));
+            let idle = |s: sys::CUstream| {
+                // SAFETY: the stream is valid for the backend's life; cuStreamQuery never blocks.
+                (unsafe { sys::cuStreamQuery(s) }) == sys::CUresult::CUDA_SUCCESS
+            };
+            // A stage held by a submission in progress is not idle.
+            return idle(l.stream.raw) && kernels.is_some_and(|k| k.is_none_or(idle));
         }
         self.completed(lane) >= l.submitted.load(Ordering::Acquire)
     }
@@ -1287,13 +1330,17 @@ impl CudaBackend {
     /// copied into a ring slot on the lane's stream, then the kernel moving its pages from the
     /// slot into the GPU pages on the stage's stream; GPU -> CPU the kernel into the slot, then
     /// the rows out of it. Two slots: a step's copy across PCIe overlaps the previous step's
-    /// kernel. Whatever fails, the lane's stream waits for every kernel issued before the
-    /// completion marker goes in: a slab is never handed back while a kernel may read it.
+    /// kernel, also across transfers (the lane's stream never waits for a kernel of an earlier
+    /// transfer, only for its slot). The completion marker goes where
+    /// [`CudaBackend::marker_stream`] says: after every kernel issued, whatever failed, so a
+    /// slab is never handed back while a kernel may read it. `dep`: the lane's dependency
+    /// event holds the caller's stream, which the kernels gathering GPU pages wait for.
     fn issue_staged(
         &self,
         lane: Direction,
         slab: &SlabInner,
         req: StagedRequest,
+        dep: bool,
     ) -> Result<(), BackendError> {
         let l = self.lane(lane);
         let Some(kernel) = req
@@ -1324,7 +1371,38 @@ impl CudaBackend {
         let steps = staged_steps(&dst[..r], &size[..r], ring_col, req.slot_bytes);
         let fail_at = take_injected(&self.fail_next).then_some(steps.len() / 2);
         let kstream = st.stream.raw;
-        let issued = order(&st.start, l.stream.raw, kstream).and_then(|()| {
+        let ctx = self.ctx.raw;
+        let wait_dep = || {
+            if dep && !host_src {
+                // SAFETY: valid event and stream; the event was just recorded on the caller's
+                // stream (CPU -> GPU kernels follow the lane's stream, which waits for it).
+                check("cuStreamWaitEvent", unsafe {
+                    sys::cuStreamWaitEvent(kstream, l.dep_event.raw, 0)
+                })
+            } else {
+                Ok(())
+            }
+        };
+        let issued = wait_dep().and_then(|()| {
+            // The page descriptors go to device memory in one copy, on the kernel stream after
+            // the earlier transfers' kernels; `cols[c] + 8 * i` is then where the kernels read
+            // descriptor i of column c.
+            let cols = if src.len() > r {
+                let lo = slab.column_addr(0) + 8 * r as u64;
+                let hi = slab.column_addr(2) + 8 * src.len() as u64;
+                let bytes = (hi - lo) as usize;
+                let dev = st.desc_buffer(ctx, bytes)?;
+                // SAFETY: `[lo, hi)` lies in the slab's pinned allocation (columns 0 to 2),
+                // which outlives the copy (the lane's marker waits for the kernel stream); `dev`
+                // holds at least `bytes`, and no kernel of an earlier transfer reads it any more
+                // once `start` has been reached.
+                check("cuMemcpyAsync", unsafe {
+                    sys::cuMemcpyAsync(dev, lo, bytes, kstream)
+                })?;
+                [0, 1, 2].map(|c| dev.wrapping_add(slab.column_addr(c)).wrapping_sub(lo))
+            } else {
+                [0, 1, 2].map(|c| slab.column_addr(c))
+            };
             for (k, step) in steps.iter().enumerate() {
                 let slot_i = (st.steps % 2) as usize;
                 st.steps += 1;
@@ -1350,7 +1428,7 @@ impl CudaBackend {
                 let p0 = r + step.pages.start;
                 let n = step.pages.len() as u64;
                 let (src_base, dst_base) = if host_src { (shift, 0) } else { (0, shift) };
-                let launch = || self.launch(&kernel, kstream, slab, p0, n, src_base, dst_base);
+                let launch = || self.launch(&kernel, kstream, cols, p0, n, src_base, dst_base);
                 let (copy, ready, free) = (&st.src, &st.ready[slot_i], &st.free[slot_i]);
                 let rows_first = step.rows.start;
                 if host_src {
@@ -1381,23 +1459,47 @@ impl CudaBackend {
             }
             Ok(())
         });
-        if order(&st.join, kstream, l.stream.raw).is_err() {
-            // The lane's stream cannot be made to wait: wait here instead, so that the marker
-            // after this never runs ahead of a kernel reading the slab.
-            // SAFETY: a valid stream; blocks until its work is done.
-            let _ = unsafe { sys::cuStreamSynchronize(kstream) };
-        }
         issued
     }
 
-    /// Launches `k` on `stream` over pages `[p0, p0 + n)` of the slab (its columns, read in
-    /// place through unified addressing), with the two base addresses.
+    /// The stream the completion marker of a transfer goes on, ordered after all of the
+    /// transfer's work and after the lane's earlier markers. A staged CPU -> GPU transfer ends
+    /// with kernels: its marker goes on the kernel stream, after the lane's stream (so the
+    /// lane's stream goes on to the next transfer's rows at once). Any other marker goes on the
+    /// lane's stream, after the kernel stream where a staged transfer or marker went there last.
+    /// Where an ordering call fails, this waits for the kernel stream instead.
+    fn marker_stream(&self, lane: Direction, staged: bool) -> sys::CUstream {
+        let l = self.lane(lane);
+        let mut stage = l.stage.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(st) = stage.as_mut() else {
+            return l.stream.raw;
+        };
+        let kstream = st.stream.raw;
+        if staged
+            && lane == Direction::HostToDevice
+            && order(&st.lane_done, l.stream.raw, kstream).is_ok()
+        {
+            st.marker_on_stage = true;
+            return kstream;
+        }
+        if staged || st.marker_on_stage {
+            if order(&st.join, kstream, l.stream.raw).is_err() {
+                // SAFETY: a valid stream; blocks until its work is done.
+                let _ = unsafe { sys::cuStreamSynchronize(kstream) };
+            }
+            st.marker_on_stage = false;
+        }
+        l.stream.raw
+    }
+
+    /// Launches `k` on `stream` over descriptors `[p0, p0 + n)` of a transfer whose columns
+    /// (src, dst, size) hold descriptor 0 at `cols`, with the two base addresses.
     #[allow(clippy::too_many_arguments)]
     fn launch(
         &self,
         k: &LoadedKernel,
         stream: sys::CUstream,
-        slab: &SlabInner,
+        cols: [u64; 3],
         p0: usize,
         n: u64,
         src_base: u64,
@@ -1410,9 +1512,9 @@ impl CudaBackend {
         let mut vals = [0u64; MAX_KERNEL_PARAMS];
         for (v, p) in vals.iter_mut().zip(&k.spec.params) {
             *v = match p {
-                KernelParam::Srcs => slab.column_addr(0) + at,
-                KernelParam::Dsts => slab.column_addr(1) + at,
-                KernelParam::Sizes => slab.column_addr(2) + at,
+                KernelParam::Srcs => cols[0].wrapping_add(at),
+                KernelParam::Dsts => cols[1].wrapping_add(at),
+                KernelParam::Sizes => cols[2].wrapping_add(at),
                 KernelParam::Count => n,
                 KernelParam::Split => 1,
                 KernelParam::SrcBase => src_base,
@@ -1428,8 +1530,9 @@ impl CudaBackend {
             .min(u64::from(k.spec.ctas))
             .max(1) as u32;
         // SAFETY: `function` was checked at load to take `total` 8-byte parameters, each read
-        // from `vals` during the call; the slab's columns outlive the kernel (the lane's marker
-        // waits for it); the addresses it copies between were checked at submission (pages) or
+        // from `vals` during the call; the descriptors it reads (the stage's device copy of the
+        // slab's columns) are not overwritten before it ends (the next transfer's copy waits
+        // for this one's last kernel); the addresses it copies between were checked at submission (pages) or
         // lie in this lane's ring (the slot).
         check("cuLaunchKernel", unsafe {
             sys::cuLaunchKernel(
@@ -1452,21 +1555,20 @@ impl CudaBackend {
         (0..src.len()).find(|&i| memory_type(src[i]).is_none() || memory_type(dst[i]).is_none())
     }
 
-    fn signal(&self, lane: Direction, seq: u64) -> Result<(), BackendError> {
+    /// Queues the completion marker of `seq` on `stream` (see [`Self::marker_stream`]).
+    fn signal(&self, lane: Direction, seq: u64, stream: sys::CUstream) -> Result<(), BackendError> {
         let l = self.lane(lane);
         if self.write_value {
             // SAFETY: writes one u64 into our mapped pinned counter, after the preceding copies
             // (flags 0 keeps the memory barrier: the copied bytes are visible before the value).
             check("cuStreamWriteValue64", unsafe {
-                sys::cuStreamWriteValue64_v2(l.stream.raw, l.counter_dev, seq, 0)
+                sys::cuStreamWriteValue64_v2(stream, l.counter_dev, seq, 0)
             })
         } else {
             let ev = l.done_events[(seq as usize) % l.done_events.len()].raw;
             // SAFETY: the event and stream are valid; re-recording a ring slot is safe because the
             // engine never has more than half the ring in flight.
-            check("cuEventRecord", unsafe {
-                sys::cuEventRecord(ev, l.stream.raw)
-            })
+            check("cuEventRecord", unsafe { sys::cuEventRecord(ev, stream) })
         }
     }
 
@@ -1803,22 +1905,23 @@ impl Backend for CudaBackend {
         if outcome.is_ok() && first < slab.len() {
             let _timed = AddElapsed::start(&self.driver_ns);
             outcome = if let Some(req) = request.staged {
-                self.issue_staged(lane, slab, req)
+                self.issue_staged(lane, slab, req, wait_stream.is_some())
             } else if request.pitched {
                 self.issue_pitched(lane, slab)
             } else {
                 self.issue_copies(lane, slab, first)
             };
         }
+        let tail = self.marker_stream(lane, request.staged.is_some());
         if let (Ok(()), Some((_, end))) = (&outcome, timing) {
             // SAFETY: as above.
-            let _ = unsafe { sys::cuEventRecord(end, l.stream.raw) };
+            let _ = unsafe { sys::cuEventRecord(end, tail) };
         }
         if let Err(e) = &outcome {
             slab.set_failed(e.to_string());
         }
         // The completion marker goes in whatever happened to the copies, so the lane stays ordered.
-        if let Err(e) = self.signal(lane, seq) {
+        if let Err(e) = self.signal(lane, seq, tail) {
             // Release: pairs with the Acquire load in `lane_idle`.
             l.unmarked.store(true, Ordering::Release);
             let _ = l.error.set(e.clone());
