@@ -1465,8 +1465,9 @@ impl CudaBackend {
     /// The stream the completion marker of a transfer goes on, ordered after all of the
     /// transfer's work and after the lane's earlier markers. A staged CPU -> GPU transfer ends
     /// with kernels: its marker goes on the kernel stream, after the lane's stream (so the
-    /// lane's stream goes on to the next transfer's rows at once). Any other marker goes on the
-    /// lane's stream, after the kernel stream where a staged transfer or marker went there last.
+    /// lane's stream goes on to the next transfer's rows at once), unless the lane's stream is
+    /// the caller's, who expects the whole transfer on it. Any other marker goes on the lane's
+    /// stream, after the kernel stream where a staged transfer or marker went there last.
     /// Where an ordering call fails, this waits for the kernel stream instead.
     fn marker_stream(&self, lane: Direction, staged: bool) -> sys::CUstream {
         let l = self.lane(lane);
@@ -1477,6 +1478,7 @@ impl CudaBackend {
         let kstream = st.stream.raw;
         if staged
             && lane == Direction::HostToDevice
+            && l.stream.owned
             && order(&st.lane_done, l.stream.raw, kstream).is_ok()
         {
             st.marker_on_stage = true;
