@@ -2284,6 +2284,11 @@ impl Backend for CudaBackend {
     fn shutdown(&self, deadline: Option<Instant>) -> u64 {
         // Release: pairs with the Acquire load in `may_free`.
         self.shut.store(true, Ordering::Release);
+        // Every accepted transfer is issued first (driver calls only, no wait on the device):
+        // it runs, whatever the deadline says about waiting for it.
+        for d in Direction::ALL {
+            self.wait_drained(d);
+        }
         // Without the context the queries below fail, and every lane counts as still running.
         let _ctx = self.make_current();
         // Waits without spinning a core and never inside the driver (a stream synchronize has no
