@@ -12,13 +12,14 @@
 //! mapped pinned memory (`cuStreamWriteValue64`), which polls read with an atomic load; where the
 //! device has no stream memory operations, a ring of events is queried instead.
 
+use std::collections::VecDeque;
 use std::ffi::{c_void, CStr, CString};
 use std::fmt;
 use std::mem::ManuallyDrop;
 use std::ptr;
 use std::str::FromStr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use cudarc::driver::result::{self, DriverError};
@@ -26,7 +27,7 @@ use cudarc::driver::sys;
 
 use super::{
     staged_steps, take_injected, AddElapsed, Backend, BackendError, BackendInfo, HostAlloc,
-    KernelBatch, KernelParam, KernelSpec, StagedRequest, SubmitRequest, Submitted,
+    KernelBatch, KernelLauncher, KernelParam, KernelSpec, StagedRequest, SubmitRequest, Submitted,
 };
 use crate::descriptor::Direction;
 use crate::pool::{SlabInner, SlabRef};
@@ -805,8 +806,19 @@ struct CudaLane {
     done_events: Vec<Event>,
     /// Timing event pairs, indexed by `seq % len` (timing on).
     timing_events: Vec<(Event, Event)>,
-    /// Recorded on the caller's stream and waited for by ours.
-    dep_event: Event,
+    /// Events recorded on callers' streams, free for the next transfer (see [`Job::dep`]).
+    deps: Mutex<Vec<Event>>,
+    /// Transfers handed to the lane's issuing thread, in order.
+    queue: Mutex<VecDeque<Job>>,
+    /// Signalled when a job is queued or the backend stops.
+    work: Condvar,
+    /// Signalled when the issuing thread has nothing left (`pending` is 0).
+    drained: Condvar,
+    /// Transfers accepted and not yet issued (or dropped, on a failed lane) by the issuing
+    /// thread: while it is not 0, the thread may still read their slabs.
+    pending: AtomicU64,
+    /// The highest sequence number accepted.
+    accepted: AtomicU64,
     /// Dropped after the events recorded on it.
     stream: Stream,
     /// The staged plan's resources, made on the lane's first staged transfer. `submit`
@@ -850,7 +862,12 @@ impl CudaLane {
         Ok(CudaLane {
             done_events: Vec::new(),
             timing_events: Vec::new(),
-            dep_event: Event::create(ctx, false)?,
+            deps: Mutex::new(Vec::new()),
+            queue: Mutex::new(VecDeque::new()),
+            work: Condvar::new(),
+            drained: Condvar::new(),
+            pending: AtomicU64::new(0),
+            accepted: AtomicU64::new(0),
             stream,
             stage: Mutex::new(None),
             counter,
@@ -877,12 +894,95 @@ impl CudaLane {
 
 /// Copies with the CUDA driver.
 ///
+/// `submit` checks and records what must happen on the caller's thread (the caller's stream, as
+/// it is at the call) and hands the transfer to the lane's issuing thread, which makes every
+/// driver call of it, in order: the caller's host time does not grow with the copies the
+/// driver has to write. A transfer with a Python kernel launcher, or on a lane that runs on a
+/// stream the caller gave, is the exception: it waits for the lane's thread to go idle and is
+/// issued on the caller's thread (a caller's stream holds the copies when `submit` returns).
+#[derive(Debug)]
+pub struct CudaBackend {
+    shared: Arc<Shared>,
+    /// Per lane, its issuing thread, started on the lane's first transfer.
+    workers: Mutex<[Option<std::thread::JoinHandle<()>>; 4]>,
+}
+
+impl std::ops::Deref for CudaBackend {
+    type Target = Shared;
+    fn deref(&self) -> &Shared {
+        &self.shared
+    }
+}
+
+impl CudaBackend {
+    /// See [`Shared::new`].
+    pub fn new(opts: CudaOptions) -> Result<Self, BackendError> {
+        Ok(CudaBackend {
+            shared: Arc::new(Shared::new(opts)?),
+            workers: Mutex::new([None, None, None, None]),
+        })
+    }
+
+    /// Starts `lane`'s issuing thread if it is not running.
+    fn start_worker(&self, lane: Direction) -> Result<(), BackendError> {
+        let mut w = self.workers.lock().unwrap_or_else(|e| e.into_inner());
+        if w[lane.lane()].is_some() {
+            return Ok(());
+        }
+        let shared = Arc::clone(&self.shared);
+        let handle = std::thread::Builder::new()
+            .name(format!("blockswap-{}", lane.as_str()))
+            .spawn(move || shared.work(lane))
+            .map_err(|e| BackendError::Unavailable(format!("cannot start a thread: {e}")))?;
+        w[lane.lane()] = Some(handle);
+        Ok(())
+    }
+}
+
+impl Drop for CudaBackend {
+    fn drop(&mut self) {
+        let workers = std::mem::take(self.workers.get_mut().unwrap_or_else(|e| e.into_inner()));
+        if crate::engine::fork_generation() != self.generation {
+            // A forked child has none of the parent's threads.
+            std::mem::forget(workers);
+            return;
+        }
+        self.stopping.store(true, Ordering::Release);
+        for l in self.lanes.iter() {
+            // Under the queue's lock: a worker between its check and its wait sees the flag.
+            let _q = l.queue.lock().unwrap_or_else(|e| e.into_inner());
+            l.work.notify_all();
+        }
+        // Each thread issues what it was handed, then ends: an accepted transfer runs.
+        for h in workers.into_iter().flatten() {
+            let _ = h.join();
+        }
+    }
+}
+
+/// A transfer handed to a lane's issuing thread.
+#[derive(Debug)]
+struct Job {
+    seq: u64,
+    slab: SlabRef,
+    pitched: bool,
+    staged: Option<StagedRequest>,
+    /// Recorded on the caller's stream at submission: the copies wait for it. Given back to the
+    /// lane's pool once the waits on it are queued.
+    dep: Option<Event>,
+    /// Why the transfer fails before any copy is issued (the caller's stream could not be
+    /// recorded): only its completion marker goes in.
+    failed: Option<BackendError>,
+}
+
+/// The driver state of a [`CudaBackend`], shared with its issuing threads.
+///
 /// Every driver resource is owned by a value that frees it on drop (the context reference, the
 /// counters, each stream and event), so a construction that fails midway frees what it made.
 /// The backend drops them by hand (see its `Drop`): in a forked child, or while a lane the
 /// engine gave up on may still run, the memory the device may write is leaked, never freed.
 #[derive(Debug)]
-pub struct CudaBackend {
+pub struct Shared {
     ordinal: i32,
     name: String,
     driver_version: i32,
@@ -908,6 +1008,8 @@ pub struct CudaBackend {
     param_info: Option<ParamInfoFn>,
     /// Kernels loaded for staged plans, by id.
     kernels: std::sync::RwLock<Vec<LoadedKernel>>,
+    /// Set when the backend goes: the issuing threads end once their queues are empty.
+    stopping: AtomicBool,
     // The driver resources, dropped in this order in `Drop`.
     lanes: ManuallyDrop<Vec<CudaLane>>,
     /// One cache line per lane's completion counter: the device writes them independently.
@@ -918,15 +1020,15 @@ pub struct CudaBackend {
 // SAFETY: driver handles (context, streams, events) may be used from any thread once the context is
 // made current there, which every entry point does first; `counter` is only read atomically on the
 // host and written by the device.
-unsafe impl Send for CudaBackend {}
+unsafe impl Send for Shared {}
 // SAFETY: as above; mutation goes through atomics, OnceLocks and a Mutex, and submissions are
 // serialised by the engine's submit lock.
-unsafe impl Sync for CudaBackend {}
+unsafe impl Sync for Shared {}
 
 /// How long between stream health checks while transfers are outstanding.
 const HEALTH_CHECK: Duration = Duration::from_millis(20);
 
-impl CudaBackend {
+impl Shared {
     /// `opts.max_in_flight` is clamped as the engine clamps it ([`super::clamp_in_flight`]): the
     /// event rings hold twice that.
     pub fn new(mut opts: CudaOptions) -> Result<Self, BackendError> {
@@ -1009,7 +1111,7 @@ impl CudaBackend {
                     .collect::<Result<_, BackendError>>()?;
             }
         }
-        Ok(CudaBackend {
+        Ok(Shared {
             ordinal: opts.device,
             name,
             driver_version,
@@ -1027,6 +1129,7 @@ impl CudaBackend {
             param_info: resolve("cuFuncGetParamInfo", 12040)
                 .map(|p| unsafe { std::mem::transmute::<*mut c_void, ParamInfoFn>(p) }),
             kernels: std::sync::RwLock::new(Vec::new()),
+            stopping: AtomicBool::new(false),
             lanes: ManuallyDrop::new(lanes),
             counters: ManuallyDrop::new(counters),
             ctx: ManuallyDrop::new(ctx),
@@ -1042,13 +1145,17 @@ impl CudaBackend {
         &self.lanes[d.lane()]
     }
 
-    /// Whether nothing this backend queued on `lane` can still run: every completion marker
-    /// reached, or, where a marker may be missing, the stream idle. Never blocks; the context is
-    /// current.
+    /// Whether nothing this backend accepted on `lane` can still run: every completion marker
+    /// reached, or, where a marker may be missing, nothing left to issue and the streams idle.
+    /// Never blocks; the context is current.
     fn lane_idle(&self, lane: Direction) -> bool {
         let l = self.lane(lane);
-        // Acquire: pairs with the Release stores in `submit`.
+        // Acquire: pairs with the Release stores in `submit` and `issue_job`, and the
+        // decrement in `work`.
         if l.unmarked.load(Ordering::Acquire) {
+            if l.pending.load(Ordering::Acquire) != 0 {
+                return false;
+            }
             let kernels = l
                 .stage
                 .try_lock()
@@ -1061,7 +1168,7 @@ impl CudaBackend {
             // A stage held by a submission in progress is not idle.
             return idle(l.stream.raw) && kernels.is_some_and(|k| k.is_none_or(idle));
         }
-        self.completed(lane) >= l.submitted.load(Ordering::Acquire)
+        self.completed_seq(lane) >= l.accepted.load(Ordering::Acquire)
     }
 
     /// Whether host memory may be freed now. Until shutdown, and while no lane has failed, the
@@ -1086,9 +1193,9 @@ impl CudaBackend {
     /// The transfers of `lane` not known complete (at least 1 where the lane is not idle).
     fn left_on(&self, lane: Direction) -> u64 {
         let l = self.lane(lane);
-        l.submitted
+        l.accepted
             .load(Ordering::Acquire)
-            .saturating_sub(self.completed(lane))
+            .saturating_sub(self.completed_seq(lane))
             .max(1)
     }
 
@@ -1333,14 +1440,14 @@ impl CudaBackend {
     /// kernel, also across transfers (the lane's stream never waits for a kernel of an earlier
     /// transfer, only for its slot). The completion marker goes where
     /// [`CudaBackend::marker_stream`] says: after every kernel issued, whatever failed, so a
-    /// slab is never handed back while a kernel may read it. `dep`: the lane's dependency
-    /// event holds the caller's stream, which the kernels gathering GPU pages wait for.
+    /// slab is never handed back while a kernel may read it. `dep`: an event holding the
+    /// caller's stream, which the kernels gathering GPU pages wait for.
     fn issue_staged(
         &self,
         lane: Direction,
         slab: &SlabInner,
         req: StagedRequest,
-        dep: bool,
+        dep: Option<sys::CUevent>,
     ) -> Result<(), BackendError> {
         let l = self.lane(lane);
         let Some(kernel) = req
@@ -1373,14 +1480,15 @@ impl CudaBackend {
         let kstream = st.stream.raw;
         let ctx = self.ctx.raw;
         let wait_dep = || {
-            if dep && !host_src {
-                // SAFETY: valid event and stream; the event was just recorded on the caller's
-                // stream (CPU -> GPU kernels follow the lane's stream, which waits for it).
-                check("cuStreamWaitEvent", unsafe {
-                    sys::cuStreamWaitEvent(kstream, l.dep_event.raw, 0)
-                })
-            } else {
-                Ok(())
+            match dep {
+                Some(ev) if !host_src => {
+                    // SAFETY: valid event and stream; the event holds the caller's stream (CPU
+                    // -> GPU kernels follow the lane's stream, which waits for it).
+                    check("cuStreamWaitEvent", unsafe {
+                        sys::cuStreamWaitEvent(kstream, ev, 0)
+                    })
+                }
+                _ => Ok(()),
             }
         };
         let issued = wait_dep().and_then(|()| {
@@ -1551,6 +1659,198 @@ impl CudaBackend {
                 ptr::null_mut(),
             )
         })
+    }
+
+    /// The highest sequence number of `lane` known complete.
+    fn completed_seq(&self, lane: Direction) -> u64 {
+        let l = self.lane(lane);
+        if self.write_value {
+            // SAFETY: `counter` is 8-byte aligned mapped pinned memory that lives as long as the
+            // backend; the device writes it with the stream's memory barrier before the value.
+            // Acquire: the copies' bytes are read only after seeing their sequence number.
+            let written = unsafe { AtomicU64::from_ptr(l.counter) }.load(Ordering::Acquire);
+            // Acquire: pairs with the Release store in `issue_job`, after what it recorded in
+            // the slab (a failure): a transfer is complete once its marker is both queued and
+            // reached.
+            return written.min(l.submitted.load(Ordering::Acquire));
+        }
+        let submitted = l.submitted.load(Ordering::Acquire);
+        let mut known = l.known.load(Ordering::Acquire);
+        while known < submitted {
+            let ev = l.done_events[((known + 1) as usize) % l.done_events.len()].raw;
+            // SAFETY: valid event; cuEventQuery never blocks.
+            if unsafe { sys::cuEventQuery(ev) } != sys::CUresult::CUDA_SUCCESS {
+                break;
+            }
+            known += 1;
+        }
+        // fetch_max: racing pollers only ever move it forward.
+        l.known.fetch_max(known, Ordering::AcqRel);
+        known
+    }
+
+    /// An event of the lane's pool (made if the pool is empty) recorded on the caller's stream.
+    fn record_dep(&self, lane: Direction, stream: u64) -> Result<Event, BackendError> {
+        let l = self.lane(lane);
+        let pooled = l.deps.lock().unwrap_or_else(|e| e.into_inner()).pop();
+        let ev = match pooled {
+            Some(ev) => ev,
+            None => Event::create(self.ctx.raw, false)?,
+        };
+        // SAFETY: `stream` is the caller's stream handle (0 is the legacy default stream, which
+        // may be recorded on); a bad handle comes back as an error, failing this transfer only.
+        let r = check("cuEventRecord", unsafe {
+            sys::cuEventRecord(ev.raw, stream as sys::CUstream)
+        });
+        match r {
+            Ok(()) => Ok(ev),
+            Err(e) => {
+                l.deps.lock().unwrap_or_else(|e| e.into_inner()).push(ev);
+                Err(e)
+            }
+        }
+    }
+
+    /// Blocks until the lane's issuing thread has issued everything handed to it.
+    fn wait_drained(&self, lane: Direction) {
+        let l = self.lane(lane);
+        let mut q = l.queue.lock().unwrap_or_else(|e| e.into_inner());
+        // Acquire: pairs with the Release decrement in `work`.
+        while l.pending.load(Ordering::Acquire) != 0 {
+            q = l.drained.wait(q).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    /// The issuing thread of `lane`: issues the jobs handed to it, in order, until the backend
+    /// stops and the queue is empty. On a lane that failed it issues nothing more: the engine
+    /// reports those transfers failed once `pending` is 0.
+    fn work(&self, lane: Direction) {
+        let l = self.lane(lane);
+        loop {
+            let job = {
+                let mut q = l.queue.lock().unwrap_or_else(|e| e.into_inner());
+                loop {
+                    if let Some(job) = q.pop_front() {
+                        break job;
+                    }
+                    // Acquire: pairs with the Release store in `CudaBackend`'s Drop.
+                    if self.stopping.load(Ordering::Acquire) {
+                        return;
+                    }
+                    q = l.work.wait(q).unwrap_or_else(|e| e.into_inner());
+                }
+            };
+            if l.error.get().is_none() {
+                match self.make_current() {
+                    Ok(_ctx) => {
+                        let _ = self.issue_job(lane, job, None);
+                    }
+                    Err(e) => {
+                        let _ = l.error.set(e);
+                    }
+                }
+            }
+            let _q = l.queue.lock().unwrap_or_else(|e| e.into_inner());
+            // Release: the slab is not touched after this (pairs with Acquire loads in
+            // `wait_drained` and `failed`).
+            if l.pending.fetch_sub(1, Ordering::AcqRel) == 1 {
+                l.drained.notify_all();
+            }
+        }
+    }
+
+    /// Issues one transfer on the lane's streams: the wait for the caller's stream, its copies
+    /// (and kernels), then its completion marker, which goes in whatever happened to the copies,
+    /// so the lane stays ordered. The context is current. `Err` where the marker could not be
+    /// queued: the lane has failed.
+    fn issue_job(
+        &self,
+        lane: Direction,
+        job: Job,
+        launch: Option<(KernelBatch, KernelLauncher<'_>)>,
+    ) -> Result<Submitted, BackendError> {
+        let l = self.lane(lane);
+        let seq = job.seq;
+        // SAFETY: the engine keeps the slab in flight until completion of `seq` is observed,
+        // which needs the marker queued below (or, on a failed lane, `pending` back at 0).
+        let slab = unsafe { job.slab.get() };
+        let mut outcome = job.failed.map_or(Ok(()), Err);
+        if let Some(dep) = &job.dep {
+            // SAFETY: both handles valid; our stream waits for the caller's work at submission.
+            outcome = check("cuStreamWaitEvent", unsafe {
+                sys::cuStreamWaitEvent(l.stream.raw, dep.raw, 0)
+            });
+        }
+        let timing = (!l.timing_events.is_empty()).then(|| {
+            let (start, end) = &l.timing_events[(seq as usize) % l.timing_events.len()];
+            (start.raw, end.raw)
+        });
+        if let (Ok(()), Some((start, _))) = (&outcome, timing) {
+            // SAFETY: valid event and stream. A failed timing record only loses the timing.
+            let _ = unsafe { sys::cuEventRecord(start, l.stream.raw) };
+        }
+        // Copies are issued only when the ordering they depend on is in place.
+        let mut first = 0;
+        if let (Ok(()), Some((batch, launch))) = (&outcome, launch) {
+            // The small descriptors first, by the copy kernel on this lane's stream; it reads them
+            // from the slab in place. Then DMA for the rest, then the completion marker: one
+            // submission, one completion.
+            first = batch.len;
+            outcome = launch(KernelBatch {
+                stream: l.stream.raw as u64,
+                ..batch
+            })
+            .map_err(|reason| BackendError::CopyFailed {
+                index: None,
+                reason: format!("copy kernel: {reason}"),
+            });
+        }
+        if outcome.is_ok() && first < slab.len() {
+            let _timed = AddElapsed::start(&self.driver_ns);
+            let dep = job.dep.as_ref().map(|e| e.raw);
+            outcome = if let Some(req) = job.staged {
+                self.issue_staged(lane, slab, req, dep)
+            } else if job.pitched {
+                self.issue_pitched(lane, slab)
+            } else {
+                self.issue_copies(lane, slab, first)
+            };
+        }
+        if let Some(dep) = job.dep {
+            // Every wait on it is queued: it may be recorded again.
+            l.deps.lock().unwrap_or_else(|e| e.into_inner()).push(dep);
+        }
+        let tail = self.marker_stream(lane, job.staged.is_some());
+        if let (Ok(()), Some((_, end))) = (&outcome, timing) {
+            // SAFETY: as above.
+            let _ = unsafe { sys::cuEventRecord(end, tail) };
+        }
+        if let Err(e) = &outcome {
+            slab.set_failed(e.to_string());
+        }
+        if let Err(e) = self.signal(lane, seq, tail) {
+            // Release: pairs with the Acquire load in `lane_idle`.
+            l.unmarked.store(true, Ordering::Release);
+            let _ = l.error.set(e.clone());
+            return Err(e);
+        }
+        // Release: pairs with Acquire loads in `completed` (event mode) and health checks.
+        l.submitted.store(seq, Ordering::Release);
+        Ok(if outcome.is_ok() {
+            Submitted::Ok
+        } else {
+            Submitted::CopyFailed
+        })
+    }
+
+    /// The lane's error, once its issuing thread holds no slab any more (before that, the
+    /// engine must not hand the slabs of its transfers back).
+    fn failed(&self, lane: Direction) -> Option<&BackendError> {
+        let l = self.lane(lane);
+        // Acquire: pairs with the Release decrement in `work`.
+        l.error
+            .get()
+            .filter(|_| l.pending.load(Ordering::Acquire) == 0)
     }
 
     fn find_bad_descriptor(&self, src: &[u64], dst: &[u64]) -> Option<usize> {
@@ -1863,102 +2163,45 @@ impl Backend for CudaBackend {
     ) -> Result<Submitted, BackendError> {
         let _ctx = self.make_current()?;
         let l = self.lane(lane);
-        let wait_stream = request.wait_stream;
-        // SAFETY: the engine keeps the slab in flight until completion of `seq` is observed.
-        let slab = unsafe { slab.get() };
-        let mut outcome = Ok(());
-        if let Some(s) = wait_stream {
-            // SAFETY: `s` is the caller's stream handle (0 is the legacy default stream, which
-            // may be recorded on); a bad handle comes back as an error, failing this transfer only.
-            outcome = check("cuEventRecord", unsafe {
-                sys::cuEventRecord(l.dep_event.raw, s as sys::CUstream)
-            })
-            .and_then(|_| {
-                // SAFETY: both handles valid; our stream waits for the caller's work so far.
-                check("cuStreamWaitEvent", unsafe {
-                    sys::cuStreamWaitEvent(l.stream.raw, l.dep_event.raw, 0)
-                })
-            });
+        // The caller's stream as it is now: recorded here, waited for when the job is issued.
+        let (dep, failed) = match request.wait_stream {
+            None => (None, None),
+            Some(s) => match self.record_dep(lane, s) {
+                Ok(ev) => (Some(ev), None),
+                Err(e) => (None, Some(e)),
+            },
+        };
+        let job = Job {
+            seq,
+            slab,
+            pitched: request.pitched,
+            staged: request.staged,
+            dep,
+            failed,
+        };
+        if request.kernel.is_some() || !l.stream.owned {
+            // Release: pairs with Acquire loads in `lane_idle` and `left_on`.
+            l.accepted.store(seq, Ordering::Release);
+            // Issued on the caller's thread, after everything queued before: a Python launcher
+            // runs here, and a caller that gave its own stream finds the copies on it when
+            // this returns.
+            self.wait_drained(lane);
+            return self.issue_job(lane, job, request.kernel);
         }
-        let timing = (!l.timing_events.is_empty()).then(|| {
-            let (start, end) = &l.timing_events[(seq as usize) % l.timing_events.len()];
-            (start.raw, end.raw)
-        });
-        if let (Ok(()), Some((start, _))) = (&outcome, timing) {
-            // SAFETY: valid event and stream. A failed timing record only loses the timing.
-            let _ = unsafe { sys::cuEventRecord(start, l.stream.raw) };
-        }
-        // Copies are issued only when the ordering they depend on is in place.
-        let mut first = 0;
-        if let (Ok(()), Some((batch, launch))) = (&outcome, request.kernel) {
-            // The small descriptors first, by the copy kernel on this lane's stream; it reads them
-            // from the slab in place. Then DMA for the rest, then the completion marker: one
-            // submission, one completion.
-            first = batch.len;
-            outcome = launch(KernelBatch {
-                stream: l.stream.raw as u64,
-                ..batch
-            })
-            .map_err(|reason| BackendError::CopyFailed {
-                index: None,
-                reason: format!("copy kernel: {reason}"),
-            });
-        }
-        if outcome.is_ok() && first < slab.len() {
-            let _timed = AddElapsed::start(&self.driver_ns);
-            outcome = if let Some(req) = request.staged {
-                self.issue_staged(lane, slab, req, wait_stream.is_some())
-            } else if request.pitched {
-                self.issue_pitched(lane, slab)
-            } else {
-                self.issue_copies(lane, slab, first)
-            };
-        }
-        let tail = self.marker_stream(lane, request.staged.is_some());
-        if let (Ok(()), Some((_, end))) = (&outcome, timing) {
-            // SAFETY: as above.
-            let _ = unsafe { sys::cuEventRecord(end, tail) };
-        }
-        if let Err(e) = &outcome {
-            slab.set_failed(e.to_string());
-        }
-        // The completion marker goes in whatever happened to the copies, so the lane stays ordered.
-        if let Err(e) = self.signal(lane, seq, tail) {
-            // Release: pairs with the Acquire load in `lane_idle`.
-            l.unmarked.store(true, Ordering::Release);
-            let _ = l.error.set(e.clone());
-            return Err(e);
-        }
-        // Release: pairs with Acquire loads in `completed` (event mode) and health checks.
-        l.submitted.store(seq, Ordering::Release);
-        Ok(if outcome.is_ok() {
-            Submitted::Ok
-        } else {
-            Submitted::CopyFailed
-        })
+        self.start_worker(lane)?;
+        // Release: as above.
+        l.accepted.store(seq, Ordering::Release);
+        l.pending.fetch_add(1, Ordering::AcqRel);
+        l.queue
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push_back(job);
+        l.work.notify_one();
+        Ok(Submitted::Ok)
     }
 
     fn completed(&self, lane: Direction) -> u64 {
-        let l = self.lane(lane);
-        if self.write_value {
-            // SAFETY: `counter` is 8-byte aligned mapped pinned memory that lives as long as the
-            // backend; the device writes it with the stream's memory barrier before the value.
-            // Acquire: the copies' bytes are read only after seeing their sequence number.
-            return unsafe { AtomicU64::from_ptr(l.counter) }.load(Ordering::Acquire);
-        }
-        let submitted = l.submitted.load(Ordering::Acquire);
-        let mut known = l.known.load(Ordering::Acquire);
-        while known < submitted {
-            let ev = l.done_events[((known + 1) as usize) % l.done_events.len()].raw;
-            // SAFETY: valid event; cuEventQuery never blocks.
-            if unsafe { sys::cuEventQuery(ev) } != sys::CUresult::CUDA_SUCCESS {
-                break;
-            }
-            known += 1;
-        }
-        // fetch_max: racing pollers only ever move it forward.
-        l.known.fetch_max(known, Ordering::AcqRel);
-        known
+        self.completed_seq(lane)
     }
 
     fn wait(
@@ -1979,7 +2222,7 @@ impl Backend for CudaBackend {
                 self.check_stream(lane);
                 last_check = Instant::now();
             }
-            if self.lane(lane).error.get().is_some() {
+            if self.failed(lane).is_some() {
                 return Ok(false);
             }
             if let Some(d) = deadline {
@@ -1998,7 +2241,7 @@ impl Backend for CudaBackend {
 
     fn lane_error(&self, lane: Direction) -> Option<BackendError> {
         let l = self.lane(lane);
-        if let Some(e) = l.error.get() {
+        if let Some(e) = self.failed(lane) {
             return Some(e.clone());
         }
         // A rate-limited, non-blocking health check while work is outstanding: a faulted stream
@@ -2015,7 +2258,7 @@ impl Backend for CudaBackend {
                 self.check_stream(lane);
             }
         }
-        l.error.get().cloned()
+        self.failed(lane).cloned()
     }
 
     fn driver_ns(&self) -> u64 {
@@ -2041,6 +2284,11 @@ impl Backend for CudaBackend {
     fn shutdown(&self, deadline: Option<Instant>) -> u64 {
         // Release: pairs with the Acquire load in `may_free`.
         self.shut.store(true, Ordering::Release);
+        // Every accepted transfer is issued first (driver calls only, no wait on the device):
+        // it runs, whatever the deadline says about waiting for it.
+        for d in Direction::ALL {
+            self.wait_drained(d);
+        }
         // Without the context the queries below fail, and every lane counts as still running.
         let _ctx = self.make_current();
         // Waits without spinning a core and never inside the driver (a stream synchronize has no
@@ -2050,7 +2298,7 @@ impl Backend for CudaBackend {
         loop {
             let running: Vec<Direction> = Direction::ALL
                 .into_iter()
-                .filter(|&d| self.lane(d).error.get().is_none() && !self.lane_idle(d))
+                .filter(|&d| self.failed(d).is_none() && !self.lane_idle(d))
                 .collect();
             if running.is_empty() {
                 break;
@@ -2089,7 +2337,7 @@ impl Backend for CudaBackend {
     }
 }
 
-impl Drop for CudaBackend {
+impl Drop for Shared {
     fn drop(&mut self) {
         // Never panics: driver errors during teardown are ignored (there is no one left to tell).
         if crate::engine::fork_generation() != self.generation {
@@ -2209,13 +2457,14 @@ mod tests {
                 ..CudaOptions::new(0)
             };
             let (failures, steps) = fail_at_each_step(&opts);
-            // The context, the counters, a stream and an event per lane, and the rings of 6.
+            // The context, the counters, a stream per lane, and the rings of 6 (the events a
+            // lane records callers' streams with are made on its first transfers).
             let rings = if completion == CompletionMode::Event {
                 3
             } else {
                 2
             };
-            assert_eq!(steps, 2 + 4 * 2 + 4 * 6 * rings, "{completion:?}");
+            assert_eq!(steps, 2 + 4 + 4 * 6 * rings, "{completion:?}");
             assert_eq!(failures.len(), steps);
             for (step, e) in failures {
                 assert!(e.to_string().contains("injected"), "{step}: {e}");
@@ -2457,8 +2706,9 @@ mod tests {
         let before = live();
         let backend = Arc::into_inner(backend).expect("the last reference");
         drop(backend);
-        // 4 streams, 4 events, the counters and the context: every lane is idle now.
-        assert_eq!(live(), before - 10, "an idle backend frees everything");
+        // 4 streams, the 2 events the transfers' lanes recorded the gate's stream with, the
+        // counters and the context: every lane is idle now.
+        assert_eq!(live(), before - 8, "an idle backend frees everything");
     }
 
     #[test]
@@ -2474,7 +2724,7 @@ mod tests {
         drop(Arc::into_inner(backend).expect("the last reference"));
         // Streams and events go (the driver releases them after their work); the counters the
         // streams will write, and the context reference, stay.
-        assert_eq!(live(), before - 8);
+        assert_eq!(live(), before - 6);
         assert!(primary_ctx_active());
         gate.drain();
         let _bound = bind(ctx).unwrap();

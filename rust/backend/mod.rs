@@ -355,9 +355,14 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// [`Backend::completed`]`(lane)` to reach `seq` once they are done. Sequence numbers of one
     /// lane are submitted in increasing order, one at a time (the engine holds its submit lock).
     ///
-    /// `slab` stays valid and unmodified until `completed(lane) >= seq` has been observed. The
-    /// backend records a failure and the GPU time in the slab before its completion is visible.
-    /// An `Err` means nothing can be promised about `seq` (the engine fails the lane).
+    /// The copies may be enqueued later, in order, by a thread of the backend's (the CUDA
+    /// backend's issuing threads; the caller's stream is recorded here, at the call).
+    ///
+    /// `slab` stays valid and unmodified until `completed(lane) >= seq` has been observed, or
+    /// [`Backend::lane_error`] has reported the lane failed. The backend records a failure and
+    /// the GPU time in the slab before its completion is visible, and touches no slab of the
+    /// lane once it reports the lane failed. An `Err` means nothing can be promised about `seq`
+    /// (the engine fails the lane).
     /// `request` adds the ordering on a caller's stream and the kernel part of the transfer: the
     /// kernel moves descriptors `[0, kernel.len)`, DMA the rest, in one submission with one
     /// completion.
