@@ -621,8 +621,8 @@ struct Stage {
     steps: u64,
     /// Device memory the transfer's page descriptors are copied into before its first kernel,
     /// so the kernels read them from HBM, not across the PCIe link the rows are crossing. One
-    /// per lane: the lane's transfers run one after another, and a transfer's copy waits for
-    /// the previous transfer's last kernel (`start`).
+    /// per lane: the copy goes on the kernel stream, after every kernel of the lane's earlier
+    /// transfers.
     desc: Option<DeviceMem>,
     desc_bytes: usize,
     /// Descriptor buffers outgrown while kernels may still read them: freed with the stage.
@@ -821,8 +821,9 @@ struct CudaLane {
     accepted: AtomicU64,
     /// Dropped after the events recorded on it.
     stream: Stream,
-    /// The staged plan's resources, made on the lane's first staged transfer. `submit`
-    /// (serialised by the engine's submit lock) takes the lock; `lane_idle` only tries it.
+    /// The staged plan's resources, made on the lane's first staged transfer. Whoever issues
+    /// the lane's transfers (its thread, or `submit` once the thread has drained) takes the
+    /// lock; `lane_idle` only tries it.
     stage: Mutex<Option<Stage>>,
     /// Mapped pinned u64 the stream writes completed sequence numbers into (write-value mode),
     /// inside the backend's `counters`.
@@ -1021,8 +1022,9 @@ pub struct Shared {
 // made current there, which every entry point does first; `counter` is only read atomically on the
 // host and written by the device.
 unsafe impl Send for Shared {}
-// SAFETY: as above; mutation goes through atomics, OnceLocks and a Mutex, and submissions are
-// serialised by the engine's submit lock.
+// SAFETY: as above; mutation goes through atomics, OnceLocks and Mutexes, and a lane's
+// transfers are issued by one thread at a time (its issuing thread, or `submit` under the
+// engine's submit lock once that thread has drained).
 unsafe impl Sync for Shared {}
 
 /// How long between stream health checks while transfers are outstanding.
@@ -1502,8 +1504,8 @@ impl Shared {
                 let dev = st.desc_buffer(ctx, bytes)?;
                 // SAFETY: `[lo, hi)` lies in the slab's pinned allocation (columns 0 to 2),
                 // which outlives the copy (the lane's marker waits for the kernel stream); `dev`
-                // holds at least `bytes`, and no kernel of an earlier transfer reads it any more
-                // once `start` has been reached.
+                // holds at least `bytes`, and the kernels of earlier transfers that read it come
+                // before this copy on the same stream.
                 check("cuMemcpyAsync", unsafe {
                     sys::cuMemcpyAsync(dev, lo, bytes, kstream)
                 })?;
@@ -1641,9 +1643,9 @@ impl Shared {
             .max(1) as u32;
         // SAFETY: `function` was checked at load to take `total` 8-byte parameters, each read
         // from `vals` during the call; the descriptors it reads (the stage's device copy of the
-        // slab's columns) are not overwritten before it ends (the next transfer's copy waits
-        // for this one's last kernel); the addresses it copies between were checked at submission (pages) or
-        // lie in this lane's ring (the slot).
+        // slab's columns) are not overwritten before it ends (the next transfer's copy comes
+        // after it on the same stream); the addresses it copies between were checked at
+        // submission (pages) or lie in this lane's ring (the slot).
         check("cuLaunchKernel", unsafe {
             sys::cuLaunchKernel(
                 k.function as sys::CUfunction,
