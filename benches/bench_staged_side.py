@@ -22,19 +22,13 @@ import time
 import numpy as np
 import torch
 
+from blockswap.bench.interference import gemm_ms
 from blockswap.handler import CpuGpuHandlers
 
 
-def gemm_ms(a: torch.Tensor, b: torch.Tensor, n: int = 10) -> float:
-    times = []
-    for _ in range(n):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        torch.matmul(a, b)
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times)
+def gemm_median_ms(a: torch.Tensor, b: torch.Tensor, n: int = 10) -> float:
+    """Median of ``n`` GEMMs, each timed on its own (the device idle between them)."""
+    return statistics.median(gemm_ms(a, b, 1)[0] for _ in range(n))
 
 
 def bidir_ceiling() -> float:
@@ -63,7 +57,7 @@ def main() -> int:
     rng = np.random.default_rng(0)
     a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
     b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-    gemm_ms(a, b)
+    gemm_median_ms(a, b)
     ceil = bidir_ceiling()
     rows = []
     print(f"# {torch.cuda.get_device_name()}; bidirectional ceiling {ceil:.1f} GB/s")
@@ -85,7 +79,7 @@ def main() -> int:
                 (h.d2h if d2h else h.h2d).transfer_async(job, spec(d2h))
                 h.wait([job])
             assert all(r.success for r in h.get_finished())
-            alone = gemm_ms(a, b, 20)
+            alone = gemm_median_ms(a, b, 20)
             # Enough onloads queued before each GEMM to outlast it at the link's rate.
             per = -(-int(2e-3 * 55e9) // nbytes) + 1
             beside_t = []
@@ -95,7 +89,7 @@ def main() -> int:
                     job += 1
                     ids.append(job)
                     h.h2d.transfer_async(job, spec(False))
-                beside_t.append(gemm_ms(a, b, 1))
+                beside_t.append(gemm_ms(a, b, 1)[0])
                 h.wait(ids)
             beside = statistics.median(beside_t)
             assert all(r.success for r in h.get_finished())

@@ -644,6 +644,23 @@ fn geometry() -> impl Strategy<Value = Geometry> {
         )
 }
 
+/// Registers `buf` with `engine` as device memory.
+///
+/// # Safety
+/// `buf` outlives the engine and is not resized while it lives.
+unsafe fn register_device(engine: &Engine, buf: &mut [u8]) {
+    // SAFETY: the caller's guarantee.
+    unsafe {
+        engine
+            .register(
+                buf.as_mut_ptr() as u64,
+                buf.len() as u64,
+                MemoryKind::Device,
+            )
+            .unwrap();
+    }
+}
+
 /// Moves `pairs` of (source id, destination id) GPU -> CPU and back to fresh GPU memory, once
 /// page by page and once by the block plan, and returns the two results of both legs.
 fn both_ways(g: &Geometry, pairs: &[(u64, u64)], runs: bool) -> (Vec<u8>, Vec<u8>, usize) {
@@ -656,15 +673,7 @@ fn both_ways(g: &Geometry, pairs: &[(u64, u64)], runs: bool) -> (Vec<u8>, Vec<u8
     let mut back = vec![0u8; g.gpu_bytes()];
     let (engine, _) = engine_with(&mut b, EngineConfig::default());
     // SAFETY: `back` outlives the engine (dropped below, before it).
-    unsafe {
-        engine
-            .register(
-                back.as_mut_ptr() as u64,
-                back.len() as u64,
-                MemoryKind::Device,
-            )
-            .unwrap();
-    }
+    unsafe { register_device(&engine, &mut back) };
     let nb = g.nblocks as u64;
     let nbytes = vec![g.page as u64; g.layers * g.kv];
     let (gb, gs) = g.gpu(b.src.as_ptr() as u64);
@@ -765,15 +774,7 @@ fn staged_both_ways(
     };
     let (engine, _) = engine_with(&mut b, config);
     // SAFETY: `back` outlives the engine (dropped below, before it).
-    unsafe {
-        engine
-            .register(
-                back.as_mut_ptr() as u64,
-                back.len() as u64,
-                MemoryKind::Device,
-            )
-            .unwrap();
-    }
+    unsafe { register_device(&engine, &mut back) };
     let nb = g.nblocks as u64;
     let nbytes = vec![g.page as u64; n];
     let (gb, gs) = g.gpu(b.dst.as_ptr() as u64);

@@ -485,3 +485,66 @@ def test_the_event_ring_is_sized_by_the_clamped_max_in_flight():
     clamped, took = out.split()
     assert int(clamped) == 16384
     assert float(took) < 60
+
+
+def test_threads_submit_while_another_shuts_down(torch):
+    """Two threads submit (onloads and offloads, which each direction's issuing thread puts on
+    the device) while a third shuts the engine down: every transfer the engine accepted is
+    reported exactly once and succeeds, its bytes in place (shutdown issues everything accepted
+    before its deadline); a submission after the shutdown is refused."""
+    import threading
+
+    n, size = 400, 256 * KiB
+    host = torch.randint(0, 256, (n * size,), dtype=torch.uint8).pin_memory()
+    dev = torch.zeros(n * size, dtype=torch.uint8, device="cuda")
+    src = torch.randint(0, 256, (n * size,), dtype=torch.uint8, device="cuda")
+    back = torch.zeros(n * size, dtype=torch.uint8).pin_memory()
+    torch.cuda.synchronize()
+    eng = blockswap.Engine("cuda")
+    for t in (host, dev, src, back):
+        eng.register(t)
+    accepted: dict[str, list[int]] = {"h2d": [], "d2h": []}
+    refused: list[str] = []
+    go = threading.Barrier(3)
+
+    def submitter(direction: str) -> None:
+        a, b = (host, dev) if direction == "h2d" else (src, back)
+        go.wait()
+        for i in range(n):
+            job = i if direction == "h2d" else n + i
+            off = i * size
+            while True:
+                try:
+                    eng.submit(job, [a.data_ptr() + off], [b.data_ptr() + off], [size], direction)
+                    accepted[direction].append(i)
+                    break
+                except blockswap.PoolExhaustedError:
+                    continue
+                except blockswap.ShutdownError:
+                    refused.append(direction)
+                    return
+
+    def stopper() -> None:
+        go.wait()
+        time.sleep(0.002)
+        eng.shutdown()
+
+    threads = [threading.Thread(target=submitter, args=(d,)) for d in ("h2d", "d2h")]
+    threads.append(threading.Thread(target=stopper))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    results = eng.get_finished()
+    ids = sorted(r.job_id for r in results)
+    want = sorted(accepted["h2d"] + [n + i for i in accepted["d2h"]])
+    assert ids == want, "every accepted transfer is reported once, nothing else"
+    assert all(r.success for r in results), [r.error for r in results if not r.success][:3]
+    torch.cuda.synchronize()
+    dev_h, src_h = dev.cpu(), src.cpu()
+    for i in accepted["h2d"]:
+        assert torch.equal(dev_h[i * size : (i + 1) * size], host[i * size : (i + 1) * size])
+    for i in accepted["d2h"]:
+        assert torch.equal(back[i * size : (i + 1) * size], src_h[i * size : (i + 1) * size])
+    with pytest.raises(blockswap.ShutdownError):
+        eng.submit(10 * n, [host.data_ptr()], [dev.data_ptr()], [size])

@@ -1140,6 +1140,36 @@ def test_block_route_is_chosen_only_where_it_saves_copies_and_path_blocks_insist
         CpuGpuHandlers(one_allocation("mla", 1, N_GPU), N_CPU, layout="mla", cpu_layout="x")
 
 
+def _roundtrip_on_gpu(
+    h: CpuGpuHandlers, gpu: list, layout: str, factor: int, seed: int, pieces: int
+) -> None:
+    """Moves 32 random GPU blocks to random CPU blocks and back to 32 other GPU blocks, each way
+    as ``pieces`` queued transfers, and checks every result, the bytes reported and the pages."""
+    rng = np.random.default_rng(seed)
+    perm = rng.permutation(64)
+    n = 32
+    src, dst = perm[:n], perm[n:]
+    cpu = rng.permutation(32)[: n // factor]
+    before = [torch.stack([p for p in page_of(t, layout, int(b))]) for t in gpu for b in src]
+    per, cper = n // pieces, n // pieces // factor
+    for j in range(pieces):
+        s, c = src[j * per : (j + 1) * per], cpu[j * cper : (j + 1) * cper]
+        assert h.d2h.transfer_async(1 + j, (s, c)) is True
+    h.wait(range(1, pieces + 1))
+    res = h.get_finished()
+    assert [r.success for r in res] == [True] * pieces, [r.error for r in res]
+    assert sum(r.bytes for r in res) == n * int(h.gpu_tables[0].nbytes.sum())
+    for j in range(pieces):
+        c, d = cpu[j * cper : (j + 1) * cper], dst[j * per : (j + 1) * per]
+        assert h.h2d.transfer_async(1 + pieces + j, (c, d)) is True
+    h.wait(range(pieces + 1, 2 * pieces + 1))
+    res = h.get_finished()
+    assert [r.success for r in res] == [True] * pieces, [r.error for r in res]
+    after = [torch.stack([p for p in page_of(t, layout, int(b))]) for t in gpu for b in dst]
+    for a, b in zip(after, before):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("factor", FACTORS)
 @pytest.mark.parametrize("layout", sorted(ONE_ALLOCATION))
@@ -1150,24 +1180,7 @@ def test_cuda_block_plan_roundtrip(layout: str, factor: int) -> None:
     try:
         assert h.backend == "cuda" and h.routes["d2h"].plan == "blocks"
         assert h.routes["h2d"].plan == "blocks"
-        rng = np.random.default_rng(7 + factor)
-        perm = rng.permutation(64)
-        n = 32
-        src, dst = perm[:n], perm[n:]
-        cpu = rng.permutation(32)[: n // factor]
-        before = [torch.stack([p for p in page_of(t, layout, int(b))]) for t in gpu for b in src]
-        assert h.d2h.transfer_async(1, (src, cpu)) is True
-        h.wait([1])
-        (r,) = h.get_finished()
-        assert r.success, r.error
-        assert r.bytes == n * int(h.gpu_tables[0].nbytes.sum())
-        assert h.h2d.transfer_async(2, (cpu, dst)) is True
-        h.wait([2])
-        (r,) = h.get_finished()
-        assert r.success, r.error
-        after = [torch.stack([p for p in page_of(t, layout, int(b))]) for t in gpu for b in dst]
-        for a, b in zip(after, before):
-            assert torch.equal(a, b)
+        _roundtrip_on_gpu(h, gpu, layout, factor, 7 + factor, 1)
     finally:
         h.shutdown()
 
@@ -1194,28 +1207,7 @@ def test_cuda_staged_roundtrip(
     try:
         assert h.backend == "cuda" and h.routes["d2h"].plan == h.routes["h2d"].plan == "staged"
         assert h.routes["h2d"].kernel is not None
-        rng = np.random.default_rng(11 + factor)
-        perm = rng.permutation(64)
-        n = 32
-        src, dst = perm[:n], perm[n:]
-        cpu = rng.permutation(32)[: n // factor]
-        before = [torch.stack([p for p in page_of(t, layout, int(b))]) for t in gpu for b in src]
-        per, cper = n // 4, n // 4 // factor
-        for j in range(4):
-            s, c = src[j * per : (j + 1) * per], cpu[j * cper : (j + 1) * cper]
-            assert h.d2h.transfer_async(1 + j, (s, c)) is True
-        h.wait([1, 2, 3, 4])
-        res = h.get_finished()
-        assert [r.success for r in res] == [True] * 4, [r.error for r in res]
-        assert sum(r.bytes for r in res) == n * int(h.gpu_tables[0].nbytes.sum())
-        for j in range(4):
-            c, d = cpu[j * cper : (j + 1) * cper], dst[j * per : (j + 1) * per]
-            assert h.h2d.transfer_async(5 + j, (c, d)) is True
-        h.wait([5, 6, 7, 8])
-        assert [r.success for r in h.get_finished()] == [True] * 4
-        after = [torch.stack([p for p in page_of(t, layout, int(b))]) for t in gpu for b in dst]
-        for a, b in zip(after, before):
-            assert torch.equal(a, b)
+        _roundtrip_on_gpu(h, gpu, layout, factor, 11 + factor, 4)
     finally:
         h.shutdown()
 
