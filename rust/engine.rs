@@ -16,8 +16,8 @@ use std::time::{Duration, Instant};
 use crossbeam_queue::ArrayQueue;
 
 use crate::backend::{
-    AddElapsed, Backend, BackendError, BackendInfo, HostAlloc, KernelBatch, KernelLauncher,
-    KernelSpec, StagedRequest, SubmitRequest, Submitted,
+    AddElapsed, Backend, BackendError, BackendInfo, HostAlloc, KernelBatch, KernelSpec, PageKernel,
+    StagedRequest, SubmitRequest, Submitted,
 };
 use crate::completion::{InFlight, Lane};
 use crate::descriptor::{
@@ -448,7 +448,7 @@ fn no_plan(group: usize, groups: usize, reason: String) -> EngineError {
 pub enum Shape<'a> {
     /// A descriptor per page; with `Some((below, launcher))` those below `below` bytes (after
     /// coalescing) are moved by the copy kernel `launcher` launches, the rest by DMA.
-    Pages(Option<(u64, KernelLauncher<'a>)>),
+    Pages(Option<(u64, PageKernel<'a>)>),
     /// The 2-D copies of each table pair's block plan: copy engines only.
     Runs,
     /// The staged plan: each block's host row across PCIe as one copy, into or out of a device
@@ -461,7 +461,7 @@ impl fmt::Debug for Shape<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Shape::Pages(None) => f.write_str("Pages(dma)"),
-            Shape::Pages(Some((below, _))) => write!(f, "Pages(kernel below {below} bytes)"),
+            Shape::Pages(Some((below, k))) => write!(f, "Pages(kernel {k:?} below {below} bytes)"),
             Shape::Runs => f.write_str("Runs"),
             Shape::Staged { kernel } => write!(f, "Staged(kernel {kernel:?})"),
         }
@@ -802,7 +802,8 @@ impl Engine {
     }
 
     /// [`Engine::submit`], with the descriptors smaller than `kernel.0` (after coalescing) moved
-    /// by the copy kernel `kernel.1` launches, and the rest by DMA: one submission, one completion.
+    /// by the copy kernel `kernel.1` (a launcher, or a kernel the backend loaded), and the rest by
+    /// DMA: one submission, one completion.
     #[allow(clippy::too_many_arguments)]
     pub fn submit_routed(
         &self,
@@ -812,7 +813,7 @@ impl Engine {
         size: &[u64],
         direction: Direction,
         wait_stream: Option<u64>,
-        kernel: Option<(u64, KernelLauncher<'_>)>,
+        kernel: Option<(u64, PageKernel<'_>)>,
     ) -> Result<(), EngineError> {
         let coalesce = self.config.coalesce;
         self.submit_with(
@@ -887,7 +888,7 @@ impl Engine {
         dst_ids: &[u64],
         direction: Direction,
         wait_stream: Option<u64>,
-        kernel: Option<(u64, KernelLauncher<'_>)>,
+        kernel: Option<(u64, PageKernel<'_>)>,
     ) -> Result<(), EngineError> {
         let group = GroupIds::blocks(src_table, src_ids, dst_table, dst_ids);
         self.submit_groups(

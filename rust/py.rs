@@ -10,7 +10,7 @@ use pyo3::types::PyDict;
 
 use crate::backend::cuda::{self, CudaBackend, CudaOptions};
 use crate::backend::host::HostBackend;
-use crate::backend::{Backend, KernelBatch, KernelLauncher, KernelParam, KernelSpec};
+use crate::backend::{Backend, KernelBatch, KernelLauncher, KernelParam, KernelSpec, PageKernel};
 use crate::descriptor::{DescriptorError, Direction};
 use crate::engine::{self, Engine, EngineConfig, EngineError, GroupIds, Shape};
 use crate::hostmem::{self, HostBuffer, HostBufferError, Pinner};
@@ -317,8 +317,10 @@ impl PyEngine {
             .into());
         }
         let launch = |b: KernelBatch| call_launcher(launcher.as_ref().expect("routed"), b);
-        let kernel = (launcher.is_some() && kernel_below > 0)
-            .then_some((kernel_below, &launch as KernelLauncher<'_>));
+        let kernel = (launcher.is_some() && kernel_below > 0).then_some((
+            kernel_below,
+            PageKernel::Launcher(&launch as KernelLauncher<'_>),
+        ));
         py.detach(|| {
             self.engine
                 .submit_routed(job_id, s, d, z, dir, wait_stream, kernel)
@@ -383,8 +385,10 @@ impl PyEngine {
         let dir = self::direction(direction)?;
         let (s, d) = (as_u64("src_ids", &src_ids)?, as_u64("dst_ids", &dst_ids)?);
         let launch = |b: KernelBatch| call_launcher(launcher.as_ref().expect("routed"), b);
-        let kernel = (launcher.is_some() && kernel_below > 0)
-            .then_some((kernel_below, &launch as KernelLauncher<'_>));
+        let kernel = (launcher.is_some() && kernel_below > 0).then_some((
+            kernel_below,
+            PageKernel::Launcher(&launch as KernelLauncher<'_>),
+        ));
         py.detach(|| {
             self.engine
                 .submit_blocks(job_id, src_table, s, dst_table, d, dir, wait_stream, kernel)
@@ -422,9 +426,12 @@ impl PyEngine {
     /// `(src_table, src_ids, dst_table, dst_ids, chunks)` per group (int64 id arrays; `chunks`:
     /// None, or the sub-blocks skipped in the first chunk where the side whose table has
     /// `unit` > 1 is named by chunk ids). A group may be empty. `runs`: each pair's block plan
-    /// (copy engines only) instead of a descriptor per page; routing otherwise as for `submit`.
+    /// (copy engines only) instead of a descriptor per page; `staged`: the staged plan with the
+    /// loaded `kernel`. Otherwise a descriptor per page, those below `kernel_below` bytes by the
+    /// copy kernel: `launcher`'s, or with none the loaded `kernel`, launched by the core at most
+    /// `launch_bytes` a launch (None: one launch).
     #[pyo3(signature = (job_id, groups, direction = "h2d", wait_stream = None, kernel_below = 0,
-        launcher = None, runs = false, staged = false, kernel = None))]
+        launcher = None, runs = false, staged = false, kernel = None, launch_bytes = None))]
     #[allow(clippy::too_many_arguments, clippy::type_complexity)]
     fn submit_groups(
         &self,
@@ -444,6 +451,7 @@ impl PyEngine {
         runs: bool,
         staged: bool,
         kernel: Option<u32>,
+        launch_bytes: Option<u64>,
     ) -> PyResult<()> {
         let dir = self::direction(direction)?;
         let mut gs = Vec::with_capacity(groups.len());
@@ -461,11 +469,22 @@ impl PyEngine {
             Shape::Staged { kernel }
         } else if runs {
             Shape::Runs
+        } else if kernel_below == 0 {
+            Shape::Pages(None)
+        } else if launcher.is_some() {
+            Shape::Pages(Some((
+                kernel_below,
+                PageKernel::Launcher(&launch as KernelLauncher<'_>),
+            )))
         } else {
-            Shape::Pages(
-                (launcher.is_some() && kernel_below > 0)
-                    .then_some((kernel_below, &launch as KernelLauncher<'_>)),
-            )
+            Shape::Pages(kernel.map(|kernel| {
+                let launch_bytes = launch_bytes.unwrap_or(u64::MAX);
+                let k = PageKernel::Loaded {
+                    kernel,
+                    launch_bytes,
+                };
+                (kernel_below, k)
+            }))
         };
         py.detach(|| {
             self.engine
@@ -481,7 +500,7 @@ impl PyEngine {
     /// `split`, `src_base`, `dst_base`; any after them are passed as null pointers), `rows`
     /// descriptors per CTA step and `ctas` the most CTAs. Returns the kernel's id, or None on the
     /// host backend (which copies with memcpy).
-    #[pyo3(signature = (function, threads, shared, params, rows, ctas))]
+    #[pyo3(signature = (function, threads, shared, params, rows, ctas, row_bytes = 0))]
     #[allow(clippy::too_many_arguments)]
     fn load_kernel(
         &self,
@@ -492,6 +511,7 @@ impl PyEngine {
         params: Vec<String>,
         rows: u32,
         ctas: u32,
+        row_bytes: u32,
     ) -> PyResult<Option<u32>> {
         let params = params
             .iter()
@@ -516,6 +536,7 @@ impl PyEngine {
             params,
             rows,
             ctas,
+            row_bytes,
         };
         py.detach(|| self.engine.load_kernel(spec))
             .map_err(Into::into)

@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender};
 
 use blockswap::backend::host::HostBackend;
-use blockswap::backend::KernelBatch;
+use blockswap::backend::{KernelBatch, PageKernel};
 use blockswap::engine::{Engine, EngineConfig, EngineError};
 use blockswap::{Backend, Direction, MemoryKind, TransferResult};
 
@@ -369,7 +369,7 @@ fn submit(
                 &size,
                 direction,
                 None,
-                Some((1024, &kernel)),
+                Some((1024, PageKernel::Launcher(&kernel))),
             )
         } else {
             w.engine.submit(job_id, &src, &dst, &size, direction, None)

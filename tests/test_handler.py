@@ -1213,6 +1213,68 @@ def test_cuda_staged_roundtrip(
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("launch_bytes", [None, 20000])
+@pytest.mark.parametrize("factor", FACTORS)
+@pytest.mark.parametrize("layout", sorted(ONE_ALLOCATION))
+def test_cuda_kernel_route_launched_by_the_core(
+    layout: str, factor: int, launch_bytes: int | None
+) -> None:
+    """On the GPU: the per-page kernel route (a mirrored CPU cache, every page by the copy
+    kernel) launched by the core, not from Python, both ways, byte-exact, 8 layers; with
+    ``kernel_launch_bytes=20000`` each transfer takes many launches one after the other."""
+    gpu = one_allocation(layout, 8, 64, device="cuda")
+    h = CpuGpuHandlers(
+        gpu,
+        32,
+        layout=layout,
+        block_size_factor=factor,
+        cpu_layout="mirror",
+        path="kernel",
+        kernel_launch_bytes=launch_bytes,
+    )
+    try:
+        for r in h.routes.values():
+            assert r.plan == "pages" and r.kernel_below > 0
+            assert r.launcher is None and r.kernel is not None, r
+            assert r.launch_bytes == launch_bytes and "launched by the core" in r.reason
+        _roundtrip_on_gpu(h, gpu, layout, factor, 3 + factor, 4)
+    finally:
+        h.shutdown()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(("page", "blocks"), [(4100, 4), (1 << 20, 1)])
+def test_cuda_core_kernel_route_odd_and_large_pages(page: int, blocks: int) -> None:
+    """On the GPU: the core's kernel route for pages that are no multiple of 16 bytes (the
+    any-alignment path) and for a few 1 MiB pages (each cut into slices across CTAs), byte-exact
+    both ways."""
+    layers = 3
+    gpu = [
+        torch.randint(0, 256, (8, 1, page), dtype=torch.uint8, device="cuda") for _ in range(layers)
+    ]
+    h = CpuGpuHandlers(gpu, 8, layout="mla", cpu_layout="mirror", path="kernel")
+    try:
+        assert all(r.kernel is not None and r.launcher is None for r in h.routes.values())
+        rng = np.random.default_rng(page)
+        perm = rng.permutation(8)
+        src, dst = perm[:blocks], perm[blocks : 2 * blocks]
+        cpu = rng.permutation(8)[:blocks]
+        before = [t[torch.as_tensor(src, device="cuda")].clone() for t in gpu]
+        assert h.d2h.transfer_async(1, (src, cpu)) is True
+        h.wait([1])
+        assert all(r.success for r in h.get_finished())
+        for t in gpu:  # what comes back must come from the CPU cache
+            t[torch.as_tensor(dst, device="cuda")] = 0
+        assert h.h2d.transfer_async(2, (cpu, dst)) is True
+        h.wait([2])
+        assert all(r.success for r in h.get_finished())
+        for t, b in zip(gpu, before):
+            assert torch.equal(t[torch.as_tensor(dst, device="cuda")], b)
+    finally:
+        h.shutdown()
+
+
+@pytest.mark.cuda
 def test_cuda_staged_results_keep_their_order_beside_plain_transfers() -> None:
     """On the GPU: a staged CPU->GPU transfer ends with kernels on the stage's stream while the
     direction's copy stream goes on to the next transfer; a plain transfer queued behind it on

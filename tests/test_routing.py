@@ -238,7 +238,7 @@ def test_handler_kernel_path_round_trip_on_cpu():
         h.shutdown()
 
 
-def test_calibration_measures_both_paths_and_keeps_the_cache_intact():
+def test_calibration_measures_every_route_and_keeps_the_cache_intact():
     import torch
 
     from blockswap.handler import CpuGpuHandlers
@@ -251,11 +251,20 @@ def test_calibration_measures_both_paths_and_keeps_the_cache_intact():
         report = h.calibration
         assert report is not None and set(report) == {"d2h", "h2d"}
         for r in report.values():
-            assert r["blocks"] == 8 and r["chosen"] in ("dma", "kernel", "blocks")
+            assert r["blocks"] == 8 and r["chosen"] in ("dma", "kernel", "blocks", "staged")
             assert r["dma_gbps"] > 0 and r["kernel_gbps"] > 0
             # The block plan is measured where the geometry gives one (a block-major CPU cache
-            # against layer tensors at one pitch: how the allocator placed these two).
+            # against layer tensors at one pitch: how the allocator placed these two), the
+            # staged plan wherever the CPU cache is block-major (allocated here).
             assert ("blocks_gbps" in r) == (h.block_plans["d2h"][0] is not None)
+            assert r["staged_gbps"] > 0 and h.cpu_chunks is not None
+        # The route each direction took is the one measured fastest, and says so.
+        for d, r in report.items():
+            chosen = max((k[: -len("_gbps")] for k in r if k.endswith("_gbps")),
+                         key=lambda k: r[f"{k}_gbps"])  # fmt: skip
+            assert r["chosen"] == chosen
+            assert h.routes[d].reason.startswith(f"calibrated: {chosen}")
+            assert h.routes[d].plan == {"blocks": "blocks", "staged": "staged"}.get(chosen, "pages")
         for t, b in zip(gpu, before):
             assert torch.equal(t, b), "calibration put every block back"
         # Transfers after calibration use the chosen paths and stay exact.

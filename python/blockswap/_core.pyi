@@ -135,9 +135,17 @@ class Engine:
         runs: bool = False,
         staged: bool = False,
         kernel: int | None = None,
+        launch_bytes: int | None = None,
     ) -> None: ...
     def load_kernel(
-        self, function: int, threads: int, shared: int, params: list[str], rows: int, ctas: int
+        self,
+        function: int,
+        threads: int,
+        shared: int,
+        params: list[str],
+        rows: int,
+        ctas: int,
+        row_bytes: int = 0,
     ) -> int | None: ...
     def staged_row(self, table: int) -> int | None: ...
     @property

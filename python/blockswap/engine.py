@@ -456,6 +456,7 @@ class Engine:
         runs: bool = False,
         staged: bool = False,
         kernel: int | None = None,
+        launch_bytes: int | None = None,
     ) -> None:
         """Issues one transfer of several KV-cache groups as one batch with one result.
 
@@ -472,7 +473,10 @@ class Engine:
         out of a device staging ring of two ``stage_bytes`` slots, and ``kernel`` (an id from
         :meth:`load_kernel`; ``None`` on the host backend, which copies with memcpy) moves its
         pages between the ring and the GPU pages, launched by the core. Otherwise as
-        :meth:`submit`."""
+        :meth:`submit`, except that with ``kernel`` and no ``launcher`` the descriptors below
+        ``kernel_below`` bytes are moved by that loaded kernel, launched by the core (no Python
+        on the way; on the host backend, which loads none, by memcpy), at most ``launch_bytes``
+        a launch (``None``: one launch)."""
         job_id = check_job_id(job_id)
         if launcher is not None and not callable(launcher):  # the check off the hot path
             check_arg("launcher", launcher, "callable", callable, optional=True)
@@ -480,6 +484,8 @@ class Engine:
         check_arg("staged", staged, "a bool", _is_bool)
         if kernel is not None:
             check_arg("kernel", kernel, "an int", _is_int, span=(0, 1 << 32, "below 2**32"))
+        if launch_bytes is not None:
+            check_arg("launch_bytes", launch_bytes, "an int", _is_int, span=_U64)
         core_groups = []
         for g, group in enumerate(groups):
             try:
@@ -510,6 +516,7 @@ class Engine:
                 runs,
                 staged,
                 kernel,
+                launch_bytes,
             )
         except (OverflowError, TypeError) as e:
             raise _submit_argument_error(e, direction, wait_stream, kernel_below) from None
@@ -527,7 +534,8 @@ class Engine:
         return self._core.stage_bytes
 
     def load_kernel(self, kernel: dict[str, Any]) -> int | None:
-        """Makes a compiled copy kernel launchable by the core for staged plans: ``kernel`` as
+        """Makes a compiled copy kernel launchable by the core (the staged plan, and the kernel
+        route of :meth:`submit_groups` without a launcher): ``kernel`` as
         :func:`blockswap.kernels.core_kernel` returns it (which keeps the compiled module, and
         must be kept alive as long as the engine may launch it). Returns the id for
         :meth:`submit_groups`, or ``None`` on the host backend."""
@@ -538,6 +546,7 @@ class Engine:
             kernel["params"],
             kernel["rows"],
             kernel["ctas"],
+            kernel.get("row_bytes", 0),
         )
 
     def block_runs(

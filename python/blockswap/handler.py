@@ -313,16 +313,21 @@ class Route(NamedTuple):
     ``plan="staged"``: each block's host row as one copy through a device staging ring, its
     pages moved inside the GPU by the core's kernel ``kernel`` (see
     :meth:`blockswap.Engine.submit_groups`).
-    ``plan="pages"``: a descriptor per page, those below ``kernel_below`` bytes by the copy
-    kernel ``launcher`` launches (0 and ``None``: DMA only)."""
+    ``plan="pages"``: a descriptor per page, those below ``kernel_below`` bytes (0: none, DMA
+    only) by the copy kernel: the core's ``kernel`` where it has one (launched by the core, at
+    most ``launch_bytes`` a launch), else the one ``launcher`` launches from Python."""
 
     kernel_below: int
     launcher: Callable[..., None] | None
     reason: str
     plan: str = "pages"
-    #: The staged plan's kernel, as :meth:`blockswap.Engine.load_kernel` returned its id
-    #: (``None`` on the host backend, which copies the pages with memcpy).
+    #: The copy kernel of the staged plan or of the kernel route, as
+    #: :meth:`blockswap.Engine.load_kernel` returned its id (``None`` on the host backend, which
+    #: copies the pages with memcpy or Triton's interpreter).
     kernel: int | None = None
+    #: The most one launch of the kernel route moves where the core launches it (``None``: one
+    #: launch per transfer).
+    launch_bytes: int | None = None
 
 
 def _check_positive_int(name: str, value: Any, alternative: str = "") -> None:
@@ -485,13 +490,7 @@ class SingleDirectionHandler:
         self._tables = tables
         self._wait_stream = wait_stream
         self._device_index = device_index
-        #: The copy path of this direction (see :func:`choose_route`).
-        self.route = route if route is not None else Route(0, None, "dma")
-        self._kernel_below = self.route.kernel_below
-        self._launcher = self.route.launcher
-        self._blocks = self.route.plan == "blocks"
-        self._staged = self.route.plan == "staged"
-        self._kernel = self.route.kernel
+        self._use(route if route is not None else Route(0, None, "dma"))
         self._closed = False
         core = owner.engine._core
         # Hot paths bound straight to the core.
@@ -506,6 +505,17 @@ class SingleDirectionHandler:
             f"groups={self._ngroups}, block_size_factor={self._factor}"
             f"{', shut down' if self._closed else ''})"
         )
+
+    def _use(self, route: Route) -> None:
+        """Takes ``route`` for the transfers from now on (construction, calibration)."""
+        #: The copy path of this direction (see :func:`choose_route`).
+        self.route = route
+        self._kernel_below = route.kernel_below
+        self._launcher = route.launcher
+        self._blocks = route.plan == "blocks"
+        self._staged = route.plan == "staged"
+        self._kernel = route.kernel
+        self._launch_bytes = route.launch_bytes
 
     @property
     def gpu_to_cpu(self) -> bool:
@@ -561,6 +571,7 @@ class SingleDirectionHandler:
                 self._blocks,
                 self._staged,
                 self._kernel,
+                self._launch_bytes,
             )
         except InvalidTransferError as e:
             raise InvalidTransferError(f"{self.direction} job {job_id}: {e}") from e
@@ -984,6 +995,14 @@ class CpuGpuHandlers:
                 for d, r in self.routes.items():
                     if r.plan != "blocks":
                         self.routes[d] = staged
+        #: Compiled copy kernels of the kernel route, kept loaded while the engine may launch them.
+        self._page_kernels: list[dict[str, Any]] = []
+        if on_cuda:
+            for d, r in self.routes.items():
+                if r.plan == "pages" and r.launcher is not None:
+                    self.routes[d] = self._core_page_route(
+                        r, gpu_tables, device_index, kernel_ctas, kernel_launch_bytes
+                    )
         for d, r in self.routes.items():
             log.info("%s route (path=%r): %s", _SHORT[d], path, r.reason)
         if path == "blocks" and any(r.plan != "blocks" for r in self.routes.values()):
@@ -1008,6 +1027,53 @@ class CpuGpuHandlers:
             self.calibration = self._calibrate(kernel_ctas)
 
     # ---- construction helpers ------------------------------------------------------------------
+
+    def _load_page_kernel(
+        self, device_index: int | None, max_size: int, kernel_ctas: int
+    ) -> int | None:
+        """The copy kernel for pages of at most ``max_size`` bytes on ``kernel_ctas`` CTAs, loaded
+        into the core for the kernel route: its id, or ``None`` where the core cannot launch it
+        (Triton's interpreter, a build that needs scratch memory, a refusal by the core)."""
+        from .kernels import core_kernel
+
+        try:
+            k = core_kernel(
+                device_index or 0,
+                max_size=max_size,
+                max_ctas=kernel_ctas,
+                block_bytes=KERNEL_BLOCK_BYTES,
+            )
+            kid = None if k is None else self.engine.load_kernel(k)
+        except (BlockswapError, RuntimeError) as e:
+            log.info("the kernel route keeps its Python launcher: %s", e)
+            return None
+        if kid is not None:
+            assert k is not None
+            self._page_kernels.append(k)
+        return kid
+
+    def _core_page_route(
+        self,
+        route: Route,
+        gpu_tables: Sequence[BlockTable],
+        device_index: int | None,
+        kernel_ctas: int,
+        launch_bytes: int | None,
+    ) -> Route:
+        """``route`` (the kernel route, with a Python launcher) with its kernel launched by the
+        core instead: no Python and no GIL on the way, and the transfer issued from the lane's
+        own thread. ``route`` unchanged where the core cannot launch it."""
+        sizes = [int(n) for t in gpu_tables for n in t.nbytes.tolist()]
+        small = [n for n in sizes if n < route.kernel_below]
+        kid = self._load_page_kernel(device_index, max(small or sizes), kernel_ctas)
+        if kid is None:
+            return route
+        return route._replace(
+            launcher=None,
+            kernel=kid,
+            launch_bytes=None if launch_bytes is None else int(launch_bytes),
+            reason=f"{route.reason}, launched by the core",
+        )
 
     def _staged_route(
         self,
@@ -1171,12 +1237,13 @@ class CpuGpuHandlers:
         return {"d2h": dict(s["d2h"]), "h2d": dict(s["h2d"])}
 
     def _calibrate(self, kernel_ctas: int, reps: int = 5) -> dict[str, dict[str, Any]]:
-        """Measures DMA against the copy kernel on this machine, per direction, and keeps the
-        faster: other GPUs, links and drivers need other thresholds than the built-in one.
+        """Measures the routes this cache can take on this machine, per direction, and keeps the
+        fastest: other GPUs, links and drivers need other choices than the built-in ones.
 
-        Runs a GPU -> CPU transfer of up to 256 scattered blocks, then CPU -> GPU of the same
-        blocks back into place, so the KV cache's bytes are unchanged. Needs one KV-cache group
-        (the page sizes are then one size class).
+        The candidates: per-page DMA, the copy kernel for every page, and where the geometry
+        gives them, the block plan and the staged plan. Runs a GPU -> CPU transfer of up to 256
+        scattered blocks, then CPU -> GPU of the same blocks back into place, so the KV cache's
+        bytes are unchanged. Needs one KV-cache group (the page sizes are then one size class).
         """
         from .kernels import engine_launcher
 
@@ -1191,25 +1258,41 @@ class CpuGpuHandlers:
         gpu_ids = np.random.default_rng(0).permutation(num_gpu)[:n].astype(_I64)
         cpu_ids = np.arange(-(-n // f), dtype=_I64)
         nbytes = n * int(self.gpu_tables[0].nbytes.sum())
-        launcher = next(
-            (r.launcher for r in self.routes.values() if r.launcher is not None), None
-        ) or engine_launcher(max_ctas=kernel_ctas, block_bytes=KERNEL_BLOCK_BYTES)
+        every = 1 << 62
+        kernel_route = Route(every, None, "kernel: every page", "pages")
+        kid = None
+        if self.backend == "cuda":
+            kid = self._load_page_kernel(
+                self._device_index, int(self.gpu_tables[0].nbytes.max()), kernel_ctas
+            )
+        if kid is not None:
+            kernel_route = kernel_route._replace(kernel=kid)
+        else:
+            launcher = next(
+                (r.launcher for r in self.routes.values() if r.launcher is not None), None
+            ) or engine_launcher(max_ctas=kernel_ctas, block_bytes=KERNEL_BLOCK_BYTES)
+            kernel_route = kernel_route._replace(launcher=launcher)
+        staged = next((r for r in self.routes.values() if r.plan == "staged"), None)
+        if staged is None and self.cpu_chunks is not None:
+            staged = self._staged_route(
+                self.gpu_tables, self._device_index, self.backend == "cuda", insist=False
+            )
         report: dict[str, dict[str, Any]] = {}
         job = _JOB_END - 1
         for h, spec in (
             (self.gpu_to_cpu_handler, (gpu_ids, cpu_ids)),
             (self.cpu_to_gpu_handler, (cpu_ids, gpu_ids)),
         ):
-            speeds: dict[str, float] = {}
-            candidates: list[tuple[str, int, Any, bool]] = [
-                ("dma", 0, None, False),
-                ("kernel", 1 << 62, launcher, False),
-            ]
+            candidates = {"dma": Route(0, None, "dma: every page"), "kernel": kernel_route}
             plan = self.block_plans[h.direction][0]
-            if block_route(plan, len(self.gpu_tables[0].nbytes), h.direction, insist=True):
-                candidates.append(("blocks", 0, None, True))
-            for name, below, launch, blocks in candidates:
-                h._kernel_below, h._launcher, h._blocks = below, launch, blocks
+            blocks = block_route(plan, len(self.gpu_tables[0].nbytes), h.direction, insist=True)
+            if blocks is not None:
+                candidates["blocks"] = blocks
+            if staged is not None:
+                candidates["staged"] = staged
+            speeds: dict[str, float] = {}
+            for name, route in candidates.items():
+                h._use(route)
                 times = []
                 for _ in range(reps):
                     t0 = time.perf_counter()
@@ -1221,25 +1304,19 @@ class CpuGpuHandlers:
                         raise BlockswapError(f"calibration transfer failed: {results}")
                 speeds[name] = nbytes / statistics.median(times[1:]) / 1e9
             chosen = max(speeds, key=speeds.__getitem__)
-            h._kernel_below, h._launcher = (1 << 62, launcher) if chosen == "kernel" else (0, None)
-            h._blocks = chosen == "blocks"
-            h.route = self.routes[h.direction] = Route(
-                h._kernel_below,
-                h._launcher,
-                f"calibrated: {chosen}",
-                "blocks" if h._blocks else "pages",
-            )
+            won = candidates[chosen]
+            h._use(won._replace(reason=f"calibrated: {chosen} ({won.reason})"))
+            self.routes[h.direction] = h.route
             report[h.direction] = {
                 "blocks": n,
                 "chosen": chosen,
                 **{f"{k}_gbps": v for k, v in speeds.items()},
             }
             log.info(
-                "calibration %s, %d blocks: DMA %.2f GB/s, kernel %.2f GB/s: %s",
+                "calibration %s, %d blocks: %s: %s",
                 _SHORT[h.direction],
                 n,
-                speeds["dma"],
-                speeds["kernel"],
+                ", ".join(f"{k} {v:.2f} GB/s" for k, v in speeds.items()),
                 chosen,
             )
         return report

@@ -26,8 +26,9 @@ use cudarc::driver::result::{self, DriverError};
 use cudarc::driver::sys;
 
 use super::{
-    staged_steps, take_injected, AddElapsed, Backend, BackendError, BackendInfo, HostAlloc,
-    KernelBatch, KernelLauncher, KernelParam, KernelSpec, StagedRequest, SubmitRequest, Submitted,
+    kernel_split, staged_steps, take_injected, AddElapsed, Backend, BackendError, BackendInfo,
+    HostAlloc, KernelBatch, KernelParam, KernelSpec, PageKernel, StagedRequest, SubmitRequest,
+    Submitted,
 };
 use crate::descriptor::Direction;
 use crate::pool::{SlabInner, SlabRef};
@@ -974,6 +975,9 @@ struct Job {
     /// Why the transfer fails before any copy is issued (the caller's stream could not be
     /// recorded): only its completion marker goes in.
     failed: Option<BackendError>,
+    /// The kernel route's batch and its loaded kernel (`PageKernel::Loaded`): kernel id and
+    /// bytes a launch.
+    kernel: Option<(KernelBatch, u32, u64)>,
 }
 
 /// The driver state of a [`CudaBackend`], shared with its issuing threads.
@@ -1538,7 +1542,10 @@ impl Shared {
                 let p0 = r + step.pages.start;
                 let n = step.pages.len() as u64;
                 let (src_base, dst_base) = if host_src { (shift, 0) } else { (0, shift) };
-                let launch = || self.launch(&kernel, kstream, cols, p0, n, src_base, dst_base);
+                // The descriptors are the stage's device copy of the slab's columns, not
+                // overwritten before the kernel ends (the next transfer's copy comes after it on
+                // the same stream); the pages were checked at submission, the slot is this lane's.
+                let launch = || self.launch(&kernel, kstream, cols, (p0, n, 1), src_base, dst_base);
                 let (copy, ready, free) = (&st.src, &st.ready[slot_i], &st.free[slot_i]);
                 let rows_first = step.rows.start;
                 if host_src {
@@ -1605,15 +1612,16 @@ impl Shared {
     }
 
     /// Launches `k` on `stream` over descriptors `[p0, p0 + n)` of a transfer whose columns
-    /// (src, dst, size) hold descriptor 0 at `cols`, with the two base addresses.
+    /// (src, dst, size) hold descriptor 0 at `cols`, each cut in `split` slices, with the two
+    /// base addresses. The caller vouches that the kernel may read `cols` until it ends and that
+    /// every address the descriptors name (plus its base) may be written or read as they say.
     #[allow(clippy::too_many_arguments)]
     fn launch(
         &self,
         k: &LoadedKernel,
         stream: sys::CUstream,
         cols: [u64; 3],
-        p0: usize,
-        n: u64,
+        (p0, n, split): (usize, u64, u64),
         src_base: u64,
         dst_base: u64,
     ) -> Result<(), BackendError> {
@@ -1628,7 +1636,7 @@ impl Shared {
                 KernelParam::Dsts => cols[1].wrapping_add(at),
                 KernelParam::Sizes => cols[2].wrapping_add(at),
                 KernelParam::Count => n,
-                KernelParam::Split => 1,
+                KernelParam::Split => split,
                 KernelParam::SrcBase => src_base,
                 KernelParam::DstBase => dst_base,
             };
@@ -1638,14 +1646,13 @@ impl Shared {
             *p = (v as *mut u64).cast();
         }
         let grid = n
+            .saturating_mul(split)
             .div_ceil(u64::from(k.spec.rows))
             .min(u64::from(k.spec.ctas))
             .max(1) as u32;
         // SAFETY: `function` was checked at load to take `total` 8-byte parameters, each read
-        // from `vals` during the call; the descriptors it reads (the stage's device copy of the
-        // slab's columns) are not overwritten before it ends (the next transfer's copy comes
-        // after it on the same stream); the addresses it copies between were checked at
-        // submission (pages) or lie in this lane's ring (the slot).
+        // from `vals` during the call; what the kernel reads and writes, the caller vouches for
+        // (see above and the two callers: the staged plan's steps, `launch_pages`).
         check("cuLaunchKernel", unsafe {
             sys::cuLaunchKernel(
                 k.function as sys::CUfunction,
@@ -1661,6 +1668,41 @@ impl Shared {
                 ptr::null_mut(),
             )
         })
+    }
+
+    /// The kernel route with a loaded kernel: `batch`'s descriptors by `kernel` on `stream`,
+    /// at most `launch_bytes` (as descriptors of the batch's largest size, at least one) per
+    /// launch, one launch after the other.
+    fn launch_pages(
+        &self,
+        stream: sys::CUstream,
+        batch: KernelBatch,
+        kernel: u32,
+        launch_bytes: u64,
+    ) -> Result<(), BackendError> {
+        let Some(k) = self
+            .kernels
+            .read()
+            .ok()
+            .and_then(|ks| ks.get(kernel as usize).cloned())
+        else {
+            return Err(BackendError::InvalidArgument(format!(
+                "the kernel route needs a kernel loaded by this engine (load_kernel), got {kernel}"
+            )));
+        };
+        let per = (launch_bytes / batch.max_size.max(1)).max(1);
+        let cols = [batch.src, batch.dst, batch.size];
+        let mut p0 = 0usize;
+        while p0 < batch.len {
+            let n = per.min((batch.len - p0) as u64);
+            let split = kernel_split(&k.spec, n, batch.max_size);
+            // The kernel reads the descriptors from the slab's pinned columns in place (mapped
+            // memory, alive until the lane's marker after this launch is seen); every address
+            // they name was checked against registered memory at submission.
+            self.launch(&k, stream, cols, (p0, n, split), 0, 0)?;
+            p0 += n as usize;
+        }
+        Ok(())
     }
 
     /// The highest sequence number of `lane` known complete.
@@ -1745,7 +1787,14 @@ impl Shared {
             if l.error.get().is_none() {
                 match self.make_current() {
                     Ok(_ctx) => {
-                        let _ = self.issue_job(lane, job, None);
+                        let kernel = job.kernel.map(|(batch, kernel, launch_bytes)| {
+                            let k = PageKernel::Loaded {
+                                kernel,
+                                launch_bytes,
+                            };
+                            (batch, k)
+                        });
+                        let _ = self.issue_job(lane, job, kernel);
                     }
                     Err(e) => {
                         let _ = l.error.set(e);
@@ -1769,7 +1818,7 @@ impl Shared {
         &self,
         lane: Direction,
         job: Job,
-        launch: Option<(KernelBatch, KernelLauncher<'_>)>,
+        launch: Option<(KernelBatch, PageKernel<'_>)>,
     ) -> Result<Submitted, BackendError> {
         let l = self.lane(lane);
         let seq = job.seq;
@@ -1793,19 +1842,25 @@ impl Shared {
         }
         // Copies are issued only when the ordering they depend on is in place.
         let mut first = 0;
-        if let (Ok(()), Some((batch, launch))) = (&outcome, launch) {
+        if let (Ok(()), Some((batch, kernel))) = (&outcome, launch) {
             // The small descriptors first, by the copy kernel on this lane's stream; it reads them
             // from the slab in place. Then DMA for the rest, then the completion marker: one
             // submission, one completion.
             first = batch.len;
-            outcome = launch(KernelBatch {
-                stream: l.stream.raw as u64,
-                ..batch
-            })
-            .map_err(|reason| BackendError::CopyFailed {
-                index: None,
-                reason: format!("copy kernel: {reason}"),
-            });
+            outcome = match kernel {
+                PageKernel::Launcher(launch) => launch(KernelBatch {
+                    stream: l.stream.raw as u64,
+                    ..batch
+                })
+                .map_err(|reason| BackendError::CopyFailed {
+                    index: None,
+                    reason: format!("copy kernel: {reason}"),
+                }),
+                PageKernel::Loaded {
+                    kernel,
+                    launch_bytes,
+                } => self.launch_pages(l.stream.raw, batch, kernel, launch_bytes),
+            };
         }
         if outcome.is_ok() && first < slab.len() {
             let _timed = AddElapsed::start(&self.driver_ns);
@@ -2173,6 +2228,16 @@ impl Backend for CudaBackend {
                 Err(e) => (None, Some(e)),
             },
         };
+        let loaded = match request.kernel {
+            Some((
+                batch,
+                PageKernel::Loaded {
+                    kernel,
+                    launch_bytes,
+                },
+            )) => Some((batch, kernel, launch_bytes)),
+            _ => None,
+        };
         let job = Job {
             seq,
             slab,
@@ -2180,8 +2245,10 @@ impl Backend for CudaBackend {
             staged: request.staged,
             dep,
             failed,
+            kernel: loaded,
         };
-        if request.kernel.is_some() || !l.stream.owned {
+        let launcher = matches!(request.kernel, Some((_, PageKernel::Launcher(_))));
+        if launcher || !l.stream.owned {
             // Release: pairs with Acquire loads in `lane_idle` and `left_on`.
             l.accepted.store(seq, Ordering::Release);
             // Issued on the caller's thread, after everything queued before: a Python launcher

@@ -16,7 +16,7 @@ use crossbeam_channel::{Receiver, Sender};
 
 use super::{
     staged_steps, take_injected, Backend, BackendError, BackendInfo, HostAlloc, KernelBatch,
-    StagedRequest, SubmitRequest, Submitted,
+    PageKernel, StagedRequest, SubmitRequest, Submitted,
 };
 use crate::descriptor::Direction;
 use crate::pool::SlabRef;
@@ -290,19 +290,24 @@ impl Backend for HostBackend {
         request: SubmitRequest<'_>,
     ) -> Result<Submitted, BackendError> {
         // There is no device stream to wait for: host work is already done when submit is called.
-        if let Some((batch, launch)) = request.kernel {
-            // The kernel runs here, synchronously (Triton's interpreter on host memory), once the
-            // lane's earlier transfers are done, so the lane stays ordered. The worker then copies
-            // the rest and publishes completion as usual.
-            self.wait(lane, seq - 1, None)?;
-            if let Err(reason) = launch(KernelBatch { stream: 0, ..batch }) {
-                // SAFETY: the engine keeps the slab in flight until completion of `seq`.
-                unsafe { slab.get() }.set_failed(format!("copy kernel: {reason}"));
+        let first = match request.kernel {
+            Some((batch, PageKernel::Launcher(launch))) => {
+                // The kernel runs here, synchronously (Triton's interpreter on host memory), once
+                // the lane's earlier transfers are done, so the lane stays ordered. The worker
+                // then copies the rest and publishes completion as usual.
+                self.wait(lane, seq - 1, None)?;
+                if let Err(reason) = launch(KernelBatch { stream: 0, ..batch }) {
+                    // SAFETY: the engine keeps the slab in flight until completion of `seq`.
+                    unsafe { slab.get() }.set_failed(format!("copy kernel: {reason}"));
+                }
+                batch.len
             }
-        }
+            // This backend loads no kernel (`load_kernel` gives None): the worker copies those
+            // descriptors with the rest.
+            Some((_, PageKernel::Loaded { .. })) | None => 0,
+        };
         let sender = self.sender.lock().unwrap_or_else(|e| e.into_inner());
         let tx = sender.as_ref().ok_or(BackendError::ShutDown)?;
-        let first = request.kernel.map_or(0, |(b, _)| b.len);
         tx.try_send(Job {
             lane,
             seq,

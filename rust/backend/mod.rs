@@ -181,6 +181,47 @@ pub struct KernelBatch {
 /// Launches a copy kernel for a [`KernelBatch`] (the Python layer's Triton kernel).
 pub type KernelLauncher<'a> = &'a (dyn Fn(KernelBatch) -> Result<(), String> + Sync);
 
+/// What moves the small descriptors of a transfer's kernel route.
+#[derive(Clone, Copy)]
+pub enum PageKernel<'a> {
+    /// A launcher the caller gives, called on the submitting thread with the batch.
+    Launcher(KernelLauncher<'a>),
+    /// A kernel loaded by [`Backend::load_kernel`], launched by the backend itself, no more than
+    /// `launch_bytes` (counted as descriptors of the batch's largest size, at least one
+    /// descriptor) per launch: a launch holds its SMs until it ends.
+    Loaded { kernel: u32, launch_bytes: u64 },
+}
+
+impl fmt::Debug for PageKernel<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            PageKernel::Launcher(_) => f.write_str("Launcher"),
+            PageKernel::Loaded {
+                kernel,
+                launch_bytes,
+            } => write!(f, "Loaded({kernel}, {launch_bytes} bytes a launch)"),
+        }
+    }
+}
+
+/// Slices per descriptor for a launch of a loaded kernel over `n` descriptors of at most
+/// `max_size` bytes, by the rule of the Python layer's launcher (`blockswap.kernels.copy._plan`):
+/// about four steps of `rows` items for each of `ctas` CTAs, a descriptor cut into slices of at
+/// least `row_bytes` where there are too few descriptors to go round. A spec without
+/// `row_bytes` (0) never slices.
+pub fn kernel_split(spec: &KernelSpec, n: u64, max_size: u64) -> u64 {
+    let row_bytes = u64::from(spec.row_bytes);
+    if row_bytes == 0 || n == 0 {
+        return 1;
+    }
+    let target_items = 4 * u64::from(spec.ctas.max(1)) * u64::from(spec.rows.max(1));
+    let item_bytes = row_bytes.max(n.saturating_mul(max_size) / target_items);
+    max_size
+        .div_ceil(row_bytes)
+        .min(max_size.div_ceil(item_bytes))
+        .max(1)
+}
+
 /// A value a kernel parameter takes at each launch of the staged plan (see [`KernelSpec`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum KernelParam {
@@ -191,7 +232,8 @@ pub enum KernelParam {
     Sizes,
     /// Descriptors in the step.
     Count,
-    /// Slices per descriptor: always 1 here (a step holds many pages).
+    /// Slices per descriptor: 1 for the staged plan (a step holds many pages); the kernel
+    /// route's from [`kernel_launch_shape`].
     Split,
     /// Added by the kernel to every source / destination address: the ring side's offsets
     /// become addresses in the step's slot, the other side's base is 0.
@@ -199,7 +241,8 @@ pub enum KernelParam {
     DstBase,
 }
 
-/// A compiled copy kernel the backend launches itself for the staged plan (`cuLaunchKernel`),
+/// A compiled copy kernel the backend launches itself for the staged plan and the kernel route
+/// ([`PageKernel::Loaded`]) with `cuLaunchKernel`,
 /// with no Python and no launcher between: the kernel of [`KernelBatch`] with two base addresses
 /// added (see `blockswap.kernels`).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -216,6 +259,9 @@ pub struct KernelSpec {
     /// Descriptors a CTA copies side by side (the kernel's `ROWS`), and the most CTAs.
     pub rows: u32,
     pub ctas: u32,
+    /// Bytes one row moves per step (the kernel's `BLOCK_BYTES`): what a slice of a descriptor
+    /// is made of where the kernel route splits descriptors ([`kernel_split`]); 0: never.
+    pub row_bytes: u32,
 }
 
 /// The staged plan of a transfer (see [`crate::table::expand_staged_into`]): the slab's first
@@ -290,8 +336,8 @@ pub struct SubmitRequest<'a> {
     /// A raw `CUstream` of the caller (`0` is the legacy default stream): the copies start only
     /// after the work issued on it so far.
     pub wait_stream: Option<u64>,
-    /// Descriptors `[0, kernel.len)` go to this kernel launcher, the rest to DMA.
-    pub kernel: Option<(KernelBatch, KernelLauncher<'a>)>,
+    /// Descriptors `[0, kernel.len)` go to this kernel, the rest to DMA.
+    pub kernel: Option<(KernelBatch, PageKernel<'a>)>,
     /// The slab holds 2-D copies, two entries each (see [`crate::table::expand_runs_into`]),
     /// not `(src, dst, size)` descriptors. Never with `kernel`.
     pub pitched: bool,
@@ -303,7 +349,7 @@ impl fmt::Debug for SubmitRequest<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("SubmitRequest")
             .field("wait_stream", &self.wait_stream)
-            .field("kernel", &self.kernel.map(|(b, _)| b))
+            .field("kernel", &self.kernel)
             .field("pitched", &self.pitched)
             .field("staged", &self.staged)
             .finish()
@@ -480,6 +526,33 @@ mod tests {
             let per = (slot / 96).min(10usize.div_ceil(STAGED_MIN_STEPS) as u64);
             assert_eq!(steps.len(), 10usize.div_ceil(per as usize), "slot {slot}");
         }
+    }
+
+    #[test]
+    fn kernel_split_follows_the_python_launchers_rule() {
+        // (n, max_size, ctas, rows, row_bytes) -> split, as `blockswap.kernels.copy._plan` gives.
+        let spec = |ctas, rows, row_bytes| KernelSpec {
+            function: 1,
+            threads: 128,
+            shared: 0,
+            params: Vec::new(),
+            rows,
+            ctas,
+            row_bytes,
+        };
+        for (n, max_size, ctas, rows, row_bytes, split) in [
+            (2560, 4096, 16, 8, 4096, 1),
+            (4, 262_144, 16, 1, 32768, 8),
+            (3, 100_000, 32, 1, 32768, 4),
+            (1, 1 << 20, 16, 1, 16384, 64),
+            (100, 65536, 16, 1, 32768, 1),
+        ] {
+            let s = spec(ctas, rows, row_bytes);
+            assert_eq!(kernel_split(&s, n, max_size), split, "{n} x {max_size}");
+        }
+        // Without row_bytes, or with nothing to copy: never sliced.
+        assert_eq!(kernel_split(&spec(16, 1, 0), 1, 1 << 20), 1);
+        assert_eq!(kernel_split(&spec(16, 1, 32768), 0, 1 << 20), 1);
     }
 
     #[test]

@@ -186,7 +186,7 @@ def route_choice(route: Any, page_bytes: int) -> str:
     """``"kernel"`` or ``"dma"``: what ``route`` does with pages of ``page_bytes``."""
     if route is None:
         return "unknown"
-    if route.launcher is None:
+    if not route.kernel_below:
         return "dma"
     return "kernel" if page_bytes < route.kernel_below else "dma"
 

@@ -85,7 +85,12 @@ def run(ctx: Context, ctas: tuple[int, ...] | None = None) -> dict[str, Any]:
     route_note = None
     try:
         route = auto_route(size)
-        paths.append(("auto", None, None, int(route.kernel_below), route.launcher))
+        # The handler's kernel runs from the core (no launcher) where it can: the same kernel
+        # from Python here, as engine.submit takes it.
+        launch = route.launcher
+        if launch is None and route.kernel_below:
+            launch = engine_launcher(max_ctas=16, launch_bytes=route.launch_bytes)
+        paths.append(("auto", None, None, int(route.kernel_below), launch))
         route_note = str(route.reason)
     except Exception as e:
         route_note = f"the handler could not be built: {type(e).__name__}: {e}"

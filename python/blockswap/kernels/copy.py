@@ -659,6 +659,7 @@ def core_kernel(
         "params": list(CORE_KERNEL_PARAMS),
         "rows": rows,
         "ctas": max_ctas,
+        "row_bytes": row_bytes,
         # Kept alive with the handler: the module holding the function stays loaded.
         "compiled": kernel,
     }
