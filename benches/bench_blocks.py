@@ -1,7 +1,8 @@
 """Blocks, not pages: the handler's block plan against the per-page route, beside the link.
 
     python benches/bench_blocks.py [--pages 4,16,64,256,1024] [--layers 80] [--blocks 32]
-                                   [--reps 20] [--json out.json]
+                                   [--reps 20] [--handlers auto,staged] [--option KEY=VALUE]
+                                   [--json out.json]
 
 A KV cache of ``--layers`` layer tensors, one page of P bytes per block per layer (the page a
 serving engine moves per layer), 64 GPU blocks; a transfer moves ``--blocks`` random GPU blocks
@@ -19,8 +20,15 @@ or allocated one by one ("separate"). Two handlers per case:
 
 Per direction: the isolated transfer (GPU time of the copies, CUDA events: ``timing=True``), 8
 transfers queued back to back (bytes / wall time from the first submit to the last completion)
-and the host time of ``transfer_async`` (median), as % of the link's ceiling measured in the
-same run (one 256 MiB pinned copy per direction, best of 5).
+as % of the link's ceiling measured in the same run (one 256 MiB pinned copy per direction,
+best of 5), beside one contiguous copy of the transfer's bytes (``1 copy``: what a transfer of
+that size can reach at all, isolated; median of 9) and the transfer's block rows alone (``rows``:
+the 32 host rows of 80 pages each, scattered, to or from one contiguous device buffer, as one
+``Engine.submit`` of 32 descriptors, GPU time by events, median of 9: what the copy engines
+make of a block row per copy, the staged plan's copies without its kernels). Host time of ``transfer_async``, median:
+``host us`` for the isolated transfers (the calling thread has slept in ``wait`` since the last
+one, for as long as that transfer took), ``busy us`` for the 7 later calls of each queued batch
+(the thread submitting back to back, as a serving loop does).
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from blockswap import Engine
 from blockswap.handler import CpuGpuHandlers
 
 
@@ -74,6 +83,49 @@ def write_figures(path: str, script: str, ceil: dict[str, float], rows: list[Any
         )
 
 
+def one_copy(nbytes: int, reps: int = 9) -> dict[str, float]:
+    """GB/s of one contiguous pinned copy of ``nbytes`` per direction, isolated, median."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    out = {}
+    for d, (dst, src) in {"h2d": (dev, host), "d2h": (host, dev)}.items():
+        speeds = []
+        for _ in range(reps + 1):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            a.record()
+            dst.copy_(src, non_blocking=True)
+            b.record()
+            b.synchronize()
+            speeds.append(nbytes / (a.elapsed_time(b) * 1e-3) / 1e9)
+        out[d] = statistics.median(speeds[1:])
+    return out
+
+
+def rows_only(row: int, n: int, reps: int = 9, **options: Any) -> dict[str, float]:
+    """GB/s of ``n`` scattered host rows of ``row`` bytes to (or from) one contiguous device
+    buffer, one engine transfer of ``n`` descriptors per direction, GPU-timed, median."""
+    host = torch.empty(2 * n * row, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(n * row, dtype=torch.uint8, device="cuda")
+    rng = np.random.default_rng(1)
+    out = {}
+    with Engine("cuda", timing=True, **options) as eng:
+        hb, db = eng.register(host), eng.register(dev)
+        for d in ("h2d", "d2h"):
+            speeds = []
+            for job in range(reps + 1):
+                hs = hb + rng.permutation(2 * n)[:n].astype(np.int64) * row
+                ds = db + np.arange(n, dtype=np.int64) * row
+                src, dst = (hs, ds) if d == "h2d" else (ds, hs)
+                eng.submit(job, src, dst, np.full(n, row, dtype=np.int64), d)
+                eng.wait([job])
+                (r,) = eng.get_finished()
+                assert r.success, r.error
+                speeds.append(n * row / r.seconds / 1e9)
+            out[d] = statistics.median(speeds[1:])
+    return out
+
+
 def gpu_layers(layers: int, nb: int, page: int, one_alloc: bool) -> list[torch.Tensor]:
     if one_alloc:
         buf = torch.empty((layers, nb, 1, page), dtype=torch.uint8, device="cuda")
@@ -106,16 +158,19 @@ def measure(h: CpuGpuHandlers, blocks: int, reps: int, rng: np.random.Generator)
             if i >= 3:
                 gpu_s.append(r.seconds)
                 host_s.append(t1 - t0)
-        queued = []
+        queued, busy_s = [], []
         for _ in range(3):  # 8 queued
             specs = [spec() for _ in range(8)]
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             ids = []
-            for s in specs:
+            for k, s in enumerate(specs):
                 job += 1
                 ids.append(job)
+                t1 = time.perf_counter()
                 handler.transfer_async(job, s)
+                if k:
+                    busy_s.append(time.perf_counter() - t1)
             handler.wait(ids)
             queued.append(8 * nbytes / (time.perf_counter() - t0) / 1e9)
             assert all(r.success for r in h.get_finished())
@@ -123,8 +178,14 @@ def measure(h: CpuGpuHandlers, blocks: int, reps: int, rng: np.random.Generator)
             "isolated_gbps": nbytes / statistics.median(gpu_s) / 1e9,
             "queued_gbps": max(queued),
             "host_us": statistics.median(host_s) * 1e6,
+            "busy_host_us": statistics.median(busy_s) * 1e6,
         }
     return out
+
+
+def option(text: str) -> tuple[str, object]:
+    key, _, value = text.partition("=")
+    return key, int(value) if value.lstrip("-").isdigit() else value
 
 
 def main() -> int:
@@ -134,8 +195,11 @@ def main() -> int:
     ap.add_argument("--blocks", type=int, default=32)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--handlers", default=None, help="only these handlers (comma list)")
+    ap.add_argument("--option", action="append", default=[], type=option,
+                    help="an engine option for every handler and the rows, KEY=VALUE")  # fmt: skip
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    options = dict(args.option)
     only = set(args.handlers.split(",")) if args.handlers else None
     if not torch.cuda.is_available():
         print("bench_blocks: needs a CUDA GPU", file=sys.stderr)
@@ -144,12 +208,16 @@ def main() -> int:
     ceil = ceiling()
     rows = []
     print(f"# {torch.cuda.get_device_name()}; ceiling h2d {ceil['h2d']:.1f} GB/s, "
-          f"d2h {ceil['d2h']:.1f} GB/s; {args.layers} layers x {args.blocks} random blocks")  # fmt: skip
+          f"d2h {ceil['d2h']:.1f} GB/s; {args.layers} layers x {args.blocks} random blocks; "
+          f"options {options}")  # fmt: skip
     print(f"{'page':>6} {'GPU layers':>10} {'handler':>11} {'route':<34} "
-          f"{'dir':>4} {'isol %':>7} {'8 q %':>6} {'host us':>8}")  # fmt: skip
+          f"{'dir':>4} {'isol %':>7} {'8 q %':>6} {'1 copy':>6} {'rows':>6} {'host us':>8} "
+          f"{'busy us':>8}")  # fmt: skip
     for kib in (int(x) for x in args.pages.split(",")):
         for one_alloc in (True, False):
             gpu = gpu_layers(args.layers, 64, kib * 1024, one_alloc)
+            same = one_copy(args.layers * args.blocks * kib * 1024)
+            rows_alone = rows_only(args.layers * kib * 1024, args.blocks, **options)
             variants: list[tuple[str, dict]] = [("auto", {})]
             if one_alloc:
                 variants += [
@@ -162,7 +230,7 @@ def main() -> int:
                 if only is not None and name not in only:
                     continue
                 try:
-                    h = CpuGpuHandlers(gpu, args.blocks, layout="mla", timing=True, **kw)
+                    h = CpuGpuHandlers(gpu, args.blocks, layout="mla", timing=True, **kw, **options)
                 except ValueError as e:  # path="staged" where a row outgrows the slots
                     print(f"{kib:>5}K {name}: {e}")
                     continue
@@ -178,13 +246,17 @@ def main() -> int:
                             "plan": h.routes[d].plan,
                             "direction": d,
                             "ceiling_gbps": ceil[d],
+                            "one_copy_gbps": same[d],
+                            "rows_only_gbps": rows_alone[d],
                             **m,
                         }
                         rows.append(row)
                         print(f"{kib:>5}K {row['gpu_layers']:>10} {name:>11} {route[:34]:<34} "
                               f"{d:>4} {100 * m['isolated_gbps'] / ceil[d]:>6.1f}% "
                               f"{100 * m['queued_gbps'] / ceil[d]:>5.1f}% "
-                              f"{m['host_us']:>8.1f}")  # fmt: skip
+                              f"{100 * same[d] / ceil[d]:>5.1f}% "
+                              f"{100 * rows_alone[d] / ceil[d]:>5.1f}% "
+                              f"{m['host_us']:>8.1f} {m['busy_host_us']:>8.1f}")  # fmt: skip
                 finally:
                     h.shutdown()
             del gpu
