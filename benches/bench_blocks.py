@@ -26,14 +26,16 @@ that size can reach at all, isolated; median of 9) and the transfer's block rows
 the 32 host rows of 80 pages each, scattered, to or from one contiguous device buffer, as one
 ``Engine.submit`` of 32 descriptors, GPU time by events, median of 9: what the copy engines
 make of a block row per copy, the staged plan's copies without its kernels). Host time of ``transfer_async``, median:
-``host us`` for the isolated transfers (the calling thread has slept in ``wait`` since the last
-one, for as long as that transfer took), ``busy us`` for the 7 later calls of each queued batch
-(the thread submitting back to back, as a serving loop does).
+``host us`` for isolated transfers after the calling thread slept in ``wait`` for the last one
+(for as long as that transfer took: its caches and core go cold), ``poll us`` for isolated
+transfers after it polled ``get_finished`` until the last one was done (a serving loop's way),
+``busy us`` for the 7 later calls of each queued batch (submitting back to back).
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import statistics
@@ -146,18 +148,25 @@ def measure(h: CpuGpuHandlers, blocks: int, reps: int, rng: np.random.Generator)
             c = rng.permutation(h.num_cpu_blocks)[:blocks]
             return (g, c) if d == "d2h" else (c, g)
 
-        for i in range(reps + 3):  # isolated
+        polled_s = []
+        for i in range(2 * reps + 3):  # isolated
             job += 1
             s = spec()
             t0 = time.perf_counter()
             handler.transfer_async(job, s)
             t1 = time.perf_counter()
-            handler.wait([job])
-            (r,) = h.get_finished()
+            if i % 2 == 0:
+                handler.wait([job])  # the thread sleeps until the transfer is done
+                results = h.get_finished()
+            else:
+                results = []  # the thread polls, as a serving loop's step does
+                while not results:
+                    results = h.get_finished()
+            (r,) = results
             assert r.success, r.error
             if i >= 3:
                 gpu_s.append(r.seconds)
-                host_s.append(t1 - t0)
+                (host_s if i % 2 == 0 else polled_s).append(t1 - t0)
         queued, busy_s = [], []
         for _ in range(3):  # 8 queued
             specs = [spec() for _ in range(8)]
@@ -178,13 +187,20 @@ def measure(h: CpuGpuHandlers, blocks: int, reps: int, rng: np.random.Generator)
             "isolated_gbps": nbytes / statistics.median(gpu_s) / 1e9,
             "queued_gbps": max(queued),
             "host_us": statistics.median(host_s) * 1e6,
+            "polled_host_us": statistics.median(polled_s) * 1e6,
             "busy_host_us": statistics.median(busy_s) * 1e6,
         }
     return out
 
 
+#: Options of the engine (the rest of ``--option`` goes to the handlers only).
+ENGINE_OPTIONS = set(inspect.signature(Engine).parameters) - {"backend"}
+
+
 def option(text: str) -> tuple[str, object]:
     key, _, value = text.partition("=")
+    if value in ("true", "false"):
+        return key, value == "true"
     return key, int(value) if value.lstrip("-").isdigit() else value
 
 
@@ -196,7 +212,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--handlers", default=None, help="only these handlers (comma list)")
     ap.add_argument("--option", action="append", default=[], type=option,
-                    help="an engine option for every handler and the rows, KEY=VALUE")  # fmt: skip
+                    help="a handler option (engine options also for the rows), KEY=VALUE")  # fmt: skip
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     options = dict(args.option)
@@ -212,12 +228,13 @@ def main() -> int:
           f"options {options}")  # fmt: skip
     print(f"{'page':>6} {'GPU layers':>10} {'handler':>11} {'route':<34} "
           f"{'dir':>4} {'isol %':>7} {'8 q %':>6} {'1 copy':>6} {'rows':>6} {'host us':>8} "
-          f"{'busy us':>8}")  # fmt: skip
+          f"{'poll us':>8} {'busy us':>8}")  # fmt: skip
     for kib in (int(x) for x in args.pages.split(",")):
         for one_alloc in (True, False):
             gpu = gpu_layers(args.layers, 64, kib * 1024, one_alloc)
             same = one_copy(args.layers * args.blocks * kib * 1024)
-            rows_alone = rows_only(args.layers * kib * 1024, args.blocks, **options)
+            engine_options = {k: v for k, v in options.items() if k in ENGINE_OPTIONS}
+            rows_alone = rows_only(args.layers * kib * 1024, args.blocks, **engine_options)
             variants: list[tuple[str, dict]] = [("auto", {})]
             if one_alloc:
                 variants += [
@@ -256,7 +273,8 @@ def main() -> int:
                               f"{100 * m['queued_gbps'] / ceil[d]:>5.1f}% "
                               f"{100 * same[d] / ceil[d]:>5.1f}% "
                               f"{100 * rows_alone[d] / ceil[d]:>5.1f}% "
-                              f"{m['host_us']:>8.1f} {m['busy_host_us']:>8.1f}")  # fmt: skip
+                              f"{m['host_us']:>8.1f} {m['polled_host_us']:>8.1f} "
+                              f"{m['busy_host_us']:>8.1f}")  # fmt: skip
                 finally:
                     h.shutdown()
             del gpu

@@ -74,6 +74,8 @@ def gemm_beside_copies_ms(a: torch.Tensor, b: torch.Tensor, n: int = 20) -> floa
 
 def option(text: str) -> tuple[str, object]:
     key, _, value = text.partition("=")
+    if value in ("true", "false"):
+        return key, value == "true"
     return key, int(value) if value.lstrip("-").isdigit() else value
 
 
