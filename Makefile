@@ -106,7 +106,7 @@ miri:
 # The property tests with fresh random examples (CI runs them derandomised: the same examples
 # each run). A failure prints the example and the seed to reproduce it.
 test-random: develop
-	HYPOTHESIS_PROFILE=random $(PY) -m pytest -q tests/test_reliability.py -k property
+	HYPOTHESIS_PROFILE=random $(PY) -m pytest -q tests/test_reliability_properties.py -k property
 
 # Model checking of the lock-free completion lane and slab pool with loom (about a minute).
 # `--cfg loom` rebuilds every dependency, so it gets its own target directory.

@@ -46,3 +46,10 @@ def engine():
 @pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(1234)
+
+
+# The input of the weight offloading tests (tests/test_weights_*.py): 5 tokens of hidden size 16.
+@pytest.fixture
+def x() -> torch.Tensor:
+    g = torch.Generator().manual_seed(7)
+    return torch.randn(5, 16, generator=g)

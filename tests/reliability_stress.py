@@ -2,7 +2,7 @@
 
 Run as a script (``python tests/reliability_stress.py``; ``BLOCKSWAP_STRESS_TRANSFERS`` sets the
 count, 1,000,000 by default; ``BLOCKSWAP_STRESS_BACKEND=cuda`` runs it on the GPU) it prints one
-JSON line of figures; ``tests/test_reliability.py`` and ``tests/test_cuda.py`` run the same
+JSON line of figures; ``tests/test_reliability_load.py`` and ``tests/test_cuda.py`` run the same
 :func:`run_stress`.
 
 Each round clears two destination regions (one registered as host memory, one as device memory),

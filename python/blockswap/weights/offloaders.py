@@ -1,0 +1,653 @@
+"""Offloaders: the interface, the process's current offloader, the prefetching offloader and
+the zero-copy one."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import itertools
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from .._core import BlockswapError
+from ..engine import Engine
+from .errors import OffloadConfigError, OffloadDeviceError, WeightTransferError
+from .ops import _IDS, _REGISTRY, _make_forward
+from .plan import _MARK, _bytes_of, _make_plan, _Plan, _typed_view
+from .selection import _check_group, _check_int
+from .sync import _CudaSync, _HostSync
+
+# A module without an instance-level forward before the offloader wrapped it.
+_NO_FORWARD = object()
+
+
+class BaseOffloader:
+    """The interface every offloader has; every method is a no-op here."""
+
+    def __init__(self, layers: Sequence[nn.Module] = ()) -> None:
+        self._layers = list(layers)
+        self._closed = False
+
+    @property
+    def layers(self) -> list[nn.Module]:
+        return list(self._layers)
+
+    @property
+    def offloaded_layers(self) -> list[int]:
+        """Indices (into ``layers``) of the offloaded layers, in offload order."""
+        return []
+
+    @property
+    def offloaded_bytes(self) -> int:
+        """Bytes of parameters kept in host memory."""
+        return 0
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def sync_prev_onload(self) -> None:
+        """Makes the current stream wait for every onload issued so far. Call before a CUDA
+        graph capture and before each replay."""
+
+    def join_after_forward(self) -> None:
+        """Inside a CUDA graph capture, after the forward and before the capture ends: joins
+        the prefetches started during the capture."""
+
+    def close(self, restore: bool = True) -> None:
+        """Undoes the offload (``restore``: parameters get device copies of their weights
+        again; otherwise they are left empty, for a model that is being discarded) and frees
+        the host memory."""
+        del restore
+        self._closed = True
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{len(self.offloaded_layers)} layers offloaded"
+        return f"{type(self).__name__}({state}, {self.offloaded_bytes / 2**20:.1f} MiB)"
+
+
+class NoopOffloader(BaseOffloader):
+    """Offloads nothing; the default offloader."""
+
+
+_current: BaseOffloader = NoopOffloader()
+
+
+def get_offloader() -> BaseOffloader:
+    """The process's current offloader (a :class:`NoopOffloader` unless one was set)."""
+    return _current
+
+
+def set_offloader(offloader: BaseOffloader) -> None:
+    """Makes ``offloader`` the one :func:`get_offloader` returns."""
+    global _current
+    if not isinstance(offloader, BaseOffloader):
+        raise OffloadConfigError(f"not an offloader: {offloader!r}")
+    _current = offloader
+
+
+@dataclass
+class _OnloadState:
+    issued: bool = False
+    in_capture: bool = False  # the latest onload was issued during a capture
+    joined: bool = True  # ... and the capturing stream has waited for it
+    valid_for_eager: bool = False  # the copy event may be waited on outside a capture
+
+
+class _OffloaderCore(BaseOffloader):
+    """Planning, the pinned buffer and parameter restore, shared by the real offloaders."""
+
+    _plan: _Plan
+    _host: torch.Tensor
+    engine: Engine
+
+    def __init__(self, layers: Sequence[nn.Module]) -> None:
+        super().__init__(layers)
+        self._host_arr: np.ndarray | None = None
+        self._installed = False
+
+    @property
+    def device(self) -> torch.device:
+        return self._plan.device
+
+    @property
+    def offloaded_layers(self) -> list[int]:
+        return [lay.index for lay in self._plan.offloaded]
+
+    @property
+    def offloaded_bytes(self) -> int:
+        return sum(lay.nbytes for lay in self._plan.offloaded)
+
+    @property
+    def host_bytes(self) -> int:
+        """Size of the pinned host buffer (tensors aligned to 512 bytes)."""
+        return self._plan.host_bytes
+
+    def _fill_host(self) -> None:
+        """Allocates the pinned buffer and copies every offloaded tensor into it (reads only)."""
+        arr = self.engine.alloc_host(max(self._plan.host_bytes, 1))
+        self._host_arr = arr
+        self._host = torch.from_numpy(arr)
+        for lay in self._plan.offloaded:
+            for t in lay.tensors:
+                self._host[t.host_off : t.host_off + t.nbytes].copy_(_bytes_of(t.param.data))
+
+    def _restore_params(self, restore: bool) -> None:
+        for lay in self._plan.offloaded:
+            for t in lay.tensors:
+                if restore:
+                    fresh = torch.empty_strided(
+                        t.shape, t.stride, dtype=t.dtype, device=self._plan.device
+                    )
+                    _bytes_of(fresh).copy_(self._host[t.host_off : t.host_off + t.nbytes])
+                    t.param.data = fresh
+                else:
+                    t.param.data = torch.empty(0, dtype=t.dtype, device=self._plan.device)
+            with contextlib.suppress(AttributeError):
+                delattr(lay.module, _MARK)
+
+    def _free_host(self) -> None:
+        if self._host_arr is not None:
+            self._host = torch.empty(0, dtype=torch.uint8)  # no view of freed memory survives
+            with contextlib.suppress(BlockswapError):
+                self.engine.free_host(self._host_arr)
+            self._host_arr = None
+
+
+class PrefetchOffloader(_OffloaderCore):
+    """Offloads the chosen layers' parameters to pinned host memory and prefetches them into
+    ``prefetch_step`` static device slots, ``prefetch_step`` offloaded layers ahead.
+
+    ``layers``: the model's repeated layers (a sequence of ``nn.Module``, e.g. an
+    ``nn.ModuleList``), in execution order; every forward must run all of them in that order.
+    ``group_size``, ``num_in_group``: layer ``i`` is chosen when
+    ``i % group_size >= group_size - num_in_group``. ``params``: name segments of the parameters
+    to offload (``None``: all); a chosen layer with no match stays resident. ``prefetch_step``:
+    slots, i.e. how many offloaded layers ahead the copies run (at most the number of
+    offloaded layers). ``device``: where the weights are (default: where the first offloaded
+    parameter is); CPU selects the host test mode. ``synchronous``: copy each layer in its own
+    forward and wait for it at once (no prefetch; the baseline). ``engine_options``: extra
+    keyword options of :class:`blockswap.Engine` (CUDA). ``trace``: a list the offloader appends
+    its steps to (``("wait", k, how)``, ``("onload", k, slot, path, after)``, ``("join", k)``,
+    ``("sync_prev", how)``; in the host test mode also the stream operations), for tests.
+
+    Raises :class:`OffloadConfigError` / :class:`OffloadDeviceError` before changing anything.
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[nn.Module],
+        *,
+        group_size: int = 1,
+        num_in_group: int = 1,
+        prefetch_step: int = 1,
+        params: Iterable[str] | None = None,
+        device: Any = None,
+        synchronous: bool = False,
+        engine_options: dict[str, Any] | None = None,
+        trace: list[Any] | None = None,
+    ) -> None:
+        step = _check_int("prefetch_step", prefetch_step, 1)
+        plan = _make_plan(layers, group_size, num_in_group, params, device)
+        n = len(plan.offloaded)
+        if step > n:
+            raise OffloadConfigError(
+                f"prefetch_step ({step}) is larger than the number of offloaded layers ({n}): "
+                f"there would be more prefetch slots than layers to fill them"
+            )
+        opts = dict(engine_options or {})
+        for reserved in ("h2d_stream", "device"):
+            if reserved in opts:
+                raise OffloadConfigError(
+                    f"engine_options must not set {reserved!r}: the offloader sets it"
+                )
+        super().__init__(plan.layers)
+        self._plan = plan
+        self.group_size, self.num_in_group = _check_group(group_size, num_in_group)
+        self.prefetch_step = step
+        self.synchronous = bool(synchronous)
+        self.trace = trace
+        self.submissions = 0
+        self._jobs = itertools.count(1)
+        self._job_layer: dict[int, int] = {}
+        self._wrapped: list[tuple[nn.Module, Any, Any]] = []
+        self._oid = next(_IDS)
+        self._views: list[list[torch.Tensor]] = []
+        try:
+            self._setup(opts)
+        except BaseException:
+            self._teardown_resources()
+            raise
+        self._install()
+
+    # -- construction ---------------------------------------------------------------------
+
+    def _setup(self, opts: dict[str, Any]) -> None:
+        plan, step = self._plan, self.prefetch_step
+        sync: Any
+        if plan.device.type == "cuda":
+            sync = _CudaSync(plan.device)
+            opts.setdefault("h2d_order", "stream")
+            self.engine = Engine(
+                "cuda",
+                device=int(plan.device.index or 0),
+                h2d_stream=int(sync.copy_stream.cuda_stream),
+                **opts,
+            )
+        else:
+            self.engine = Engine("host", **opts)
+            sync = _HostSync(self.engine, self.trace)
+        self._sync = sync
+        self._fill_host()
+        self._arena = torch.empty(
+            max(step * plan.slot_bytes, 1), dtype=torch.uint8, device=plan.device
+        )
+        self.engine.register(self._arena, kind="device")
+        host_base = int(self._host.data_ptr())
+        arena_base = int(self._arena.data_ptr())
+        self._descs: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        for lay in plan.offloaded:
+            slot = lay.k % step
+            ts = sorted(lay.tensors, key=lambda t: t.host_off)
+            src = np.array([host_base + t.host_off for t in ts], dtype=np.int64)
+            dst = np.array(
+                [arena_base + slot * plan.slot_bytes + t.slot_off for t in ts], dtype=np.int64
+            )
+            sizes = np.array([t.span for t in ts], dtype=np.int64)
+            self._descs.append((src, dst, sizes))
+            self._views.append(
+                [
+                    _typed_view(self._arena, slot * plan.slot_bytes + t.slot_off, t)
+                    for t in lay.tensors
+                ]
+            )
+        n = len(plan.offloaded)
+        self._copy_done = [sync.new_event(f"copy_done[{k}]") for k in range(n)]
+        self._fork = [sync.new_event(f"fork[{k}]") for k in range(n)]
+        self._states = [_OnloadState() for _ in range(n)]
+        self._cursor = 0
+
+    def _install(self) -> None:
+        """Points the parameters at their slots and wraps the layers' forwards (nothing here
+        fails on valid input; everything that can fail happened before)."""
+        for lay, views in zip(self._plan.offloaded, self._views):
+            for t, v in zip(lay.tensors, views):
+                t.param.data = v
+            mod = lay.module
+            object.__setattr__(mod, _MARK, self._oid)
+            prev = mod.__dict__.get("forward", _NO_FORWARD)
+            fn = _make_forward(mod.forward, self._oid, lay.k)
+            object.__setattr__(mod, "forward", fn)
+            self._wrapped.append((mod, prev, fn))
+        _REGISTRY[self._oid] = self
+        self._installed = True
+        self._start()
+
+    def _start(self) -> None:
+        """Onloads the first ``prefetch_step`` layers, as a forward's end would have."""
+        if self.synchronous:
+            return
+        for k in range(self.prefetch_step):
+            self._onload(k, after=None)
+
+    def _teardown_resources(self) -> None:
+        sync = getattr(self, "_sync", None)
+        if sync is not None:
+            with contextlib.suppress(Exception):
+                sync.drain()
+        if hasattr(self, "engine"):
+            with contextlib.suppress(Exception):
+                self.engine.get_finished()
+            if getattr(self, "_arena", None) is not None and self._arena.numel() > 1:
+                with contextlib.suppress(Exception):
+                    self.engine.unregister(self._arena)
+            self._free_host()
+            self.engine.shutdown()
+        self._arena = torch.empty(0, dtype=torch.uint8)
+
+    # -- public ---------------------------------------------------------------------------
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one slot (every distinct parameter buffer of a layer)."""
+        return self._plan.slot_bytes
+
+    @property
+    def device_bytes(self) -> int:
+        """Device memory of the static slots: ``prefetch_step * slot_bytes``."""
+        return self.prefetch_step * self._plan.slot_bytes
+
+    @property
+    def layer_slots(self) -> dict[int, int]:
+        """Slot of each offloaded layer (index into ``layers`` -> slot)."""
+        return {lay.index: lay.k % self.prefetch_step for lay in self._plan.offloaded}
+
+    def sync_prev_onload(self) -> None:
+        """Outside a capture: the current stream waits for every onload issued so far (call it
+        before capturing a CUDA graph and before each replay). Inside a capture: nothing."""
+        self._check_open()
+        sync = self._sync
+        if sync.capturing():
+            self._log("sync_prev", "capturing")
+            return
+        sync.wait_stream(sync.current(), sync.copy_stream)
+        for st in self._states:
+            st.joined = True
+        self._reap()
+        self._log("sync_prev", "stream")
+
+    def join_after_forward(self) -> None:
+        """Inside a capture, after the forward: the capturing stream waits for the onloads
+        started during the capture and not waited for yet. Outside a capture: nothing."""
+        self._check_open()
+        sync = self._sync
+        if not sync.capturing():
+            return
+        cur = sync.current()
+        for k, st in enumerate(self._states):
+            if st.in_capture and not st.joined:
+                sync.wait_event(cur, self._copy_done[k])
+                st.joined = True
+                self._log("join", k)
+
+    def reset(self) -> None:
+        """Waits for every onload and starts again from the state a forward ends in (after a
+        forward that did not run every layer, or a :class:`WeightTransferError`)."""
+        self._check_open()
+        if self._sync.capturing():
+            raise RuntimeError("reset() cannot run during a CUDA graph capture")
+        self._sync.drain()
+        with contextlib.suppress(WeightTransferError):
+            self._reap()
+        for st in self._states:
+            st.joined = True
+        self._cursor = 0
+        self._start()
+
+    @contextlib.contextmanager
+    def emulate_capture(self) -> Iterator[None]:
+        """Host test mode only: runs the block as if a CUDA graph were being captured on the
+        compute stream, checking the capture rules (isolation, every fork joined)."""
+        self._check_open()
+        if not isinstance(self._sync, _HostSync):
+            raise RuntimeError("emulate_capture() is for the host test mode; capture a real graph")
+        with self._sync.capture():
+            yield
+
+    def close(self, restore: bool = True) -> None:
+        if self._closed:
+            return
+        self._sync.drain()
+        with contextlib.suppress(WeightTransferError):
+            self._reap()
+        for mod, prev, fn in self._wrapped:
+            if mod.__dict__.get("forward") is fn:
+                if prev is _NO_FORWARD:
+                    del mod.__dict__["forward"]
+                else:
+                    object.__setattr__(mod, "forward", prev)
+        self._wrapped.clear()
+        _REGISTRY.pop(self._oid, None)
+        self._restore_params(restore)
+        self._views.clear()
+        self._teardown_resources()
+        self._closed = True
+
+    # -- the wrappers' work ---------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this offloader is closed")
+
+    def _log(self, *entry: Any) -> None:
+        if self.trace is not None:
+            self.trace.append(entry)
+
+    def _reap(self) -> None:
+        failed = []
+        for r in self.engine.get_finished():
+            k = self._job_layer.pop(r.job_id, None)
+            if not r.success:
+                failed.append((k, r.error))
+        if failed:
+            k, err = failed[0]
+            lay = self._plan.offloaded[k].index if k is not None else "?"
+            raise WeightTransferError(
+                f"onload of offloaded layer {k} (layers[{lay}]) failed: {err}; its slot holds "
+                "unknown data (call reset() before the next forward)"
+            )
+
+    def _pre(self, k: int) -> None:
+        self._check_open()
+        if k != self._cursor:
+            raise RuntimeError(
+                f"offloaded layer {k} (layers[{self._plan.offloaded[k].index}]) runs, but "
+                f"offloaded layer {self._cursor} was expected: every forward must run all "
+                "offloaded layers in order (call reset() after a forward that did not)"
+            )
+        if self.synchronous:
+            self._onload(k, after=None)
+        self._wait(k)
+
+    def _post(self, k: int) -> None:
+        self._check_open()
+        self._cursor = (k + 1) % len(self._plan.offloaded)
+        if self.synchronous:
+            return
+        n, step = len(self._plan.offloaded), self.prefetch_step
+        # The next occupant of slot k % step: this forward's layer k + step, or, for the last
+        # `step` layers, the next forward's layer k % step.
+        nxt = k + step if k + step < n else k % step
+        self._onload(nxt, after=k)
+
+    def _onload(self, j: int, after: int | None) -> None:
+        sync = self._sync
+        cur = sync.current()
+        st = self._states[j]
+        capturing = sync.capturing()
+        # Fork: the copy waits for the compute stream's work so far (the slot's previous
+        # reader, layer `after`, has been issued); under capture this joins the copy stream.
+        fork = self._fork[j]
+        sync.record(fork, cur)
+        sync.wait_event(sync.copy_stream, fork)
+        if capturing:
+            with sync.on(sync.copy_stream):
+                for s, d, nb in self._plan.offloaded[j].runs:
+                    base = (j % self.prefetch_step) * self._plan.slot_bytes
+                    self._arena[base + d : base + d + nb].copy_(
+                        self._host[s : s + nb], non_blocking=True
+                    )
+            path = "capture"
+        else:
+            self._reap()
+            job = next(self._jobs)
+            src, dst, sizes = self._descs[j]
+            self.engine.submit(job, src, dst, sizes, "h2d")
+            self._job_layer[job] = j
+            sync.note_job(job)
+            self.submissions += 1
+            path = "engine"
+        sync.record(self._copy_done[j], sync.copy_stream)
+        st.issued = True
+        st.in_capture = capturing
+        st.joined = not capturing
+        st.valid_for_eager = not capturing
+        self._log("onload", j, j % self.prefetch_step, path, after)
+
+    def _wait(self, k: int) -> None:
+        sync = self._sync
+        st = self._states[k]
+        if not st.issued:
+            raise RuntimeError(
+                f"offloaded layer {k} was never loaded: a forward must run every layer in order "
+                "(call reset() after one that did not)"
+            )
+        cur = sync.current()
+        if sync.capturing():
+            if st.in_capture and not st.joined:
+                sync.wait_event(cur, self._copy_done[k])
+                st.joined = True
+                how = "captured-event"
+            else:
+                # Loaded before the capture began: the runner's sync_prev_onload() orders the
+                # replay after it; nothing inside the graph may wait for pre-capture work.
+                how = "skip"
+        elif st.valid_for_eager:
+            sync.wait_event(cur, self._copy_done[k])
+            how = "event"
+        else:
+            # The copy event was last recorded during a capture (unusable outside it).
+            sync.wait_stream(cur, sync.copy_stream)
+            how = "stream"
+        if not sync.is_cuda:
+            self._reap()
+        self._log("wait", k, how)
+
+
+# Zero-copy offloaders whose device view does not keep them alive, until close().
+_KEEP: dict[int, BaseOffloader] = {}
+
+
+class ZeroCopyOffloader(_OffloaderCore):
+    """Keeps the chosen layers' parameters in pinned host memory that the GPU reads directly
+    over unified addressing (every forward reads the weights across the link; nothing is
+    copied). For comparison with :class:`PrefetchOffloader`; same selection and validation.
+
+    In the host test mode the parameters simply point into the host buffer.
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[nn.Module],
+        *,
+        group_size: int = 1,
+        num_in_group: int = 1,
+        params: Iterable[str] | None = None,
+        device: Any = None,
+    ) -> None:
+        plan = _make_plan(layers, group_size, num_in_group, params, device)
+        super().__init__(plan.layers)
+        self._plan = plan
+        self.group_size, self.num_in_group = _check_group(group_size, num_in_group)
+        try:
+            if plan.device.type == "cuda":
+                self.engine = Engine("cuda", device=int(plan.device.index or 0))
+            else:
+                self.engine = Engine("host")
+            self._fill_host()
+            self._device_view = self._map_host()
+            views = [
+                [_typed_view(self._device_view, t.host_off, t) for t in lay.tensors]
+                for lay in plan.offloaded
+            ]
+        except BaseException:
+            if hasattr(self, "engine"):
+                self._free_host()
+                self.engine.shutdown()
+            raise
+        for lay, vs in zip(plan.offloaded, views):
+            for t, v in zip(lay.tensors, vs):
+                t.param.data = v
+            object.__setattr__(lay.module, _MARK, -1)
+        self._installed = True
+
+    def _map_host(self) -> torch.Tensor:
+        """The pinned buffer as a uint8 tensor on the device (the host tensor in test mode)."""
+        if self._plan.device.type != "cuda":
+            return self._host
+        assert self._host_arr is not None
+        dev = self._plan.device
+        nbytes = int(self._host_arr.nbytes)
+        dptr = _device_pointer(int(self._host_arr.ctypes.data))
+        problems = []
+        # 1. __cuda_array_interface__: torch keeps the holder (and so the engine) alive.
+        try:
+            holder = _CudaArray(dptr, nbytes, keep=(self.engine, self._host_arr))
+            view = torch.as_tensor(holder, device=dev)
+            if view.device == dev and int(view.data_ptr()) == dptr:
+                return view
+            problems.append(f"__cuda_array_interface__ gave {view.device} at {view.data_ptr():#x}")
+        except Exception as e:
+            problems.append(f"__cuda_array_interface__: {e}")
+        # 2. A storage over the address (what inductor's CUDA graph trees use); it does not own
+        #    the memory, so the offloader keeps itself alive until close().
+        try:
+            storage = torch._C._construct_storage_from_data_pointer(dptr, dev, nbytes)
+            view = torch.empty(0, dtype=torch.uint8, device=dev).set_(storage)
+            if view.device == dev and int(view.data_ptr()) == dptr and view.numel() == nbytes:
+                _KEEP[id(self)] = self
+                return view
+            problems.append(f"storage route gave {view.device} at {view.data_ptr():#x}")
+        except Exception as e:
+            problems.append(f"storage route: {e}")
+        raise OffloadDeviceError(
+            f"torch could not view the pinned buffer in place on {dev} ({'; '.join(problems)}): "
+            "zero-copy is not available with this torch"
+        )
+
+    def close(self, restore: bool = True) -> None:
+        if self._closed:
+            return
+        if self._plan.device.type == "cuda":
+            torch.cuda.synchronize(self._plan.device)
+        self._restore_params(restore)
+        self._device_view = torch.empty(0, dtype=torch.uint8)
+        self._free_host()
+        self.engine.shutdown()
+        _KEEP.pop(id(self), None)
+        self._closed = True
+
+
+class _CudaArray:
+    """``__cuda_array_interface__`` over device-accessible memory, keeping its owner alive."""
+
+    def __init__(self, ptr: int, nbytes: int, keep: Any) -> None:
+        self._keep = keep
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "version": 2,
+            "strides": None,
+        }
+
+
+def _device_pointer(host_ptr: int) -> int:
+    """The device address of mapped pinned host memory (``cuMemHostGetDevicePointer``)."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return host_ptr  # unified addressing: the same address
+    fn = lib.cuMemHostGetDevicePointer_v2
+    fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    out = ctypes.c_uint64(0)
+    rc = fn(ctypes.byref(out), ctypes.c_void_p(host_ptr), 0)
+    if rc != 0:
+        raise OffloadDeviceError(
+            f"cuMemHostGetDevicePointer failed with CUresult {rc}: the pinned buffer is not "
+            "mapped into the device's address space"
+        )
+    return int(out.value)
+
+
+def create_offloader(kind: str, layers: Sequence[nn.Module] = (), **options: Any) -> BaseOffloader:
+    """``"prefetch"`` (:class:`PrefetchOffloader`), ``"sync"`` (the same with
+    ``synchronous=True``), ``"zero_copy"`` (:class:`ZeroCopyOffloader`) or ``"none"``
+    (:class:`NoopOffloader`)."""
+    if kind == "prefetch":
+        return PrefetchOffloader(layers, **options)
+    if kind == "sync":
+        return PrefetchOffloader(layers, synchronous=True, **options)
+    if kind == "zero_copy":
+        return ZeroCopyOffloader(layers, **options)
+    if kind == "none":
+        return NoopOffloader(layers)
+    raise OffloadConfigError(
+        f"kind must be 'prefetch', 'sync', 'zero_copy' or 'none', not {kind!r}"
+    )
