@@ -6,8 +6,9 @@
 
 A KV cache of ``--layers`` layer tensors, one page of P bytes per block per layer (the page a
 serving engine moves per layer), 64 GPU blocks; a transfer moves ``--blocks`` random GPU blocks
-to (or from) random CPU blocks. GPU layer tensors either views of one allocation ("one alloc")
-or allocated one by one ("separate"). Two handlers per case:
+to (or from) random CPU blocks (``--cpu-blocks adjacent``: CPU blocks one after the other, as a
+fresh cache hands them out; their rows then cross PCIe joined). GPU layer tensors either views
+of one allocation ("one alloc") or allocated one by one ("separate"). Handlers per case:
 
 * ``auto``: the default CpuGpuHandlers (block-major CPU cache; the route ``path="auto"`` picks);
 * ``blocks`` (one allocation only): ``path="blocks"``, the block plan whatever the page size, its
@@ -29,7 +30,9 @@ make of a block row per copy, the staged plan's copies without its kernels). Hos
 ``host us`` for isolated transfers after the calling thread slept in ``wait`` for the last one
 (for as long as that transfer took: its caches and core go cold), ``poll us`` for isolated
 transfers after it polled ``get_finished`` until the last one was done (a serving loop's way),
-``busy us`` for the 7 later calls of each queued batch (submitting back to back).
+``busy us`` for the 7 later calls of each queued batch (submitting back to back). ``issue us``:
+the time the engine's lane thread spent issuing each queued transfer (its copies, kernels and
+events; ``stats()["driver_ns"]``), which bounds how fast transfers can follow each other.
 """
 
 from __future__ import annotations
@@ -135,7 +138,13 @@ def gpu_layers(layers: int, nb: int, page: int, one_alloc: bool) -> list[torch.T
     return [torch.empty((nb, 1, page), dtype=torch.uint8, device="cuda") for _ in range(layers)]
 
 
-def measure(h: CpuGpuHandlers, blocks: int, reps: int, rng: np.random.Generator) -> dict:
+def measure(
+    h: CpuGpuHandlers,
+    blocks: int,
+    reps: int,
+    rng: np.random.Generator,
+    adjacent: bool = False,
+) -> dict:
     nb = h.gpu_tables[0].num_blocks
     nbytes = blocks * int(h.gpu_tables[0].nbytes.sum())
     job = 0
@@ -145,7 +154,11 @@ def measure(h: CpuGpuHandlers, blocks: int, reps: int, rng: np.random.Generator)
 
         def spec(d: str = d) -> tuple[np.ndarray, np.ndarray]:
             g = rng.permutation(nb)[:blocks]
-            c = rng.permutation(h.num_cpu_blocks)[:blocks]
+            if adjacent:
+                first = int(rng.integers(0, h.num_cpu_blocks - blocks + 1))
+                c = np.arange(first, first + blocks)
+            else:
+                c = rng.permutation(h.num_cpu_blocks)[:blocks]
             return (g, c) if d == "d2h" else (c, g)
 
         polled_s = []
@@ -168,6 +181,7 @@ def measure(h: CpuGpuHandlers, blocks: int, reps: int, rng: np.random.Generator)
                 gpu_s.append(r.seconds)
                 (host_s if i % 2 == 0 else polled_s).append(t1 - t0)
         queued, busy_s = [], []
+        issued = h.engine.stats()["driver_ns"]
         for _ in range(3):  # 8 queued
             specs = [spec() for _ in range(8)]
             torch.cuda.synchronize()
@@ -189,6 +203,8 @@ def measure(h: CpuGpuHandlers, blocks: int, reps: int, rng: np.random.Generator)
             "host_us": statistics.median(host_s) * 1e6,
             "polled_host_us": statistics.median(polled_s) * 1e6,
             "busy_host_us": statistics.median(busy_s) * 1e6,
+            # The engine's time in the driver's copy calls (its lane thread), per queued transfer.
+            "issue_us": (h.engine.stats()["driver_ns"] - issued) / 24 / 1e3,
         }
     return out
 
@@ -211,6 +227,8 @@ def main() -> int:
     ap.add_argument("--blocks", type=int, default=32)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--handlers", default=None, help="only these handlers (comma list)")
+    ap.add_argument("--cpu-blocks", choices=("random", "adjacent"), default="random",
+                    help="CPU blocks of a transfer: random, or one after the other")  # fmt: skip
     ap.add_argument("--option", action="append", default=[], type=option,
                     help="a handler option (engine options also for the rows), KEY=VALUE")  # fmt: skip
     ap.add_argument("--json", default=None)
@@ -224,11 +242,11 @@ def main() -> int:
     ceil = ceiling()
     rows = []
     print(f"# {torch.cuda.get_device_name()}; ceiling h2d {ceil['h2d']:.1f} GB/s, "
-          f"d2h {ceil['d2h']:.1f} GB/s; {args.layers} layers x {args.blocks} random blocks; "
-          f"options {options}")  # fmt: skip
+          f"d2h {ceil['d2h']:.1f} GB/s; {args.layers} layers x {args.blocks} random GPU blocks, "
+          f"{args.cpu_blocks} CPU blocks; options {options}")  # fmt: skip
     print(f"{'page':>6} {'GPU layers':>10} {'handler':>11} {'route':<34} "
           f"{'dir':>4} {'isol %':>7} {'8 q %':>6} {'1 copy':>6} {'rows':>6} {'host us':>8} "
-          f"{'poll us':>8} {'busy us':>8}")  # fmt: skip
+          f"{'poll us':>8} {'busy us':>8} {'issue us':>8}")  # fmt: skip
     for kib in (int(x) for x in args.pages.split(",")):
         for one_alloc in (True, False):
             gpu = gpu_layers(args.layers, 64, kib * 1024, one_alloc)
@@ -252,7 +270,7 @@ def main() -> int:
                     print(f"{kib:>5}K {name}: {e}")
                     continue
                 try:
-                    res = measure(h, args.blocks, args.reps, rng)
+                    res = measure(h, args.blocks, args.reps, rng, args.cpu_blocks == "adjacent")
                     for d, m in res.items():
                         route = h.routes[d].reason.split(" (")[0]
                         row = {
@@ -274,7 +292,7 @@ def main() -> int:
                               f"{100 * same[d] / ceil[d]:>5.1f}% "
                               f"{100 * rows_alone[d] / ceil[d]:>5.1f}% "
                               f"{m['host_us']:>8.1f} {m['polled_host_us']:>8.1f} "
-                              f"{m['busy_host_us']:>8.1f}")  # fmt: skip
+                              f"{m['busy_host_us']:>8.1f} {m['issue_us']:>8.1f}")  # fmt: skip
                 finally:
                     h.shutdown()
             del gpu

@@ -193,6 +193,9 @@ pub struct Prepared {
     /// Of `len`, the host rows that lead a staged plan's slab (see
     /// [`crate::table::expand_staged_into`]); 0 for every other plan.
     pub staged_rows: usize,
+    /// Where a staged plan's page descriptors start in the slab (rows joined on the host leave
+    /// room unused before it); 0 for every other plan.
+    pub staged_pages_at: usize,
 }
 
 /// The output arrays of [`prepare_into`]: a slab's three columns.
@@ -285,6 +288,7 @@ pub fn prepare_into(
         max_size: pass.max_size,
         alignment: 1u64 << pass.bits.trailing_zeros().min(4),
         staged_rows: 0,
+        staged_pages_at: 0,
     })
 }
 
@@ -1235,6 +1239,7 @@ mod blocks {
             max_size: size.iter().copied().max().unwrap_or(0),
             alignment: 1 << bits.trailing_zeros().min(4),
             staged_rows: 0,
+            staged_pages_at: 0,
         };
         Ok((prepared, runs.iter().map(|r| (r.0, r.1, r.2)).collect()))
     }

@@ -261,6 +261,11 @@ fn crossing(
 }
 
 impl BlockTable {
+    /// Whether a boundary no copy may cross lies at `addr` (see `cuts`).
+    fn cut_at(&self, addr: u64) -> bool {
+        self.cuts.binary_search(&addr).is_ok()
+    }
+
     /// Checks a table against `regions` and builds it.
     pub fn new(
         bases: Vec<u64>,
@@ -587,6 +592,7 @@ pub fn expand_into(
         max_size,
         alignment,
         staged_rows: 0,
+        staged_pages_at: 0,
     })
 }
 
@@ -723,6 +729,7 @@ pub fn expand_runs_into(
         max_size,
         alignment,
         staged_rows: 0,
+        staged_pages_at: 0,
     })
 }
 
@@ -860,8 +867,13 @@ pub enum Plan<'a> {
     /// One plan of 2-D copies per group ([`expand_runs_into`]).
     Runs(&'a [Vec<Run>]),
     /// The staged plan ([`expand_staged_into`]) of a transfer of `rows` blocks in all, the host
-    /// side the source (`host_src`, CPU -> GPU) or the destination.
-    Staged { rows: usize, host_src: bool },
+    /// side the source (`host_src`, CPU -> GPU) or the destination; rows of blocks that follow
+    /// each other on the host joined up to `merge` bytes (0: never).
+    Staged {
+        rows: usize,
+        host_src: bool,
+        merge: u64,
+    },
 }
 
 /// Checks block ids as [`expand_into`] does and writes the staged plan of one group: per block
@@ -910,13 +922,30 @@ pub fn expand_staged_into(
         bitmask |= gpu.bases[s] | gpu.strides[s] | host.nbytes[s] | (host.bases[s] - host.bases[0]);
         max_size = max_size.max(host.nbytes[s]);
     }
-    let (r, mut p) = (cursor.row, cursor.page);
-    for (i, (&hi, &gi)) in host_ids.iter().zip(gpu_ids).enumerate() {
+    let (first_row, mut p) = (cursor.row, cursor.page);
+    let mut r = first_row;
+    for (&hi, &gi) in host_ids.iter().zip(gpu_ids) {
         // In range by `check_ids`; the spans were proven not to overflow at registration.
         let at = cursor.ring;
-        out.src[r + i] = host.bases[0] + hi * host.strides[0];
-        out.dst[r + i] = at;
-        out.size[r + i] = row;
+        let addr = host.bases[0] + hi * host.strides[0];
+        // The previous row of this group grows by this one where it continues on the host (the
+        // ring side always does: rows lie in the ring one after the other), the two lie on
+        // one side of every cut (a new region or piece starts at none between them), and the
+        // joined row stays within `merge`: one copy across PCIe instead of two.
+        let joins = r > first_row && {
+            let last = r - 1;
+            out.src[last] + out.size[last] == addr
+                && out.size[last] + row <= cursor.merge
+                && !host.cut_at(addr)
+        };
+        if joins {
+            out.size[r - 1] += row;
+        } else {
+            out.src[r] = addr;
+            out.dst[r] = at;
+            out.size[r] = row;
+            r += 1;
+        }
         for s in 0..segments {
             let ring = at + (host.bases[s] - host.bases[0]);
             let page = gpu.bases[s] + gi * gpu.strides[s];
@@ -926,7 +955,7 @@ pub fn expand_staged_into(
         }
         cursor.ring += row;
     }
-    cursor.row += n;
+    cursor.row = r;
     let written = p - cursor.page;
     cursor.page = p;
     Ok(Prepared {
@@ -934,17 +963,21 @@ pub fn expand_staged_into(
         bytes: row * n as u64,
         max_size,
         alignment: 1u64 << (bitmask | max_size).trailing_zeros().min(4),
-        staged_rows: n,
+        staged_rows: r - first_row,
+        staged_pages_at: 0,
     })
 }
 
-/// Where [`expand_staged_into`] writes next: rows `[0, rows)` of the slab, then pages.
+/// Where [`expand_staged_into`] writes next: rows in `[0, rows)` of the slab, then pages from
+/// `rows` on. `merge`: the most bytes one row may grow to by joining the next block's row where
+/// it continues on the host (0: never).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct StagedCursor {
     pub rows: usize,
     pub row: usize,
     pub page: usize,
     pub ring: u64,
+    pub merge: u64,
 }
 
 /// One KV-cache group of a block transfer (see [`expand_groups_into`]): its two tables and ids.
@@ -1008,13 +1041,15 @@ pub fn expand_groups_into(
         max_size: 0,
         alignment: 16,
         staged_rows: 0,
+        staged_pages_at: 0,
     };
     let mut used: Vec<(u64, u64)> = Vec::new();
     let mut shared = false;
     let mut cursor = match plan {
-        Plan::Staged { rows, .. } => StagedCursor {
+        Plan::Staged { rows, merge, .. } => StagedCursor {
             rows,
             page: rows,
+            merge,
             ..StagedCursor::default()
         },
         _ => StagedCursor::default(),
@@ -1117,18 +1152,21 @@ pub fn expand_groups_into(
         return Err(TableError::Empty);
     }
     if let Plan::Staged { rows, .. } = plan {
-        // Rows first, then pages: the slab's length counts both. The caller sized the rows by
-        // the groups' block counts, which the checks above made exact.
-        assert_eq!(cursor.row, rows, "staged rows sized wrong");
+        // Rows first, then pages from `rows` on: the slab's length counts both. The caller sized
+        // the rows by the groups' block counts, which the checks above made exact; joined rows
+        // leave the end of that room unused.
+        assert!(cursor.row <= rows, "staged rows sized wrong");
         total.len = cursor.page;
+        total.staged_pages_at = rows;
     }
-    if let (true, Plan::Staged { rows, host_src }) = (shared, plan) {
+    if let (true, Plan::Staged { rows, host_src, .. }) = (shared, plan) {
         // The bytes written land in GPU pages (CPU -> GPU, by the kernel) or in host rows.
         let len = total.len;
+        let used = cursor.row;
         let (addrs, sizes) = if host_src {
             (&dst[rows..len], &size[rows..len])
         } else {
-            (&src[..rows], &size[..rows])
+            (&src[..used], &size[..used])
         };
         check_disjoint(addrs, sizes, scratch).map_err(|e| TableError::BadSegment {
             segment: 0,
@@ -1247,6 +1285,101 @@ mod tests {
             &mut Scratch::default(),
         )?;
         Ok((0..p.len).map(|i| (a[i], b[i], z[i])).collect())
+    }
+
+    /// The staged plan of `host` ids (CPU -> GPU into GPU blocks 0, 1, ...) with rows joined up
+    /// to `merge` bytes: the rows used, as `(address, ring offset, bytes)`, and the pages.
+    #[allow(clippy::type_complexity)]
+    fn staged(
+        host: &BlockTable,
+        gpu: &BlockTable,
+        ids: &[u64],
+        merge: u64,
+    ) -> (Vec<(u64, u64, u64)>, Vec<(u64, u64, u64)>) {
+        let n = ids.len();
+        let len = n * (1 + host.segments());
+        let (mut a, mut b, mut z) = (vec![0; len], vec![0; len], vec![0; len]);
+        let gpu_ids: Vec<u64> = (0..n as u64).collect();
+        let group = Group {
+            src: host,
+            src_ids: ids,
+            dst: gpu,
+            dst_ids: &gpu_ids,
+            chunks: None,
+        };
+        let cols = Columns {
+            src: &mut a,
+            dst: &mut b,
+            size: &mut z,
+        };
+        let plan = Plan::Staged {
+            rows: n,
+            host_src: true,
+            merge,
+        };
+        let mut bufs = [Vec::new(), Vec::new()];
+        let p = expand_groups_into(
+            &[group],
+            plan,
+            cols,
+            &mut Vec::new(),
+            &mut Scratch::default(),
+            &mut bufs,
+        )
+        .unwrap();
+        assert_eq!(p.staged_pages_at, n);
+        let rows = (0..p.staged_rows).map(|i| (a[i], b[i], z[i])).collect();
+        let pages = (n..p.len).map(|i| (a[i], b[i], z[i])).collect();
+        (rows, pages)
+    }
+
+    #[test]
+    fn staged_rows_that_continue_on_the_host_join_within_a_piece_and_a_cap() {
+        // A block-major host table of 8 blocks, two pages of 64 bytes each (rows of 128 bytes),
+        // in a buffer registered as two pieces of 512 bytes: blocks 0-3 in one, 4-7 in the other.
+        let mut r = RegionTable::default();
+        r.insert(0x10000, 0x10000, MemoryKind::Device).unwrap();
+        r.insert(0x40000, 512, MemoryKind::Host).unwrap();
+        r.insert_piece(0x40200, 512, MemoryKind::Host).unwrap();
+        let host = BlockTable::new(
+            vec![0x40000, 0x40040],
+            vec![128, 128],
+            vec![64, 64],
+            8,
+            MemoryKind::Host,
+            &r,
+        )
+        .unwrap();
+        let gpu = BlockTable::new(
+            vec![0x10000, 0x18000],
+            vec![64, 64],
+            vec![64, 64],
+            8,
+            MemoryKind::Device,
+            &r,
+        )
+        .unwrap();
+        let row = |b: u64| 0x40000 + 128 * b;
+        // Blocks 1, 2, 3 then 4, 5 and 0: one row for 1-3 (a seam at block 4's start), one for
+        // 4-5, one for 0; ring offsets one after the other.
+        let (rows, pages) = staged(&host, &gpu, &[1, 2, 3, 4, 5, 0], 1 << 20);
+        assert_eq!(
+            rows,
+            [(row(1), 0, 384), (row(4), 384, 256), (row(0), 640, 128)]
+        );
+        // Pages as without joining: ring offsets per block, GPU pages of blocks 0..6.
+        let (_, unjoined) = staged(&host, &gpu, &[1, 2, 3, 4, 5, 0], 0);
+        assert_eq!(pages, unjoined);
+        assert_eq!(pages.len(), 12);
+        assert_eq!(pages[2], (128, 0x10000 + 64, 64));
+        // A cap of 256 bytes: two rows at most joined.
+        let (rows, _) = staged(&host, &gpu, &[0, 1, 2, 3], 256);
+        assert_eq!(rows, [(row(0), 0, 256), (row(2), 256, 256)]);
+        // Not joined: out of order, or no merging asked for.
+        let (rows, _) = staged(&host, &gpu, &[3, 2, 1], 1 << 20);
+        assert_eq!(rows.len(), 3);
+        let (rows, _) = staged(&host, &gpu, &[0, 1, 2], 0);
+        assert_eq!(rows.len(), 3);
     }
 
     #[test]

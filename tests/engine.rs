@@ -842,7 +842,8 @@ proptest! {
 
     /// The staged plan writes exactly the bytes the page-by-page route writes, both ways, for any
     /// segment order and gaps between layers, with staging slots from one row (one block per
-    /// step, the slots reused many times in a transfer) to many.
+    /// step, the slots reused many times in a transfer) to many, and CPU blocks scattered or
+    /// one after the other (their rows then cross as joined copies).
     #[test]
     fn staged_plans_copy_what_pages_copy(
         g in geometry(),
@@ -850,6 +851,7 @@ proptest! {
         n in 1usize..12,
         rows_per_slot in 1u64..5,
         spare in 0u64..3,
+        adjacent in any::<bool>(),
     ) {
         let n = n.min(g.nblocks);
         let mut ids: Vec<u64> = (0..g.nblocks as u64).collect();
@@ -858,7 +860,12 @@ proptest! {
             x ^= x << 13; x ^= x >> 7; x ^= x << 17;
             ids.swap(i, (x % (i as u64 + 1)) as usize);
         }
-        let cpu_ids: Vec<u64> = ids.iter().rev().copied().collect();
+        let first = seed % (g.nblocks - n + 1) as u64;
+        let cpu_ids: Vec<u64> = if adjacent {
+            (first..first + n as u64).collect()
+        } else {
+            ids.iter().rev().copied().collect()
+        };
         let pairs: Vec<(u64, u64)> = (0..n).map(|i| (ids[i], cpu_ids[i])).collect();
         let row = (g.layers * g.kv * g.page) as u64;
         let slot = rows_per_slot * row + spare * 8;

@@ -1141,15 +1141,26 @@ def test_block_route_is_chosen_only_where_it_saves_copies_and_path_blocks_insist
 
 
 def _roundtrip_on_gpu(
-    h: CpuGpuHandlers, gpu: list, layout: str, factor: int, seed: int, pieces: int
+    h: CpuGpuHandlers,
+    gpu: list,
+    layout: str,
+    factor: int,
+    seed: int,
+    pieces: int,
+    adjacent: bool = False,
 ) -> None:
-    """Moves 32 random GPU blocks to random CPU blocks and back to 32 other GPU blocks, each way
-    as ``pieces`` queued transfers, and checks every result, the bytes reported and the pages."""
+    """Moves 32 random GPU blocks to random CPU blocks (``adjacent``: CPU blocks one after the
+    other, from a random first one) and back to 32 other GPU blocks, each way as ``pieces``
+    queued transfers, and checks every result, the bytes reported and the pages."""
     rng = np.random.default_rng(seed)
     perm = rng.permutation(64)
     n = 32
     src, dst = perm[:n], perm[n:]
-    cpu = rng.permutation(32)[: n // factor]
+    if adjacent:
+        first = int(rng.integers(0, 32 - n // factor + 1))
+        cpu = np.arange(first, first + n // factor)
+    else:
+        cpu = rng.permutation(32)[: n // factor]
     before = [torch.stack([p for p in page_of(t, layout, int(b))]) for t in gpu for b in src]
     per, cper = n // pieces, n // pieces // factor
     for j in range(pieces):
@@ -1186,16 +1197,18 @@ def test_cuda_block_plan_roundtrip(layout: str, factor: int) -> None:
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("adjacent", [False, True])
 @pytest.mark.parametrize("slot_rows", [None, 3])
 @pytest.mark.parametrize("separate", [False, True])
 @pytest.mark.parametrize("factor", FACTORS)
 @pytest.mark.parametrize("layout", sorted(ONE_ALLOCATION))
 def test_cuda_staged_roundtrip(
-    layout: str, factor: int, separate: bool, slot_rows: int | None
+    layout: str, factor: int, separate: bool, slot_rows: int | None, adjacent: bool
 ) -> None:
     """On the GPU: the staged plan both ways, byte-exact, 80 layers one allocation or each its
     own; with slots of 3 rows a transfer of 8 blocks takes 3 steps and four queued transfers
-    cycle the two slots many times (more blocks in flight than the ring holds)."""
+    cycle the two slots many times (more blocks in flight than the ring holds); with adjacent
+    CPU blocks their rows cross PCIe joined."""
     gpu = one_allocation(layout, 80, 64, device="cuda")
     if separate:
         gpu = [t.clone() for t in gpu]
@@ -1207,7 +1220,7 @@ def test_cuda_staged_roundtrip(
     try:
         assert h.backend == "cuda" and h.routes["d2h"].plan == h.routes["h2d"].plan == "staged"
         assert h.routes["h2d"].kernel is not None
-        _roundtrip_on_gpu(h, gpu, layout, factor, 11 + factor, 4)
+        _roundtrip_on_gpu(h, gpu, layout, factor, 11 + factor, 4, adjacent)
     finally:
         h.shutdown()
 

@@ -1479,8 +1479,12 @@ impl Shared {
         let st = stage.as_mut().expect("made above");
         let host_src = lane == Direction::HostToDevice;
         let (src, dst, size) = (slab.src(), slab.dst(), slab.size());
-        let r = req.rows;
-        let ring_col = if host_src { &src[r..] } else { &dst[r..] };
+        let (r, first) = (req.rows, req.first_page);
+        let ring_col = if host_src {
+            &src[first..]
+        } else {
+            &dst[first..]
+        };
         let steps = staged_steps(&dst[..r], &size[..r], ring_col, req.slot_bytes);
         let fail_at = take_injected(&self.fail_next).then_some(steps.len() / 2);
         let kstream = st.stream.raw;
@@ -1501,8 +1505,8 @@ impl Shared {
             // The page descriptors go to device memory in one copy, on the kernel stream after
             // the earlier transfers' kernels; `cols[c] + 8 * i` is then where the kernels read
             // descriptor i of column c.
-            let cols = if src.len() > r {
-                let lo = slab.column_addr(0) + 8 * r as u64;
+            let cols = if src.len() > first {
+                let lo = slab.column_addr(0) + 8 * first as u64;
                 let hi = slab.column_addr(2) + 8 * src.len() as u64;
                 let bytes = (hi - lo) as usize;
                 let dev = st.desc_buffer(ctx, bytes)?;
@@ -1539,7 +1543,7 @@ impl Shared {
                     let mid = st.dst.len() / 2;
                     st.dst[mid] = 0;
                 }
-                let p0 = r + step.pages.start;
+                let p0 = first + step.pages.start;
                 let n = step.pages.len() as u64;
                 let (src_base, dst_base) = if host_src { (shift, 0) } else { (0, shift) };
                 // The descriptors are the stage's device copy of the slab's columns, not

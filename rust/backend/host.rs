@@ -126,9 +126,9 @@ unsafe fn run_staged(
     injected: bool,
 ) {
     let (src, dst, size) = (slab.src(), slab.dst(), slab.size());
-    let r = req.rows;
+    let (r, first) = (req.rows, req.first_page);
     let (row_addr, row_ring, row_bytes) = (&src[..r], &dst[..r], &size[..r]);
-    let (psrc, pdst, psize) = (&src[r..], &dst[r..], &size[r..]);
+    let (psrc, pdst, psize) = (&src[first..], &dst[first..], &size[first..]);
     let ring_col = if host_src { psrc } else { pdst };
     let steps = staged_steps(row_ring, row_bytes, ring_col, req.slot_bytes);
     let fail_at = injected.then_some(steps.len() / 2);

@@ -265,13 +265,18 @@ pub struct KernelSpec {
 }
 
 /// The staged plan of a transfer (see [`crate::table::expand_staged_into`]): the slab's first
-/// `rows` entries are host rows `(address, ring offset, bytes)`, the rest page descriptors whose
-/// ring side is an offset from the transfer's first row. The backend moves the rows across PCIe
+/// `rows` entries are host rows `(address, ring offset, bytes)`, those from `first_page` on page
+/// descriptors whose ring side is an offset from the transfer's first row. The backend moves the
+/// rows across PCIe
 /// one copy each into (or out of) the slots of its staging ring, a step of whole rows per slot,
 /// and the pages between a slot and the GPU pages with `kernel` (by memcpy on the host backend).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct StagedRequest {
+    /// The host rows, the slab's first entries.
     pub rows: usize,
+    /// Where the page descriptors start (`rows` or more: rows joined on the host leave the room
+    /// between unused).
+    pub first_page: usize,
     /// Bytes of each of the two slots of a lane's ring; no row is larger.
     pub slot_bytes: u64,
     /// From [`Backend::load_kernel`]; `None` where the backend copies pages with memcpy.
