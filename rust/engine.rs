@@ -23,6 +23,7 @@ use crate::completion::{InFlight, Lane};
 use crate::descriptor::{
     partition_small, prepare_into, Columns, DescriptorError, Direction, Prepared, Scratch,
 };
+use crate::fork::install_fork_hook;
 use crate::hostmem;
 use crate::pool::{Pool, PoolError, PoolStats};
 use crate::region::{MemoryKind, RegionError, RegionTable};
@@ -31,6 +32,8 @@ use crate::table::{
     PITCHED_ENTRIES,
 };
 use crate::transfer::{JobId, TransferResult, TransferState, TransitionError};
+
+pub use crate::fork::{fork_generation, in_forked_child};
 
 /// Engine settings. [`EngineConfig::validate`] holds every limit; an engine refuses a setting
 /// outside them rather than adjusting it.
@@ -466,34 +469,6 @@ impl fmt::Debug for Shape<'_> {
             Shape::Staged { kernel } => write!(f, "Staged(kernel {kernel:?})"),
         }
     }
-}
-
-/// Forks this process image descends through, counted in each child (pthread_atfork). An engine
-/// remembers the count it was made under: nothing of an engine made before a fork works in the
-/// child, while one made in the child does.
-static FORK_GENERATION: AtomicU64 = AtomicU64::new(0);
-
-extern "C" fn mark_forked() {
-    FORK_GENERATION.fetch_add(1, Ordering::Relaxed);
-}
-
-pub(crate) fn install_fork_hook() {
-    static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(|| {
-        // SAFETY: registers a child handler that only adds to a static atomic (async-signal-safe).
-        unsafe { libc::pthread_atfork(None, None, Some(mark_forked)) };
-    });
-}
-
-/// The fork count of this process (0 in a process that never forked from one using blockswap).
-/// Compare it with the count an object was made under to tell whether it came from a parent.
-pub fn fork_generation() -> u64 {
-    FORK_GENERATION.load(Ordering::Relaxed)
-}
-
-/// Whether this process is a fork of one that used blockswap.
-pub fn in_forked_child() -> bool {
-    fork_generation() != 0
 }
 
 /// Moves batches of blocks over a backend. Shared between threads (`&self` everywhere).

@@ -4,6 +4,8 @@
 //! The crate is the core of the `blockswap` Python package, and a plain Rust library as well:
 //! `cargo test` needs neither Python nor a GPU. The layers, from the bottom:
 //!
+//! - [`fork`]: the count of forks this process descends through, which every object holding
+//!   driver state or pinned memory compares with the count it was made under;
 //! - [`descriptor`]: validation and coalescing of `(src, dst, size)` batches;
 //! - [`region`]: the memory blockswap knows about; every address of a transfer must lie in it;
 //! - [`table`]: block tables, for transfers named by block ids;
@@ -21,6 +23,7 @@ pub mod completion;
 pub mod descriptor;
 pub mod engine;
 pub mod error;
+pub mod fork;
 pub mod hostmem;
 pub mod pool;
 pub mod region;

@@ -276,7 +276,7 @@ pub struct Pool {
     bytes: AtomicUsize,
     slabs: AtomicUsize,
     cap: usize,
-    /// [`crate::engine::fork_generation`] when the pool was made: a pool dropped in a child
+    /// [`crate::fork::fork_generation`] when the pool was made: a pool dropped in a child
     /// forked since frees nothing (its slabs belong to the parent's driver state).
     generation: u64,
 }
@@ -297,7 +297,7 @@ impl Pool {
             bytes: AtomicUsize::new(0),
             slabs: AtomicUsize::new(0),
             cap,
-            generation: crate::engine::fork_generation(),
+            generation: crate::fork::fork_generation(),
         }
     }
 
@@ -426,7 +426,7 @@ impl Drop for Pool {
     fn drop(&mut self) {
         // Only slabs at home are freed. A slab still out (its transfer never completed because the
         // device failed) is leaked on purpose: freeing memory a device may still read is worse.
-        if crate::engine::fork_generation() != self.generation {
+        if crate::fork::fork_generation() != self.generation {
             // In a forked child the slabs are the parent's (page-locked through its CUDA context,
             // which the child cannot use): dropping a HostAlloc frees nothing, so leave them.
             return;

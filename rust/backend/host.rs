@@ -56,7 +56,7 @@ pub struct HostBackend {
     shared: std::sync::Arc<Shared>,
     sender: Mutex<Option<Sender<Job>>>,
     worker: Mutex<Option<JoinHandle<()>>>,
-    /// [`crate::engine::fork_generation`] when the worker was started.
+    /// [`crate::fork::fork_generation`] when the worker was started.
     generation: u64,
 }
 
@@ -85,7 +85,7 @@ impl HostBackend {
             shared,
             sender: Mutex::new(Some(tx)),
             worker: Mutex::new(Some(worker)),
-            generation: crate::engine::fork_generation(),
+            generation: crate::fork::fork_generation(),
         }
     }
 }
@@ -374,7 +374,7 @@ impl Backend for HostBackend {
         // Dropping the sender lets the worker finish what is queued, then exit.
         self.sender.lock().unwrap_or_else(|e| e.into_inner()).take();
         if let Some(worker) = self.worker.lock().unwrap_or_else(|e| e.into_inner()).take() {
-            if crate::engine::fork_generation() != self.generation {
+            if crate::fork::fork_generation() != self.generation {
                 // A forked child's copy of the handle: the thread exists only in the parent, and
                 // joining (or detaching) it here fails.
                 std::mem::forget(worker);
