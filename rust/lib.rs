@@ -10,6 +10,8 @@
 //! - [`region`]: the memory blockswap knows about; every address of a transfer must lie in it;
 //! - [`table`]: block tables, for transfers named by block ids;
 //! - [`hostmem`]: exactly sized host buffers for CPU caches, page-locked in pieces;
+//! - [`slab`]: backends' host allocations, and the descriptor slab a transfer owns with the
+//!   backend's handle on it in flight;
 //! - [`pool`]: reused descriptor slabs (page-locked on CUDA), never reused while in flight;
 //! - [`transfer`]: the transfer lifecycle state machine and its results;
 //! - [`completion`]: lock-free completion polling over per-lane sequence numbers;
@@ -27,6 +29,7 @@ pub mod fork;
 pub mod hostmem;
 pub mod pool;
 pub mod region;
+pub mod slab;
 mod sync;
 pub mod table;
 pub mod transfer;

@@ -31,8 +31,8 @@ use super::{
     Submitted,
 };
 use crate::descriptor::Direction;
-use crate::pool::{SlabInner, SlabRef};
 use crate::region::MemoryKind;
+use crate::slab::{SlabInner, SlabRef};
 
 /// Every driver symbol this backend calls, as `cudarc` loads it. Checked before the first call.
 const REQUIRED_SYMBOLS: &[&str] = &[

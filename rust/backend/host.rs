@@ -19,8 +19,8 @@ use super::{
     PageKernel, StagedRequest, SubmitRequest, Submitted,
 };
 use crate::descriptor::Direction;
-use crate::pool::SlabRef;
 use crate::region::MemoryKind;
+use crate::slab::SlabRef;
 
 /// Alignment of host allocations: a page, like page-locked allocations on CUDA.
 const HOST_ALIGN: usize = 4096;
@@ -119,7 +119,7 @@ fn next_job(rx: &Receiver<Job>) -> Option<Job> {
 /// The slab's rows and pages lie in registered memory (checked at submission), destinations
 /// pairwise disjoint, and nothing else writes them while this runs.
 unsafe fn run_staged(
-    slab: &crate::pool::SlabInner,
+    slab: &crate::slab::SlabInner,
     req: StagedRequest,
     host_src: bool,
     ring: &mut Vec<u8>,

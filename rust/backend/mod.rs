@@ -7,13 +7,14 @@
 //! mapped pinned memory on CUDA).
 
 use std::fmt;
-use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::descriptor::Direction;
-use crate::pool::SlabRef;
 use crate::region::MemoryKind;
+use crate::slab::SlabRef;
+
+pub use crate::slab::HostAlloc;
 
 pub mod cuda;
 pub mod host;
@@ -108,45 +109,6 @@ impl fmt::Display for BackendError {
 }
 
 impl std::error::Error for BackendError {}
-
-/// Host memory handed out by a backend: page-locked and device-mapped on CUDA.
-///
-/// Dropping one frees nothing (it leaks): only [`Backend::free_host`] frees, once the owner knows
-/// no device can touch the memory any more.
-#[derive(Debug)]
-pub struct HostAlloc {
-    ptr: NonNull<u8>,
-    len: usize,
-}
-
-// SAFETY: a HostAlloc is a plain owned range of host memory; nothing about it is tied to a thread.
-unsafe impl Send for HostAlloc {}
-// SAFETY: shared references only expose the address and length.
-unsafe impl Sync for HostAlloc {}
-
-impl HostAlloc {
-    /// # Safety
-    /// `ptr` must point to `len` bytes that the creating backend owns until it frees them.
-    pub unsafe fn from_raw(ptr: NonNull<u8>, len: usize) -> Self {
-        HostAlloc { ptr, len }
-    }
-
-    pub fn as_ptr(&self) -> *mut u8 {
-        self.ptr.as_ptr()
-    }
-
-    pub fn addr(&self) -> u64 {
-        self.ptr.as_ptr() as u64
-    }
-
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-}
 
 /// What a backend reports about itself (`blockswap.info()`).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
