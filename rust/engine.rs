@@ -21,8 +21,9 @@ use crate::backend::{
 };
 use crate::completion::{InFlight, Lane};
 use crate::descriptor::{
-    partition_small, prepare_into, Columns, DescriptorError, Direction, Prepared, Scratch,
+    partition_small, prepare_into, Columns, DescriptorError, Prepared, Scratch,
 };
+use crate::direction::Direction;
 use crate::fork::install_fork_hook;
 use crate::hostmem;
 use crate::pool::{Pool, PoolError, PoolStats};

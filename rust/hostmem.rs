@@ -702,7 +702,7 @@ mod tests {
     #[test]
     fn an_engine_registers_a_buffer_piece_by_piece_and_moves_blocks_across_pieces() {
         use crate::backend::host::HostBackend;
-        use crate::descriptor::Direction;
+        use crate::direction::Direction;
         use crate::engine::{Engine, EngineConfig, EngineError};
         use crate::region::{MemoryKind, RegionError};
         use std::time::Duration;

@@ -6,6 +6,7 @@
 //!
 //! - [`fork`]: the count of forks this process descends through, which every object holding
 //!   driver state or pinned memory compares with the count it was made under;
+//! - [`direction`]: the four directions, each an ordered lane;
 //! - [`descriptor`]: validation and coalescing of `(src, dst, size)` batches;
 //! - [`region`]: the memory blockswap knows about; every address of a transfer must lie in it;
 //! - [`table`]: block tables, for transfers named by block ids;
@@ -23,6 +24,7 @@
 pub mod backend;
 pub mod completion;
 pub mod descriptor;
+pub mod direction;
 pub mod engine;
 pub mod error;
 pub mod fork;
@@ -38,7 +40,7 @@ pub mod transfer;
 mod py;
 
 pub use backend::{Backend, BackendError, BackendInfo};
-pub use descriptor::Direction;
+pub use direction::Direction;
 pub use engine::{Engine, EngineConfig, EngineError, EngineStats};
 pub use region::MemoryKind;
 pub use transfer::{JobId, TransferResult, TransferState};

@@ -30,7 +30,7 @@ use super::{
     HostAlloc, KernelBatch, KernelParam, KernelSpec, PageKernel, StagedRequest, SubmitRequest,
     Submitted,
 };
-use crate::descriptor::Direction;
+use crate::direction::Direction;
 use crate::region::MemoryKind;
 use crate::slab::{SlabInner, SlabRef};
 

@@ -18,7 +18,7 @@ use super::{
     staged_steps, take_injected, Backend, BackendError, BackendInfo, HostAlloc, KernelBatch,
     PageKernel, StagedRequest, SubmitRequest, Submitted,
 };
-use crate::descriptor::Direction;
+use crate::direction::Direction;
 use crate::region::MemoryKind;
 use crate::slab::SlabRef;
 

@@ -10,7 +10,7 @@ use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::descriptor::Direction;
+use crate::direction::Direction;
 use crate::region::MemoryKind;
 use crate::slab::SlabRef;
 
