@@ -508,8 +508,8 @@ impl Engine {
         config.validate()?;
         install_fork_hook();
         let generation = fork_generation();
-        // Within the limits by `validate`; the backend sizes its rings by the same rule.
-        let max_in_flight = crate::backend::clamp_in_flight(config.max_in_flight);
+        // Within the limits by `validate`; no lane holds more than the backend does.
+        let max_in_flight = config.max_in_flight.clamp(1, backend.max_in_flight());
         Ok(Engine {
             pool: Pool::new(backend.clone(), config.pool_bytes),
             backend,

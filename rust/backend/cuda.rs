@@ -1035,8 +1035,9 @@ unsafe impl Sync for Shared {}
 const HEALTH_CHECK: Duration = Duration::from_millis(20);
 
 impl Shared {
-    /// `opts.max_in_flight` is clamped as the engine clamps it ([`super::clamp_in_flight`]): the
-    /// event rings hold twice that.
+    /// `opts.max_in_flight` is clamped as the engine clamps it for this backend, which keeps the
+    /// default [`Backend::max_in_flight`] ([`super::clamp_in_flight`]): the event rings hold twice
+    /// that.
     pub fn new(mut opts: CudaOptions) -> Result<Self, BackendError> {
         opts.max_in_flight = super::clamp_in_flight(opts.max_in_flight);
         // Arguments first, before any driver resource exists.

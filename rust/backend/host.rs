@@ -244,6 +244,12 @@ fn worker_loop(rx: Receiver<Job>, shared: std::sync::Arc<Shared>) {
 }
 
 impl Backend for HostBackend {
+    /// A quarter of the worker queue: the four lanes full never hold more jobs than it has room
+    /// for.
+    fn max_in_flight(&self) -> usize {
+        QUEUE_DEPTH / 4
+    }
+
     /// The next `count` transfers fail halfway: the first half of their descriptors is copied,
     /// then the transfer is reported failed.
     fn inject_failures(&self, count: u64) {

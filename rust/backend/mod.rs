@@ -332,6 +332,15 @@ pub enum Submitted {
 pub trait Backend: Send + Sync + fmt::Debug {
     fn info(&self) -> BackendInfo;
 
+    /// The most transfers one lane of this backend holds in flight, at least 1. The engine sizes
+    /// its lanes by its `max_in_flight` setting clamped to this. The default, [`MAX_IN_FLIGHT`],
+    /// is the most any setting may ask for
+    /// ([`EngineConfig::validate`](crate::engine::EngineConfig::validate)), so a backend keeping
+    /// it holds whatever an engine lets into flight.
+    fn max_in_flight(&self) -> usize {
+        MAX_IN_FLIGHT
+    }
+
     /// The start of the driver allocation holding `addr`, where the backend knows allocations:
     /// one 2-D copy must stay inside one allocation (the CUDA driver refuses a pitched copy whose
     /// rows lie in different ones), so block plans keep a run of pages to one. `None`: no such
@@ -442,13 +451,15 @@ pub trait Backend: Send + Sync + fmt::Debug {
     fn shutdown(&self, deadline: Option<Instant>) -> u64;
 }
 
-/// The most transfers in flight per direction: the host backend's one queue holds the jobs of
-/// all four lanes.
+/// The most transfers in flight per direction an engine setting may ask for, whatever the
+/// backend, and the default of [`Backend::max_in_flight`]: the host backend's one queue holds the
+/// jobs of all four lanes.
 pub const MAX_IN_FLIGHT: usize = host::QUEUE_DEPTH / 4;
 
-/// `max_in_flight` as the engine and every backend take it: at least 1, at most
-/// [`MAX_IN_FLIGHT`]. The one place this rule lives, so a backend sizing rings by it holds every
-/// transfer the engine lets into flight, and no more.
+/// `max_in_flight` as a backend keeping the default [`Backend::max_in_flight`] takes it: at
+/// least 1, at most [`MAX_IN_FLIGHT`], as the engine clamps it for such a backend. A backend
+/// sizing rings by it (the CUDA backend) holds every transfer the engine lets into flight, and no
+/// more.
 pub fn clamp_in_flight(max_in_flight: usize) -> usize {
     max_in_flight.clamp(1, MAX_IN_FLIGHT)
 }
@@ -523,5 +534,10 @@ mod tests {
         assert_eq!(clamp_in_flight(7), 7);
         assert_eq!(clamp_in_flight(usize::MAX), MAX_IN_FLIGHT);
         assert_eq!(MAX_IN_FLIGHT, host::QUEUE_DEPTH / 4);
+    }
+
+    #[test]
+    fn the_host_backend_holds_what_any_setting_may_ask_for() {
+        assert_eq!(host::HostBackend::new().max_in_flight(), MAX_IN_FLIGHT);
     }
 }
