@@ -14,7 +14,7 @@
 
 use std::time::Instant;
 
-use crate::pool::Slab;
+use crate::slab::Slab;
 use crate::sync::{ArrayQueue, AtomicU64, Ordering};
 use crate::transfer::{JobId, TransferState};
 

@@ -21,8 +21,10 @@ use crate::backend::{
 };
 use crate::completion::{InFlight, Lane};
 use crate::descriptor::{
-    partition_small, prepare_into, Columns, DescriptorError, Direction, Prepared, Scratch,
+    partition_small, prepare_into, Columns, DescriptorError, Prepared, Scratch,
 };
+use crate::direction::Direction;
+use crate::fork::install_fork_hook;
 use crate::hostmem;
 use crate::pool::{Pool, PoolError, PoolStats};
 use crate::region::{MemoryKind, RegionError, RegionTable};
@@ -31,6 +33,8 @@ use crate::table::{
     PITCHED_ENTRIES,
 };
 use crate::transfer::{JobId, TransferResult, TransferState, TransitionError};
+
+pub use crate::fork::{fork_generation, in_forked_child};
 
 /// Engine settings. [`EngineConfig::validate`] holds every limit; an engine refuses a setting
 /// outside them rather than adjusting it.
@@ -468,34 +472,6 @@ impl fmt::Debug for Shape<'_> {
     }
 }
 
-/// Forks this process image descends through, counted in each child (pthread_atfork). An engine
-/// remembers the count it was made under: nothing of an engine made before a fork works in the
-/// child, while one made in the child does.
-static FORK_GENERATION: AtomicU64 = AtomicU64::new(0);
-
-extern "C" fn mark_forked() {
-    FORK_GENERATION.fetch_add(1, Ordering::Relaxed);
-}
-
-pub(crate) fn install_fork_hook() {
-    static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(|| {
-        // SAFETY: registers a child handler that only adds to a static atomic (async-signal-safe).
-        unsafe { libc::pthread_atfork(None, None, Some(mark_forked)) };
-    });
-}
-
-/// The fork count of this process (0 in a process that never forked from one using blockswap).
-/// Compare it with the count an object was made under to tell whether it came from a parent.
-pub fn fork_generation() -> u64 {
-    FORK_GENERATION.load(Ordering::Relaxed)
-}
-
-/// Whether this process is a fork of one that used blockswap.
-pub fn in_forked_child() -> bool {
-    fork_generation() != 0
-}
-
 /// Moves batches of blocks over a backend. Shared between threads (`&self` everywhere).
 #[derive(Debug)]
 pub struct Engine {
@@ -532,8 +508,8 @@ impl Engine {
         config.validate()?;
         install_fork_hook();
         let generation = fork_generation();
-        // Within the limits by `validate`; the backend sizes its rings by the same rule.
-        let max_in_flight = crate::backend::clamp_in_flight(config.max_in_flight);
+        // Within the limits by `validate`; no lane holds more than the backend does.
+        let max_in_flight = config.max_in_flight.clamp(1, backend.max_in_flight());
         Ok(Engine {
             pool: Pool::new(backend.clone(), config.pool_bytes),
             backend,

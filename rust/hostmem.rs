@@ -314,7 +314,7 @@ pub struct HostBuffer {
     pieces: Vec<(u64, u64)>,
     /// `None` once handed over (drop) or in a forked child's copy.
     mapping: Mutex<Option<Mapping>>,
-    /// [`crate::engine::fork_generation`] when made.
+    /// [`crate::fork::fork_generation`] when made.
     generation: u64,
 }
 
@@ -328,7 +328,7 @@ impl HostBuffer {
         max_piece_bytes: u64,
         pinner: Option<Box<dyn Pinner>>,
     ) -> Result<Self, HostBufferError> {
-        crate::engine::install_fork_hook();
+        crate::fork::install_fork_hook();
         let plan = plan_pieces(rows, row_bytes, max_piece_bytes, os_page())?;
         let len = (rows * row_bytes) as usize;
         // SAFETY: a new anonymous private mapping where the kernel chooses; no existing memory is
@@ -394,7 +394,7 @@ impl HostBuffer {
             row_bytes,
             pieces,
             mapping: Mutex::new(Some(mapping)),
-            generation: crate::engine::fork_generation(),
+            generation: crate::fork::fork_generation(),
         })
     }
 
@@ -446,7 +446,7 @@ impl HostBuffer {
     /// memory stays mapped until the buffer is dropped. Refused while engines hold registrations
     /// in it. Idempotent.
     pub fn unpin(&self) -> Result<(), HostBufferError> {
-        if crate::engine::fork_generation() != self.generation {
+        if crate::fork::fork_generation() != self.generation {
             return Err(BackendError::Forked.into());
         }
         let mut mapping = self.mapping();
@@ -474,7 +474,7 @@ impl Drop for HostBuffer {
         let Some(mapping) = self.mapping().take() else {
             return;
         };
-        if crate::engine::fork_generation() != self.generation {
+        if crate::fork::fork_generation() != self.generation {
             // A forked child's copy: the driver state and the pinner are the parent's.
             std::mem::forget(mapping);
             return;
@@ -702,7 +702,7 @@ mod tests {
     #[test]
     fn an_engine_registers_a_buffer_piece_by_piece_and_moves_blocks_across_pieces() {
         use crate::backend::host::HostBackend;
-        use crate::descriptor::Direction;
+        use crate::direction::Direction;
         use crate::engine::{Engine, EngineConfig, EngineError};
         use crate::region::{MemoryKind, RegionError};
         use std::time::Duration;

@@ -9,12 +9,13 @@
 //! allocates nothing per transfer once warm.
 
 use std::fmt;
-use std::ptr::NonNull;
 use std::sync::{Arc, OnceLock};
 
-use crate::backend::{Backend, BackendError, HostAlloc};
-use crate::descriptor::Columns;
+use crate::backend::{Backend, BackendError};
+use crate::slab::STATUS_OK;
 use crate::sync::{ArrayQueue, AtomicU64, AtomicU8, AtomicUsize, Ordering};
+
+pub use crate::slab::{Slab, SlabInner, SlabRef};
 
 /// log2 of the smallest slab capacity: 256 descriptors, 6 KiB.
 pub const MIN_CLASS: u32 = 8;
@@ -78,183 +79,6 @@ impl fmt::Display for PoolError {
 
 impl std::error::Error for PoolError {}
 
-/// Transfer status written by the backend into the slab while in flight.
-const STATUS_OK: u8 = 0;
-const STATUS_FAILED: u8 = 1;
-
-/// The shared part of a slab. Its address is stable (boxed) for the life of the pool.
-#[derive(Debug)]
-pub struct SlabInner {
-    alloc: HostAlloc,
-    class: u32,
-    cap: usize,
-    len: usize,
-    status: AtomicU8,
-    device_ns: AtomicU64,
-    error: OnceLock<String>,
-}
-
-impl SlabInner {
-    fn column(&self, i: usize) -> *mut u64 {
-        // SAFETY: the allocation holds 3 * cap u64s; i < 3.
-        unsafe { (self.alloc.as_ptr() as *mut u64).add(i * self.cap) }
-    }
-
-    /// The descriptors in use, as the device reads them.
-    pub fn src(&self) -> &[u64] {
-        // SAFETY: column 0 holds cap >= len initialised u64s (the pool zeroes slabs on creation).
-        unsafe { std::slice::from_raw_parts(self.column(0), self.len) }
-    }
-
-    pub fn dst(&self) -> &[u64] {
-        // SAFETY: as for `src`, column 1.
-        unsafe { std::slice::from_raw_parts(self.column(1), self.len) }
-    }
-
-    pub fn size(&self) -> &[u64] {
-        // SAFETY: as for `src`, column 2.
-        unsafe { std::slice::from_raw_parts(self.column(2), self.len) }
-    }
-
-    /// The address of column `i` (0 src, 1 dst, 2 size), for a device reading them in place.
-    pub fn column_addr(&self, i: usize) -> u64 {
-        assert!(i < 3);
-        self.column(i) as u64
-    }
-
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// Records that the transfer failed. The first reason wins.
-    pub fn set_failed(&self, reason: String) {
-        let _ = self.error.set(reason);
-        // Release: the reason is written before the status that announces it.
-        self.status.store(STATUS_FAILED, Ordering::Release);
-    }
-
-    /// Records the device (or worker) time the copies took.
-    pub fn set_device_ns(&self, ns: u64) {
-        // Relaxed: published by the backend's completion store, which is Release.
-        self.device_ns.store(ns, Ordering::Relaxed);
-    }
-
-    /// `None` when the transfer succeeded, else the reason.
-    pub fn failure(&self) -> Option<&str> {
-        // Acquire: pairs with the Release in `set_failed`.
-        if self.status.load(Ordering::Acquire) == STATUS_FAILED {
-            Some(self.error.get().map_or("transfer failed", |s| s.as_str()))
-        } else {
-            None
-        }
-    }
-
-    pub fn device_ns(&self) -> u64 {
-        self.device_ns.load(Ordering::Relaxed)
-    }
-}
-
-/// A slab owned by one transfer. Return it with [`Pool::release`].
-///
-/// The allocation is held through the raw pointer of `Box::into_raw`, never through a `Box`: the
-/// slab is moved (into the lane's in-flight record) while the backend reads and writes the same
-/// `SlabInner` through a [`SlabRef`], and moving a `Box` would assert unique ownership of memory
-/// that handle still uses (undefined behaviour under Stacked and Tree Borrows; `cargo miri test`
-/// checks it). The `Box` is rebuilt only when the slab comes home ([`Slab::into_box`]); a slab
-/// dropped instead of released (a panic unwinding past it) is leaked, since the device may still
-/// read it.
-#[derive(Debug)]
-pub struct Slab(NonNull<SlabInner>);
-
-// SAFETY: a Slab owns its SlabInner as a Box would (SlabInner is Send + Sync: atomics, a
-// OnceLock, and columns written only through `&mut Slab`).
-unsafe impl Send for Slab {}
-// SAFETY: as above; `&Slab` only hands out `&SlabInner`.
-unsafe impl Sync for Slab {}
-
-impl Slab {
-    fn from_box(inner: Box<SlabInner>) -> Self {
-        Slab(NonNull::from(Box::leak(inner)))
-    }
-
-    /// The allocation as a Box again, once no [`SlabRef`] of it can be used any more.
-    fn into_box(self) -> Box<SlabInner> {
-        let ptr = self.0.as_ptr();
-        // SAFETY: `ptr` came from `Box::leak` in `from_box` and is owned by this Slab alone, which
-        // this call consumes (a Slab has no Drop); the pool calls this only for a slab whose
-        // transfer completed, so no SlabRef of it is used again.
-        unsafe { Box::from_raw(ptr) }
-    }
-
-    pub fn capacity(&self) -> usize {
-        self.cap
-    }
-
-    /// The three columns, writable, at full capacity.
-    pub fn columns(&mut self) -> Columns<'_> {
-        let cap = self.cap;
-        // SAFETY: the three columns are disjoint ranges of one allocation of 3 * cap u64s, and
-        // `&mut self` proves no one else (host or device) holds this slab.
-        unsafe {
-            Columns {
-                src: std::slice::from_raw_parts_mut(self.column(0), cap),
-                dst: std::slice::from_raw_parts_mut(self.column(1), cap),
-                size: std::slice::from_raw_parts_mut(self.column(2), cap),
-            }
-        }
-    }
-
-    /// Sets how many descriptors are in use. Panics past the capacity.
-    pub fn set_len(&mut self, len: usize) {
-        assert!(len <= self.cap);
-        // SAFETY: `&mut self`: the slab is not shared yet (no SlabRef is handed out before the
-        // descriptors are written), so this write races with nothing.
-        unsafe { (*self.0.as_ptr()).len = len };
-    }
-
-    /// A handle the backend keeps while the transfer is in flight.
-    pub fn share(&self) -> SlabRef {
-        SlabRef(self.0)
-    }
-}
-
-impl std::ops::Deref for Slab {
-    type Target = SlabInner;
-    fn deref(&self) -> &SlabInner {
-        // SAFETY: the pointer is valid for the life of the Slab (see `from_box`); everything
-        // reached through `&SlabInner` is safe to share with the backend's SlabRef.
-        unsafe { self.0.as_ref() }
-    }
-}
-
-/// A backend's handle on an in-flight slab.
-///
-/// The engine keeps the [`Slab`] alive and unmodified until the backend's completion for the
-/// transfer has been observed, so the handle is valid exactly as long as the backend may use it.
-#[derive(Clone, Copy, Debug)]
-pub struct SlabRef(NonNull<SlabInner>);
-
-// SAFETY: SlabInner is Sync (atomics, OnceLock, and columns that are read-only while in flight);
-// the handle is only dereferenced while the engine keeps the slab in flight (see `get`).
-unsafe impl Send for SlabRef {}
-// SAFETY: as above.
-unsafe impl Sync for SlabRef {}
-
-impl SlabRef {
-    /// # Safety
-    /// Only between [`Backend::submit`](crate::Backend::submit) receiving this handle and the
-    /// backend publishing the transfer's completion.
-    pub unsafe fn get(&self) -> &SlabInner {
-        // SAFETY: the caller upholds the in-flight window; the allocation is not freed then, and
-        // it is never reached through a Box while shared (see [`Slab`]).
-        unsafe { self.0.as_ref() }
-    }
-}
-
 /// Counters of a pool.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PoolStats {
@@ -276,7 +100,7 @@ pub struct Pool {
     bytes: AtomicUsize,
     slabs: AtomicUsize,
     cap: usize,
-    /// [`crate::engine::fork_generation`] when the pool was made: a pool dropped in a child
+    /// [`crate::fork::fork_generation`] when the pool was made: a pool dropped in a child
     /// forked since frees nothing (its slabs belong to the parent's driver state).
     generation: u64,
 }
@@ -297,7 +121,7 @@ impl Pool {
             bytes: AtomicUsize::new(0),
             slabs: AtomicUsize::new(0),
             cap,
-            generation: crate::engine::fork_generation(),
+            generation: crate::fork::fork_generation(),
         }
     }
 
@@ -426,7 +250,7 @@ impl Drop for Pool {
     fn drop(&mut self) {
         // Only slabs at home are freed. A slab still out (its transfer never completed because the
         // device failed) is leaked on purpose: freeing memory a device may still read is worse.
-        if crate::engine::fork_generation() != self.generation {
+        if crate::fork::fork_generation() != self.generation {
             // In a forked child the slabs are the parent's (page-locked through its CUDA context,
             // which the child cannot use): dropping a HostAlloc frees nothing, so leave them.
             return;
@@ -443,6 +267,7 @@ impl Drop for Pool {
 mod tests {
     use super::*;
     use crate::backend::host::HostBackend;
+    use crate::slab::HostAlloc;
 
     fn pool(cap: usize) -> Pool {
         Pool::new(Arc::new(HostBackend::new()), cap)

@@ -30,9 +30,9 @@ use super::{
     HostAlloc, KernelBatch, KernelParam, KernelSpec, PageKernel, StagedRequest, SubmitRequest,
     Submitted,
 };
-use crate::descriptor::Direction;
-use crate::pool::{SlabInner, SlabRef};
+use crate::direction::Direction;
 use crate::region::MemoryKind;
+use crate::slab::{SlabInner, SlabRef};
 
 /// Every driver symbol this backend calls, as `cudarc` loads it. Checked before the first call.
 const REQUIRED_SYMBOLS: &[&str] = &[
@@ -944,7 +944,7 @@ impl CudaBackend {
 impl Drop for CudaBackend {
     fn drop(&mut self) {
         let workers = std::mem::take(self.workers.get_mut().unwrap_or_else(|e| e.into_inner()));
-        if crate::engine::fork_generation() != self.generation {
+        if crate::fork::fork_generation() != self.generation {
             // A forked child has none of the parent's threads.
             std::mem::forget(workers);
             return;
@@ -1001,7 +1001,7 @@ pub struct Shared {
     driver_ns: AtomicU64,
     /// Transfers still to fail on purpose (`Backend::inject_failures`, a test hook).
     fail_next: AtomicU64,
-    /// [`crate::engine::fork_generation`] when the backend was made: in a child forked since,
+    /// [`crate::fork::fork_generation`] when the backend was made: in a child forked since,
     /// its context and handles are the parent's and must not be touched.
     generation: u64,
     /// Set by `shutdown`: from then on host memory is freed only once every lane is idle.
@@ -1035,8 +1035,9 @@ unsafe impl Sync for Shared {}
 const HEALTH_CHECK: Duration = Duration::from_millis(20);
 
 impl Shared {
-    /// `opts.max_in_flight` is clamped as the engine clamps it ([`super::clamp_in_flight`]): the
-    /// event rings hold twice that.
+    /// `opts.max_in_flight` is clamped as the engine clamps it for this backend, which keeps the
+    /// default [`Backend::max_in_flight`] ([`super::clamp_in_flight`]): the event rings hold twice
+    /// that.
     pub fn new(mut opts: CudaOptions) -> Result<Self, BackendError> {
         opts.max_in_flight = super::clamp_in_flight(opts.max_in_flight);
         // Arguments first, before any driver resource exists.
@@ -1128,7 +1129,7 @@ impl Shared {
             epoch: Instant::now(),
             driver_ns: AtomicU64::new(0),
             fail_next: AtomicU64::new(0),
-            generation: crate::engine::fork_generation(),
+            generation: crate::fork::fork_generation(),
             shut: AtomicBool::new(false),
             deferred: Mutex::new(Vec::new()),
             // SAFETY: the symbol's ABI is that of CUDA 12.4, the version asked for.
@@ -2413,7 +2414,7 @@ impl Backend for CudaBackend {
 impl Drop for Shared {
     fn drop(&mut self) {
         // Never panics: driver errors during teardown are ignored (there is no one left to tell).
-        if crate::engine::fork_generation() != self.generation {
+        if crate::fork::fork_generation() != self.generation {
             // A forked child: the handles are the parent's. The fields are never dropped.
             return;
         }

@@ -18,9 +18,9 @@ use super::{
     staged_steps, take_injected, Backend, BackendError, BackendInfo, HostAlloc, KernelBatch,
     PageKernel, StagedRequest, SubmitRequest, Submitted,
 };
-use crate::descriptor::Direction;
-use crate::pool::SlabRef;
+use crate::direction::Direction;
 use crate::region::MemoryKind;
+use crate::slab::SlabRef;
 
 /// Alignment of host allocations: a page, like page-locked allocations on CUDA.
 const HOST_ALIGN: usize = 4096;
@@ -56,7 +56,7 @@ pub struct HostBackend {
     shared: std::sync::Arc<Shared>,
     sender: Mutex<Option<Sender<Job>>>,
     worker: Mutex<Option<JoinHandle<()>>>,
-    /// [`crate::engine::fork_generation`] when the worker was started.
+    /// [`crate::fork::fork_generation`] when the worker was started.
     generation: u64,
 }
 
@@ -85,7 +85,7 @@ impl HostBackend {
             shared,
             sender: Mutex::new(Some(tx)),
             worker: Mutex::new(Some(worker)),
-            generation: crate::engine::fork_generation(),
+            generation: crate::fork::fork_generation(),
         }
     }
 }
@@ -119,7 +119,7 @@ fn next_job(rx: &Receiver<Job>) -> Option<Job> {
 /// The slab's rows and pages lie in registered memory (checked at submission), destinations
 /// pairwise disjoint, and nothing else writes them while this runs.
 unsafe fn run_staged(
-    slab: &crate::pool::SlabInner,
+    slab: &crate::slab::SlabInner,
     req: StagedRequest,
     host_src: bool,
     ring: &mut Vec<u8>,
@@ -244,6 +244,12 @@ fn worker_loop(rx: Receiver<Job>, shared: std::sync::Arc<Shared>) {
 }
 
 impl Backend for HostBackend {
+    /// A quarter of the worker queue: the four lanes full never hold more jobs than it has room
+    /// for.
+    fn max_in_flight(&self) -> usize {
+        QUEUE_DEPTH / 4
+    }
+
     /// The next `count` transfers fail halfway: the first half of their descriptors is copied,
     /// then the transfer is reported failed.
     fn inject_failures(&self, count: u64) {
@@ -374,7 +380,7 @@ impl Backend for HostBackend {
         // Dropping the sender lets the worker finish what is queued, then exit.
         self.sender.lock().unwrap_or_else(|e| e.into_inner()).take();
         if let Some(worker) = self.worker.lock().unwrap_or_else(|e| e.into_inner()).take() {
-            if crate::engine::fork_generation() != self.generation {
+            if crate::fork::fork_generation() != self.generation {
                 // A forked child's copy of the handle: the thread exists only in the parent, and
                 // joining (or detaching) it here fails.
                 std::mem::forget(worker);

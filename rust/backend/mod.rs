@@ -7,13 +7,14 @@
 //! mapped pinned memory on CUDA).
 
 use std::fmt;
-use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::descriptor::Direction;
-use crate::pool::SlabRef;
+use crate::direction::Direction;
 use crate::region::MemoryKind;
+use crate::slab::SlabRef;
+
+pub use crate::slab::HostAlloc;
 
 pub mod cuda;
 pub mod host;
@@ -109,45 +110,6 @@ impl fmt::Display for BackendError {
 
 impl std::error::Error for BackendError {}
 
-/// Host memory handed out by a backend: page-locked and device-mapped on CUDA.
-///
-/// Dropping one frees nothing (it leaks): only [`Backend::free_host`] frees, once the owner knows
-/// no device can touch the memory any more.
-#[derive(Debug)]
-pub struct HostAlloc {
-    ptr: NonNull<u8>,
-    len: usize,
-}
-
-// SAFETY: a HostAlloc is a plain owned range of host memory; nothing about it is tied to a thread.
-unsafe impl Send for HostAlloc {}
-// SAFETY: shared references only expose the address and length.
-unsafe impl Sync for HostAlloc {}
-
-impl HostAlloc {
-    /// # Safety
-    /// `ptr` must point to `len` bytes that the creating backend owns until it frees them.
-    pub unsafe fn from_raw(ptr: NonNull<u8>, len: usize) -> Self {
-        HostAlloc { ptr, len }
-    }
-
-    pub fn as_ptr(&self) -> *mut u8 {
-        self.ptr.as_ptr()
-    }
-
-    pub fn addr(&self) -> u64 {
-        self.ptr.as_ptr() as u64
-    }
-
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-}
-
 /// What a backend reports about itself (`blockswap.info()`).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct BackendInfo {
@@ -233,7 +195,7 @@ pub enum KernelParam {
     /// Descriptors in the step.
     Count,
     /// Slices per descriptor: 1 for the staged plan (a step holds many pages); the kernel
-    /// route's from [`kernel_launch_shape`].
+    /// route's from [`kernel_split`].
     Split,
     /// Added by the kernel to every source / destination address: the ring side's offsets
     /// become addresses in the step's slot, the other side's base is 0.
@@ -375,6 +337,15 @@ pub enum Submitted {
 pub trait Backend: Send + Sync + fmt::Debug {
     fn info(&self) -> BackendInfo;
 
+    /// The most transfers one lane of this backend holds in flight, at least 1. The engine sizes
+    /// its lanes by its `max_in_flight` setting clamped to this. The default, [`MAX_IN_FLIGHT`],
+    /// is the most any setting may ask for
+    /// ([`EngineConfig::validate`](crate::engine::EngineConfig::validate)), so a backend keeping
+    /// it holds whatever an engine lets into flight.
+    fn max_in_flight(&self) -> usize {
+        MAX_IN_FLIGHT
+    }
+
     /// The start of the driver allocation holding `addr`, where the backend knows allocations:
     /// one 2-D copy must stay inside one allocation (the CUDA driver refuses a pitched copy whose
     /// rows lie in different ones), so block plans keep a run of pages to one. `None`: no such
@@ -485,13 +456,15 @@ pub trait Backend: Send + Sync + fmt::Debug {
     fn shutdown(&self, deadline: Option<Instant>) -> u64;
 }
 
-/// The most transfers in flight per direction: the host backend's one queue holds the jobs of
-/// all four lanes.
+/// The most transfers in flight per direction an engine setting may ask for, whatever the
+/// backend, and the default of [`Backend::max_in_flight`]: the host backend's one queue holds the
+/// jobs of all four lanes.
 pub const MAX_IN_FLIGHT: usize = host::QUEUE_DEPTH / 4;
 
-/// `max_in_flight` as the engine and every backend take it: at least 1, at most
-/// [`MAX_IN_FLIGHT`]. The one place this rule lives, so a backend sizing rings by it holds every
-/// transfer the engine lets into flight, and no more.
+/// `max_in_flight` as a backend keeping the default [`Backend::max_in_flight`] takes it: at
+/// least 1, at most [`MAX_IN_FLIGHT`], as the engine clamps it for such a backend. A backend
+/// sizing rings by it (the CUDA backend) holds every transfer the engine lets into flight, and no
+/// more.
 pub fn clamp_in_flight(max_in_flight: usize) -> usize {
     max_in_flight.clamp(1, MAX_IN_FLIGHT)
 }
@@ -566,5 +539,10 @@ mod tests {
         assert_eq!(clamp_in_flight(7), 7);
         assert_eq!(clamp_in_flight(usize::MAX), MAX_IN_FLIGHT);
         assert_eq!(MAX_IN_FLIGHT, host::QUEUE_DEPTH / 4);
+    }
+
+    #[test]
+    fn the_host_backend_holds_what_any_setting_may_ask_for() {
+        assert_eq!(host::HostBackend::new().max_in_flight(), MAX_IN_FLIGHT);
     }
 }
