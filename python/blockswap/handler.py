@@ -983,8 +983,9 @@ class CpuGpuHandlers:
                 blk = _groups_block_route(plans, gpu_tables, cpu_tables, d, insist=path == "blocks")
                 if blk is not None:
                     self.routes[d] = blk
-        #: The compiled kernel of the staged plan, kept loaded while the engine may launch it.
-        self._core_kernel: dict[str, Any] | None = None
+        #: The compiled copy kernels the core launches (staged plan, kernel route), kept loaded
+        #: while the engine may launch them.
+        self._kernels: list[dict[str, Any]] = []
         if path == "staged" or (
             path == "auto"
             and self.cpu_chunks is not None
@@ -995,8 +996,6 @@ class CpuGpuHandlers:
                 for d, r in self.routes.items():
                     if r.plan != "blocks":
                         self.routes[d] = staged
-        #: Compiled copy kernels of the kernel route, kept loaded while the engine may launch them.
-        self._page_kernels: list[dict[str, Any]] = []
         if on_cuda:
             for d, r in self.routes.items():
                 if r.plan == "pages" and r.launcher is not None:
@@ -1028,29 +1027,29 @@ class CpuGpuHandlers:
 
     # ---- construction helpers ------------------------------------------------------------------
 
-    def _load_page_kernel(
-        self, device_index: int | None, max_size: int, kernel_ctas: int
-    ) -> int | None:
-        """The copy kernel for pages of at most ``max_size`` bytes on ``kernel_ctas`` CTAs, loaded
-        into the core for the kernel route: its id, or ``None`` where the core cannot launch it
-        (Triton's interpreter, a build that needs scratch memory, a refusal by the core)."""
+    def _load_kernel(
+        self, device_index: int | None, max_size: int, ctas: int
+    ) -> tuple[int | None, str]:
+        """The copy kernel for pages of at most ``max_size`` bytes on ``ctas`` CTAs, compiled and
+        loaded into the core (and kept alive with the handlers): ``(id, "")``, or ``(None, why
+        not)`` where the core cannot launch it."""
         from .kernels import core_kernel
 
         try:
             k = core_kernel(
                 device_index or 0,
                 max_size=max_size,
-                max_ctas=kernel_ctas,
+                max_ctas=ctas,
                 block_bytes=KERNEL_BLOCK_BYTES,
             )
             kid = None if k is None else self.engine.load_kernel(k)
         except (BlockswapError, RuntimeError) as e:
-            log.info("the kernel route keeps its Python launcher: %s", e)
-            return None
-        if kid is not None:
-            assert k is not None
-            self._page_kernels.append(k)
-        return kid
+            return None, f"the core cannot launch the copy kernel: {e}"
+        if kid is None:
+            return None, "the copy kernel's build needs scratch memory the core does not pass"
+        assert k is not None
+        self._kernels.append(k)
+        return kid, ""
 
     def _core_page_route(
         self,
@@ -1065,8 +1064,9 @@ class CpuGpuHandlers:
         own thread. ``route`` unchanged where the core cannot launch it."""
         sizes = [int(n) for t in gpu_tables for n in t.nbytes.tolist()]
         small = [n for n in sizes if n < route.kernel_below]
-        kid = self._load_page_kernel(device_index, max(small or sizes), kernel_ctas)
+        kid, why = self._load_kernel(device_index, max(small or sizes), kernel_ctas)
         if kid is None:
+            log.info("the kernel route keeps its Python launcher: %s", why)
             return route
         return route._replace(
             launcher=None,
@@ -1097,23 +1097,9 @@ class CpuGpuHandlers:
             why = f"a block's row is {max(rows)} bytes, more than stage_bytes={slot}"
         kernel = None
         if why is None and on_cuda:
-            from .kernels import core_kernel
-
             page = max(int(n) for t in gpu_tables for n in t.nbytes.tolist())
-            try:
-                k = core_kernel(
-                    device_index or 0,
-                    max_size=page,
-                    max_ctas=STAGED_CTAS,
-                    block_bytes=KERNEL_BLOCK_BYTES,
-                )
-                kernel = None if k is None else self.engine.load_kernel(k)
-                if kernel is None:
-                    why = "the copy kernel's build needs scratch memory the core does not pass"
-                else:
-                    self._core_kernel = k
-            except (BlockswapError, RuntimeError) as e:
-                why = f"the core cannot launch the copy kernel: {e}"
+            kernel, why = self._load_kernel(device_index, page, STAGED_CTAS)
+            why = why or None
         if why is not None:
             if insist:
                 raise ValueError(f"path='staged' is not possible here: {why}")
@@ -1262,7 +1248,7 @@ class CpuGpuHandlers:
         kernel_route = Route(every, None, "kernel: every page", "pages")
         kid = None
         if self.backend == "cuda":
-            kid = self._load_page_kernel(
+            kid, _ = self._load_kernel(
                 self._device_index, int(self.gpu_tables[0].nbytes.max()), kernel_ctas
             )
         if kid is not None:
