@@ -487,12 +487,16 @@ def test_the_event_ring_is_sized_by_the_clamped_max_in_flight():
     assert float(took) < 60
 
 
-def test_threads_submit_while_another_shuts_down(torch):
+@pytest.mark.parametrize("route", ["dma", "core_kernel"])
+def test_threads_submit_while_another_shuts_down(torch, route):
     """Two threads submit (onloads and offloads, which each direction's issuing thread puts on
     the device) while a third shuts the engine down: every transfer the engine accepted is
     reported exactly once and succeeds, its bytes in place (shutdown issues everything accepted
-    before its deadline); a submission after the shutdown is refused."""
+    before its deadline); a submission after the shutdown is refused. ``core_kernel``: block
+    transfers whose pages the copy kernel moves, launched by the core from the issuing threads."""
     import threading
+
+    from blockswap.kernels import core_kernel
 
     n, size = 400, 256 * KiB
     host = torch.randint(0, 256, (n * size,), dtype=torch.uint8).pin_memory()
@@ -503,19 +507,34 @@ def test_threads_submit_while_another_shuts_down(torch):
     eng = blockswap.Engine("cuda")
     for t in (host, dev, src, back):
         eng.register(t)
+    kind = {id(host): "host", id(back): "host", id(dev): "device", id(src): "device"}
+    tables = {
+        id(t): eng.register_table([t.data_ptr()], [size], [size], n, kind[id(t)])
+        for t in (host, dev, src, back)
+    }
+    compiled = core_kernel(0, max_size=size) if route == "core_kernel" else None
+    kernel = None if compiled is None else eng.load_kernel(compiled)
+    assert (kernel is None) == (route == "dma")
     accepted: dict[str, list[int]] = {"h2d": [], "d2h": []}
     refused: list[str] = []
     go = threading.Barrier(3)
+
+    def submit(job: int, a, b, i: int, direction: str) -> None:
+        if kernel is None:
+            off = i * size
+            eng.submit(job, [a.data_ptr() + off], [b.data_ptr() + off], [size], direction)
+        else:
+            group = (tables[id(a)], [i], tables[id(b)], [i], None)
+            eng.submit_groups(job, [group], direction, kernel_below=1 << 40, kernel=kernel)
 
     def submitter(direction: str) -> None:
         a, b = (host, dev) if direction == "h2d" else (src, back)
         go.wait()
         for i in range(n):
             job = i if direction == "h2d" else n + i
-            off = i * size
             while True:
                 try:
-                    eng.submit(job, [a.data_ptr() + off], [b.data_ptr() + off], [size], direction)
+                    submit(job, a, b, i, direction)
                     accepted[direction].append(i)
                     break
                 except blockswap.PoolExhaustedError:
@@ -548,3 +567,30 @@ def test_threads_submit_while_another_shuts_down(torch):
         assert torch.equal(back[i * size : (i + 1) * size], src_h[i * size : (i + 1) * size])
     with pytest.raises(blockswap.ShutdownError):
         eng.submit(10 * n, [host.data_ptr()], [dev.data_ptr()], [size])
+    del compiled  # loaded until here: the engine may launch it until it is shut down
+
+
+def test_kernel_route_with_a_kernel_this_engine_never_loaded_fails_the_transfer(torch):
+    """A kernel id the engine never loaded, on the kernel route: the transfer is reported failed,
+    naming why, and the engine goes on (the next transfer, by DMA, succeeds)."""
+    size = 64 * KiB
+    host = torch.randint(0, 256, (4 * size,), dtype=torch.uint8).pin_memory()
+    dev = torch.zeros(4 * size, dtype=torch.uint8, device="cuda")
+    with blockswap.Engine("cuda") as eng:
+        eng.register(host)
+        eng.register(dev)
+        th = eng.register_table([host.data_ptr()], [size], [size], 4, "host")
+        td = eng.register_table([dev.data_ptr()], [size], [size], 4, "device")
+        eng.submit_groups(
+            1, [(th, [0, 1], td, [0, 1], None)], "h2d", kernel_below=1 << 40, kernel=7
+        )
+        eng.wait([1])
+        (r,) = eng.get_finished()
+        assert not r.success
+        assert "needs a kernel loaded by this engine" in (r.error or ""), r.error
+        eng.submit_groups(2, [(th, [2, 3], td, [2, 3], None)], "h2d")
+        eng.wait([2])
+        (r,) = eng.get_finished()
+        assert r.success, r.error
+        torch.cuda.synchronize()
+        assert torch.equal(dev[2 * size :].cpu(), host[2 * size :])

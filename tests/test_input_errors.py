@@ -248,3 +248,29 @@ def test_a_missing_optional_dependency_says_how_to_install_it(module, missing):
     ).stdout.strip()
     assert out.startswith(f"ModuleNotFoundError {missing} "), out
     assert f"needs {missing}, which is not installed: pip install 'blockswap[torch]'" in out
+
+
+@pytest.mark.parametrize(
+    ("launch_bytes", "error", "match"),
+    [
+        ("8", blockswap.ArgumentTypeError, r"^launch_bytes must be an int, not '8'$"),
+        (2.0, blockswap.ArgumentTypeError, r"^launch_bytes must be an int, not 2.0$"),
+        (-1, InvalidTransferError, r"^launch_bytes must be an int below 2\*\*64, not -1$"),
+        (1 << 64, InvalidTransferError, r"^launch_bytes must be an int below 2\*\*64, not 1844"),
+    ],
+)
+def test_submit_groups_names_a_bad_launch_bytes(launch_bytes, error, match):
+    """The kernel route's bytes per launch is checked before anything is issued."""
+    with Engine("host") as eng:
+        a, b = np.arange(1024, dtype=np.uint8), np.zeros(1024, dtype=np.uint8)
+        eng.register(a)
+        eng.register(b)
+        ta = eng.register_table([a.ctypes.data], [256], [256], 4, "host")
+        tb = eng.register_table([b.ctypes.data], [256], [256], 4, "host")
+        with pytest.raises(error, match=match):
+            eng.submit_groups(1, [(ta, [0], tb, [1], None)], "h2h", launch_bytes=launch_bytes)
+        assert eng.stats()["in_flight"] == 0
+        eng.submit_groups(2, [(ta, [0], tb, [1], None)], "h2h", launch_bytes=4096)
+        eng.wait([2])
+        assert [r.success for r in eng.get_finished()] == [True]
+        assert np.array_equal(b[256:512], a[:256])
