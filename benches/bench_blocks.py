@@ -182,8 +182,9 @@ def measure(
                 (host_s if i % 2 == 0 else polled_s).append(t1 - t0)
         queued, busy_s = [], []
         issued = h.engine.stats()["driver_ns"]
-        for _ in range(3):  # 8 queued
-            specs = [spec() for _ in range(8)]
+        rounds, depth = 3, 8
+        for _ in range(rounds):  # 8 queued
+            specs = [spec() for _ in range(depth)]
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             ids = []
@@ -195,7 +196,7 @@ def measure(
                 if k:
                     busy_s.append(time.perf_counter() - t1)
             handler.wait(ids)
-            queued.append(8 * nbytes / (time.perf_counter() - t0) / 1e9)
+            queued.append(depth * nbytes / (time.perf_counter() - t0) / 1e9)
             assert all(r.success for r in h.get_finished())
         out[d] = {
             "isolated_gbps": nbytes / statistics.median(gpu_s) / 1e9,
@@ -204,7 +205,7 @@ def measure(
             "polled_host_us": statistics.median(polled_s) * 1e6,
             "busy_host_us": statistics.median(busy_s) * 1e6,
             # The engine's time in the driver's copy calls (its lane thread), per queued transfer.
-            "issue_us": (h.engine.stats()["driver_ns"] - issued) / 24 / 1e3,
+            "issue_us": (h.engine.stats()["driver_ns"] - issued) / (rounds * depth) / 1e3,
         }
     return out
 
@@ -214,6 +215,7 @@ ENGINE_OPTIONS = set(inspect.signature(Engine).parameters) - {"backend"}
 
 
 def option(text: str) -> tuple[str, object]:
+    """``KEY=VALUE`` from the command line: ints as ints, true/false as bools."""
     key, _, value = text.partition("=")
     if value in ("true", "false"):
         return key, value == "true"

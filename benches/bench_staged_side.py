@@ -27,6 +27,7 @@ import time
 import numpy as np
 import torch
 
+from bench_blocks import option
 from blockswap.bench.interference import gemm_ms
 from blockswap.handler import CpuGpuHandlers
 
@@ -70,13 +71,6 @@ def gemm_beside_copies_ms(a: torch.Tensor, b: torch.Tensor, n: int = 20) -> floa
         out.append(gemm_ms(a, b, 1)[0])
         side.synchronize()
     return statistics.median(out)
-
-
-def option(text: str) -> tuple[str, object]:
-    key, _, value = text.partition("=")
-    if value in ("true", "false"):
-        return key, value == "true"
-    return key, int(value) if value.lstrip("-").isdigit() else value
 
 
 def main() -> int:
