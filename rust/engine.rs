@@ -30,7 +30,7 @@ use crate::pool::{Pool, PoolError, PoolStats};
 use crate::region::{MemoryKind, RegionError, RegionTable};
 use crate::table::{
     block_runs, expand_groups_into, staged_row, BlockTable, Group, Plan, Run, TableError,
-    PITCHED_ENTRIES,
+    PITCHED_ENTRIES, STAGED_TABLE_EXTRA,
 };
 use crate::transfer::{JobId, TransferResult, TransferState, TransitionError};
 
@@ -966,7 +966,7 @@ impl Engine {
                         );
                         return Err(no_plan(0, 1, why));
                     }
-                    // A row per block, then a descriptor per page.
+                    // Rows, block entries and geometries (see `crate::table::staged`).
                     let (mut rows, mut entries, mut bytes) = (0usize, 0usize, 0u64);
                     for (gi, g) in resolved.iter().enumerate() {
                         let host = if host_src { g.src } else { g.dst };
@@ -989,9 +989,11 @@ impl Engine {
                             let why = format!("these tables have no staged plan: {why}");
                             return Err(no_plan(gi, groups.len(), why));
                         }
+                        // A row and a block entry per block, and the group's geometry.
                         rows = rows.saturating_add(g.blocks());
-                        entries =
-                            entries.saturating_add(g.blocks().saturating_mul(1 + g.src.segments()));
+                        entries = entries
+                            .saturating_add(g.blocks().saturating_mul(2))
+                            .saturating_add(g.src.segments() + STAGED_TABLE_EXTRA);
                     }
                     staged_rows.set(rows);
                     staged_bytes.set(bytes);
@@ -1132,7 +1134,7 @@ impl Engine {
             staged: match shape {
                 Shape::Staged { kernel } => Some(StagedRequest {
                     rows: prepared.staged_rows,
-                    first_page: prepared.staged_pages_at,
+                    first_block: prepared.staged_blocks_at,
                     slot_bytes: self.config.stage_bytes,
                     kernel,
                 }),

@@ -516,19 +516,7 @@ impl PyEngine {
     ) -> PyResult<Option<u32>> {
         let params = params
             .iter()
-            .map(|p| match p.as_str() {
-                "srcs" => Ok(KernelParam::Srcs),
-                "dsts" => Ok(KernelParam::Dsts),
-                "sizes" => Ok(KernelParam::Sizes),
-                "count" => Ok(KernelParam::Count),
-                "split" => Ok(KernelParam::Split),
-                "src_base" => Ok(KernelParam::SrcBase),
-                "dst_base" => Ok(KernelParam::DstBase),
-                other => Err(invalid(format!(
-                    "kernel parameter {other:?} is none of srcs, dsts, sizes, count, split, \
-                     src_base, dst_base"
-                ))),
-            })
+            .map(|p| p.parse::<KernelParam>().map_err(invalid))
             .collect::<PyResult<Vec<_>>>()?;
         let spec = KernelSpec {
             function,

@@ -15,6 +15,9 @@ use std::fmt;
 use crate::descriptor::{check_disjoint, Columns, Prepared, Scratch, Side};
 use crate::region::{MemoryKind, RegionTable};
 
+mod staged;
+pub use staged::{expand_staged_into, staged_pages, staged_row, StagedCursor, STAGED_TABLE_EXTRA};
+
 /// One side of a KV cache: `bases`, `strides` and `nbytes` per segment, `num_blocks` blocks.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BlockTable {
@@ -592,7 +595,7 @@ pub fn expand_into(
         max_size,
         alignment,
         staged_rows: 0,
-        staged_pages_at: 0,
+        staged_blocks_at: 0,
     })
 }
 
@@ -729,7 +732,7 @@ pub fn expand_runs_into(
         max_size,
         alignment,
         staged_rows: 0,
-        staged_pages_at: 0,
+        staged_blocks_at: 0,
     })
 }
 
@@ -843,22 +846,6 @@ pub fn map_chunks(
     Ok(())
 }
 
-/// The bytes of one block's row in a block-major table (every segment of a block, in table
-/// order, in one contiguous chunk at the block's stride), where the whole row of every block lies
-/// in one registered region: what the staged plan moves across PCIe as one copy per block. `None`
-/// for any other layout.
-pub fn staged_row(t: &BlockTable) -> Option<u64> {
-    let stride = t.strides[0];
-    let mut end = t.bases[0];
-    for s in 0..t.segments() {
-        if t.bases[s] != end || t.strides[s] != stride {
-            return None;
-        }
-        end = end.checked_add(t.nbytes[s])?;
-    }
-    (t.disjoint && t.run_in_one_region(0, t.segments() - 1)).then_some(end - t.bases[0])
-}
-
 /// How [`expand_groups_into`] writes a transfer.
 #[derive(Clone, Copy, Debug)]
 pub enum Plan<'a> {
@@ -874,110 +861,6 @@ pub enum Plan<'a> {
         host_src: bool,
         merge: u64,
     },
-}
-
-/// Checks block ids as [`expand_into`] does and writes the staged plan of one group: per block
-/// pair, its host row `(row address, ring offset, row bytes)` at `rows[*r]` and one page
-/// descriptor per segment at `pages[*p..]`, in table order, whose ring side holds the page's
-/// offset in the staging ring: `(ring offset, GPU address, bytes)` CPU -> GPU, `(GPU address,
-/// ring offset, bytes)` GPU -> CPU. Ring offsets count from the transfer's first row (`*ring`,
-/// advanced by each row): a backend places a step of whole rows at a slot and adds
-/// `slot - first offset of the step` to the ring side (see [`crate::backend::StagedRequest`]).
-///
-/// The host side must have a [`staged_row`]. A page's bytes in the ring are its bytes in the
-/// host row, so the page descriptors write exactly the bytes [`expand_into`]'s would, and its
-/// proof of disjoint destinations holds (the host side's rows are disjoint by its table).
-#[allow(clippy::too_many_arguments)]
-pub fn expand_staged_into(
-    src: &BlockTable,
-    src_ids: &[u64],
-    dst: &BlockTable,
-    dst_ids: &[u64],
-    host_src: bool,
-    out: Columns<'_>,
-    cursor: &mut StagedCursor,
-    bits: &mut Vec<u64>,
-    scratch: &mut Scratch,
-) -> Result<Prepared, TableError> {
-    check_ids(src, src_ids, dst, dst_ids, bits, scratch)?;
-    let (host, host_ids, gpu, gpu_ids) = if host_src {
-        (src, src_ids, dst, dst_ids)
-    } else {
-        (dst, dst_ids, src, src_ids)
-    };
-    let row = staged_row(host).ok_or_else(|| {
-        TableError::BadChunking(
-            "the staged plan needs a block-major host table (a block's pages in one chunk)".into(),
-        )
-    })?;
-    let segments = host.segments();
-    let n = src_ids.len();
-    assert!(
-        cursor.row + n <= cursor.rows && cursor.page + segments * n <= out.src.len(),
-        "slab too small"
-    );
-    let mut bitmask = row;
-    let mut max_size = 0u64;
-    for s in 0..segments {
-        bitmask |= gpu.bases[s] | gpu.strides[s] | host.nbytes[s] | (host.bases[s] - host.bases[0]);
-        max_size = max_size.max(host.nbytes[s]);
-    }
-    let (first_row, mut p) = (cursor.row, cursor.page);
-    let mut r = first_row;
-    for (&hi, &gi) in host_ids.iter().zip(gpu_ids) {
-        // In range by `check_ids`; the spans were proven not to overflow at registration.
-        let at = cursor.ring;
-        let addr = host.bases[0] + hi * host.strides[0];
-        // The previous row of this group grows by this one where it continues on the host (the
-        // ring side always does: rows lie in the ring one after the other), the two lie on
-        // one side of every cut (a new region or piece starts at none between them), and the
-        // joined row stays within `merge`: one copy across PCIe instead of two.
-        let joins = r > first_row && {
-            let last = r - 1;
-            out.src[last] + out.size[last] == addr
-                && out.size[last] + row <= cursor.merge
-                && !host.cut_at(addr)
-        };
-        if joins {
-            out.size[r - 1] += row;
-        } else {
-            out.src[r] = addr;
-            out.dst[r] = at;
-            out.size[r] = row;
-            r += 1;
-        }
-        for s in 0..segments {
-            let ring = at + (host.bases[s] - host.bases[0]);
-            let page = gpu.bases[s] + gi * gpu.strides[s];
-            (out.src[p], out.dst[p]) = if host_src { (ring, page) } else { (page, ring) };
-            out.size[p] = host.nbytes[s];
-            p += 1;
-        }
-        cursor.ring += row;
-    }
-    cursor.row = r;
-    let written = p - cursor.page;
-    cursor.page = p;
-    Ok(Prepared {
-        len: written,
-        bytes: row * n as u64,
-        max_size,
-        alignment: 1u64 << (bitmask | max_size).trailing_zeros().min(4),
-        staged_rows: r - first_row,
-        staged_pages_at: 0,
-    })
-}
-
-/// Where [`expand_staged_into`] writes next: rows in `[0, rows)` of the slab, then pages from
-/// `rows` on. `merge`: the most bytes one row may grow to by joining the next block's row where
-/// it continues on the host (0: never).
-#[derive(Clone, Copy, Debug, Default)]
-pub struct StagedCursor {
-    pub rows: usize,
-    pub row: usize,
-    pub page: usize,
-    pub ring: u64,
-    pub merge: u64,
 }
 
 /// One KV-cache group of a block transfer (see [`expand_groups_into`]): its two tables and ids.
@@ -1041,17 +924,12 @@ pub fn expand_groups_into(
         max_size: 0,
         alignment: 16,
         staged_rows: 0,
-        staged_pages_at: 0,
+        staged_blocks_at: 0,
     };
     let mut used: Vec<(u64, u64)> = Vec::new();
     let mut shared = false;
     let mut cursor = match plan {
-        Plan::Staged { rows, merge, .. } => StagedCursor {
-            rows,
-            page: rows,
-            merge,
-            ..StagedCursor::default()
-        },
+        Plan::Staged { rows, merge, .. } => StagedCursor::new(rows, merge),
         _ => StagedCursor::default(),
     };
     for (gi, g) in groups.iter().enumerate() {
@@ -1152,23 +1030,24 @@ pub fn expand_groups_into(
         return Err(TableError::Empty);
     }
     if let Plan::Staged { rows, .. } = plan {
-        // Rows first, then pages from `rows` on: the slab's length counts both. The caller sized
-        // the rows by the groups' block counts, which the checks above made exact; joined rows
-        // leave the end of that room unused.
+        // Rows, blocks from `rows` on, then the geometries: the slab's length counts all three.
+        // The caller sized the rows by the groups' block counts, which the checks above made
+        // exact; joined rows leave the end of that room unused.
         assert!(cursor.row <= rows, "staged rows sized wrong");
-        total.len = cursor.page;
-        total.staged_pages_at = rows;
+        total.len = cursor.table;
+        total.staged_blocks_at = rows;
     }
     if let (true, Plan::Staged { rows, host_src, .. }) = (shared, plan) {
         // The bytes written land in GPU pages (CPU -> GPU, by the kernel) or in host rows.
-        let len = total.len;
-        let used = cursor.row;
-        let (addrs, sizes) = if host_src {
-            (&dst[rows..len], &size[rows..len])
+        let (addrs, sizes): (Vec<u64>, Vec<u64>) = if host_src {
+            (rows..cursor.block)
+                .flat_map(|i| staged_pages(src, dst, size, i))
+                .map(|(_, gpu, bytes)| (gpu, bytes))
+                .unzip()
         } else {
-            (&src[..used], &size[..used])
+            (src[..cursor.row].to_vec(), size[..cursor.row].to_vec())
         };
-        check_disjoint(addrs, sizes, scratch).map_err(|e| TableError::BadSegment {
+        check_disjoint(&addrs, &sizes, scratch).map_err(|e| TableError::BadSegment {
             segment: 0,
             reason: format!("destination pages of different groups overlap: {e}"),
         })?;
@@ -1285,101 +1164,6 @@ mod tests {
             &mut Scratch::default(),
         )?;
         Ok((0..p.len).map(|i| (a[i], b[i], z[i])).collect())
-    }
-
-    /// The staged plan of `host` ids (CPU -> GPU into GPU blocks 0, 1, ...) with rows joined up
-    /// to `merge` bytes: the rows used, as `(address, ring offset, bytes)`, and the pages.
-    #[allow(clippy::type_complexity)]
-    fn staged(
-        host: &BlockTable,
-        gpu: &BlockTable,
-        ids: &[u64],
-        merge: u64,
-    ) -> (Vec<(u64, u64, u64)>, Vec<(u64, u64, u64)>) {
-        let n = ids.len();
-        let len = n * (1 + host.segments());
-        let (mut a, mut b, mut z) = (vec![0; len], vec![0; len], vec![0; len]);
-        let gpu_ids: Vec<u64> = (0..n as u64).collect();
-        let group = Group {
-            src: host,
-            src_ids: ids,
-            dst: gpu,
-            dst_ids: &gpu_ids,
-            chunks: None,
-        };
-        let cols = Columns {
-            src: &mut a,
-            dst: &mut b,
-            size: &mut z,
-        };
-        let plan = Plan::Staged {
-            rows: n,
-            host_src: true,
-            merge,
-        };
-        let mut bufs = [Vec::new(), Vec::new()];
-        let p = expand_groups_into(
-            &[group],
-            plan,
-            cols,
-            &mut Vec::new(),
-            &mut Scratch::default(),
-            &mut bufs,
-        )
-        .unwrap();
-        assert_eq!(p.staged_pages_at, n);
-        let rows = (0..p.staged_rows).map(|i| (a[i], b[i], z[i])).collect();
-        let pages = (n..p.len).map(|i| (a[i], b[i], z[i])).collect();
-        (rows, pages)
-    }
-
-    #[test]
-    fn staged_rows_that_continue_on_the_host_join_within_a_piece_and_a_cap() {
-        // A block-major host table of 8 blocks, two pages of 64 bytes each (rows of 128 bytes),
-        // in a buffer registered as two pieces of 512 bytes: blocks 0-3 in one, 4-7 in the other.
-        let mut r = RegionTable::default();
-        r.insert(0x10000, 0x10000, MemoryKind::Device).unwrap();
-        r.insert(0x40000, 512, MemoryKind::Host).unwrap();
-        r.insert_piece(0x40200, 512, MemoryKind::Host).unwrap();
-        let host = BlockTable::new(
-            vec![0x40000, 0x40040],
-            vec![128, 128],
-            vec![64, 64],
-            8,
-            MemoryKind::Host,
-            &r,
-        )
-        .unwrap();
-        let gpu = BlockTable::new(
-            vec![0x10000, 0x18000],
-            vec![64, 64],
-            vec![64, 64],
-            8,
-            MemoryKind::Device,
-            &r,
-        )
-        .unwrap();
-        let row = |b: u64| 0x40000 + 128 * b;
-        // Blocks 1, 2, 3 then 4, 5 and 0: one row for 1-3 (a seam at block 4's start), one for
-        // 4-5, one for 0; ring offsets one after the other.
-        let (rows, pages) = staged(&host, &gpu, &[1, 2, 3, 4, 5, 0], 1 << 20);
-        assert_eq!(
-            rows,
-            [(row(1), 0, 384), (row(4), 384, 256), (row(0), 640, 128)]
-        );
-        // Pages as without joining: ring offsets per block, GPU pages of blocks 0..6.
-        let (_, unjoined) = staged(&host, &gpu, &[1, 2, 3, 4, 5, 0], 0);
-        assert_eq!(pages, unjoined);
-        assert_eq!(pages.len(), 12);
-        assert_eq!(pages[2], (128, 0x10000 + 64, 64));
-        // A cap of 256 bytes: two rows at most joined.
-        let (rows, _) = staged(&host, &gpu, &[0, 1, 2, 3], 256);
-        assert_eq!(rows, [(row(0), 0, 256), (row(2), 256, 256)]);
-        // Not joined: out of order, or no merging asked for.
-        let (rows, _) = staged(&host, &gpu, &[3, 2, 1], 1 << 20);
-        assert_eq!(rows.len(), 3);
-        let (rows, _) = staged(&host, &gpu, &[0, 1, 2], 0);
-        assert_eq!(rows.len(), 3);
     }
 
     #[test]

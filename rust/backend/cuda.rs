@@ -27,8 +27,8 @@ use cudarc::driver::sys;
 
 use super::{
     kernel_split, staged_steps, take_injected, AddElapsed, Backend, BackendError, BackendInfo,
-    HostAlloc, KernelBatch, KernelParam, KernelSpec, PageKernel, StagedRequest, SubmitRequest,
-    Submitted,
+    HostAlloc, KernelBatch, KernelKind, KernelParam, KernelSpec, PageKernel, StagedRequest,
+    SubmitRequest, Submitted,
 };
 use crate::direction::Direction;
 use crate::region::MemoryKind;
@@ -592,8 +592,20 @@ impl Drop for DeviceMem {
 struct LoadedKernel {
     function: u64,
     spec: KernelSpec,
+    kind: KernelKind,
     /// Parameters of the kernel in all: those of `spec.params`, then null pointers.
     total: usize,
+}
+
+/// What a staged kernel's launch reads besides its block entries: the group's geometry at slab
+/// entry `table` (its header) with `segments` pages per block, the ring's offsets shifted by
+/// `ring_base`, the ring the pages' source (`ring_src`, CPU -> GPU) or destination.
+#[derive(Clone, Copy, Debug)]
+struct StagedLaunch {
+    table: usize,
+    segments: u64,
+    ring_base: u64,
+    ring_src: bool,
 }
 
 /// One lane's staging resources, made on its first staged transfer: a ring of two slots in
@@ -620,8 +632,8 @@ struct Stage {
     marker_on_stage: bool,
     /// Steps issued on the lane so far: the next takes slot `steps % 2`.
     steps: u64,
-    /// Device memory the transfer's page descriptors are copied into before its first kernel,
-    /// so the kernels read them from HBM, not across the PCIe link the rows are crossing. One
+    /// Device memory the transfer's block entries and geometries are copied into before its
+    /// first kernel, so the kernels read them from HBM, not across the PCIe link the rows are crossing. One
     /// per lane: the copy goes on the kernel stream, after every kernel of the lane's earlier
     /// transfers.
     desc: Option<DeviceMem>,
@@ -1460,9 +1472,11 @@ impl Shared {
         let Some(kernel) = req
             .kernel
             .and_then(|k| self.kernels.read().ok()?.get(k as usize).cloned())
+            .filter(|k| k.kind == KernelKind::Staged)
         else {
             return Err(BackendError::InvalidArgument(format!(
-                "the staged plan needs a kernel loaded by this engine (load_kernel), got {:?}",
+                "the staged plan needs a staged kernel loaded by this engine (load_kernel), got \
+                 {:?}",
                 req.kernel
             )));
         };
@@ -1480,13 +1494,13 @@ impl Shared {
         let st = stage.as_mut().expect("made above");
         let host_src = lane == Direction::HostToDevice;
         let (src, dst, size) = (slab.src(), slab.dst(), slab.size());
-        let (r, first) = (req.rows, req.first_page);
-        let ring_col = if host_src {
-            &src[first..]
-        } else {
-            &dst[first..]
-        };
-        let steps = staged_steps(&dst[..r], &size[..r], ring_col, req.slot_bytes);
+        let (r, first) = (req.rows, req.first_block);
+        let steps = staged_steps(
+            &dst[..r],
+            &size[..r],
+            &dst[first..2 * first],
+            req.slot_bytes,
+        );
         let fail_at = take_injected(&self.fail_next).then_some(steps.len() / 2);
         let kstream = st.stream.raw;
         let ctx = self.ctx.raw;
@@ -1503,9 +1517,9 @@ impl Shared {
             }
         };
         let issued = wait_dep().and_then(|()| {
-            // The page descriptors go to device memory in one copy, on the kernel stream after
-            // the earlier transfers' kernels; `cols[c] + 8 * i` is then where the kernels read
-            // descriptor i of column c.
+            // The block entries and geometries go to device memory in one copy, on the kernel
+            // stream after the earlier transfers' kernels; `cols[c] + 8 * i` is then where the
+            // kernels read entry i of column c.
             let cols = if src.len() > first {
                 let lo = slab.column_addr(0) + 8 * first as u64;
                 let hi = slab.column_addr(2) + 8 * src.len() as u64;
@@ -1544,13 +1558,30 @@ impl Shared {
                     let mid = st.dst.len() / 2;
                     st.dst[mid] = 0;
                 }
-                let p0 = first + step.pages.start;
-                let n = step.pages.len() as u64;
-                let (src_base, dst_base) = if host_src { (shift, 0) } else { (0, shift) };
-                // The descriptors are the stage's device copy of the slab's columns, not
-                // overwritten before the kernel ends (the next transfer's copy comes after it on
-                // the same stream); the pages were checked at submission, the slot is this lane's.
-                let launch = || self.launch(&kernel, kstream, cols, (p0, n, 1), src_base, dst_base);
+                // The step's blocks, a launch for each run of blocks of one group (one
+                // geometry): the kernel computes every page's addresses from the block entries,
+                // read from the stage's device copy of the slab (not overwritten before the
+                // kernel ends: the next transfer's copy comes after it on the same stream); the
+                // ids were checked at submission, the slot is this lane's.
+                let blocks = (first + step.blocks.start)..(first + step.blocks.end);
+                let launch = || {
+                    let mut b = blocks.start;
+                    while b < blocks.end {
+                        let table = size[b];
+                        let end = (b..blocks.end)
+                            .find(|&i| size[i] != table)
+                            .unwrap_or(blocks.end);
+                        let at = StagedLaunch {
+                            table: table as usize,
+                            segments: src[table as usize],
+                            ring_base: shift,
+                            ring_src: host_src,
+                        };
+                        self.launch(&kernel, kstream, cols, (b, (end - b) as u64, 1), Some(at))?;
+                        b = end;
+                    }
+                    Ok::<(), BackendError>(())
+                };
                 let (copy, ready, free) = (&st.src, &st.ready[slot_i], &st.free[slot_i]);
                 let rows_first = step.rows.start;
                 if host_src {
@@ -1616,42 +1647,49 @@ impl Shared {
         l.stream.raw
     }
 
-    /// Launches `k` on `stream` over descriptors `[p0, p0 + n)` of a transfer whose columns
-    /// (src, dst, size) hold descriptor 0 at `cols`, each cut in `split` slices, with the two
-    /// base addresses. The caller vouches that the kernel may read `cols` until it ends and that
-    /// every address the descriptors name (plus its base) may be written or read as they say.
-    #[allow(clippy::too_many_arguments)]
+    /// Launches `k` on `stream` over entries `[p0, p0 + n)` of a transfer whose columns (src,
+    /// dst, size) hold entry 0 at `cols`: a page kernel's descriptors, each cut in `split`
+    /// slices, or (with `staged`) a staged kernel's block entries. The caller vouches that the
+    /// kernel may read `cols` until it ends and that every address the entries name may be
+    /// written or read as they say.
     fn launch(
         &self,
         k: &LoadedKernel,
         stream: sys::CUstream,
         cols: [u64; 3],
         (p0, n, split): (usize, u64, u64),
-        src_base: u64,
-        dst_base: u64,
+        staged: Option<StagedLaunch>,
     ) -> Result<(), BackendError> {
         if n == 0 {
             return Ok(());
         }
-        let at = 8 * p0 as u64;
+        let at = |c: usize, i: usize| cols[c].wrapping_add(8 * i as u64);
+        // A geometry's segments start after its header (see `crate::table::staged`).
+        let seg = staged.map_or(0, |g| g.table + 1);
         let mut vals = [0u64; MAX_KERNEL_PARAMS];
         for (v, p) in vals.iter_mut().zip(&k.spec.params) {
             *v = match p {
-                KernelParam::Srcs => cols[0].wrapping_add(at),
-                KernelParam::Dsts => cols[1].wrapping_add(at),
-                KernelParam::Sizes => cols[2].wrapping_add(at),
+                KernelParam::Srcs | KernelParam::Ids => at(0, p0),
+                KernelParam::Dsts | KernelParam::Rings => at(1, p0),
+                KernelParam::Sizes => at(2, p0),
                 KernelParam::Count => n,
                 KernelParam::Split => split,
-                KernelParam::SrcBase => src_base,
-                KernelParam::DstBase => dst_base,
+                KernelParam::SrcBase | KernelParam::DstBase => 0,
+                KernelParam::Bases => at(0, seg),
+                KernelParam::Strides => at(1, seg),
+                KernelParam::Offsets => at(2, seg),
+                KernelParam::Segments => staged.map_or(0, |g| g.segments),
+                KernelParam::RingBase => staged.map_or(0, |g| g.ring_base),
+                KernelParam::RingSrc => u64::from(staged.is_some_and(|g| g.ring_src)),
             };
         }
+        // Work items: a descriptor's slices, or a block's pages.
+        let items = n.saturating_mul(staged.map_or(split, |g| g.segments));
         let mut ptrs = [ptr::null_mut::<c_void>(); MAX_KERNEL_PARAMS];
         for (p, v) in ptrs.iter_mut().zip(vals.iter_mut()).take(k.total) {
             *p = (v as *mut u64).cast();
         }
-        let grid = n
-            .saturating_mul(split)
+        let grid = items
             .div_ceil(u64::from(k.spec.rows))
             .min(u64::from(k.spec.ctas))
             .max(1) as u32;
@@ -1690,9 +1728,11 @@ impl Shared {
             .read()
             .ok()
             .and_then(|ks| ks.get(kernel as usize).cloned())
+            .filter(|k| k.kind == KernelKind::Pages)
         else {
             return Err(BackendError::InvalidArgument(format!(
-                "the kernel route needs a kernel loaded by this engine (load_kernel), got {kernel}"
+                "the kernel route needs a page kernel loaded by this engine (load_kernel), got \
+                 {kernel}"
             )));
         };
         let per = (launch_bytes / batch.max_size.max(1)).max(1);
@@ -1704,7 +1744,7 @@ impl Shared {
             // The kernel reads the descriptors from the slab's pinned columns in place (mapped
             // memory, alive until the lane's marker after this launch is seen); every address
             // they name was checked against registered memory at submission.
-            self.launch(&k, stream, cols, (p0, n, split), 0, 0)?;
+            self.launch(&k, stream, cols, (p0, n, split), None)?;
             p0 += n as usize;
         }
         Ok(())
@@ -2091,12 +2131,17 @@ impl Backend for CudaBackend {
                 spec.threads
             ));
         }
+        let kind = match spec.kind() {
+            Ok(kind) => kind,
+            Err(why) => return bad(why),
+        };
         let mut kernels = self.kernels.write().unwrap_or_else(|e| e.into_inner());
         let id = kernels.len() as u32;
         kernels.push(LoadedKernel {
             function: spec.function,
             total: sizes.len(),
             spec,
+            kind,
         });
         Ok(Some(id))
     }
