@@ -807,7 +807,6 @@ impl PyHostBuffer {
     }
 }
 
-/// Whether the CUDA backend can start here, and if not, why.
 /// The sub-block ids a transfer of `blocks` blocks names by `chunk_ids` (chunks of `unit`
 /// sub-blocks, `num_chunks` of them: unbounded by default), starting `skip` sub-blocks into the
 /// first chunk: the rule the engine applies to a chunked side (see `submit_groups`).
@@ -835,6 +834,7 @@ fn chunk_blocks<'py>(
     ))
 }
 
+/// Whether the CUDA backend can start here, and if not, why.
 #[pyfunction]
 fn cuda_status() -> (bool, String) {
     match cuda::driver_available() {
