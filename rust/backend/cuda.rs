@@ -2052,6 +2052,66 @@ fn device_ordinal(addr: u64) -> Option<i32> {
     (r == sys::CUresult::CUDA_SUCCESS).then_some(v)
 }
 
+// Queries for code outside the backends (the Python package's reference copy and zero-copy
+// weights). They use the calling thread's current context and never initialise the driver: an
+// address asked about before anything in the process did is unknown to it. Each needs only its
+// own entry point, not every symbol `load_driver` asks of a driver for the backend.
+
+/// Whether the driver library is installed and exports `symbol`.
+fn driver_has(symbol: &str) -> bool {
+    static PRESENT: OnceLock<bool> = OnceLock::new();
+    // SAFETY: `is_culib_present` only tries `dlopen` on the candidate names.
+    *PRESENT.get_or_init(|| unsafe { sys::is_culib_present() })
+        // SAFETY: the library is present (checked first), so `culib` opens it without panicking.
+        && missing_symbol(unsafe { sys::culib() }, &[symbol]).is_none()
+}
+
+/// What the driver says `addr` is: `Host` for page-locked host memory, `Device` for any other
+/// memory it knows (the CPU cannot read it directly). `None` where it does not know the address
+/// (ordinary pageable host memory) and where there is no driver to ask.
+pub(crate) fn memory_kind(addr: u64) -> Option<MemoryKind> {
+    if !driver_has("cuPointerGetAttribute") {
+        return None;
+    }
+    match memory_type(addr)? {
+        sys::CUmemorytype::CU_MEMORYTYPE_HOST => Some(MemoryKind::Host),
+        _ => Some(MemoryKind::Device),
+    }
+}
+
+/// The address through which the device reaches mapped page-locked host memory at `host`
+/// (`cuMemHostGetDevicePointer`; the same address under unified addressing). `Ok(None)` where
+/// there is no driver to ask; an error where the driver refuses (memory it has not mapped, no
+/// current context).
+pub(crate) fn host_device_pointer(host: u64) -> Result<Option<u64>, BackendError> {
+    if !driver_has("cuMemHostGetDevicePointer_v2") {
+        return Ok(None);
+    }
+    let mut dev: sys::CUdeviceptr = 0;
+    // SAFETY: the symbol is present (checked above); the driver writes one device pointer and only
+    // looks `host` up, never dereferences it.
+    check("cuMemHostGetDevicePointer", unsafe {
+        sys::cuMemHostGetDevicePointer_v2(&mut dev, host as *mut c_void, 0)
+    })?;
+    Ok(Some(dev))
+}
+
+/// Copies `len` bytes from `src` to `dst` with `cuMemcpy` (the direction inferred from the
+/// addresses under unified addressing; synchronous except between device addresses).
+///
+/// # Safety
+/// Both ranges must be allocated, `dst` writable and not overlapping `src`, for the whole copy:
+/// the driver copies host memory it does not know with the CPU.
+pub(crate) unsafe fn memcpy(dst: u64, src: u64, len: usize) -> Result<(), BackendError> {
+    if !driver_has("cuMemcpy") {
+        return Err(BackendError::Unavailable(
+            "no NVIDIA driver library (libcuda.so) with cuMemcpy found on this machine".into(),
+        ));
+    }
+    // SAFETY: the symbol is present (checked above); the ranges are the caller's guarantee.
+    check("cuMemcpy", unsafe { sys::cuMemcpy(dst, src, len) })
+}
+
 impl Backend for CudaBackend {
     fn info(&self) -> BackendInfo {
         BackendInfo {
@@ -2905,5 +2965,58 @@ mod tests {
                 assert!(!msg.is_empty());
             }
         }
+    }
+
+    #[test]
+    fn the_queries_answer_for_memory_no_driver_knows() {
+        // Pageable memory of this process: no driver knows it, where there is a driver at all.
+        let local = [0u8; 64];
+        let addr = local.as_ptr() as u64;
+        assert_eq!(memory_kind(addr), None);
+        if !driver_has("cuMemcpy") {
+            assert_eq!(host_device_pointer(addr), Ok(None));
+            let mut out = [0u8; 64];
+            // SAFETY: two live local arrays of 64 bytes.
+            let e = unsafe { memcpy(out.as_mut_ptr() as u64, addr, 64) }.unwrap_err();
+            assert!(matches!(e, BackendError::Unavailable(_)), "{e}");
+        }
+    }
+
+    #[test]
+    #[ignore = "needs CUDA"]
+    fn the_queries_name_pinned_and_device_memory_and_copy_between_them() {
+        let _gpu = gpu();
+        let backend = CudaBackend::new(CudaOptions::new(0)).expect("a backend");
+        let ctx = backend.ctx.raw;
+        let host = PinnedHost::alloc(ctx, 64).expect("pinned memory");
+        let dev = DeviceMem::alloc(ctx, 64).expect("device memory");
+        let mut local = [7u8; 64];
+        let (pinned, pageable) = (host.as_ptr() as u64, local.as_mut_ptr() as u64);
+        let _bound = bind(ctx).expect("bind");
+        assert_eq!(memory_kind(pinned), Some(MemoryKind::Host));
+        assert_eq!(memory_kind(dev.ptr), Some(MemoryKind::Device));
+        assert_eq!(memory_kind(pageable), None);
+        // Unified addressing: the device reaches mapped pinned memory at its host address.
+        assert_eq!(host_device_pointer(pinned), Ok(Some(pinned)));
+        let refused = host_device_pointer(pageable);
+        assert!(
+            matches!(
+                refused,
+                Err(BackendError::Driver {
+                    call: "cuMemHostGetDevicePointer",
+                    ..
+                })
+            ),
+            "{refused:?}"
+        );
+        // SAFETY: 64 bytes in each of three live allocations, none overlapping; both copies
+        // touch host memory, so each is done when it returns.
+        unsafe {
+            memcpy(dev.ptr, pageable, 64).expect("host to device");
+            memcpy(pinned, dev.ptr, 64).expect("device to host");
+        }
+        // SAFETY: the 64 bytes of pinned memory the second copy wrote.
+        let back = unsafe { std::slice::from_raw_parts(host.as_ptr(), 64) };
+        assert_eq!(back, &[7u8; 64]);
     }
 }

@@ -100,7 +100,7 @@ import ctypes
 from collections.abc import Callable, Sequence
 from typing import Any, Union
 
-from blockswap import _optional
+from blockswap import _core, _optional
 
 try:
     import torch
@@ -916,31 +916,11 @@ def copy_blocks(
 # Reference
 # --------------------------------------------------------------------------------------
 
-_CU_POINTER_ATTRIBUTE_MEMORY_TYPE = 2
-_CU_MEMORYTYPE_HOST = 1
-_libcuda: ctypes.CDLL | None = None
-
-
-def _driver() -> ctypes.CDLL:
-    global _libcuda
-    if _libcuda is None:
-        lib = ctypes.CDLL("libcuda.so.1")
-        lib.cuPointerGetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64]
-        lib.cuPointerGetAttribute.restype = ctypes.c_int
-        lib.cuMemcpy.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t]
-        lib.cuMemcpy.restype = ctypes.c_int
-        _libcuda = lib
-    return _libcuda
-
 
 def _is_host_address(addr: int) -> bool:
     """True for memory the CPU can read directly (pageable or pinned host memory)."""
-    kind = ctypes.c_uint(0)
-    rc = _driver().cuPointerGetAttribute(
-        ctypes.byref(kind), _CU_POINTER_ATTRIBUTE_MEMORY_TYPE, addr
-    )
-    # Memory unknown to CUDA (rc != 0) is ordinary host memory.
-    return rc != 0 or kind.value == _CU_MEMORYTYPE_HOST
+    # Memory unknown to CUDA (None, also the answer without a driver) is ordinary host memory.
+    return _core.cuda_memory_kind(addr) != "device"
 
 
 _IntSeq = Union[torch.Tensor, Sequence[int]]
@@ -959,8 +939,9 @@ def copy_blocks_reference(src_ptrs: _IntSeq, dst_ptrs: _IntSeq, sizes: _IntSeq) 
 
     src_ptrs, dst_ptrs, sizes: int64 tensors (any device) or sequences of ints [N].
     When CUDA is initialised in this process, jobs that touch device memory go through the
-    driver's ``cuMemcpy`` (direction inferred from the addresses under UVA) and the device
-    is synchronised before and after; jobs between host addresses use ``ctypes.memmove``.
+    driver's ``cuMemcpy``, called by the core (direction inferred from the addresses under UVA),
+    and the device is synchronised before and after; jobs between host addresses use
+    ``ctypes.memmove``.
     """
     srcs = _to_list("src_ptrs", src_ptrs)
     dsts = _to_list("dst_ptrs", dst_ptrs)
@@ -980,8 +961,9 @@ def copy_blocks_reference(src_ptrs: _IntSeq, dst_ptrs: _IntSeq, sizes: _IntSeq) 
         if not use_driver or (_is_host_address(src) and _is_host_address(dst)):
             ctypes.memmove(dst, src, n)
         else:
-            rc = _driver().cuMemcpy(dst, src, n)
-            if rc != 0:
-                raise RuntimeError(f"cuMemcpy({dst:#x}, {src:#x}, {n}) failed with CUresult {rc}")
+            try:
+                _core.cuda_memcpy(dst, src, n)
+            except _core.BackendError as e:
+                raise RuntimeError(f"{e} (copying {n} bytes from {src:#x} to {dst:#x})") from e
     if use_driver:
         torch.cuda.synchronize()
