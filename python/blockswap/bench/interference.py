@@ -17,10 +17,11 @@ from typing import Any
 
 import numpy as np
 
+from .._bench import check_result
 from ..engine import Engine
 from .common import fmt_bytes, fmt_count, handler_route, median
 from .context import Context
-from .sweep import KERNEL_ALL, check_result
+from .sweep import KERNEL_ALL
 
 
 def gemm_ms(a: Any, b: Any, reps: int) -> list[float]:

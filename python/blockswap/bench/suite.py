@@ -28,10 +28,11 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any
 
+from .._bench import resolve_backend
 from ..engine import Engine
-from .common import Progress, cuda_ready, run_metadata, slug
+from .common import Progress, run_metadata, slug
 from .context import SECTIONS, Context, Profile, profile
 
 SCHEMA = 1
@@ -46,16 +47,6 @@ def _runners() -> dict[str, Callable[..., dict[str, Any]]]:
         "bidir": bidir.run,
         "interference": interference.run,
     }
-
-
-def resolve_backend(backend: str) -> Literal["cuda", "host"]:
-    if backend == "auto":
-        return "cuda" if cuda_ready() else "host"
-    if backend == "cuda" and not cuda_ready():
-        raise ValueError("--backend cuda: no usable GPU here (`blockswap info` says why)")
-    if backend not in ("cuda", "host"):
-        raise ValueError(f"backend must be auto, cuda or host, not {backend!r}")
-    return "cuda" if backend == "cuda" else "host"
 
 
 def default_out_dir(meta: dict[str, Any], backend: str, profile_name: str) -> str:
