@@ -12,7 +12,6 @@ from typing import Any
 
 import pytest
 
-from blockswap.__main__ import main as cli_main
 from blockswap.bench import SECTIONS, profile, report, suite
 from blockswap.bench.models import MODELS
 from blockswap.bench.sweep import PATHS
@@ -270,21 +269,37 @@ def test_plots_written(run: tuple[dict[str, Any], Path]) -> None:
         assert data.startswith(PNG) and len(data) > 5000, name
 
 
-def test_package_cli_runs_the_suite(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_suite_command_runs_the_sections_asked(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "cli"
-    rc = cli_main(
-        ["bench", "--tiny", "--backend", "host", "--only", "sweep", "--no-plots", "--out", str(out)]
-    )
-    assert rc == 0
+    args = ["--tiny", "--backend", "host", "--only", "sweep", "--no-plots", "--out", str(out)]
+    assert suite.main(args, prog="benches/suite.py") == 0
     printed = capsys.readouterr().out
     assert "## Sweep" in printed and str(out) in printed
     saved = json.loads((out / "results.json").read_text())
     assert list(saved["sections"]) == ["sweep"] and saved["plots"] == []
+    assert saved["meta"]["command"] == f"python benches/suite.py {' '.join(args)}"
 
 
-def test_cli_refuses_an_unknown_section(capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_refuses_an_unknown_section(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
     assert suite.main(["--tiny", "--only", "sweep,nope", "--backend", "host"]) == 2
-    assert "nope" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unknown section(s) 'nope'" in err, err
+    assert list(tmp_path.iterdir()) == [], "an error wrote files"
+
+
+def test_cli_refuses_an_unknown_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert suite.main(["--tiny", "--models", "nope", "--backend", "host"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unknown model 'nope'" in err, err
+    assert list(tmp_path.iterdir()) == [], "an error wrote files"
 
 
 def test_a_failing_measurement_is_recorded_not_dropped(

@@ -1,20 +1,31 @@
-"""The benchmark suite's pieces for moving blocks and timing them: the link's ceiling, buffers and
-an engine over them, scattered block ids, CUDA-event and wall-clock timing, the handler's own
-choice of path, and the formatting of their figures.
+"""``blockswap bench``: a short transfer benchmark that checks an installation, and the pieces it
+shares with the repository's benchmark suite (``benches/suite.py``, which imports them from here).
 
-Nothing here imports torch at module import: the engine needs numpy only.
+Per direction, the link's ceiling (one large copy), then scattered blocks of a few sizes moved
+three ways: one copy of the same bytes (what they cost without the blocks), the engine's DMA
+batch, and the offloading handler's own choice (``auto``, where torch is installed). On a GPU it
+runs the CUDA backend, timed by CUDA events; elsewhere the host backend (memcpy), timed by the wall
+clock. It prints one table and writes nothing.
+
+Nothing here imports torch at module import: the engine and this benchmark need numpy only.
 """
 
 from __future__ import annotations
 
+import argparse
+import functools
+import itertools
 import math
 import statistics
+import sys
+import textwrap
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, TypeVar
 
 import numpy as np
 
+from . import __version__
 from .engine import Engine, info
 
 KiB = 1024
@@ -22,7 +33,7 @@ MiB = 1024 * KiB
 GiB = 1024 * MiB
 
 T = TypeVar("T")
-Timer = Callable[..., "tuple[float, float]"]
+Timer = Callable[..., tuple[float, float]]
 """``timer(issue, finish=None)``: ``(seconds of the work, host seconds of issue())``."""
 
 #: One name per direction, in tables and plots alike.
@@ -339,3 +350,162 @@ class AutoHandler:
         if self.h is not None:
             self.h.shutdown()
             self.h = None
+
+
+# ---- `blockswap bench` ------------------------------------------------------------------------
+
+#: Block sizes, blocks per transfer, and :func:`repeat`'s bounds for each path at each size (the
+#: ceiling takes at least ``min(5, max_reps)`` copies).
+PROFILES: dict[str, dict[str, Any]] = {
+    "quick": {
+        "sizes": (4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB),
+        "blocks": 256,
+        "reps": {"min_reps": 3, "max_reps": 8, "budget_s": 0.1},
+    },
+    "tiny": {
+        "sizes": (4 * KiB, 64 * KiB),
+        "blocks": 16,
+        "reps": {"min_reps": 1, "max_reps": 2, "budget_s": 0.0},
+    },
+}
+PATHS = {"one_copy": "one copy", "dma": "DMA batch", "auto": "auto"}
+
+
+def run(profile: str = "quick", backend: str = "auto") -> dict[str, Any]:
+    """Measures the ceiling and every path at every size of ``profile``, both directions."""
+    cuda = resolve_backend(backend) == "cuda"
+    p = PROFILES[profile]
+    sizes, n, reps = p["sizes"], p["blocks"], p["reps"]
+    stream = None
+    if cuda:
+        import torch
+
+        stream = torch.cuda.Stream()
+    host, dev = buffers(max(sizes) * n, cuda)
+    raw = stream.cuda_stream if stream is not None else None
+    eng = engine_over(host, dev, cuda, raw, raw)
+    res: dict[str, Any] = {"backend": "cuda" if cuda else "host", "blocks": n, "engine": eng.info()}
+    res["ceiling"] = {
+        d: measure_ceiling(*_src_dst(host, dev, d), len(host), stream, min(5, reps["max_reps"]))
+        for d in DIRECTION
+    }
+    rng, job, timed = np.random.default_rng(0), itertools.count(1).__next__, timer(stream)
+
+    def point(handler: AutoHandler, d: str, size: int) -> dict[str, Any]:
+        src_t, dst_t = _src_dst(host, dev, d)
+        ids = scatter(rng, n, min(len(host) // size, 4 * n))
+        src, dst = (address(t) + i * size for t, i in zip((src_t, dst_t), ids))
+        measures: dict[str, Any] = {
+            "one_copy": functools.partial(timed, one_copy(src_t, dst_t, n * size, stream)),
+            "dma": engine_measure(eng, job, timed, src, dst, np.full(n, size, dtype=np.int64), d),
+            "auto": handler.error or handler.measure(job, timed, d, ids),
+        }
+        row: dict[str, Any] = {"direction": d, "block_bytes": size, "notes": {}}
+        for path, m in measures.items():
+            if isinstance(m, str):
+                row["notes"][path] = m
+                continue
+            try:
+                samples = repeat(m, **reps)
+            except Exception as e:
+                row["notes"][path] = f"failed: {type(e).__name__}: {e}"
+                continue
+            row[path] = n * size / median([s[0] for s in samples]) / 1e9
+        row["auto_chose"] = handler.chosen.get(d)
+        return row
+
+    rows: list[dict[str, Any]] = []
+    try:
+        for size in sizes:
+            handler = AutoHandler(host, dev, size, stream)
+            try:
+                rows += [point(handler, d, size) for d in DIRECTION]
+            finally:
+                handler.shutdown()
+    finally:
+        eng.shutdown()
+    res["rows"] = rows
+    return res
+
+
+def _src_dst(host: Any, dev: Any, direction: str) -> tuple[Any, Any]:
+    return (host, dev) if direction == "h2d" else (dev, host)
+
+
+def format_results(res: dict[str, Any]) -> str:
+    e, n, cuda = res["engine"], res["blocks"], res["backend"] == "cuda"
+    ceiling = {d: c["gbps"] for d, c in res["ceiling"].items()}
+    c = ", ".join(f"{DIRECTION[d]} {fmt_gbps(v)} GB/s" for d, v in ceiling.items())
+    lines = [
+        f"blockswap {__version__}: {res['backend']} backend, {e.get('device') or 'no GPU'}, "
+        f"copy path {e.get('copy_path')}",
+        f"ceiling, {next(iter(res['ceiling'].values()))['what']}: {c}",
+        "",
+        *textwrap.wrap(
+            f"GB/s (percent of the ceiling) moving {n} scattered blocks, medians. 'one copy' moves "
+            "the same bytes at once; 'auto' is the offloading handler's own choice."
+            + (
+                ""
+                if cuda
+                else " Host backend: 'GPU' memory is a second host buffer, every path is memcpy, "
+                "and transfers that fit in the CPU's caches beat the ceiling."
+            ),
+            100,
+        ),
+        "",
+    ]
+    body: list[list[str]] = []
+    notes: dict[str, int] = {}
+    for r in sorted(res["rows"], key=lambda r: r["direction"] != "h2d"):
+        d = r["direction"]
+        cells = [f"{DIRECTION[d]} ({d})", fmt_bytes(r["block_bytes"])]
+        cells.append(fmt_bytes(r["block_bytes"] * n))
+        for p in PATHS:
+            if p in r:
+                cells.append(f"{fmt_gbps(r[p])} ({fmt_pct(r[p] / ceiling[d])})")
+            else:
+                cells.append(f"[{notes.setdefault(r['notes'][p], len(notes) + 1)}]")
+        body.append([*cells, r.get("auto_chose") or "-"])
+    head = ["direction", "block", "transfer", *PATHS.values(), "auto chose"]
+    lines += table(head, body, [False, True, True, True, True, True, False])
+    lines += [f"[{i}] {why}" for why, i in notes.items()]
+    lines += ["", "The full suite is benches/suite.py in blockswap's source repository."]
+    return "\n".join(lines)
+
+
+DESCRIPTION = (
+    "A short transfer benchmark: per direction the link's ceiling, then scattered blocks of a "
+    "few sizes as one copy, the engine's DMA batch and the handler's choice. Prints a table, "
+    "writes nothing. The full suite is benches/suite.py in the source repository."
+)
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    g = ap.add_mutually_exclusive_group()
+    for name, what in (
+        ("quick", "five block sizes, 4 KiB to 1 MiB (seconds) [default]"),
+        ("tiny", "two block sizes, a few blocks: a smoke test"),
+    ):
+        g.add_argument(f"--{name}", dest="profile", action="store_const", const=name, help=what)
+    ap.set_defaults(profile="quick")
+    ap.add_argument(
+        "--backend",
+        default="auto",
+        choices=["auto", "cuda", "host"],
+        help="auto (the default): the GPU where there is one, the host backend otherwise",
+    )
+
+
+def main(args: argparse.Namespace, prog: str = "blockswap bench") -> int:
+    """Runs ``blockswap bench`` for parsed ``args`` (:func:`add_arguments`) and prints its table;
+    a bad argument is one line on stderr and exit status 2, a failed measurement exit status 1."""
+    try:
+        backend = resolve_backend(args.backend)
+    except ValueError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    sizes = ", ".join(fmt_bytes(s) for s in PROFILES[args.profile]["sizes"])
+    print(f"{prog}: {backend} backend, blocks of {sizes}, both directions...", file=sys.stderr)
+    res = run(args.profile, backend)
+    print(format_results(res))
+    return 1 if any(n.startswith("failed") for r in res["rows"] for n in r["notes"].values()) else 0

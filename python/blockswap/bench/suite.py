@@ -1,7 +1,6 @@
 """The benchmark suite: one command, four sections, one results folder.
 
     python benches/suite.py [--quick | --tiny] [--out DIR] [--only sweep,handler,bidir,interference]
-    python -m blockswap bench [--full | --tiny] [--out DIR] [--only ...]   # quick by default
 
 Sections (each beside the link's ceiling, one large copy measured in the same run):
 
@@ -169,10 +168,8 @@ DESCRIPTION = (
 )
 
 
-def build_parser(
-    prog: str | None = None, default_profile: str = "full", *, add_help: bool = True
-) -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog=prog, description=DESCRIPTION, add_help=add_help)
+def build_parser(prog: str | None = None, default_profile: str = "full") -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=prog, description=DESCRIPTION)
     g = ap.add_mutually_exclusive_group()
     for name, what in (
         ("full", "every size, count, model and path (a few minutes on a GPU)"),
@@ -208,12 +205,7 @@ def main(
     argv: Sequence[str] | None = None, *, prog: str | None = None, default_profile: str = "full"
 ) -> int:
     args = build_parser(prog, default_profile).parse_args(argv)
-    if prog is None:
-        head = [sys.argv[0]]
-    elif prog.endswith(".py"):
-        head = ["python", prog]
-    else:  # "blockswap bench"
-        head = ["python", "-m", *prog.split()]
+    head = ["python", prog] if prog else [sys.argv[0]]
     return run_args(args, prog=prog, argv=[*head, *(sys.argv[1:] if argv is None else argv)])
 
 
