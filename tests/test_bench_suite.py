@@ -1,5 +1,6 @@
 """The benchmark suite end to end on the host backend, with its tiny profile (a few seconds): the
-JSON's schema, the tables, the plots. Figures are checked for sanity, never for speed."""
+JSON's schema, the tables, the plots. Figures are checked for sanity, never for speed. The suite
+is benches/blockswap_bench, imported from there (tests/conftest.py puts benches/ on the path)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from blockswap.bench import SECTIONS, profile, report, suite
-from blockswap.bench.models import MODELS
-from blockswap.bench.sweep import PATHS
 from blockswap.kernels import interpreter_mode
+from blockswap_bench import SECTIONS, profile, report, suite
+from blockswap_bench.models import MODELS
+from blockswap_bench.sweep import PATHS
 
 TINY = profile("tiny", "host")
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -305,7 +306,7 @@ def test_cli_refuses_an_unknown_model(
 def test_a_failing_measurement_is_recorded_not_dropped(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from blockswap.bench import handlers
+    from blockswap_bench import handlers
 
     def broken(*_args: Any, **_kw: Any) -> dict[str, Any]:
         raise RuntimeError("no transfer today")

@@ -5,12 +5,12 @@
 Sections (each beside the link's ceiling, one large copy measured in the same run):
 
 1. ``sweep``: block size x blocks per transfer x direction x path (one copy per block, DMA
-   batch, copy kernel, the handler's automatic choice), :mod:`blockswap.bench.sweep`.
+   batch, copy kernel, the handler's automatic choice), :mod:`blockswap_bench.sweep`.
 2. ``handler``: the handler with the KV-cache shapes of real models against one ``copy_`` per
-   page, :mod:`blockswap.bench.handlers`.
-3. ``bidir``: offload and onload at once, :mod:`blockswap.bench.bidir`.
+   page, :mod:`blockswap_bench.handlers`.
+3. ``bidir``: offload and onload at once, :mod:`blockswap_bench.bidir`.
 4. ``interference``: a GEMM on the compute stream beside an onload, per path (GPU only),
-   :mod:`blockswap.bench.interference`.
+   :mod:`blockswap_bench.interference`.
 
 Output, under ``--out`` (default ``results/<date>-<gpu>[-<profile>]``): ``summary.md`` (the
 tables, also printed), ``results.json`` (metadata and every row, skipped and failed ones
@@ -29,8 +29,9 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .._bench import resolve_backend
-from ..engine import Engine
+from blockswap._bench import resolve_backend
+from blockswap.engine import Engine
+
 from .common import Progress, run_metadata, slug
 from .context import SECTIONS, Context, Profile, profile
 
@@ -68,7 +69,7 @@ def run_suite(
 ) -> dict[str, Any]:
     """Runs ``sections`` and returns the results (the JSON's content). With ``out_dir``, writes
     ``results.json``, ``summary.md`` and the plots there (``out_dir="default"``: the default
-    folder). ``overrides`` replace fields of the :class:`~blockswap.bench.context.Profile`."""
+    folder). ``overrides`` replace fields of the :class:`~blockswap_bench.context.Profile`."""
     unknown = set(sections) - set(SECTIONS)
     if unknown:
         raise ValueError(f"unknown sections {sorted(unknown)}; choose from {', '.join(SECTIONS)}")

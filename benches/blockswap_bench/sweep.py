@@ -31,9 +31,10 @@ from typing import Any
 
 import numpy as np
 
-from .._bench import AutoHandler, address, engine_measure, one_copy, scatter, timer
-from .._types import Direction
-from ..engine import Engine
+from blockswap._bench import AutoHandler, address, engine_measure, one_copy, scatter, timer
+from blockswap._types import Direction
+from blockswap.engine import Engine
+
 from .common import fmt_bytes, fmt_count, handler_route, median
 from .context import Context
 
@@ -104,8 +105,8 @@ def kernel_launchers(ctx: Context) -> tuple[dict[str, Any] | None, str | None, d
     try:
         import torch
 
-        from ..handler import CpuGpuHandlers
-        from ..kernels import engine_launcher, interpreter_mode
+        from blockswap.handler import CpuGpuHandlers
+        from blockswap.kernels import engine_launcher, interpreter_mode
     except ImportError as e:
         return None, f"needs torch and triton ({e})", {}
     if not ctx.cuda and not interpreter_mode():

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from .._bench import (
+from blockswap._bench import (
     GiB,
     KiB,
     MiB,
@@ -35,7 +35,7 @@ from .._bench import (
     scatter,
     wall_timed,
 )
-from ..engine import info
+from blockswap.engine import info
 
 __all__ = [
     "GiB",

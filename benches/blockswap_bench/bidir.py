@@ -20,9 +20,10 @@ from typing import Any
 
 import numpy as np
 
-from .._bench import check_result
-from .._types import Direction
-from ..engine import Engine
+from blockswap._bench import check_result
+from blockswap._types import Direction
+from blockswap.engine import Engine
+
 from .common import address, fmt_bytes, fmt_count, median, scatter
 from .context import Context
 from .sweep import KERNEL_ALL, kernel_launchers

@@ -10,7 +10,8 @@ import textwrap
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from .._bench import DIRECTION, fmt_gbps, fmt_pct, table
+from blockswap._bench import DIRECTION, fmt_gbps, fmt_pct, table
+
 from .common import fmt_bytes, fmt_count
 from .sweep import LABELS as SWEEP_LABELS
 

@@ -9,7 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from .._bench import buffers, engine_over, measure_ceiling
+from blockswap._bench import buffers, engine_over, measure_ceiling
+
 from .common import GiB, KiB, MiB, Progress, fmt_bytes, repeat
 
 SECTIONS = ("sweep", "handler", "bidir", "interference")
@@ -39,7 +40,7 @@ class Profile:
     """Host backend: the Triton interpreter's kernel runs only up to this many bytes."""
     # Handler level.
     models: tuple[str, ...] = ()
-    """Model keys (:mod:`blockswap.bench.models`); empty: all."""
+    """Model keys (:mod:`blockswap_bench.models`); empty: all."""
     handler_blocks: int = 32
     handler_cache_bytes: int = 2 * GiB
     handler_max_blocks: int = 1024
