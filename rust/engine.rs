@@ -97,7 +97,7 @@ struct SubmitState {
     /// Bitset of the destination-uniqueness check, kept clear between transfers.
     bits: Vec<u64>,
     scratch: Scratch,
-    /// Chunk ids expanded to table blocks, per side (see [`expand_groups_into`](crate::table::expand_groups_into)).
+    /// Chunk ids expanded to table blocks, per side (see [`crate::table::expand_groups_into`]).
     chunk_ids: [Vec<u64>; 2],
 }
 

@@ -200,7 +200,7 @@ impl Engine {
         Ok(staged_row(t))
     }
 
-    /// The staging slot size of this engine (see [`EngineConfig::stage_bytes`](super::EngineConfig::stage_bytes)).
+    /// The staging slot size of this engine (see [`super::EngineConfig::stage_bytes`]).
     pub fn stage_bytes(&self) -> u64 {
         self.config.stage_bytes
     }

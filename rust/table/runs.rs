@@ -78,10 +78,10 @@ pub fn block_runs(src: &BlockTable, dst: &BlockTable) -> Option<Vec<Run>> {
 /// Entries of a slab one 2-D copy takes (see [`expand_runs_into`]).
 pub const PITCHED_ENTRIES: usize = 2;
 
-/// Checks block ids as [`super::expand_into`] does and writes one 2-D copy per (block pair, run), block
-/// by block, into `out`: copy `k` takes entries `2k` and `2k + 1`, `(src, dst, width)` then
-/// `(src pitch, dst pitch, rows)`. A run whose rows are contiguous on both sides is written as one
-/// row of `rows * width` bytes. `out` must have room for `2 * runs * ids` entries.
+/// Checks block ids as [`super::expand_into`] does and writes one 2-D copy per (block pair, run),
+/// block by block, into `out`: copy `k` takes entries `2k` and `2k + 1`, `(src, dst, width)`
+/// then `(src pitch, dst pitch, rows)`. A run whose rows are contiguous on both sides is written
+/// as one row of `rows * width` bytes. `out` must have room for `2 * runs * ids` entries.
 ///
 /// The copies write exactly the bytes [`super::expand_into`]'s descriptors write, so its proof of
 /// disjoint destinations (distinct ids, segments that share no byte) holds unchanged.
