@@ -1,0 +1,717 @@
+//! The backend: [`CudaBackend`] and the driver state it shares with its issuing threads, and
+//! its [`Backend`] implementation.
+
+use std::ffi::{c_void, CStr};
+use std::mem::ManuallyDrop;
+use std::ptr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use cudarc::driver::result;
+use cudarc::driver::sys;
+
+use super::driver::{
+    check, driver_available, resolve, resolve_batch, resolve_batch3d, Batch3dFn, BatchFn,
+    ParamInfoFn, MAX_KERNEL_PARAMS,
+};
+use super::lane::{CudaLane, Job};
+use super::options::{CompletionMode, CopyPath, CudaOptions};
+use super::query::{device_ordinal, memory_type, pointer_u64};
+use super::resources::{
+    bind, register_host, unregister_host, CtxGuard, Event, PinnedHost, PrimaryCtx,
+};
+use super::staged::LoadedKernel;
+use crate::backend::{
+    Backend, BackendError, BackendInfo, HostAlloc, KernelSpec, PageKernel, SubmitRequest, Submitted,
+};
+use crate::direction::Direction;
+use crate::region::MemoryKind;
+use crate::slab::SlabRef;
+
+/// Copies with the CUDA driver.
+///
+/// `submit` checks and records what must happen on the caller's thread (the caller's stream, as
+/// it is at the call) and hands the transfer to the lane's issuing thread, which makes every
+/// driver call of it, in order: the caller's host time does not grow with the copies the
+/// driver has to write. A transfer with a Python kernel launcher, or on a lane that runs on a
+/// stream the caller gave, is the exception: it waits for the lane's thread to go idle and is
+/// issued on the caller's thread (a caller's stream holds the copies when `submit` returns).
+#[derive(Debug)]
+pub struct CudaBackend {
+    shared: Arc<Shared>,
+    /// Per lane, its issuing thread, started on the lane's first transfer.
+    workers: Mutex<[Option<std::thread::JoinHandle<()>>; 4]>,
+}
+
+impl std::ops::Deref for CudaBackend {
+    type Target = Shared;
+    fn deref(&self) -> &Shared {
+        &self.shared
+    }
+}
+
+impl CudaBackend {
+    /// See [`Shared::new`].
+    pub fn new(opts: CudaOptions) -> Result<Self, BackendError> {
+        Ok(CudaBackend {
+            shared: Arc::new(Shared::new(opts)?),
+            workers: Mutex::new([None, None, None, None]),
+        })
+    }
+
+    /// Starts `lane`'s issuing thread if it is not running.
+    fn start_worker(&self, lane: Direction) -> Result<(), BackendError> {
+        let mut w = self.workers.lock().unwrap_or_else(|e| e.into_inner());
+        if w[lane.lane()].is_some() {
+            return Ok(());
+        }
+        let shared = Arc::clone(&self.shared);
+        let handle = std::thread::Builder::new()
+            .name(format!("blockswap-{}", lane.as_str()))
+            .spawn(move || shared.work(lane))
+            .map_err(|e| BackendError::Unavailable(format!("cannot start a thread: {e}")))?;
+        w[lane.lane()] = Some(handle);
+        Ok(())
+    }
+}
+
+impl Drop for CudaBackend {
+    fn drop(&mut self) {
+        let workers = std::mem::take(self.workers.get_mut().unwrap_or_else(|e| e.into_inner()));
+        if crate::fork::fork_generation() != self.generation {
+            // A forked child has none of the parent's threads.
+            std::mem::forget(workers);
+            return;
+        }
+        self.stopping.store(true, Ordering::Release);
+        for l in self.lanes.iter() {
+            // Under the queue's lock: a worker between its check and its wait sees the flag.
+            let _q = l.queue.lock().unwrap_or_else(|e| e.into_inner());
+            l.work.notify_all();
+        }
+        // Each thread issues what it was handed, then ends: an accepted transfer runs.
+        for h in workers.into_iter().flatten() {
+            let _ = h.join();
+        }
+    }
+}
+
+/// The driver state of a [`CudaBackend`], shared with its issuing threads.
+///
+/// Every driver resource is owned by a value that frees it on drop (the context reference, the
+/// counters, each stream and event), so a construction that fails midway frees what it made.
+/// The backend drops them by hand (see its `Drop`): in a forked child, or while a lane the
+/// engine gave up on may still run, the memory the device may write is leaked, never freed.
+#[derive(Debug)]
+pub struct Shared {
+    ordinal: i32,
+    name: String,
+    driver_version: i32,
+    pub(super) batch: Option<BatchFn>,
+    /// The batched 3-D copy for block plans; `None`: one cuMemcpy2DAsync per copy.
+    pub(super) batch3d: Option<Batch3dFn>,
+    pub(super) opts: CudaOptions,
+    pub(super) write_value: bool,
+    epoch: Instant,
+    /// Nanoseconds inside copy calls (cuMemcpyBatchAsync / cuMemcpyAsync), for profiling.
+    pub(super) driver_ns: AtomicU64,
+    /// Transfers still to fail on purpose (`Backend::inject_failures`, a test hook).
+    pub(super) fail_next: AtomicU64,
+    /// [`crate::fork::fork_generation`] when the backend was made: in a child forked since,
+    /// its context and handles are the parent's and must not be touched.
+    generation: u64,
+    /// Set by `shutdown`: from then on host memory is freed only once every lane is idle.
+    pub(super) shut: AtomicBool,
+    /// Host memory handed back while a lane might still reach it: freed once every lane is idle,
+    /// else leaked.
+    pub(super) deferred: Mutex<Vec<HostAlloc>>,
+    /// `cuFuncGetParamInfo`, where the driver has it: [`Backend::load_kernel`] needs it.
+    param_info: Option<ParamInfoFn>,
+    /// Kernels loaded for staged plans, by id.
+    pub(super) kernels: std::sync::RwLock<Vec<LoadedKernel>>,
+    /// Set when the backend goes: the issuing threads end once their queues are empty.
+    pub(super) stopping: AtomicBool,
+    // The driver resources, dropped in this order in `Drop`.
+    pub(super) lanes: ManuallyDrop<Vec<CudaLane>>,
+    /// One cache line per lane's completion counter: the device writes them independently.
+    counters: ManuallyDrop<PinnedHost>,
+    pub(super) ctx: ManuallyDrop<PrimaryCtx>,
+}
+
+// SAFETY: driver handles (context, streams, events) may be used from any thread once the context is
+// made current there, which every entry point does first; `counter` is only read atomically on the
+// host and written by the device.
+unsafe impl Send for Shared {}
+// SAFETY: as above; mutation goes through atomics, OnceLocks and Mutexes, and a lane's
+// transfers are issued by one thread at a time (its issuing thread, or `submit` under the
+// engine's submit lock once that thread has drained).
+unsafe impl Sync for Shared {}
+
+/// How long between stream health checks while transfers are outstanding.
+const HEALTH_CHECK: Duration = Duration::from_millis(20);
+
+impl Shared {
+    /// `opts.max_in_flight` is clamped as the engine clamps it for this backend, which keeps the
+    /// default [`Backend::max_in_flight`] ([`crate::backend::clamp_in_flight`]): the event rings
+    /// hold twice that.
+    pub fn new(mut opts: CudaOptions) -> Result<Self, BackendError> {
+        opts.max_in_flight = crate::backend::clamp_in_flight(opts.max_in_flight);
+        // Arguments first, before any driver resource exists.
+        for s in opts.streams.iter().flatten() {
+            if *s <= 2 {
+                return Err(BackendError::InvalidArgument(format!(
+                    "stream {s:#x} is a legacy or per-thread default stream; copies need a created stream"
+                )));
+            }
+        }
+        let driver_version = driver_available()?;
+        let mut device = 0;
+        // SAFETY: symbols checked by `driver_available`; cuDeviceGet writes one handle.
+        check("cuDeviceGet", unsafe {
+            sys::cuDeviceGet(&mut device, opts.device)
+        })?;
+        // From here on every resource is owned by a local: an early return drops them in reverse
+        // order (lanes, counters, the binding, the context).
+        let ctx = PrimaryCtx::retain(device)?;
+        let _bound = bind(ctx.raw)?;
+        let mut name_buf = [0 as std::ffi::c_char; 256];
+        // SAFETY: writes at most 256 bytes, NUL-terminated.
+        let name = if unsafe { sys::cuDeviceGetName(name_buf.as_mut_ptr(), 256, device) }
+            == sys::CUresult::CUDA_SUCCESS
+        {
+            // SAFETY: NUL-terminated by the driver.
+            unsafe { CStr::from_ptr(name_buf.as_ptr()) }
+                .to_string_lossy()
+                .into_owned()
+        } else {
+            String::from("unknown")
+        };
+        let batch = match opts.copy_path {
+            CopyPath::Loop => None,
+            CopyPath::Auto => resolve_batch(driver_version),
+            CopyPath::Batch => Some(resolve_batch(driver_version).ok_or_else(|| {
+                BackendError::Unavailable(format!(
+                    "copy_path='batch' needs cuMemcpyBatchAsync (CUDA 12.8+ driver); this driver is {driver_version}"
+                ))
+            })?),
+        };
+        // Block plans follow the 1-D choice: batched where the driver has the call, unless the
+        // loop was asked for.
+        let batch3d = match opts.copy_path {
+            CopyPath::Loop => None,
+            CopyPath::Auto | CopyPath::Batch => resolve_batch3d(driver_version),
+        };
+        let counters = PinnedHost::alloc(ctx.raw, Direction::ALL.len() * 64)?;
+        let mut lanes = Vec::with_capacity(Direction::ALL.len());
+        for (i, dir) in Direction::ALL.into_iter().enumerate() {
+            debug_assert_eq!(dir.lane(), i, "lanes are indexed by Direction::lane");
+            lanes.push(CudaLane::new(ctx.raw, &counters, i, opts.streams[i])?);
+        }
+        let write_value = match opts.completion {
+            CompletionMode::Event => false,
+            CompletionMode::Auto => lanes[0].probe_write_value(),
+            CompletionMode::WriteValue => {
+                if !lanes[0].probe_write_value() {
+                    return Err(BackendError::Unavailable(
+                        "this device or driver has no 64-bit stream memory operations (completion='write_value')".into(),
+                    ));
+                }
+                true
+            }
+        };
+        // Twice the transfers the engine lets into flight: a slot is recorded again only once
+        // the transfer that used it is complete.
+        let ring = 2 * opts.max_in_flight;
+        for lane in &mut lanes {
+            if !write_value {
+                lane.done_events = (0..ring)
+                    .map(|_| Event::create(ctx.raw, false))
+                    .collect::<Result<_, _>>()?;
+            }
+            if opts.timing {
+                lane.timing_events = (0..ring)
+                    .map(|_| Ok((Event::create(ctx.raw, true)?, Event::create(ctx.raw, true)?)))
+                    .collect::<Result<_, BackendError>>()?;
+            }
+        }
+        Ok(Shared {
+            ordinal: opts.device,
+            name,
+            driver_version,
+            batch,
+            batch3d,
+            opts,
+            write_value,
+            epoch: Instant::now(),
+            driver_ns: AtomicU64::new(0),
+            fail_next: AtomicU64::new(0),
+            generation: crate::fork::fork_generation(),
+            shut: AtomicBool::new(false),
+            deferred: Mutex::new(Vec::new()),
+            // SAFETY: the symbol's ABI is that of CUDA 12.4, the version asked for.
+            param_info: resolve("cuFuncGetParamInfo", 12040)
+                .map(|p| unsafe { std::mem::transmute::<*mut c_void, ParamInfoFn>(p) }),
+            kernels: std::sync::RwLock::new(Vec::new()),
+            stopping: AtomicBool::new(false),
+            lanes: ManuallyDrop::new(lanes),
+            counters: ManuallyDrop::new(counters),
+            ctx: ManuallyDrop::new(ctx),
+        })
+    }
+
+    /// Makes this backend's context current on the calling thread until the guard drops.
+    pub(super) fn make_current(&self) -> Result<CtxGuard, BackendError> {
+        bind(self.ctx.raw)
+    }
+}
+
+impl Backend for CudaBackend {
+    fn info(&self) -> BackendInfo {
+        BackendInfo {
+            name: "cuda",
+            driver_version: self.driver_version,
+            device: Some(format!("cuda:{} ({})", self.ordinal, self.name)),
+            copy_path: match self.batch {
+                Some(b) => format!("{b:?}"),
+                None => "cuMemcpyAsync loop".into(),
+            },
+            completion: if self.write_value {
+                "cuStreamWriteValue64 into mapped pinned memory"
+            } else {
+                "event query"
+            },
+        }
+    }
+
+    fn load_kernel(&self, spec: KernelSpec) -> Result<Option<u32>, BackendError> {
+        let bad = |why: String| Err(BackendError::InvalidArgument(why));
+        if spec.function == 0 {
+            return bad("the kernel's function handle is null".into());
+        }
+        if !(1..=1024).contains(&spec.threads) || spec.rows == 0 || spec.ctas == 0 {
+            return bad(format!(
+                "a kernel needs 1-1024 threads, rows and ctas >= 1; got {}, {}, {}",
+                spec.threads, spec.rows, spec.ctas
+            ));
+        }
+        let Some(info) = self.param_info else {
+            return Err(BackendError::Unavailable(format!(
+                "launching kernels from the core needs cuFuncGetParamInfo (CUDA 12.4+ driver); \
+                 this driver is {}",
+                self.driver_version
+            )));
+        };
+        let _ctx = self.make_current()?;
+        let f = spec.function as sys::CUfunction;
+        let mut sizes = Vec::new();
+        while sizes.len() <= MAX_KERNEL_PARAMS {
+            let (mut offset, mut size) = (0usize, 0usize);
+            // SAFETY: `f` is a CUfunction of this context (the caller's contract); the driver
+            // writes two integers, or fails past the last parameter.
+            if unsafe { info(f, sizes.len(), &mut offset, &mut size) }
+                != sys::CUresult::CUDA_SUCCESS
+            {
+                break;
+            }
+            sizes.push(size);
+        }
+        if sizes.len() > MAX_KERNEL_PARAMS || sizes.len() < spec.params.len() {
+            return bad(format!(
+                "the kernel takes {} parameters; {} named, at most {MAX_KERNEL_PARAMS} in all",
+                sizes.len(),
+                spec.params.len()
+            ));
+        }
+        if let Some(i) = sizes.iter().position(|&z| z != 8) {
+            return bad(format!(
+                "parameter {i} of the kernel is {} bytes; every parameter must be 8 (int64 or \
+                 a pointer)",
+                sizes[i]
+            ));
+        }
+        let mut most = 0;
+        // SAFETY: writes one int.
+        check("cuFuncGetAttribute", unsafe {
+            sys::cuFuncGetAttribute(
+                &mut most,
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK,
+                f,
+            )
+        })?;
+        if spec.threads > most as u32 {
+            return bad(format!(
+                "the kernel runs at most {most} threads per CTA, not {}",
+                spec.threads
+            ));
+        }
+        let kind = match spec.kind() {
+            Ok(kind) => kind,
+            Err(why) => return bad(why),
+        };
+        let mut kernels = self.kernels.write().unwrap_or_else(|e| e.into_inner());
+        let id = kernels.len() as u32;
+        kernels.push(LoadedKernel {
+            function: spec.function,
+            total: sizes.len(),
+            spec,
+            kind,
+        });
+        Ok(Some(id))
+    }
+
+    fn allocation_base(&self, addr: u64) -> Option<u64> {
+        let _ctx = self.make_current().ok()?;
+        let (mut base, mut size) = (0 as sys::CUdeviceptr, 0usize);
+        // SAFETY: two out-pointers to locals; the driver only looks the address up.
+        let r = unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, addr) };
+        (r == sys::CUresult::CUDA_SUCCESS).then_some(base)
+    }
+
+    fn check_region(&self, start: u64, len: u64, kind: MemoryKind) -> Result<(), BackendError> {
+        let _ctx = self.make_current()?;
+        let last = start
+            .checked_add(len.saturating_sub(1))
+            .ok_or_else(|| BackendError::BadMemory(format!("range at {start:#x} overflows")))?;
+        let want = match kind {
+            MemoryKind::Host => sys::CUmemorytype::CU_MEMORYTYPE_HOST,
+            MemoryKind::Device => sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+        };
+        for addr in [start, last] {
+            match memory_type(addr) {
+                Some(t) if t == want => {}
+                Some(t) => {
+                    return Err(BackendError::BadMemory(format!(
+                        "{addr:#x} is {t:?} memory, not {kind} memory"
+                    )))
+                }
+                None if kind == MemoryKind::Host => {
+                    return Err(BackendError::BadMemory(format!(
+                        "{addr:#x} is not page-locked host memory: allocate it with alloc_host or \
+                         pin it (pin_memory=True, or Engine.pin) first"
+                    )))
+                }
+                None => {
+                    return Err(BackendError::BadMemory(format!(
+                        "{addr:#x} is not device memory the driver knows"
+                    )))
+                }
+            }
+        }
+        if kind == MemoryKind::Device {
+            for addr in [start, last] {
+                if let Some(o) = device_ordinal(addr) {
+                    if o != self.ordinal {
+                        return Err(BackendError::BadMemory(format!(
+                            "{addr:#x} is memory of cuda:{o}, this engine is on cuda:{}",
+                            self.ordinal
+                        )));
+                    }
+                }
+            }
+        }
+        let range = sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR;
+        if let (Some(a), Some(b)) = (pointer_u64(start, range), pointer_u64(last, range)) {
+            if a != b {
+                return Err(BackendError::BadMemory(format!(
+                    "[{start:#x}, +{len}) spans more than one allocation"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    fn alloc_host(&self, bytes: usize) -> Result<HostAlloc, BackendError> {
+        let _ctx = self.make_current()?;
+        let mut p = ptr::null_mut();
+        // SAFETY: page-locked, device-mapped, portable, cached memory (not write-combined: the CPU
+        // reads device->host results from it).
+        check("cuMemHostAlloc", unsafe {
+            sys::cuMemHostAlloc(
+                &mut p,
+                bytes.max(1),
+                sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP,
+            )
+        })?;
+        let p = ptr::NonNull::new(p as *mut u8).ok_or(BackendError::OutOfMemory { bytes })?;
+        // SAFETY: `p` owns `bytes` bytes until free_host.
+        Ok(unsafe { HostAlloc::from_raw(p, bytes.max(1)) })
+    }
+
+    unsafe fn free_host(&self, alloc: HostAlloc) {
+        let Ok(_ctx) = self.make_current() else {
+            // Nothing can be checked or freed without the context: leaked.
+            return;
+        };
+        let mut deferred = self.deferred.lock().unwrap_or_else(|e| e.into_inner());
+        if !self.may_free() {
+            // A lane the engine gave up on may still reach it: freed once every lane is idle.
+            deferred.push(alloc);
+            return;
+        }
+        for a in deferred.drain(..).chain([alloc]) {
+            // SAFETY: allocated by cuMemHostAlloc; the caller guarantees nothing touches it again
+            // and, for memory deferred, every lane is idle now. Errors are ignored: freeing must
+            // not panic, and there is nothing left to do.
+            let _ = unsafe { result::free_host(a.as_ptr() as *mut c_void) };
+        }
+    }
+
+    unsafe fn pin_host(&self, start: u64, len: u64) -> Result<(), BackendError> {
+        let _ctx = self.make_current()?;
+        // SAFETY: the caller guarantees the range is allocated host memory outliving the pin.
+        unsafe { register_host(start, len) }
+    }
+
+    unsafe fn unpin_host(&self, start: u64) -> Result<(), BackendError> {
+        let _ctx = self.make_current()?;
+        if !self.may_free() {
+            // The device may still reach the range through a lane the engine gave up on.
+            return Err(BackendError::StillInFlight {
+                transfers: self.left(),
+            });
+        }
+        // SAFETY: registered by pin_host; nothing in flight (the caller's guarantee).
+        unsafe { unregister_host(start) }
+    }
+
+    fn submit(
+        &self,
+        lane: Direction,
+        seq: u64,
+        slab: SlabRef,
+        request: SubmitRequest<'_>,
+    ) -> Result<Submitted, BackendError> {
+        let _ctx = self.make_current()?;
+        let l = self.lane(lane);
+        // The caller's stream as it is now: recorded here, waited for when the job is issued.
+        let (dep, failed) = match request.wait_stream {
+            None => (None, None),
+            Some(s) => match self.record_dep(lane, s) {
+                Ok(ev) => (Some(ev), None),
+                Err(e) => (None, Some(e)),
+            },
+        };
+        let loaded = match request.kernel {
+            Some((
+                batch,
+                PageKernel::Loaded {
+                    kernel,
+                    launch_bytes,
+                },
+            )) => Some((batch, kernel, launch_bytes)),
+            _ => None,
+        };
+        let job = Job {
+            seq,
+            slab,
+            pitched: request.pitched,
+            staged: request.staged,
+            dep,
+            failed,
+            kernel: loaded,
+        };
+        let launcher = matches!(request.kernel, Some((_, PageKernel::Launcher(_))));
+        if launcher || !l.stream.owned {
+            // Release: pairs with Acquire loads in `lane_idle` and `left_on`.
+            l.accepted.store(seq, Ordering::Release);
+            // Issued on the caller's thread, after everything queued before: a Python launcher
+            // runs here, and a caller that gave its own stream finds the copies on it when
+            // this returns.
+            self.wait_drained(lane);
+            return self.issue_job(lane, job, request.kernel);
+        }
+        self.start_worker(lane)?;
+        // Release: as above.
+        l.accepted.store(seq, Ordering::Release);
+        l.pending.fetch_add(1, Ordering::AcqRel);
+        l.queue
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push_back(job);
+        l.work.notify_one();
+        Ok(Submitted::Ok)
+    }
+
+    fn completed(&self, lane: Direction) -> u64 {
+        self.completed_seq(lane)
+    }
+
+    fn wait(
+        &self,
+        lane: Direction,
+        seq: u64,
+        timeout: Option<Duration>,
+    ) -> Result<bool, BackendError> {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let mut sleep = Duration::from_micros(10);
+        let mut last_check = Instant::now();
+        loop {
+            if self.completed(lane) >= seq {
+                return Ok(true);
+            }
+            if last_check.elapsed() >= HEALTH_CHECK {
+                let _ctx = self.make_current()?;
+                self.check_stream(lane);
+                last_check = Instant::now();
+            }
+            if self.failed(lane).is_some() {
+                return Ok(false);
+            }
+            if let Some(d) = deadline {
+                let now = Instant::now();
+                if now >= d {
+                    return Ok(false);
+                }
+                sleep = sleep.min(d - now);
+            }
+            // Sleeps, growing to 500 us: no core is spun, and a finished copy is seen within
+            // about one sleep.
+            std::thread::sleep(sleep);
+            sleep = (sleep * 2).min(Duration::from_micros(500));
+        }
+    }
+
+    fn lane_error(&self, lane: Direction) -> Option<BackendError> {
+        let l = self.lane(lane);
+        if let Some(e) = self.failed(lane) {
+            return Some(e.clone());
+        }
+        // A rate-limited, non-blocking health check while work is outstanding: a faulted stream
+        // never writes its sequence numbers, and polls must still report its transfers.
+        let now = self.epoch.elapsed().as_nanos() as u64;
+        let last = l.last_check.load(Ordering::Relaxed);
+        if now.saturating_sub(last) >= HEALTH_CHECK.as_nanos() as u64
+            && l.submitted.load(Ordering::Acquire) > self.completed(lane)
+            && l.last_check
+                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            if let Ok(_ctx) = self.make_current() {
+                self.check_stream(lane);
+            }
+        }
+        self.failed(lane).cloned()
+    }
+
+    fn driver_ns(&self) -> u64 {
+        self.driver_ns.load(Ordering::Relaxed)
+    }
+
+    fn device_ns(&self, lane: Direction, seq: u64) -> Option<u64> {
+        let l = self.lane(lane);
+        if l.timing_events.is_empty() {
+            return None;
+        }
+        let (start, end) = &l.timing_events[(seq as usize) % l.timing_events.len()];
+        let mut ms = 0f32;
+        // SAFETY: both events were recorded for this (complete) transfer; the call never blocks.
+        let r = unsafe { sys::cuEventElapsedTime_v2(&mut ms, start.raw, end.raw) };
+        (r == sys::CUresult::CUDA_SUCCESS).then_some((ms as f64 * 1e6) as u64)
+    }
+
+    fn inject_failures(&self, count: u64) {
+        self.fail_next.store(count, Ordering::Relaxed);
+    }
+
+    fn shutdown(&self, deadline: Option<Instant>) -> u64 {
+        // Release: pairs with the Acquire load in `may_free`.
+        self.shut.store(true, Ordering::Release);
+        // Every accepted transfer is issued first (driver calls only, no wait on the device):
+        // it runs, whatever the deadline says about waiting for it.
+        for d in Direction::ALL {
+            self.wait_drained(d);
+        }
+        // Without the context the queries below fail, and every lane counts as still running.
+        let _ctx = self.make_current();
+        // Waits without spinning a core and never inside the driver (a stream synchronize has no
+        // bound), for every lane that can still finish: a failed lane never does.
+        let mut sleep = Duration::from_micros(10);
+        let mut last_check = Instant::now();
+        loop {
+            let running: Vec<Direction> = Direction::ALL
+                .into_iter()
+                .filter(|&d| self.failed(d).is_none() && !self.lane_idle(d))
+                .collect();
+            if running.is_empty() {
+                break;
+            }
+            if let Some(d) = deadline {
+                let now = Instant::now();
+                if now >= d {
+                    break;
+                }
+                sleep = sleep.min(d - now);
+            }
+            if last_check.elapsed() >= HEALTH_CHECK {
+                for &d in &running {
+                    self.check_stream(d);
+                }
+                last_check = Instant::now();
+            }
+            std::thread::sleep(sleep);
+            sleep = (sleep * 2).min(Duration::from_micros(500));
+        }
+        let mut left = 0;
+        for d in Direction::ALL {
+            if self.lane_idle(d) {
+                continue;
+            }
+            let transfers = self.left_on(d);
+            left += transfers;
+            // Every transfer of the lane not complete yet is reported failed with this (unless the
+            // lane already failed), and the memory it may reach stays allocated.
+            let _ = self
+                .lane(d)
+                .error
+                .set(BackendError::StillInFlight { transfers });
+        }
+        left
+    }
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        // Never panics: driver errors during teardown are ignored (there is no one left to tell).
+        if crate::fork::fork_generation() != self.generation {
+            // A forked child: the handles are the parent's. The fields are never dropped.
+            return;
+        }
+        let idle = match self.make_current() {
+            Ok(_ctx) => {
+                let idle = Direction::ALL.into_iter().all(|d| self.lane_idle(d));
+                if idle {
+                    let deferred = self.deferred.get_mut().unwrap_or_else(|e| e.into_inner());
+                    for a in deferred.drain(..) {
+                        // SAFETY: from cuMemHostAlloc, handed back by its owner, and every lane
+                        // is idle: nothing can reach it any more.
+                        let _ = unsafe { result::free_host(a.as_ptr() as *mut c_void) };
+                    }
+                }
+                idle
+            }
+            Err(_) => false,
+        };
+        if !idle {
+            // A staging ring a kernel or copy may still reach is leaked with its stream and
+            // events, never freed under the device.
+            for l in self.lanes.iter_mut() {
+                std::mem::forget(l.stage.get_mut().unwrap_or_else(|e| e.into_inner()).take());
+            }
+        }
+        // SAFETY: each field is dropped at most once, here, and the backend is not used again.
+        // Streams and events may go with work still queued: the driver releases them after it.
+        unsafe { ManuallyDrop::drop(&mut self.lanes) };
+        if idle {
+            // SAFETY: as above. No stream writes the counters any more, and nothing made in the
+            // context is left.
+            unsafe {
+                ManuallyDrop::drop(&mut self.counters);
+                ManuallyDrop::drop(&mut self.ctx);
+            }
+        }
+        // Otherwise a lane the engine gave up on may still write its counter or reach memory
+        // handed back: the counters, that memory and the context reference are leaked, never
+        // freed under the device.
+    }
+}

@@ -1,0 +1,115 @@
+//! What a [`CudaBackend`](super::CudaBackend) is made with: the device, the copy call, the order of the
+//! copies and how completion is observed.
+
+use std::str::FromStr;
+
+use crate::direction::Direction;
+use crate::region::MemoryKind;
+
+/// Which copy call a transfer uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CopyPath {
+    /// The batch call where the driver has one, else the loop.
+    Auto,
+    /// The batch call; an error where the driver has none.
+    Batch,
+    /// One `cuMemcpyAsync` per descriptor.
+    Loop,
+}
+
+impl FromStr for CopyPath {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(CopyPath::Auto),
+            "batch" => Ok(CopyPath::Batch),
+            "loop" => Ok(CopyPath::Loop),
+            _ => Err(format!(
+                "copy_path must be 'auto', 'batch' or 'loop', not {s:?}"
+            )),
+        }
+    }
+}
+
+/// When the copy engine may read a transfer's sources.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AccessOrder {
+    /// In stream order: after everything issued before on the copy stream.
+    Stream,
+    /// Any time after the call, even before earlier stream work: only for sources nothing writes.
+    Any,
+}
+
+impl FromStr for AccessOrder {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "stream" => Ok(AccessOrder::Stream),
+            "any" => Ok(AccessOrder::Any),
+            _ => Err(format!("access order must be 'stream' or 'any', not {s:?}")),
+        }
+    }
+}
+
+/// How completion is signalled.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CompletionMode {
+    /// Stream memory operations where the device has them, else events.
+    Auto,
+    /// `cuStreamWriteValue64` into mapped pinned memory; polled with an atomic load.
+    WriteValue,
+    /// One event per transfer; polled with `cuEventQuery`.
+    Event,
+}
+
+impl FromStr for CompletionMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(CompletionMode::Auto),
+            "write_value" => Ok(CompletionMode::WriteValue),
+            "event" => Ok(CompletionMode::Event),
+            _ => Err(format!(
+                "completion must be 'auto', 'write_value' or 'event', not {s:?}"
+            )),
+        }
+    }
+}
+
+/// Settings of a [`CudaBackend`](super::CudaBackend).
+#[derive(Clone, Debug)]
+pub struct CudaOptions {
+    pub device: i32,
+    pub copy_path: CopyPath,
+    /// Descriptors per driver call; larger transfers are split (one 51,828-descriptor batch has
+    /// been reported to crash a driver).
+    pub max_batch: usize,
+    /// Record timing events around each transfer, for device seconds in its result.
+    pub timing: bool,
+    /// Source access order per direction (lane order). Default: ANY for host sources (pinned
+    /// memory nothing else writes), STREAM for device sources (live GPU memory).
+    pub access_order: [AccessOrder; 4],
+    pub completion: CompletionMode,
+    /// A caller's stream per direction (raw `CUstream`), used instead of one of our own.
+    pub streams: [Option<u64>; 4],
+    /// Transfers in flight per direction the event rings hold (the engine's `max_in_flight`).
+    pub max_in_flight: usize,
+}
+
+impl CudaOptions {
+    pub fn new(device: i32) -> Self {
+        CudaOptions {
+            device,
+            copy_path: CopyPath::Auto,
+            max_batch: 16_384,
+            timing: false,
+            access_order: Direction::ALL.map(|d| match d.src_kind() {
+                MemoryKind::Host => AccessOrder::Any,
+                MemoryKind::Device => AccessOrder::Stream,
+            }),
+            completion: CompletionMode::Auto,
+            streams: [None; 4],
+            max_in_flight: 1024,
+        }
+    }
+}

@@ -1,0 +1,309 @@
+//! The driver resources, each freed by its own `Drop`: the primary context, streams, events,
+//! device and pinned host memory, host registrations, and the guard a bound context is undone by.
+
+use std::ffi::c_void;
+use std::ptr;
+
+use cudarc::driver::result;
+use cudarc::driver::sys;
+
+use super::driver::{check, driver_available, driver_error, may_create, tally};
+use crate::backend::BackendError;
+
+/// Makes `ctx` current on the calling thread until the guard drops, then puts back whatever was
+/// current before (the caller's device, as torch set it).
+pub(super) fn bind(ctx: sys::CUcontext) -> Result<CtxGuard, BackendError> {
+    let prev = result::ctx::get_current()
+        .map_err(|e| driver_error("cuCtxGetCurrent", e))?
+        .unwrap_or(ptr::null_mut());
+    if prev != ctx {
+        // SAFETY: `ctx` is a retained primary context, alive while its owner lives.
+        unsafe { result::ctx::set_current(ctx) }.map_err(|e| driver_error("cuCtxSetCurrent", e))?;
+    }
+    Ok(CtxGuard {
+        prev: (prev != ctx).then_some(prev),
+    })
+}
+
+/// A reference to a device's primary context (the one torch uses), from `retain` until drop.
+#[derive(Debug)]
+pub(super) struct PrimaryCtx {
+    device: sys::CUdevice,
+    pub(super) raw: sys::CUcontext,
+}
+
+impl PrimaryCtx {
+    pub(super) fn retain(device: sys::CUdevice) -> Result<Self, BackendError> {
+        may_create("cuDevicePrimaryCtxRetain")?;
+        // SAFETY: `device` came from cuDeviceGet; the reference is released once, in Drop.
+        let raw = unsafe { result::primary_ctx::retain(device) }
+            .map_err(|e| driver_error("cuDevicePrimaryCtxRetain", e))?;
+        tally(1);
+        Ok(PrimaryCtx { device, raw })
+    }
+}
+
+impl Drop for PrimaryCtx {
+    fn drop(&mut self) {
+        // SAFETY: retained once in `retain`, released once here. An error is ignored: Drop must
+        // not panic, and no one is left to tell.
+        let _ = unsafe { result::primary_ctx::release(self.device) };
+        tally(-1);
+    }
+}
+
+/// A lane's stream: one this backend created (destroyed on drop) or the caller's (left alone).
+#[derive(Debug)]
+pub(super) struct Stream {
+    pub(super) raw: sys::CUstream,
+    pub(super) ctx: sys::CUcontext,
+    pub(super) owned: bool,
+}
+
+impl Stream {
+    /// A non-blocking stream of `ctx`: it never synchronises with the legacy default stream.
+    pub(super) fn create(ctx: sys::CUcontext) -> Result<Self, BackendError> {
+        may_create("cuStreamCreate")?;
+        let _bound = bind(ctx)?;
+        let raw = result::stream::create(result::stream::StreamKind::NonBlocking)
+            .map_err(|e| driver_error("cuStreamCreate", e))?;
+        tally(1);
+        Ok(Stream {
+            raw,
+            ctx,
+            owned: true,
+        })
+    }
+
+    /// The caller's stream, used as it is and never destroyed here.
+    pub(super) fn borrowed(raw: u64, ctx: sys::CUcontext) -> Self {
+        Stream {
+            raw: raw as sys::CUstream,
+            ctx,
+            owned: false,
+        }
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        if !self.owned {
+            return;
+        }
+        if let Ok(_bound) = bind(self.ctx) {
+            // SAFETY: created by `create` and destroyed once, here. Work still queued on it is no
+            // obstacle: the driver releases the stream once that work is done. Errors are
+            // ignored: Drop must not panic.
+            let _ = unsafe { result::stream::destroy(self.raw) };
+        }
+        tally(-1);
+    }
+}
+
+/// An event, destroyed on drop.
+#[derive(Debug)]
+pub(super) struct Event {
+    pub(super) raw: sys::CUevent,
+    ctx: sys::CUcontext,
+}
+
+impl Event {
+    pub(super) fn create(ctx: sys::CUcontext, timing: bool) -> Result<Self, BackendError> {
+        may_create("cuEventCreate")?;
+        let _bound = bind(ctx)?;
+        let flags = if timing {
+            sys::CUevent_flags::CU_EVENT_DEFAULT
+        } else {
+            sys::CUevent_flags::CU_EVENT_DISABLE_TIMING
+        };
+        let raw = result::event::create(flags).map_err(|e| driver_error("cuEventCreate", e))?;
+        tally(1);
+        Ok(Event { raw, ctx })
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        if let Ok(_bound) = bind(self.ctx) {
+            // SAFETY: created by `create` and destroyed once, here. An event still pending in a
+            // stream may be destroyed: the driver releases it once it completes.
+            let _ = unsafe { result::event::destroy(self.raw) };
+        }
+        tally(-1);
+    }
+}
+
+/// Device memory from `cuMemAlloc`, freed on drop.
+#[derive(Debug)]
+pub(super) struct DeviceMem {
+    pub(super) ptr: sys::CUdeviceptr,
+    ctx: sys::CUcontext,
+}
+
+impl DeviceMem {
+    pub(super) fn alloc(ctx: sys::CUcontext, len: usize) -> Result<Self, BackendError> {
+        may_create("cuMemAlloc")?;
+        let _bound = bind(ctx)?;
+        let mut ptr = 0;
+        // SAFETY: writes one device pointer.
+        check("cuMemAlloc", unsafe { sys::cuMemAlloc_v2(&mut ptr, len) })?;
+        tally(1);
+        Ok(DeviceMem { ptr, ctx })
+    }
+}
+
+impl Drop for DeviceMem {
+    fn drop(&mut self) {
+        if let Ok(_bound) = bind(self.ctx) {
+            // SAFETY: from cuMemAlloc, freed once, here; the owner drops it only once no work
+            // that may reach it can run (see `CudaBackend`'s Drop).
+            let _ = unsafe { sys::cuMemFree_v2(self.ptr) };
+        }
+        tally(-1);
+    }
+}
+
+/// `cuEventRecord` then `cuStreamWaitEvent`: `waiter` goes on only after the work queued on
+/// `on` so far.
+pub(super) fn order(
+    event: &Event,
+    on: sys::CUstream,
+    waiter: sys::CUstream,
+) -> Result<(), BackendError> {
+    // SAFETY: valid event and streams of the current context. Re-recording an event is safe
+    // once a wait has been queued on it: the wait takes the event's state at the call.
+    check("cuEventRecord", unsafe {
+        sys::cuEventRecord(event.raw, on)
+    })?;
+    // SAFETY: as above.
+    check("cuStreamWaitEvent", unsafe {
+        sys::cuStreamWaitEvent(waiter, event.raw, 0)
+    })
+}
+
+/// Page-locked, device-mapped, cached host memory from `cuMemHostAlloc`, zeroed; freed on drop.
+#[derive(Debug)]
+pub(super) struct PinnedHost {
+    ptr: ptr::NonNull<u8>,
+    ctx: sys::CUcontext,
+}
+
+impl PinnedHost {
+    pub(super) fn alloc(ctx: sys::CUcontext, len: usize) -> Result<Self, BackendError> {
+        may_create("cuMemHostAlloc")?;
+        let _bound = bind(ctx)?;
+        // SAFETY: portable, device-mapped, cached memory (not write-combined: the CPU reads it).
+        let p = unsafe {
+            result::malloc_host(
+                len,
+                sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP,
+            )
+        }
+        .map_err(|e| driver_error("cuMemHostAlloc", e))?;
+        let ptr =
+            ptr::NonNull::new(p as *mut u8).ok_or(BackendError::OutOfMemory { bytes: len })?;
+        // SAFETY: `len` bytes just allocated, not shared yet.
+        unsafe { ptr::write_bytes(ptr.as_ptr(), 0, len) };
+        tally(1);
+        Ok(PinnedHost { ptr, ctx })
+    }
+
+    pub(super) fn as_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+}
+
+impl Drop for PinnedHost {
+    fn drop(&mut self) {
+        if let Ok(_bound) = bind(self.ctx) {
+            // SAFETY: allocated by `alloc` and freed once, here; the owner drops it only once no
+            // stream can write it. Errors are ignored: Drop must not panic.
+            let _ = unsafe { result::free_host(self.ptr.as_ptr() as *mut c_void) };
+        }
+        tally(-1);
+    }
+}
+
+/// Page-locks `[start, start + len)` for every context (portable) and maps it into the device
+/// address space (device-mapped): how blockswap registers host memory. A context is current.
+///
+/// # Safety
+/// The range must be mapped host memory that stays mapped until [`unregister_host`].
+pub(super) unsafe fn register_host(start: u64, len: u64) -> Result<(), BackendError> {
+    // SAFETY: the caller guarantees the range is mapped host memory outliving the registration.
+    check("cuMemHostRegister", unsafe {
+        sys::cuMemHostRegister_v2(
+            start as *mut c_void,
+            len as usize,
+            sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP,
+        )
+    })
+}
+
+/// Undoes [`register_host`] of the range starting at `start`. A context is current.
+///
+/// # Safety
+/// No copy may reach the range any more.
+pub(super) unsafe fn unregister_host(start: u64) -> Result<(), BackendError> {
+    // SAFETY: registered by `register_host`; the caller guarantees nothing reaches it.
+    check("cuMemHostUnregister", unsafe {
+        sys::cuMemHostUnregister(start as *mut c_void)
+    })
+}
+
+/// Page-locks the pieces of a [`crate::hostmem::HostBuffer`] with the driver, in the primary
+/// context of a device (retained while the pinner lives); the registrations are portable, so
+/// every context of the process, any engine's, reaches them.
+#[derive(Debug)]
+pub struct HostPinner {
+    ctx: PrimaryCtx,
+}
+
+// SAFETY: the context handle is a driver object the driver lets any thread use; the pinner holds
+// no other state.
+unsafe impl Send for HostPinner {}
+// SAFETY: as above; every method makes the context current on the calling thread first.
+unsafe impl Sync for HostPinner {}
+
+impl HostPinner {
+    /// A pinner in the primary context of device `device`.
+    pub fn new(device: i32) -> Result<Self, BackendError> {
+        driver_available()?;
+        let mut dev = 0;
+        // SAFETY: symbols checked by `driver_available`; cuDeviceGet writes one handle.
+        check("cuDeviceGet", unsafe { sys::cuDeviceGet(&mut dev, device) })?;
+        Ok(HostPinner {
+            ctx: PrimaryCtx::retain(dev)?,
+        })
+    }
+}
+
+impl crate::hostmem::Pinner for HostPinner {
+    unsafe fn pin(&self, start: u64, len: u64) -> Result<(), BackendError> {
+        let _bound = bind(self.ctx.raw)?;
+        // SAFETY: the caller guarantees the range stays mapped until unpinned.
+        unsafe { register_host(start, len) }
+    }
+
+    unsafe fn unpin(&self, start: u64) -> Result<(), BackendError> {
+        let _bound = bind(self.ctx.raw)?;
+        // SAFETY: pinned by `pin`; the caller guarantees no copy reaches it.
+        unsafe { unregister_host(start) }
+    }
+}
+
+/// Restores the calling thread's previous context on drop (see [`bind`]).
+#[must_use]
+pub(super) struct CtxGuard {
+    prev: Option<sys::CUcontext>,
+}
+
+impl Drop for CtxGuard {
+    fn drop(&mut self) {
+        if let Some(prev) = self.prev {
+            // SAFETY: `prev` was current on this thread a moment ago (or null, which unsets).
+            // A failure leaves our context current, which is harmless; Drop must not panic.
+            let _ = unsafe { result::ctx::set_current(prev) };
+        }
+    }
+}

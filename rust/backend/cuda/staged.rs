@@ -1,0 +1,418 @@
+//! The staged plan's issuing: the kernels loaded, each lane's stage (ring, kernel stream,
+//! events), the steps of a staged transfer and its kernel launches.
+
+use std::ffi::c_void;
+use std::ptr;
+
+use cudarc::driver::sys;
+
+use super::backend::Shared;
+use super::driver::{check, MAX_KERNEL_PARAMS};
+use super::resources::{order, DeviceMem, Event, Stream};
+use crate::backend::{
+    kernel_split, staged_steps, take_injected, BackendError, KernelBatch, KernelKind, KernelParam,
+    KernelSpec, StagedRequest,
+};
+use crate::direction::Direction;
+use crate::slab::SlabInner;
+
+/// A kernel the staged plan launches (see [`KernelSpec`]), checked against the driver's view of
+/// its parameters when loaded.
+#[derive(Clone, Debug)]
+pub(super) struct LoadedKernel {
+    pub(super) function: u64,
+    pub(super) spec: KernelSpec,
+    pub(super) kind: KernelKind,
+    /// Parameters of the kernel in all: those of `spec.params`, then null pointers.
+    pub(super) total: usize,
+}
+
+/// What a staged kernel's launch reads besides its block entries: the group's geometry at slab
+/// entry `table` (its header) with `segments` pages per block, the ring's offsets shifted by
+/// `ring_base`, the ring the pages' source (`ring_src`, CPU -> GPU) or destination.
+#[derive(Clone, Copy, Debug)]
+struct StagedLaunch {
+    table: usize,
+    segments: u64,
+    ring_base: u64,
+    ring_src: bool,
+}
+
+/// One lane's staging resources, made on its first staged transfer: a ring of two slots in
+/// device memory, a stream for the kernels (the lane's stream does the copies across PCIe) and
+/// the events that hand each slot between the two.
+#[derive(Debug)]
+pub(super) struct Stage {
+    ring: DeviceMem,
+    slot: u64,
+    pub(super) stream: Stream,
+    /// Recorded on the lane's stream before a CPU -> GPU transfer's completion marker goes on
+    /// the kernel stream (see [`CudaBackend::marker_stream`]).
+    lane_done: Event,
+    /// Per slot: its copy (CPU -> GPU) or kernel (GPU -> CPU) is done; the other stream goes on.
+    ready: [Event; 2],
+    /// Per slot: the last work on it is done; it may be filled again.
+    free: [Event; 2],
+    /// Recorded on the kernel stream after a transfer's last step; the lane's stream waits for
+    /// it before a completion marker it writes, so a transfer completes only once its kernels
+    /// have.
+    join: Event,
+    /// The lane's last completion marker went on the kernel stream: the next one written on
+    /// the lane's stream waits for it (`join`), so markers stay in order.
+    marker_on_stage: bool,
+    /// Steps issued on the lane so far: the next takes slot `steps % 2`.
+    steps: u64,
+    /// Device memory the transfer's block entries and geometries are copied into before its
+    /// first kernel, so the kernels read them from HBM, not across the PCIe link the rows are crossing. One
+    /// per lane: the copy goes on the kernel stream, after every kernel of the lane's earlier
+    /// transfers.
+    desc: Option<DeviceMem>,
+    desc_bytes: usize,
+    /// Descriptor buffers outgrown while kernels may still read them: freed with the stage.
+    retired: Vec<DeviceMem>,
+    /// The step's row copies, handed to the batch call.
+    src: Vec<u64>,
+    dst: Vec<u64>,
+    size: Vec<u64>,
+}
+
+/// The smallest device descriptor buffer a stage makes (it grows by powers of two).
+const MIN_DESC_BYTES: usize = 64 << 10;
+
+impl Stage {
+    /// A device buffer of at least `bytes` for the descriptors of the transfer being issued. A
+    /// buffer outgrown is kept until the stage goes: an earlier transfer's kernel may still
+    /// read it.
+    fn desc_buffer(&mut self, ctx: sys::CUcontext, bytes: usize) -> Result<u64, BackendError> {
+        if self.desc.is_none() || self.desc_bytes < bytes {
+            let want = bytes.max(MIN_DESC_BYTES).next_power_of_two();
+            let new = DeviceMem::alloc(ctx, want)?;
+            if let Some(old) = self.desc.replace(new) {
+                self.retired.push(old);
+            }
+            self.desc_bytes = want;
+        }
+        Ok(self.desc.as_ref().expect("made above").ptr)
+    }
+
+    fn new(ctx: sys::CUcontext, slot: u64) -> Result<Self, BackendError> {
+        let bytes = usize::try_from(slot.saturating_mul(2)).unwrap_or(usize::MAX);
+        Ok(Stage {
+            ring: DeviceMem::alloc(ctx, bytes)?,
+            slot,
+            stream: Stream::create(ctx)?,
+            lane_done: Event::create(ctx, false)?,
+            ready: [Event::create(ctx, false)?, Event::create(ctx, false)?],
+            free: [Event::create(ctx, false)?, Event::create(ctx, false)?],
+            join: Event::create(ctx, false)?,
+            marker_on_stage: false,
+            steps: 0,
+            desc: None,
+            desc_bytes: 0,
+            retired: Vec::new(),
+            src: Vec::new(),
+            dst: Vec::new(),
+            size: Vec::new(),
+        })
+    }
+}
+
+impl Shared {
+    /// Issues a staged transfer (see [`StagedRequest`]): per step, CPU -> GPU, the step's rows
+    /// copied into a ring slot on the lane's stream, then the kernel moving its pages from the
+    /// slot into the GPU pages on the stage's stream; GPU -> CPU the kernel into the slot, then
+    /// the rows out of it. Two slots: a step's copy across PCIe overlaps the previous step's
+    /// kernel, also across transfers (the lane's stream never waits for a kernel of an earlier
+    /// transfer, only for its slot). The completion marker goes where
+    /// [`CudaBackend::marker_stream`] says: after every kernel issued, whatever failed, so a
+    /// slab is never handed back while a kernel may read it. `dep`: an event holding the
+    /// caller's stream, which the kernels gathering GPU pages wait for.
+    pub(super) fn issue_staged(
+        &self,
+        lane: Direction,
+        slab: &SlabInner,
+        req: StagedRequest,
+        dep: Option<sys::CUevent>,
+    ) -> Result<(), BackendError> {
+        let l = self.lane(lane);
+        let Some(kernel) = req
+            .kernel
+            .and_then(|k| self.kernels.read().ok()?.get(k as usize).cloned())
+            .filter(|k| k.kind == KernelKind::Staged)
+        else {
+            return Err(BackendError::InvalidArgument(format!(
+                "the staged plan needs a staged kernel loaded by this engine (load_kernel), got \
+                 {:?}",
+                req.kernel
+            )));
+        };
+        let mut stage = l.stage.lock().unwrap_or_else(|e| e.into_inner());
+        if stage.as_ref().is_some_and(|st| st.slot != req.slot_bytes) {
+            return Err(BackendError::InvalidArgument(format!(
+                "this lane's staging slots are {} bytes, the transfer asks for {}",
+                stage.as_ref().map_or(0, |st| st.slot),
+                req.slot_bytes
+            )));
+        }
+        if stage.is_none() {
+            *stage = Some(Stage::new(self.ctx.raw, req.slot_bytes)?);
+        }
+        let st = stage.as_mut().expect("made above");
+        let host_src = lane == Direction::HostToDevice;
+        let (src, dst, size) = (slab.src(), slab.dst(), slab.size());
+        let (r, first) = (req.rows, req.first_block);
+        let steps = staged_steps(
+            &dst[..r],
+            &size[..r],
+            &dst[first..2 * first],
+            req.slot_bytes,
+        );
+        let fail_at = take_injected(&self.fail_next).then_some(steps.len() / 2);
+        let kstream = st.stream.raw;
+        let ctx = self.ctx.raw;
+        let wait_dep = || {
+            match dep {
+                Some(ev) if !host_src => {
+                    // SAFETY: valid event and stream; the event holds the caller's stream (CPU
+                    // -> GPU kernels follow the lane's stream, which waits for it).
+                    check("cuStreamWaitEvent", unsafe {
+                        sys::cuStreamWaitEvent(kstream, ev, 0)
+                    })
+                }
+                _ => Ok(()),
+            }
+        };
+        let issued = wait_dep().and_then(|()| {
+            // The block entries and geometries go to device memory in one copy, on the kernel
+            // stream after the earlier transfers' kernels; `cols[c] + 8 * i` is then where the
+            // kernels read entry i of column c.
+            let cols = if src.len() > first {
+                let lo = slab.column_addr(0) + 8 * first as u64;
+                let hi = slab.column_addr(2) + 8 * src.len() as u64;
+                let bytes = (hi - lo) as usize;
+                let dev = st.desc_buffer(ctx, bytes)?;
+                // SAFETY: `[lo, hi)` lies in the slab's pinned allocation (columns 0 to 2),
+                // which outlives the copy (the lane's marker waits for the kernel stream); `dev`
+                // holds at least `bytes`, and the kernels of earlier transfers that read it come
+                // before this copy on the same stream.
+                check("cuMemcpyAsync", unsafe {
+                    sys::cuMemcpyAsync(dev, lo, bytes, kstream)
+                })?;
+                [0, 1, 2].map(|c| dev.wrapping_add(slab.column_addr(c)).wrapping_sub(lo))
+            } else {
+                [0, 1, 2].map(|c| slab.column_addr(c))
+            };
+            for (k, step) in steps.iter().enumerate() {
+                let slot_i = (st.steps % 2) as usize;
+                st.steps += 1;
+                let slot_addr = st.ring.ptr + slot_i as u64 * st.slot;
+                // The slot's address minus the step's first ring offset: offsets become addresses.
+                let shift = slot_addr.wrapping_sub(step.ring_start);
+                st.src.clear();
+                st.dst.clear();
+                st.size.clear();
+                for i in step.rows.clone() {
+                    let at = dst[i].wrapping_add(shift);
+                    let (a, b) = if host_src { (src[i], at) } else { (at, src[i]) };
+                    st.src.push(a);
+                    st.dst.push(b);
+                    st.size.push(size[i]);
+                }
+                if Some(k) == fail_at {
+                    // The injected fault: a null address the driver refuses, as in
+                    // `issue_copies`.
+                    let mid = st.dst.len() / 2;
+                    st.dst[mid] = 0;
+                }
+                // The step's blocks, a launch for each run of blocks of one group (one
+                // geometry): the kernel computes every page's addresses from the block entries,
+                // read from the stage's device copy of the slab (not overwritten before the
+                // kernel ends: the next transfer's copy comes after it on the same stream); the
+                // ids were checked at submission, the slot is this lane's.
+                let blocks = (first + step.blocks.start)..(first + step.blocks.end);
+                let launch = || {
+                    let mut b = blocks.start;
+                    while b < blocks.end {
+                        let table = size[b];
+                        let end = (b..blocks.end)
+                            .find(|&i| size[i] != table)
+                            .unwrap_or(blocks.end);
+                        let at = StagedLaunch {
+                            table: table as usize,
+                            segments: src[table as usize],
+                            ring_base: shift,
+                            ring_src: host_src,
+                        };
+                        self.launch(&kernel, kstream, cols, (b, (end - b) as u64, 1), Some(at))?;
+                        b = end;
+                    }
+                    Ok::<(), BackendError>(())
+                };
+                let (copy, ready, free) = (&st.src, &st.ready[slot_i], &st.free[slot_i]);
+                let rows_first = step.rows.start;
+                if host_src {
+                    // SAFETY: valid event and stream; a never-recorded event is waited for at once.
+                    check("cuStreamWaitEvent", unsafe {
+                        sys::cuStreamWaitEvent(l.stream.raw, free.raw, 0)
+                    })?;
+                    self.copy_arrays(lane, copy, &st.dst, &st.size, rows_first)?;
+                    order(ready, l.stream.raw, kstream)?;
+                    launch()?;
+                    // SAFETY: valid event and stream.
+                    check("cuEventRecord", unsafe {
+                        sys::cuEventRecord(free.raw, kstream)
+                    })?;
+                } else {
+                    // SAFETY: as above.
+                    check("cuStreamWaitEvent", unsafe {
+                        sys::cuStreamWaitEvent(kstream, free.raw, 0)
+                    })?;
+                    launch()?;
+                    order(ready, kstream, l.stream.raw)?;
+                    self.copy_arrays(lane, copy, &st.dst, &st.size, rows_first)?;
+                    // SAFETY: valid event and stream.
+                    check("cuEventRecord", unsafe {
+                        sys::cuEventRecord(free.raw, l.stream.raw)
+                    })?;
+                }
+            }
+            Ok(())
+        });
+        issued
+    }
+
+    /// The stream the completion marker of a transfer goes on, ordered after all of the
+    /// transfer's work and after the lane's earlier markers. A staged CPU -> GPU transfer ends
+    /// with kernels: its marker goes on the kernel stream, after the lane's stream (so the
+    /// lane's stream goes on to the next transfer's rows at once), unless the lane's stream is
+    /// the caller's, who expects the whole transfer on it. Any other marker goes on the lane's
+    /// stream, after the kernel stream where a staged transfer or marker went there last.
+    /// Where an ordering call fails, this waits for the kernel stream instead.
+    pub(super) fn marker_stream(&self, lane: Direction, staged: bool) -> sys::CUstream {
+        let l = self.lane(lane);
+        let mut stage = l.stage.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(st) = stage.as_mut() else {
+            return l.stream.raw;
+        };
+        let kstream = st.stream.raw;
+        if staged
+            && lane == Direction::HostToDevice
+            && l.stream.owned
+            && order(&st.lane_done, l.stream.raw, kstream).is_ok()
+        {
+            st.marker_on_stage = true;
+            return kstream;
+        }
+        if staged || st.marker_on_stage {
+            if order(&st.join, kstream, l.stream.raw).is_err() {
+                // SAFETY: a valid stream; blocks until its work is done.
+                let _ = unsafe { sys::cuStreamSynchronize(kstream) };
+            }
+            st.marker_on_stage = false;
+        }
+        l.stream.raw
+    }
+
+    /// Launches `k` on `stream` over entries `[p0, p0 + n)` of a transfer whose columns (src,
+    /// dst, size) hold entry 0 at `cols`: a page kernel's descriptors, each cut in `split`
+    /// slices, or (with `staged`) a staged kernel's block entries. The caller vouches that the
+    /// kernel may read `cols` until it ends and that every address the entries name may be
+    /// written or read as they say.
+    fn launch(
+        &self,
+        k: &LoadedKernel,
+        stream: sys::CUstream,
+        cols: [u64; 3],
+        (p0, n, split): (usize, u64, u64),
+        staged: Option<StagedLaunch>,
+    ) -> Result<(), BackendError> {
+        if n == 0 {
+            return Ok(());
+        }
+        let at = |c: usize, i: usize| cols[c].wrapping_add(8 * i as u64);
+        // A geometry's segments start after its header (see `crate::table::staged`).
+        let seg = staged.map_or(0, |g| g.table + 1);
+        let mut vals = [0u64; MAX_KERNEL_PARAMS];
+        for (v, p) in vals.iter_mut().zip(&k.spec.params) {
+            *v = match p {
+                KernelParam::Srcs | KernelParam::Ids => at(0, p0),
+                KernelParam::Dsts | KernelParam::Rings => at(1, p0),
+                KernelParam::Sizes => at(2, p0),
+                KernelParam::Count => n,
+                KernelParam::Split => split,
+                KernelParam::SrcBase | KernelParam::DstBase => 0,
+                KernelParam::Bases => at(0, seg),
+                KernelParam::Strides => at(1, seg),
+                KernelParam::Offsets => at(2, seg),
+                KernelParam::Segments => staged.map_or(0, |g| g.segments),
+                KernelParam::RingBase => staged.map_or(0, |g| g.ring_base),
+                KernelParam::RingSrc => u64::from(staged.is_some_and(|g| g.ring_src)),
+            };
+        }
+        // Work items: a descriptor's slices, or a block's pages.
+        let items = n.saturating_mul(staged.map_or(split, |g| g.segments));
+        let mut ptrs = [ptr::null_mut::<c_void>(); MAX_KERNEL_PARAMS];
+        for (p, v) in ptrs.iter_mut().zip(vals.iter_mut()).take(k.total) {
+            *p = (v as *mut u64).cast();
+        }
+        let grid = items
+            .div_ceil(u64::from(k.spec.rows))
+            .min(u64::from(k.spec.ctas))
+            .max(1) as u32;
+        // SAFETY: `function` was checked at load to take `total` 8-byte parameters, each read
+        // from `vals` during the call; what the kernel reads and writes, the caller vouches for
+        // (see above and the two callers: the staged plan's steps, `launch_pages`).
+        check("cuLaunchKernel", unsafe {
+            sys::cuLaunchKernel(
+                k.function as sys::CUfunction,
+                grid,
+                1,
+                1,
+                k.spec.threads,
+                1,
+                1,
+                k.spec.shared,
+                stream,
+                ptrs.as_mut_ptr(),
+                ptr::null_mut(),
+            )
+        })
+    }
+
+    /// The kernel route with a loaded kernel: `batch`'s descriptors by `kernel` on `stream`,
+    /// at most `launch_bytes` (as descriptors of the batch's largest size, at least one) per
+    /// launch, one launch after the other.
+    pub(super) fn launch_pages(
+        &self,
+        stream: sys::CUstream,
+        batch: KernelBatch,
+        kernel: u32,
+        launch_bytes: u64,
+    ) -> Result<(), BackendError> {
+        let Some(k) = self
+            .kernels
+            .read()
+            .ok()
+            .and_then(|ks| ks.get(kernel as usize).cloned())
+            .filter(|k| k.kind == KernelKind::Pages)
+        else {
+            return Err(BackendError::InvalidArgument(format!(
+                "the kernel route needs a page kernel loaded by this engine (load_kernel), got \
+                 {kernel}"
+            )));
+        };
+        let per = (launch_bytes / batch.max_size.max(1)).max(1);
+        let cols = [batch.src, batch.dst, batch.size];
+        let mut p0 = 0usize;
+        while p0 < batch.len {
+            let n = per.min((batch.len - p0) as u64);
+            let split = kernel_split(&k.spec, n, batch.max_size);
+            // The kernel reads the descriptors from the slab's pinned columns in place (mapped
+            // memory, alive until the lane's marker after this launch is seen); every address
+            // they name was checked against registered memory at submission.
+            self.launch(&k, stream, cols, (p0, n, split), None)?;
+            p0 += n as usize;
+        }
+        Ok(())
+    }
+}
