@@ -30,7 +30,7 @@ mod staged;
 pub use backend::{CudaBackend, Shared};
 pub use driver::driver_available;
 pub use options::{AccessOrder, CompletionMode, CopyPath, CudaOptions};
-pub(crate) use query::{host_device_pointer, memcpy, memory_kind};
+pub use query::{host_device_pointer, memcpy, memory_kind};
 pub use resources::HostPinner;
 
 // Miri cannot dlopen a driver (or probe for one).

@@ -70,7 +70,7 @@ pub(super) fn driver_has(symbol: &str) -> bool {
 /// What the driver says `addr` is: `Host` for page-locked host memory, `Device` for any other
 /// memory it knows (the CPU cannot read it directly). `None` where it does not know the address
 /// (ordinary pageable host memory) and where there is no driver to ask.
-pub(crate) fn memory_kind(addr: u64) -> Option<MemoryKind> {
+pub fn memory_kind(addr: u64) -> Option<MemoryKind> {
     if !driver_has("cuPointerGetAttribute") {
         return None;
     }
@@ -84,7 +84,7 @@ pub(crate) fn memory_kind(addr: u64) -> Option<MemoryKind> {
 /// (`cuMemHostGetDevicePointer`; the same address under unified addressing). `Ok(None)` where
 /// there is no driver to ask; an error where the driver refuses (memory it has not mapped, no
 /// current context).
-pub(crate) fn host_device_pointer(host: u64) -> Result<Option<u64>, BackendError> {
+pub fn host_device_pointer(host: u64) -> Result<Option<u64>, BackendError> {
     if !driver_has("cuMemHostGetDevicePointer_v2") {
         return Ok(None);
     }
@@ -103,7 +103,7 @@ pub(crate) fn host_device_pointer(host: u64) -> Result<Option<u64>, BackendError
 /// # Safety
 /// Both ranges must be allocated, `dst` writable and not overlapping `src`, for the whole copy:
 /// the driver copies host memory it does not know with the CPU.
-pub(crate) unsafe fn memcpy(dst: u64, src: u64, len: usize) -> Result<(), BackendError> {
+pub unsafe fn memcpy(dst: u64, src: u64, len: usize) -> Result<(), BackendError> {
     if !driver_has("cuMemcpy") {
         return Err(BackendError::Unavailable(
             "no NVIDIA driver library (libcuda.so) with cuMemcpy found on this machine".into(),
