@@ -627,11 +627,11 @@ def test_construction_errors() -> None:
         CpuGpuHandlers([*gpu, strided((2, N_GPU, 4, 2, 4), torch.bfloat16, 1)], 4, **kw)
     with pytest.raises(LayoutError, match="one shape and dtype"):
         CpuGpuHandlers([*gpu, strided((2, N_GPU, 4, 2, 8), torch.float16, 1)], 4, **kw)
-    with pytest.raises(ValueError, match="num_cpu_blocks must be >= 1"):
+    with pytest.raises(ValueError, match="num_cpu_blocks must be an int >= 1, not 0"):
         CpuGpuHandlers(gpu, 0, **kw)
-    with pytest.raises(TypeError, match="num_cpu_blocks must be an int"):
+    with pytest.raises(TypeError, match="num_cpu_blocks must be an int, not True"):
         CpuGpuHandlers(gpu, True, **kw)
-    with pytest.raises(ValueError, match="block_size_factor must be >= 1"):
+    with pytest.raises(ValueError, match="block_size_factor must be an int >= 1, not 0"):
         CpuGpuHandlers(gpu, 4, block_size_factor=0, **kw)
     with pytest.raises(ValueError, match="needs CUDA tensors"):
         CpuGpuHandlers(gpu, 4, layout="kv_split", backend="cuda")

@@ -97,6 +97,7 @@ try:
 except ModuleNotFoundError as e:
     _optional.missing(e, __name__)
 
+from ._checks import check_int
 from ._core import BlockswapError, InvalidTransferError, ShutdownError, TransferResult
 from ._kvcache import (
     allocate_cpu_cache,
@@ -119,7 +120,6 @@ from .routing import (
     STAGE_BYTES,
     STAGE_MAX_AUTO,
     Route,
-    _check_positive_int,
     calibrate,
     choose_routes,
     staged_route,
@@ -501,12 +501,12 @@ class CpuGpuHandlers:
                 f"path must be 'auto', 'blocks', 'staged', 'dma' or 'kernel', not {path!r}"
             )
         self._shut = False
-        _check_positive_int("num_cpu_blocks", num_cpu_blocks)
+        check_int("num_cpu_blocks", num_cpu_blocks, 1)
         if not isinstance(load_waits_for_compute, bool):
             raise TypeError(
                 f"load_waits_for_compute must be a bool, not {type(load_waits_for_compute).__name__}"
             )
-        _check_positive_int("block_size_factor", block_size_factor)
+        check_int("block_size_factor", block_size_factor, 1)
         for key in ("device", "h2d_stream", "d2h_stream"):
             if key in engine_options:
                 raise TypeError(
@@ -535,7 +535,7 @@ class CpuGpuHandlers:
         self.cpu_chunks: list[torch.Tensor] | None = None
         if cpu_layout not in ("block_major", "mirror"):
             raise ValueError(f"cpu_layout must be 'block_major' or 'mirror', not {cpu_layout!r}")
-        _check_positive_int("pin_piece_bytes", pin_piece_bytes)
+        check_int("pin_piece_bytes", pin_piece_bytes, 1)
         #: The host memory of the CPU cache allocated here, unpinned by :meth:`shutdown`.
         self._host_memory: list[PinnedRows] = []
         if cpu_caches is None:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Protocol
 
 import numpy as np
 
+from ._checks import check_int
 from ._core import BlockswapError, TransferResult
 from ._types import Direction
 
@@ -137,15 +138,6 @@ class Route(NamedTuple):
     launch_bytes: int | None = None
 
 
-def _check_positive_int(name: str, value: Any, alternative: str = "") -> None:
-    """Raises ``TypeError`` unless ``value`` is an int (numpy's included, bool not), and
-    ``ValueError`` unless it is >= 1; ``alternative`` names what else is accepted."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int{alternative}, not {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1{alternative}, got {value}")
-
-
 def choose_route(
     gpu_tables: Sequence[BlockTable],
     *,
@@ -167,8 +159,7 @@ def choose_route(
     """
     if direction not in KERNEL_BELOW:
         raise ValueError(f"direction must be 'h2d' or 'd2h', not {direction!r}")
-    if launch_bytes is not None:
-        _check_positive_int("kernel_launch_bytes", launch_bytes, " or None")
+    check_int("kernel_launch_bytes", launch_bytes, 1, optional=True)
     if path == "dma" or (path == "auto" and not on_cuda):
         return Route(0, None, "dma" if path == "dma" else "host backend: memcpy")
     default = KERNEL_BELOW[direction]
