@@ -286,23 +286,51 @@ def test_submit_groups_names_a_bad_launch_bytes(launch_bytes, error, match):
 
 # -- the one int check ---------------------------------------------------------------------------
 
+_WORDS_E = (KeyError, IndexError)
+
 
 @pytest.mark.parametrize(
     ("value", "bounds", "options", "error", "message"),
     [
-        (0, (1, None), {}, ValueError, "n must be an int >= 1, not 0"),
-        (9, (None, 8), {}, ValueError, "n must be an int <= 8, not 9"),
-        (-1, (0, (1 << 64) - 1), {}, ValueError, "n must be an int from 0 to 2**64 - 1, not -1"),
-        (1 << 40, (-(1 << 31), (1 << 31) - 1), {}, ValueError, "n must be an int from -2**31 to"),
-        (np.int64(-7), (0, None), {}, ValueError, "n must be an int >= 0, not np.int64(-7)"),
-        (True, (None, None), {}, TypeError, "n must be an int, not True"),
-        (2.0, (1, None), {}, TypeError, "n must be an int, not 2.0"),
-        ("8", (1, None), {"optional": True}, TypeError, "n must be an int or None, not '8'"),
-        ([1], (None, None), {}, TypeError, "n must be an int, not a list"),
-        (np.int64(3), (1, None), {"numpy": False}, TypeError, "n must be an int, not np.int64(3)"),
-        (-1, (0, None), {"what": "a raw CUstream int"}, ValueError, "n must be a raw CUstream int"),
-        (1.5, (None, None), {"errors": (KeyError, IndexError)}, KeyError, "not 1.5"),
-        (-1, (0, None), {"errors": (KeyError, IndexError)}, IndexError, "an int >= 0, not -1"),
+        pytest.param(0, (1, None), {}, ValueError, "n must be an int >= 1, not 0", id="below-lo"),
+        pytest.param(9, (None, 8), {}, ValueError, "n must be an int <= 8, not 9", id="above-hi"),
+        pytest.param(
+            -1, (0, (1 << 64) - 1), {}, ValueError, "an int from 0 to 2**64 - 1, not -1", id="u64"
+        ),
+        pytest.param(
+            1 << 40,
+            (-(1 << 31), (1 << 31) - 1),
+            {},
+            ValueError,
+            "from -2**31 to 2**31 - 1",
+            id="i32",
+        ),
+        pytest.param(
+            np.int64(-7), (0, None), {}, ValueError, "an int >= 0, not np.int64(-7)", id="numpy"
+        ),
+        pytest.param(True, (None, None), {}, TypeError, "n must be an int, not True", id="bool"),
+        pytest.param(2.0, (1, None), {}, TypeError, "n must be an int, not 2.0", id="float"),
+        pytest.param(
+            "8", (1, None), {"optional": True}, TypeError, "an int or None, not '8'", id="optional"
+        ),
+        pytest.param([1], (None, None), {}, TypeError, "n must be an int, not a list", id="list"),
+        pytest.param(
+            np.int64(3), (1, None), {"numpy": False}, TypeError, "not np.int64(3)", id="no-numpy"
+        ),
+        pytest.param(
+            -1,
+            (0, None),
+            {"what": "a raw CUstream int"},
+            ValueError,
+            "a raw CUstream int >= 0",
+            id="what",
+        ),
+        pytest.param(
+            1.5, (None, None), {"errors": _WORDS_E}, KeyError, "not 1.5", id="errors-type"
+        ),
+        pytest.param(
+            -1, (0, None), {"errors": _WORDS_E}, IndexError, ">= 0, not -1", id="errors-range"
+        ),
     ],
 )
 def test_check_int_words_every_refusal_one_way(value, bounds, options, error, message):
