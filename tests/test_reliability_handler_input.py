@@ -34,7 +34,7 @@ class Sparse:
 
 
 # (id, GPU -> CPU spec (GPU ids, CPU ids), message excerpt); the handler's own table of bad
-# specs (test_handler.py::test_bad_transfer_raises_typed_error_and_issues_nothing) is not repeated.
+# specs (test_handler_validation.py::test_bad_transfer_raises_typed_error_and_issues_nothing) is not repeated.
 HANDLER_CASES: list[tuple[str, Callable[[], Any], str]] = [
     ("nan", lambda: ([math.nan], [2]), "GPU block ids must hold integers, got dtype float64"),
     ("float-list", lambda: ([4.0], [2]), "must hold integers, got dtype float64"),
