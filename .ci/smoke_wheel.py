@@ -5,7 +5,8 @@ Run by ``.ci/check-wheel`` with the fresh virtual environment's Python, from an 
     python .ci/smoke_wheel.py
 
 Checks that the package imports from site-packages, that ``python -m blockswap --version``,
-``python -m blockswap info`` and the ``blockswap`` console script work, that a host-to-host
+``python -m blockswap info`` and the ``blockswap`` console script work, that ``blockswap bench``
+(the short transfer benchmark) runs without torch and writes nothing, that a host-to-host
 transfer on the host backend moves the right bytes, and that ``import blockswap.handler``
 without torch fails with an ImportError (and nothing stranger).
 """
@@ -57,6 +58,15 @@ def version() -> None:
 def info() -> None:
     out = run(sys.executable, "-m", "blockswap", "info")
     assert "host" in out and blockswap.__version__ in out, out
+
+
+@check
+def bench() -> None:
+    before = sorted(os.listdir("."))
+    out = run(sys.executable, "-m", "blockswap", "bench", "--tiny", "--backend", "host")
+    assert "ceiling" in out and "DMA batch" in out and "GPU->CPU (d2h)" in out, out
+    assert "needs torch" in out, out  # the handler's column says why it is empty
+    assert sorted(os.listdir(".")) == before, "blockswap bench wrote files"
 
 
 @check

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 import blockswap
-from blockswap.bench.common import run_metadata
+from blockswap_bench.common import run_metadata
 
 
 def main() -> None:

@@ -34,11 +34,11 @@ import numpy as np
 import torch
 
 import blockswap
-from blockswap.bench.common import GiB, KiB, MiB, run_metadata
-from blockswap.bench.common import cuda_time_on as timed_on
-from blockswap.bench.common import median as med
-from blockswap.bench.report import write_json
 from blockswap.kernels import engine_launcher
+from blockswap_bench.common import GiB, KiB, MiB, run_metadata
+from blockswap_bench.common import cuda_time_on as timed_on
+from blockswap_bench.common import median as med
+from blockswap_bench.report import write_json
 
 
 def median_ci95(xs: list[float]) -> tuple[float, float]:

@@ -8,7 +8,7 @@ By default Llama-3.1-70B at TP=4 per rank (80 layers, FlashAttention layout [2, 
 block copies, 5,120 page descriptors). Host time of `transfer_async` (perf_counter), then
 `get_finished` polled until done; 5 warm-up + 100 measured, per direction; `get_finished` with
 nothing finished; and one `copy_` per page in the same process as the baseline. The code and the
-other models are in `blockswap.bench.handlers` and `blockswap.bench.models`; `benches/suite.py`
+other models are in `blockswap_bench.handlers` and `blockswap_bench.models`; `benches/suite.py`
 runs them all.
 """
 
@@ -17,10 +17,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from blockswap.bench import suite
-from blockswap.bench.common import GiB
-from blockswap.bench.models import select
-from blockswap.bench.report import format_summary, write_json
+from blockswap_bench import suite
+from blockswap_bench.common import GiB
+from blockswap_bench.models import select
+from blockswap_bench.report import format_summary, write_json
 
 
 def main() -> int:

@@ -1,6 +1,6 @@
 """What an onload costs the model: an 8192^3 bf16 GEMM on the compute stream, alone and while
 scattered-block host->device transfers run beside it, per copy path. The suite's interference
-section on its own (`blockswap.bench.interference`).
+section on its own (`blockswap_bench.interference`).
 
     python benches/bench_interference.py [--json out.json] [--block 16384] [--reps 30] [--ctas 4,8,16]
 
@@ -14,8 +14,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from blockswap.bench import suite
-from blockswap.bench.report import format_summary, write_json
+from blockswap_bench import suite
+from blockswap_bench.report import format_summary, write_json
 
 
 def main() -> int:

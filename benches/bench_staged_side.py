@@ -28,8 +28,8 @@ import numpy as np
 import torch
 
 from bench_blocks import option
-from blockswap.bench.interference import gemm_ms
 from blockswap.handler import CpuGpuHandlers
+from blockswap_bench.interference import gemm_ms
 
 
 def gemm_median_ms(a: torch.Tensor, b: torch.Tensor, n: int = 10) -> float:

@@ -135,7 +135,7 @@ def _layout(
 def worker(rank: int, args: argparse.Namespace, barrier: Any, out: Any) -> None:
     import torch
 
-    from blockswap.bench.models import MODELS
+    from blockswap_bench.models import MODELS
 
     torch.cuda.set_device(rank % torch.cuda.device_count())
     m = next(x for x in MODELS if x.key == args.model)

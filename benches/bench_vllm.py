@@ -6,7 +6,7 @@
 Needs a GPU, vLLM's Python sources on the path (``vllm/v1/kv_offload/cpu/swap_blocks_triton.py``
 is run from its source; vLLM's compiled ops are not needed) and cuda-bindings.
 
-Per model of the benchmark catalogue (``blockswap.bench.models``), in vLLM's canonical form (one
+Per model of the benchmark catalogue (``blockswap_bench.models``), in vLLM's canonical form (one
 int8 tensor per layer of ``(num_blocks, page)``, K and V of a block one page; or one cross-layer
 tensor whose page is every layer's), ``blocks_per_chunk`` 1 and 4, each direction:
 
@@ -43,7 +43,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_blocks import ceiling, write_figures
 from bench_dma import cuda_bindings_batch
-from blockswap.bench.models import MODELS, KVModel
+from blockswap_bench.models import MODELS, KVModel
 
 N_GPU = 256
 N_CHUNKS = 128

@@ -28,9 +28,9 @@ import sys
 import numpy as np
 import torch
 
-from blockswap.bench.common import run_metadata
-from blockswap.bench.report import write_json
 from blockswap.kernels.copy import copy_blocks_raw
+from blockswap_bench.common import run_metadata
+from blockswap_bench.report import write_json
 
 KiB = 1024
 POINTS = ((4 * KiB, 10_000), (16 * KiB, 8192), (64 * KiB, 2560))

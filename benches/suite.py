@@ -7,16 +7,16 @@ once, and a GEMM beside an onload, each beside the link's ceiling measured in th
     python benches/suite.py --out results/x --only sweep,handler,bidir,interference
 
 Tables are printed and saved with the JSON and the PNG plots under ``--out`` (default
-``results/<date>-<gpu>``). Without a GPU it runs on the host backend. The code lives in the
-package (:mod:`blockswap.bench`), so ``python -m blockswap bench`` runs the same suite from an
-installed wheel.
+``results/<date>-<gpu>``). Without a GPU it runs on the host backend. The code is the
+``blockswap_bench`` package beside this file; what it shares with ``blockswap bench`` (the
+installed package's short transfer benchmark) it imports from :mod:`blockswap._bench`.
 """
 
 from __future__ import annotations
 
 import sys
 
-from blockswap.bench.suite import main
+from blockswap_bench.suite import main
 
 if __name__ == "__main__":
     sys.exit(main(prog="benches/suite.py", default_profile="full"))

@@ -133,9 +133,9 @@ pub struct Prepared {
     /// Of `len`, the host rows that lead a staged plan's slab (see
     /// [`crate::table::expand_staged_into`]); 0 for every other plan.
     pub staged_rows: usize,
-    /// Where a staged plan's page descriptors start in the slab (rows joined on the host leave
+    /// Where a staged plan's block entries start in the slab (rows joined on the host leave
     /// room unused before it); 0 for every other plan.
-    pub staged_pages_at: usize,
+    pub staged_blocks_at: usize,
 }
 
 /// The output arrays of [`prepare_into`]: a slab's three columns.
@@ -228,7 +228,7 @@ pub fn prepare_into(
         max_size: pass.max_size,
         alignment: 1u64 << pass.bits.trailing_zeros().min(4),
         staged_rows: 0,
-        staged_pages_at: 0,
+        staged_blocks_at: 0,
     })
 }
 

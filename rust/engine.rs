@@ -16,8 +16,8 @@ use std::time::{Duration, Instant};
 use crossbeam_queue::ArrayQueue;
 
 use crate::backend::{
-    AddElapsed, Backend, BackendError, BackendInfo, HostAlloc, KernelBatch, KernelSpec, PageKernel,
-    StagedRequest, SubmitRequest, Submitted, STAGED_MIN_STEPS,
+    AddElapsed, Backend, BackendError, BackendInfo, HostAlloc, KernelBatch, PageKernel,
+    StagedRequest, SubmitRequest, Submitted,
 };
 use crate::completion::{InFlight, Lane};
 use crate::descriptor::{
@@ -26,250 +26,26 @@ use crate::descriptor::{
 use crate::direction::Direction;
 use crate::fork::install_fork_hook;
 use crate::hostmem;
-use crate::pool::{Pool, PoolError, PoolStats};
+use crate::pool::{Pool, PoolStats};
 use crate::region::{MemoryKind, RegionError, RegionTable};
-use crate::table::{
-    block_runs, expand_groups_into, staged_row, BlockTable, Group, Plan, Run, TableError,
-    PITCHED_ENTRIES,
-};
-use crate::transfer::{JobId, TransferResult, TransferState, TransitionError};
+use crate::table::BlockTable;
+use crate::transfer::{JobId, TransferResult, TransferState};
 
+mod blocks;
+mod config;
+mod error;
 pub use crate::fork::{fork_generation, in_forked_child};
-
-/// Engine settings. [`EngineConfig::validate`] holds every limit; an engine refuses a setting
-/// outside them rather than adjusting it.
-#[derive(Clone, Debug)]
-pub struct EngineConfig {
-    /// Transfers in flight per direction before submit refuses: 1 to [`MAX_IN_FLIGHT`].
-    pub max_in_flight: usize,
-    /// Byte cap of the descriptor slab pool: at least [`MIN_POOL_BYTES`].
-    pub pool_bytes: usize,
-    /// Descriptors one transfer may carry: 1 to [`Pool::max_descriptors`].
-    pub max_descriptors: usize,
-    /// Merge descriptors whose source and destination both continue the previous one.
-    pub coalesce: bool,
-    /// How long shutdown waits for transfers in flight before failing them. A duration past what
-    /// the clock can count ([`Duration::MAX`], what [`seconds`] makes of infinity) waits forever.
-    pub shutdown_timeout: Duration,
-    /// Bytes of each of the two slots of a lane's staging ring (the staged plan): the most one
-    /// step moves, and the largest block row the plan takes. See [`EngineConfig::stage_bytes`].
-    pub stage_bytes: u64,
-}
-
-impl Default for EngineConfig {
-    fn default() -> Self {
-        EngineConfig {
-            max_in_flight: 1024,
-            pool_bytes: 256 << 20,
-            max_descriptors: Pool::max_descriptors(),
-            coalesce: true,
-            shutdown_timeout: Duration::from_secs(60),
-            stage_bytes: DEFAULT_STAGE_BYTES,
-        }
-    }
-}
-
-/// The most transfers one direction may have in flight: a quarter of the host backend's worker
-/// queue, so that the four directions full never hold more jobs than it has room for.
-pub use crate::backend::MAX_IN_FLIGHT;
-
-/// Default bytes of a staging slot: two per lane, allocated on the lane's first staged transfer.
-/// 16 MiB steps reached 97-99 % of the link from 32 KiB pages (H100, `benches/probe_staged.py`).
-pub const DEFAULT_STAGE_BYTES: u64 = 16 << 20;
-
-/// The smallest staging slot: one 4 KiB page.
-pub const MIN_STAGE_BYTES: u64 = 4096;
-
-/// The smallest descriptor pool: one slab of the smallest class (256 descriptors). A smaller
-/// pool could never hand out a slab, so every transfer would be refused.
-pub const MIN_POOL_BYTES: usize = crate::pool::DESCRIPTOR_BYTES << crate::pool::MIN_CLASS;
-
-impl EngineConfig {
-    /// Checks every setting against its limits.
-    pub fn validate(&self) -> Result<(), ConfigError> {
-        Self::sizes(
-            self.max_in_flight as i128,
-            self.pool_bytes as i128,
-            self.max_descriptors as i128,
-        )
-        .map(drop)
-    }
-
-    /// A configuration from settings as a caller outside Rust gives them: integers of any sign
-    /// and a timeout in seconds (infinity waits forever; NaN and negatives are refused).
-    /// `max_descriptors: None` keeps the default. Checked as by [`EngineConfig::validate`].
-    pub fn from_settings(
-        max_in_flight: i128,
-        pool_bytes: i128,
-        max_descriptors: Option<i128>,
-        coalesce: bool,
-        shutdown_timeout: f64,
-    ) -> Result<Self, ConfigError> {
-        let max_descriptors = max_descriptors.unwrap_or(Pool::max_descriptors() as i128);
-        let (max_in_flight, pool_bytes, max_descriptors) =
-            Self::sizes(max_in_flight, pool_bytes, max_descriptors)?;
-        Ok(EngineConfig {
-            max_in_flight,
-            pool_bytes,
-            max_descriptors,
-            coalesce,
-            shutdown_timeout: seconds("shutdown_timeout", shutdown_timeout)?,
-            stage_bytes: DEFAULT_STAGE_BYTES,
-        })
-    }
-
-    /// Sets the staging slot size, refusing one below [`MIN_STAGE_BYTES`] or past 2^40.
-    pub fn stage_bytes(mut self, bytes: i128) -> Result<Self, ConfigError> {
-        self.stage_bytes = within("stage_bytes", bytes, MIN_STAGE_BYTES as usize, 1 << 40)? as u64;
-        Ok(self)
-    }
-
-    /// The limits of the integer settings: the one place they live.
-    fn sizes(
-        max_in_flight: i128,
-        pool_bytes: i128,
-        max_descriptors: i128,
-    ) -> Result<(usize, usize, usize), ConfigError> {
-        Ok((
-            within("max_in_flight", max_in_flight, 1, MAX_IN_FLIGHT)?,
-            within("pool_bytes", pool_bytes, MIN_POOL_BYTES, usize::MAX)?,
-            within(
-                "max_descriptors",
-                max_descriptors,
-                1,
-                Pool::max_descriptors(),
-            )?,
-        ))
-    }
-}
-
-/// `value` as a usize in `[lo, hi]`, or the error naming `option`.
-fn within(option: &'static str, value: i128, lo: usize, hi: usize) -> Result<usize, ConfigError> {
-    match usize::try_from(value) {
-        Ok(v) if (lo..=hi).contains(&v) => Ok(v),
-        _ => Err(ConfigError {
-            option,
-            expected: format!("an int from {lo} to {hi}"),
-            given: value.to_string(),
-        }),
-    }
-}
-
-/// A timeout of `secs` seconds: infinity (or any time past [`Duration::MAX`]) becomes
-/// [`Duration::MAX`], which the engine waits out without a deadline; NaN and negative times are
-/// refused, naming `option`.
-pub fn seconds(option: &'static str, secs: f64) -> Result<Duration, ConfigError> {
-    if secs.is_nan() || secs < 0.0 {
-        return Err(ConfigError {
-            option,
-            expected: "a non-negative number of seconds (inf waits forever)".into(),
-            given: secs.to_string(),
-        });
-    }
-    Ok(Duration::try_from_secs_f64(secs).unwrap_or(Duration::MAX))
-}
+pub use blocks::GroupIds;
+pub use config::{
+    seconds, ConfigError, EngineConfig, DEFAULT_STAGE_BYTES, MAX_IN_FLIGHT, MIN_POOL_BYTES,
+    MIN_STAGE_BYTES,
+};
+pub use error::EngineError;
 
 /// The deadline `timeout` from now; `None` (no deadline) where the clock cannot count that far.
 fn deadline(timeout: Duration) -> Option<Instant> {
     Instant::now().checked_add(timeout)
 }
-
-/// An engine setting outside its limits (see [`EngineConfig::validate`]).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ConfigError {
-    /// The setting, spelled as its keyword.
-    pub option: &'static str,
-    /// What it must be.
-    pub expected: String,
-    /// What it was.
-    pub given: String,
-}
-
-impl fmt::Display for ConfigError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "{} must be {}, not {}",
-            self.option, self.expected, self.given
-        )
-    }
-}
-
-impl std::error::Error for ConfigError {}
-
-/// Everything submit, wait and registration can refuse.
-#[derive(Clone, Debug, PartialEq)]
-pub enum EngineError {
-    Descriptor(DescriptorError),
-    Region(RegionError),
-    Pool(PoolError),
-    Backend(BackendError),
-    Transition(TransitionError),
-    Table(TableError),
-    /// A setting outside its limits, refused when the engine is made.
-    Config(ConfigError),
-    /// The job id names a transfer whose result has not been reported yet.
-    JobIdLive(JobId),
-    /// Too many transfers in flight on one direction.
-    TooManyInFlight {
-        direction: Direction,
-        max: usize,
-    },
-    /// `wait` ran out of time; these jobs were not finished.
-    Timeout {
-        pending: Vec<JobId>,
-    },
-    /// The engine was shut down.
-    ShutDown,
-}
-
-impl fmt::Display for EngineError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            EngineError::Descriptor(e) => e.fmt(f),
-            EngineError::Region(e) => e.fmt(f),
-            EngineError::Pool(e) => e.fmt(f),
-            EngineError::Backend(e) => e.fmt(f),
-            EngineError::Transition(e) => e.fmt(f),
-            EngineError::Table(e) => e.fmt(f),
-            EngineError::Config(e) => e.fmt(f),
-            EngineError::JobIdLive(id) => {
-                write!(
-                    f,
-                    "job id {id} is still live: its result has not been reported yet"
-                )
-            }
-            EngineError::TooManyInFlight { direction, max } => write!(
-                f,
-                "{max} {direction} transfers are already in flight (poll get_finished, or raise \
-                 max_in_flight)"
-            ),
-            EngineError::Timeout { pending } => {
-                write!(
-                    f,
-                    "wait timed out with {} jobs unfinished: {pending:?}",
-                    pending.len()
-                )
-            }
-            EngineError::ShutDown => f.write_str("the engine is shut down"),
-        }
-    }
-}
-
-impl std::error::Error for EngineError {}
-
-macro_rules! from_error {
-    ($($ty:ident => $variant:ident),*) => {$(
-        impl From<$ty> for EngineError {
-            fn from(e: $ty) -> Self {
-                EngineError::$variant(e)
-            }
-        }
-    )*};
-}
-from_error!(DescriptorError => Descriptor, RegionError => Region, PoolError => Pool,
-    BackendError => Backend, TransitionError => Transition, TableError => Table,
-    ConfigError => Config);
 
 /// Per-direction counters.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -321,7 +97,7 @@ struct SubmitState {
     /// Bitset of the destination-uniqueness check, kept clear between transfers.
     bits: Vec<u64>,
     scratch: Scratch,
-    /// Chunk ids expanded to table blocks, per side (see [`expand_groups_into`]).
+    /// Chunk ids expanded to table blocks, per side (see [`crate::table::expand_groups_into`]).
     chunk_ids: [Vec<u64>; 2],
 }
 
@@ -334,91 +110,6 @@ struct Parts {
     buffers: Vec<u64>,
 }
 
-/// The two tables of a block-id transfer, checked against the memory kinds of `direction`.
-fn table_pair(
-    tables: &[Option<BlockTable>],
-    src: u32,
-    dst: u32,
-    direction: Direction,
-) -> Result<(&BlockTable, &BlockTable), TableError> {
-    let get = |id: u32, needed| {
-        let t = tables
-            .get(id as usize)
-            .and_then(Option::as_ref)
-            .ok_or(TableError::Unknown(id))?;
-        if t.kind != needed {
-            return Err(TableError::WrongKind {
-                table: id,
-                kind: t.kind,
-                needed,
-            });
-        }
-        Ok(t)
-    };
-    Ok((
-        get(src, direction.src_kind())?,
-        get(dst, direction.dst_kind())?,
-    ))
-}
-
-/// One KV-cache group of [`Engine::submit_groups`]: a source and a destination table by id, with
-/// their ids (see [`Group`]: `chunks: Some(skip)` names the side whose table counts chunks by
-/// chunk ids).
-#[derive(Clone, Copy, Debug)]
-pub struct GroupIds<'a> {
-    pub src_table: u32,
-    pub src_ids: &'a [u64],
-    pub dst_table: u32,
-    pub dst_ids: &'a [u64],
-    pub chunks: Option<u64>,
-}
-
-impl<'a> GroupIds<'a> {
-    /// Both sides named by table blocks.
-    pub fn blocks(src_table: u32, src_ids: &'a [u64], dst_table: u32, dst_ids: &'a [u64]) -> Self {
-        GroupIds {
-            src_table,
-            src_ids,
-            dst_table,
-            dst_ids,
-            chunks: None,
-        }
-    }
-}
-
-/// The groups of a transfer with their tables looked up and checked against `direction`.
-fn resolve_groups<'a>(
-    tables: &'a [Option<BlockTable>],
-    groups: &[GroupIds<'a>],
-    direction: Direction,
-) -> Result<Vec<Group<'a>>, EngineError> {
-    if groups.is_empty() {
-        return Err(TableError::Empty.into());
-    }
-    let many = groups.len() > 1;
-    groups
-        .iter()
-        .enumerate()
-        .map(
-            |(gi, g)| match table_pair(tables, g.src_table, g.dst_table, direction) {
-                Ok((src, dst)) => Ok(Group {
-                    src,
-                    src_ids: g.src_ids,
-                    dst,
-                    dst_ids: g.dst_ids,
-                    chunks: g.chunks,
-                }),
-                Err(error) if many => Err(TableError::InGroup {
-                    group: gi,
-                    error: Box::new(error),
-                }
-                .into()),
-                Err(e) => Err(e.into()),
-            },
-        )
-        .collect()
-}
-
 /// Refuses to remove the registration `[start, end)` while a block table lies in it.
 fn no_table_in(tables: &[Option<BlockTable>], start: u64, end: u64) -> Result<(), EngineError> {
     let used = |t: &Option<BlockTable>| t.as_ref().is_some_and(|t| t.overlaps(start, end));
@@ -429,21 +120,6 @@ fn no_table_in(tables: &[Option<BlockTable>], start: u64, end: u64) -> Result<()
         }
         .into()),
         None => Ok(()),
-    }
-}
-
-/// A pair of tables with no plan of the kind asked for, `reason` naming why, in its group where
-/// there are several.
-fn no_plan(group: usize, groups: usize, reason: String) -> EngineError {
-    let error = TableError::BadSegment { segment: 0, reason };
-    if groups > 1 {
-        TableError::InGroup {
-            group,
-            error: Box::new(error),
-        }
-        .into()
-    } else {
-        error.into()
     }
 }
 
@@ -808,259 +484,6 @@ impl Engine {
         )
     }
 
-    /// Registers a block table (see [`crate::table`]): one side of a KV cache, checked once
-    /// against registered memory. `name` and `unit` only shape error messages (see
-    /// [`BlockTable::named`]). Returns its id for [`Engine::submit_blocks`].
-    #[allow(clippy::too_many_arguments)]
-    pub fn register_table(
-        &self,
-        bases: Vec<u64>,
-        strides: Vec<u64>,
-        nbytes: Vec<u64>,
-        num_blocks: u64,
-        kind: MemoryKind,
-        name: &str,
-        unit: u64,
-    ) -> Result<u32, EngineError> {
-        self.check_usable()?;
-        let mut state = self.lock();
-        let table = BlockTable::new(bases, strides, nbytes, num_blocks, kind, &state.regions)?
-            .named(name, unit)
-            .in_allocations(|a| self.backend.allocation_base(a));
-        let id = state
-            .tables
-            .iter()
-            .position(Option::is_none)
-            .unwrap_or(state.tables.len());
-        if id == state.tables.len() {
-            state.tables.push(None);
-        }
-        state.tables[id] = Some(table);
-        Ok(id as u32)
-    }
-
-    /// Removes a block table. Refused while transfers are in flight.
-    pub fn unregister_table(&self, id: u32) -> Result<(), EngineError> {
-        let mut state = self.lock();
-        match state.tables.get(id as usize) {
-            Some(Some(_)) => {}
-            _ => return Err(TableError::Unknown(id).into()),
-        }
-        self.check_idle(0)?;
-        state.tables[id as usize] = None;
-        Ok(())
-    }
-
-    /// Issues the transfer of blocks `src_ids` of table `src_table` to blocks `dst_ids` of
-    /// `dst_table` (ids as the caller's int64 values): each id is checked against its table and
-    /// destinations must be distinct; descriptors are written straight into the slab.
-    #[allow(clippy::too_many_arguments)]
-    pub fn submit_blocks(
-        &self,
-        job_id: JobId,
-        src_table: u32,
-        src_ids: &[u64],
-        dst_table: u32,
-        dst_ids: &[u64],
-        direction: Direction,
-        wait_stream: Option<u64>,
-        kernel: Option<(u64, PageKernel<'_>)>,
-    ) -> Result<(), EngineError> {
-        let group = GroupIds::blocks(src_table, src_ids, dst_table, dst_ids);
-        self.submit_groups(
-            job_id,
-            &[group],
-            direction,
-            wait_stream,
-            Shape::Pages(kernel),
-        )
-    }
-
-    /// Makes a compiled copy kernel launchable by this engine's staged plans (see
-    /// [`KernelSpec`]); its id goes in [`Shape::Staged`]. `None` on the host backend, which
-    /// copies pages with memcpy.
-    pub fn load_kernel(&self, spec: KernelSpec) -> Result<Option<u32>, EngineError> {
-        self.check_usable()?;
-        Ok(self.backend.load_kernel(spec)?)
-    }
-
-    /// The bytes of a block's host row where `table` is block-major (see [`staged_row`]): what
-    /// the staged plan moves per block, and what must fit a staging slot. `None` otherwise.
-    pub fn staged_row(&self, table: u32) -> Result<Option<u64>, EngineError> {
-        let state = self.lock();
-        let t = state
-            .tables
-            .get(table as usize)
-            .and_then(Option::as_ref)
-            .ok_or(TableError::Unknown(table))?;
-        Ok(staged_row(t))
-    }
-
-    /// The staging slot size of this engine (see [`EngineConfig::stage_bytes`]).
-    pub fn stage_bytes(&self) -> u64 {
-        self.config.stage_bytes
-    }
-
-    /// The block plan of a table pair for `direction` (see [`block_runs`]): the 2-D copies one
-    /// block takes with [`Engine::submit_block_runs`]. `None` where the pair has none.
-    pub fn block_runs(
-        &self,
-        src_table: u32,
-        dst_table: u32,
-        direction: Direction,
-    ) -> Result<Option<Vec<Run>>, EngineError> {
-        let state = self.lock();
-        let (s, d) = table_pair(&state.tables, src_table, dst_table, direction)?;
-        Ok(block_runs(s, d))
-    }
-
-    /// [`Engine::submit_blocks`], each block moved as the 2-D copies of the pair's block plan
-    /// (one per [`Run`]) instead of a descriptor per page: copy engines only. Refused where the
-    /// pair has no block plan.
-    #[allow(clippy::too_many_arguments)]
-    pub fn submit_block_runs(
-        &self,
-        job_id: JobId,
-        src_table: u32,
-        src_ids: &[u64],
-        dst_table: u32,
-        dst_ids: &[u64],
-        direction: Direction,
-        wait_stream: Option<u64>,
-    ) -> Result<(), EngineError> {
-        let group = GroupIds::blocks(src_table, src_ids, dst_table, dst_ids);
-        self.submit_groups(job_id, &[group], direction, wait_stream, Shape::Runs)
-    }
-
-    /// Issues one transfer of several KV-cache groups, each a pair of tables with its ids (see
-    /// [`GroupIds`]; a side may be named by chunk ids), as one batch with one completion:
-    /// descriptors per page (`Shape::Pages`, optionally with the small ones to a kernel) or the
-    /// 2-D copies of each pair's block plan (`Shape::Runs`, refused where a pair has none). Ids,
-    /// chunk counts and destinations are checked as [`expand_groups_into`] documents.
-    pub fn submit_groups(
-        &self,
-        job_id: JobId,
-        groups: &[GroupIds<'_>],
-        direction: Direction,
-        wait_stream: Option<u64>,
-        shape: Shape<'_>,
-    ) -> Result<(), EngineError> {
-        let coalesce = self.config.coalesce;
-        let pitched = matches!(shape, Shape::Runs);
-        let staged = matches!(shape, Shape::Staged { .. });
-        let slot = self.config.stage_bytes;
-        let host_src = direction == Direction::HostToDevice;
-        let staged_rows = std::cell::Cell::new(0usize);
-        let staged_bytes = std::cell::Cell::new(0u64);
-        // The plans are worked out once per submission, when the slab is sized, and handed to
-        // the fill: both run under one hold of the lock, so the tables cannot change in between.
-        let plans = std::cell::Cell::new(Vec::new());
-        self.submit_with(
-            job_id,
-            |state| {
-                let resolved = resolve_groups(&state.tables, groups, direction)?;
-                if staged {
-                    if !matches!(direction, Direction::HostToDevice | Direction::DeviceToHost) {
-                        let why = format!(
-                            "these tables have no staged plan: {direction} moves no host row"
-                        );
-                        return Err(no_plan(0, 1, why));
-                    }
-                    // A row per block, then a descriptor per page.
-                    let (mut rows, mut entries, mut bytes) = (0usize, 0usize, 0u64);
-                    for (gi, g) in resolved.iter().enumerate() {
-                        let host = if host_src { g.src } else { g.dst };
-                        let why = match staged_row(host) {
-                            None => Some(
-                                "the host table is not block-major (a block's pages in \
-                                          one chunk inside one registered region)"
-                                    .to_string(),
-                            ),
-                            Some(row) if row > slot => Some(format!(
-                                "a block's row is {row} bytes, more than a staging slot \
-                                 (stage_bytes = {slot})"
-                            )),
-                            Some(row) => {
-                                bytes = bytes.saturating_add(row.saturating_mul(g.blocks() as u64));
-                                None
-                            }
-                        };
-                        if let Some(why) = why {
-                            let why = format!("these tables have no staged plan: {why}");
-                            return Err(no_plan(gi, groups.len(), why));
-                        }
-                        rows = rows.saturating_add(g.blocks());
-                        entries =
-                            entries.saturating_add(g.blocks().saturating_mul(1 + g.src.segments()));
-                    }
-                    staged_rows.set(rows);
-                    staged_bytes.set(bytes);
-                    return Ok(entries);
-                }
-                if !pitched {
-                    // A descriptor per (segment, block) pair before coalescing.
-                    return Ok(resolved.iter().fold(0usize, |n, g| {
-                        n.saturating_add(g.src.segments().saturating_mul(g.blocks()))
-                    }));
-                }
-                let mut entries = 0usize;
-                let mut runs = Vec::with_capacity(resolved.len());
-                for (gi, g) in resolved.iter().enumerate() {
-                    let r = block_runs(g.src, g.dst).ok_or_else(|| {
-                        no_plan(
-                            gi,
-                            groups.len(),
-                            "these tables have no block plan (different pages, or destination \
-                             pages that may share bytes): move them page by page"
-                                .into(),
-                        )
-                    })?;
-                    entries = entries
-                        .saturating_add((PITCHED_ENTRIES * r.len()).saturating_mul(g.blocks()));
-                    runs.push(r);
-                }
-                plans.set(runs);
-                Ok(entries)
-            },
-            direction,
-            wait_stream,
-            shape,
-            |state, cols| {
-                let SubmitState {
-                    tables,
-                    bits,
-                    scratch,
-                    chunk_ids,
-                    ..
-                } = state;
-                let resolved = resolve_groups(tables, groups, direction)?;
-                let runs = plans.take();
-                let plan = if staged {
-                    // Rows of blocks that follow each other on the host cross PCIe as one copy
-                    // (the copy engines pay per copy: 4 KiB pages' rows of 320 KiB reached
-                    // 82-93 % of the link one copy each, one copy of the same bytes 94-98 %), up
-                    // to a slot, and to a quarter of the transfer, which keeps its steps.
-                    let merge = if coalesce {
-                        slot.min(staged_bytes.get() / STAGED_MIN_STEPS as u64)
-                    } else {
-                        0
-                    };
-                    Plan::Staged {
-                        rows: staged_rows.get(),
-                        host_src,
-                        merge,
-                    }
-                } else if pitched {
-                    Plan::Runs(&runs)
-                } else {
-                    Plan::Pages { coalesce }
-                };
-                expand_groups_into(&resolved, plan, cols, bits, scratch, chunk_ids)
-                    .map_err(EngineError::from)
-            },
-        )
-    }
-
     /// The common part of every submission, under one hold of the submit lock: job id, in-flight
     /// and size limits, a slab of `descriptors(state)` entries, `fill` (validate and write the
     /// descriptors), the kernel split, the record, the backend. Timed into `submit_ns`, and
@@ -1132,7 +555,7 @@ impl Engine {
             staged: match shape {
                 Shape::Staged { kernel } => Some(StagedRequest {
                     rows: prepared.staged_rows,
-                    first_page: prepared.staged_pages_at,
+                    first_block: prepared.staged_blocks_at,
                     slot_bytes: self.config.stage_bytes,
                     kernel,
                 }),

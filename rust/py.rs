@@ -516,19 +516,7 @@ impl PyEngine {
     ) -> PyResult<Option<u32>> {
         let params = params
             .iter()
-            .map(|p| match p.as_str() {
-                "srcs" => Ok(KernelParam::Srcs),
-                "dsts" => Ok(KernelParam::Dsts),
-                "sizes" => Ok(KernelParam::Sizes),
-                "count" => Ok(KernelParam::Count),
-                "split" => Ok(KernelParam::Split),
-                "src_base" => Ok(KernelParam::SrcBase),
-                "dst_base" => Ok(KernelParam::DstBase),
-                other => Err(invalid(format!(
-                    "kernel parameter {other:?} is none of srcs, dsts, sizes, count, split, \
-                     src_base, dst_base"
-                ))),
-            })
+            .map(|p| p.parse::<KernelParam>().map_err(invalid))
             .collect::<PyResult<Vec<_>>>()?;
         let spec = KernelSpec {
             function,
@@ -807,7 +795,6 @@ impl PyHostBuffer {
     }
 }
 
-/// Whether the CUDA backend can start here, and if not, why.
 /// The sub-block ids a transfer of `blocks` blocks names by `chunk_ids` (chunks of `unit`
 /// sub-blocks, `num_chunks` of them: unbounded by default), starting `skip` sub-blocks into the
 /// first chunk: the rule the engine applies to a chunked side (see `submit_groups`).
@@ -835,12 +822,39 @@ fn chunk_blocks<'py>(
     ))
 }
 
+/// Whether the CUDA backend can start here, and if not, why.
 #[pyfunction]
 fn cuda_status() -> (bool, String) {
     match cuda::driver_available() {
         Ok(version) => (true, format!("CUDA driver {version}")),
         Err(e) => (false, e.to_string()),
     }
+}
+
+/// What the CUDA driver says the memory at `addr` is: "host" (page-locked) or "device"; None where
+/// the driver does not know the address (pageable memory) or there is no driver.
+#[pyfunction]
+fn cuda_memory_kind(py: Python<'_>, addr: u64) -> Option<&'static str> {
+    py.detach(|| cuda::memory_kind(addr))
+        .map(MemoryKind::as_str)
+}
+
+/// The address through which the device reaches mapped page-locked host memory at `addr`
+/// (cuMemHostGetDevicePointer, in the calling thread's current context); None where there is no
+/// driver.
+#[pyfunction]
+fn cuda_device_pointer(py: Python<'_>, addr: u64) -> PyResult<Option<u64>> {
+    py.detach(|| cuda::host_device_pointer(addr))
+        .map_err(|e| EngineError::Backend(e).into())
+}
+
+/// Copies `nbytes` from `src` to `dst` with the driver's cuMemcpy, in the calling thread's current
+/// context. The caller vouches that both ranges are allocated and do not overlap.
+#[pyfunction]
+fn cuda_memcpy(py: Python<'_>, dst: u64, src: u64, nbytes: usize) -> PyResult<()> {
+    // SAFETY: the Python caller vouches for both ranges (documented above).
+    py.detach(|| unsafe { cuda::memcpy(dst, src, nbytes) })
+        .map_err(|e| EngineError::Backend(e).into())
 }
 
 #[pymodule]
@@ -853,6 +867,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("DEFAULT_PIECE_BYTES", hostmem::DEFAULT_PIECE_BYTES)?;
     m.add("REGISTRATION_LIMIT", hostmem::REGISTRATION_LIMIT)?;
     m.add_function(wrap_pyfunction!(cuda_status, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_memory_kind, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_device_pointer, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_memcpy, m)?)?;
     m.add_function(wrap_pyfunction!(chunk_blocks, m)?)?;
     m.add("BlockswapError", py.get_type::<BlockswapError>())?;
     m.add(

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,6 +15,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import blockswap
+
+# The benchmark suite lives in benches/, not in the package: its tests (and the vLLM tests, which
+# use its model catalogue) import `blockswap_bench` from there. Appended, so that nothing in
+# benches/ shadows an installed module.
+sys.path.append(str(Path(__file__).resolve().parents[1] / "benches"))
 
 # Hypothesis profiles. "ci" (the default under CI=true, and what `make test` uses) is derandomised:
 # the same examples every run, so CI passes or fails deterministically. "random" draws new examples

@@ -1,5 +1,6 @@
 """The benchmark suite end to end on the host backend, with its tiny profile (a few seconds): the
-JSON's schema, the tables, the plots. Figures are checked for sanity, never for speed."""
+JSON's schema, the tables, the plots. Figures are checked for sanity, never for speed. The suite
+is benches/blockswap_bench, imported from there (tests/conftest.py puts benches/ on the path)."""
 
 from __future__ import annotations
 
@@ -12,11 +13,10 @@ from typing import Any
 
 import pytest
 
-from blockswap.__main__ import main as cli_main
-from blockswap.bench import SECTIONS, profile, report, suite
-from blockswap.bench.models import MODELS
-from blockswap.bench.sweep import PATHS
 from blockswap.kernels import interpreter_mode
+from blockswap_bench import SECTIONS, profile, report, suite
+from blockswap_bench.models import MODELS
+from blockswap_bench.sweep import PATHS
 
 TINY = profile("tiny", "host")
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -270,27 +270,43 @@ def test_plots_written(run: tuple[dict[str, Any], Path]) -> None:
         assert data.startswith(PNG) and len(data) > 5000, name
 
 
-def test_package_cli_runs_the_suite(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_suite_command_runs_the_sections_asked(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "cli"
-    rc = cli_main(
-        ["bench", "--tiny", "--backend", "host", "--only", "sweep", "--no-plots", "--out", str(out)]
-    )
-    assert rc == 0
+    args = ["--tiny", "--backend", "host", "--only", "sweep", "--no-plots", "--out", str(out)]
+    assert suite.main(args, prog="benches/suite.py") == 0
     printed = capsys.readouterr().out
     assert "## Sweep" in printed and str(out) in printed
     saved = json.loads((out / "results.json").read_text())
     assert list(saved["sections"]) == ["sweep"] and saved["plots"] == []
+    assert saved["meta"]["command"] == f"python benches/suite.py {' '.join(args)}"
 
 
-def test_cli_refuses_an_unknown_section(capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_refuses_an_unknown_section(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
     assert suite.main(["--tiny", "--only", "sweep,nope", "--backend", "host"]) == 2
-    assert "nope" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unknown section(s) 'nope'" in err, err
+    assert list(tmp_path.iterdir()) == [], "an error wrote files"
+
+
+def test_cli_refuses_an_unknown_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert suite.main(["--tiny", "--models", "nope", "--backend", "host"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unknown model 'nope'" in err, err
+    assert list(tmp_path.iterdir()) == [], "an error wrote files"
 
 
 def test_a_failing_measurement_is_recorded_not_dropped(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from blockswap.bench import handlers
+    from blockswap_bench import handlers
 
     def broken(*_args: Any, **_kw: Any) -> dict[str, Any]:
         raise RuntimeError("no transfer today")

@@ -44,8 +44,9 @@ def test_no_command_prints_the_help_and_writes_nothing(tmp_path: Path) -> None:
     ("args", "said"),
     [
         (["frob"], "invalid choice: 'frob'"),
-        (["bench", "--models", "nope"], "unknown model 'nope'"),
-        (["bench", "--only", "sweep,nope"], "unknown section(s) 'nope'"),
+        # The benchmark suite's options are benches/suite.py's, not the package's short benchmark.
+        (["bench", "--full"], "unrecognized arguments: --full"),
+        (["bench", "--out", "here"], "unrecognized arguments: --out here"),
         (["bench", "--backend", "tpu"], "invalid choice: 'tpu'"),
         (["bench", "--tiny", "--quick"], "not allowed with argument"),
         (["info", "--bogus"], "unrecognized arguments: --bogus"),
@@ -123,14 +124,53 @@ def test_info_on_a_cuda_machine(monkeypatch: pytest.MonkeyPatch) -> None:
     assert text.count("larger pages: cuMemcpyBatchAsync (13.0 ABI)") == 2
 
 
-def test_bench_writes_only_where_asked(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+def test_bench_prints_a_table_and_writes_nothing(tmp_path: Path) -> None:
+    p = cli("bench", "--tiny", "--backend", "host", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert lines[0].startswith(f"blockswap {blockswap.__version__}: host backend")
+    assert lines[1].startswith("ceiling, one memcpy") and "CPU->GPU" in lines[1]
+    assert max(len(line) for line in lines) <= 100
+    rows = [line.split("|")[1:-1] for line in lines if line.startswith("| ")]
+    assert [c.strip() for c in rows[0]] == [
+        "direction",
+        "block",
+        "transfer",
+        "one copy",
+        "DMA batch",
+        "auto",
+        "auto chose",
+    ]
+    body = [[c.strip() for c in r] for r in rows[1:]]
+    assert [(r[0], r[1]) for r in body] == [
+        (f"{d}", size) for d in ("CPU->GPU (h2d)", "GPU->CPU (d2h)") for size in ("4 KiB", "64 KiB")
+    ]
+    for r in body:
+        for cell in r[3:6]:  # "12.3 (45 %)": GB/s, then the percent of the ceiling
+            gbps, pct = cell.split(" (")
+            assert float(gbps) > 0 and pct.endswith(" %)"), r
+        assert r[6] == "dma", r  # the host backend's one path
+    assert "benches/suite.py" in p.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bench_names_a_failed_measurement_and_exits_1(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.chdir(tmp_path)
-    args = ["bench", "--tiny", "--backend", "host", "--only", "bidir", "--no-plots"]
-    assert main([*args, "--out", "here"]) == 0
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["here"]
-    assert "written to here/" in capsys.readouterr().out
+    from blockswap import _bench
+
+    def broken(*_args: object, **_kw: object) -> object:
+        def measure() -> tuple[float, float]:
+            raise RuntimeError("no transfer today")
+
+        return measure
+
+    monkeypatch.setattr(_bench, "engine_measure", broken)
+    assert main(["bench", "--tiny", "--backend", "host"]) == 1
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "KiB" in line]
+    assert len(rows) == 4 and all(r.split("|")[5].strip() == "[1]" for r in rows), out
+    assert "[1] failed: RuntimeError: no transfer today" in out
 
 
 # ---- logging ----------------------------------------------------------------------------------
@@ -192,12 +232,12 @@ def test_handler_routes_are_logged(caplog: pytest.LogCaptureFixture) -> None:
 
 
 def test_the_library_prints_nothing() -> None:
-    """Only the command line and the benchmark suite print; the library logs."""
+    """Only the command line and its benchmark (``blockswap bench``) print; the library logs."""
     root = Path(blockswap.__file__).parent
     printing = []
     for path in root.rglob("*.py"):
         rel = path.relative_to(root).as_posix()
-        if rel == "__main__.py" or rel.startswith("bench/"):
+        if rel in ("__main__.py", "_bench.py"):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if (

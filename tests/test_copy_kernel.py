@@ -486,3 +486,62 @@ def test_cuda_raw_on_side_stream():
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+# --------------------------------------------------------------------------------------
+# The staged plan's kernel: page addresses computed from block ids and a geometry
+# --------------------------------------------------------------------------------------
+
+
+def _i64(values: list[int]) -> torch.Tensor:
+    t = torch.tensor(values, dtype=torch.int64)
+    return t if INTERPRET else t.pin_memory()
+
+
+@pytest.mark.parametrize("ring_src", [True, False])
+@pytest.mark.parametrize(
+    "pages", [[64, 64], [4096] * 6, [48, 16, 100, 4], [16384, 4096, 32]], ids=str
+)
+def test_staged_kernel_moves_the_pages_its_block_entries_name(
+    pages: list[int], ring_src: bool
+) -> None:
+    """The staged kernel's pages (GPU page s of block b at ``bases[s] + b * strides[s]``, in
+    the ring at ``ring_base + rings[i] + offsets[s]``) against a byte-by-byte reference, both
+    ways, with pages of any size and alignment and GPU segments at strides of their own."""
+    rng = random.Random(len(pages) * 2 + ring_src)
+    num_blocks, n = 12, 7
+    row = sum(pages)
+    offsets = [sum(pages[:s]) for s in range(len(pages) + 1)]
+    # "GPU" segments: each its own region, its own stride (page padded by 0-3 x 16 bytes + 1).
+    strides = [p + 16 * rng.randrange(4) + 1 for p in pages]
+    seg_at, pos = [], 0
+    for st_ in strides:
+        seg_at.append(pos)
+        pos += st_ * num_blocks + 64
+    gpu = host_buffer(pos, seed=1 + ring_src)
+    ring = host_buffer(row * n + 64, seed=3)
+    gpu_ids = rng.sample(range(num_blocks), n)
+    # The ring rows in some order, one after the other from a base offset.
+    ring_base = ring.data_ptr() + 32
+    rings = [row * k for k in rng.sample(range(n), n)]
+    want_gpu, want_ring = gpu.numpy().copy(), ring.numpy().copy()
+    for b, r in zip(gpu_ids, rings):
+        for s, p in enumerate(pages):
+            g = seg_at[s] + b * strides[s]
+            q = 32 + r + offsets[s]
+            if ring_src:
+                want_gpu[g : g + p] = want_ring[q : q + p]
+            else:
+                want_ring[q : q + p] = want_gpu[g : g + p]
+    ids_t, rings_t = _i64(gpu_ids), _i64(rings)
+    bases_t = _i64([gpu.data_ptr() + a for a in seg_at])
+    strides_t, offsets_t = _i64(strides), _i64(offsets)
+    copy_mod._copy_staged_raw(
+        ids_t.data_ptr(), rings_t.data_ptr(), bases_t.data_ptr(), strides_t.data_ptr(),
+        offsets_t.data_ptr(), n, len(pages), ring_base, ring_src,
+        max_size=max(pages), max_ctas=3,
+    )  # fmt: skip
+    if not INTERPRET:
+        torch.cuda.synchronize()
+    np.testing.assert_array_equal(gpu.numpy(), want_gpu)
+    np.testing.assert_array_equal(ring.numpy(), want_ring)

@@ -570,27 +570,38 @@ def test_threads_submit_while_another_shuts_down(torch, route):
     del compiled  # loaded until here: the engine may launch it until it is shut down
 
 
-def test_kernel_route_with_a_kernel_this_engine_never_loaded_fails_the_transfer(torch):
-    """A kernel id the engine never loaded, on the kernel route: the transfer is reported failed,
-    naming why, and the engine goes on (the next transfer, by DMA, succeeds)."""
+@pytest.mark.parametrize("given", ["never loaded", "of the other kind"])
+def test_a_kernel_the_plan_cannot_launch_fails_the_transfer(torch, given: str) -> None:
+    """A kernel id the engine never loaded, or a kernel of the other kind (a staged kernel on the
+    kernel route, a page kernel for the staged plan): the transfer is reported failed, naming
+    why, and the engine goes on (the next transfer, by DMA, succeeds)."""
+    from blockswap.kernels import core_kernel
+
     size = 64 * KiB
     host = torch.randint(0, 256, (4 * size,), dtype=torch.uint8).pin_memory()
     dev = torch.zeros(4 * size, dtype=torch.uint8, device="cuda")
+    compiled = [core_kernel(0, max_size=size, staged=s) for s in (True, False)]
     with blockswap.Engine("cuda") as eng:
         eng.register(host)
         eng.register(dev)
         th = eng.register_table([host.data_ptr()], [size], [size], 4, "host")
         td = eng.register_table([dev.data_ptr()], [size], [size], 4, "device")
+        staged_kernel, page_kernel = (eng.load_kernel(k) for k in compiled)
+        wrong = {"never loaded": (7, 7), "of the other kind": (staged_kernel, page_kernel)}
+        on_route, on_staged = wrong[given]
         eng.submit_groups(
-            1, [(th, [0, 1], td, [0, 1], None)], "h2d", kernel_below=1 << 40, kernel=7
+            1, [(th, [0, 1], td, [0, 1], None)], "h2d", kernel_below=1 << 40, kernel=on_route
         )
-        eng.wait([1])
-        (r,) = eng.get_finished()
-        assert not r.success
-        assert "needs a kernel loaded by this engine" in (r.error or ""), r.error
+        eng.submit_groups(3, [(th, [0, 1], td, [0, 1], None)], "h2d", staged=True, kernel=on_staged)
+        eng.wait([1, 3])
+        results = sorted(eng.get_finished(), key=lambda r: r.job_id)
+        assert [r.success for r in results] == [False, False]
+        assert "needs a page kernel loaded by this engine" in (results[0].error or "")
+        assert "needs a staged kernel loaded by this engine" in (results[1].error or "")
         eng.submit_groups(2, [(th, [2, 3], td, [2, 3], None)], "h2d")
         eng.wait([2])
         (r,) = eng.get_finished()
         assert r.success, r.error
         torch.cuda.synchronize()
         assert torch.equal(dev[2 * size :].cpu(), host[2 * size :])
+    del compiled  # loaded until here

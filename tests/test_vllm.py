@@ -27,8 +27,8 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
     TransferResult,
 )
 
-from blockswap.bench.models import MODELS as CATALOGUE  # noqa: E402
 from blockswap.vllm import BlockswapOffloadingWorker  # noqa: E402
+from blockswap_bench.models import MODELS as CATALOGUE  # noqa: E402
 
 BPC = 4  # GPU blocks per CPU chunk
 N_GPU = 24
@@ -460,7 +460,7 @@ def test_store_waits_for_a_kernel_still_writing_its_blocks() -> None:
 
 
 #: (name, layers, page bytes per layer and block, groups, row padding): the per-rank KV caches
-#: of the benchmark catalogue's six models (``blockswap.bench.models``) in vLLM's canonical form
+#: of the benchmark catalogue's six models (``blockswap_bench.models``) in vLLM's canonical form
 #: (a layer's K and V pages of one block are one page), and one with padded rows. A model with two
 #: groups (sliding window and full attention) shares each tensor between one layer of each group,
 #: as vLLM's hybrid allocation does.

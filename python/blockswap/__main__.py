@@ -2,13 +2,14 @@
 
     blockswap --version
     blockswap info [--json]
-    blockswap bench [--full | --tiny] [--out DIR] [--only sweep,handler,bidir,interference] ...
+    blockswap bench [--quick | --tiny] [--backend auto|cuda|host]
 
 ``info`` says what blockswap would use on this machine: whether CUDA can be used (and why not),
 the backend, driver and batch-copy ABI an engine gets, and the copy path the offloading handler
-would take per direction. ``bench`` runs the benchmark suite (its short version unless ``--full``;
-``bench --help`` lists the options) and is the only command that writes files: its results
-folder. Errors are one line on stderr and a non-zero exit status.
+would take per direction. ``bench`` runs a short transfer benchmark (:mod:`blockswap._bench`): the
+link's ceiling and a few block sizes, one table. Neither writes a file (the full benchmark suite
+is ``benches/suite.py`` in the source repository). Errors are one line on stderr and a non-zero
+exit status.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import inspect
 import json
 import sys
 from collections.abc import Sequence
-from typing import Any, NoReturn, cast
+from typing import Any, NoReturn
 
 from . import __version__
 from .engine import Engine, info
@@ -109,14 +110,14 @@ def _info(args: argparse.Namespace) -> int:
     return 1 if "error" in d.get("engine", {}) else 0
 
 
-def _bench(args: argparse.Namespace) -> int:
-    from .bench import suite
+def _run_bench(args: argparse.Namespace) -> int:
+    from . import _bench
 
-    return suite.run_args(args, prog="blockswap bench", argv=args.argv)
+    return _bench.main(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .bench import suite
+    from . import _bench
 
     ap = _Parser(
         prog="blockswap",
@@ -133,12 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_info)
     p = sub.add_parser(
         "bench",
-        # The suite's own options (benches/suite.py takes the same).
-        parents=[cast(_Parser, suite.build_parser(default_profile="quick", add_help=False))],
-        help="run the benchmark suite (writes its results folder)",
-        description=suite.DESCRIPTION,
+        help="a short transfer benchmark: the link's ceiling and a few block sizes",
+        description=_bench.DESCRIPTION,
     )
-    p.set_defaults(func=_bench)
+    _bench.add_arguments(p)
+    p.set_defaults(func=_run_bench)
     return ap
 
 
@@ -149,7 +149,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         ap.print_help(sys.stderr)
         return 2
-    args.argv = ["python", "-m", "blockswap", *args_list]
     try:
         return int(args.func(args))
     except KeyboardInterrupt:

@@ -35,6 +35,9 @@ __all__ = [
     "WaitTimeoutError",
     "__version__",
     "chunk_blocks",
+    "cuda_device_pointer",
+    "cuda_memcpy",
+    "cuda_memory_kind",
     "cuda_status",
 ]
 
@@ -213,6 +216,9 @@ class HostBuffer:
     def unpin(self) -> None: ...
 
 def cuda_status() -> tuple[bool, str]: ...
+def cuda_memory_kind(addr: int) -> MemoryKind | None: ...
+def cuda_device_pointer(addr: int) -> int | None: ...
+def cuda_memcpy(dst: int, src: int, nbytes: int) -> None: ...
 def chunk_blocks(
     chunk_ids: npt.NDArray[np.int64],
     unit: int,

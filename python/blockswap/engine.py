@@ -521,11 +521,12 @@ class Engine:
         return self._core.stage_bytes
 
     def load_kernel(self, kernel: dict[str, Any]) -> int | None:
-        """Makes a compiled copy kernel launchable by the core (the staged plan, and the kernel
-        route of :meth:`submit_groups` without a launcher): ``kernel`` as
+        """Makes a compiled copy kernel launchable by the core: ``kernel`` as
         :func:`blockswap.kernels.core_kernel` returns it (which keeps the compiled module, and
-        must be kept alive as long as the engine may launch it). Returns the id for
-        :meth:`submit_groups`, or ``None`` on the host backend."""
+        must be kept alive as long as the engine may launch it), a page kernel for the kernel
+        route of :meth:`submit_groups` without a launcher, or (``staged=True``) the staged
+        plan's. Returns the id for :meth:`submit_groups`, or ``None`` on the host backend. A
+        kernel whose parameters are neither kind's raises :class:`blockswap.BackendError`."""
         return self._core.load_kernel(
             kernel["function"],
             kernel["threads"],

@@ -675,17 +675,19 @@ class CpuGpuHandlers:
     # ---- construction helpers ------------------------------------------------------------------
 
     def _load_kernel(
-        self, device_index: int | None, max_size: int, ctas: int
+        self, device_index: int | None, max_size: int, ctas: int, *, staged: bool = False
     ) -> tuple[int | None, str]:
-        """The copy kernel for pages of at most ``max_size`` bytes on ``ctas`` CTAs, compiled and
-        loaded into the core (and kept alive with the handlers): ``(id, "")``, or ``(None, why
-        not)`` where the core cannot launch it."""
+        """The copy kernel for pages of at most ``max_size`` bytes on ``ctas`` CTAs (the page
+        kernel, or with ``staged`` the staged plan's), compiled and loaded into the core (and
+        kept alive with the handlers): ``(id, "")``, or ``(None, why not)`` where the core
+        cannot launch it."""
         from .kernels import core_kernel
 
         try:
             k = core_kernel(
                 device_index or 0,
                 max_size=max_size,
+                staged=staged,
                 max_ctas=ctas,
                 block_bytes=KERNEL_BLOCK_BYTES,
             )

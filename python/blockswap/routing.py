@@ -19,7 +19,7 @@ import logging
 import statistics
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Protocol
 
 import numpy as np
 
@@ -57,10 +57,16 @@ _SHORT = {"d2h": "GPU -> CPU", "h2d": "CPU -> GPU"}
 #: (``logging.getLogger("blockswap.handler")`` keeps covering them).
 log = logging.getLogger("blockswap.handler")
 
-#: ``load_kernel(device_index, max_size, ctas)``: the handler's copy kernel for pages of at most
-#: ``max_size`` bytes on ``ctas`` CTAs, compiled, loaded into the core and kept alive with the
-#: handler: ``(kernel id, "")``, or ``(None, why not)`` where the core cannot launch it.
-LoadKernel = Callable[[Optional[int], int, int], tuple[Optional[int], str]]
+
+class LoadKernel(Protocol):
+    """The handler's copy kernel for pages of at most ``max_size`` bytes on ``ctas`` CTAs (the page
+    kernel, or with ``staged`` the staged plan's), compiled, loaded into the core and kept alive
+    with the handler: ``(kernel id, "")``, or ``(None, why not)`` where the core cannot launch
+    it."""
+
+    def __call__(
+        self, device_index: int | None, max_size: int, ctas: int, *, staged: bool = False
+    ) -> tuple[int | None, str]: ...
 
 
 # --------------------------------------------------------------------------------------------
@@ -297,7 +303,7 @@ def staged_route(
     kernel = None
     if why is None and on_cuda:
         page = max(int(n) for t in gpu_tables for n in t.nbytes.tolist())
-        kernel, why = load_kernel(device_index, page, STAGED_CTAS)
+        kernel, why = load_kernel(device_index, page, STAGED_CTAS, staged=True)
         why = why or None
     if why is not None:
         if insist:

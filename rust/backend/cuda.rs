@@ -27,8 +27,8 @@ use cudarc::driver::sys;
 
 use super::{
     kernel_split, staged_steps, take_injected, AddElapsed, Backend, BackendError, BackendInfo,
-    HostAlloc, KernelBatch, KernelParam, KernelSpec, PageKernel, StagedRequest, SubmitRequest,
-    Submitted,
+    HostAlloc, KernelBatch, KernelKind, KernelParam, KernelSpec, PageKernel, StagedRequest,
+    SubmitRequest, Submitted,
 };
 use crate::direction::Direction;
 use crate::region::MemoryKind;
@@ -592,8 +592,20 @@ impl Drop for DeviceMem {
 struct LoadedKernel {
     function: u64,
     spec: KernelSpec,
+    kind: KernelKind,
     /// Parameters of the kernel in all: those of `spec.params`, then null pointers.
     total: usize,
+}
+
+/// What a staged kernel's launch reads besides its block entries: the group's geometry at slab
+/// entry `table` (its header) with `segments` pages per block, the ring's offsets shifted by
+/// `ring_base`, the ring the pages' source (`ring_src`, CPU -> GPU) or destination.
+#[derive(Clone, Copy, Debug)]
+struct StagedLaunch {
+    table: usize,
+    segments: u64,
+    ring_base: u64,
+    ring_src: bool,
 }
 
 /// One lane's staging resources, made on its first staged transfer: a ring of two slots in
@@ -620,8 +632,8 @@ struct Stage {
     marker_on_stage: bool,
     /// Steps issued on the lane so far: the next takes slot `steps % 2`.
     steps: u64,
-    /// Device memory the transfer's page descriptors are copied into before its first kernel,
-    /// so the kernels read them from HBM, not across the PCIe link the rows are crossing. One
+    /// Device memory the transfer's block entries and geometries are copied into before its
+    /// first kernel, so the kernels read them from HBM, not across the PCIe link the rows are crossing. One
     /// per lane: the copy goes on the kernel stream, after every kernel of the lane's earlier
     /// transfers.
     desc: Option<DeviceMem>,
@@ -1460,9 +1472,11 @@ impl Shared {
         let Some(kernel) = req
             .kernel
             .and_then(|k| self.kernels.read().ok()?.get(k as usize).cloned())
+            .filter(|k| k.kind == KernelKind::Staged)
         else {
             return Err(BackendError::InvalidArgument(format!(
-                "the staged plan needs a kernel loaded by this engine (load_kernel), got {:?}",
+                "the staged plan needs a staged kernel loaded by this engine (load_kernel), got \
+                 {:?}",
                 req.kernel
             )));
         };
@@ -1480,13 +1494,13 @@ impl Shared {
         let st = stage.as_mut().expect("made above");
         let host_src = lane == Direction::HostToDevice;
         let (src, dst, size) = (slab.src(), slab.dst(), slab.size());
-        let (r, first) = (req.rows, req.first_page);
-        let ring_col = if host_src {
-            &src[first..]
-        } else {
-            &dst[first..]
-        };
-        let steps = staged_steps(&dst[..r], &size[..r], ring_col, req.slot_bytes);
+        let (r, first) = (req.rows, req.first_block);
+        let steps = staged_steps(
+            &dst[..r],
+            &size[..r],
+            &dst[first..2 * first],
+            req.slot_bytes,
+        );
         let fail_at = take_injected(&self.fail_next).then_some(steps.len() / 2);
         let kstream = st.stream.raw;
         let ctx = self.ctx.raw;
@@ -1503,9 +1517,9 @@ impl Shared {
             }
         };
         let issued = wait_dep().and_then(|()| {
-            // The page descriptors go to device memory in one copy, on the kernel stream after
-            // the earlier transfers' kernels; `cols[c] + 8 * i` is then where the kernels read
-            // descriptor i of column c.
+            // The block entries and geometries go to device memory in one copy, on the kernel
+            // stream after the earlier transfers' kernels; `cols[c] + 8 * i` is then where the
+            // kernels read entry i of column c.
             let cols = if src.len() > first {
                 let lo = slab.column_addr(0) + 8 * first as u64;
                 let hi = slab.column_addr(2) + 8 * src.len() as u64;
@@ -1544,13 +1558,30 @@ impl Shared {
                     let mid = st.dst.len() / 2;
                     st.dst[mid] = 0;
                 }
-                let p0 = first + step.pages.start;
-                let n = step.pages.len() as u64;
-                let (src_base, dst_base) = if host_src { (shift, 0) } else { (0, shift) };
-                // The descriptors are the stage's device copy of the slab's columns, not
-                // overwritten before the kernel ends (the next transfer's copy comes after it on
-                // the same stream); the pages were checked at submission, the slot is this lane's.
-                let launch = || self.launch(&kernel, kstream, cols, (p0, n, 1), src_base, dst_base);
+                // The step's blocks, a launch for each run of blocks of one group (one
+                // geometry): the kernel computes every page's addresses from the block entries,
+                // read from the stage's device copy of the slab (not overwritten before the
+                // kernel ends: the next transfer's copy comes after it on the same stream); the
+                // ids were checked at submission, the slot is this lane's.
+                let blocks = (first + step.blocks.start)..(first + step.blocks.end);
+                let launch = || {
+                    let mut b = blocks.start;
+                    while b < blocks.end {
+                        let table = size[b];
+                        let end = (b..blocks.end)
+                            .find(|&i| size[i] != table)
+                            .unwrap_or(blocks.end);
+                        let at = StagedLaunch {
+                            table: table as usize,
+                            segments: src[table as usize],
+                            ring_base: shift,
+                            ring_src: host_src,
+                        };
+                        self.launch(&kernel, kstream, cols, (b, (end - b) as u64, 1), Some(at))?;
+                        b = end;
+                    }
+                    Ok::<(), BackendError>(())
+                };
                 let (copy, ready, free) = (&st.src, &st.ready[slot_i], &st.free[slot_i]);
                 let rows_first = step.rows.start;
                 if host_src {
@@ -1616,42 +1647,49 @@ impl Shared {
         l.stream.raw
     }
 
-    /// Launches `k` on `stream` over descriptors `[p0, p0 + n)` of a transfer whose columns
-    /// (src, dst, size) hold descriptor 0 at `cols`, each cut in `split` slices, with the two
-    /// base addresses. The caller vouches that the kernel may read `cols` until it ends and that
-    /// every address the descriptors name (plus its base) may be written or read as they say.
-    #[allow(clippy::too_many_arguments)]
+    /// Launches `k` on `stream` over entries `[p0, p0 + n)` of a transfer whose columns (src,
+    /// dst, size) hold entry 0 at `cols`: a page kernel's descriptors, each cut in `split`
+    /// slices, or (with `staged`) a staged kernel's block entries. The caller vouches that the
+    /// kernel may read `cols` until it ends and that every address the entries name may be
+    /// written or read as they say.
     fn launch(
         &self,
         k: &LoadedKernel,
         stream: sys::CUstream,
         cols: [u64; 3],
         (p0, n, split): (usize, u64, u64),
-        src_base: u64,
-        dst_base: u64,
+        staged: Option<StagedLaunch>,
     ) -> Result<(), BackendError> {
         if n == 0 {
             return Ok(());
         }
-        let at = 8 * p0 as u64;
+        let at = |c: usize, i: usize| cols[c].wrapping_add(8 * i as u64);
+        // A geometry's segments start after its header (see `crate::table::staged`).
+        let seg = staged.map_or(0, |g| g.table + 1);
         let mut vals = [0u64; MAX_KERNEL_PARAMS];
         for (v, p) in vals.iter_mut().zip(&k.spec.params) {
             *v = match p {
-                KernelParam::Srcs => cols[0].wrapping_add(at),
-                KernelParam::Dsts => cols[1].wrapping_add(at),
-                KernelParam::Sizes => cols[2].wrapping_add(at),
+                KernelParam::Srcs | KernelParam::Ids => at(0, p0),
+                KernelParam::Dsts | KernelParam::Rings => at(1, p0),
+                KernelParam::Sizes => at(2, p0),
                 KernelParam::Count => n,
                 KernelParam::Split => split,
-                KernelParam::SrcBase => src_base,
-                KernelParam::DstBase => dst_base,
+                KernelParam::SrcBase | KernelParam::DstBase => 0,
+                KernelParam::Bases => at(0, seg),
+                KernelParam::Strides => at(1, seg),
+                KernelParam::Offsets => at(2, seg),
+                KernelParam::Segments => staged.map_or(0, |g| g.segments),
+                KernelParam::RingBase => staged.map_or(0, |g| g.ring_base),
+                KernelParam::RingSrc => u64::from(staged.is_some_and(|g| g.ring_src)),
             };
         }
+        // Work items: a descriptor's slices, or a block's pages.
+        let items = n.saturating_mul(staged.map_or(split, |g| g.segments));
         let mut ptrs = [ptr::null_mut::<c_void>(); MAX_KERNEL_PARAMS];
         for (p, v) in ptrs.iter_mut().zip(vals.iter_mut()).take(k.total) {
             *p = (v as *mut u64).cast();
         }
-        let grid = n
-            .saturating_mul(split)
+        let grid = items
             .div_ceil(u64::from(k.spec.rows))
             .min(u64::from(k.spec.ctas))
             .max(1) as u32;
@@ -1690,9 +1728,11 @@ impl Shared {
             .read()
             .ok()
             .and_then(|ks| ks.get(kernel as usize).cloned())
+            .filter(|k| k.kind == KernelKind::Pages)
         else {
             return Err(BackendError::InvalidArgument(format!(
-                "the kernel route needs a kernel loaded by this engine (load_kernel), got {kernel}"
+                "the kernel route needs a page kernel loaded by this engine (load_kernel), got \
+                 {kernel}"
             )));
         };
         let per = (launch_bytes / batch.max_size.max(1)).max(1);
@@ -1704,7 +1744,7 @@ impl Shared {
             // The kernel reads the descriptors from the slab's pinned columns in place (mapped
             // memory, alive until the lane's marker after this launch is seen); every address
             // they name was checked against registered memory at submission.
-            self.launch(&k, stream, cols, (p0, n, split), 0, 0)?;
+            self.launch(&k, stream, cols, (p0, n, split), None)?;
             p0 += n as usize;
         }
         Ok(())
@@ -2012,6 +2052,66 @@ fn device_ordinal(addr: u64) -> Option<i32> {
     (r == sys::CUresult::CUDA_SUCCESS).then_some(v)
 }
 
+// Queries for code outside the backends (the Python package's reference copy and zero-copy
+// weights). They use the calling thread's current context and never initialise the driver: an
+// address asked about before anything in the process did is unknown to it. Each needs only its
+// own entry point, not every symbol `load_driver` asks of a driver for the backend.
+
+/// Whether the driver library is installed and exports `symbol`.
+fn driver_has(symbol: &str) -> bool {
+    static PRESENT: OnceLock<bool> = OnceLock::new();
+    // SAFETY: `is_culib_present` only tries `dlopen` on the candidate names.
+    *PRESENT.get_or_init(|| unsafe { sys::is_culib_present() })
+        // SAFETY: the library is present (checked first), so `culib` opens it without panicking.
+        && missing_symbol(unsafe { sys::culib() }, &[symbol]).is_none()
+}
+
+/// What the driver says `addr` is: `Host` for page-locked host memory, `Device` for any other
+/// memory it knows (the CPU cannot read it directly). `None` where it does not know the address
+/// (ordinary pageable host memory) and where there is no driver to ask.
+pub(crate) fn memory_kind(addr: u64) -> Option<MemoryKind> {
+    if !driver_has("cuPointerGetAttribute") {
+        return None;
+    }
+    match memory_type(addr)? {
+        sys::CUmemorytype::CU_MEMORYTYPE_HOST => Some(MemoryKind::Host),
+        _ => Some(MemoryKind::Device),
+    }
+}
+
+/// The address through which the device reaches mapped page-locked host memory at `host`
+/// (`cuMemHostGetDevicePointer`; the same address under unified addressing). `Ok(None)` where
+/// there is no driver to ask; an error where the driver refuses (memory it has not mapped, no
+/// current context).
+pub(crate) fn host_device_pointer(host: u64) -> Result<Option<u64>, BackendError> {
+    if !driver_has("cuMemHostGetDevicePointer_v2") {
+        return Ok(None);
+    }
+    let mut dev: sys::CUdeviceptr = 0;
+    // SAFETY: the symbol is present (checked above); the driver writes one device pointer and only
+    // looks `host` up, never dereferences it.
+    check("cuMemHostGetDevicePointer", unsafe {
+        sys::cuMemHostGetDevicePointer_v2(&mut dev, host as *mut c_void, 0)
+    })?;
+    Ok(Some(dev))
+}
+
+/// Copies `len` bytes from `src` to `dst` with `cuMemcpy` (the direction inferred from the
+/// addresses under unified addressing; synchronous except between device addresses).
+///
+/// # Safety
+/// Both ranges must be allocated, `dst` writable and not overlapping `src`, for the whole copy:
+/// the driver copies host memory it does not know with the CPU.
+pub(crate) unsafe fn memcpy(dst: u64, src: u64, len: usize) -> Result<(), BackendError> {
+    if !driver_has("cuMemcpy") {
+        return Err(BackendError::Unavailable(
+            "no NVIDIA driver library (libcuda.so) with cuMemcpy found on this machine".into(),
+        ));
+    }
+    // SAFETY: the symbol is present (checked above); the ranges are the caller's guarantee.
+    check("cuMemcpy", unsafe { sys::cuMemcpy(dst, src, len) })
+}
+
 impl Backend for CudaBackend {
     fn info(&self) -> BackendInfo {
         BackendInfo {
@@ -2091,12 +2191,17 @@ impl Backend for CudaBackend {
                 spec.threads
             ));
         }
+        let kind = match spec.kind() {
+            Ok(kind) => kind,
+            Err(why) => return bad(why),
+        };
         let mut kernels = self.kernels.write().unwrap_or_else(|e| e.into_inner());
         let id = kernels.len() as u32;
         kernels.push(LoadedKernel {
             function: spec.function,
             total: sizes.len(),
             spec,
+            kind,
         });
         Ok(Some(id))
     }
@@ -2860,5 +2965,58 @@ mod tests {
                 assert!(!msg.is_empty());
             }
         }
+    }
+
+    #[test]
+    fn the_queries_answer_for_memory_no_driver_knows() {
+        // Pageable memory of this process: no driver knows it, where there is a driver at all.
+        let local = [0u8; 64];
+        let addr = local.as_ptr() as u64;
+        assert_eq!(memory_kind(addr), None);
+        if !driver_has("cuMemcpy") {
+            assert_eq!(host_device_pointer(addr), Ok(None));
+            let mut out = [0u8; 64];
+            // SAFETY: two live local arrays of 64 bytes.
+            let e = unsafe { memcpy(out.as_mut_ptr() as u64, addr, 64) }.unwrap_err();
+            assert!(matches!(e, BackendError::Unavailable(_)), "{e}");
+        }
+    }
+
+    #[test]
+    #[ignore = "needs CUDA"]
+    fn the_queries_name_pinned_and_device_memory_and_copy_between_them() {
+        let _gpu = gpu();
+        let backend = CudaBackend::new(CudaOptions::new(0)).expect("a backend");
+        let ctx = backend.ctx.raw;
+        let host = PinnedHost::alloc(ctx, 64).expect("pinned memory");
+        let dev = DeviceMem::alloc(ctx, 64).expect("device memory");
+        let mut local = [7u8; 64];
+        let (pinned, pageable) = (host.as_ptr() as u64, local.as_mut_ptr() as u64);
+        let _bound = bind(ctx).expect("bind");
+        assert_eq!(memory_kind(pinned), Some(MemoryKind::Host));
+        assert_eq!(memory_kind(dev.ptr), Some(MemoryKind::Device));
+        assert_eq!(memory_kind(pageable), None);
+        // Unified addressing: the device reaches mapped pinned memory at its host address.
+        assert_eq!(host_device_pointer(pinned), Ok(Some(pinned)));
+        let refused = host_device_pointer(pageable);
+        assert!(
+            matches!(
+                refused,
+                Err(BackendError::Driver {
+                    call: "cuMemHostGetDevicePointer",
+                    ..
+                })
+            ),
+            "{refused:?}"
+        );
+        // SAFETY: 64 bytes in each of three live allocations, none overlapping; both copies
+        // touch host memory, so each is done when it returns.
+        unsafe {
+            memcpy(dev.ptr, pageable, 64).expect("host to device");
+            memcpy(pinned, dev.ptr, 64).expect("device to host");
+        }
+        // SAFETY: the 64 bytes of pinned memory the second copy wrote.
+        let back = unsafe { std::slice::from_raw_parts(host.as_ptr(), 64) };
+        assert_eq!(back, &[7u8; 64]);
     }
 }

@@ -21,6 +21,7 @@ use super::{
 use crate::direction::Direction;
 use crate::region::MemoryKind;
 use crate::slab::SlabRef;
+use crate::table::staged_pages;
 
 /// Alignment of host allocations: a page, like page-locked allocations on CUDA.
 const HOST_ALIGN: usize = 4096;
@@ -126,11 +127,9 @@ unsafe fn run_staged(
     injected: bool,
 ) {
     let (src, dst, size) = (slab.src(), slab.dst(), slab.size());
-    let (r, first) = (req.rows, req.first_page);
+    let (r, first) = (req.rows, req.first_block);
     let (row_addr, row_ring, row_bytes) = (&src[..r], &dst[..r], &size[..r]);
-    let (psrc, pdst, psize) = (&src[first..], &dst[first..], &size[first..]);
-    let ring_col = if host_src { psrc } else { pdst };
-    let steps = staged_steps(row_ring, row_bytes, ring_col, req.slot_bytes);
+    let steps = staged_steps(row_ring, row_bytes, &dst[first..2 * first], req.slot_bytes);
     let fail_at = injected.then_some(steps.len() / 2);
     ring.resize(ring.len().max(req.slot_bytes as usize), 0);
     let base = ring.as_mut_ptr() as u64;
@@ -153,14 +152,19 @@ unsafe fn run_staged(
                 (s, d, row_bytes[i])
             })
         };
+        // Each page's addresses from its block entry and geometry, as the CUDA backend's
+        // kernel computes them.
         let pages = || {
-            step.pages.clone().map(|i| {
-                let (s, d) = if host_src {
-                    (psrc[i].wrapping_add(shift), pdst[i])
-                } else {
-                    (psrc[i], pdst[i].wrapping_add(shift))
-                };
-                (s, d, psize[i])
+            let blocks = (first + step.blocks.start)..(first + step.blocks.end);
+            blocks.flat_map(|i| {
+                staged_pages(src, dst, size, i).map(|(ring, gpu, n)| {
+                    let ring = ring.wrapping_add(shift);
+                    if host_src {
+                        (ring, gpu, n)
+                    } else {
+                        (gpu, ring, n)
+                    }
+                })
             })
         };
         let copy = |(s, d, n): (u64, u64, u64)| {

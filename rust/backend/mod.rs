@@ -184,29 +184,116 @@ pub fn kernel_split(spec: &KernelSpec, n: u64, max_size: u64) -> u64 {
         .max(1)
 }
 
-/// A value a kernel parameter takes at each launch of the staged plan (see [`KernelSpec`]).
+/// A value a kernel parameter takes at each launch (see [`KernelSpec`]). A page kernel (the
+/// kernel route) reads descriptors: `srcs`, `dsts`, `sizes`, `count`, `split`, `src_base`,
+/// `dst_base`. A staged kernel (the staged plan) reads block entries and a geometry (see
+/// [`crate::table::staged`]) and computes every page's two addresses: `ids`, `rings`, `bases`,
+/// `strides`, `offsets`, `count`, `segments`, `ring_base`, `ring_src`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum KernelParam {
-    /// Address of the step's first source / destination / size entry (the slab's columns,
-    /// mapped pinned memory the kernel reads in place).
+    /// Address of the launch's first source / destination / size entry (the slab's columns).
     Srcs,
     Dsts,
     Sizes,
-    /// Descriptors in the step.
+    /// Descriptors (page kernel) or blocks (staged kernel) in the launch.
     Count,
-    /// Slices per descriptor: 1 for the staged plan (a step holds many pages); the kernel
-    /// route's from [`kernel_split`].
+    /// Slices per descriptor: the kernel route's from [`kernel_split`].
     Split,
-    /// Added by the kernel to every source / destination address: the ring side's offsets
-    /// become addresses in the step's slot, the other side's base is 0.
+    /// Added by a page kernel to every source / destination address (0 from the core).
     SrcBase,
     DstBase,
+    /// Address of the launch's first block entry's GPU block id / ring offset.
+    Ids,
+    Rings,
+    /// Address of the group geometry's first segment's GPU base / GPU stride / offset in the row
+    /// (one more offset follows the last segment's: the row's end).
+    Bases,
+    Strides,
+    Offsets,
+    /// Segments (pages per block) of the geometry.
+    Segments,
+    /// Added to every ring offset: the step's slot's address minus the step's first offset.
+    RingBase,
+    /// 1 where the ring is the source of the page copies (CPU -> GPU), 0 where the GPU pages are.
+    RingSrc,
 }
 
-/// A compiled copy kernel the backend launches itself for the staged plan and the kernel route
-/// ([`PageKernel::Loaded`]) with `cuLaunchKernel`,
-/// with no Python and no launcher between: the kernel of [`KernelBatch`] with two base addresses
-/// added (see `blockswap.kernels`).
+impl std::str::FromStr for KernelParam {
+    type Err = String;
+
+    /// The names the Python layer gives (`blockswap.kernels`).
+    fn from_str(s: &str) -> Result<Self, String> {
+        use KernelParam::*;
+        Ok(match s {
+            "srcs" => Srcs,
+            "dsts" => Dsts,
+            "sizes" => Sizes,
+            "count" => Count,
+            "split" => Split,
+            "src_base" => SrcBase,
+            "dst_base" => DstBase,
+            "ids" => Ids,
+            "rings" => Rings,
+            "bases" => Bases,
+            "strides" => Strides,
+            "offsets" => Offsets,
+            "segments" => Segments,
+            "ring_base" => RingBase,
+            "ring_src" => RingSrc,
+            other => {
+                return Err(format!(
+                    "kernel parameter {other:?} is none of srcs, dsts, sizes, count, split, \
+                     src_base, dst_base (a page kernel) or ids, rings, bases, strides, offsets, \
+                     count, segments, ring_base, ring_src (a staged kernel)"
+                ))
+            }
+        })
+    }
+}
+
+/// What a loaded kernel is for, by its parameters.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KernelKind {
+    /// Descriptors `(src, dst, size)`: the kernel route ([`PageKernel::Loaded`]).
+    Pages,
+    /// Block entries and a geometry: the staged plan ([`StagedRequest::kernel`]).
+    Staged,
+}
+
+impl KernelKind {
+    /// The kind of a kernel taking `params`, or why it is none: every parameter at most once,
+    /// and each kind's own all there, none of the other's.
+    pub fn of(params: &[KernelParam]) -> Result<Self, String> {
+        use KernelParam::*;
+        const PAGES: &[KernelParam] = &[Srcs, Dsts, Sizes, Count];
+        const STAGED: &[KernelParam] = &[
+            Ids, Rings, Bases, Strides, Offsets, Count, Segments, RingBase, RingSrc,
+        ];
+        for (i, p) in params.iter().enumerate() {
+            if params[..i].contains(p) {
+                return Err(format!("kernel parameter {p:?} is named twice"));
+            }
+        }
+        let has_all = |want: &[KernelParam]| want.iter().all(|p| params.contains(p));
+        let only = |allowed: &[KernelParam]| params.iter().all(|p| allowed.contains(p));
+        if has_all(PAGES) && only(&[Srcs, Dsts, Sizes, Count, Split, SrcBase, DstBase]) {
+            Ok(KernelKind::Pages)
+        } else if has_all(STAGED) && only(STAGED) {
+            Ok(KernelKind::Staged)
+        } else {
+            Err(format!(
+                "kernel parameters {params:?} are neither a page kernel's (srcs, dsts, sizes, \
+                 count; split, src_base, dst_base optional) nor a staged kernel's (ids, rings, \
+                 bases, strides, offsets, count, segments, ring_base, ring_src)"
+            ))
+        }
+    }
+}
+
+/// A compiled copy kernel the backend launches itself with `cuLaunchKernel`, no Python and no
+/// launcher between: a page kernel for the kernel route ([`PageKernel::Loaded`]), the kernel of
+/// [`KernelBatch`], or a staged kernel for the staged plan (see [`KernelParam`] and
+/// `blockswap.kernels`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct KernelSpec {
     /// The `CUfunction`, loaded in the device's primary context by whoever compiled it; it must
@@ -215,8 +302,9 @@ pub struct KernelSpec {
     /// Threads per CTA, and bytes of dynamic shared memory.
     pub threads: u32,
     pub shared: u32,
-    /// The kernel's leading parameters, each 8 bytes; any parameter after them must be an
-    /// 8-byte pointer the kernel ignores when null (Triton's scratch pointers with no scratch).
+    /// The kernel's leading parameters, each 8 bytes, those of one [`KernelKind`]; any parameter
+    /// after them must be an 8-byte pointer the kernel ignores when null (Triton's scratch
+    /// pointers with no scratch).
     pub params: Vec<KernelParam>,
     /// Descriptors a CTA copies side by side (the kernel's `ROWS`), and the most CTAs.
     pub rows: u32,
@@ -226,22 +314,30 @@ pub struct KernelSpec {
     pub row_bytes: u32,
 }
 
-/// The staged plan of a transfer (see [`crate::table::expand_staged_into`]): the slab's first
-/// `rows` entries are host rows `(address, ring offset, bytes)`, those from `first_page` on page
-/// descriptors whose ring side is an offset from the transfer's first row. The backend moves the
-/// rows across PCIe
-/// one copy each into (or out of) the slots of its staging ring, a step of whole rows per slot,
-/// and the pages between a slot and the GPU pages with `kernel` (by memcpy on the host backend).
+impl KernelSpec {
+    /// What the kernel is for, by its parameters (see [`KernelKind::of`]).
+    pub fn kind(&self) -> Result<KernelKind, String> {
+        KernelKind::of(&self.params)
+    }
+}
+
+/// The staged plan of a transfer (see [`crate::table::staged`]): the slab's first `rows`
+/// entries are host rows `(address, ring offset, bytes)`, those from `first_block` on a block
+/// entry per block, whose pages [`crate::table::staged_pages`] names, their ring side an offset
+/// from the transfer's first row. The backend moves the rows across PCIe one copy each into (or
+/// out of) the slots of its staging ring, a step of whole rows per slot, and the pages between a
+/// slot and the GPU pages with `kernel` (by memcpy on the host backend).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct StagedRequest {
     /// The host rows, the slab's first entries.
     pub rows: usize,
-    /// Where the page descriptors start (`rows` or more: rows joined on the host leave the room
-    /// between unused).
-    pub first_page: usize,
+    /// Where the block entries start, and how many there are: the slab holds room for a row
+    /// per block first (rows joined on the host leave the end of it unused).
+    pub first_block: usize,
     /// Bytes of each of the two slots of a lane's ring; no row is larger.
     pub slot_bytes: u64,
-    /// From [`Backend::load_kernel`]; `None` where the backend copies pages with memcpy.
+    /// From [`Backend::load_kernel`], a [`KernelKind::Staged`] kernel; `None` where the backend
+    /// copies pages with memcpy.
     pub kernel: Option<u32>,
 }
 
@@ -251,23 +347,23 @@ pub struct StagedRequest {
 /// link isolated, four 88-91 % (H100, `benches/probe_staged.py`, docs/benchmarks.md).
 pub const STAGED_MIN_STEPS: usize = 4;
 
-/// One step of a staged transfer: slab rows `rows`, slab pages `pages`, and the ring offset of
-/// its first row (the slot's start).
+/// One step of a staged transfer: slab rows `rows`, block entries `blocks` (counted from the
+/// first), and the ring offset of its first row (the slot's start).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StagedStep {
     pub rows: std::ops::Range<usize>,
-    pub pages: std::ops::Range<usize>,
+    pub blocks: std::ops::Range<usize>,
     pub ring_start: u64,
 }
 
 /// Cuts a staged slab into steps (see [`StagedRequest`]): whole rows, at most `slot_bytes` and
-/// `ceil(rows / STAGED_MIN_STEPS)` rows each; a step's pages are those whose ring offset lies in
-/// its rows. `ring_of_page`: the pages' ring-side column (sources CPU -> GPU, destinations GPU ->
-/// CPU). Rows and pages come in ring order, as the table code writes them.
+/// `ceil(rows / STAGED_MIN_STEPS)` rows each; a step's blocks are those whose ring offset lies in
+/// its rows. `block_ring`: the block entries' ring offsets. Rows and blocks come in ring order,
+/// as the table code writes them.
 pub fn staged_steps(
     row_ring: &[u64],
     row_bytes: &[u64],
-    ring_of_page: &[u64],
+    block_ring: &[u64],
     slot_bytes: u64,
 ) -> Vec<StagedStep> {
     let rows = row_ring.len();
@@ -284,12 +380,12 @@ pub fn staged_steps(
         let end = end.max(r + 1);
         let ring_end = row_ring[end - 1] + row_bytes[end - 1];
         let first = p;
-        while p < ring_of_page.len() && ring_of_page[p] < ring_end {
+        while p < block_ring.len() && block_ring[p] < ring_end {
             p += 1;
         }
         steps.push(StagedStep {
             rows: r..end,
-            pages: first..p,
+            blocks: first..p,
             ring_start: start,
         });
         r = end;
@@ -484,20 +580,20 @@ mod tests {
 
     #[test]
     fn staged_steps_take_whole_rows_within_a_slot() {
-        // 10 rows of 3 pages, 96 bytes a row (pages of 32 bytes).
+        // 10 rows of 3 blocks, 96 bytes a row (blocks of 32 bytes).
         let rows: Vec<u64> = (0..10).map(|i| i * 96).collect();
         let bytes = vec![96u64; 10];
-        let pages: Vec<u64> = (0..30).map(|p| p * 32).collect();
+        let blocks: Vec<u64> = (0..30).map(|p| p * 32).collect();
         for slot in [96u64, 100, 200, 288, 1 << 20] {
-            let steps = staged_steps(&rows, &bytes, &pages, slot);
-            // Every row and page once, in order; each step within a slot.
+            let steps = staged_steps(&rows, &bytes, &blocks, slot);
+            // Every row and block once, in order; each step within a slot.
             let (mut r, mut p) = (0, 0);
             for s in &steps {
-                assert_eq!((s.rows.start, s.pages.start), (r, p));
+                assert_eq!((s.rows.start, s.blocks.start), (r, p));
                 assert_eq!(s.ring_start, rows[s.rows.start]);
-                assert_eq!(s.pages.len(), 3 * s.rows.len());
+                assert_eq!(s.blocks.len(), 3 * s.rows.len());
                 assert!(96 * s.rows.len() as u64 <= slot, "{s:?} in {slot}");
-                (r, p) = (s.rows.end, s.pages.end);
+                (r, p) = (s.rows.end, s.blocks.end);
             }
             assert_eq!((r, p), (10, 30));
             // At least STAGED_MIN_STEPS steps; no more than the slot forces.
@@ -531,6 +627,43 @@ mod tests {
         // Without row_bytes, or with nothing to copy: never sliced.
         assert_eq!(kernel_split(&spec(16, 1, 0), 1, 1 << 20), 1);
         assert_eq!(kernel_split(&spec(16, 1, 32768), 0, 1 << 20), 1);
+    }
+
+    #[test]
+    fn a_kernel_is_a_page_or_a_staged_kernel_by_its_parameters() {
+        let parse = |names: &[&str]| -> Result<KernelKind, String> {
+            let params = names
+                .iter()
+                .map(|n| n.parse::<KernelParam>())
+                .collect::<Result<Vec<_>, _>>()?;
+            KernelKind::of(&params)
+        };
+        let pages = [
+            "srcs", "dsts", "sizes", "count", "split", "src_base", "dst_base",
+        ];
+        assert_eq!(parse(&pages), Ok(KernelKind::Pages));
+        assert_eq!(parse(&pages[..4]), Ok(KernelKind::Pages));
+        let staged = [
+            "ids",
+            "rings",
+            "bases",
+            "strides",
+            "offsets",
+            "count",
+            "segments",
+            "ring_base",
+            "ring_src",
+        ];
+        assert_eq!(parse(&staged), Ok(KernelKind::Staged));
+        // A name of neither, a parameter twice, one missing, the two kinds mixed: refused by name.
+        let err = parse(&["srcs", "dsts", "sizes", "cnt"]).unwrap_err();
+        assert!(err.contains("\"cnt\" is none of"), "{err}");
+        let err = parse(&["srcs", "dsts", "sizes", "count", "srcs"]).unwrap_err();
+        assert!(err.contains("Srcs is named twice"), "{err}");
+        assert!(parse(&staged[..8]).unwrap_err().contains("neither"));
+        let mut mixed = staged.to_vec();
+        mixed.push("split");
+        assert!(parse(&mixed).unwrap_err().contains("neither"));
     }
 
     #[test]

@@ -4,7 +4,6 @@ the zero-copy one."""
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import itertools
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -15,7 +14,7 @@ import torch
 from torch import nn
 
 from .._checks import check_int
-from .._core import BlockswapError
+from .._core import BackendError, BlockswapError, cuda_device_pointer
 from ..engine import Engine
 from .errors import OffloadConfigError, OffloadDeviceError, WeightTransferError
 from .ops import _IDS, _REGISTRY, _make_forward
@@ -621,20 +620,12 @@ class _CudaArray:
 def _device_pointer(host_ptr: int) -> int:
     """The device address of mapped pinned host memory (``cuMemHostGetDevicePointer``)."""
     try:
-        lib = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return host_ptr  # unified addressing: the same address
-    fn = lib.cuMemHostGetDevicePointer_v2
-    fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    out = ctypes.c_uint64(0)
-    rc = fn(ctypes.byref(out), ctypes.c_void_p(host_ptr), 0)
-    if rc != 0:
+        dptr = cuda_device_pointer(host_ptr)
+    except BackendError as e:
         raise OffloadDeviceError(
-            f"cuMemHostGetDevicePointer failed with CUresult {rc}: the pinned buffer is not "
-            "mapped into the device's address space"
-        )
-    return int(out.value)
+            f"{e}: the pinned buffer is not mapped into the device's address space"
+        ) from e
+    return host_ptr if dptr is None else dptr  # no driver: unified addressing, the same address
 
 
 def create_offloader(kind: str, layers: Sequence[nn.Module] = (), **options: Any) -> BaseOffloader:

@@ -1,17 +1,16 @@
 """The benchmark suite: one command, four sections, one results folder.
 
     python benches/suite.py [--quick | --tiny] [--out DIR] [--only sweep,handler,bidir,interference]
-    python -m blockswap bench [--full | --tiny] [--out DIR] [--only ...]   # quick by default
 
 Sections (each beside the link's ceiling, one large copy measured in the same run):
 
 1. ``sweep``: block size x blocks per transfer x direction x path (one copy per block, DMA
-   batch, copy kernel, the handler's automatic choice), :mod:`blockswap.bench.sweep`.
+   batch, copy kernel, the handler's automatic choice), :mod:`blockswap_bench.sweep`.
 2. ``handler``: the handler with the KV-cache shapes of real models against one ``copy_`` per
-   page, :mod:`blockswap.bench.handlers`.
-3. ``bidir``: offload and onload at once, :mod:`blockswap.bench.bidir`.
+   page, :mod:`blockswap_bench.handlers`.
+3. ``bidir``: offload and onload at once, :mod:`blockswap_bench.bidir`.
 4. ``interference``: a GEMM on the compute stream beside an onload, per path (GPU only),
-   :mod:`blockswap.bench.interference`.
+   :mod:`blockswap_bench.interference`.
 
 Output, under ``--out`` (default ``results/<date>-<gpu>[-<profile>]``): ``summary.md`` (the
 tables, also printed), ``results.json`` (metadata and every row, skipped and failed ones
@@ -28,10 +27,12 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any
 
-from ..engine import Engine
-from .common import Progress, cuda_ready, run_metadata, slug
+from blockswap._bench import resolve_backend
+from blockswap.engine import Engine
+
+from .common import Progress, run_metadata, slug
 from .context import SECTIONS, Context, Profile, profile
 
 SCHEMA = 1
@@ -46,16 +47,6 @@ def _runners() -> dict[str, Callable[..., dict[str, Any]]]:
         "bidir": bidir.run,
         "interference": interference.run,
     }
-
-
-def resolve_backend(backend: str) -> Literal["cuda", "host"]:
-    if backend == "auto":
-        return "cuda" if cuda_ready() else "host"
-    if backend == "cuda" and not cuda_ready():
-        raise ValueError("--backend cuda: no usable GPU here (`blockswap info` says why)")
-    if backend not in ("cuda", "host"):
-        raise ValueError(f"backend must be auto, cuda or host, not {backend!r}")
-    return "cuda" if backend == "cuda" else "host"
 
 
 def default_out_dir(meta: dict[str, Any], backend: str, profile_name: str) -> str:
@@ -78,7 +69,7 @@ def run_suite(
 ) -> dict[str, Any]:
     """Runs ``sections`` and returns the results (the JSON's content). With ``out_dir``, writes
     ``results.json``, ``summary.md`` and the plots there (``out_dir="default"``: the default
-    folder). ``overrides`` replace fields of the :class:`~blockswap.bench.context.Profile`."""
+    folder). ``overrides`` replace fields of the :class:`~blockswap_bench.context.Profile`."""
     unknown = set(sections) - set(SECTIONS)
     if unknown:
         raise ValueError(f"unknown sections {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
@@ -178,10 +169,8 @@ DESCRIPTION = (
 )
 
 
-def build_parser(
-    prog: str | None = None, default_profile: str = "full", *, add_help: bool = True
-) -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog=prog, description=DESCRIPTION, add_help=add_help)
+def build_parser(prog: str | None = None, default_profile: str = "full") -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=prog, description=DESCRIPTION)
     g = ap.add_mutually_exclusive_group()
     for name, what in (
         ("full", "every size, count, model and path (a few minutes on a GPU)"),
@@ -217,12 +206,7 @@ def main(
     argv: Sequence[str] | None = None, *, prog: str | None = None, default_profile: str = "full"
 ) -> int:
     args = build_parser(prog, default_profile).parse_args(argv)
-    if prog is None:
-        head = [sys.argv[0]]
-    elif prog.endswith(".py"):
-        head = ["python", prog]
-    else:  # "blockswap bench"
-        head = ["python", "-m", *prog.split()]
+    head = ["python", prog] if prog else [sys.argv[0]]
     return run_args(args, prog=prog, argv=[*head, *(sys.argv[1:] if argv is None else argv)])
 
 

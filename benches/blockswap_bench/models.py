@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ..layout import Layout
+    from blockswap.layout import Layout
 
 KiB = 1024
 

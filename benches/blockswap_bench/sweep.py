@@ -31,19 +31,11 @@ from typing import Any
 
 import numpy as np
 
-from .._types import Direction
-from ..engine import Engine
-from .common import (
-    address,
-    fmt_bytes,
-    fmt_count,
-    gpu_timed,
-    handler_route,
-    median,
-    route_choice,
-    scatter,
-    wall_timed,
-)
+from blockswap._bench import AutoHandler, address, engine_measure, one_copy, scatter, timer
+from blockswap._types import Direction
+from blockswap.engine import Engine
+
+from .common import fmt_bytes, fmt_count, handler_route, median
 from .context import Context
 
 PATHS = ("one_copy", "per_block_copy", "dma", "kernel", "auto")
@@ -65,58 +57,6 @@ KERNEL_ALL = 1 << 62  # kernel_below: every descriptor to the kernel
 DIRS: tuple[Direction, Direction] = ("h2d", "d2h")
 
 
-def check_result(results: list[Any], job: int) -> None:
-    """Raises unless ``results`` holds ``job``'s result, successful."""
-    for r in results:
-        if r.job_id == job:
-            if not r.success:
-                raise RuntimeError(f"transfer {job} failed: {r.error}")
-            return
-    raise RuntimeError(f"transfer {job}: no result among {results}")
-
-
-class _Handler:
-    """The handler whose automatic choice the ``auto`` rows measure, over the sweep's buffers
-    seen as a one-layer MLA-style cache of ``size``-byte pages."""
-
-    def __init__(self, ctx: Context, size: int) -> None:
-        self.h: Any = None
-        self.chosen: dict[str, str] = {}
-        self.route: dict[str, str] = {}
-        self.error: str | None = None
-        try:
-            import torch
-
-            from ..handler import CpuGpuHandlers
-        except ImportError as e:
-            self.error = f"needs torch ({e})"
-            return
-        host, dev = ctx.pools()
-        slots = ctx.profile.cap_bytes // size
-        if ctx.cuda:
-            gpu = dev[: slots * size].view(slots, 1, size)
-            cpu = host[: slots * size].view(slots, 1, size)
-            opts: dict[str, Any] = {"backend": "cuda", "copy_streams": ctx.stream}
-        else:
-            gpu = torch.from_numpy(dev[: slots * size]).view(slots, 1, size)
-            cpu = torch.from_numpy(host[: slots * size]).view(slots, 1, size)
-            opts = {"backend": "host"}
-        try:
-            self.h = CpuGpuHandlers(gpu, slots, layout="mla", cpu_caches=cpu, path="auto", **opts)
-        except Exception as e:
-            self.error = f"the handler could not be built: {type(e).__name__}: {e}"
-            return
-        for d in DIRS:
-            route = handler_route(self.h, d)
-            self.chosen[d] = route_choice(route, size)
-            self.route[d] = "the handler does not say" if route is None else str(route.reason)
-
-    def shutdown(self) -> None:
-        if self.h is not None:
-            self.h.shutdown()
-            self.h = None
-
-
 def run(ctx: Context) -> dict[str, Any]:
     p = ctx.profile
     ceiling = {d: ctx.ceiling(d) for d in ("h2d", "d2h")}
@@ -126,7 +66,8 @@ def run(ctx: Context) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     try:
         for size in p.sizes:
-            handler = _Handler(ctx, size)
+            host, dev = ctx.pools()
+            handler = AutoHandler(host, dev, size, ctx.stream)
             try:
                 for n in p.counts:
                     for direction in DIRS:
@@ -164,8 +105,8 @@ def kernel_launchers(ctx: Context) -> tuple[dict[str, Any] | None, str | None, d
     try:
         import torch
 
-        from ..handler import CpuGpuHandlers
-        from ..kernels import engine_launcher, interpreter_mode
+        from blockswap.handler import CpuGpuHandlers
+        from blockswap.kernels import engine_launcher, interpreter_mode
     except ImportError as e:
         return None, f"needs torch and triton ({e})", {}
     if not ctx.cuda and not interpreter_mode():
@@ -224,7 +165,7 @@ def _point(
     eng: Engine,
     launcher: Any,
     kernel_note: str | None,
-    handler: _Handler,
+    handler: AutoHandler,
     direction: Direction,
     size: int,
     n: int,
@@ -247,16 +188,10 @@ def _point(
     dst = (address(dst_t) + d_ids * size).astype(np.int64)
     szs = np.full(n, size, dtype=np.int64)
     stream = ctx.stream
+    timed = timer(stream)
 
     if ctx.cuda:
         import torch
-
-        def timed(issue: Callable[[], None], finish: Callable[[], None] | None = None) -> Any:
-            return gpu_timed(stream, issue, finish)
-
-        def one_copy() -> None:
-            with torch.cuda.stream(stream):
-                dst_t[:total].copy_(src_t[:total], non_blocking=True)
 
         s_rows = src_t[: slots * size].view(slots, size)
         d_rows = dst_t[: slots * size].view(slots, size)
@@ -268,13 +203,6 @@ def _point(
                     d.copy_(s, non_blocking=True)
 
     else:
-
-        def timed(issue: Callable[[], None], finish: Callable[[], None] | None = None) -> Any:
-            return wall_timed(issue, finish or (lambda: None))
-
-        def one_copy() -> None:
-            np.copyto(dst_t[:total], src_t[:total])
-
         s_rows = src_t[: slots * size].reshape(slots, size)
         d_rows = dst_t[: slots * size].reshape(slots, size)
         pairs = [(s_rows[i], d_rows[j]) for i, j in zip(s_ids.tolist(), d_ids.tolist())]
@@ -285,37 +213,13 @@ def _point(
 
     def engine_path(kernel: bool) -> Callable[[], Any]:
         below, launch = (KERNEL_ALL, launcher) if kernel else (0, None)
+        return engine_measure(
+            eng, ctx.job, timed, src, dst, szs, direction, kernel_below=below, launcher=launch
+        )
 
-        def measure() -> Any:
-            j = ctx.job()
-
-            def issue() -> None:
-                eng.submit(j, src, dst, szs, direction, kernel_below=below, launcher=launch)
-
-            def finish() -> None:
-                eng.wait([j])
-                check_result(eng.get_finished(), j)
-
-            return timed(issue, finish)
-
-        return measure
-
-    def auto() -> Any:
-        h = handler.h
-        one = h.gpu_to_cpu_handler if direction == "d2h" else h.cpu_to_gpu_handler
-        j = ctx.job()
-
-        def issue() -> None:
-            one.transfer_async(j, (s_ids, d_ids))
-
-        def finish() -> None:
-            h.wait([j])
-            check_result(h.get_finished(), j)
-
-        return timed(issue, finish)
-
+    copy = one_copy(src_t, dst_t, total, stream)
     measures: dict[str, Callable[[], Any] | str] = {
-        "one_copy": lambda: timed(one_copy),
+        "one_copy": lambda: timed(copy),
         "per_block_copy": lambda: timed(per_block),
         "dma": engine_path(False),
     }
@@ -328,7 +232,7 @@ def _point(
         )
     else:
         measures["kernel"] = engine_path(True)
-    measures["auto"] = auto if handler.error is None else handler.error
+    measures["auto"] = handler.error or handler.measure(ctx.job, timed, direction, (s_ids, d_ids))
 
     for path, m in measures.items():
         r = rows[path]

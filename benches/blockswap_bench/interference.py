@@ -17,10 +17,12 @@ from typing import Any
 
 import numpy as np
 
-from ..engine import Engine
+from blockswap._bench import check_result
+from blockswap.engine import Engine
+
 from .common import fmt_bytes, fmt_count, handler_route, median
 from .context import Context
-from .sweep import KERNEL_ALL, check_result
+from .sweep import KERNEL_ALL
 
 
 def gemm_ms(a: Any, b: Any, reps: int) -> list[float]:
@@ -43,7 +45,7 @@ def auto_route(size: int) -> Any:
     """The route a handler picks for host -> device pages of ``size`` bytes."""
     import torch
 
-    from ..handler import CpuGpuHandlers
+    from blockswap.handler import CpuGpuHandlers
 
     gpu = torch.empty((8, 1, size), dtype=torch.uint8, device="cuda")
     h = CpuGpuHandlers(gpu, 8, layout="mla")
@@ -61,7 +63,7 @@ def run(ctx: Context, ctas: tuple[int, ...] | None = None) -> dict[str, Any]:
         }
     import torch
 
-    from ..kernels import engine_launcher
+    from blockswap.kernels import engine_launcher
 
     p = ctx.profile
     ctas = ctas or p.interference_ctas

@@ -1,5 +1,5 @@
 """Section 2, handler level: :class:`~blockswap.handler.CpuGpuHandlers` built with the KV-cache
-shapes of real models (:mod:`blockswap.bench.models`), measured as a connector uses it.
+shapes of real models (:mod:`blockswap_bench.models`), measured as a connector uses it.
 
 Per model and direction: ``transfer_async`` of ``handler_blocks`` scattered blocks (every layer,
 K and V pages), timed with ``perf_counter``, then ``get_finished`` polled until the result comes
@@ -96,8 +96,8 @@ def _pages(
 def _model(ctx: Context, model: KVModel, ceiling: dict[str, float]) -> list[dict[str, Any]]:
     import torch
 
-    from ..handler import CpuGpuHandlers
-    from ..layout import make_cpu_cache_like
+    from blockswap.handler import CpuGpuHandlers
+    from blockswap.layout import make_cpu_cache_like
 
     p = ctx.profile
     layers = min(model.layers, p.handler_max_layers or model.layers)

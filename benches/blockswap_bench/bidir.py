@@ -20,11 +20,13 @@ from typing import Any
 
 import numpy as np
 
-from .._types import Direction
-from ..engine import Engine
+from blockswap._bench import check_result
+from blockswap._types import Direction
+from blockswap.engine import Engine
+
 from .common import address, fmt_bytes, fmt_count, median, scatter
 from .context import Context
-from .sweep import KERNEL_ALL, check_result, kernel_launchers
+from .sweep import KERNEL_ALL, kernel_launchers
 
 DIRS: tuple[Direction, Direction] = ("h2d", "d2h")
 

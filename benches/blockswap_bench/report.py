@@ -4,12 +4,13 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import textwrap
 from collections.abc import Iterable, Sequence
 from typing import Any
+
+from blockswap._bench import DIRECTION, fmt_gbps, fmt_pct, table
 
 from .common import fmt_bytes, fmt_count
 from .sweep import LABELS as SWEEP_LABELS
@@ -21,9 +22,6 @@ TABLE_PATHS = ("one_copy", "per_block_copy", "dma", "kernel", "auto")
 
 #: Widest line of a table or paragraph in the summary: it reads in a terminal as it is.
 WIDTH = 100
-
-#: One name per direction, in tables and plots alike.
-DIRECTION = {"h2d": "CPU->GPU", "d2h": "GPU->CPU"}
 
 #: Column heads of the sweep's paths (short: five of them share a 100-column table).
 SWEEP_HEAD = {
@@ -37,11 +35,6 @@ SWEEP_HEAD = {
 
 def _direction(d: str) -> str:
     return f"{DIRECTION.get(d, d)} ({d})"
-
-
-def _line(cells: Sequence[str], widths: Sequence[int], right: Sequence[bool]) -> str:
-    out = [c.rjust(w) if r else c.ljust(w) for c, w, r in zip(cells, widths, right)]
-    return "| " + " | ".join(out) + " |"
 
 
 def _table(
@@ -75,17 +68,9 @@ def _table(
     groups.append(cols)
     out: list[str] = []
     for g in groups:
-        w = [widths[c] for c in g]
-        rt = [right[c] for c in g]
-        sep = (
-            "|"
-            + "|".join(("-" * (x + 1) + ":") if r else (":" + "-" * (x + 1)) for x, r in zip(w, rt))
-            + "|"
-        )
         if out:
             out.append("")
-        out += [_line([head[c] for c in g], w, rt), sep]
-        out += [_line([r[c] for c in g], w, rt) for r in body]
+        out += table([head[c] for c in g], [[r[c] for c in g] for r in body], [right[c] for c in g])
     if notes:
         out.append("")
         out += [f"- {n}" for n in notes]
@@ -105,23 +90,6 @@ def _wrap(lines: list[str], width: int = WIDTH) -> list[str]:
             line, width, subsequent_indent=lead, break_long_words=False, break_on_hyphens=False
         )
     return out
-
-
-def _g(x: float | None, digits: int = 3) -> str:
-    """GB/s and friends: three significant digits, at most two decimals."""
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return "-"
-    if x >= 100:
-        return f"{x:.0f}"
-    if x >= 10:
-        return f"{x:.1f}"
-    if x >= 0.1:
-        return f"{x:.2f}"
-    return f"{x:.2g}"
-
-
-def _pct(x: float | None) -> str:
-    return "-" if x is None else f"{100 * x:.0f} %"
 
 
 def ok_rows(section: dict[str, Any] | None) -> list[dict[str, Any]]:
@@ -293,7 +261,7 @@ def _sweep_tables(sec: dict[str, Any], res: dict[str, Any]) -> list[str]:
         if r is None:
             return "-"
         if r["status"] == "ok":
-            return f"{_g(r['gbps'])} ({_pct(r.get('fraction_of_ceiling'))})"
+            return f"{fmt_gbps(r['gbps'])} ({fmt_pct(r.get('fraction_of_ceiling'))})"
         reason = str(r.get("reason"))
         if reason not in notes:
             notes[reason] = len(notes) + 1
@@ -302,7 +270,11 @@ def _sweep_tables(sec: dict[str, Any], res: dict[str, Any]) -> list[str]:
     combos = sorted({(d, n) for d, n, _ in points}, key=lambda x: (x[0] != "h2d", x[1]))
     for d, n in combos:
         ceiling = next((r["ceiling_gbps"] for r in rows if r["direction"] == d), None)
-        out += ["", f"### {_direction(d)}, N = {fmt_count(n)} (ceiling {_g(ceiling)} GB/s)", ""]
+        out += [
+            "",
+            f"### {_direction(d)}, N = {fmt_count(n)} (ceiling {fmt_gbps(ceiling)} GB/s)",
+            "",
+        ]
         body, skipped = [], []
         for size in sorted(s for dd, nn, s in points if (dd, nn) == (d, n)):
             paths = points[(d, n, size)]
@@ -336,7 +308,7 @@ def _sweep_tables(sec: dict[str, Any], res: dict[str, Any]) -> list[str]:
                 fmt_count(n),
                 fmt_bytes(size),
                 (a or {}).get("chosen") or "-",
-                _pct(v["of_best"]) if v else "-",
+                fmt_pct(v["of_best"]) if v else "-",
                 *(
                     f"{paths[p]['submit_us']:.0f}"
                     if paths.get(p) and paths[p].get("submit_us") is not None
@@ -371,7 +343,7 @@ def _sweep_tables(sec: dict[str, Any], res: dict[str, Any]) -> list[str]:
         out += [
             "",
             f"- auto reached at least 90 % of the better batched path at {len(good)} of "
-            f"{len(summary)} points (worst: {_pct(worst['of_best'])}, "
+            f"{len(summary)} points (worst: {fmt_pct(worst['of_best'])}, "
             f"{DIRECTION.get(worst['direction'])} {fmt_bytes(worst['block_bytes'])} x "
             f"{fmt_count(worst['blocks'])}: chose {worst['chosen']}, the faster batched path "
             f"there was {worst['best']}).",
@@ -413,15 +385,15 @@ def _handler_table(sec: dict[str, Any], res: dict[str, Any]) -> list[str]:
                 what,
                 d,
                 path,
-                _g(r["gbps"]),
-                _pct(r.get("fraction_of_ceiling")),
+                fmt_gbps(r["gbps"]),
+                fmt_pct(r.get("fraction_of_ceiling")),
                 shape,
                 fmt_bytes(r["bytes_per_transfer"]),
                 f"{r['transfer_async_us_median']:.1f} / {r['transfer_async_us_p90']:.1f}",
                 f"{r['get_finished_empty_us']:.2f}" if r.get("get_finished_empty_us") else "",
-                _g(r.get("baseline_gbps")),
+                fmt_gbps(r.get("baseline_gbps")),
                 f"{r['speedup_vs_baseline']:.1f}x" if r.get("speedup_vs_baseline") else "-",
-                _g(r.get("baseline_block_gbps")),
+                fmt_gbps(r.get("baseline_block_gbps")),
                 f"{r['speedup_vs_block_loop']:.1f}x" if r.get("speedup_vs_block_loop") else "-",
             ]
         )
@@ -469,12 +441,12 @@ def _bidir_table(sec: dict[str, Any], res: dict[str, Any]) -> list[str]:
                 block,
                 fmt_count(r["blocks"]),
                 fmt_bytes(r["bytes_per_direction"]),
-                _g(r.get("h2d_alone_gbps")),
-                _g(r.get("d2h_alone_gbps")),
-                _g(r.get("both_h2d_gbps")),
-                _g(r.get("both_d2h_gbps")),
-                _g(r.get("aggregate_gbps")),
-                _pct(r.get("aggregate_fraction_of_ceiling")),
+                fmt_gbps(r.get("h2d_alone_gbps")),
+                fmt_gbps(r.get("d2h_alone_gbps")),
+                fmt_gbps(r.get("both_h2d_gbps")),
+                fmt_gbps(r.get("both_d2h_gbps")),
+                fmt_gbps(r.get("aggregate_gbps")),
+                fmt_pct(r.get("aggregate_fraction_of_ceiling")),
                 f"{r['duplex_gain']:.2f}" if r.get("duplex_gain") else "-",
             ]
         )
@@ -520,7 +492,7 @@ def _interference_table(sec: dict[str, Any], res: dict[str, Any]) -> list[str]:
                 f"{r['gemm_alone_ms']:.3f}",
                 f"{r['gemm_with_copy_ms']:.3f}",
                 f"{r['slowdown_pct']:+.1f} %",
-                _g(r["copy_gbps_wall"]),
+                fmt_gbps(r["copy_gbps_wall"]),
                 "yes" if r.get("copies_outlasted_gemms") else "no",
             ]
         )
@@ -651,7 +623,7 @@ def _plot_sweep(res: dict[str, Any], plt: Any) -> list[tuple[str, Any]]:
                 del series[path]
                 why = " (Triton's interpreter: no GPU)" if host and path == "kernel" else ""
                 notes.append(
-                    f"{SWEEP_LABELS[path]} left out, {_g(min(ys))}-{_g(max(ys))} GB/s{why}: over "
+                    f"{SWEEP_LABELS[path]} left out, {fmt_gbps(min(ys))}-{fmt_gbps(max(ys))} GB/s{why}: over "
                     f"{min(others) / max(ys):.0f}x below every other point"
                 )
         sizes = sorted({x for xs, _ in series.values() for x in xs})

@@ -9,7 +9,9 @@ from typing import Any
 
 import numpy as np
 
-from .common import GiB, KiB, MiB, Progress, cuda_time_on, fmt_bytes, median, repeat
+from blockswap._bench import buffers, engine_over, measure_ceiling
+
+from .common import GiB, KiB, MiB, Progress, fmt_bytes, repeat
 
 SECTIONS = ("sweep", "handler", "bidir", "interference")
 
@@ -38,7 +40,7 @@ class Profile:
     """Host backend: the Triton interpreter's kernel runs only up to this many bytes."""
     # Handler level.
     models: tuple[str, ...] = ()
-    """Model keys (:mod:`blockswap.bench.models`); empty: all."""
+    """Model keys (:mod:`blockswap_bench.models`); empty: all."""
     handler_blocks: int = 32
     handler_cache_bytes: int = 2 * GiB
     handler_max_blocks: int = 1024
@@ -233,35 +235,15 @@ class Context:
             self.log(
                 f"allocating 2 x {fmt_bytes(n)} ({'pinned host + device' if self.cuda else 'host'})"
             )
-            if self.cuda:
-                import torch
-
-                host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
-                dev = torch.empty(n, dtype=torch.uint8, device="cuda")
-                host.fill_(1)
-                dev.fill_(2)
-                torch.cuda.synchronize()
-                self._pools = (host, dev)
-            else:
-                self._pools = (np.full(n, 1, dtype=np.uint8), np.full(n, 2, dtype=np.uint8))
+            self._pools = buffers(n, self.cuda)
         return self._pools
 
     def engine(self, h2d_stream: int | None = None, d2h_stream: int | None = None) -> Any:
         """An engine with :meth:`pools` registered: on CUDA with the given raw lane streams
         (``None``: its own), on the host backend with the second pool standing in for device
         memory."""
-        from ..engine import Engine
-
         host, dev = self.pools()
-        if self.cuda:
-            eng = Engine("cuda", h2d_stream=h2d_stream, d2h_stream=d2h_stream)
-            eng.register(host)
-            eng.register(dev)
-        else:
-            eng = Engine("host")
-            eng.register(host, kind="host")
-            eng.register(dev, kind="device")
-        return eng
+        return engine_over(host, dev, self.cuda, h2d_stream, d2h_stream)
 
     def free_pools(self) -> None:
         self._pools = None
@@ -281,32 +263,8 @@ class Context:
         ``memcpy`` (numpy ``copyto``) on the host backend."""
         src, dst = self.src_dst(direction)
         nbytes = min(self.profile.ceiling_bytes, self.profile.cap_bytes)
-        if self.cuda:
-            stream = self.stream
-
-            def one() -> float:
-                return cuda_time_on(
-                    stream, lambda: dst[:nbytes].copy_(src[:nbytes], non_blocking=True)
-                )
-
-            what = f"one pinned copy_ of {fmt_bytes(nbytes)} (CUDA events)"
-        else:
-
-            def one() -> float:
-                t0 = time.perf_counter()
-                np.copyto(dst[:nbytes], src[:nbytes])
-                return time.perf_counter() - t0
-
-            what = f"one memcpy (numpy copyto) of {fmt_bytes(nbytes)}, one thread"
-        times = repeat(
-            one, warmup=2, min_reps=min(5, self.profile.max_reps), max_reps=20, budget_s=0.3
-        )
-        return {
-            "bytes": nbytes,
-            "gbps": nbytes / median(times) / 1e9,
-            "reps": len(times),
-            "what": what,
-        }
+        stream = self.stream if self.cuda else None
+        return measure_ceiling(src, dst, nbytes, stream, min(5, self.profile.max_reps))
 
     def ceiling(self, direction: str) -> float:
         """The link's ceiling in GB/s for ``direction``, measured the first time it is asked."""

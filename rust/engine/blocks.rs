@@ -1,0 +1,369 @@
+//! Block tables in the engine: registering them, and transfers named by block ids (one
+//! KV-cache group or several) written as page descriptors, block plans or staged plans.
+
+use super::{Engine, EngineError, Shape, SubmitState};
+use crate::backend::{KernelSpec, PageKernel, STAGED_MIN_STEPS};
+use crate::direction::Direction;
+use crate::region::MemoryKind;
+use crate::table::{
+    block_runs, expand_groups_into, staged_row, BlockTable, Group, Plan, Run, TableError,
+    PITCHED_ENTRIES, STAGED_TABLE_EXTRA,
+};
+use crate::transfer::JobId;
+
+/// The two tables of a block-id transfer, checked against the memory kinds of `direction`.
+fn table_pair(
+    tables: &[Option<BlockTable>],
+    src: u32,
+    dst: u32,
+    direction: Direction,
+) -> Result<(&BlockTable, &BlockTable), TableError> {
+    let get = |id: u32, needed| {
+        let t = tables
+            .get(id as usize)
+            .and_then(Option::as_ref)
+            .ok_or(TableError::Unknown(id))?;
+        if t.kind != needed {
+            return Err(TableError::WrongKind {
+                table: id,
+                kind: t.kind,
+                needed,
+            });
+        }
+        Ok(t)
+    };
+    Ok((
+        get(src, direction.src_kind())?,
+        get(dst, direction.dst_kind())?,
+    ))
+}
+
+/// One KV-cache group of [`Engine::submit_groups`]: a source and a destination table by id, with
+/// their ids (see [`Group`]: `chunks: Some(skip)` names the side whose table counts chunks by
+/// chunk ids).
+#[derive(Clone, Copy, Debug)]
+pub struct GroupIds<'a> {
+    pub src_table: u32,
+    pub src_ids: &'a [u64],
+    pub dst_table: u32,
+    pub dst_ids: &'a [u64],
+    pub chunks: Option<u64>,
+}
+
+impl<'a> GroupIds<'a> {
+    /// Both sides named by table blocks.
+    pub fn blocks(src_table: u32, src_ids: &'a [u64], dst_table: u32, dst_ids: &'a [u64]) -> Self {
+        GroupIds {
+            src_table,
+            src_ids,
+            dst_table,
+            dst_ids,
+            chunks: None,
+        }
+    }
+}
+
+/// The groups of a transfer with their tables looked up and checked against `direction`.
+fn resolve_groups<'a>(
+    tables: &'a [Option<BlockTable>],
+    groups: &[GroupIds<'a>],
+    direction: Direction,
+) -> Result<Vec<Group<'a>>, EngineError> {
+    if groups.is_empty() {
+        return Err(TableError::Empty.into());
+    }
+    let many = groups.len() > 1;
+    groups
+        .iter()
+        .enumerate()
+        .map(
+            |(gi, g)| match table_pair(tables, g.src_table, g.dst_table, direction) {
+                Ok((src, dst)) => Ok(Group {
+                    src,
+                    src_ids: g.src_ids,
+                    dst,
+                    dst_ids: g.dst_ids,
+                    chunks: g.chunks,
+                }),
+                Err(error) if many => Err(TableError::InGroup {
+                    group: gi,
+                    error: Box::new(error),
+                }
+                .into()),
+                Err(e) => Err(e.into()),
+            },
+        )
+        .collect()
+}
+
+/// A pair of tables with no plan of the kind asked for, `reason` naming why, in its group where
+/// there are several.
+fn no_plan(group: usize, groups: usize, reason: String) -> EngineError {
+    let error = TableError::BadSegment { segment: 0, reason };
+    if groups > 1 {
+        TableError::InGroup {
+            group,
+            error: Box::new(error),
+        }
+        .into()
+    } else {
+        error.into()
+    }
+}
+
+impl Engine {
+    /// Registers a block table (see [`crate::table`]): one side of a KV cache, checked once
+    /// against registered memory. `name` and `unit` only shape error messages (see
+    /// [`BlockTable::named`]). Returns its id for [`Engine::submit_blocks`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn register_table(
+        &self,
+        bases: Vec<u64>,
+        strides: Vec<u64>,
+        nbytes: Vec<u64>,
+        num_blocks: u64,
+        kind: MemoryKind,
+        name: &str,
+        unit: u64,
+    ) -> Result<u32, EngineError> {
+        self.check_usable()?;
+        let mut state = self.lock();
+        let table = BlockTable::new(bases, strides, nbytes, num_blocks, kind, &state.regions)?
+            .named(name, unit)
+            .in_allocations(|a| self.backend.allocation_base(a));
+        let id = state
+            .tables
+            .iter()
+            .position(Option::is_none)
+            .unwrap_or(state.tables.len());
+        if id == state.tables.len() {
+            state.tables.push(None);
+        }
+        state.tables[id] = Some(table);
+        Ok(id as u32)
+    }
+
+    /// Removes a block table. Refused while transfers are in flight.
+    pub fn unregister_table(&self, id: u32) -> Result<(), EngineError> {
+        let mut state = self.lock();
+        match state.tables.get(id as usize) {
+            Some(Some(_)) => {}
+            _ => return Err(TableError::Unknown(id).into()),
+        }
+        self.check_idle(0)?;
+        state.tables[id as usize] = None;
+        Ok(())
+    }
+
+    /// Issues the transfer of blocks `src_ids` of table `src_table` to blocks `dst_ids` of
+    /// `dst_table` (ids as the caller's int64 values): each id is checked against its table and
+    /// destinations must be distinct; descriptors are written straight into the slab.
+    #[allow(clippy::too_many_arguments)]
+    pub fn submit_blocks(
+        &self,
+        job_id: JobId,
+        src_table: u32,
+        src_ids: &[u64],
+        dst_table: u32,
+        dst_ids: &[u64],
+        direction: Direction,
+        wait_stream: Option<u64>,
+        kernel: Option<(u64, PageKernel<'_>)>,
+    ) -> Result<(), EngineError> {
+        let group = GroupIds::blocks(src_table, src_ids, dst_table, dst_ids);
+        self.submit_groups(
+            job_id,
+            &[group],
+            direction,
+            wait_stream,
+            Shape::Pages(kernel),
+        )
+    }
+
+    /// Makes a compiled copy kernel launchable by this engine's staged plans (see
+    /// [`KernelSpec`]); its id goes in [`Shape::Staged`]. `None` on the host backend, which
+    /// copies pages with memcpy.
+    pub fn load_kernel(&self, spec: KernelSpec) -> Result<Option<u32>, EngineError> {
+        self.check_usable()?;
+        Ok(self.backend.load_kernel(spec)?)
+    }
+
+    /// The bytes of a block's host row where `table` is block-major (see [`staged_row`]): what
+    /// the staged plan moves per block, and what must fit a staging slot. `None` otherwise.
+    pub fn staged_row(&self, table: u32) -> Result<Option<u64>, EngineError> {
+        let state = self.lock();
+        let t = state
+            .tables
+            .get(table as usize)
+            .and_then(Option::as_ref)
+            .ok_or(TableError::Unknown(table))?;
+        Ok(staged_row(t))
+    }
+
+    /// The staging slot size of this engine (see [`super::EngineConfig::stage_bytes`]).
+    pub fn stage_bytes(&self) -> u64 {
+        self.config.stage_bytes
+    }
+
+    /// The block plan of a table pair for `direction` (see [`block_runs`]): the 2-D copies one
+    /// block takes with [`Engine::submit_block_runs`]. `None` where the pair has none.
+    pub fn block_runs(
+        &self,
+        src_table: u32,
+        dst_table: u32,
+        direction: Direction,
+    ) -> Result<Option<Vec<Run>>, EngineError> {
+        let state = self.lock();
+        let (s, d) = table_pair(&state.tables, src_table, dst_table, direction)?;
+        Ok(block_runs(s, d))
+    }
+
+    /// [`Engine::submit_blocks`], each block moved as the 2-D copies of the pair's block plan
+    /// (one per [`Run`]) instead of a descriptor per page: copy engines only. Refused where the
+    /// pair has no block plan.
+    #[allow(clippy::too_many_arguments)]
+    pub fn submit_block_runs(
+        &self,
+        job_id: JobId,
+        src_table: u32,
+        src_ids: &[u64],
+        dst_table: u32,
+        dst_ids: &[u64],
+        direction: Direction,
+        wait_stream: Option<u64>,
+    ) -> Result<(), EngineError> {
+        let group = GroupIds::blocks(src_table, src_ids, dst_table, dst_ids);
+        self.submit_groups(job_id, &[group], direction, wait_stream, Shape::Runs)
+    }
+
+    /// Issues one transfer of several KV-cache groups, each a pair of tables with its ids (see
+    /// [`GroupIds`]; a side may be named by chunk ids), as one batch with one completion:
+    /// descriptors per page (`Shape::Pages`, optionally with the small ones to a kernel) or the
+    /// 2-D copies of each pair's block plan (`Shape::Runs`, refused where a pair has none). Ids,
+    /// chunk counts and destinations are checked as [`expand_groups_into`] documents.
+    pub fn submit_groups(
+        &self,
+        job_id: JobId,
+        groups: &[GroupIds<'_>],
+        direction: Direction,
+        wait_stream: Option<u64>,
+        shape: Shape<'_>,
+    ) -> Result<(), EngineError> {
+        let coalesce = self.config.coalesce;
+        let pitched = matches!(shape, Shape::Runs);
+        let staged = matches!(shape, Shape::Staged { .. });
+        let slot = self.config.stage_bytes;
+        let host_src = direction == Direction::HostToDevice;
+        let staged_rows = std::cell::Cell::new(0usize);
+        let staged_bytes = std::cell::Cell::new(0u64);
+        // The plans are worked out once per submission, when the slab is sized, and handed to
+        // the fill: both run under one hold of the lock, so the tables cannot change in between.
+        let plans = std::cell::Cell::new(Vec::new());
+        self.submit_with(
+            job_id,
+            |state| {
+                let resolved = resolve_groups(&state.tables, groups, direction)?;
+                if staged {
+                    if !matches!(direction, Direction::HostToDevice | Direction::DeviceToHost) {
+                        let why = format!(
+                            "these tables have no staged plan: {direction} moves no host row"
+                        );
+                        return Err(no_plan(0, 1, why));
+                    }
+                    // Rows, block entries and geometries (see `crate::table::staged`).
+                    let (mut rows, mut entries, mut bytes) = (0usize, 0usize, 0u64);
+                    for (gi, g) in resolved.iter().enumerate() {
+                        let host = if host_src { g.src } else { g.dst };
+                        let why = match staged_row(host) {
+                            None => Some(
+                                "the host table is not block-major (a block's pages in \
+                                          one chunk inside one registered region)"
+                                    .to_string(),
+                            ),
+                            Some(row) if row > slot => Some(format!(
+                                "a block's row is {row} bytes, more than a staging slot \
+                                 (stage_bytes = {slot})"
+                            )),
+                            Some(row) => {
+                                bytes = bytes.saturating_add(row.saturating_mul(g.blocks() as u64));
+                                None
+                            }
+                        };
+                        if let Some(why) = why {
+                            let why = format!("these tables have no staged plan: {why}");
+                            return Err(no_plan(gi, groups.len(), why));
+                        }
+                        // A row and a block entry per block, and the group's geometry.
+                        rows = rows.saturating_add(g.blocks());
+                        entries = entries
+                            .saturating_add(g.blocks().saturating_mul(2))
+                            .saturating_add(g.src.segments() + STAGED_TABLE_EXTRA);
+                    }
+                    staged_rows.set(rows);
+                    staged_bytes.set(bytes);
+                    return Ok(entries);
+                }
+                if !pitched {
+                    // A descriptor per (segment, block) pair before coalescing.
+                    return Ok(resolved.iter().fold(0usize, |n, g| {
+                        n.saturating_add(g.src.segments().saturating_mul(g.blocks()))
+                    }));
+                }
+                let mut entries = 0usize;
+                let mut runs = Vec::with_capacity(resolved.len());
+                for (gi, g) in resolved.iter().enumerate() {
+                    let r = block_runs(g.src, g.dst).ok_or_else(|| {
+                        no_plan(
+                            gi,
+                            groups.len(),
+                            "these tables have no block plan (different pages, or destination \
+                             pages that may share bytes): move them page by page"
+                                .into(),
+                        )
+                    })?;
+                    entries = entries
+                        .saturating_add((PITCHED_ENTRIES * r.len()).saturating_mul(g.blocks()));
+                    runs.push(r);
+                }
+                plans.set(runs);
+                Ok(entries)
+            },
+            direction,
+            wait_stream,
+            shape,
+            |state, cols| {
+                let SubmitState {
+                    tables,
+                    bits,
+                    scratch,
+                    chunk_ids,
+                    ..
+                } = state;
+                let resolved = resolve_groups(tables, groups, direction)?;
+                let runs = plans.take();
+                let plan = if staged {
+                    // Rows of blocks that follow each other on the host cross PCIe as one copy
+                    // (the copy engines pay per copy: 4 KiB pages' rows of 320 KiB reached
+                    // 82-93 % of the link one copy each, one copy of the same bytes 94-98 %), up
+                    // to a slot, and to a quarter of the transfer, which keeps its steps.
+                    let merge = if coalesce {
+                        slot.min(staged_bytes.get() / STAGED_MIN_STEPS as u64)
+                    } else {
+                        0
+                    };
+                    Plan::Staged {
+                        rows: staged_rows.get(),
+                        host_src,
+                        merge,
+                    }
+                } else if pitched {
+                    Plan::Runs(&runs)
+                } else {
+                    Plan::Pages { coalesce }
+                };
+                expand_groups_into(&resolved, plan, cols, bits, scratch, chunk_ids)
+                    .map_err(EngineError::from)
+            },
+        )
+    }
+}

@@ -1,0 +1,161 @@
+//! The block plan: a table pair's segments cut into runs that one 2-D copy per block moves
+//! ([`block_runs`]), the copies written into a slab ([`expand_runs_into`]), and the rows those
+//! copies cover ([`for_each_row`]) for a backend without 2-D copies.
+
+use super::{check_ids, BlockTable, TableError};
+use crate::descriptor::{Columns, Prepared, Scratch};
+
+/// The largest row pitch of a 2-D copy: `CU_DEVICE_ATTRIBUTE_MAX_PITCH` is 2^31 - 1 on the GPUs
+/// this runs on, and the host backend keeps to the same plans.
+pub const MAX_PITCH: u64 = (1 << 31) - 1;
+
+/// Consecutive segments of a table pair that one 2-D copy per block moves: `rows` pages of
+/// `width` bytes, segment `first + r` of block `id` at `base(first) + id * stride + r * pitch` on
+/// each side (the pitches may differ between the sides, the block strides between the segments
+/// may not).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Run {
+    pub first: usize,
+    pub rows: u64,
+    pub width: u64,
+    pub src_pitch: u64,
+    pub dst_pitch: u64,
+}
+
+/// The block plan of a table pair: its segments cut, in table order, into [`Run`]s as long as
+/// both sides allow. `None` where it cannot be used: the tables differ in pages, or the
+/// destination's segments may share bytes (its uniqueness proof is per segment).
+///
+/// A block then moves as `runs.len()` copies instead of `segments` descriptors: a block-major
+/// CPU cache (every page of a block in one chunk) against layer tensors at one pitch is one run.
+/// A run stays inside one driver allocation per side (see [`BlockTable::in_allocations`]), and
+/// no block's run crosses a boundary between two registered regions on either side.
+pub fn block_runs(src: &BlockTable, dst: &BlockTable) -> Option<Vec<Run>> {
+    if src.nbytes != dst.nbytes || !dst.disjoint {
+        return None;
+    }
+    let pitch = |t: &BlockTable, s: usize| {
+        t.bases[s]
+            .checked_sub(t.bases[s - 1])
+            .filter(|&p| p >= t.nbytes[s] && p <= MAX_PITCH)
+    };
+    let mut runs: Vec<Run> = Vec::new();
+    for s in 0..src.segments() {
+        if let Some(r) = runs.last_mut() {
+            let f = r.first;
+            let same = src.nbytes[s] == r.width
+                && src.strides[s] == src.strides[f]
+                && dst.strides[s] == dst.strides[f]
+                && src.allocations[s] == src.allocations[f]
+                && dst.allocations[s] == dst.allocations[f];
+            let (sp, dp) = (pitch(src, s), pitch(dst, s));
+            let continues = match (sp, dp) {
+                (Some(_), Some(_)) if same && r.rows == 1 => true,
+                (Some(sp), Some(dp)) => same && sp == r.src_pitch && dp == r.dst_pitch,
+                _ => false,
+            } && src.run_in_one_region(f, s)
+                && dst.run_in_one_region(f, s);
+            if continues {
+                if let (1, Some(sp), Some(dp)) = (r.rows, sp, dp) {
+                    r.src_pitch = sp;
+                    r.dst_pitch = dp;
+                }
+                r.rows += 1;
+                continue;
+            }
+        }
+        runs.push(Run {
+            first: s,
+            rows: 1,
+            width: src.nbytes[s],
+            src_pitch: src.nbytes[s],
+            dst_pitch: src.nbytes[s],
+        });
+    }
+    Some(runs)
+}
+
+/// Entries of a slab one 2-D copy takes (see [`expand_runs_into`]).
+pub const PITCHED_ENTRIES: usize = 2;
+
+/// Checks block ids as [`super::expand_into`] does and writes one 2-D copy per (block pair, run),
+/// block by block, into `out`: copy `k` takes entries `2k` and `2k + 1`, `(src, dst, width)`
+/// then `(src pitch, dst pitch, rows)`. A run whose rows are contiguous on both sides is written
+/// as one row of `rows * width` bytes. `out` must have room for `2 * runs * ids` entries.
+///
+/// The copies write exactly the bytes [`super::expand_into`]'s descriptors write, so its proof of
+/// disjoint destinations (distinct ids, segments that share no byte) holds unchanged.
+#[allow(clippy::too_many_arguments)]
+pub fn expand_runs_into(
+    src: &BlockTable,
+    src_ids: &[u64],
+    dst: &BlockTable,
+    dst_ids: &[u64],
+    runs: &[Run],
+    out: Columns<'_>,
+    bits: &mut Vec<u64>,
+    scratch: &mut Scratch,
+) -> Result<Prepared, TableError> {
+    check_ids(src, src_ids, dst, dst_ids, bits, scratch)?;
+    let n = src_ids.len();
+    assert!(
+        out.src.len() >= PITCHED_ENTRIES * runs.len() * n,
+        "slab too small"
+    );
+    let mut w = 0usize;
+    let mut bytes = 0u64;
+    let mut max_size = 0u64;
+    let mut bitmask = 0u64;
+    for (&si, &di) in src_ids.iter().zip(dst_ids) {
+        for r in runs {
+            let f = r.first;
+            // In range by `check_ids`; the spans were proven not to overflow at registration.
+            let (sa, da) = (
+                src.bases[f] + si * src.strides[f],
+                dst.bases[f] + di * dst.strides[f],
+            );
+            let (width, rows, sp, dp) = if r.src_pitch == r.width && r.dst_pitch == r.width {
+                (r.width * r.rows, 1, r.width * r.rows, r.width * r.rows)
+            } else {
+                (r.width, r.rows, r.src_pitch, r.dst_pitch)
+            };
+            out.src[w] = sa;
+            out.dst[w] = da;
+            out.size[w] = width;
+            out.src[w + 1] = sp;
+            out.dst[w + 1] = dp;
+            out.size[w + 1] = rows;
+            w += PITCHED_ENTRIES;
+            bitmask |= sa | da | width | if rows > 1 { sp | dp } else { 0 };
+            max_size = max_size.max(width);
+            bytes += width * rows;
+        }
+    }
+    let alignment = 1u64 << (bitmask | max_size).trailing_zeros().min(4);
+    Ok(Prepared {
+        len: w,
+        bytes,
+        max_size,
+        alignment,
+        staged_rows: 0,
+        staged_blocks_at: 0,
+    })
+}
+
+/// Calls `copy(src, dst, bytes)` for every row of the 2-D copies in `len` slab entries written by
+/// [`expand_runs_into`]: what a backend without 2-D copies does with them, and what tests compare.
+pub fn for_each_row(
+    src: &[u64],
+    dst: &[u64],
+    size: &[u64],
+    mut copy: impl FnMut(usize, u64, u64, u64),
+) {
+    for k in 0..src.len() / PITCHED_ENTRIES {
+        let e = PITCHED_ENTRIES * k;
+        let (sa, da, width) = (src[e], dst[e], size[e]);
+        let (sp, dp, rows) = (src[e + 1], dst[e + 1], size[e + 1]);
+        for r in 0..rows {
+            copy(k, sa + r * sp, da + r * dp, width);
+        }
+    }
+}

@@ -1,0 +1,165 @@
+use super::*;
+use crate::region::{MemoryKind, RegionTable};
+use crate::table::{expand_groups_into, Group, Plan};
+
+/// What [`staged`] reads back from a slab: the rows used, as `(address, ring offset, bytes)`,
+/// and every page, as `(ring offset, GPU address, bytes)`.
+type Staged = (Vec<(u64, u64, u64)>, Vec<(u64, u64, u64)>);
+
+/// The staged plan of `host` ids (CPU -> GPU into GPU blocks 0, 1, ...) with rows joined up to
+/// `merge` bytes, read back through [`staged_pages`].
+fn staged(host: &BlockTable, gpu: &BlockTable, ids: &[u64], merge: u64) -> Staged {
+    let n = ids.len();
+    let len = 2 * n + host.segments() + STAGED_TABLE_EXTRA;
+    let (mut a, mut b, mut z) = (vec![0; len], vec![0; len], vec![0; len]);
+    let gpu_ids: Vec<u64> = (0..n as u64).collect();
+    let group = Group {
+        src: host,
+        src_ids: ids,
+        dst: gpu,
+        dst_ids: &gpu_ids,
+        chunks: None,
+    };
+    let cols = Columns {
+        src: &mut a,
+        dst: &mut b,
+        size: &mut z,
+    };
+    let plan = Plan::Staged {
+        rows: n,
+        host_src: true,
+        merge,
+    };
+    let mut bufs = [Vec::new(), Vec::new()];
+    let p = expand_groups_into(
+        &[group],
+        plan,
+        cols,
+        &mut Vec::new(),
+        &mut Scratch::default(),
+        &mut bufs,
+    )
+    .unwrap();
+    assert_eq!((p.staged_blocks_at, p.len), (n, len));
+    let rows = (0..p.staged_rows).map(|i| (a[i], b[i], z[i])).collect();
+    let pages = (n..2 * n)
+        .flat_map(|i| staged_pages(&a, &b, &z, i).collect::<Vec<_>>())
+        .collect();
+    (rows, pages)
+}
+
+#[test]
+fn staged_rows_that_continue_on_the_host_join_within_a_piece_and_a_cap() {
+    // A block-major host table of 8 blocks, two pages of 64 bytes each (rows of 128 bytes),
+    // in a buffer registered as two pieces of 512 bytes: blocks 0-3 in one, 4-7 in the other.
+    let mut r = RegionTable::default();
+    r.insert(0x10000, 0x10000, MemoryKind::Device).unwrap();
+    r.insert(0x40000, 512, MemoryKind::Host).unwrap();
+    r.insert_piece(0x40200, 512, MemoryKind::Host).unwrap();
+    let host = BlockTable::new(
+        vec![0x40000, 0x40040],
+        vec![128, 128],
+        vec![64, 64],
+        8,
+        MemoryKind::Host,
+        &r,
+    )
+    .unwrap();
+    let gpu = BlockTable::new(
+        vec![0x10000, 0x18000],
+        vec![64, 64],
+        vec![64, 64],
+        8,
+        MemoryKind::Device,
+        &r,
+    )
+    .unwrap();
+    let row = |b: u64| 0x40000 + 128 * b;
+    // Blocks 1, 2, 3 then 4, 5 and 0: one row for 1-3 (a seam at block 4's start), one for
+    // 4-5, one for 0; ring offsets one after the other.
+    let (rows, pages) = staged(&host, &gpu, &[1, 2, 3, 4, 5, 0], 1 << 20);
+    assert_eq!(
+        rows,
+        [(row(1), 0, 384), (row(4), 384, 256), (row(0), 640, 128)]
+    );
+    // Pages as without joining: ring offsets per block, GPU pages of blocks 0..6, K then V.
+    let (_, unjoined) = staged(&host, &gpu, &[1, 2, 3, 4, 5, 0], 0);
+    assert_eq!(pages, unjoined);
+    assert_eq!(pages.len(), 12);
+    assert_eq!(pages[0], (0, 0x10000, 64));
+    assert_eq!(pages[1], (64, 0x18000, 64));
+    assert_eq!(pages[2], (128, 0x10000 + 64, 64));
+    assert_eq!(pages[11], (5 * 128 + 64, 0x18000 + 5 * 64, 64));
+    // A cap of 256 bytes: two rows at most joined.
+    let (rows, _) = staged(&host, &gpu, &[0, 1, 2, 3], 256);
+    assert_eq!(rows, [(row(0), 0, 256), (row(2), 256, 256)]);
+    // Not joined: out of order, or no merging asked for.
+    let (rows, _) = staged(&host, &gpu, &[3, 2, 1], 1 << 20);
+    assert_eq!(rows.len(), 3);
+    let (rows, _) = staged(&host, &gpu, &[0, 1, 2], 0);
+    assert_eq!(rows.len(), 3);
+}
+
+#[test]
+fn a_slab_holds_a_word_per_block_and_one_geometry_per_group_not_a_descriptor_per_page() {
+    // Pages of different sizes (K 64 bytes, V 32), GPU segments at their own strides.
+    let mut r = RegionTable::default();
+    r.insert(0x10000, 0x10000, MemoryKind::Device).unwrap();
+    r.insert(0x40000, 0x1000, MemoryKind::Host).unwrap();
+    let host = BlockTable::new(
+        vec![0x40000, 0x40040],
+        vec![96, 96],
+        vec![64, 32],
+        8,
+        MemoryKind::Host,
+        &r,
+    )
+    .unwrap();
+    let gpu = BlockTable::new(
+        vec![0x10000, 0x14000],
+        vec![256, 32],
+        vec![64, 32],
+        8,
+        MemoryKind::Device,
+        &r,
+    )
+    .unwrap();
+    let (_, pages) = staged(&host, &gpu, &[6, 2], 0);
+    assert_eq!(
+        pages,
+        [
+            (0, 0x10000, 64),
+            (64, 0x14000, 32),
+            (96, 0x10000 + 256, 64),
+            (96 + 64, 0x14000 + 32, 32),
+        ]
+    );
+    // The geometry, as the module says: a header, a segment each, the row's end.
+    let (mut a, mut b, mut z) = (vec![0; 8], vec![0; 8], vec![0; 8]);
+    let mut cursor = StagedCursor::new(2, 0);
+    let cols = Columns {
+        src: &mut a,
+        dst: &mut b,
+        size: &mut z,
+    };
+    let p = expand_staged_into(
+        &host,
+        &[6, 2],
+        &gpu,
+        &[0, 1],
+        true,
+        cols,
+        &mut cursor,
+        &mut Vec::new(),
+        &mut Scratch::default(),
+    )
+    .unwrap();
+    assert_eq!((p.len, p.bytes, p.max_size, p.staged_rows), (2, 192, 64, 2));
+    assert_eq!(&a[2..4], [0, 1]);
+    assert_eq!(&b[2..4], [0, 96]);
+    assert_eq!(&z[2..4], [4, 4]);
+    assert_eq!(&a[4..8], [2, 0x10000, 0x14000, 0]);
+    assert_eq!(&b[4..8], [0, 256, 32, 0]);
+    assert_eq!(&z[4..8], [0, 0, 64, 96]);
+    assert_eq!((cursor.row, cursor.block, cursor.table), (2, 4, 8));
+}

@@ -1,0 +1,45 @@
+//! Helpers shared by the engine integration tests (`tests/engine.rs`, `tests/engine_blocks.rs`):
+//! an engine over the host backend with a "host" and a "device" buffer registered, and waiting
+//! for results.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use blockswap::backend::host::HostBackend;
+use blockswap::engine::{Engine, EngineConfig};
+use blockswap::{MemoryKind, TransferResult};
+
+pub struct Buffers {
+    pub src: Vec<u8>,
+    pub dst: Vec<u8>,
+}
+
+pub fn engine_with(buffers: &mut Buffers, config: EngineConfig) -> (Engine, Arc<HostBackend>) {
+    let host = Arc::new(HostBackend::new());
+    let engine = Engine::new(host.clone(), config);
+    // SAFETY: both vectors outlive the engine in every test (dropped after it) and are not resized.
+    unsafe {
+        engine
+            .register(
+                buffers.src.as_ptr() as u64,
+                buffers.src.len() as u64,
+                MemoryKind::Host,
+            )
+            .unwrap();
+        engine
+            .register(
+                buffers.dst.as_mut_ptr() as u64,
+                buffers.dst.len() as u64,
+                MemoryKind::Device,
+            )
+            .unwrap();
+    }
+    (engine, host)
+}
+
+pub fn finish(engine: &Engine, ids: &[u64]) -> Vec<TransferResult> {
+    engine.wait(ids, Some(Duration::from_secs(30))).unwrap();
+    let mut out = vec![];
+    engine.get_finished(&mut out);
+    out
+}
