@@ -104,7 +104,7 @@ def test_job_id_is_reusable_only_after_its_result(engine, rng):
         ("float", "must hold integers"),
         ("empty", "no descriptor"),
         ("direction", "direction must be"),
-        ("job_id", "job_id must be a non-negative int"),
+        ("job_id", r"job_id must be an int from 0 to 2\*\*64 - 1, not -1"),
     ],
 )
 def test_bad_input_raises_and_leaves_earlier_transfers_intact(engine, rng, case, match):

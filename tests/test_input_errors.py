@@ -129,10 +129,14 @@ def test_wait_timeout_of_the_wrong_type_names_it(engine):
 
 
 def test_ints_too_wide_for_the_core_are_refused_by_name():
-    with pytest.raises(InvalidTransferError, match=r"device must be an int in \[-2\*\*31"):
+    with pytest.raises(
+        InvalidTransferError,
+        match=r"device must be an int from -2\*\*31 to 2\*\*31 - 1, not 1099511627776",
+    ):
         Engine("host", device=1 << 40)
     with pytest.raises(
-        InvalidTransferError, match=r"h2d_stream must be a raw CUstream int below 2\*\*64, not -1"
+        InvalidTransferError,
+        match=r"h2d_stream must be a raw CUstream int from 0 to 2\*\*64 - 1, not -1",
     ):
         Engine("host", h2d_stream=-1)
 
@@ -253,10 +257,14 @@ def test_a_missing_optional_dependency_says_how_to_install_it(module, missing):
 @pytest.mark.parametrize(
     ("launch_bytes", "error", "match"),
     [
-        ("8", blockswap.ArgumentTypeError, r"^launch_bytes must be an int, not '8'$"),
-        (2.0, blockswap.ArgumentTypeError, r"^launch_bytes must be an int, not 2.0$"),
-        (-1, InvalidTransferError, r"^launch_bytes must be an int below 2\*\*64, not -1$"),
-        (1 << 64, InvalidTransferError, r"^launch_bytes must be an int below 2\*\*64, not 1844"),
+        ("8", blockswap.ArgumentTypeError, r"^launch_bytes must be an int or None, not '8'$"),
+        (2.0, blockswap.ArgumentTypeError, r"^launch_bytes must be an int or None, not 2.0$"),
+        (-1, InvalidTransferError, r"^launch_bytes must be an int from 0 to 2\*\*64 - 1, not -1$"),
+        (
+            1 << 64,
+            InvalidTransferError,
+            r"^launch_bytes must be an int from 0 to 2\*\*64 - 1, not 1844",
+        ),
     ],
 )
 def test_submit_groups_names_a_bad_launch_bytes(launch_bytes, error, match):
@@ -274,3 +282,69 @@ def test_submit_groups_names_a_bad_launch_bytes(launch_bytes, error, match):
         eng.wait([2])
         assert [r.success for r in eng.get_finished()] == [True]
         assert np.array_equal(b[256:512], a[:256])
+
+
+# -- the one int check ---------------------------------------------------------------------------
+
+_WORDS_E = (KeyError, IndexError)
+
+
+@pytest.mark.parametrize(
+    ("value", "bounds", "options", "error", "message"),
+    [
+        pytest.param(0, (1, None), {}, ValueError, "n must be an int >= 1, not 0", id="below-lo"),
+        pytest.param(9, (None, 8), {}, ValueError, "n must be an int <= 8, not 9", id="above-hi"),
+        pytest.param(
+            -1, (0, (1 << 64) - 1), {}, ValueError, "an int from 0 to 2**64 - 1, not -1", id="u64"
+        ),
+        pytest.param(
+            1 << 40,
+            (-(1 << 31), (1 << 31) - 1),
+            {},
+            ValueError,
+            "from -2**31 to 2**31 - 1",
+            id="i32",
+        ),
+        pytest.param(
+            np.int64(-7), (0, None), {}, ValueError, "an int >= 0, not np.int64(-7)", id="numpy"
+        ),
+        pytest.param(True, (None, None), {}, TypeError, "n must be an int, not True", id="bool"),
+        pytest.param(2.0, (1, None), {}, TypeError, "n must be an int, not 2.0", id="float"),
+        pytest.param(
+            "8", (1, None), {"optional": True}, TypeError, "an int or None, not '8'", id="optional"
+        ),
+        pytest.param([1], (None, None), {}, TypeError, "n must be an int, not a list", id="list"),
+        pytest.param(
+            np.int64(3), (1, None), {"numpy": False}, TypeError, "not np.int64(3)", id="no-numpy"
+        ),
+        pytest.param(
+            -1,
+            (0, None),
+            {"what": "a raw CUstream int"},
+            ValueError,
+            "a raw CUstream int >= 0",
+            id="what",
+        ),
+        pytest.param(
+            1.5, (None, None), {"errors": _WORDS_E}, KeyError, "not 1.5", id="errors-type"
+        ),
+        pytest.param(
+            -1, (0, None), {"errors": _WORDS_E}, IndexError, ">= 0, not -1", id="errors-range"
+        ),
+    ],
+)
+def test_check_int_words_every_refusal_one_way(value, bounds, options, error, message):
+    from blockswap._checks import check_int
+
+    with pytest.raises(error) as e:
+        check_int("n", value, *bounds, **options)
+    assert message in str(e.value)
+
+
+def test_check_int_returns_a_python_int_and_lets_none_through_where_asked():
+    from blockswap._checks import check_int
+
+    got = check_int("n", np.int64(3), 1, 8)
+    assert got == 3 and type(got) is int
+    assert check_int("n", None, 1, optional=True) is None
+    assert check_int("n", 5) == 5

@@ -34,7 +34,7 @@ class Sparse:
 
 
 # (id, GPU -> CPU spec (GPU ids, CPU ids), message excerpt); the handler's own table of bad
-# specs (test_handler.py::test_bad_transfer_raises_typed_error_and_issues_nothing) is not repeated.
+# specs (test_handler_validation.py::test_bad_transfer_raises_typed_error_and_issues_nothing) is not repeated.
 HANDLER_CASES: list[tuple[str, Callable[[], Any], str]] = [
     ("nan", lambda: ([math.nan], [2]), "GPU block ids must hold integers, got dtype float64"),
     ("float-list", lambda: ([4.0], [2]), "must hold integers, got dtype float64"),
@@ -107,7 +107,7 @@ def test_handler_wait_and_job_ids_are_typed() -> None:
         for bad, match in ((-1, "not -1"), (None, "not None"), (1.5, "not 1.5")):
             with pytest.raises(InvalidTransferError, match=match):
                 h.wait([bad])
-        with pytest.raises(InvalidTransferError, match=r"below 2\*\*64, not 18446744073709551616"):
+        with pytest.raises(InvalidTransferError, match=r"to 2\*\*64 - 1, not 18446744073709551616"):
             h.h2d.transfer_async(2**64, ([0], [3]))
         with pytest.raises(InvalidTransferError, match=r"not np\.int64"):
             h.h2d.transfer_async(np.int64(-1), ([0], [3]))

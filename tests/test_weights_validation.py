@@ -22,12 +22,12 @@ from weights_helpers import OFFLOAD, Stack, SwiGLU, assert_untouched, make_stack
 def _bad_configs() -> list[tuple[str, dict[str, Any], type[Exception], str]]:
     return [
         ("num_in_group>group_size", {"group_size": 2, "num_in_group": 3}, OffloadConfigError, "num_in_group \\(3\\) is larger than group_size \\(2\\)"),
-        ("group_size=0", {"group_size": 0}, OffloadConfigError, "group_size must be at least 1"),
-        ("num_in_group=0", {"num_in_group": 0}, OffloadConfigError, "num_in_group must be at least 1"),
-        ("group_size=bool", {"group_size": True}, OffloadConfigError, "group_size must be an int"),
-        ("prefetch_step=0", {"prefetch_step": 0}, OffloadConfigError, "prefetch_step must be at least 1"),
-        ("prefetch_step=-1", {"prefetch_step": -1}, OffloadConfigError, "prefetch_step must be at least 1"),
-        ("prefetch_step=2.0", {"prefetch_step": 2.0}, OffloadConfigError, "prefetch_step must be an int"),
+        ("group_size=0", {"group_size": 0}, OffloadConfigError, "group_size must be an int >= 1, not 0"),
+        ("num_in_group=0", {"num_in_group": 0}, OffloadConfigError, "num_in_group must be an int >= 1, not 0"),
+        ("group_size=bool", {"group_size": True}, OffloadConfigError, "group_size must be an int, not True"),
+        ("prefetch_step=0", {"prefetch_step": 0}, OffloadConfigError, "prefetch_step must be an int >= 1, not 0"),
+        ("prefetch_step=-1", {"prefetch_step": -1}, OffloadConfigError, "prefetch_step must be an int >= 1, not -1"),
+        ("prefetch_step=2.0", {"prefetch_step": 2.0}, OffloadConfigError, "prefetch_step must be an int, not 2.0"),
         ("too many slots", {"group_size": 2, "num_in_group": 1, "prefetch_step": 4}, OffloadConfigError, "prefetch_step \\(4\\) is larger than the number of offloaded layers \\(3\\)"),
         ("unmatched segment", {"params": ["w13_weight", "w4_weight"]}, OffloadConfigError, "\\['w4_weight'\\] match no parameter"),
         ("partial segment", {"params": ["w13"]}, OffloadConfigError, "\\['w13'\\] match no parameter"),

@@ -24,6 +24,7 @@ from typing import Any, get_args
 import numpy as np
 
 from . import _core
+from ._checks import Errors, check_int
 from ._core import InvalidTransferError, TransferResult
 from ._types import (
     AccessOrder,
@@ -44,6 +45,7 @@ _ABANDONED: list[Any] = []
 
 _I64_MAX = np.iinfo(np.int64).max
 _U64_END = 1 << 64
+_STREAM = "a raw CUstream int"
 
 
 class ArgumentTypeError(InvalidTransferError, TypeError):
@@ -74,22 +76,14 @@ def _one_of(choices: Any) -> str:
 
 
 def check_arg(
-    name: str,
-    value: Any,
-    expected: str,
-    ok: Callable[[Any], bool],
-    *,
-    span: tuple[int, int, str] | None = None,
-    optional: bool = False,
+    name: str, value: Any, expected: str, ok: Callable[[Any], bool], *, optional: bool = False
 ) -> Any:
     """``value`` of argument ``name`` if ``ok(value)``, else an :class:`ArgumentTypeError` saying
-    ``"<name> must be <expected>, not <value>"``. ``span``: ``(lo, hi, text)``, the ``[lo, hi)``
-    an int must lie in to reach the core at all (the width of its integer, or the sign of an
-    address), else an :class:`~blockswap.InvalidTransferError` saying ``"<name> must be
-    <expected> <text>, not <value>"``. ``optional``: None passes too.
+    ``"<name> must be <expected>, not <value>"``. ``optional``: None passes too. Ints are checked
+    by :func:`blockswap._checks.check_int` instead (with :data:`_ERRORS`).
 
-    The one place Python checks arguments: the limits that mean something (settings, addresses,
-    block ids) and the strings the core parses are the core's.
+    These two are where Python checks arguments: the limits that mean something (settings,
+    addresses, block ids) and the strings the core parses are the core's.
     """
     if value is None and optional:
         return None
@@ -97,8 +91,6 @@ def check_arg(
         raise ArgumentTypeError(
             f"{name} must be {expected}{' or None' if optional else ''}, not {value!r}"
         )
-    if span is not None and not span[0] <= value < span[1]:
-        raise InvalidTransferError(f"{name} must be {expected} {span[2]}, not {value!r}")
     return value
 
 
@@ -111,17 +103,21 @@ def _seconds(name: str, value: Any) -> float:
         return math.inf if value > 0 else -math.inf
 
 
-# The widths of the core's integer arguments (what PyO3 converts into): an int outside cannot
+#: The errors of an int argument the engine refuses (:func:`blockswap._checks.check_int`): an
+#: :class:`ArgumentTypeError` for another type, an :class:`~blockswap.InvalidTransferError` for
+#: an int out of range.
+_ERRORS: Errors = (ArgumentTypeError, InvalidTransferError)
+
+# The ranges of the core's integer arguments (what PyO3 converts into): an int outside cannot
 # reach the core's own checks.
-_I32 = (-(1 << 31), 1 << 31, "in [-2**31, 2**31)")
-_I128 = (-(1 << 127), 1 << 127, "in [-2**127, 2**127)")
-_U64 = (0, _U64_END, "below 2**64")
-_U64_POSITIVE = (1, _U64_END, "below 2**64")
+_I32 = (-(1 << 31), (1 << 31) - 1)
+_I128 = (-(1 << 127), (1 << 127) - 1)
+_U64_MAX = _U64_END - 1
 
 
 def check_job_id(job_id: Any) -> int:
     """``job_id`` as an int in ``[0, 2**64)``; anything else is an InvalidTransferError."""
-    return int(check_arg("job_id", job_id, "a non-negative int", _is_int, span=_U64))
+    return check_int("job_id", job_id, 0, _U64_MAX, errors=_ERRORS)
 
 
 def check_job_ids(job_ids: Any) -> list[int]:
@@ -131,12 +127,6 @@ def check_job_ids(job_ids: Any) -> list[int]:
             f"job_ids must be an iterable of job ids, not {type(job_ids).__name__}"
         )
     return [check_job_id(j) for j in job_ids]
-
-
-def _check_u64(name: str, value: Any, *, positive: bool = False) -> int:
-    if positive:
-        return int(check_arg(name, value, "a positive int", _is_int, span=_U64_POSITIVE))
-    return int(check_arg(name, value, "a non-negative int", _is_int, span=_U64))
 
 
 def as_int64(name: str, values: Any) -> np.ndarray:
@@ -247,30 +237,29 @@ class Engine:
         d2h_stream: int | None = None,
         stage_bytes: int = 16 << 20,
     ) -> None:
-        integer = "an int"
         self._core = _core.Engine(
             check_arg("backend", backend, _one_of(BackendName), _is_str),
-            device=check_arg("device", device, integer, _is_int, span=_I32),
-            max_in_flight=check_arg("max_in_flight", max_in_flight, integer, _is_int, span=_I128),
-            pool_bytes=check_arg("pool_bytes", pool_bytes, integer, _is_int, span=_I128),
-            max_descriptors=check_arg(
-                "max_descriptors", max_descriptors, integer, _is_int, span=_I128, optional=True
+            device=check_int("device", device, *_I32, errors=_ERRORS),
+            max_in_flight=check_int("max_in_flight", max_in_flight, *_I128, errors=_ERRORS),
+            pool_bytes=check_int("pool_bytes", pool_bytes, *_I128, errors=_ERRORS),
+            max_descriptors=check_int(
+                "max_descriptors", max_descriptors, *_I128, optional=True, errors=_ERRORS
             ),
             coalesce=check_arg("coalesce", coalesce, "a bool", _is_bool),
             shutdown_timeout=_seconds("shutdown_timeout", shutdown_timeout),
             copy_path=check_arg("copy_path", copy_path, _one_of(CopyPath), _is_str),
-            max_batch=check_arg("max_batch", max_batch, integer, _is_int, span=_U64, optional=True),
+            max_batch=check_int("max_batch", max_batch, 0, _U64_MAX, optional=True, errors=_ERRORS),
             timing=check_arg("timing", timing, "a bool", _is_bool),
             completion=check_arg("completion", completion, _one_of(CompletionMode), _is_str),
             h2d_order=check_arg("h2d_order", h2d_order, _one_of(AccessOrder), _is_str),
             d2h_order=check_arg("d2h_order", d2h_order, _one_of(AccessOrder), _is_str),
-            h2d_stream=check_arg(
-                "h2d_stream", h2d_stream, "a raw CUstream int", _is_int, span=_U64, optional=True
+            h2d_stream=check_int(
+                "h2d_stream", h2d_stream, 0, _U64_MAX, optional=True, what=_STREAM, errors=_ERRORS
             ),
-            d2h_stream=check_arg(
-                "d2h_stream", d2h_stream, "a raw CUstream int", _is_int, span=_U64, optional=True
+            d2h_stream=check_int(
+                "d2h_stream", d2h_stream, 0, _U64_MAX, optional=True, what=_STREAM, errors=_ERRORS
             ),
-            stage_bytes=check_arg("stage_bytes", stage_bytes, integer, _is_int, span=_I128),
+            stage_bytes=check_int("stage_bytes", stage_bytes, *_I128, errors=_ERRORS),
         )
         self._kept: dict[int, Any] = {}
         # The hot paths bound straight to the core (no Python frame in between), shadowing the
@@ -373,10 +362,10 @@ class Engine:
         for col_name, col in (("bases", b), ("strides", st), ("nbytes", nb)):
             if col.size and int(col.min()) < 0:
                 raise InvalidTransferError(f"{col_name} holds a negative value ({int(col.min())})")
-        blocks = _check_u64("num_blocks", num_blocks, positive=True)
+        blocks = check_int("num_blocks", num_blocks, 1, _U64_MAX, errors=_ERRORS)
         check_arg("kind", kind, _one_of(MemoryKind), _is_str)
         check_arg("name", name, "a str", _is_str)
-        u = _check_u64("unit", unit, positive=True)
+        u = check_int("unit", unit, 1, _U64_MAX, errors=_ERRORS)
         return int(self._core.register_table(b, st, nb, blocks, kind, name, u))
 
     def unregister_table(self, table: int) -> None:
@@ -482,10 +471,8 @@ class Engine:
             check_arg("launcher", launcher, "callable", callable, optional=True)
         check_arg("runs", runs, "a bool", _is_bool)
         check_arg("staged", staged, "a bool", _is_bool)
-        if kernel is not None:
-            check_arg("kernel", kernel, "an int", _is_int, span=(0, 1 << 32, "below 2**32"))
-        if launch_bytes is not None:
-            check_arg("launch_bytes", launch_bytes, "an int", _is_int, span=_U64)
+        check_int("kernel", kernel, 0, (1 << 32) - 1, optional=True, errors=_ERRORS)
+        check_int("launch_bytes", launch_bytes, 0, _U64_MAX, optional=True, errors=_ERRORS)
         core_groups = []
         for g, group in enumerate(groups):
             try:
@@ -495,7 +482,7 @@ class Engine:
                     f"groups[{g}] must be (src_table, src_ids, dst_table, dst_ids, skip)"
                 ) from None
             if skip is not None:
-                skip = _check_u64(f"groups[{g}] skip", skip)
+                skip = check_int(f"groups[{g}] skip", skip, 0, _U64_MAX, errors=_ERRORS)
             core_groups.append(
                 (
                     _table_id(src_table),
@@ -602,7 +589,7 @@ class Engine:
         if _is_int(obj):
             if nbytes is None or kind is None:
                 raise InvalidTransferError("a raw address needs nbytes and kind")
-            ptr = _check_u64("ptr", obj)
+            ptr = check_int("ptr", obj, 0, _U64_MAX, errors=_ERRORS)
         else:
             ptr, size, found_kind = _address_of(obj)
             nbytes = size if nbytes is None else nbytes
@@ -610,7 +597,7 @@ class Engine:
             if _is_int(nbytes) and nbytes > size:
                 raise InvalidTransferError(f"nbytes={nbytes} is larger than the object ({size})")
         check_arg("kind", kind, _one_of(MemoryKind), _is_str)
-        self._core.register(ptr, _check_u64("nbytes", nbytes, positive=True), kind)
+        self._core.register(ptr, check_int("nbytes", nbytes, 1, _U64_MAX, errors=_ERRORS), kind)
         if not _is_int(obj):
             self._kept[ptr] = obj
         return ptr
@@ -622,7 +609,7 @@ class Engine:
         if kind != "host":
             raise InvalidTransferError("only host memory can be pinned")
         t0 = time.perf_counter()
-        self._core.pin(ptr, _check_u64("nbytes", nbytes, positive=True))
+        self._core.pin(ptr, check_int("nbytes", nbytes, 1, _U64_MAX, errors=_ERRORS))
         _log_alloc("pin", nbytes, time.perf_counter() - t0, self._backend)
         self._kept[ptr] = obj
         return ptr
@@ -630,7 +617,7 @@ class Engine:
     def unregister(self, obj_or_ptr: Any) -> None:
         """Removes a registration (refused while transfers are in flight)."""
         if _is_int(obj_or_ptr):
-            ptr = _check_u64("ptr", obj_or_ptr)
+            ptr = check_int("ptr", obj_or_ptr, 0, _U64_MAX, errors=_ERRORS)
         else:
             ptr = _address_of(obj_or_ptr, "unregister")[0]
         self._core.unregister(ptr)
@@ -640,7 +627,7 @@ class Engine:
         """A registered host buffer of ``nbytes`` (page-locked, device-mapped on CUDA), as a
         uint8 numpy array over blockswap's memory. Valid until :meth:`free_host`; the array
         keeps the engine's memory alive (the buffer outlives a collected engine)."""
-        n = _check_u64("nbytes", nbytes, positive=True)
+        n = check_int("nbytes", nbytes, 1, _U64_MAX, errors=_ERRORS)
         t0 = time.perf_counter()
         ptr = self._core.alloc_host(n)
         _log_alloc("alloc_host", n, time.perf_counter() - t0, self._backend)
@@ -664,7 +651,7 @@ class Engine:
 
     def inject_failures(self, count: int) -> None:
         """Host backend: the next ``count`` transfers fail halfway (for tests)."""
-        self._core.inject_failures(_check_u64("count", count))
+        self._core.inject_failures(check_int("count", count, 0, _U64_MAX, errors=_ERRORS))
 
     def __enter__(self) -> Engine:
         return self
@@ -740,11 +727,13 @@ def _submit_argument_error(
     e: Exception, direction: Any, wait_stream: Any, kernel_below: Any
 ) -> Exception:
     """The typed error for a submission argument the core could not convert (slow path)."""
-    stream = "a raw CUstream int (e.g. torch.cuda.current_stream().cuda_stream)"
+    stream = f"{_STREAM} (e.g. torch.cuda.current_stream().cuda_stream)"
     try:
         check_arg("direction", direction, _one_of(Direction), _is_str)
-        check_arg("wait_stream", wait_stream, stream, _is_int, span=_U64, optional=True)
-        check_arg("kernel_below", kernel_below, "a non-negative int", _is_int, span=_U64)
+        check_int(
+            "wait_stream", wait_stream, 0, _U64_MAX, optional=True, what=stream, errors=_ERRORS
+        )
+        check_int("kernel_below", kernel_below, 0, _U64_MAX, errors=_ERRORS)
     except InvalidTransferError as refused:
         return refused
     return e

@@ -82,13 +82,10 @@ calls leave torch's current device as they found it.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import statistics
 import threading
-import time
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Callable, NamedTuple, Union, cast
+from typing import Any, Callable, Union
 
 import numpy as np
 import numpy.typing as npt
@@ -100,20 +97,42 @@ try:
 except ModuleNotFoundError as e:
     _optional.missing(e, __name__)
 
-from ._core import BlockswapError, InvalidTransferError, ShutdownError, TransferResult, cuda_status
+from ._checks import check_int
+from ._core import BlockswapError, InvalidTransferError, ShutdownError, TransferResult
+from ._kvcache import (
+    allocate_cpu_cache,
+    as_groups,
+    cpu_tables_of,
+    device_of,
+    given_cpu_cache,
+    gpu_tables_of,
+    layouts_of,
+    union_spans,
+)
 from ._types import Direction
 from .engine import Engine, check_job_id, check_job_ids
-from .hostmem import DEFAULT_PIECE_BYTES, PinnedRows, size_text
-from .layout import (
-    LAYOUTS,
-    BlockTable,
-    Layout,
-    LayoutError,
-    as_block_ids,
-    expand_sub_blocks,
-    make_block_major_cpu_cache,
-    make_cpu_cache_like,
+from .hostmem import DEFAULT_PIECE_BYTES, PinnedRows
+from .layout import BlockTable, Layout, as_block_ids, expand_sub_blocks
+from .routing import (
+    _SHORT,
+    KERNEL_BLOCK_BYTES,
+    KERNEL_LAUNCH_BYTES,
+    STAGE_BYTES,
+    STAGE_MAX_AUTO,
+    Route,
+    calibrate,
+    choose_routes,
+    staged_route,
 )
+
+# The routing names this module held before they had a module of their own, importable from
+# here as they were.
+from .routing import BLOCK_MAX_COPIES as BLOCK_MAX_COPIES
+from .routing import BLOCK_MIN_PAGE as BLOCK_MIN_PAGE
+from .routing import KERNEL_BELOW as KERNEL_BELOW
+from .routing import STAGED_CTAS as STAGED_CTAS
+from .routing import block_route as block_route
+from .routing import choose_route as choose_route
 
 __all__ = [
     "CpuGpuHandlers",
@@ -133,8 +152,6 @@ KVCaches = Union[
 """KV-cache tensors of one device: one tensor, a list of per-layer tensors, a ``{layer name:
 tensor}`` dict (as vLLM holds them; values in order) -- all one KV-cache group -- or a sequence of
 groups, each a list of tensors (hybrid models)."""
-
-_SHORT = {"d2h": "GPU -> CPU", "h2d": "CPU -> GPU"}
 
 #: Route choices, calibration results, descriptor-building fallbacks, the CPU cache's
 #: allocation and shutdowns that timed out (see :mod:`blockswap.engine`).
@@ -173,65 +190,6 @@ class _KeepDevice:
 # --------------------------------------------------------------------------------------------
 
 
-def _as_groups(caches: Any, name: str) -> tuple[list[list[torch.Tensor]], bool]:
-    """(groups of tensors, whether the input was given as groups)."""
-    if isinstance(caches, torch.Tensor):
-        return [[caches]], False
-    if isinstance(caches, Mapping):
-        caches = list(caches.values())
-    if isinstance(caches, (str, bytes)) or not isinstance(caches, Iterable):
-        raise TypeError(
-            f"{name} must be a tensor, a list of tensors, a dict of tensors or a list of groups, "
-            f"not {type(caches).__name__}"
-        )
-    items = list(caches)
-    if not items:
-        raise LayoutError(f"{name} is empty")
-    if all(isinstance(t, torch.Tensor) for t in items):
-        return [items], False
-    groups = []
-    for g, item in enumerate(items):
-        if isinstance(item, torch.Tensor):
-            raise TypeError(f"{name} mixes tensors and groups (entry {g} is a tensor)")
-        if isinstance(item, Mapping):
-            item = list(item.values())
-        ts = list(item)
-        if not ts:
-            raise LayoutError(f"{name}: group {g} is empty")
-        for i, t in enumerate(ts):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(
-                    f"{name}: group {g} entry {i} is a {type(t).__name__}, not a tensor"
-                )
-        groups.append(ts)
-    return groups, True
-
-
-def _check_group_uniform(ts: Sequence[torch.Tensor], g: int, name: str) -> None:
-    t0 = ts[0]
-    for i, t in enumerate(ts[1:], 1):
-        if t.shape != t0.shape or t.dtype != t0.dtype:
-            raise LayoutError(
-                f"{name}: group {g} tensor {i} (shape {tuple(t.shape)}, {t.dtype}) differs from "
-                f"tensor 0 (shape {tuple(t0.shape)}, {t0.dtype}); the layers of one group must "
-                "have one shape and dtype"
-            )
-
-
-def _union_spans(tables: Iterable[BlockTable]) -> list[tuple[int, int]]:
-    """Byte ranges covering every segment of every table, overlapping ranges merged (ranges that
-    only touch are kept apart: they may be separate allocations)."""
-    spans = sorted((int(s), int(n)) for t in tables for s, n in t.spans().tolist())
-    out: list[list[int]] = []
-    for s, n in spans:
-        if out and s < out[-1][0] + out[-1][1]:
-            end = max(out[-1][0] + out[-1][1], s + n)
-            out[-1][1] = end - out[-1][0]
-        else:
-            out.append([s, n])
-    return [(s, n) for s, n in out]
-
-
 def _stream_handle(s: Any, device_index: int | None, what: str) -> int:
     if isinstance(s, (int, np.integer)) and not isinstance(s, bool):
         return int(s)
@@ -246,7 +204,6 @@ def _stream_handle(s: Any, device_index: int | None, what: str) -> int:
     return int(handle)
 
 
-_I64 = np.int64
 _I64_MAX = int(np.iinfo(np.int64).max)
 _JOB_END = 1 << 64
 
@@ -258,196 +215,6 @@ _to_ids = as_block_ids
 # --------------------------------------------------------------------------------------------
 # One direction
 # --------------------------------------------------------------------------------------------
-
-
-#: Pages below this many bytes go to the copy kernel, the rest to DMA, when ``path="auto"``,
-#: per direction. Chosen on an H200 (driver 580, 2026-11-21) from the suite's sweep
-#: (`python benches/suite.py`, docs/benchmarks.md), one transfer of N scattered blocks at a
-#: time, as fractions of the link's ceiling measured in the same run:
-#:
-#: - CPU -> GPU, N = 2,560: kernel 74-91 % from 4 to 128 KiB against DMA 8-87 % (the batch
-#:   call's host cost, ~0.3-1.9 us per descriptor, holds DMA back); at 256 KiB DMA 93 %, kernel
-#:   92 %. With 8 transfers queued back to back DMA catches up earlier (95 % at 64 KiB) because
-#:   its submission then overlaps the copies; the threshold follows the isolated case.
-#: - GPU -> CPU, N = 2,560: kernel 74-94 % from 4 to 128 KiB against DMA 18-85 %; at 256 KiB
-#:   DMA 91 %, kernel 94 % (N = 256: both 93 %), and DMA, which takes no SM, is kept.
-#:
-#: With few blocks (N = 16) DMA is ahead of the kernel from 4 KiB, but such transfers move
-#: little and are latency-bound either way.
-KERNEL_BELOW: dict[str, int] = {"h2d": 256 * 1024, "d2h": 256 * 1024}
-
-#: Bytes one kernel program keeps in flight per step on the handler's kernel route: 32 KiB
-#: took CPU -> GPU 16 KiB pages from 90 to 92 % of the link with transfers queued back to back
-#: (H200, 2026-11-21; 64 KiB was worse at 4 KiB pages, 87 %); the kernel's own default
-#: (16 KiB) suits device-side callers.
-KERNEL_BLOCK_BYTES = 32 * 1024
-
-#: The most one launch of the handler's copy kernel moves (``kernel_launch_bytes``). A launch
-#: holds the SMs of its CTAs until it ends, and a model kernel that wants every SM waits for
-#: them: cuBLAS's bf16 8192^3 GEMM on H100/H200 is one persistent CTA per SM using the whole
-#: register file, and one CTA of another long kernel slowed it by 14-18 % (H100), a copy launch
-#: per 128 MiB transfer on 16 CTAs by 15-18 %. Shorter launches bound that wait but each costs
-#: ~5 us of pipeline refill. Measured on an H200, 2026-11-21 (16 KiB x 8,192 onloads beside the
-#: GEMM, two runs; then isolated transfers, 4-64 KiB pages): GEMM slowdown / bandwidth lost
-#: against one launch (+15-21 %): 16 MiB +11-14 % / 0-2 points; 8 MiB +9-10 % / 0-4 points;
-#: 4 MiB +5-12 % / 1-9 points; 1 MiB +1 % / 10-25 points (docs/benchmarks.md, "Kernel
-#: launches and the model's SMs").
-KERNEL_LAUNCH_BYTES = 8 * 1024 * 1024
-
-#: CTAs of the staged plan's kernel, which moves pages between the staging ring and the GPU
-#: pages inside HBM: 32 reached 97-99 % of the link from 32 KiB pages where 132 gained nothing
-#: (H100, 2026-11-23, ``benches/probe_staged.py``).
-STAGED_CTAS = 32
-
-#: Bytes of a staging slot by default (two per direction, in device memory): 16 MiB steps
-#: reached 97-99 % of the link from 32 KiB pages (H100, ``benches/probe_staged.py``). A slot
-#: grows to one block's row where that is larger, up to ``STAGE_MAX_AUTO``; past it the staged
-#: plan is not taken unless ``stage_bytes`` is given.
-STAGE_BYTES = 16 << 20
-STAGE_MAX_AUTO = 64 << 20
-
-
-class Route(NamedTuple):
-    """How a handler's transfers move. ``plan="blocks"``: each block as the 2-D copies of the
-    table pair's block plan (:meth:`blockswap.Engine.block_runs`), copy engines only.
-    ``plan="staged"``: each block's host row as one copy through a device staging ring, its
-    pages moved inside the GPU by the core's kernel ``kernel`` (see
-    :meth:`blockswap.Engine.submit_groups`).
-    ``plan="pages"``: a descriptor per page, those below ``kernel_below`` bytes (0: none, DMA
-    only) by the copy kernel: the core's ``kernel`` where it has one (launched by the core, at
-    most ``launch_bytes`` a launch), else the one ``launcher`` launches from Python."""
-
-    kernel_below: int
-    launcher: Callable[..., None] | None
-    reason: str
-    plan: str = "pages"
-    #: The copy kernel of the staged plan or of the kernel route, as
-    #: :meth:`blockswap.Engine.load_kernel` returned its id (``None`` on the host backend, which
-    #: copies the pages with memcpy or Triton's interpreter).
-    kernel: int | None = None
-    #: The most one launch of the kernel route moves where the core launches it (``None``: one
-    #: launch per transfer).
-    launch_bytes: int | None = None
-
-
-def _check_positive_int(name: str, value: Any, alternative: str = "") -> None:
-    """Raises ``TypeError`` unless ``value`` is an int (numpy's included, bool not), and
-    ``ValueError`` unless it is >= 1; ``alternative`` names what else is accepted."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int{alternative}, not {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1{alternative}, got {value}")
-
-
-def choose_route(
-    gpu_tables: Sequence[BlockTable],
-    *,
-    on_cuda: bool,
-    direction: str = "h2d",
-    path: str = "auto",
-    kernel_ctas: int = 16,
-    below: int | None = None,
-    launch_bytes: int | None = KERNEL_LAUNCH_BYTES,
-) -> Route:
-    """Picks the copy path of one direction once, from the page sizes the handler will move.
-
-    ``"dma"``: copy engines only (no SM is taken from the model). ``"kernel"``: every page by
-    the Triton copy kernel on at most ``kernel_ctas`` CTAs. ``"auto"``: pages below
-    ``below`` (default :data:`KERNEL_BELOW` of ``direction``) to the kernel and larger ones to
-    DMA, in the same transfer where a model mixes both (hybrid groups). On the host backend,
-    ``"auto"`` is DMA (memcpy): there is no GPU to run a kernel on. ``launch_bytes``: the most
-    one kernel launch moves (:data:`KERNEL_LAUNCH_BYTES`; ``None``: one launch per transfer).
-    """
-    if direction not in KERNEL_BELOW:
-        raise ValueError(f"direction must be 'h2d' or 'd2h', not {direction!r}")
-    if launch_bytes is not None:
-        _check_positive_int("kernel_launch_bytes", launch_bytes, " or None")
-    if path == "dma" or (path == "auto" and not on_cuda):
-        return Route(0, None, "dma" if path == "dma" else "host backend: memcpy")
-    default = KERNEL_BELOW[direction]
-    threshold = (1 << 62) if path == "kernel" else (default if below is None else below)
-    sizes = sorted({int(n) for t in gpu_tables for n in t.nbytes.tolist()})
-    if not any(n < threshold for n in sizes):
-        return Route(0, None, f"dma: every page is >= {threshold} bytes")
-    from .kernels import engine_launcher
-
-    launcher = engine_launcher(
-        max_ctas=kernel_ctas,
-        block_bytes=KERNEL_BLOCK_BYTES,
-        launch_bytes=None if launch_bytes is None else int(launch_bytes),
-    )
-    if all(n < threshold for n in sizes):
-        return Route(threshold, launcher, f"kernel ({kernel_ctas} CTAs): pages {sizes} bytes")
-    return Route(
-        threshold, launcher, f"hybrid: pages < {threshold} bytes by kernel, the rest by DMA"
-    )
-
-
-#: The block plan is taken where a block moves in at most this many 2-D copies: each copy costs
-#: the host ~3 us and runs a few rows, and with 10-40 copies per block (layer tensors allocated
-#: one by one, a run per driver allocation) it fell to 19-74 % of the link where the page route
-#: held 81-91 % (H100, 2026-11-23, `python benches/bench_blocks.py`, docs/benchmarks.md).
-BLOCK_MAX_COPIES = 2
-
-#: ...and where pages are at least this large: at 4 KiB one 2-D copy per block reached 69-75 %
-#: of the link against the copy kernel's 83-86 %; from 16 KiB it leads (91 / 98 / 100 % at 16 /
-#: 64 / 256 KiB, against 88-90 / 88-91 / 83-85 %), on the copy engines alone. Same run.
-BLOCK_MIN_PAGE = 16 * 1024
-
-
-def block_route(
-    runs: Sequence[tuple[int, int, int, int, int]] | None,
-    segments: int,
-    direction: str,
-    *,
-    insist: bool = False,
-) -> Route | None:
-    """The block-plan route of one direction, or None where the page route measured faster (see
-    :data:`BLOCK_MAX_COPIES`, :data:`BLOCK_MIN_PAGE`) or the plan saves no copy. ``insist``
-    (``path="blocks"``): wherever the plan saves a copy."""
-    if runs is None or len(runs) >= segments:
-        return None
-    if not insist and (len(runs) > BLOCK_MAX_COPIES or runs[0][2] < BLOCK_MIN_PAGE):
-        return None
-    rows = [r[1] for r in runs]
-    gpu_pitch = {r[3] if direction == "d2h" else r[4] for r in runs}
-    return Route(
-        0,
-        None,
-        f"blocks: {len(runs)} 2-D cop{'y' if len(runs) == 1 else 'ies'} per block "
-        f"({'+'.join(map(str, rows))} pages of {runs[0][2]} B, GPU pitch "
-        f"{', '.join(map(str, sorted(gpu_pitch)))} B), copy engines only",
-        "blocks",
-    )
-
-
-def _groups_block_route(
-    plans: Sequence[list[tuple[int, int, int, int, int]] | None],
-    gpu_tables: Sequence[BlockTable],
-    cpu_tables: Sequence[BlockTable],
-    direction: str,
-    *,
-    insist: bool = False,
-) -> Route | None:
-    """The block route of a cache of one or more KV-cache groups: :func:`block_route` for every
-    group, and no two groups sharing memory on either side (their 2-D copies could not be proven
-    disjoint)."""
-    routes = [
-        block_route(p, len(t.nbytes), direction, insist=insist) for p, t in zip(plans, gpu_tables)
-    ]
-    if any(r is None for r in routes):
-        return None
-    if len(routes) > 1:
-        for tables in (gpu_tables, cpu_tables):
-            spans = sorted(
-                (int(sp[:, 0].min()), int((sp[:, 0] + sp[:, 1]).max()))
-                for sp in (t.spans() for t in tables)
-            )
-            if any(a[1] > b[0] for a, b in zip(spans, spans[1:])):
-                return None
-        reason = "; ".join(f"group {g}: {r.reason}" for g, r in enumerate(routes) if r)
-        return Route(0, None, reason, "blocks")
-    return routes[0]
 
 
 class SingleDirectionHandler:
@@ -734,12 +501,12 @@ class CpuGpuHandlers:
                 f"path must be 'auto', 'blocks', 'staged', 'dma' or 'kernel', not {path!r}"
             )
         self._shut = False
-        _check_positive_int("num_cpu_blocks", num_cpu_blocks)
+        check_int("num_cpu_blocks", num_cpu_blocks, 1)
         if not isinstance(load_waits_for_compute, bool):
             raise TypeError(
                 f"load_waits_for_compute must be a bool, not {type(load_waits_for_compute).__name__}"
             )
-        _check_positive_int("block_size_factor", block_size_factor)
+        check_int("block_size_factor", block_size_factor, 1)
         for key in ("device", "h2d_stream", "d2h_stream"):
             if key in engine_options:
                 raise TypeError(
@@ -748,49 +515,17 @@ class CpuGpuHandlers:
         self.num_cpu_blocks = int(num_cpu_blocks)
         self.block_size_factor = f = int(block_size_factor)
 
-        gpu_groups, grouped = _as_groups(gpu_caches, "gpu_caches")
+        gpu_groups, grouped = as_groups(gpu_caches, "gpu_caches")
         ng = len(gpu_groups)
-        layouts = self._layouts(layout, ng)
+        layouts = layouts_of(layout, ng)
 
-        # Devices: every GPU tensor on one device.
-        device = gpu_groups[0][0].device
-        for g, ts in enumerate(gpu_groups):
-            for i, t in enumerate(ts):
-                if t.device != device:
-                    raise ValueError(
-                        f"gpu_caches: group {g} tensor {i} is on {t.device}, but group 0 tensor 0 "
-                        f"is on {device}; all KV-cache tensors must be on one device"
-                    )
-        if device.type not in ("cuda", "cpu"):
-            raise ValueError(f"gpu_caches are on {device}: blockswap moves CUDA (or CPU) memory")
-        if backend == "auto":
-            backend = "cuda" if device.type == "cuda" and cuda_status()[0] else "host"
-        if backend not in ("cuda", "host"):
-            raise ValueError(f"backend must be 'auto', 'cuda' or 'host', not {backend!r}")
-        if backend == "host" and device.type != "cpu":
-            raise ValueError(
-                f"the host backend copies host memory only, but gpu_caches are on {device}; use "
-                "backend='cuda' (or 'auto')"
-            )
-        if backend == "cuda" and device.type != "cuda":
-            raise ValueError(f"backend='cuda' needs CUDA tensors, but gpu_caches are on {device}")
+        device, backend, device_index = device_of(gpu_groups, backend)
         on_cuda = backend == "cuda"
-        device_index: int | None = None
-        if on_cuda:
-            device_index = device.index if device.index is not None else torch.cuda.current_device()
-            device = torch.device("cuda", device_index)
         self.device = device
         self.backend = backend
 
         # GPU tables (validate layouts; layers of one shape where the CPU cache is made here).
-        gpu_tables = []
-        for g, (ts, lay) in enumerate(zip(gpu_groups, layouts)):
-            if cpu_caches is None:
-                _check_group_uniform(ts, g, "gpu_caches")
-            try:
-                gpu_tables.append(BlockTable.from_tensors(ts, lay))
-            except (LayoutError, TypeError) as e:
-                raise type(e)(f"gpu_caches group {g}: {e}") from e
+        gpu_tables = gpu_tables_of(gpu_groups, layouts, uniform=cpu_caches is None)
 
         # CPU cache: allocated here, or the caller's, checked against the GPU tensors.
         self._owns_cpu = cpu_caches is None
@@ -800,85 +535,26 @@ class CpuGpuHandlers:
         self.cpu_chunks: list[torch.Tensor] | None = None
         if cpu_layout not in ("block_major", "mirror"):
             raise ValueError(f"cpu_layout must be 'block_major' or 'mirror', not {cpu_layout!r}")
-        _check_positive_int("pin_piece_bytes", pin_piece_bytes)
+        check_int("pin_piece_bytes", pin_piece_bytes, 1)
         #: The host memory of the CPU cache allocated here, unpinned by :meth:`shutdown`.
         self._host_memory: list[PinnedRows] = []
         if cpu_caches is None:
-            t0 = time.perf_counter()
-
-            def allocate(rows: int, row_bytes: int) -> torch.Tensor:
-                buf = PinnedRows(
-                    rows,
-                    row_bytes,
-                    piece_bytes=pin_piece_bytes,
-                    backend="cuda" if on_cuda else "host",
-                    device=device_index or 0,
-                    log_line=False,
-                )
-                self._host_memory.append(buf)
-                return buf.tensor()
-
-            with torch.cuda.device(device_index) if on_cuda else contextlib.nullcontext():
-                if cpu_layout == "block_major":
-                    made = [
-                        make_block_major_cpu_cache(
-                            ts,
-                            self.num_cpu_blocks,
-                            layout=lay,
-                            block_size_factor=f,
-                            allocate_rows=allocate,
-                        )
-                        for ts, lay in zip(gpu_groups, layouts)
-                    ]
-                    self.cpu_chunks = [c for c, _ in made]
-                    cpu_groups = [v for _, v in made]
-                else:
-                    cpu_groups = [
-                        make_cpu_cache_like(
-                            ts,
-                            self.num_cpu_blocks,
-                            layout=lay,
-                            block_size_factor=f,
-                            allocate_rows=allocate,
-                        )
-                        for ts, lay in zip(gpu_groups, layouts)
-                    ]
-            pieces = sum(len(b.pieces) for b in self._host_memory)
-            log.info(
-                "CPU cache: %s of %s host memory in %d piece%s (%d allocation%s) for %d blocks "
-                "in %.3f s",
-                size_text(sum(b.nbytes for b in self._host_memory)),
-                "pinned" if on_cuda else "unpinned (host backend)",
-                pieces,
-                "" if pieces == 1 else "s",
-                len(self._host_memory),
-                "" if len(self._host_memory) == 1 else "s",
+            self.cpu_chunks, cpu_groups = allocate_cpu_cache(
+                gpu_groups,
+                layouts,
                 self.num_cpu_blocks,
-                time.perf_counter() - t0,
+                f,
+                self._host_memory,
+                cpu_layout=cpu_layout,
+                pin_piece_bytes=pin_piece_bytes,
+                on_cuda=on_cuda,
+                device_index=device_index,
             )
         else:
-            cpu_groups, cpu_grouped = _as_groups(cpu_caches, "cpu_caches")
-            if len(cpu_groups) != ng or cpu_grouped != grouped:
-                raise LayoutError(
-                    f"cpu_caches has {len(cpu_groups)} group(s), gpu_caches {ng}: give them in "
-                    "the same structure"
-                )
-            for g, (cts, gts, lay) in enumerate(zip(cpu_groups, gpu_groups, layouts)):
-                self._check_cpu_group(g, cts, gts, lay, on_cuda)
-        cpu_tables = []
-        for g, (ts, lay) in enumerate(zip(cpu_groups, layouts)):
-            try:
-                tab = BlockTable.from_tensors(ts, lay)
-                gpu_tables[g].check_compatible(tab)
-            except (LayoutError, TypeError) as e:
-                raise type(e)(f"cpu_caches group {g}: {e}") from e
-            if tab.num_blocks != self.num_cpu_blocks * f:
-                raise LayoutError(
-                    f"cpu_caches group {g} has {tab.num_blocks} blocks in its block dim; "
-                    f"num_cpu_blocks={self.num_cpu_blocks} x block_size_factor={f} needs "
-                    f"{self.num_cpu_blocks * f}"
-                )
-            cpu_tables.append(tab)
+            cpu_groups = given_cpu_cache(
+                cpu_caches, gpu_groups, grouped, layouts, self.num_cpu_blocks, f, on_cuda
+            )
+        cpu_tables = cpu_tables_of(cpu_groups, layouts, gpu_tables, self.num_cpu_blocks, f)
 
         # Streams and the engine.
         self._streams: list[Any] = []
@@ -911,10 +587,10 @@ class CpuGpuHandlers:
         with _KeepDevice(device_index):
             self.engine = Engine("cuda" if on_cuda else "host", **options)
             try:
-                for start, n in _union_spans(gpu_tables):
+                for start, n in union_spans(gpu_tables):
                     self.engine.register(start, n, "device")
                     self._registered.append(start)
-                for start, n in _union_spans(cpu_tables):
+                for start, n in union_spans(cpu_tables):
                     self.engine.register(start, n, "host")
                     self._registered.append(start)
                 # Per group, the GPU and the CPU table in the core, which maps block ids to
@@ -953,19 +629,6 @@ class CpuGpuHandlers:
                 wait_stream = lambda: raw(idx)  # noqa: E731
             else:  # pragma: no cover - older torch
                 wait_stream = lambda: torch.cuda.current_stream(idx).cuda_stream  # noqa: E731
-        # Path selection, once, here: which descriptors a copy kernel moves (see choose_route).
-        self.routes: dict[str, Route] = {
-            d: choose_route(
-                gpu_tables,
-                on_cuda=on_cuda,
-                direction=d,
-                path="auto" if path in ("blocks", "staged") else path,
-                kernel_ctas=kernel_ctas,
-                below=kernel_below,
-                launch_bytes=kernel_launch_bytes,
-            )
-            for d in ("d2h", "h2d")
-        }
         tids = self._table_ids
         #: The block plan of each direction, per KV-cache group (:meth:`blockswap.Engine.block_runs`:
         #: one ``(first page, pages, page bytes, source pitch, destination pitch)`` per 2-D copy of
@@ -974,41 +637,25 @@ class CpuGpuHandlers:
             "d2h": [self.engine.block_runs(gt, ct, "d2h") for gt, ct in tids],
             "h2d": [self.engine.block_runs(ct, gt, "h2d") for gt, ct in tids],
         }
-        if path == "blocks" or (path == "auto" and self.cpu_chunks is not None):
-            # The block plan, where the two sides' geometry gives one (see block_route). A CPU
-            # cache laid out as a mirror of the GPU (the caller's, or cpu_layout="mirror") keeps
-            # the page route by default: pitched copies into it measured 10-25 % slower below
-            # 32 KiB pages than into a block-major cache (H100, 2026-11-23).
-            for d, plans in self.block_plans.items():
-                blk = _groups_block_route(plans, gpu_tables, cpu_tables, d, insist=path == "blocks")
-                if blk is not None:
-                    self.routes[d] = blk
         #: The compiled copy kernels the core launches (staged plan, kernel route), kept loaded
         #: while the engine may launch them.
         self._kernels: list[dict[str, Any]] = []
-        if path == "staged" or (
-            path == "auto"
-            and self.cpu_chunks is not None
-            and any(r.plan != "blocks" for r in self.routes.values())
-        ):
-            staged = self._staged_route(gpu_tables, device_index, on_cuda, insist=path == "staged")
-            if staged is not None:
-                for d, r in self.routes.items():
-                    if r.plan != "blocks":
-                        self.routes[d] = staged
-        if on_cuda:
-            for d, r in self.routes.items():
-                if r.plan == "pages" and r.launcher is not None:
-                    self.routes[d] = self._core_page_route(
-                        r, gpu_tables, device_index, kernel_ctas, kernel_launch_bytes
-                    )
-        for d, r in self.routes.items():
-            log.info("%s route (path=%r): %s", _SHORT[d], path, r.reason)
-        if path == "blocks" and any(r.plan != "blocks" for r in self.routes.values()):
-            raise ValueError(
-                "path='blocks' needs KV-cache groups whose pages lie at one pitch on both sides, "
-                f"in memory no other group shares; here: {self.routes['d2h'].reason}"
-            )
+        # Path selection, once, here: which plan, and which descriptors a copy kernel moves.
+        self.routes: dict[str, Route] = choose_routes(
+            self.engine._core,
+            tids,
+            gpu_tables,
+            cpu_tables,
+            self.block_plans,
+            self._load_kernel,
+            path=path,
+            on_cuda=on_cuda,
+            block_major=self.cpu_chunks is not None,
+            device_index=device_index,
+            kernel_ctas=kernel_ctas,
+            kernel_below=kernel_below,
+            launch_bytes=kernel_launch_bytes,
+        )
         self.gpu_to_cpu_handler = SingleDirectionHandler(
             self, "d2h", tids, wait_stream, device_index, self.routes["d2h"]
         )
@@ -1052,123 +699,6 @@ class CpuGpuHandlers:
         assert k is not None
         self._kernels.append(k)
         return kid, ""
-
-    def _core_page_route(
-        self,
-        route: Route,
-        gpu_tables: Sequence[BlockTable],
-        device_index: int | None,
-        kernel_ctas: int,
-        launch_bytes: int | None,
-    ) -> Route:
-        """``route`` (the kernel route, with a Python launcher) with its kernel launched by the
-        core instead: no Python and no GIL on the way, and the transfer issued from the lane's
-        own thread. ``route`` unchanged where the core cannot launch it."""
-        sizes = [int(n) for t in gpu_tables for n in t.nbytes.tolist()]
-        small = [n for n in sizes if n < route.kernel_below]
-        kid, why = self._load_kernel(device_index, max(small or sizes), kernel_ctas)
-        if kid is None:
-            log.info("the kernel route keeps its Python launcher: %s", why)
-            return route
-        return route._replace(
-            launcher=None,
-            kernel=kid,
-            launch_bytes=None if launch_bytes is None else int(launch_bytes),
-            reason=f"{route.reason}, launched by the core",
-        )
-
-    def _staged_route(
-        self,
-        gpu_tables: Sequence[BlockTable],
-        device_index: int | None,
-        on_cuda: bool,
-        *,
-        insist: bool,
-    ) -> Route | None:
-        """The staged route where every group's CPU table is block-major with rows that fit a
-        staging slot, and (on CUDA) the core can launch the copy kernel; else None, or with
-        ``insist`` (``path="staged"``) a ``ValueError`` naming why."""
-        core = self.engine._core
-        slot = core.stage_bytes
-        found = [core.staged_row(ct) for _, ct in self._table_ids]
-        rows = [r for r in found if r is not None]
-        why = None
-        if len(rows) < len(found):
-            why = "the CPU cache is not block-major (cpu_layout='block_major', allocated here)"
-        elif max(rows) > slot:
-            why = f"a block's row is {max(rows)} bytes, more than stage_bytes={slot}"
-        kernel = None
-        if why is None and on_cuda:
-            page = max(int(n) for t in gpu_tables for n in t.nbytes.tolist())
-            kernel, why = self._load_kernel(device_index, page, STAGED_CTAS, staged=True)
-            why = why or None
-        if why is not None:
-            if insist:
-                raise ValueError(f"path='staged' is not possible here: {why}")
-            log.info("no staged route: %s", why)
-            return None
-        how = (
-            f"pages moved inside the GPU by the core's kernel on {STAGED_CTAS} CTAs"
-            if on_cuda
-            else "host backend: memcpy"
-        )
-        return Route(
-            0,
-            None,
-            f"staged: a copy per block row (up to {max(rows)} B) through a ring of 2 x {slot} B, "
-            f"{how}",
-            "staged",
-            kernel,
-        )
-
-    @staticmethod
-    def _layouts(layout: Any, ng: int) -> list[Layout]:
-        if isinstance(layout, str):
-            layouts = [layout] * ng
-        else:
-            layouts = list(layout)
-            if len(layouts) != ng:
-                raise ValueError(f"{len(layouts)} layouts given for {ng} KV-cache groups")
-        for lay in layouts:
-            if lay not in LAYOUTS:
-                raise ValueError(f"unknown layout {lay!r}; expected one of {sorted(LAYOUTS)}")
-        return cast("list[Layout]", layouts)
-
-    def _check_cpu_group(
-        self,
-        g: int,
-        cts: Sequence[torch.Tensor],
-        gts: Sequence[torch.Tensor],
-        lay: str,
-        on_cuda: bool,
-    ) -> None:
-        if len(cts) != len(gts):
-            raise LayoutError(
-                f"cpu_caches group {g} has {len(cts)} tensors, gpu_caches group {g} {len(gts)}"
-            )
-        bd = LAYOUTS[lay]
-        want_blocks = self.num_cpu_blocks * self.block_size_factor
-        for i, (c, t) in enumerate(zip(cts, gts)):
-            if c.device.type != "cpu":
-                raise ValueError(f"cpu_caches group {g} tensor {i} is on {c.device}, not the CPU")
-            if c.dtype != t.dtype:
-                raise LayoutError(
-                    f"cpu_caches group {g} tensor {i} is {c.dtype}, the GPU tensor {t.dtype}"
-                )
-            want = list(t.shape)
-            if c.dim() == t.dim():
-                want[bd % t.dim()] = want_blocks
-            if list(c.shape) != want:
-                raise LayoutError(
-                    f"cpu_caches group {g} tensor {i} has shape {tuple(c.shape)}; the GPU tensor "
-                    f"{tuple(t.shape)} with num_cpu_blocks={self.num_cpu_blocks} x "
-                    f"block_size_factor={self.block_size_factor} needs {tuple(want)}"
-                )
-            if on_cuda and not c.is_pinned():
-                raise ValueError(
-                    f"cpu_caches group {g} tensor {i} is not pinned: the CUDA backend needs "
-                    "page-locked memory (pin_memory=True)"
-                )
 
     # ---- the API ----------------------------------------------------------------------------------
 
@@ -1226,88 +756,40 @@ class CpuGpuHandlers:
 
     def _calibrate(self, kernel_ctas: int, reps: int = 5) -> dict[str, dict[str, Any]]:
         """Measures the routes this cache can take on this machine, per direction, and keeps the
-        fastest: other GPUs, links and drivers need other choices than the built-in ones.
-
-        The candidates: per-page DMA, the copy kernel for every page, and where the geometry
-        gives them, the block plan and the staged plan. Runs a GPU -> CPU transfer of up to 256
-        scattered blocks, then CPU -> GPU of the same blocks back into place, so the KV cache's
-        bytes are unchanged. Needs one KV-cache group (the page sizes are then one size class).
-        """
-        from .kernels import engine_launcher
-
+        fastest (:func:`~blockswap.routing.calibrate`): other GPUs, links and drivers need other
+        choices than the built-in ones. Needs one KV-cache group (the page sizes are then one
+        size class)."""
         if self.num_groups != 1:
             raise ValueError("calibrate=True needs a single KV-cache group")
-        f = self.block_size_factor
-        num_gpu = self.gpu_tables[0].num_blocks
-        # Whole CPU blocks (the load then reads back exactly the sub-blocks the store wrote), and
-        # scattered GPU blocks: consecutive ones would coalesce and flatter DMA.
-        n = max(f, min(num_gpu, self.num_cpu_blocks * f, 256) // f * f)
-        n = min(n, num_gpu)
-        gpu_ids = np.random.default_rng(0).permutation(num_gpu)[:n].astype(_I64)
-        cpu_ids = np.arange(-(-n // f), dtype=_I64)
-        nbytes = n * int(self.gpu_tables[0].nbytes.sum())
-        every = 1 << 62
-        kernel_route = Route(every, None, "kernel: every page", "pages")
         kid = None
         if self.backend == "cuda":
             kid, _ = self._load_kernel(
                 self._device_index, int(self.gpu_tables[0].nbytes.max()), kernel_ctas
             )
-        if kid is not None:
-            kernel_route = kernel_route._replace(kernel=kid)
-        else:
-            launcher = next(
-                (r.launcher for r in self.routes.values() if r.launcher is not None), None
-            ) or engine_launcher(max_ctas=kernel_ctas, block_bytes=KERNEL_BLOCK_BYTES)
-            kernel_route = kernel_route._replace(launcher=launcher)
         staged = next((r for r in self.routes.values() if r.plan == "staged"), None)
         if staged is None and self.cpu_chunks is not None:
-            staged = self._staged_route(
-                self.gpu_tables, self._device_index, self.backend == "cuda", insist=False
+            staged = staged_route(
+                self.engine._core,
+                [ct for _, ct in self._table_ids],
+                self.gpu_tables,
+                self._device_index,
+                self.backend == "cuda",
+                self._load_kernel,
+                insist=False,
             )
-        report: dict[str, dict[str, Any]] = {}
-        job = _JOB_END - 1
-        for h, spec in (
-            (self.gpu_to_cpu_handler, (gpu_ids, cpu_ids)),
-            (self.cpu_to_gpu_handler, (cpu_ids, gpu_ids)),
-        ):
-            candidates = {"dma": Route(0, None, "dma: every page"), "kernel": kernel_route}
-            plan = self.block_plans[h.direction][0]
-            blocks = block_route(plan, len(self.gpu_tables[0].nbytes), h.direction, insist=True)
-            if blocks is not None:
-                candidates["blocks"] = blocks
-            if staged is not None:
-                candidates["staged"] = staged
-            speeds: dict[str, float] = {}
-            for name, route in candidates.items():
-                h._use(route)
-                times = []
-                for _ in range(reps):
-                    t0 = time.perf_counter()
-                    h.transfer_async(job, spec)
-                    h.wait([job])
-                    times.append(time.perf_counter() - t0)
-                    results = self.get_finished()
-                    if not all(r.success for r in results):
-                        raise BlockswapError(f"calibration transfer failed: {results}")
-                speeds[name] = nbytes / statistics.median(times[1:]) / 1e9
-            chosen = max(speeds, key=speeds.__getitem__)
-            won = candidates[chosen]
-            h._use(won._replace(reason=f"calibrated: {chosen} ({won.reason})"))
-            self.routes[h.direction] = h.route
-            report[h.direction] = {
-                "blocks": n,
-                "chosen": chosen,
-                **{f"{k}_gbps": v for k, v in speeds.items()},
-            }
-            log.info(
-                "calibration %s, %d blocks: %s: %s",
-                _SHORT[h.direction],
-                n,
-                ", ".join(f"{k} {v:.2f} GB/s" for k, v in speeds.items()),
-                chosen,
-            )
-        return report
+        return calibrate(
+            self.handlers,
+            self.routes,
+            self.gpu_tables[0],
+            self.block_plans,
+            num_cpu_blocks=self.num_cpu_blocks,
+            block_size_factor=self.block_size_factor,
+            kernel=kid,
+            kernel_ctas=kernel_ctas,
+            staged=staged,
+            get_finished=self.get_finished,
+            reps=reps,
+        )
 
     def shutdown(self) -> None:
         """Drains the transfers in flight (both directions), then unregisters the memory and frees

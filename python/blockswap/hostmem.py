@@ -21,13 +21,14 @@ from __future__ import annotations
 import ctypes
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from . import _core
+from ._checks import check_int
 from ._types import BackendName
-from .engine import _I32, _one_of, check_arg
+from .engine import _ERRORS, _I32, _U64_MAX, _one_of, check_arg
 
 if TYPE_CHECKING:
     import torch
@@ -51,16 +52,6 @@ def size_text(nbytes: int) -> str:
     if nbytes >= 1 << 20:
         return f"{nbytes / 2**20:.1f} MiB"
     return f"{nbytes} bytes"
-
-
-def _is_count(x: Any) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
-
-
-def _positive(name: str, value: Any, below: int = 1 << 64) -> int:
-    return int(
-        check_arg(name, value, "a positive int", _is_count, span=(1, below, f"below {below}"))
-    )
 
 
 class PinnedRows:
@@ -89,11 +80,11 @@ class PinnedRows:
         device: int = 0,
         log_line: bool = True,
     ) -> None:
-        rows = _positive("rows", rows)
-        row_bytes = _positive("row_bytes", row_bytes)
-        piece_bytes = _positive("piece_bytes", piece_bytes)
+        rows = check_int("rows", rows, 1, _U64_MAX, errors=_ERRORS)
+        row_bytes = check_int("row_bytes", row_bytes, 1, _U64_MAX, errors=_ERRORS)
+        piece_bytes = check_int("piece_bytes", piece_bytes, 1, _U64_MAX, errors=_ERRORS)
         check_arg("backend", backend, _one_of(BackendName), lambda x: isinstance(x, str))
-        device = int(check_arg("device", device, "an int", _is_count, span=_I32))
+        device = check_int("device", device, *_I32, errors=_ERRORS)
         t0 = time.perf_counter()
         self._buf = _core.HostBuffer(rows, row_bytes, piece_bytes, backend, device)
         #: Seconds the mapping and the page-locking took.

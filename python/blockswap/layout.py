@@ -46,6 +46,7 @@ try:
 except ModuleNotFoundError as e:
     _optional.missing(e, __name__)
 
+from ._checks import check_int
 from ._core import BlockswapError, InvalidTransferError, chunk_blocks
 
 __all__ = [
@@ -84,6 +85,9 @@ integer CPU torch tensor."""
 _I64 = np.int64
 _I64_MAX = np.iinfo(np.int64).max
 
+#: The CPU-cache makers refuse a bad count with a ValueError, whatever its type.
+_VALUE_ERRORS = (ValueError, ValueError)
+
 
 class LayoutError(BlockswapError, ValueError):
     """A tensor does not fit the layout, or two tables cannot be copied between."""
@@ -107,9 +111,7 @@ def _resolve_block_dim(layout: str | None, block_dim: int | None) -> int:
             )
         return LAYOUTS[layout]
     assert block_dim is not None
-    if isinstance(block_dim, bool) or not isinstance(block_dim, int):
-        raise TypeError(f"block_dim must be an int, got {type(block_dim).__name__}")
-    return block_dim
+    return check_int("block_dim", block_dim)
 
 
 def _as_tensor_list(tensors: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -245,13 +247,10 @@ class BlockTable:
             raise LayoutError("every segment must have nbytes > 0")
         if (arrays["strides"] < 0).any() or (arrays["bases"] < 0).any():
             raise LayoutError("bases and strides must be non-negative")
-        if isinstance(self.num_blocks, bool) or not isinstance(self.num_blocks, (int, np.integer)):
-            raise TypeError(f"num_blocks must be an int, got {type(self.num_blocks).__name__}")
-        if self.num_blocks < 0:
-            raise LayoutError(f"num_blocks must be >= 0, got {self.num_blocks}")
+        num_blocks = check_int("num_blocks", self.num_blocks, 0, errors=(TypeError, LayoutError))
         for name, a in arrays.items():
             object.__setattr__(self, name, a)
-        object.__setattr__(self, "num_blocks", int(self.num_blocks))
+        object.__setattr__(self, "num_blocks", num_blocks)
         object.__setattr__(self, "device", torch.device(self.device))
         object.__setattr__(self, "owners", tuple(self.owners))
         object.__setattr__(self, "_key", arrays["nbytes"].tobytes())
@@ -421,20 +420,14 @@ def expand_sub_blocks(
     (``skip = (-n) % factor``), or, given the first block's position in the request (vLLM 0.33's
     ``block_indices``), both start ``block_index % factor`` into the first CPU block.
     """
-    for name, v in (("factor", factor), ("skip", skip), ("count", count)):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer))):
-            raise TypeError(f"{name} must be an int, got {type(v).__name__}")
-    if factor < 1:
-        raise ValueError(f"factor must be an int >= 1, got {factor!r}")
-    if not 0 <= skip < factor:
-        raise ValueError(f"skip must be in [0, factor={factor}), got {skip}")
+    factor = check_int("factor", factor, 1)
+    skip = check_int("skip", skip, 0, factor - 1)
+    count = check_int("count", count, 0, optional=True)
     ids = as_block_ids(block_ids, "block_ids")
     if count is None:
         count = max(ids.shape[0] * factor - skip, 0)
-    if count < 0:
-        raise ValueError(f"count must be >= 0, got {count}")
     try:
-        return chunk_blocks(ids, int(factor), int(count), int(skip))
+        return chunk_blocks(ids, factor, count, skip)
     except InvalidTransferError as e:
         raise (IndexError if "out of range" in str(e) or "negative" in str(e) else ValueError)(
             str(e)
@@ -586,18 +579,8 @@ def make_cpu_cache_like(
     The GPU tensors are validated as by :meth:`BlockTable.from_tensors`, so a table built over the
     result is compatible.
     """
-    if (
-        isinstance(block_size_factor, bool)
-        or not isinstance(block_size_factor, int)
-        or (block_size_factor < 1)
-    ):
-        raise ValueError(f"block_size_factor must be an int >= 1, got {block_size_factor!r}")
-    if (
-        isinstance(num_cpu_blocks, bool)
-        or not isinstance(num_cpu_blocks, int)
-        or (num_cpu_blocks < 0)
-    ):
-        raise ValueError(f"num_cpu_blocks must be an int >= 0, got {num_cpu_blocks!r}")
+    block_size_factor = check_int("block_size_factor", block_size_factor, 1, errors=_VALUE_ERRORS)
+    num_cpu_blocks = check_int("num_cpu_blocks", num_cpu_blocks, 0, errors=_VALUE_ERRORS)
     bd0 = _resolve_block_dim(layout, block_dim)
     ts = _as_tensor_list(gpu_tensors)
     out = []

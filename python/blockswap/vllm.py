@@ -45,6 +45,7 @@ import numpy as np
 import numpy.typing as npt
 
 from . import _optional
+from ._checks import check_int
 
 try:
     import torch
@@ -107,8 +108,7 @@ class BlockswapOffloadingWorker(OffloadingWorker):
         pin_piece_bytes: int = DEFAULT_PIECE_BYTES,
         **options: Any,
     ) -> None:
-        if blocks_per_chunk < 1:
-            raise ValueError(f"blocks_per_chunk must be >= 1, got {blocks_per_chunk}")
+        check_int("blocks_per_chunk", blocks_per_chunk, 1)
         if num_cpu_chunks < 1:
             raise ValueError(
                 f"the CPU cache holds {num_cpu_chunks} chunks: raise cpu_bytes_to_use (in "

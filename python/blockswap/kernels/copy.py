@@ -101,6 +101,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Union
 
 from blockswap import _core, _optional
+from blockswap._checks import check_int
 
 try:
     import torch
@@ -423,29 +424,21 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _check_int(name: str, value: Any, lo: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < lo:
-        raise ValueError(f"{name} must be >= {lo}, got {value}")
-    return value
-
-
 def _check_launch_params(max_ctas: int, num_warps: int, block_bytes: int) -> None:
-    _check_int("max_ctas", max_ctas)
-    _check_int("num_warps", num_warps)
+    check_int("max_ctas", max_ctas, 1, numpy=False)
+    check_int("num_warps", num_warps, 1, numpy=False)
     if num_warps & (num_warps - 1) or num_warps > 32:
         raise ValueError(f"num_warps must be a power of two <= 32, got {num_warps}")
-    _check_int("block_bytes", block_bytes)
+    check_int("block_bytes", block_bytes, 1, numpy=False)
     if block_bytes & (block_bytes - 1) or not 16 <= block_bytes <= 1 << 20:
         raise ValueError(f"block_bytes must be a power of two in [16, 1 MiB], got {block_bytes}")
 
 
 def _check_hints(max_size: int | None, alignment: int | None) -> None:
     if max_size is not None:
-        _check_int("max_size", max_size)
+        check_int("max_size", max_size, 1, numpy=False)
     if alignment is not None:
-        _check_int("alignment", alignment)
+        check_int("alignment", alignment, 1, numpy=False)
         if alignment & (alignment - 1):
             raise ValueError(f"alignment must be a power of two, got {alignment}")
 
@@ -576,7 +569,7 @@ def copy_blocks_raw(
     for name, value in addrs.items():
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{name} must be an int address, got {type(value).__name__}")
-    _check_int("n", n, lo=0)
+    check_int("n", n, 0, numpy=False)
     _check_launch_params(max_ctas, num_warps, block_bytes)
     _check_hints(max_size, alignment)
     if n == 0:
@@ -623,7 +616,7 @@ def engine_launcher(
     """
     _check_launch_params(max_ctas, num_warps, block_bytes)
     if launch_bytes is not None:
-        _check_int("launch_bytes", launch_bytes)
+        check_int("launch_bytes", launch_bytes, 1, numpy=False)
     streams: dict[int, torch.cuda.ExternalStream] = {}
     compiled: dict[tuple[bool, int, int], Any] = {}
 
@@ -735,7 +728,7 @@ def core_kernel(
     Triton's build of the kernel needs scratch memory the core would not pass.
     """
     _check_launch_params(max_ctas, num_warps, block_bytes)
-    _check_int("max_size", max_size)
+    check_int("max_size", max_size, 1, numpy=False)
     if interpreter_mode():
         return None
     _, _, rows, row_bytes = _plan(1 << 20, max_ctas, block_bytes, max_size, None)
@@ -788,9 +781,9 @@ def _copy_staged_raw(
     tests of the kernel against a reference. Arguments as ``_copy_staged_kernel`` documents;
     ``max_size``: the largest page."""
     _check_launch_params(max_ctas, num_warps, block_bytes)
-    _check_int("max_size", max_size)
-    _check_int("n_blocks", n_blocks, lo=0)
-    _check_int("n_segs", n_segs)
+    check_int("max_size", max_size, 1, numpy=False)
+    check_int("n_blocks", n_blocks, 0, numpy=False)
+    check_int("n_segs", n_segs, 1, numpy=False)
     if n_blocks == 0:
         return
     # As the core launches it: a page per work item, never sliced.

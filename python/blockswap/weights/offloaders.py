@@ -13,12 +13,13 @@ import numpy as np
 import torch
 from torch import nn
 
+from .._checks import check_int
 from .._core import BackendError, BlockswapError, cuda_device_pointer
 from ..engine import Engine
 from .errors import OffloadConfigError, OffloadDeviceError, WeightTransferError
 from .ops import _IDS, _REGISTRY, _make_forward
 from .plan import _MARK, _bytes_of, _make_plan, _Plan, _typed_view
-from .selection import _check_group, _check_int
+from .selection import _CONFIG_ERRORS, _check_group
 from .sync import _CudaSync, _HostSync
 
 # A module without an instance-level forward before the offloader wrapped it.
@@ -191,7 +192,7 @@ class PrefetchOffloader(_OffloaderCore):
         engine_options: dict[str, Any] | None = None,
         trace: list[Any] | None = None,
     ) -> None:
-        step = _check_int("prefetch_step", prefetch_step, 1)
+        step = check_int("prefetch_step", prefetch_step, 1, errors=_CONFIG_ERRORS)
         plan = _make_plan(layers, group_size, num_in_group, params, device)
         n = len(plan.offloaded)
         if step > n:

@@ -4,22 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
+from .._checks import check_int
 from .errors import OffloadConfigError
 
-
-def _check_int(name: str, value: Any, lo: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise OffloadConfigError(f"{name} must be an int, not {value!r}")
-    if value < lo:
-        raise OffloadConfigError(f"{name} must be at least {lo}, not {value}")
-    return int(value)
+#: A bad count is an OffloadConfigError, whether of the wrong type or out of range.
+_CONFIG_ERRORS = (OffloadConfigError, OffloadConfigError)
 
 
 def _check_group(group_size: Any, num_in_group: Any) -> tuple[int, int]:
-    g = _check_int("group_size", group_size, 1)
-    m = _check_int("num_in_group", num_in_group, 1)
+    g = check_int("group_size", group_size, 1, errors=_CONFIG_ERRORS)
+    m = check_int("num_in_group", num_in_group, 1, errors=_CONFIG_ERRORS)
     if m > g:
         raise OffloadConfigError(
             f"num_in_group ({m}) is larger than group_size ({g}): a group of {g} layers "
@@ -31,7 +25,7 @@ def _check_group(group_size: Any, num_in_group: Any) -> tuple[int, int]:
 def select_layers(num_layers: int, group_size: int, num_in_group: int) -> list[int]:
     """Indices of the layers chosen for offloading: the last ``num_in_group`` of every group of
     ``group_size``, i.e. ``i % group_size >= group_size - num_in_group``."""
-    n = _check_int("num_layers", num_layers, 0)
+    n = check_int("num_layers", num_layers, 0, errors=_CONFIG_ERRORS)
     g, m = _check_group(group_size, num_in_group)
     return [i for i in range(n) if i % g >= g - m]
 
