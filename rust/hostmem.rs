@@ -164,6 +164,18 @@ pub trait Pinner: Send + Sync + fmt::Debug {
     unsafe fn unpin(&self, start: u64) -> Result<(), BackendError>;
 }
 
+impl Pinner for crate::backend::cuda::HostPinner {
+    unsafe fn pin(&self, start: u64, len: u64) -> Result<(), BackendError> {
+        // SAFETY: the caller's contract is the pinner's own.
+        unsafe { crate::backend::cuda::HostPinner::pin(self, start, len) }
+    }
+
+    unsafe fn unpin(&self, start: u64) -> Result<(), BackendError> {
+        // SAFETY: as above.
+        unsafe { crate::backend::cuda::HostPinner::unpin(self, start) }
+    }
+}
+
 /// The mapping of a buffer and the pieces pinned in it: released (unpinned, then unmapped) by its
 /// owner, or by the last engine using it where the owner went first.
 #[derive(Debug)]

@@ -26,10 +26,12 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from blockswap.kernels import copy as copy_mod  # noqa: E402
+from blockswap.kernels import staged as staged_mod  # noqa: E402
 
 if not HAS_CUDA and not copy_mod.interpreter_mode():
     # Imported earlier in this process without the interpreter: rebuild the kernels.
     copy_mod = importlib.reload(copy_mod)
+    staged_mod = importlib.reload(staged_mod)
 assert copy_mod.interpreter_mode() == (not HAS_CUDA), "kernel mode does not match the machine"
 
 copy_blocks = copy_mod.copy_blocks
@@ -536,7 +538,7 @@ def test_staged_kernel_moves_the_pages_its_block_entries_name(
     ids_t, rings_t = _i64(gpu_ids), _i64(rings)
     bases_t = _i64([gpu.data_ptr() + a for a in seg_at])
     strides_t, offsets_t = _i64(strides), _i64(offsets)
-    copy_mod._copy_staged_raw(
+    staged_mod.copy_staged_raw(
         ids_t.data_ptr(), rings_t.data_ptr(), bases_t.data_ptr(), strides_t.data_ptr(),
         offsets_t.data_ptr(), n, len(pages), ring_base, ring_src,
         max_size=max(pages), max_ctas=3,

@@ -4,10 +4,10 @@ from blockswap.kernels.copy import (
     copy_blocks,
     copy_blocks_raw,
     copy_blocks_reference,
-    core_kernel,
     engine_launcher,
     interpreter_mode,
 )
+from blockswap.kernels.core import core_kernel
 
 __all__ = [
     "copy_blocks",

@@ -114,7 +114,6 @@ __all__ = [
     "copy_blocks",
     "copy_blocks_raw",
     "copy_blocks_reference",
-    "core_kernel",
     "engine_launcher",
     "interpreter_mode",
 ]
@@ -326,88 +325,6 @@ def _copy_items(src, dst, size, part, split, rows, ALIGNED16: tl.constexpr, ROWS
                     ROWS * BLOCK_BYTES,
                 )
                 r += 1
-
-
-@triton.jit
-def _load_pages(ids, rings, bases, strides, offsets, items, n_items, n_segs, ring_base, ring_src):
-    """Pages of work items ``items`` [ROWS] of a staged step: (src, dst, size, part), zeros past
-    the end. Item i is page ``i % n_segs`` of block ``i // n_segs``: on the GPU at ``bases[s] +
-    ids[b] * strides[s]``, in the ring at ``ring_base + rings[b] + offsets[s]``, ``offsets[s + 1]
-    - offsets[s]`` bytes; the ring is the source where ``ring_src`` (CPU -> GPU)."""
-    valid = items < n_items
-    blk = items // n_segs
-    seg = items - blk * n_segs
-    gpu = tl.load(bases + seg, mask=valid, other=0) + tl.load(
-        ids + blk, mask=valid, other=0
-    ) * tl.load(strides + seg, mask=valid, other=0)
-    lo = tl.load(offsets + seg, mask=valid, other=0)
-    hi = tl.load(offsets + seg + 1, mask=valid, other=0)
-    ring = ring_base + tl.load(rings + blk, mask=valid, other=0) + lo
-    src = tl.where(valid, tl.where(ring_src != 0, ring, gpu), 0)
-    dst = tl.where(valid, tl.where(ring_src != 0, gpu, ring), 0)
-    return src, dst, hi - lo, tl.zeros_like(items)
-
-
-@triton.jit(
-    do_not_specialize=[
-        "ids_addr", "rings_addr", "bases_addr", "strides_addr", "offsets_addr", "n_blocks",
-        "n_segs", "ring_base", "ring_src",
-    ]
-)  # fmt: skip
-def _copy_staged_kernel(
-    ids_addr,
-    rings_addr,
-    bases_addr,
-    strides_addr,
-    offsets_addr,
-    n_blocks,
-    n_segs,
-    ring_base,
-    ring_src,
-    ALIGNED16: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_BYTES: tl.constexpr,
-):
-    """The staged plan's HBM side: move every page of ``n_blocks`` blocks between a staging slot
-    and the GPU pages, each page's addresses computed from its block's entry and the group's
-    geometry (``blockswap``'s core writes them: a word per block, not a descriptor per page).
-
-    ids_addr, rings_addr: int64 arrays [n_blocks]: each block's GPU block id, and the offset of
-        its row in the ring (``ring_base`` added).
-    bases_addr, strides_addr: int64 arrays [n_segs]: page s of GPU block b is at
-        ``bases[s] + b * strides[s]``.
-    offsets_addr: int64 array [n_segs + 1]: page s lies at ``offsets[s]`` in a block's row and is
-        ``offsets[s + 1] - offsets[s]`` bytes.
-    ring_src: 1 where the ring is the source (CPU -> GPU), 0 where the GPU pages are.
-    ALIGNED16, ROWS, BLOCK_BYTES: as ``_copy_blocks_kernel``; a page is never sliced.
-    grid: (G,) with G <= cdiv(n_blocks * n_segs, ROWS).
-    """
-    ids = ids_addr.to(tl.int64).to(tl.pointer_type(tl.int64))
-    rings = rings_addr.to(tl.int64).to(tl.pointer_type(tl.int64))
-    bases = bases_addr.to(tl.int64).to(tl.pointer_type(tl.int64))
-    strides = strides_addr.to(tl.int64).to(tl.pointer_type(tl.int64))
-    offsets = offsets_addr.to(tl.int64).to(tl.pointer_type(tl.int64))
-    segs = n_segs.to(tl.int64)
-    n_items = n_blocks.to(tl.int64) * segs
-    n_groups = tl.cdiv(n_items, ROWS)
-    nprog = tl.num_programs(0)
-    rows = tl.arange(0, ROWS)
-    group = tl.program_id(0).to(tl.int64)
-    src, dst, size, part = _load_pages(
-        ids, rings, bases, strides, offsets, group * ROWS + rows, n_items, segs, ring_base, ring_src
-    )
-    while group < n_groups:
-        nxt = group + nprog
-        nsrc, ndst, nsize, npart = _load_pages(
-            ids, rings, bases, strides, offsets, nxt * ROWS + rows, n_items, segs, ring_base,
-            ring_src,
-        )  # fmt: skip
-        _copy_items(src, dst, size, part, 1, rows, ALIGNED16, ROWS, BLOCK_BYTES)
-        src = nsrc
-        dst = ndst
-        size = nsize
-        part = npart
-        group = nxt
 
 
 # --------------------------------------------------------------------------------------
@@ -700,100 +617,6 @@ def engine_launcher(
         )
 
     return launch
-
-
-#: The copy kernel's leading parameters as :meth:`blockswap.Engine.load_kernel` names them.
-CORE_KERNEL_PARAMS = ("srcs", "dsts", "sizes", "count", "split", "src_base", "dst_base")
-#: The staged kernel's (``_copy_staged_kernel``).
-CORE_STAGED_PARAMS = (
-    "ids", "rings", "bases", "strides", "offsets", "count", "segments", "ring_base", "ring_src",
-)  # fmt: skip
-
-
-def core_kernel(
-    device: int,
-    *,
-    max_size: int,
-    staged: bool = False,
-    max_ctas: int = DEFAULT_MAX_CTAS,
-    num_warps: int = DEFAULT_NUM_WARPS,
-    block_bytes: int = DEFAULT_BLOCK_BYTES,
-) -> dict[str, Any] | None:
-    """A copy kernel compiled for launches by the core (:meth:`blockswap.Engine.load_kernel`):
-    the arguments ``load_kernel`` takes, for pages of at most ``max_size`` bytes, on CUDA device
-    ``device``. The page kernel (the kernel route: a descriptor per page), or with ``staged`` the
-    staged plan's kernel, which computes each page's addresses from block ids and the tables'
-    geometry. The any-alignment build (every row checked at run time), every integer parameter
-    64-bit. ``None`` under Triton's interpreter (the host backend copies with memcpy) or where
-    Triton's build of the kernel needs scratch memory the core would not pass.
-    """
-    _check_launch_params(max_ctas, num_warps, block_bytes)
-    check_int("max_size", max_size, 1, numpy=False)
-    if interpreter_mode():
-        return None
-    _, _, rows, row_bytes = _plan(1 << 20, max_ctas, block_bytes, max_size, None)
-    big = 1 << 40  # every integer argument typed int64 by the compiler
-    fn, params = (
-        (_copy_staged_kernel, CORE_STAGED_PARAMS)
-        if staged
-        else (_copy_blocks_kernel, CORE_KERNEL_PARAMS)
-    )
-    with torch.cuda.device(device):
-        kernel = fn.warmup(
-            *([big] * len(params)),
-            ALIGNED16=False, ROWS=rows, BLOCK_BYTES=row_bytes, num_warps=num_warps, grid=(1,),
-        )  # fmt: skip
-        kernel._init_handles()
-    meta = kernel.metadata
-    if getattr(meta, "global_scratch_size", 0) or getattr(meta, "profile_scratch_size", 0):
-        return None
-    return {
-        "function": int(kernel.function),
-        "threads": 32 * int(meta.num_warps),
-        "shared": int(meta.shared),
-        "params": list(params),
-        "rows": rows,
-        "ctas": max_ctas,
-        "row_bytes": row_bytes,
-        # Kept alive with the handler: the module holding the function stays loaded.
-        "compiled": kernel,
-    }
-
-
-def _copy_staged_raw(
-    ids_addr: int,
-    rings_addr: int,
-    bases_addr: int,
-    strides_addr: int,
-    offsets_addr: int,
-    n_blocks: int,
-    n_segs: int,
-    ring_base: int,
-    ring_src: bool,
-    *,
-    max_size: int,
-    max_ctas: int = DEFAULT_MAX_CTAS,
-    num_warps: int = DEFAULT_NUM_WARPS,
-    block_bytes: int = DEFAULT_BLOCK_BYTES,
-) -> None:
-    """Launches the staged plan's kernel (what the core launches per step, see
-    :func:`core_kernel`) from Python on the current stream, or under Triton's interpreter: for
-    tests of the kernel against a reference. Arguments as ``_copy_staged_kernel`` documents;
-    ``max_size``: the largest page."""
-    _check_launch_params(max_ctas, num_warps, block_bytes)
-    check_int("max_size", max_size, 1, numpy=False)
-    check_int("n_blocks", n_blocks, 0, numpy=False)
-    check_int("n_segs", n_segs, 1, numpy=False)
-    if n_blocks == 0:
-        return
-    # As the core launches it: a page per work item, never sliced.
-    _, _, rows, row_bytes = _plan(1 << 20, max_ctas, block_bytes, max_size, None)
-    grid = max(1, min(max_ctas, _cdiv(n_blocks * n_segs, rows)))
-    _copy_staged_kernel[(grid,)](
-        ids_addr, rings_addr, bases_addr, strides_addr, offsets_addr, n_blocks, n_segs,
-        ring_base, int(bool(ring_src)),
-        ALIGNED16=False, ROWS=rows, BLOCK_BYTES=row_bytes, num_warps=num_warps,
-    )  # fmt: skip
 
 
 def _check_descriptor(name: str, t: Any, interpret: bool) -> None:

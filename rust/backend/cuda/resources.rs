@@ -251,7 +251,7 @@ pub(super) unsafe fn unregister_host(start: u64) -> Result<(), BackendError> {
     })
 }
 
-/// Page-locks the pieces of a [`crate::hostmem::HostBuffer`] with the driver, in the primary
+/// Page-locks the pieces of a large host buffer (`hostmem`'s) with the driver, in the primary
 /// context of a device (retained while the pinner lives); the registrations are portable, so
 /// every context of the process, any engine's, reaches them.
 #[derive(Debug)]
@@ -278,14 +278,22 @@ impl HostPinner {
     }
 }
 
-impl crate::hostmem::Pinner for HostPinner {
-    unsafe fn pin(&self, start: u64, len: u64) -> Result<(), BackendError> {
+impl HostPinner {
+    /// Page-locks `[start, start + len)` (`cuMemHostRegister`, portable).
+    ///
+    /// # Safety
+    /// The range must be mapped host memory that stays mapped until [`HostPinner::unpin`].
+    pub unsafe fn pin(&self, start: u64, len: u64) -> Result<(), BackendError> {
         let _bound = bind(self.ctx.raw)?;
         // SAFETY: the caller guarantees the range stays mapped until unpinned.
         unsafe { register_host(start, len) }
     }
 
-    unsafe fn unpin(&self, start: u64) -> Result<(), BackendError> {
+    /// Undoes [`HostPinner::pin`] of the range starting at `start`.
+    ///
+    /// # Safety
+    /// No copy may reach the range any more.
+    pub unsafe fn unpin(&self, start: u64) -> Result<(), BackendError> {
         let _bound = bind(self.ctx.raw)?;
         // SAFETY: pinned by `pin`; the caller guarantees no copy reaches it.
         unsafe { unregister_host(start) }
