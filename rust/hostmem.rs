@@ -498,6 +498,7 @@ impl Drop for HostBuffer {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::table::TableSpec;
     use std::sync::{Arc, Mutex as StdMutex};
 
     #[test]
@@ -737,24 +738,26 @@ mod tests {
         // Block-major: segment s of block b at c + b * row + s * page; layers of the GPU side.
         let cpu_t = engine
             .register_table(
-                vec![c, c + page],
-                vec![2 * page; 2],
-                vec![page; 2],
-                rows,
-                MemoryKind::Host,
-                "CPU",
-                1,
+                TableSpec::new(
+                    vec![c, c + page],
+                    vec![2 * page; 2],
+                    vec![page; 2],
+                    rows,
+                    MemoryKind::Host,
+                )
+                .named("CPU", 1),
             )
             .unwrap();
         let gpu_t = engine
             .register_table(
-                vec![g, g + rows * page],
-                vec![page; 2],
-                vec![page; 2],
-                rows,
-                MemoryKind::Device,
-                "GPU",
-                1,
+                TableSpec::new(
+                    vec![g, g + rows * page],
+                    vec![page; 2],
+                    vec![page; 2],
+                    rows,
+                    MemoryKind::Device,
+                )
+                .named("GPU", 1),
             )
             .unwrap();
         // Consecutive blocks across both piece boundaries, then back into other blocks.

@@ -354,7 +354,7 @@ impl PyEngine {
         // lock may be waiting for the GIL (a Python launcher), and would wait forever.
         py.detach(|| {
             self.engine
-                .register_table(b, st, n, num_blocks, kind, name, unit)
+                .register_table(table::TableSpec::new(b, st, n, num_blocks, kind).named(name, unit))
         })
         .map_err(Into::into)
     }

@@ -22,6 +22,63 @@ pub use chunks::{chunk_blocks, map_chunks};
 pub use runs::{block_runs, expand_runs_into, for_each_row, Run, MAX_PITCH, PITCHED_ENTRIES};
 pub use staged::{expand_staged_into, staged_pages, staged_row, StagedCursor, STAGED_TABLE_EXTRA};
 
+/// A block table as its caller describes it, before it is checked against registered memory
+/// (see [`TableSpec::build`]): `bases`, `strides` and `nbytes` per segment, `num_blocks` blocks of
+/// `kind` memory; `name` and `unit` only shape error messages (see [`BlockTable::named`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TableSpec {
+    pub bases: Vec<u64>,
+    pub strides: Vec<u64>,
+    pub nbytes: Vec<u64>,
+    pub num_blocks: u64,
+    pub kind: MemoryKind,
+    pub name: String,
+    pub unit: u64,
+}
+
+impl TableSpec {
+    /// An unnamed table counting single blocks (`name` empty, `unit` 1).
+    pub fn new(
+        bases: Vec<u64>,
+        strides: Vec<u64>,
+        nbytes: Vec<u64>,
+        num_blocks: u64,
+        kind: MemoryKind,
+    ) -> Self {
+        TableSpec {
+            bases,
+            strides,
+            nbytes,
+            num_blocks,
+            kind,
+            name: String::new(),
+            unit: 1,
+        }
+    }
+
+    /// Names the table's blocks in errors, counting `unit` table blocks per named block.
+    pub fn named(mut self, name: &str, unit: u64) -> Self {
+        self.name = name.to_string();
+        self.unit = unit;
+        self
+    }
+
+    /// Checks the table against `regions` and builds it ([`BlockTable::new`], then
+    /// [`BlockTable::named`]).
+    pub fn build(self, regions: &RegionTable) -> Result<BlockTable, TableError> {
+        let TableSpec {
+            bases,
+            strides,
+            nbytes,
+            num_blocks,
+            kind,
+            name,
+            unit,
+        } = self;
+        Ok(BlockTable::new(bases, strides, nbytes, num_blocks, kind, regions)?.named(&name, unit))
+    }
+}
+
 /// One side of a KV cache: `bases`, `strides` and `nbytes` per segment, `num_blocks` blocks.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BlockTable {

@@ -27,6 +27,7 @@ use crossbeam_channel::{Receiver, Sender};
 use blockswap::backend::host::HostBackend;
 use blockswap::backend::{KernelBatch, PageKernel};
 use blockswap::engine::{Engine, EngineConfig, EngineError};
+use blockswap::table::TableSpec;
 use blockswap::{Backend, Direction, MemoryKind, TransferResult};
 
 /// Threads that submit (and poll).
@@ -185,15 +186,13 @@ impl World {
         }
         let table = |base: u64, blocks: usize, kind| {
             engine
-                .register_table(
+                .register_table(TableSpec::new(
                     vec![base],
                     vec![BLOCK as u64],
                     vec![BLOCK as u64],
                     blocks as u64,
                     kind,
-                    "",
-                    1,
-                )
+                ))
                 .unwrap()
         };
         let src_tables = [0, 1].map(|k| table(src[k].addr(), SRC / BLOCK, kinds[k]));

@@ -4,10 +4,9 @@
 use super::{Engine, EngineError, Shape, SubmitState};
 use crate::backend::{KernelSpec, PageKernel, STAGED_MIN_STEPS};
 use crate::direction::Direction;
-use crate::region::MemoryKind;
 use crate::table::{
     block_runs, expand_groups_into, staged_row, BlockTable, Group, Plan, Run, TableError,
-    PITCHED_ENTRIES, STAGED_TABLE_EXTRA,
+    TableSpec, PITCHED_ENTRIES, STAGED_TABLE_EXTRA,
 };
 use crate::transfer::JobId;
 
@@ -113,23 +112,13 @@ fn no_plan(group: usize, groups: usize, reason: String) -> EngineError {
 
 impl Engine {
     /// Registers a block table (see [`crate::table`]): one side of a KV cache, checked once
-    /// against registered memory. `name` and `unit` only shape error messages (see
+    /// against registered memory. `spec.name` and `spec.unit` only shape error messages (see
     /// [`BlockTable::named`]). Returns its id for [`Engine::submit_blocks`].
-    #[allow(clippy::too_many_arguments)]
-    pub fn register_table(
-        &self,
-        bases: Vec<u64>,
-        strides: Vec<u64>,
-        nbytes: Vec<u64>,
-        num_blocks: u64,
-        kind: MemoryKind,
-        name: &str,
-        unit: u64,
-    ) -> Result<u32, EngineError> {
+    pub fn register_table(&self, spec: TableSpec) -> Result<u32, EngineError> {
         self.check_usable()?;
         let mut state = self.lock();
-        let table = BlockTable::new(bases, strides, nbytes, num_blocks, kind, &state.regions)?
-            .named(name, unit)
+        let table = spec
+            .build(&state.regions)?
             .in_allocations(|a| self.backend.allocation_base(a));
         let id = state
             .tables
