@@ -704,7 +704,7 @@ mod tests {
     fn an_engine_registers_a_buffer_piece_by_piece_and_moves_blocks_across_pieces() {
         use crate::backend::host::HostBackend;
         use crate::direction::Direction;
-        use crate::engine::{Engine, EngineConfig, EngineError};
+        use crate::engine::{Engine, EngineConfig, EngineError, GroupIds};
         use crate::region::{MemoryKind, RegionError};
         use std::time::Duration;
 
@@ -765,10 +765,7 @@ mod tests {
         engine
             .submit_blocks(
                 1,
-                gpu_t,
-                &there,
-                cpu_t,
-                &there,
+                GroupIds::blocks(gpu_t, &there, cpu_t, &there),
                 Direction::DeviceToHost,
                 None,
                 None,
@@ -780,10 +777,7 @@ mod tests {
         engine
             .submit_block_runs(
                 2,
-                cpu_t,
-                &there,
-                gpu_t,
-                &back,
+                GroupIds::blocks(cpu_t, &there, gpu_t, &back),
                 Direction::HostToDevice,
                 None,
             )

@@ -11,7 +11,7 @@ use pyo3::types::PyDict;
 use crate::backend::cuda::{self, CudaBackend, CudaOptions};
 use crate::backend::host::HostBackend;
 use crate::backend::{Backend, KernelBatch, KernelLauncher, KernelParam, KernelSpec, PageKernel};
-use crate::descriptor::DescriptorError;
+use crate::descriptor::{Batch, DescriptorError};
 use crate::direction::Direction;
 use crate::engine::{self, Engine, EngineConfig, EngineError, GroupIds, Shape};
 use crate::hostmem::{self, HostBuffer, HostBufferError, Pinner};
@@ -323,8 +323,17 @@ impl PyEngine {
             PageKernel::Launcher(&launch as KernelLauncher<'_>),
         ));
         py.detach(|| {
-            self.engine
-                .submit_routed(job_id, s, d, z, dir, wait_stream, kernel)
+            self.engine.submit_routed(
+                job_id,
+                Batch {
+                    src: s,
+                    dst: d,
+                    size: z,
+                },
+                dir,
+                wait_stream,
+                kernel,
+            )
         })
         .map_err(Into::into)
     }
@@ -391,8 +400,13 @@ impl PyEngine {
             PageKernel::Launcher(&launch as KernelLauncher<'_>),
         ));
         py.detach(|| {
-            self.engine
-                .submit_blocks(job_id, src_table, s, dst_table, d, dir, wait_stream, kernel)
+            self.engine.submit_blocks(
+                job_id,
+                GroupIds::blocks(src_table, s, dst_table, d),
+                dir,
+                wait_stream,
+                kernel,
+            )
         })
         .map_err(Into::into)
     }
@@ -417,8 +431,12 @@ impl PyEngine {
         let dir = self::direction(direction)?;
         let (s, d) = (as_u64("src_ids", &src_ids)?, as_u64("dst_ids", &dst_ids)?);
         py.detach(|| {
-            self.engine
-                .submit_block_runs(job_id, src_table, s, dst_table, d, dir, wait_stream)
+            self.engine.submit_block_runs(
+                job_id,
+                GroupIds::blocks(src_table, s, dst_table, d),
+                dir,
+                wait_stream,
+            )
         })
         .map_err(Into::into)
     }

@@ -45,10 +45,7 @@ fn block_tables_move_blocks_by_id_and_pin_their_regions() {
     engine
         .submit_blocks(
             1,
-            host,
-            &[3, 4, 9],
-            dev,
-            &[0, 1, 15],
+            GroupIds::blocks(host, &[3, 4, 9], dev, &[0, 1, 15]),
             Direction::HostToDevice,
             None,
             None,
@@ -67,10 +64,7 @@ fn block_tables_move_blocks_by_id_and_pin_their_regions() {
     assert!(matches!(
         engine.submit_blocks(
             2,
-            dev,
-            &[0],
-            host,
-            &[0],
+            GroupIds::blocks(dev, &[0], host, &[0]),
             Direction::HostToDevice,
             None,
             None
@@ -80,10 +74,7 @@ fn block_tables_move_blocks_by_id_and_pin_their_regions() {
     let e = engine
         .submit_blocks(
             2,
-            host,
-            &[16],
-            dev,
-            &[0],
+            GroupIds::blocks(host, &[16], dev, &[0]),
             Direction::HostToDevice,
             None,
             None,
@@ -240,9 +231,9 @@ fn both_ways(g: &Geometry, pairs: &[(u64, u64)], runs: bool) -> (Vec<u8>, Vec<u8
         .expect("a block plan");
     let submit = |job, st, si: &[u64], dt, di: &[u64], dir| {
         if runs {
-            engine.submit_block_runs(job, st, si, dt, di, dir, None)
+            engine.submit_block_runs(job, GroupIds::blocks(st, si, dt, di), dir, None)
         } else {
-            engine.submit_blocks(job, st, si, dt, di, dir, None, None)
+            engine.submit_blocks(job, GroupIds::blocks(st, si, dt, di), dir, None, None)
         }
     };
     submit(1, gpu, &s, cpu, &d, Direction::HostToDevice).unwrap();
@@ -565,7 +556,12 @@ fn block_plans_are_refused_where_a_table_pair_has_none() {
         None
     );
     let err = engine
-        .submit_block_runs(1, src, &[0], dst, &[1], Direction::HostToDevice, None)
+        .submit_block_runs(
+            1,
+            GroupIds::blocks(src, &[0], dst, &[1]),
+            Direction::HostToDevice,
+            None,
+        )
         .unwrap_err();
     assert!(err.to_string().contains("no block plan"), "{err}");
     // Bad ids are refused exactly as page by page.
@@ -584,17 +580,19 @@ fn block_plans_are_refused_where_a_table_pair_has_none() {
     let err = engine
         .submit_block_runs(
             2,
-            src,
-            &[0, 1],
-            dst2,
-            &[3, 3],
+            GroupIds::blocks(src, &[0, 1], dst2, &[3, 3]),
             Direction::HostToDevice,
             None,
         )
         .unwrap_err();
     assert!(err.to_string().contains("more than once"), "{err}");
     let err = engine
-        .submit_block_runs(3, src, &[9], dst2, &[0], Direction::HostToDevice, None)
+        .submit_block_runs(
+            3,
+            GroupIds::blocks(src, &[9], dst2, &[0]),
+            Direction::HostToDevice,
+            None,
+        )
         .unwrap_err();
     assert!(err.to_string().contains("out of range"), "{err}");
     assert_eq!(engine.stats().in_flight, 0);

@@ -26,7 +26,8 @@ use crossbeam_channel::{Receiver, Sender};
 
 use blockswap::backend::host::HostBackend;
 use blockswap::backend::{KernelBatch, PageKernel};
-use blockswap::engine::{Engine, EngineConfig, EngineError};
+use blockswap::descriptor::Batch;
+use blockswap::engine::{Engine, EngineConfig, EngineError, GroupIds};
 use blockswap::table::TableSpec;
 use blockswap::{Backend, Direction, MemoryKind, TransferResult};
 
@@ -302,10 +303,12 @@ fn submit(
         }
         w.engine.submit_blocks(
             job_id,
-            w.src_tables[sk],
-            &src_ids,
-            w.dst_tables[thread][dk],
-            &dst_ids,
+            GroupIds::blocks(
+                w.src_tables[sk],
+                &src_ids,
+                w.dst_tables[thread][dk],
+                &dst_ids,
+            ),
             direction,
             None,
             None,
@@ -363,9 +366,11 @@ fn submit(
             path = 2;
             w.engine.submit_routed(
                 job_id,
-                &src,
-                &dst,
-                &size,
+                Batch {
+                    src: &src,
+                    dst: &dst,
+                    size: &size,
+                },
                 direction,
                 None,
                 Some((1024, PageKernel::Launcher(&kernel))),

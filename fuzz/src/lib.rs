@@ -327,9 +327,7 @@ pub mod prepare {
         for coalesce in [true, false] {
             let mut cols = columns(src.len());
             let got = prepare_into(
-                src,
-                dst,
-                size,
+                blockswap::descriptor::Batch { src, dst, size },
                 direction,
                 &regions,
                 coalesce,

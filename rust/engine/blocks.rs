@@ -144,29 +144,20 @@ impl Engine {
         Ok(())
     }
 
-    /// Issues the transfer of blocks `src_ids` of table `src_table` to blocks `dst_ids` of
-    /// `dst_table` (ids as the caller's int64 values): each id is checked against its table and
-    /// destinations must be distinct; descriptors are written straight into the slab.
-    #[allow(clippy::too_many_arguments)]
+    /// Issues the transfer of one group (see [`GroupIds`], most often [`GroupIds::blocks`]):
+    /// blocks `src_ids` of table `src_table` to blocks `dst_ids` of `dst_table` (ids as the
+    /// caller's int64 values); each id is checked against its table and destinations must be
+    /// distinct; descriptors are written straight into the slab.
     pub fn submit_blocks(
         &self,
         job_id: JobId,
-        src_table: u32,
-        src_ids: &[u64],
-        dst_table: u32,
-        dst_ids: &[u64],
+        group: GroupIds<'_>,
         direction: Direction,
         wait_stream: Option<u64>,
         kernel: Option<(u64, PageKernel<'_>)>,
     ) -> Result<(), EngineError> {
-        let group = GroupIds::blocks(src_table, src_ids, dst_table, dst_ids);
-        self.submit_groups(
-            job_id,
-            &[group],
-            direction,
-            wait_stream,
-            Shape::Pages(kernel),
-        )
+        let shape = Shape::Pages(kernel);
+        self.submit_groups(job_id, &[group], direction, wait_stream, shape)
     }
 
     /// Makes a compiled copy kernel launchable by this engine's staged plans (see
@@ -210,18 +201,13 @@ impl Engine {
     /// [`Engine::submit_blocks`], each block moved as the 2-D copies of the pair's block plan
     /// (one per [`Run`]) instead of a descriptor per page: copy engines only. Refused where the
     /// pair has no block plan.
-    #[allow(clippy::too_many_arguments)]
     pub fn submit_block_runs(
         &self,
         job_id: JobId,
-        src_table: u32,
-        src_ids: &[u64],
-        dst_table: u32,
-        dst_ids: &[u64],
+        group: GroupIds<'_>,
         direction: Direction,
         wait_stream: Option<u64>,
     ) -> Result<(), EngineError> {
-        let group = GroupIds::blocks(src_table, src_ids, dst_table, dst_ids);
         self.submit_groups(job_id, &[group], direction, wait_stream, Shape::Runs)
     }
 
