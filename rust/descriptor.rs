@@ -416,6 +416,9 @@ pub struct Scratch {
     pub(crate) pairs: Vec<(u64, u64)>,
     /// Continuation flags of block-id transfers (see `table::expand_into`).
     pub(crate) merge: Vec<bool>,
+    /// Bitset of the destination-uniqueness check of block-id transfers, kept clear between
+    /// transfers (see `table::expand_into`).
+    pub(crate) bits: Vec<u64>,
 }
 
 /// Moves the descriptors smaller than `below` to the front of `cols[..len]` (order within a

@@ -94,8 +94,6 @@ struct SubmitState {
     parts: HashMap<u64, Parts>,
     /// Block tables by id (a removed one leaves a hole that the next registration fills).
     tables: Vec<Option<BlockTable>>,
-    /// Bitset of the destination-uniqueness check, kept clear between transfers.
-    bits: Vec<u64>,
     scratch: Scratch,
     /// Chunk ids expanded to table blocks, per side (see [`crate::table::expand_groups_into`]).
     chunk_ids: [Vec<u64>; 2],
@@ -197,7 +195,6 @@ impl Engine {
                 pinned: Default::default(),
                 parts: HashMap::new(),
                 tables: Vec::new(),
-                bits: Vec::new(),
                 scratch: Scratch::default(),
                 chunk_ids: [Vec::new(), Vec::new()],
             }),

@@ -309,7 +309,6 @@ impl Engine {
             |state, cols| {
                 let SubmitState {
                     tables,
-                    bits,
                     scratch,
                     chunk_ids,
                     ..
@@ -336,7 +335,7 @@ impl Engine {
                 } else {
                     Plan::Pages { coalesce }
                 };
-                expand_groups_into(&resolved, plan, cols, bits, scratch, chunk_ids)
+                expand_groups_into(&resolved, plan, cols, scratch, chunk_ids)
                     .map_err(EngineError::from)
             },
         )
