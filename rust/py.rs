@@ -211,6 +211,7 @@ impl PyEngine {
         max_batch = None, timing = false, completion = "auto", h2d_order = "any",
         d2h_order = "stream", h2d_stream = None, d2h_stream = None,
         stage_bytes = 16777216))]
+    // The Python signature's keyword arguments, one parameter each.
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -290,6 +291,7 @@ impl PyEngine {
     /// descriptor columns in place; the rest go to DMA. One submission, one completion.
     #[pyo3(signature = (job_id, src_ptrs, dst_ptrs, sizes, direction = "h2d", wait_stream = None,
         kernel_below = 0, launcher = None))]
+    // The Python signature's keyword arguments, one parameter each.
     #[allow(clippy::too_many_arguments)]
     fn submit(
         &self,
@@ -342,6 +344,7 @@ impl PyEngine {
     /// bytes at `bases[s] + b * strides[s]`), checked once against registered `kind` memory.
     /// Returns its id for `submit_blocks`.
     #[pyo3(signature = (bases, strides, nbytes, num_blocks, kind, name = "", unit = 1))]
+    // The Python signature's keyword arguments, one parameter each.
     #[allow(clippy::too_many_arguments)]
     fn register_table(
         &self,
@@ -378,6 +381,7 @@ impl PyEngine {
     /// descriptors written by the core. Routing as for `submit`.
     #[pyo3(signature = (job_id, src_table, src_ids, dst_table, dst_ids, direction = "h2d",
         wait_stream = None, kernel_below = 0, launcher = None))]
+    // The Python signature's keyword arguments, one parameter each.
     #[allow(clippy::too_many_arguments)]
     fn submit_blocks(
         &self,
@@ -416,6 +420,7 @@ impl PyEngine {
     /// pitch), copy engines only. Ids checked as for `submit_blocks`.
     #[pyo3(signature = (job_id, src_table, src_ids, dst_table, dst_ids, direction = "h2d",
         wait_stream = None))]
+    // The Python signature's keyword arguments, one parameter each.
     #[allow(clippy::too_many_arguments)]
     fn submit_block_runs(
         &self,
@@ -451,6 +456,8 @@ impl PyEngine {
     /// `launch_bytes` a launch (None: one launch).
     #[pyo3(signature = (job_id, groups, direction = "h2d", wait_stream = None, kernel_below = 0,
         launcher = None, runs = false, staged = false, kernel = None, launch_bytes = None))]
+    // The Python signature's keyword arguments, one parameter each; `groups` is the Python list
+    // of 5-tuples as pyo3 extracts it.
     #[allow(clippy::too_many_arguments, clippy::type_complexity)]
     fn submit_groups(
         &self,
@@ -520,6 +527,7 @@ impl PyEngine {
     /// descriptors per CTA step and `ctas` the most CTAs. Returns the kernel's id, or None on the
     /// host backend (which copies with memcpy).
     #[pyo3(signature = (function, threads, shared, params, rows, ctas, row_bytes = 0))]
+    // The Python signature's keyword arguments, one parameter each.
     #[allow(clippy::too_many_arguments)]
     fn load_kernel(
         &self,
