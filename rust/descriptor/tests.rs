@@ -378,7 +378,9 @@ mod fuzz {
             check(&s, &d, &z, true)?;
             let n = s.len();
             let (mut os, mut od, mut oz) = (vec![0; n], vec![0; n], vec![0; n]);
-            let p = prepare_into(Batch { src: &s, dst: &d, size: &z }, Direction::HostToDevice, &regions(), true, Columns { src: &mut os, dst: &mut od, size: &mut oz }, &mut Scratch::default()).unwrap();
+            let p = prepare_into(Batch { src: &s, dst: &d, size: &z }, Direction::HostToDevice,
+                &regions(), true, Columns { src: &mut os, dst: &mut od, size: &mut oz },
+                &mut Scratch::default()).unwrap();
             // No two consecutive outputs could have been merged: coalescing is maximal.
             for i in 1..p.len {
                 prop_assert!(!(os[i - 1] + oz[i - 1] == os[i] && od[i - 1] + oz[i - 1] == od[i]));
