@@ -86,9 +86,11 @@ fn bench_prepare(c: &mut Criterion) {
             g.bench_with_input(BenchmarkId::new(order.name(), n), &n, |bench, _| {
                 bench.iter(|| {
                     prepare_into(
-                        &b.src,
-                        &b.dst,
-                        &b.size,
+                        blockswap::descriptor::Batch {
+                            src: &b.src,
+                            dst: &b.dst,
+                            size: &b.size,
+                        },
                         Direction::HostToDevice,
                         &regions,
                         true,

@@ -164,17 +164,15 @@ pub struct Columns<'a> {
 ///
 /// `out` must have room for `src.len()` descriptors. On error `out` holds garbage and nothing was
 /// issued: the caller returns the slab to the pool.
-#[allow(clippy::too_many_arguments)]
 pub fn prepare_into(
-    src: &[u64],
-    dst: &[u64],
-    size: &[u64],
+    batch: Batch<'_>,
     direction: Direction,
     regions: &RegionTable,
     coalesce: bool,
     mut out: Columns<'_>,
     scratch: &mut Scratch,
 ) -> Result<Prepared, DescriptorError> {
+    let Batch { src, dst, size } = batch;
     let n = src.len();
     if dst.len() != n || size.len() != n {
         return Err(DescriptorError::LengthMismatch {
@@ -191,7 +189,7 @@ pub fn prepare_into(
         "slab too small"
     );
     let mut pass = Pass {
-        input: Batch { src, dst, size },
+        input: batch,
         regions,
         coalesce,
         kinds: (direction.src_kind(), direction.dst_kind()),
@@ -236,12 +234,12 @@ pub fn prepare_into(
 /// loop, short enough that one descriptor in another region sends few others to the exact pass.
 pub const BLOCK: usize = 64;
 
-/// A caller's three columns.
-#[derive(Clone, Copy)]
-struct Batch<'a> {
-    src: &'a [u64],
-    dst: &'a [u64],
-    size: &'a [u64],
+/// A caller's three columns: descriptor `i` copies `size[i]` bytes from `src[i]` to `dst[i]`.
+#[derive(Clone, Copy, Debug)]
+pub struct Batch<'a> {
+    pub src: &'a [u64],
+    pub dst: &'a [u64],
+    pub size: &'a [u64],
 }
 
 /// The state of [`prepare_into`] between blocks.
@@ -418,6 +416,9 @@ pub struct Scratch {
     pub(crate) pairs: Vec<(u64, u64)>,
     /// Continuation flags of block-id transfers (see `table::expand_into`).
     pub(crate) merge: Vec<bool>,
+    /// Bitset of the destination-uniqueness check of block-id transfers, kept clear between
+    /// transfers (see `table::expand_into`).
+    pub(crate) bits: Vec<u64>,
 }
 
 /// Moves the descriptors smaller than `below` to the front of `cols[..len]` (order within a

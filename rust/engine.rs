@@ -21,7 +21,7 @@ use crate::backend::{
 };
 use crate::completion::{InFlight, Lane};
 use crate::descriptor::{
-    partition_small, prepare_into, Columns, DescriptorError, Prepared, Scratch,
+    partition_small, prepare_into, Batch, Columns, DescriptorError, Prepared, Scratch,
 };
 use crate::direction::Direction;
 use crate::fork::install_fork_hook;
@@ -94,8 +94,6 @@ struct SubmitState {
     parts: HashMap<u64, Parts>,
     /// Block tables by id (a removed one leaves a hole that the next registration fills).
     tables: Vec<Option<BlockTable>>,
-    /// Bitset of the destination-uniqueness check, kept clear between transfers.
-    bits: Vec<u64>,
     scratch: Scratch,
     /// Chunk ids expanded to table blocks, per side (see [`crate::table::expand_groups_into`]).
     chunk_ids: [Vec<u64>; 2],
@@ -197,7 +195,6 @@ impl Engine {
                 pinned: Default::default(),
                 parts: HashMap::new(),
                 tables: Vec::new(),
-                bits: Vec::new(),
                 scratch: Scratch::default(),
                 chunk_ids: [Vec::new(), Vec::new()],
             }),
@@ -450,19 +447,17 @@ impl Engine {
         direction: Direction,
         wait_stream: Option<u64>,
     ) -> Result<(), EngineError> {
-        self.submit_routed(job_id, src, dst, size, direction, wait_stream, None)
+        let batch = Batch { src, dst, size };
+        self.submit_routed(job_id, batch, direction, wait_stream, None)
     }
 
     /// [`Engine::submit`], with the descriptors smaller than `kernel.0` (after coalescing) moved
     /// by the copy kernel `kernel.1` (a launcher, or a kernel the backend loaded), and the rest by
     /// DMA: one submission, one completion.
-    #[allow(clippy::too_many_arguments)]
     pub fn submit_routed(
         &self,
         job_id: JobId,
-        src: &[u64],
-        dst: &[u64],
-        size: &[u64],
+        batch: Batch<'_>,
         direction: Direction,
         wait_stream: Option<u64>,
         kernel: Option<(u64, PageKernel<'_>)>,
@@ -470,7 +465,7 @@ impl Engine {
         let coalesce = self.config.coalesce;
         self.submit_with(
             job_id,
-            |_| Ok(src.len()),
+            |_| Ok(batch.src.len()),
             direction,
             wait_stream,
             Shape::Pages(kernel),
@@ -478,7 +473,7 @@ impl Engine {
                 let SubmitState {
                     regions, scratch, ..
                 } = state;
-                prepare_into(src, dst, size, direction, regions, coalesce, cols, scratch)
+                prepare_into(batch, direction, regions, coalesce, cols, scratch)
                     .map_err(EngineError::from)
             },
         )

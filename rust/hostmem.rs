@@ -510,6 +510,7 @@ impl Drop for HostBuffer {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::table::TableSpec;
     use std::sync::{Arc, Mutex as StdMutex};
 
     #[test]
@@ -715,7 +716,7 @@ mod tests {
     fn an_engine_registers_a_buffer_piece_by_piece_and_moves_blocks_across_pieces() {
         use crate::backend::host::HostBackend;
         use crate::direction::Direction;
-        use crate::engine::{Engine, EngineConfig, EngineError};
+        use crate::engine::{Engine, EngineConfig, EngineError, GroupIds};
         use crate::region::{MemoryKind, RegionError};
         use std::time::Duration;
 
@@ -749,24 +750,26 @@ mod tests {
         // Block-major: segment s of block b at c + b * row + s * page; layers of the GPU side.
         let cpu_t = engine
             .register_table(
-                vec![c, c + page],
-                vec![2 * page; 2],
-                vec![page; 2],
-                rows,
-                MemoryKind::Host,
-                "CPU",
-                1,
+                TableSpec::new(
+                    vec![c, c + page],
+                    vec![2 * page; 2],
+                    vec![page; 2],
+                    rows,
+                    MemoryKind::Host,
+                )
+                .named("CPU", 1),
             )
             .unwrap();
         let gpu_t = engine
             .register_table(
-                vec![g, g + rows * page],
-                vec![page; 2],
-                vec![page; 2],
-                rows,
-                MemoryKind::Device,
-                "GPU",
-                1,
+                TableSpec::new(
+                    vec![g, g + rows * page],
+                    vec![page; 2],
+                    vec![page; 2],
+                    rows,
+                    MemoryKind::Device,
+                )
+                .named("GPU", 1),
             )
             .unwrap();
         // Consecutive blocks across both piece boundaries, then back into other blocks.
@@ -774,10 +777,7 @@ mod tests {
         engine
             .submit_blocks(
                 1,
-                gpu_t,
-                &there,
-                cpu_t,
-                &there,
+                GroupIds::blocks(gpu_t, &there, cpu_t, &there),
                 Direction::DeviceToHost,
                 None,
                 None,
@@ -789,10 +789,7 @@ mod tests {
         engine
             .submit_block_runs(
                 2,
-                cpu_t,
-                &there,
-                gpu_t,
-                &back,
+                GroupIds::blocks(cpu_t, &there, gpu_t, &back),
                 Direction::HostToDevice,
                 None,
             )

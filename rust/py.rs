@@ -11,7 +11,7 @@ use pyo3::types::PyDict;
 use crate::backend::cuda::{self, CudaBackend, CudaOptions};
 use crate::backend::host::HostBackend;
 use crate::backend::{Backend, KernelBatch, KernelLauncher, KernelParam, KernelSpec, PageKernel};
-use crate::descriptor::DescriptorError;
+use crate::descriptor::{Batch, DescriptorError};
 use crate::direction::Direction;
 use crate::engine::{self, Engine, EngineConfig, EngineError, GroupIds, Shape};
 use crate::hostmem::{self, HostBuffer, HostBufferError, Pinner};
@@ -211,6 +211,7 @@ impl PyEngine {
         max_batch = None, timing = false, completion = "auto", h2d_order = "any",
         d2h_order = "stream", h2d_stream = None, d2h_stream = None,
         stage_bytes = 16777216))]
+    // The Python signature's keyword arguments, one parameter each.
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -290,6 +291,7 @@ impl PyEngine {
     /// descriptor columns in place; the rest go to DMA. One submission, one completion.
     #[pyo3(signature = (job_id, src_ptrs, dst_ptrs, sizes, direction = "h2d", wait_stream = None,
         kernel_below = 0, launcher = None))]
+    // The Python signature's keyword arguments, one parameter each.
     #[allow(clippy::too_many_arguments)]
     fn submit(
         &self,
@@ -323,8 +325,17 @@ impl PyEngine {
             PageKernel::Launcher(&launch as KernelLauncher<'_>),
         ));
         py.detach(|| {
-            self.engine
-                .submit_routed(job_id, s, d, z, dir, wait_stream, kernel)
+            self.engine.submit_routed(
+                job_id,
+                Batch {
+                    src: s,
+                    dst: d,
+                    size: z,
+                },
+                dir,
+                wait_stream,
+                kernel,
+            )
         })
         .map_err(Into::into)
     }
@@ -333,6 +344,7 @@ impl PyEngine {
     /// bytes at `bases[s] + b * strides[s]`), checked once against registered `kind` memory.
     /// Returns its id for `submit_blocks`.
     #[pyo3(signature = (bases, strides, nbytes, num_blocks, kind, name = "", unit = 1))]
+    // The Python signature's keyword arguments, one parameter each.
     #[allow(clippy::too_many_arguments)]
     fn register_table(
         &self,
@@ -354,7 +366,7 @@ impl PyEngine {
         // lock may be waiting for the GIL (a Python launcher), and would wait forever.
         py.detach(|| {
             self.engine
-                .register_table(b, st, n, num_blocks, kind, name, unit)
+                .register_table(table::TableSpec::new(b, st, n, num_blocks, kind).named(name, unit))
         })
         .map_err(Into::into)
     }
@@ -369,6 +381,7 @@ impl PyEngine {
     /// descriptors written by the core. Routing as for `submit`.
     #[pyo3(signature = (job_id, src_table, src_ids, dst_table, dst_ids, direction = "h2d",
         wait_stream = None, kernel_below = 0, launcher = None))]
+    // The Python signature's keyword arguments, one parameter each.
     #[allow(clippy::too_many_arguments)]
     fn submit_blocks(
         &self,
@@ -391,8 +404,13 @@ impl PyEngine {
             PageKernel::Launcher(&launch as KernelLauncher<'_>),
         ));
         py.detach(|| {
-            self.engine
-                .submit_blocks(job_id, src_table, s, dst_table, d, dir, wait_stream, kernel)
+            self.engine.submit_blocks(
+                job_id,
+                GroupIds::blocks(src_table, s, dst_table, d),
+                dir,
+                wait_stream,
+                kernel,
+            )
         })
         .map_err(Into::into)
     }
@@ -402,6 +420,7 @@ impl PyEngine {
     /// pitch), copy engines only. Ids checked as for `submit_blocks`.
     #[pyo3(signature = (job_id, src_table, src_ids, dst_table, dst_ids, direction = "h2d",
         wait_stream = None))]
+    // The Python signature's keyword arguments, one parameter each.
     #[allow(clippy::too_many_arguments)]
     fn submit_block_runs(
         &self,
@@ -417,8 +436,12 @@ impl PyEngine {
         let dir = self::direction(direction)?;
         let (s, d) = (as_u64("src_ids", &src_ids)?, as_u64("dst_ids", &dst_ids)?);
         py.detach(|| {
-            self.engine
-                .submit_block_runs(job_id, src_table, s, dst_table, d, dir, wait_stream)
+            self.engine.submit_block_runs(
+                job_id,
+                GroupIds::blocks(src_table, s, dst_table, d),
+                dir,
+                wait_stream,
+            )
         })
         .map_err(Into::into)
     }
@@ -433,6 +456,8 @@ impl PyEngine {
     /// `launch_bytes` a launch (None: one launch).
     #[pyo3(signature = (job_id, groups, direction = "h2d", wait_stream = None, kernel_below = 0,
         launcher = None, runs = false, staged = false, kernel = None, launch_bytes = None))]
+    // The Python signature's keyword arguments, one parameter each; `groups` is the Python list
+    // of 5-tuples as pyo3 extracts it.
     #[allow(clippy::too_many_arguments, clippy::type_complexity)]
     fn submit_groups(
         &self,
@@ -502,6 +527,7 @@ impl PyEngine {
     /// descriptors per CTA step and `ctas` the most CTAs. Returns the kernel's id, or None on the
     /// host backend (which copies with memcpy).
     #[pyo3(signature = (function, threads, shared, params, rows, ctas, row_bytes = 0))]
+    // The Python signature's keyword arguments, one parameter each.
     #[allow(clippy::too_many_arguments)]
     fn load_kernel(
         &self,

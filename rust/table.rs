@@ -22,6 +22,63 @@ pub use chunks::{chunk_blocks, map_chunks};
 pub use runs::{block_runs, expand_runs_into, for_each_row, Run, MAX_PITCH, PITCHED_ENTRIES};
 pub use staged::{expand_staged_into, staged_pages, staged_row, StagedCursor, STAGED_TABLE_EXTRA};
 
+/// A block table as its caller describes it, before it is checked against registered memory
+/// (see [`TableSpec::build`]): `bases`, `strides` and `nbytes` per segment, `num_blocks` blocks of
+/// `kind` memory; `name` and `unit` only shape error messages (see [`BlockTable::named`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TableSpec {
+    pub bases: Vec<u64>,
+    pub strides: Vec<u64>,
+    pub nbytes: Vec<u64>,
+    pub num_blocks: u64,
+    pub kind: MemoryKind,
+    pub name: String,
+    pub unit: u64,
+}
+
+impl TableSpec {
+    /// An unnamed table counting single blocks (`name` empty, `unit` 1).
+    pub fn new(
+        bases: Vec<u64>,
+        strides: Vec<u64>,
+        nbytes: Vec<u64>,
+        num_blocks: u64,
+        kind: MemoryKind,
+    ) -> Self {
+        TableSpec {
+            bases,
+            strides,
+            nbytes,
+            num_blocks,
+            kind,
+            name: String::new(),
+            unit: 1,
+        }
+    }
+
+    /// Names the table's blocks in errors, counting `unit` table blocks per named block.
+    pub fn named(mut self, name: &str, unit: u64) -> Self {
+        self.name = name.to_string();
+        self.unit = unit;
+        self
+    }
+
+    /// Checks the table against `regions` and builds it ([`BlockTable::new`], then
+    /// [`BlockTable::named`]).
+    pub fn build(self, regions: &RegionTable) -> Result<BlockTable, TableError> {
+        let TableSpec {
+            bases,
+            strides,
+            nbytes,
+            num_blocks,
+            kind,
+            name,
+            unit,
+        } = self;
+        Ok(BlockTable::new(bases, strides, nbytes, num_blocks, kind, regions)?.named(&name, unit))
+    }
+}
+
 /// One side of a KV cache: `bases`, `strides` and `nbytes` per segment, `num_blocks` blocks.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BlockTable {
@@ -449,16 +506,24 @@ impl BlockTable {
     }
 }
 
+/// The two sides of a block-id transfer: blocks `src_ids` of `src` to blocks `dst_ids` of `dst`.
+#[derive(Clone, Copy, Debug)]
+pub struct Pair<'a> {
+    pub src: &'a BlockTable,
+    pub src_ids: &'a [u64],
+    pub dst: &'a BlockTable,
+    pub dst_ids: &'a [u64],
+}
+
 /// The checks every block-id transfer passes before a descriptor is written: equal lengths, at
 /// least one block, compatible pages, every id in range, destinations distinct.
-fn check_ids(
-    src: &BlockTable,
-    src_ids: &[u64],
-    dst: &BlockTable,
-    dst_ids: &[u64],
-    bits: &mut Vec<u64>,
-    scratch: &mut Scratch,
-) -> Result<(), TableError> {
+fn check_ids(pair: Pair<'_>, scratch: &mut Scratch) -> Result<(), TableError> {
+    let Pair {
+        src,
+        src_ids,
+        dst,
+        dst_ids,
+    } = pair;
     let n = src_ids.len();
     if dst_ids.len() != n {
         return Err(TableError::LengthMismatch {
@@ -487,7 +552,12 @@ fn check_ids(
             });
         }
     }
-    if let Err(index) = unique(dst_ids, dst.num_blocks, bits, &mut scratch.pairs) {
+    if let Err(index) = unique(
+        dst_ids,
+        dst.num_blocks,
+        &mut scratch.bits,
+        &mut scratch.pairs,
+    ) {
         let (name, id) = (dst.label(Side::Dst), dst_ids[index] / dst.unit);
         return Err(TableError::DuplicateDestination { name, index, id });
     }
@@ -500,20 +570,21 @@ fn check_ids(
 /// not across a boundary between two registered regions on either side).
 ///
 /// Ids are the caller's int64 values read as u64 (negative ones become huge and are refused as
-/// out of range). `bits` is a reusable bitset for the uniqueness check. `out` must have room for
-/// `segments * ids` descriptors.
-#[allow(clippy::too_many_arguments)]
+/// out of range). `scratch` holds the reusable bitset of the uniqueness check. `out` must have
+/// room for `segments * ids` descriptors.
 pub fn expand_into(
-    src: &BlockTable,
-    src_ids: &[u64],
-    dst: &BlockTable,
-    dst_ids: &[u64],
+    pair: Pair<'_>,
     coalesce: bool,
     out: Columns<'_>,
-    bits: &mut Vec<u64>,
     scratch: &mut Scratch,
 ) -> Result<Prepared, TableError> {
-    check_ids(src, src_ids, dst, dst_ids, bits, scratch)?;
+    check_ids(pair, scratch)?;
+    let Pair {
+        src,
+        src_ids,
+        dst,
+        dst_ids,
+    } = pair;
     let n = src_ids.len();
     let segments = src.segments();
     assert!(out.src.len() >= segments * n, "slab too small");
@@ -654,12 +725,10 @@ impl Group<'_> {
 /// their tables' spans, or, where two groups' destination tables may share bytes (one tensor in
 /// two groups), by checking the whole batch (page descriptors; 2-D copies are refused there).
 /// `out` must have room for every group's descriptors; `bufs` holds expanded chunk ids.
-#[allow(clippy::too_many_arguments)]
 pub fn expand_groups_into(
     groups: &[Group<'_>],
     plan: Plan<'_>,
     out: Columns<'_>,
-    bits: &mut Vec<u64>,
     scratch: &mut Scratch,
     bufs: &mut [Vec<u64>; 2],
 ) -> Result<Prepared, TableError> {
@@ -744,24 +813,18 @@ pub fn expand_groups_into(
             dst: &mut dst[w..],
             size: &mut size[w..],
         };
+        let pair = Pair {
+            src: g.src,
+            src_ids: sids,
+            dst: g.dst,
+            dst_ids: dids,
+        };
         let p = match plan {
-            Plan::Pages { coalesce } => {
-                expand_into(g.src, sids, g.dst, dids, coalesce, cols, bits, scratch)
+            Plan::Pages { coalesce } => expand_into(pair, coalesce, cols, scratch),
+            Plan::Runs(r) => expand_runs_into(pair, &r[gi], cols, scratch),
+            Plan::Staged { host_src, .. } => {
+                expand_staged_into(pair, host_src, cols, &mut cursor, scratch)
             }
-            Plan::Runs(r) => {
-                expand_runs_into(g.src, sids, g.dst, dids, &r[gi], cols, bits, scratch)
-            }
-            Plan::Staged { host_src, .. } => expand_staged_into(
-                g.src,
-                sids,
-                g.dst,
-                dids,
-                host_src,
-                cols,
-                &mut cursor,
-                bits,
-                scratch,
-            ),
         };
         let p = p.map_err(|e| {
             let e = match (e, skip) {

@@ -4,6 +4,7 @@
 mod common;
 
 use blockswap::engine::{Engine, EngineConfig, EngineError, GroupIds, Shape};
+use blockswap::table::TableSpec;
 use blockswap::{Direction, MemoryKind};
 use common::{engine_with, finish, Buffers};
 use proptest::prelude::*;
@@ -19,33 +20,32 @@ fn block_tables_move_blocks_by_id_and_pin_their_regions() {
     let (s, d) = (b.src.as_ptr() as u64, b.dst.as_ptr() as u64);
     let host = engine
         .register_table(
-            vec![s, s + 1024],
-            vec![64, 64],
-            vec![64, 64],
-            16,
-            MemoryKind::Host,
-            "CPU",
-            1,
+            TableSpec::new(
+                vec![s, s + 1024],
+                vec![64, 64],
+                vec![64, 64],
+                16,
+                MemoryKind::Host,
+            )
+            .named("CPU", 1),
         )
         .unwrap();
     let dev = engine
         .register_table(
-            vec![d, d + 1024],
-            vec![64, 64],
-            vec![64, 64],
-            16,
-            MemoryKind::Device,
-            "GPU",
-            1,
+            TableSpec::new(
+                vec![d, d + 1024],
+                vec![64, 64],
+                vec![64, 64],
+                16,
+                MemoryKind::Device,
+            )
+            .named("GPU", 1),
         )
         .unwrap();
     engine
         .submit_blocks(
             1,
-            host,
-            &[3, 4, 9],
-            dev,
-            &[0, 1, 15],
+            GroupIds::blocks(host, &[3, 4, 9], dev, &[0, 1, 15]),
             Direction::HostToDevice,
             None,
             None,
@@ -64,10 +64,7 @@ fn block_tables_move_blocks_by_id_and_pin_their_regions() {
     assert!(matches!(
         engine.submit_blocks(
             2,
-            dev,
-            &[0],
-            host,
-            &[0],
+            GroupIds::blocks(dev, &[0], host, &[0]),
             Direction::HostToDevice,
             None,
             None
@@ -77,10 +74,7 @@ fn block_tables_move_blocks_by_id_and_pin_their_regions() {
     let e = engine
         .submit_blocks(
             2,
-            host,
-            &[16],
-            dev,
-            &[0],
+            GroupIds::blocks(host, &[16], dev, &[0]),
             Direction::HostToDevice,
             None,
             None,
@@ -214,17 +208,21 @@ fn both_ways(g: &Geometry, pairs: &[(u64, u64)], runs: bool) -> (Vec<u8>, Vec<u8
     let nbytes = vec![g.page as u64; g.layers * g.kv];
     let (gb, gs) = g.gpu(b.src.as_ptr() as u64);
     let gpu = engine
-        .register_table(gb, gs, nbytes.clone(), nb, MemoryKind::Host, "GPU", 1)
+        .register_table(
+            TableSpec::new(gb, gs, nbytes.clone(), nb, MemoryKind::Host).named("GPU", 1),
+        )
         .unwrap();
     let (cb, cs) = g.cpu(b.dst.as_ptr() as u64);
     let cpu = engine
-        .register_table(cb, cs, nbytes.clone(), nb, MemoryKind::Device, "CPU", 1)
+        .register_table(
+            TableSpec::new(cb, cs, nbytes.clone(), nb, MemoryKind::Device).named("CPU", 1),
+        )
         .unwrap();
     let (bb, bs) = g.gpu(back.as_ptr() as u64);
     // The way back: the CPU side is the "device" buffer here, read as a source on d2h... so the
     // return leg is a d2d move from the CPU table into `back`.
     let back_t = engine
-        .register_table(bb, bs, nbytes, nb, MemoryKind::Device, "GPU", 1)
+        .register_table(TableSpec::new(bb, bs, nbytes, nb, MemoryKind::Device).named("GPU", 1))
         .unwrap();
     let (s, d): (Vec<u64>, Vec<u64>) = pairs.iter().copied().unzip();
     let plan = engine
@@ -233,9 +231,9 @@ fn both_ways(g: &Geometry, pairs: &[(u64, u64)], runs: bool) -> (Vec<u8>, Vec<u8
         .expect("a block plan");
     let submit = |job, st, si: &[u64], dt, di: &[u64], dir| {
         if runs {
-            engine.submit_block_runs(job, st, si, dt, di, dir, None)
+            engine.submit_block_runs(job, GroupIds::blocks(st, si, dt, di), dir, None)
         } else {
-            engine.submit_blocks(job, st, si, dt, di, dir, None, None)
+            engine.submit_blocks(job, GroupIds::blocks(st, si, dt, di), dir, None, None)
         }
     };
     submit(1, gpu, &s, cpu, &d, Direction::HostToDevice).unwrap();
@@ -315,11 +313,15 @@ fn staged_both_ways(
     let nbytes = vec![g.page as u64; n];
     let (gb, gs) = g.gpu(b.dst.as_ptr() as u64);
     let gpu = engine
-        .register_table(gb, gs, nbytes.clone(), nb, MemoryKind::Device, "GPU", 1)
+        .register_table(
+            TableSpec::new(gb, gs, nbytes.clone(), nb, MemoryKind::Device).named("GPU", 1),
+        )
         .unwrap();
     let (bb, bs) = g.gpu(back.as_ptr() as u64);
     let back_t = engine
-        .register_table(bb, bs, nbytes.clone(), nb, MemoryKind::Device, "GPU", 1)
+        .register_table(
+            TableSpec::new(bb, bs, nbytes.clone(), nb, MemoryKind::Device).named("GPU", 1),
+        )
         .unwrap();
     let cpu_g = Geometry {
         block_major: true,
@@ -327,7 +329,7 @@ fn staged_both_ways(
     };
     let (cb, cs) = cpu_g.cpu(b.src.as_ptr() as u64);
     let cpu = engine
-        .register_table(cb, cs, nbytes, nb, MemoryKind::Host, "CPU", 1)
+        .register_table(TableSpec::new(cb, cs, nbytes, nb, MemoryKind::Host).named("CPU", 1))
         .unwrap();
     let (gi, ci): (Vec<u64>, Vec<u64>) = pairs.iter().copied().unzip();
     let shape = || {
@@ -435,12 +437,16 @@ fn staged_plans_are_refused_where_they_cannot_run() {
     let nbytes = vec![64u64; 4];
     let (gb, gs) = g.gpu(b.dst.as_ptr() as u64);
     let gpu = engine
-        .register_table(gb, gs, nbytes.clone(), 4, MemoryKind::Device, "GPU", 1)
+        .register_table(
+            TableSpec::new(gb, gs, nbytes.clone(), 4, MemoryKind::Device).named("GPU", 1),
+        )
         .unwrap();
     let mirror = {
         let (cb, cs) = g.cpu(b.src.as_ptr() as u64);
         engine
-            .register_table(cb, cs, nbytes.clone(), 4, MemoryKind::Host, "CPU", 1)
+            .register_table(
+                TableSpec::new(cb, cs, nbytes.clone(), 4, MemoryKind::Host).named("CPU", 1),
+            )
             .unwrap()
     };
     let major = {
@@ -450,7 +456,7 @@ fn staged_plans_are_refused_where_they_cannot_run() {
         }
         .cpu(b.src.as_ptr() as u64 + 2048);
         engine
-            .register_table(cb, cs, nbytes, 4, MemoryKind::Host, "CPU", 1)
+            .register_table(TableSpec::new(cb, cs, nbytes, 4, MemoryKind::Host).named("CPU", 1))
             .unwrap()
     };
     let staged = || Shape::Staged { kernel: None };
@@ -487,7 +493,7 @@ fn staged_plans_are_refused_where_they_cannot_run() {
     );
     let (gb, gs) = g.gpu(b.dst.as_ptr() as u64);
     let gpu = engine
-        .register_table(gb, gs, vec![64; 4], 4, MemoryKind::Device, "GPU", 1)
+        .register_table(TableSpec::new(gb, gs, vec![64; 4], 4, MemoryKind::Device).named("GPU", 1))
         .unwrap();
     let (cb, cs) = Geometry {
         block_major: true,
@@ -495,7 +501,7 @@ fn staged_plans_are_refused_where_they_cannot_run() {
     }
     .cpu(b.src.as_ptr() as u64);
     let cpu = engine
-        .register_table(cb, cs, vec![64; 4], 4, MemoryKind::Host, "CPU", 1)
+        .register_table(TableSpec::new(cb, cs, vec![64; 4], 4, MemoryKind::Host).named("CPU", 1))
         .unwrap();
     blockswap::Backend::inject_failures(&*host, 1);
     let groups = [GroupIds::blocks(gpu, &[0, 1, 2, 3], cpu, &[0, 1, 2, 3])];
@@ -526,26 +532,22 @@ fn block_plans_are_refused_where_a_table_pair_has_none() {
     let (engine, _) = engine_with(&mut b, EngineConfig::default());
     let (s, d) = (b.src.as_ptr() as u64, b.dst.as_ptr() as u64);
     let src = engine
-        .register_table(
+        .register_table(TableSpec::new(
             vec![s, s + 2048],
             vec![128, 128],
             vec![64, 64],
             8,
             MemoryKind::Host,
-            "",
-            1,
-        )
+        ))
         .unwrap();
     let dst = engine
-        .register_table(
+        .register_table(TableSpec::new(
             vec![d, d + 32],
             vec![128, 128],
             vec![64, 64],
             8,
             MemoryKind::Device,
-            "",
-            1,
-        )
+        ))
         .unwrap();
     assert_eq!(
         engine
@@ -554,35 +556,43 @@ fn block_plans_are_refused_where_a_table_pair_has_none() {
         None
     );
     let err = engine
-        .submit_block_runs(1, src, &[0], dst, &[1], Direction::HostToDevice, None)
+        .submit_block_runs(
+            1,
+            GroupIds::blocks(src, &[0], dst, &[1]),
+            Direction::HostToDevice,
+            None,
+        )
         .unwrap_err();
     assert!(err.to_string().contains("no block plan"), "{err}");
     // Bad ids are refused exactly as page by page.
     let dst2 = engine
         .register_table(
-            vec![d + 2048, d + 3072],
-            vec![64, 64],
-            vec![64, 64],
-            8,
-            MemoryKind::Device,
-            "GPU",
-            1,
+            TableSpec::new(
+                vec![d + 2048, d + 3072],
+                vec![64, 64],
+                vec![64, 64],
+                8,
+                MemoryKind::Device,
+            )
+            .named("GPU", 1),
         )
         .unwrap();
     let err = engine
         .submit_block_runs(
             2,
-            src,
-            &[0, 1],
-            dst2,
-            &[3, 3],
+            GroupIds::blocks(src, &[0, 1], dst2, &[3, 3]),
             Direction::HostToDevice,
             None,
         )
         .unwrap_err();
     assert!(err.to_string().contains("more than once"), "{err}");
     let err = engine
-        .submit_block_runs(3, src, &[9], dst2, &[0], Direction::HostToDevice, None)
+        .submit_block_runs(
+            3,
+            GroupIds::blocks(src, &[9], dst2, &[0]),
+            Direction::HostToDevice,
+            None,
+        )
         .unwrap_err();
     assert!(err.to_string().contains("out of range"), "{err}");
     assert_eq!(engine.stats().in_flight, 0);
@@ -602,7 +612,9 @@ fn groups_move_as_one_transfer_with_chunk_ids_and_skips() {
     let (h, d) = (b.src.as_ptr() as u64, b.dst.as_ptr() as u64);
     let table = |base, page: u64, blocks, kind, name: &str, unit| {
         engine
-            .register_table(vec![base], vec![page], vec![page], blocks, kind, name, unit)
+            .register_table(
+                TableSpec::new(vec![base], vec![page], vec![page], blocks, kind).named(name, unit),
+            )
             .unwrap()
     };
     let gpu0 = table(d, 64, 16, MemoryKind::Device, "GPU", 1);

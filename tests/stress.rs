@@ -26,7 +26,9 @@ use crossbeam_channel::{Receiver, Sender};
 
 use blockswap::backend::host::HostBackend;
 use blockswap::backend::{KernelBatch, PageKernel};
-use blockswap::engine::{Engine, EngineConfig, EngineError};
+use blockswap::descriptor::Batch;
+use blockswap::engine::{Engine, EngineConfig, EngineError, GroupIds};
+use blockswap::table::TableSpec;
 use blockswap::{Backend, Direction, MemoryKind, TransferResult};
 
 /// Threads that submit (and poll).
@@ -185,15 +187,13 @@ impl World {
         }
         let table = |base: u64, blocks: usize, kind| {
             engine
-                .register_table(
+                .register_table(TableSpec::new(
                     vec![base],
                     vec![BLOCK as u64],
                     vec![BLOCK as u64],
                     blocks as u64,
                     kind,
-                    "",
-                    1,
-                )
+                ))
                 .unwrap()
         };
         let src_tables = [0, 1].map(|k| table(src[k].addr(), SRC / BLOCK, kinds[k]));
@@ -303,10 +303,12 @@ fn submit(
         }
         w.engine.submit_blocks(
             job_id,
-            w.src_tables[sk],
-            &src_ids,
-            w.dst_tables[thread][dk],
-            &dst_ids,
+            GroupIds::blocks(
+                w.src_tables[sk],
+                &src_ids,
+                w.dst_tables[thread][dk],
+                &dst_ids,
+            ),
             direction,
             None,
             None,
@@ -364,9 +366,11 @@ fn submit(
             path = 2;
             w.engine.submit_routed(
                 job_id,
-                &src,
-                &dst,
-                &size,
+                Batch {
+                    src: &src,
+                    dst: &dst,
+                    size: &size,
+                },
                 direction,
                 None,
                 Some((1024, PageKernel::Launcher(&kernel))),

@@ -327,9 +327,7 @@ pub mod prepare {
         for coalesce in [true, false] {
             let mut cols = columns(src.len());
             let got = prepare_into(
-                src,
-                dst,
-                size,
+                blockswap::descriptor::Batch { src, dst, size },
                 direction,
                 &regions,
                 coalesce,
@@ -542,7 +540,7 @@ pub mod partition {
 pub mod expand {
     use super::*;
     use blockswap::descriptor::Scratch;
-    use blockswap::table::{expand_into, BlockTable, TableError};
+    use blockswap::table::{expand_into, BlockTable, Pair, TableError};
 
     const DEVICE: (u64, u64) = (0x10_0000, 0x10_0000);
     const HOST: (u64, u64) = (0x40_0000, 0x10_0000);
@@ -801,19 +799,20 @@ pub mod expand {
             DstIds::Own(v) => v.iter().map(|v| v.get(1)).collect(),
         };
         let want = reference_error(&s, &sid, &d, &did);
-        let (mut bits, mut scratch) = (Vec::new(), Scratch::default());
+        let mut scratch = Scratch::default();
         let mut results = vec![];
-        // Both settings, with one bitset and scratch: neither may carry state between calls.
+        // Both settings, with one scratch (and its bitset): neither may carry state between calls.
         for coalesce in [true, false] {
             let mut cols = columns(s.segments() * sid.len());
             let got = expand_into(
-                &s,
-                &sid,
-                &d,
-                &did,
+                Pair {
+                    src: &s,
+                    src_ids: &sid,
+                    dst: &d,
+                    dst_ids: &did,
+                },
                 coalesce,
                 as_columns(&mut cols),
-                &mut bits,
                 &mut scratch,
             );
             match (&got, &want) {

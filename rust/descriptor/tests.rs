@@ -23,9 +23,7 @@ fn run(
     let n = src.len().max(1);
     let (mut s, mut d, mut z) = (vec![0; n], vec![0; n], vec![0; n]);
     let p = prepare_into(
-        src,
-        dst,
-        size,
+        Batch { src, dst, size },
         Direction::HostToDevice,
         &table(),
         coalesce,
@@ -57,9 +55,11 @@ fn huge_overlapping_destinations_are_refused_not_summed_past_u64() {
         .unwrap();
     let (mut s, mut d, mut z) = (vec![0; 5], vec![0; 5], vec![0; 5]);
     let got = prepare_into(
-        &[0; 5],
-        &[1 << 63; 5],
-        &[1 << 62; 5],
+        Batch {
+            src: &[0; 5],
+            dst: &[1 << 63; 5],
+            size: &[1 << 62; 5],
+        },
         Direction::HostToDevice,
         &t,
         true,
@@ -326,9 +326,11 @@ mod fuzz {
         let (mut os, mut od, mut oz) = (vec![0; n], vec![0; n], vec![0; n]);
         let t = regions();
         let r = prepare_into(
-            s,
-            d,
-            z,
+            Batch {
+                src: s,
+                dst: d,
+                size: z,
+            },
             Direction::HostToDevice,
             &t,
             coalesce,
@@ -376,8 +378,9 @@ mod fuzz {
             check(&s, &d, &z, true)?;
             let n = s.len();
             let (mut os, mut od, mut oz) = (vec![0; n], vec![0; n], vec![0; n]);
-            let p = prepare_into(&s, &d, &z, Direction::HostToDevice, &regions(), true,
-                Columns { src: &mut os, dst: &mut od, size: &mut oz }, &mut Scratch::default()).unwrap();
+            let p = prepare_into(Batch { src: &s, dst: &d, size: &z }, Direction::HostToDevice,
+                &regions(), true, Columns { src: &mut os, dst: &mut od, size: &mut oz },
+                &mut Scratch::default()).unwrap();
             // No two consecutive outputs could have been merged: coalescing is maximal.
             for i in 1..p.len {
                 prop_assert!(!(os[i - 1] + oz[i - 1] == os[i] && od[i - 1] + oz[i - 1] == od[i]));
@@ -498,9 +501,11 @@ mod blocks {
             size: &mut oz,
         };
         let p = prepare_into(
-            s,
-            d,
-            z,
+            Batch {
+                src: s,
+                dst: d,
+                size: z,
+            },
             Direction::HostToDevice,
             &table(),
             coalesce,

@@ -4,10 +4,9 @@
 use super::{Engine, EngineError, Shape, SubmitState};
 use crate::backend::{KernelSpec, PageKernel, STAGED_MIN_STEPS};
 use crate::direction::Direction;
-use crate::region::MemoryKind;
 use crate::table::{
     block_runs, expand_groups_into, staged_row, BlockTable, Group, Plan, Run, TableError,
-    PITCHED_ENTRIES, STAGED_TABLE_EXTRA,
+    TableSpec, PITCHED_ENTRIES, STAGED_TABLE_EXTRA,
 };
 use crate::transfer::JobId;
 
@@ -113,23 +112,13 @@ fn no_plan(group: usize, groups: usize, reason: String) -> EngineError {
 
 impl Engine {
     /// Registers a block table (see [`crate::table`]): one side of a KV cache, checked once
-    /// against registered memory. `name` and `unit` only shape error messages (see
+    /// against registered memory. `spec.name` and `spec.unit` only shape error messages (see
     /// [`BlockTable::named`]). Returns its id for [`Engine::submit_blocks`].
-    #[allow(clippy::too_many_arguments)]
-    pub fn register_table(
-        &self,
-        bases: Vec<u64>,
-        strides: Vec<u64>,
-        nbytes: Vec<u64>,
-        num_blocks: u64,
-        kind: MemoryKind,
-        name: &str,
-        unit: u64,
-    ) -> Result<u32, EngineError> {
+    pub fn register_table(&self, spec: TableSpec) -> Result<u32, EngineError> {
         self.check_usable()?;
         let mut state = self.lock();
-        let table = BlockTable::new(bases, strides, nbytes, num_blocks, kind, &state.regions)?
-            .named(name, unit)
+        let table = spec
+            .build(&state.regions)?
             .in_allocations(|a| self.backend.allocation_base(a));
         let id = state
             .tables
@@ -155,29 +144,20 @@ impl Engine {
         Ok(())
     }
 
-    /// Issues the transfer of blocks `src_ids` of table `src_table` to blocks `dst_ids` of
-    /// `dst_table` (ids as the caller's int64 values): each id is checked against its table and
-    /// destinations must be distinct; descriptors are written straight into the slab.
-    #[allow(clippy::too_many_arguments)]
+    /// Issues the transfer of one group (see [`GroupIds`], most often [`GroupIds::blocks`]):
+    /// blocks `src_ids` of table `src_table` to blocks `dst_ids` of `dst_table` (ids as the
+    /// caller's int64 values); each id is checked against its table and destinations must be
+    /// distinct; descriptors are written straight into the slab.
     pub fn submit_blocks(
         &self,
         job_id: JobId,
-        src_table: u32,
-        src_ids: &[u64],
-        dst_table: u32,
-        dst_ids: &[u64],
+        group: GroupIds<'_>,
         direction: Direction,
         wait_stream: Option<u64>,
         kernel: Option<(u64, PageKernel<'_>)>,
     ) -> Result<(), EngineError> {
-        let group = GroupIds::blocks(src_table, src_ids, dst_table, dst_ids);
-        self.submit_groups(
-            job_id,
-            &[group],
-            direction,
-            wait_stream,
-            Shape::Pages(kernel),
-        )
+        let shape = Shape::Pages(kernel);
+        self.submit_groups(job_id, &[group], direction, wait_stream, shape)
     }
 
     /// Makes a compiled copy kernel launchable by this engine's staged plans (see
@@ -221,18 +201,13 @@ impl Engine {
     /// [`Engine::submit_blocks`], each block moved as the 2-D copies of the pair's block plan
     /// (one per [`Run`]) instead of a descriptor per page: copy engines only. Refused where the
     /// pair has no block plan.
-    #[allow(clippy::too_many_arguments)]
     pub fn submit_block_runs(
         &self,
         job_id: JobId,
-        src_table: u32,
-        src_ids: &[u64],
-        dst_table: u32,
-        dst_ids: &[u64],
+        group: GroupIds<'_>,
         direction: Direction,
         wait_stream: Option<u64>,
     ) -> Result<(), EngineError> {
-        let group = GroupIds::blocks(src_table, src_ids, dst_table, dst_ids);
         self.submit_groups(job_id, &[group], direction, wait_stream, Shape::Runs)
     }
 
@@ -334,7 +309,6 @@ impl Engine {
             |state, cols| {
                 let SubmitState {
                     tables,
-                    bits,
                     scratch,
                     chunk_ids,
                     ..
@@ -361,7 +335,7 @@ impl Engine {
                 } else {
                     Plan::Pages { coalesce }
                 };
-                expand_groups_into(&resolved, plan, cols, bits, scratch, chunk_ids)
+                expand_groups_into(&resolved, plan, cols, scratch, chunk_ids)
                     .map_err(EngineError::from)
             },
         )

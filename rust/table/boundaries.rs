@@ -267,9 +267,9 @@ proptest! {
         }
         let n = segs as usize * sid.len();
         let (mut a, mut b, mut c) = (vec![0; 2 * n], vec![0; 2 * n], vec![0; 2 * n]);
-        let p = expand_into(src, sid, dst, did, true,
+        let p = expand_into(Pair { src, src_ids: sid, dst, dst_ids: did }, true,
             Columns { src: &mut a, dst: &mut b, size: &mut c },
-            &mut Vec::new(), &mut Scratch::default()).unwrap();
+            &mut Scratch::default()).unwrap();
         let mut got = BTreeMap::new();
         for i in 0..p.len {
             region_of(&r, a[i], c[i], src.kind);
@@ -282,9 +282,9 @@ proptest! {
         let plan = block_runs(src, dst).unwrap();
         let m = PITCHED_ENTRIES * plan.len() * sid.len();
         prop_assert!(m <= a.len());
-        let p = expand_runs_into(src, sid, dst, did, &plan,
+        let p = expand_runs_into(Pair { src, src_ids: sid, dst, dst_ids: did }, &plan,
             Columns { src: &mut a, dst: &mut b, size: &mut c },
-            &mut Vec::new(), &mut Scratch::default()).unwrap();
+            &mut Scratch::default()).unwrap();
         let mut got = BTreeMap::new();
         let mut copy_regions: BTreeMap<usize, (usize, usize)> = BTreeMap::new();
         for_each_row(&a[..p.len], &b[..p.len], &c[..p.len], |k, s, d, width| {

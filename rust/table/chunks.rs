@@ -10,7 +10,6 @@ use crate::descriptor::Side;
 /// sub-blocks into the first; the last chunk may be partial too. So `chunks.len()` must be
 /// `ceil((skip + blocks) / unit)` (none for no block). Chunk ids are checked in range before they
 /// are scaled; the table blocks are written to `out`.
-#[allow(clippy::too_many_arguments)]
 pub fn chunk_blocks(
     table: &BlockTable,
     side: Side,

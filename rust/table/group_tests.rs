@@ -87,7 +87,6 @@ fn run(groups: &[Group<'_>]) -> Result<Vec<(u64, u64, u64)>, TableError> {
             dst: &mut b,
             size: &mut z,
         },
-        &mut Vec::new(),
         &mut Scratch::default(),
         &mut [Vec::new(), Vec::new()],
     )?;

@@ -93,8 +93,8 @@ proptest! {
         let did: Vec<u64> = (0..sid.len() as u64).map(|i| (start + i) % nb).collect();
         let n = segs * sid.len();
         let (mut a, mut b, mut c) = (vec![0; n], vec![0; n], vec![0; n]);
-        let p = expand_into(&g, &sid, &h, &did, true,
-            Columns { src: &mut a, dst: &mut b, size: &mut c }, &mut Vec::new(), &mut Scratch::default()).unwrap();
+        let p = expand_into(Pair { src: &g, src_ids: &sid, dst: &h, dst_ids: &did }, true,
+            Columns { src: &mut a, dst: &mut b, size: &mut c }, &mut Scratch::default()).unwrap();
         let mut got = BTreeMap::new();
         for i in 0..p.len {
             for k in 0..c[i] { got.insert(b[i] + k, a[i] + k); }

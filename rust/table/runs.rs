@@ -2,7 +2,7 @@
 //! ([`block_runs`]), the copies written into a slab ([`expand_runs_into`]), and the rows those
 //! copies cover ([`for_each_row`]) for a backend without 2-D copies.
 
-use super::{check_ids, BlockTable, TableError};
+use super::{check_ids, BlockTable, Pair, TableError};
 use crate::descriptor::{Columns, Prepared, Scratch};
 
 /// The largest row pitch of a 2-D copy: `CU_DEVICE_ATTRIBUTE_MAX_PITCH` is 2^31 - 1 on the GPUs
@@ -85,18 +85,19 @@ pub const PITCHED_ENTRIES: usize = 2;
 ///
 /// The copies write exactly the bytes [`super::expand_into`]'s descriptors write, so its proof of
 /// disjoint destinations (distinct ids, segments that share no byte) holds unchanged.
-#[allow(clippy::too_many_arguments)]
 pub fn expand_runs_into(
-    src: &BlockTable,
-    src_ids: &[u64],
-    dst: &BlockTable,
-    dst_ids: &[u64],
+    pair: Pair<'_>,
     runs: &[Run],
     out: Columns<'_>,
-    bits: &mut Vec<u64>,
     scratch: &mut Scratch,
 ) -> Result<Prepared, TableError> {
-    check_ids(src, src_ids, dst, dst_ids, bits, scratch)?;
+    check_ids(pair, scratch)?;
+    let Pair {
+        src,
+        src_ids,
+        dst,
+        dst_ids,
+    } = pair;
     let n = src_ids.len();
     assert!(
         out.src.len() >= PITCHED_ENTRIES * runs.len() * n,

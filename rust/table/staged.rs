@@ -17,7 +17,7 @@
 //! V pages holds 32 + 32 + 163 entries, not a descriptor per page (5,152): the submitting thread
 //! writes a few hundred words, and the kernel's descriptors cross PCIe as a few KiB.
 
-use super::{check_ids, BlockTable, TableError};
+use super::{check_ids, BlockTable, Pair, TableError};
 use crate::descriptor::{Columns, Prepared, Scratch};
 
 /// Slab entries of one group's geometry beyond its segments: the header and the row's end.
@@ -77,19 +77,20 @@ impl StagedCursor {
 /// host row, so the pages [`staged_pages`] names write exactly the bytes
 /// [`super::expand_into`]'s descriptors would, and its proof of disjoint destinations holds (the
 /// host side's rows are disjoint by its table).
-#[allow(clippy::too_many_arguments)]
 pub fn expand_staged_into(
-    src: &BlockTable,
-    src_ids: &[u64],
-    dst: &BlockTable,
-    dst_ids: &[u64],
+    pair: Pair<'_>,
     host_src: bool,
     out: Columns<'_>,
     cursor: &mut StagedCursor,
-    bits: &mut Vec<u64>,
     scratch: &mut Scratch,
 ) -> Result<Prepared, TableError> {
-    check_ids(src, src_ids, dst, dst_ids, bits, scratch)?;
+    check_ids(pair, scratch)?;
+    let Pair {
+        src,
+        src_ids,
+        dst,
+        dst_ids,
+    } = pair;
     let (host, host_ids, gpu, gpu_ids) = if host_src {
         (src, src_ids, dst, dst_ids)
     } else {

@@ -30,17 +30,18 @@ pub(super) fn expand(
     let n = s.segments() * sid.len().max(1);
     let (mut a, mut b, mut z) = (vec![0; n], vec![0; n], vec![0; n]);
     let p = expand_into(
-        s,
-        sid,
-        d,
-        did,
+        Pair {
+            src: s,
+            src_ids: sid,
+            dst: d,
+            dst_ids: did,
+        },
         true,
         Columns {
             src: &mut a,
             dst: &mut b,
             size: &mut z,
         },
-        &mut Vec::new(),
         &mut Scratch::default(),
     )?;
     Ok((0..p.len).map(|i| (a[i], b[i], z[i])).collect())

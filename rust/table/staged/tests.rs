@@ -31,15 +31,7 @@ fn staged(host: &BlockTable, gpu: &BlockTable, ids: &[u64], merge: u64) -> Stage
         merge,
     };
     let mut bufs = [Vec::new(), Vec::new()];
-    let p = expand_groups_into(
-        &[group],
-        plan,
-        cols,
-        &mut Vec::new(),
-        &mut Scratch::default(),
-        &mut bufs,
-    )
-    .unwrap();
+    let p = expand_groups_into(&[group], plan, cols, &mut Scratch::default(), &mut bufs).unwrap();
     assert_eq!((p.staged_blocks_at, p.len), (n, len));
     let rows = (0..p.staged_rows).map(|i| (a[i], b[i], z[i])).collect();
     let pages = (n..2 * n)
@@ -143,14 +135,15 @@ fn a_slab_holds_a_word_per_block_and_one_geometry_per_group_not_a_descriptor_per
         size: &mut z,
     };
     let p = expand_staged_into(
-        &host,
-        &[6, 2],
-        &gpu,
-        &[0, 1],
+        Pair {
+            src: &host,
+            src_ids: &[6, 2],
+            dst: &gpu,
+            dst_ids: &[0, 1],
+        },
         true,
         cols,
         &mut cursor,
-        &mut Vec::new(),
         &mut Scratch::default(),
     )
     .unwrap();
