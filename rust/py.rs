@@ -1,8 +1,15 @@
 //! PyO3 bindings: argument conversion, GIL release, error mapping. No decisions live here.
+//! The engine here; host buffers and the module's functions in `py/`.
+
+mod functions;
+mod host_buffer;
+
+use functions::{chunk_blocks, cuda_device_pointer, cuda_memcpy, cuda_memory_kind, cuda_status};
+use host_buffer::PyHostBuffer;
 
 use std::sync::Arc;
 
-use numpy::{PyArray1, PyReadonlyArray1};
+use numpy::PyReadonlyArray1;
 use pyo3::create_exception;
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
@@ -724,163 +731,6 @@ impl PyEngine {
     ) {
         self.shutdown(py)
     }
-}
-
-/// Host memory of `rows` rows of `row_bytes` bytes, exactly that size, page-locked in pieces of
-/// whole rows of at most `piece_bytes` (on the CUDA backend; on the host backend nothing is
-/// pinned, but the pieces are recorded the same). Engines register it one region per piece.
-#[pyclass(name = "HostBuffer", module = "blockswap._core", frozen)]
-struct PyHostBuffer {
-    buf: HostBuffer,
-    backend: &'static str,
-}
-
-#[pymethods]
-impl PyHostBuffer {
-    #[new]
-    #[pyo3(signature = (rows, row_bytes, piece_bytes = hostmem::DEFAULT_PIECE_BYTES,
-        backend = "auto", device = 0))]
-    fn new(
-        py: Python<'_>,
-        rows: u64,
-        row_bytes: u64,
-        piece_bytes: u64,
-        backend: &str,
-        device: i32,
-    ) -> PyResult<Self> {
-        let cuda = match backend {
-            "host" => false,
-            "cuda" => true,
-            "auto" => cuda::driver_available().is_ok(),
-            other => {
-                return Err(invalid(format!(
-                    "backend must be 'auto', 'host' or 'cuda', not {other:?}"
-                )))
-            }
-        };
-        let buf = py.detach(|| {
-            let pinner: Option<Box<dyn Pinner>> = if cuda {
-                Some(Box::new(cuda::HostPinner::new(device)?))
-            } else {
-                None
-            };
-            HostBuffer::new(rows, row_bytes, piece_bytes, pinner)
-        })?;
-        Ok(PyHostBuffer {
-            buf,
-            backend: if cuda { "cuda" } else { "host" },
-        })
-    }
-
-    #[getter]
-    fn addr(&self) -> u64 {
-        self.buf.addr()
-    }
-
-    #[getter]
-    fn nbytes(&self) -> u64 {
-        self.buf.len()
-    }
-
-    #[getter]
-    fn rows(&self) -> u64 {
-        self.buf.rows()
-    }
-
-    #[getter]
-    fn row_bytes(&self) -> u64 {
-        self.buf.row_bytes()
-    }
-
-    /// `(address, bytes)` of each piece, in address order.
-    #[getter]
-    fn pieces(&self) -> Vec<(u64, u64)> {
-        self.buf.pieces().to_vec()
-    }
-
-    #[getter]
-    fn pinned(&self) -> bool {
-        self.buf.is_pinned()
-    }
-
-    #[getter]
-    fn backend(&self) -> &'static str {
-        self.backend
-    }
-
-    /// Engine registrations in the buffer now.
-    #[getter]
-    fn users(&self) -> usize {
-        self.buf.users()
-    }
-
-    /// Unpins every piece now (refused while engines hold registrations in it); the memory
-    /// stays mapped until the buffer is collected. Idempotent.
-    fn unpin(&self, py: Python<'_>) -> PyResult<()> {
-        py.detach(|| self.buf.unpin()).map_err(Into::into)
-    }
-}
-
-/// The sub-block ids a transfer of `blocks` blocks names by `chunk_ids` (chunks of `unit`
-/// sub-blocks, `num_chunks` of them: unbounded by default), starting `skip` sub-blocks into the
-/// first chunk: the rule the engine applies to a chunked side (see `submit_groups`).
-#[pyfunction]
-#[pyo3(signature = (chunk_ids, unit, blocks, skip = 0, num_chunks = None))]
-fn chunk_blocks<'py>(
-    py: Python<'py>,
-    chunk_ids: PyReadonlyArray1<'_, i64>,
-    unit: u64,
-    blocks: usize,
-    skip: u64,
-    num_chunks: Option<u64>,
-) -> PyResult<Bound<'py, PyArray1<i64>>> {
-    let chunks = as_u64("chunk_ids", &chunk_ids)?;
-    let mut out = Vec::new();
-    let limit = num_chunks
-        .unwrap_or(u64::MAX)
-        .min(i64::MAX as u64 / unit.max(1));
-    table::map_chunks(["CPU", "GPU"], unit, limit, chunks, blocks, skip, &mut out)
-        .map_err(EngineError::from)?;
-    // In range of i64: every id is below `limit * unit <= i64::MAX`.
-    Ok(PyArray1::from_vec(
-        py,
-        out.into_iter().map(|b| b as i64).collect(),
-    ))
-}
-
-/// Whether the CUDA backend can start here, and if not, why.
-#[pyfunction]
-fn cuda_status() -> (bool, String) {
-    match cuda::driver_available() {
-        Ok(version) => (true, format!("CUDA driver {version}")),
-        Err(e) => (false, e.to_string()),
-    }
-}
-
-/// What the CUDA driver says the memory at `addr` is: "host" (page-locked) or "device"; None where
-/// the driver does not know the address (pageable memory) or there is no driver.
-#[pyfunction]
-fn cuda_memory_kind(py: Python<'_>, addr: u64) -> Option<&'static str> {
-    py.detach(|| cuda::memory_kind(addr))
-        .map(MemoryKind::as_str)
-}
-
-/// The address through which the device reaches mapped page-locked host memory at `addr`
-/// (cuMemHostGetDevicePointer, in the calling thread's current context); None where there is no
-/// driver.
-#[pyfunction]
-fn cuda_device_pointer(py: Python<'_>, addr: u64) -> PyResult<Option<u64>> {
-    py.detach(|| cuda::host_device_pointer(addr))
-        .map_err(|e| EngineError::Backend(e).into())
-}
-
-/// Copies `nbytes` from `src` to `dst` with the driver's cuMemcpy, in the calling thread's current
-/// context. The caller vouches that both ranges are allocated and do not overlap.
-#[pyfunction]
-fn cuda_memcpy(py: Python<'_>, dst: u64, src: u64, nbytes: usize) -> PyResult<()> {
-    // SAFETY: the Python caller vouches for both ranges (documented above).
-    py.detach(|| unsafe { cuda::memcpy(dst, src, nbytes) })
-        .map_err(|e| EngineError::Backend(e).into())
 }
 
 #[pymodule]

@@ -10,15 +10,15 @@
 //! block-minor so that runs of consecutive blocks coalesce. No address from the caller is ever
 //! copied from unchecked, and no descriptor or 2-D copy crosses a boundary between two regions.
 
-use std::fmt;
-
 use crate::descriptor::{check_disjoint, Columns, Prepared, Scratch, Side};
 use crate::region::{MemoryKind, RegionTable};
 
 mod chunks;
+mod error;
 mod runs;
 mod staged;
 pub use chunks::{chunk_blocks, map_chunks};
+pub use error::TableError;
 pub use runs::{block_runs, expand_runs_into, for_each_row, Run, MAX_PITCH, PITCHED_ENTRIES};
 pub use staged::{expand_staged_into, staged_pages, staged_row, StagedCursor, STAGED_TABLE_EXTRA};
 
@@ -106,173 +106,6 @@ pub struct BlockTable {
     /// `[lowest byte, end)` over every segment: tables whose spans are apart share no byte.
     span: (u64, u64),
 }
-
-/// A table or a block-id transfer that cannot be used.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum TableError {
-    /// A segment that is empty, overflows, or whose pages overlap the next block's.
-    BadSegment { segment: usize, reason: String },
-    /// A segment's span is not inside registered memory of the table's kind (one region, or
-    /// adjacent regions of that kind).
-    NotRegistered {
-        segment: usize,
-        start: u64,
-        len: u64,
-        kind: MemoryKind,
-    },
-    /// A segment's span lies in adjacent registered regions, but the page of `block` (`nbytes`
-    /// at `page`) crosses `boundary`, where one region ends and the next begins: no copy may.
-    Straddles {
-        segment: usize,
-        block: u64,
-        page: u64,
-        nbytes: u64,
-        boundary: u64,
-    },
-    /// No table has this id.
-    Unknown(u32),
-    /// The table's memory is not of the kind the direction needs.
-    WrongKind {
-        table: u32,
-        kind: MemoryKind,
-        needed: MemoryKind,
-    },
-    /// The two tables' segments differ in number or size.
-    Incompatible {
-        src_segments: usize,
-        dst_segments: usize,
-        detail: String,
-    },
-    /// The id lists differ in length.
-    LengthMismatch { src: usize, dst: usize },
-    /// No block.
-    Empty,
-    /// A block id outside the table (negative ids arrive as huge ones), in the caller's units.
-    OutOfRange {
-        name: String,
-        index: usize,
-        id: i64,
-        num_blocks: u64,
-    },
-    /// The same destination block twice in one transfer, in the caller's units.
-    DuplicateDestination { name: String, index: usize, id: u64 },
-    /// Chunk ids that do not match the blocks on the other side (see [`chunk_blocks`]).
-    ChunkCount {
-        name: String,
-        other: String,
-        blocks: usize,
-        unit: u64,
-        skip: u64,
-        got: usize,
-    },
-    /// A group's mapping that cannot be used: a skip of a whole chunk or more, chunk ids on both
-    /// sides or on neither.
-    BadChunking(String),
-    /// An error in one KV-cache group of a transfer of several.
-    InGroup {
-        group: usize,
-        error: Box<TableError>,
-    },
-}
-
-impl fmt::Display for TableError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            TableError::BadSegment { segment, reason } => {
-                write!(f, "block table segment {segment}: {reason}")
-            }
-            TableError::NotRegistered {
-                segment,
-                start,
-                len,
-                kind,
-            } => write!(
-                f,
-                "block table segment {segment} ([{start:#x}, +{len})) is not inside registered \
-                 {kind} memory"
-            ),
-            TableError::Straddles {
-                segment,
-                block,
-                page,
-                nbytes,
-                boundary,
-            } => write!(
-                f,
-                "block table segment {segment}: the page of block {block} ([{page:#x}, \
-                 +{nbytes})) crosses the boundary at {boundary:#x} between two registered \
-                 regions; a copy may not cross one (register the memory in pieces that end \
-                 between pages)"
-            ),
-            TableError::Unknown(id) => write!(f, "no block table {id}"),
-            TableError::WrongKind {
-                table,
-                kind,
-                needed,
-            } => {
-                write!(
-                    f,
-                    "block table {table} is {kind} memory; this direction needs {needed}"
-                )
-            }
-            TableError::Incompatible {
-                src_segments,
-                dst_segments,
-                detail,
-            } => write!(
-                f,
-                "block tables differ: {src_segments} source segments, {dst_segments} destination \
-                 segments{detail}"
-            ),
-            TableError::LengthMismatch { src, dst } => {
-                write!(f, "{src} source block ids but {dst} destination block ids")
-            }
-            TableError::Empty => f.write_str("empty transfer (no block)"),
-            TableError::OutOfRange {
-                name, index, id, ..
-            } if *id < 0 => write!(
-                f,
-                "{name} block ids hold a negative block id ({id}, at position {index})"
-            ),
-            TableError::OutOfRange {
-                name,
-                index,
-                id,
-                num_blocks,
-            } => write!(
-                f,
-                "{name} block ids hold block id {id}, out of range (at position {index}; there \
-                 are {num_blocks} blocks)"
-            ),
-            TableError::DuplicateDestination { name, index, id } => write!(
-                f,
-                "{name} block id {id} is a destination more than once (again at position {index})"
-            ),
-            TableError::ChunkCount {
-                name,
-                other,
-                blocks,
-                unit,
-                skip,
-                got,
-            } => write!(
-                f,
-                "{blocks} {other} blocks from sub-block {skip} of the first {name} block take \
-                 ceil(({skip} + {blocks}) / {unit}) = {} {name} block ids ({unit} sub-blocks \
-                 each), got {got}",
-                if *blocks == 0 {
-                    0
-                } else {
-                    (*skip as usize + blocks).div_ceil(*unit as usize)
-                }
-            ),
-            TableError::BadChunking(reason) => f.write_str(reason),
-            TableError::InGroup { group, error } => write!(f, "group {group}: {error}"),
-        }
-    }
-}
-
-impl std::error::Error for TableError {}
 
 /// Whether the segments interleave without sharing a byte: one block stride `T` for all, and
 /// every page inside one period `[b0, b0 + T)` from the lowest base `b0`, the pages' offsets in it

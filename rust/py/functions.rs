@@ -1,0 +1,68 @@
+//! The module's functions: chunk ids, and the CUDA driver's queries for the Python layer.
+
+use numpy::{PyArray1, PyReadonlyArray1};
+use pyo3::prelude::*;
+
+use super::*;
+
+/// The sub-block ids a transfer of `blocks` blocks names by `chunk_ids` (chunks of `unit`
+/// sub-blocks, `num_chunks` of them: unbounded by default), starting `skip` sub-blocks into the
+/// first chunk: the rule the engine applies to a chunked side (see `submit_groups`).
+#[pyfunction]
+#[pyo3(signature = (chunk_ids, unit, blocks, skip = 0, num_chunks = None))]
+pub(super) fn chunk_blocks<'py>(
+    py: Python<'py>,
+    chunk_ids: PyReadonlyArray1<'_, i64>,
+    unit: u64,
+    blocks: usize,
+    skip: u64,
+    num_chunks: Option<u64>,
+) -> PyResult<Bound<'py, PyArray1<i64>>> {
+    let chunks = as_u64("chunk_ids", &chunk_ids)?;
+    let mut out = Vec::new();
+    let limit = num_chunks
+        .unwrap_or(u64::MAX)
+        .min(i64::MAX as u64 / unit.max(1));
+    table::map_chunks(["CPU", "GPU"], unit, limit, chunks, blocks, skip, &mut out)
+        .map_err(EngineError::from)?;
+    // In range of i64: every id is below `limit * unit <= i64::MAX`.
+    Ok(PyArray1::from_vec(
+        py,
+        out.into_iter().map(|b| b as i64).collect(),
+    ))
+}
+
+/// Whether the CUDA backend can start here, and if not, why.
+#[pyfunction]
+pub(super) fn cuda_status() -> (bool, String) {
+    match cuda::driver_available() {
+        Ok(version) => (true, format!("CUDA driver {version}")),
+        Err(e) => (false, e.to_string()),
+    }
+}
+
+/// What the CUDA driver says the memory at `addr` is: "host" (page-locked) or "device"; None where
+/// the driver does not know the address (pageable memory) or there is no driver.
+#[pyfunction]
+pub(super) fn cuda_memory_kind(py: Python<'_>, addr: u64) -> Option<&'static str> {
+    py.detach(|| cuda::memory_kind(addr))
+        .map(MemoryKind::as_str)
+}
+
+/// The address through which the device reaches mapped page-locked host memory at `addr`
+/// (cuMemHostGetDevicePointer, in the calling thread's current context); None where there is no
+/// driver.
+#[pyfunction]
+pub(super) fn cuda_device_pointer(py: Python<'_>, addr: u64) -> PyResult<Option<u64>> {
+    py.detach(|| cuda::host_device_pointer(addr))
+        .map_err(|e| EngineError::Backend(e).into())
+}
+
+/// Copies `nbytes` from `src` to `dst` with the driver's cuMemcpy, in the calling thread's current
+/// context. The caller vouches that both ranges are allocated and do not overlap.
+#[pyfunction]
+pub(super) fn cuda_memcpy(py: Python<'_>, dst: u64, src: u64, nbytes: usize) -> PyResult<()> {
+    // SAFETY: the Python caller vouches for both ranges (documented above).
+    py.detach(|| unsafe { cuda::memcpy(dst, src, nbytes) })
+        .map_err(|e| EngineError::Backend(e).into())
+}

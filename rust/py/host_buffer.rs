@@ -1,0 +1,100 @@
+//! `HostBuffer`: a large host buffer pinned in pieces.
+
+use pyo3::prelude::*;
+
+use super::*;
+
+/// Host memory of `rows` rows of `row_bytes` bytes, exactly that size, page-locked in pieces of
+/// whole rows of at most `piece_bytes` (on the CUDA backend; on the host backend nothing is
+/// pinned, but the pieces are recorded the same). Engines register it one region per piece.
+#[pyclass(name = "HostBuffer", module = "blockswap._core", frozen)]
+pub(super) struct PyHostBuffer {
+    buf: HostBuffer,
+    backend: &'static str,
+}
+
+#[pymethods]
+impl PyHostBuffer {
+    #[new]
+    #[pyo3(signature = (rows, row_bytes, piece_bytes = hostmem::DEFAULT_PIECE_BYTES,
+        backend = "auto", device = 0))]
+    fn new(
+        py: Python<'_>,
+        rows: u64,
+        row_bytes: u64,
+        piece_bytes: u64,
+        backend: &str,
+        device: i32,
+    ) -> PyResult<Self> {
+        let cuda = match backend {
+            "host" => false,
+            "cuda" => true,
+            "auto" => cuda::driver_available().is_ok(),
+            other => {
+                return Err(invalid(format!(
+                    "backend must be 'auto', 'host' or 'cuda', not {other:?}"
+                )))
+            }
+        };
+        let buf = py.detach(|| {
+            let pinner: Option<Box<dyn Pinner>> = if cuda {
+                Some(Box::new(cuda::HostPinner::new(device)?))
+            } else {
+                None
+            };
+            HostBuffer::new(rows, row_bytes, piece_bytes, pinner)
+        })?;
+        Ok(PyHostBuffer {
+            buf,
+            backend: if cuda { "cuda" } else { "host" },
+        })
+    }
+
+    #[getter]
+    fn addr(&self) -> u64 {
+        self.buf.addr()
+    }
+
+    #[getter]
+    fn nbytes(&self) -> u64 {
+        self.buf.len()
+    }
+
+    #[getter]
+    fn rows(&self) -> u64 {
+        self.buf.rows()
+    }
+
+    #[getter]
+    fn row_bytes(&self) -> u64 {
+        self.buf.row_bytes()
+    }
+
+    /// `(address, bytes)` of each piece, in address order.
+    #[getter]
+    fn pieces(&self) -> Vec<(u64, u64)> {
+        self.buf.pieces().to_vec()
+    }
+
+    #[getter]
+    fn pinned(&self) -> bool {
+        self.buf.is_pinned()
+    }
+
+    #[getter]
+    fn backend(&self) -> &'static str {
+        self.backend
+    }
+
+    /// Engine registrations in the buffer now.
+    #[getter]
+    fn users(&self) -> usize {
+        self.buf.users()
+    }
+
+    /// Unpins every piece now (refused while engines hold registrations in it); the memory
+    /// stays mapped until the buffer is collected. Idempotent.
+    fn unpin(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| self.buf.unpin()).map_err(Into::into)
+    }
+}
