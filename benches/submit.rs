@@ -102,7 +102,7 @@ fn bench_prepare(c: &mut Criterion) {
                         &mut scratch,
                     )
                     .unwrap()
-                })
+                });
             });
         }
     }
@@ -115,7 +115,7 @@ fn bench_pool(c: &mut Criterion) {
     for &n in &SIZES {
         pool.release(pool.acquire(n).unwrap()); // warm
         g.bench_with_input(BenchmarkId::from_parameter(n), &n, |bench, &n| {
-            bench.iter(|| pool.release(black_box(pool.acquire(n).unwrap())))
+            bench.iter(|| pool.release(black_box(pool.acquire(n).unwrap())));
         });
     }
     g.finish();
@@ -169,7 +169,7 @@ fn bench_submit(c: &mut Criterion) {
                         engine.get_finished(&mut results);
                     }
                     total
-                })
+                });
             });
         }
     }
@@ -180,7 +180,7 @@ fn bench_submit(c: &mut Criterion) {
         bench.iter(|| {
             results.clear();
             engine.get_finished(black_box(&mut results));
-        })
+        });
     });
     g.finish();
     drop(engine);

@@ -41,6 +41,7 @@ pub struct Lane {
 
 impl Lane {
     /// A lane holding at most `capacity` transfers in flight.
+    #[must_use]
     pub fn new(capacity: usize) -> Self {
         Lane {
             records: ArrayQueue::new(capacity.max(1)),
@@ -115,7 +116,7 @@ impl Lane {
     /// Hands out every record pushed so far, complete or not. For a lane whose backend failed
     /// fatally: nothing on it will complete, and the device no longer runs.
     pub fn drain(&self, on_done: impl FnMut(InFlight)) {
-        self.poll(self.pushed.load(Ordering::Acquire), on_done)
+        self.poll(self.pushed.load(Ordering::Acquire), on_done);
     }
 }
 
@@ -246,7 +247,9 @@ mod tests {
             completed.store(seq, Ordering::Release);
         }
         stop.store(true, Ordering::Release);
-        pollers.into_iter().for_each(|p| p.join().unwrap());
+        for p in pollers {
+            p.join().unwrap();
+        }
         let mut seen = Arc::try_unwrap(seen).unwrap().into_inner().unwrap();
         seen.sort_unstable();
         assert_eq!(seen, (1..=N).collect::<Vec<_>>());

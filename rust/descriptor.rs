@@ -298,12 +298,10 @@ impl Pass<'_> {
             // Non-bitwise `|` on bools: no branch per condition. In its region, a range's offset
             // is at most the region's length and its size at most what is left after the
             // offset (so `address + size` cannot overflow either).
-            bail |= (zi.wrapping_sub(1) >= i64::MAX as u64) // zero, or negative as i64
-                | (os > s_len)
-                | (zi > s_len.wrapping_sub(os))
-                | (od > d_len)
-                | (zi > d_len.wrapping_sub(od))
-                | (coalesce & (si == prev_s) & (di == prev_d));
+            bail |= (zi.wrapping_sub(1) >= i64::MAX as u64)
+                || (os > s_len) | (zi > s_len.wrapping_sub(os))
+                || (od > d_len) | (zi > d_len.wrapping_sub(od))
+                || (coalesce && (si == prev_s) && (di == prev_d));
             unsorted |= di < prev_d;
             (prev_s, prev_d) = (si.wrapping_add(zi), di.wrapping_add(zi));
             bytes = bytes.wrapping_add(zi);
@@ -425,6 +423,7 @@ pub struct Scratch {
 /// batch carries no meaning: its copies may run in any order). Returns how many there are, their
 /// largest size and their common alignment (largest power of two up to 16 dividing every address
 /// and size).
+#[must_use]
 pub fn partition_small(cols: Columns<'_>, len: usize, below: u64) -> (usize, u64, u64) {
     let Columns { src, dst, size } = cols;
     let mut k = 0;

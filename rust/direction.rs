@@ -28,11 +28,13 @@ impl Direction {
     ];
 
     /// The lane index of this direction.
+    #[must_use]
     pub fn lane(self) -> usize {
         self as usize
     }
 
     /// The kind of memory the sources must lie in.
+    #[must_use]
     pub fn src_kind(self) -> MemoryKind {
         match self {
             Direction::HostToDevice | Direction::HostToHost => MemoryKind::Host,
@@ -41,6 +43,7 @@ impl Direction {
     }
 
     /// The kind of memory the destinations must lie in.
+    #[must_use]
     pub fn dst_kind(self) -> MemoryKind {
         match self {
             Direction::DeviceToHost | Direction::HostToHost => MemoryKind::Host,
@@ -49,6 +52,7 @@ impl Direction {
     }
 
     /// Short name: `h2d`, `d2h`, `h2h`, `d2d`.
+    #[must_use]
     pub fn as_str(self) -> &'static str {
         match self {
             Direction::HostToDevice => "h2d",
@@ -59,6 +63,7 @@ impl Direction {
     }
 
     /// Parses the short name (`h2d`, `d2h`, `h2h`, `d2d`).
+    #[must_use]
     pub fn parse(s: &str) -> Option<Direction> {
         Direction::ALL.into_iter().find(|d| d.as_str() == s)
     }

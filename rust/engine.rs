@@ -129,7 +129,7 @@ pub enum Shape<'a> {
     Pages(Option<(u64, PageKernel<'a>)>),
     /// The 2-D copies of each table pair's block plan: copy engines only.
     Runs,
-    /// The staged plan: each block's host row across PCIe as one copy, into or out of a device
+    /// The staged plan: each block's host row across `PCIe` as one copy, into or out of a device
     /// staging ring, and its pages moved inside the GPU by the loaded kernel `kernel` (see
     /// [`Engine::load_kernel`]; `None` on the host backend, which copies with memcpy).
     Staged { kernel: Option<u32> },
@@ -192,7 +192,7 @@ impl Engine {
                 regions: RegionTable::default(),
                 live: HashMap::with_capacity(4 * max_in_flight),
                 buffers: HashMap::new(),
-                pinned: Default::default(),
+                pinned: std::collections::HashSet::default(),
                 parts: HashMap::new(),
                 tables: Vec::new(),
                 scratch: Scratch::default(),
@@ -232,7 +232,9 @@ impl Engine {
     fn lock(&self) -> MutexGuard<'_, SubmitState> {
         // A panic while holding the lock leaves consistent data (every mutation is a single call),
         // so a poisoned lock is taken over rather than propagated.
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     fn check_usable(&self) -> Result<(), EngineError> {
@@ -597,7 +599,7 @@ impl Engine {
         }
         state.live.insert(job_id, (direction, seq));
         match self.backend.submit(direction, seq, handle, request) {
-            Ok(Submitted::Ok) | Ok(Submitted::CopyFailed) => Ok(()),
+            Ok(Submitted::Ok | Submitted::CopyFailed) => Ok(()),
             Err(e) => {
                 // Nothing can be promised about this lane any more: its transfers are reported
                 // failed by the next poll, and later submits on it are refused.
@@ -613,7 +615,7 @@ impl Engine {
             let lane = &self.lanes[direction.lane()];
             let completed = self.backend.completed(direction);
             lane.poll(completed, |record| {
-                self.finish(direction, record, None, out)
+                self.finish(direction, record, None, out);
             });
             if self.failed_lanes[direction.lane()].get().is_none() {
                 if let Some(e) = self.backend.lane_error(direction) {
@@ -748,7 +750,11 @@ impl Engine {
         });
         EngineStats {
             lanes,
-            in_flight: self.lanes.iter().map(|l| l.in_flight()).sum(),
+            in_flight: self
+                .lanes
+                .iter()
+                .map(super::completion::Lane::in_flight)
+                .sum(),
             pool: self.pool.stats(),
             driver_ns: self.backend.driver_ns(),
             submit_ns: self.submit_ns.load(Ordering::Relaxed),

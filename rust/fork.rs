@@ -5,7 +5,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-/// Forks this process image descends through, counted in each child (pthread_atfork). An engine
+/// Forks this process image descends through, counted in each child (`pthread_atfork`). An engine
 /// remembers the count it was made under: nothing of an engine made before a fork works in the
 /// child, while one made in the child does.
 static FORK_GENERATION: AtomicU64 = AtomicU64::new(0);
@@ -29,6 +29,7 @@ pub fn fork_generation() -> u64 {
 }
 
 /// Whether this process is a fork of one that used blockswap.
+#[must_use]
 pub fn in_forked_child() -> bool {
     fork_generation() != 0
 }

@@ -96,7 +96,7 @@ pub fn plan_pieces(
         ));
     }
     let total = match rows.checked_mul(row_bytes) {
-        Some(t) if t <= isize::MAX as u64 => t,
+        Some(t) if isize::try_from(t).is_ok() => t,
         _ => {
             return size(format!(
                 "{rows} rows of {row_bytes} bytes are more than the address space holds"
@@ -139,6 +139,7 @@ pub fn plan_pieces(
 }
 
 /// The OS page size.
+#[must_use]
 pub fn os_page() -> u64 {
     // SAFETY: sysconf reads a constant of the system; no memory is passed.
     let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
@@ -254,7 +255,8 @@ static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 fn live() -> MutexGuard<'static, Vec<Live>> {
     // Every mutation is a single push, remove or field update: a poisoned lock holds consistent
     // data.
-    LIVE.lock().unwrap_or_else(|e| e.into_inner())
+    LIVE.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// `[start, start + len)` cut where a piece of a pinned buffer begins or ends inside it, as
@@ -436,7 +438,9 @@ impl HostBuffer {
     }
 
     fn mapping(&self) -> MutexGuard<'_, Option<Mapping>> {
-        self.mapping.lock().unwrap_or_else(|e| e.into_inner())
+        self.mapping
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// Whether the pieces are page-locked now (never on the host backend).
@@ -832,7 +836,7 @@ mod tests {
         unsafe {
             engine
                 .register(buf.addr(), buf.len(), MemoryKind::Host)
-                .unwrap()
+                .unwrap();
         };
         assert_eq!(buf.users(), 1);
         drop(engine);

@@ -1,5 +1,5 @@
 //! blockswap: move many small blocks between pinned host memory and GPU memory at the speed of the
-//! PCIe link.
+//! `PCIe` link.
 //!
 //! The crate is the core of the `blockswap` Python package, and a plain Rust library as well:
 //! `cargo test` needs neither Python nor a GPU. The layers, from the bottom:
@@ -19,7 +19,7 @@
 //! - [`backend`]: the host (memcpy) backend and the CUDA driver backend;
 //! - [`engine`]: submit / poll / wait / shutdown over a backend.
 //!
-//! The PyO3 bindings live in `py.rs`, behind the `python` feature that maturin enables.
+//! The `PyO3` bindings live in `py.rs`, behind the `python` feature that maturin enables.
 
 pub mod backend;
 pub mod completion;

@@ -126,6 +126,7 @@ impl Pool {
     }
 
     /// The most descriptors one slab holds.
+    #[must_use]
     pub const fn max_descriptors() -> usize {
         1 << MAX_CLASS
     }
@@ -239,7 +240,7 @@ impl Pool {
     pub fn stats(&self) -> PoolStats {
         PoolStats {
             slabs: self.slabs.load(Ordering::Relaxed),
-            free: self.free.iter().map(|q| q.len()).sum(),
+            free: self.free.iter().map(crossbeam_queue::ArrayQueue::len).sum(),
             bytes: self.bytes.load(Ordering::Relaxed),
             cap: self.cap,
         }
@@ -375,7 +376,7 @@ mod tests {
             self.0.wait(lane, seq, timeout)
         }
         fn inject_failures(&self, count: u64) {
-            self.0.inject_failures(count)
+            self.0.inject_failures(count);
         }
         fn shutdown(&self, deadline: Option<std::time::Instant>) -> u64 {
             self.0.shutdown(deadline)
@@ -399,7 +400,7 @@ mod tests {
         // Installs the engine's fork hook, which counts fork generations.
         drop(crate::engine::Engine::new(
             Arc::new(HostBackend::new()),
-            Default::default(),
+            crate::engine::EngineConfig::default(),
         ));
         // SAFETY: the child only drops a pool (lock-free queues, the heap, an atomic counter) and
         // leaves with `_exit`.
@@ -413,7 +414,7 @@ mod tests {
             child => {
                 let mut status = 0;
                 // SAFETY: waits for the child forked above.
-                assert_eq!(unsafe { libc::waitpid(child, &mut status, 0) }, child);
+                assert_eq!(unsafe { libc::waitpid(child, &raw mut status, 0) }, child);
                 assert!(libc::WIFEXITED(status));
                 assert_eq!(
                     libc::WEXITSTATUS(status),

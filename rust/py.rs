@@ -1,4 +1,4 @@
-//! PyO3 bindings: argument conversion, GIL release, error mapping. No decisions live here.
+//! `PyO3` bindings: argument conversion, GIL release, error mapping. No decisions live here.
 //! The engine here; host buffers and the module's functions in `py/`.
 
 mod functions;
@@ -169,7 +169,7 @@ fn as_u64<'a>(name: &str, a: &'a PyReadonlyArray1<'_, i64>) -> PyResult<&'a [u64
         .map_err(|_| invalid(format!("{name} must be a contiguous array")))?;
     // SAFETY: i64 and u64 have the same size and alignment and every bit pattern is valid for
     // both. Negative values become huge ones, which validation refuses by name.
-    Ok(unsafe { std::slice::from_raw_parts(s.as_ptr() as *const u64, s.len()) })
+    Ok(unsafe { std::slice::from_raw_parts(s.as_ptr().cast::<u64>(), s.len()) })
 }
 
 fn direction(s: &str) -> PyResult<Direction> {
@@ -616,7 +616,7 @@ impl PyEngine {
 
     /// Waits for transfers in flight and stops the backend; results stay available. Idempotent.
     fn shutdown(&self, py: Python<'_>) {
-        py.detach(|| self.engine.shutdown())
+        py.detach(|| self.engine.shutdown());
     }
 
     #[getter]
@@ -729,7 +729,7 @@ impl PyEngine {
         _value: Option<Bound<'_, PyAny>>,
         _tb: Option<Bound<'_, PyAny>>,
     ) {
-        self.shutdown(py)
+        self.shutdown(py);
     }
 }
 

@@ -24,6 +24,7 @@ pub enum MemoryKind {
 }
 
 impl MemoryKind {
+    #[must_use]
     pub fn as_str(self) -> &'static str {
         match self {
             MemoryKind::Host => "host",
@@ -31,6 +32,7 @@ impl MemoryKind {
         }
     }
 
+    #[must_use]
     pub fn parse(s: &str) -> Option<MemoryKind> {
         match s {
             "host" => Some(MemoryKind::Host),
@@ -190,14 +192,17 @@ impl RegionTable {
     }
 
     /// The registered regions, in address order.
+    #[must_use]
     pub fn regions(&self) -> &[Region] {
         &self.regions
     }
 
+    #[must_use]
     pub fn len(&self) -> usize {
         self.regions.len()
     }
 
+    #[must_use]
     pub fn is_empty(&self) -> bool {
         self.regions.is_empty()
     }
@@ -243,6 +248,7 @@ impl RegionTable {
     /// region of `kind`. One index where a single region holds the range; the starts of the
     /// others are the boundaries inside the range. `len` must be positive and `addr + len` must
     /// not overflow (the caller checked).
+    #[must_use]
     pub fn cover(&self, addr: u64, len: u64, kind: MemoryKind) -> Option<std::ops::Range<usize>> {
         let end = addr + len;
         let first = self

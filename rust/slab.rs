@@ -31,22 +31,27 @@ unsafe impl Sync for HostAlloc {}
 impl HostAlloc {
     /// # Safety
     /// `ptr` must point to `len` bytes that the creating backend owns until it frees them.
+    #[must_use]
     pub unsafe fn from_raw(ptr: NonNull<u8>, len: usize) -> Self {
         HostAlloc { ptr, len }
     }
 
+    #[must_use]
     pub fn as_ptr(&self) -> *mut u8 {
         self.ptr.as_ptr()
     }
 
+    #[must_use]
     pub fn addr(&self) -> u64 {
         self.ptr.as_ptr() as u64
     }
 
+    #[must_use]
     pub fn len(&self) -> usize {
         self.len
     }
 
+    #[must_use]
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
@@ -73,8 +78,10 @@ pub struct SlabInner {
 
 impl SlabInner {
     fn column(&self, i: usize) -> *mut u64 {
+        #[allow(clippy::cast_ptr_alignment)] // the allocation is 8-byte aligned (its layout says)
+        let base = self.alloc.as_ptr().cast::<u64>();
         // SAFETY: the allocation holds 3 * cap u64s; i < 3.
-        unsafe { (self.alloc.as_ptr() as *mut u64).add(i * self.cap) }
+        unsafe { base.add(i * self.cap) }
     }
 
     /// The descriptors in use, as the device reads them.
@@ -167,6 +174,7 @@ impl Slab {
         unsafe { Box::from_raw(ptr) }
     }
 
+    #[must_use]
     pub fn capacity(&self) -> usize {
         self.cap
     }
@@ -194,6 +202,7 @@ impl Slab {
     }
 
     /// A handle the backend keeps while the transfer is in flight.
+    #[must_use]
     pub fn share(&self) -> SlabRef {
         SlabRef(self.0)
     }
@@ -225,6 +234,7 @@ impl SlabRef {
     /// # Safety
     /// Only between [`Backend::submit`](crate::Backend::submit) receiving this handle and the
     /// backend publishing the transfer's completion.
+    #[must_use]
     pub unsafe fn get(&self) -> &SlabInner {
         // SAFETY: the caller upholds the in-flight window; the allocation is not freed then, and
         // it is never reached through a Box while shared (see [`Slab`]).

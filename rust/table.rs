@@ -38,6 +38,7 @@ pub struct TableSpec {
 
 impl TableSpec {
     /// An unnamed table counting single blocks (`name` empty, `unit` 1).
+    #[must_use]
     pub fn new(
         bases: Vec<u64>,
         strides: Vec<u64>,
@@ -57,6 +58,7 @@ impl TableSpec {
     }
 
     /// Names the table's blocks in errors, counting `unit` table blocks per named block.
+    #[must_use]
     pub fn named(mut self, name: &str, unit: u64) -> Self {
         self.name = name.to_string();
         self.unit = unit;
@@ -258,6 +260,7 @@ impl BlockTable {
     /// The boundaries no copy of the table may cross, sorted: between the adjacent regions a
     /// segment's span lies in, and the seams inside the table's span (empty where every segment
     /// lies in one region and no seam is near).
+    #[must_use]
     pub fn cuts(&self) -> &[u64] {
         &self.cuts
     }
@@ -286,12 +289,14 @@ impl BlockTable {
 
     /// Records the driver allocation of each segment (`base(address)`: the allocation's start, or
     /// `None` where the memory has no such bound), which block plans respect.
+    #[must_use]
     pub fn in_allocations(mut self, base: impl Fn(u64) -> Option<u64>) -> Self {
         self.allocations = self.bases.iter().map(|&b| base(b)).collect();
         self
     }
 
     /// Names the table's blocks in errors, counting `unit` table blocks per named block.
+    #[must_use]
     pub fn named(mut self, name: &str, unit: u64) -> Self {
         self.name = name.to_string();
         self.unit = unit.max(1);
@@ -307,6 +312,7 @@ impl BlockTable {
     }
 
     /// Whether the table touches `[start, end)`.
+    #[must_use]
     pub fn overlaps(&self, start: u64, end: u64) -> bool {
         (0..self.bases.len()).any(|s| {
             let len = (self.num_blocks - 1) * self.strides[s] + self.nbytes[s];
@@ -314,6 +320,7 @@ impl BlockTable {
         })
     }
 
+    #[must_use]
     pub fn segments(&self) -> usize {
         self.bases.len()
     }
@@ -541,6 +548,7 @@ pub struct Group<'a> {
 
 impl Group<'_> {
     /// The blocks the group moves (before its ids are checked: a bound for sizing a slab).
+    #[must_use]
     pub fn blocks(&self) -> usize {
         match self.chunks {
             Some(_) if self.src.unit > 1 => self.dst_ids.len(),

@@ -25,6 +25,7 @@ pub enum TransferState {
 }
 
 impl TransferState {
+    #[must_use]
     pub fn as_str(self) -> &'static str {
         match self {
             TransferState::Pending => "pending",
@@ -36,6 +37,7 @@ impl TransferState {
     }
 
     /// Done, Failed or Cancelled.
+    #[must_use]
     pub fn is_final(self) -> bool {
         matches!(
             self,
@@ -44,12 +46,9 @@ impl TransferState {
     }
 
     fn to(self, to: TransferState) -> Result<TransferState, TransitionError> {
-        use TransferState::*;
+        use TransferState::{Cancelled, Done, Failed, Pending, Submitted};
         match (self, to) {
-            (Pending, Submitted)
-            | (Pending, Cancelled)
-            | (Submitted, Done)
-            | (Submitted, Failed) => Ok(to),
+            (Pending, Submitted | Cancelled) | (Submitted, Done | Failed) => Ok(to),
             (from, to) => Err(TransitionError { from, to }),
         }
     }

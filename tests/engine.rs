@@ -14,7 +14,7 @@ use proptest::prelude::*;
 fn checksum(b: &[u8]) -> u64 {
     // FNV-1a: order-sensitive, so a block landing in the wrong place changes it.
     b.iter().fold(0xcbf29ce484222325u64, |h, &x| {
-        (h ^ x as u64).wrapping_mul(0x100000001b3)
+        (h ^ u64::from(x)).wrapping_mul(0x100000001b3)
     })
 }
 
@@ -332,7 +332,7 @@ fn a_transfer_accepted_during_shutdown_runs() {
                                 Ok(()) => accepted.push(job),
                                 Err(EngineError::ShutDown) => break,
                                 Err(EngineError::TooManyInFlight { .. }) => {
-                                    std::thread::yield_now()
+                                    std::thread::yield_now();
                                 }
                                 Err(e) => panic!("round {round}: unexpected refusal {e}"),
                             }

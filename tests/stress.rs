@@ -69,7 +69,7 @@ impl Buffer {
     fn new(len: usize, fill: impl Fn(usize) -> u8) -> Self {
         let v: Vec<u8> = (0..len).map(fill).collect();
         Buffer {
-            ptr: Box::into_raw(v.into_boxed_slice()) as *mut u8,
+            ptr: Box::into_raw(v.into_boxed_slice()).cast::<u8>(),
             len,
         }
     }
@@ -231,12 +231,13 @@ impl World {
         n
     }
 
-    fn slot_offset(&self, thread: usize, slot: usize) -> usize {
+    fn slot_offset(thread: usize, slot: usize) -> usize {
         (thread * WINDOW + slot) * SLOT
     }
 }
 
 /// The "kernel" of routed transfers: copies descriptors `[0, len)` reading the slab in place.
+#[allow(clippy::unnecessary_wraps)] // a launcher's signature: a real one may fail
 fn kernel(b: KernelBatch) -> Result<(), String> {
     for i in 0..b.len {
         // SAFETY: the engine hands the launcher the slab's columns, valid for `len` entries, and
@@ -266,7 +267,7 @@ fn submit(
         kind_index(direction.src_kind()),
         kind_index(direction.dst_kind()),
     );
-    let base = w.slot_offset(thread, slot);
+    let base = World::slot_offset(thread, slot);
     let mut copies = vec![];
     let mut path = 0;
     let result = if rng.chance(20) {
@@ -391,15 +392,17 @@ fn submit(
                 copies,
             }))
         }
-        Err(EngineError::TooManyInFlight { .. })
-        | Err(EngineError::Pool(blockswap::pool::PoolError::Exhausted { .. })) => Ok(None),
+        Err(
+            EngineError::TooManyInFlight { .. }
+            | EngineError::Pool(blockswap::pool::PoolError::Exhausted { .. }),
+        ) => Ok(None),
         Err(e) => Err(e),
     }
 }
 
 /// Checks a finished transfer's slot byte by byte, then poisons it again.
 fn check(w: &World, thread: usize, p: &Pending, r: &TransferResult, image: &mut [u8]) -> bool {
-    let (buffer, at) = (&w.dst[p.kind], w.slot_offset(thread, p.slot));
+    let (buffer, at) = (&w.dst[p.kind], World::slot_offset(thread, p.slot));
     // SAFETY: the transfer writing this slot has completed (its result was polled), and the slot
     // belongs to this thread until it submits into it again.
     let slot = unsafe { buffer.slice(at, SLOT) };
@@ -518,14 +521,19 @@ fn run(transfers: u64) {
             .into_iter()
             .enumerate()
             .map(|(t, rx)| {
-                let quota = per + (t == 0) as u64 * (transfers % SUBMITTERS as u64);
+                let quota = per + u64::from(t == 0) * (transfers % SUBMITTERS as u64);
                 s.spawn(move || submitter(w, t, quota, rx))
             })
             .collect();
         // Joined before anything is unwrapped: a failed check stops the pollers too.
-        let outcomes: Vec<_> = workers.into_iter().map(|h| h.join()).collect();
+        let outcomes: Vec<_> = workers
+            .into_iter()
+            .map(std::thread::ScopedJoinHandle::join)
+            .collect();
         stop.store(true, Ordering::Release);
-        pollers.into_iter().for_each(|p| p.join().unwrap());
+        for p in pollers {
+            p.join().unwrap();
+        }
         outcomes.into_iter().fold((0, 0), |a, o| match o {
             Ok(b) => (a.0 + b.0, a.1 + b.1),
             Err(panic) => std::panic::resume_unwind(panic),
@@ -593,11 +601,12 @@ fn stress_short() {
 
 /// `make stress-rust`: a million transfers (or `STRESS_TRANSFERS`), in release.
 #[test]
-#[ignore]
+#[ignore = "a million transfers: `make stress-rust`"]
 fn stress_long() {
     let n = std::env::var("STRESS_TRANSFERS")
         .ok()
-        .map(|v| v.parse().expect("STRESS_TRANSFERS is a number"))
-        .unwrap_or(1_000_000);
+        .map_or(1_000_000, |v| {
+            v.parse().expect("STRESS_TRANSFERS is a number")
+        });
     run(n);
 }

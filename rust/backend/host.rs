@@ -74,6 +74,7 @@ impl Default for HostBackend {
 }
 
 impl HostBackend {
+    #[must_use]
     pub fn new() -> Self {
         let shared = std::sync::Arc::new(Shared::default());
         let (tx, rx) = crossbeam_channel::bounded::<Job>(QUEUE_DEPTH);
@@ -104,7 +105,7 @@ fn next_job(rx: &Receiver<Job>) -> Option<Job> {
             Ok(job) => return Some(job),
             Err(crossbeam_channel::TryRecvError::Disconnected) => return None,
             Err(crossbeam_channel::TryRecvError::Empty) if start.elapsed() < SPIN => {
-                std::hint::spin_loop()
+                std::hint::spin_loop();
             }
             Err(crossbeam_channel::TryRecvError::Empty) => return rx.recv().ok(),
         }
@@ -241,7 +242,10 @@ fn worker_loop(rx: Receiver<Job>, shared: std::sync::Arc<Shared>) {
         // SeqCst pairs with the waiter's SeqCst increment: either it sees our store, or we see it.
         std::sync::atomic::fence(Ordering::SeqCst);
         if shared.waiters.load(Ordering::SeqCst) > 0 {
-            let _guard = shared.lock.lock().unwrap_or_else(|e| e.into_inner());
+            let _guard = shared
+                .lock
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
             shared.cond.notify_all();
         }
     }
@@ -316,7 +320,10 @@ impl Backend for HostBackend {
             // descriptors with the rest.
             Some((_, PageKernel::Loaded { .. })) | None => 0,
         };
-        let sender = self.sender.lock().unwrap_or_else(|e| e.into_inner());
+        let sender = self
+            .sender
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         let tx = sender.as_ref().ok_or(BackendError::ShutDown)?;
         tx.try_send(Job {
             lane,
@@ -352,7 +359,11 @@ impl Backend for HostBackend {
         }
         let deadline = timeout.map(|t| Instant::now() + t);
         self.shared.waiters.fetch_add(1, Ordering::SeqCst);
-        let mut guard = self.shared.lock.lock().unwrap_or_else(|e| e.into_inner());
+        let mut guard = self
+            .shared
+            .lock
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         let reached = loop {
             if self.shared.completed[lane.lane()].load(Ordering::SeqCst) >= seq {
                 break true;
@@ -370,7 +381,7 @@ impl Backend for HostBackend {
                 .shared
                 .cond
                 .wait_timeout(guard, step)
-                .unwrap_or_else(|e| e.into_inner())
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
                 .0;
         };
         drop(guard);
@@ -382,14 +393,22 @@ impl Backend for HostBackend {
     /// memory it may still copy cannot be handed back before it has. So nothing is left (0).
     fn shutdown(&self, _deadline: Option<Instant>) -> u64 {
         // Dropping the sender lets the worker finish what is queued, then exit.
-        self.sender.lock().unwrap_or_else(|e| e.into_inner()).take();
-        if let Some(worker) = self.worker.lock().unwrap_or_else(|e| e.into_inner()).take() {
-            if crate::fork::fork_generation() != self.generation {
+        self.sender
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        if let Some(worker) = self
+            .worker
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take()
+        {
+            if crate::fork::fork_generation() == self.generation {
+                let _ = worker.join();
+            } else {
                 // A forked child's copy of the handle: the thread exists only in the parent, and
                 // joining (or detaching) it here fails.
                 std::mem::forget(worker);
-            } else {
-                let _ = worker.join();
             }
         }
         0

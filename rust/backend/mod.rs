@@ -89,12 +89,11 @@ impl fmt::Display for BackendError {
                 reason,
             } => write!(f, "copy failed: {reason}"),
             BackendError::Injected { index } => write!(f, "injected failure at descriptor {index}"),
-            BackendError::BadMemory(why) => f.write_str(why),
+            BackendError::BadMemory(why) | BackendError::InvalidArgument(why) => f.write_str(why),
             BackendError::OutOfMemory { bytes } => {
                 write!(f, "could not allocate {bytes} bytes of host memory")
             }
             BackendError::ShutDown => f.write_str("the backend is shut down"),
-            BackendError::InvalidArgument(why) => f.write_str(why),
             BackendError::StillInFlight { transfers } => write!(
                 f,
                 "{transfers} transfers were still in flight when the backend stopped waiting for \
@@ -171,6 +170,7 @@ impl fmt::Debug for PageKernel<'_> {
 /// about four steps of `rows` items for each of `ctas` CTAs, a descriptor cut into slices of at
 /// least `row_bytes` where there are too few descriptors to go round. A spec without
 /// `row_bytes` (0) never slices.
+#[must_use]
 pub fn kernel_split(spec: &KernelSpec, n: u64, max_size: u64) -> u64 {
     let row_bytes = u64::from(spec.row_bytes);
     if row_bytes == 0 || n == 0 {
@@ -223,7 +223,10 @@ impl std::str::FromStr for KernelParam {
 
     /// The names the Python layer gives (`blockswap.kernels`).
     fn from_str(s: &str) -> Result<Self, String> {
-        use KernelParam::*;
+        use KernelParam::{
+            Bases, Count, DstBase, Dsts, Ids, Offsets, RingBase, RingSrc, Rings, Segments, Sizes,
+            Split, SrcBase, Srcs, Strides,
+        };
         Ok(match s {
             "srcs" => Srcs,
             "dsts" => Dsts,
@@ -264,7 +267,10 @@ impl KernelKind {
     /// The kind of a kernel taking `params`, or why it is none: every parameter at most once,
     /// and each kind's own all there, none of the other's.
     pub fn of(params: &[KernelParam]) -> Result<Self, String> {
-        use KernelParam::*;
+        use KernelParam::{
+            Bases, Count, DstBase, Dsts, Ids, Offsets, RingBase, RingSrc, Rings, Segments, Sizes,
+            Split, SrcBase, Srcs, Strides,
+        };
         const PAGES: &[KernelParam] = &[Srcs, Dsts, Sizes, Count];
         const STAGED: &[KernelParam] = &[
             Ids, Rings, Bases, Strides, Offsets, Count, Segments, RingBase, RingSrc,
@@ -324,7 +330,7 @@ impl KernelSpec {
 /// The staged plan of a transfer (see [`crate::table::staged`]): the slab's first `rows`
 /// entries are host rows `(address, ring offset, bytes)`, those from `first_block` on a block
 /// entry per block, whose pages [`crate::table::staged_pages`] names, their ring side an offset
-/// from the transfer's first row. The backend moves the rows across PCIe one copy each into (or
+/// from the transfer's first row. The backend moves the rows across `PCIe` one copy each into (or
 /// out of) the slots of its staging ring, a step of whole rows per slot, and the pages between a
 /// slot and the GPU pages with `kernel` (by memcpy on the host backend).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -342,7 +348,7 @@ pub struct StagedRequest {
 }
 
 /// A step is cut to at most `ceil(rows / STAGED_MIN_STEPS)` rows, so that a transfer of enough
-/// rows runs in at least this many steps over the two slots: one step's copy across PCIe then
+/// rows runs in at least this many steps over the two slots: one step's copy across `PCIe` then
 /// overlaps the previous step's kernel. One step per transfer held 4 KiB pages to 54-81 % of the
 /// link isolated, four 88-91 % (H100, `benches/probe_staged.py`, docs/benchmarks.md).
 pub const STAGED_MIN_STEPS: usize = 4;
@@ -360,6 +366,7 @@ pub struct StagedStep {
 /// `ceil(rows / STAGED_MIN_STEPS)` rows each; a step's blocks are those whose ring offset lies in
 /// its rows. `block_ring`: the block entries' ring offsets. Rows and blocks come in ring order,
 /// as the table code writes them.
+#[must_use]
 pub fn staged_steps(
     row_ring: &[u64],
     row_bytes: &[u64],
@@ -561,6 +568,7 @@ pub const MAX_IN_FLIGHT: usize = host::QUEUE_DEPTH / 4;
 /// least 1, at most [`MAX_IN_FLIGHT`], as the engine clamps it for such a backend. A backend
 /// sizing rings by it (the CUDA backend) holds every transfer the engine lets into flight, and no
 /// more.
+#[must_use]
 pub fn clamp_in_flight(max_in_flight: usize) -> usize {
     max_in_flight.clamp(1, MAX_IN_FLIGHT)
 }

@@ -207,11 +207,11 @@ fn check_disjoint_buckets(
     scratch: &mut Scratch,
 ) -> Option<Result<(), DescriptorError>> {
     let n = dst.len() as u64;
-    if n > u32::MAX as u64 || min_size == 0 {
+    if n > u64::from(u32::MAX) || min_size == 0 {
         return None;
     }
     // w = 2^shift <= min_size: starts less than w apart overlap.
-    let shift = 63 - min_size.leading_zeros();
+    let shift = min_size.ilog2();
     let buckets = ((hi - lo) >> shift) + 1;
     if buckets > BUCKETS_PER_RANGE * n || buckets > MAX_BUCKETS {
         return None;

@@ -226,10 +226,10 @@ fn partition_moves_small_descriptors_first() {
     );
     assert_eq!((k, max, align), (2, 64, 8));
     let mut small: Vec<_> = (0..k).map(|i| (s[i], d[i], z[i])).collect();
-    small.sort();
+    small.sort_unstable();
     assert_eq!(small, vec![(0x100, 0x1000, 64), (0x300, 0x3000, 8)]);
     let mut large: Vec<_> = (k..4).map(|i| (s[i], d[i], z[i])).collect();
-    large.sort();
+    large.sort_unstable();
     assert_eq!(large, vec![(0x200, 0x2000, 4096), (0x400, 0x4000, 1 << 20)]);
 }
 
@@ -292,7 +292,7 @@ mod fuzz {
                         z.push(blk);
                         next += blk;
                     }
-                    next += gap as u64;
+                    next += u64::from(gap);
                 }
                 if s.is_empty() {
                     (vec![HOST], vec![DEV], vec![1])
@@ -355,7 +355,7 @@ mod fuzz {
             }
             // Destinations disjoint, and every destination byte gets the same source byte.
             let mut ranges: Vec<_> = (0..p.len).map(|i| (od[i], oz[i])).collect();
-            ranges.sort();
+            ranges.sort_unstable();
             prop_assert!(ranges.windows(2).all(|w| w[0].0 + w[0].1 <= w[1].0));
             prop_assert_eq!(
                 byte_map(&os[..p.len], &od[..p.len], &oz[..p.len]),
@@ -467,7 +467,7 @@ mod blocks {
                         && *ps + *pz == s[i]
                         && *pd + *pz == d[i] =>
                 {
-                    *pz += z[i]
+                    *pz += z[i];
                 }
                 _ => runs.push((s[i], d[i], z[i], rs, rd)),
             }

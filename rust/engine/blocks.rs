@@ -51,6 +51,7 @@ pub struct GroupIds<'a> {
 
 impl<'a> GroupIds<'a> {
     /// Both sides named by table blocks.
+    #[must_use]
     pub fn blocks(src_table: u32, src_ids: &'a [u64], dst_table: u32, dst_ids: &'a [u64]) -> Self {
         GroupIds {
             src_table,

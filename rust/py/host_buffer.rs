@@ -2,7 +2,7 @@
 
 use pyo3::prelude::*;
 
-use super::*;
+use super::{cuda, hostmem, invalid, HostBuffer, Pinner};
 
 /// Host memory of `rows` rows of `row_bytes` bytes, exactly that size, page-locked in pieces of
 /// whole rows of at most `piece_bytes` (on the CUDA backend; on the host backend nothing is

@@ -30,6 +30,7 @@ pub struct Run {
 /// CPU cache (every page of a block in one chunk) against layer tensors at one pitch is one run.
 /// A run stays inside one driver allocation per side (see [`BlockTable::in_allocations`]), and
 /// no block's run crosses a boundary between two registered regions on either side.
+#[must_use]
 pub fn block_runs(src: &BlockTable, dst: &BlockTable) -> Option<Vec<Run>> {
     if src.nbytes != dst.nbytes || !dst.disjoint {
         return None;

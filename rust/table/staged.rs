@@ -1,4 +1,4 @@
-//! The staged plan's slab: host rows that cross PCIe, and the blocks whose pages a kernel
+//! The staged plan's slab: host rows that cross `PCIe`, and the blocks whose pages a kernel
 //! scatters out of (or gathers into) a device staging ring, each named by its block id and the
 //! geometry of its table, so that no page has a descriptor of its own.
 //!
@@ -15,7 +15,7 @@
 //! offset[s]` in the ring: [`staged_pages`] walks them (the host backend, the tests), and the
 //! CUDA backend's kernel computes them the same way. The slab for 32 blocks of 80 layers' K and
 //! V pages holds 32 + 32 + 163 entries, not a descriptor per page (5,152): the submitting thread
-//! writes a few hundred words, and the kernel's descriptors cross PCIe as a few KiB.
+//! writes a few hundred words, and the kernel's descriptors cross `PCIe` as a few KiB.
 
 use super::{check_ids, BlockTable, Pair, TableError};
 use crate::descriptor::{Columns, Prepared, Scratch};
@@ -25,8 +25,9 @@ pub const STAGED_TABLE_EXTRA: usize = 2;
 
 /// The bytes of one block's row in a block-major table (every segment of a block, in table
 /// order, in one contiguous chunk at the block's stride), where the whole row of every block lies
-/// in one registered region: what the staged plan moves across PCIe as one copy per block. `None`
+/// in one registered region: what the staged plan moves across `PCIe` as one copy per block. `None`
 /// for any other layout.
+#[must_use]
 pub fn staged_row(t: &BlockTable) -> Option<u64> {
     let stride = t.strides[0];
     let mut end = t.bases[0];
@@ -54,6 +55,7 @@ pub struct StagedCursor {
 
 impl StagedCursor {
     /// A cursor at the start of a slab for `rows` blocks in all.
+    #[must_use]
     pub fn new(rows: usize, merge: u64) -> Self {
         StagedCursor {
             rows,

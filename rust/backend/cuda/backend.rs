@@ -62,7 +62,10 @@ impl CudaBackend {
 
     /// Starts `lane`'s issuing thread if it is not running.
     fn start_worker(&self, lane: Direction) -> Result<(), BackendError> {
-        let mut w = self.workers.lock().unwrap_or_else(|e| e.into_inner());
+        let mut w = self
+            .workers
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         if w[lane.lane()].is_some() {
             return Ok(());
         }
@@ -87,7 +90,10 @@ impl Drop for CudaBackend {
         self.stopping.store(true, Ordering::Release);
         for l in self.lanes.iter() {
             // Under the queue's lock: a worker between its check and its wait sees the flag.
-            let _q = l.queue.lock().unwrap_or_else(|e| e.into_inner());
+            let _q = l
+                .queue
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
             l.work.notify_all();
         }
         // Each thread issues what it was handed, then ends: an accepted transfer runs.
@@ -169,7 +175,7 @@ impl Shared {
         let mut device = 0;
         // SAFETY: symbols checked by `driver_available`; cuDeviceGet writes one handle.
         check("cuDeviceGet", unsafe {
-            sys::cuDeviceGet(&mut device, opts.device)
+            sys::cuDeviceGet(&raw mut device, opts.device)
         })?;
         // From here on every resource is owned by a local: an early return drops them in reverse
         // order (lanes, counters, the binding, the context).
@@ -309,7 +315,7 @@ impl Backend for CudaBackend {
             let (mut offset, mut size) = (0usize, 0usize);
             // SAFETY: `f` is a CUfunction of this context (the caller's contract); the driver
             // writes two integers, or fails past the last parameter.
-            if unsafe { info(f, sizes.len(), &mut offset, &mut size) }
+            if unsafe { info(f, sizes.len(), &raw mut offset, &raw mut size) }
                 != sys::CUresult::CUDA_SUCCESS
             {
                 break;
@@ -334,7 +340,7 @@ impl Backend for CudaBackend {
         // SAFETY: writes one int.
         check("cuFuncGetAttribute", unsafe {
             sys::cuFuncGetAttribute(
-                &mut most,
+                &raw mut most,
                 sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK,
                 f,
             )
@@ -349,7 +355,10 @@ impl Backend for CudaBackend {
             Ok(kind) => kind,
             Err(why) => return bad(why),
         };
-        let mut kernels = self.kernels.write().unwrap_or_else(|e| e.into_inner());
+        let mut kernels = self
+            .kernels
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         let id = kernels.len() as u32;
         kernels.push(LoadedKernel {
             function: spec.function,
@@ -364,7 +373,7 @@ impl Backend for CudaBackend {
         let _ctx = self.make_current().ok()?;
         let (mut base, mut size) = (0 as sys::CUdeviceptr, 0usize);
         // SAFETY: two out-pointers to locals; the driver only looks the address up.
-        let r = unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, addr) };
+        let r = unsafe { sys::cuMemGetAddressRange_v2(&raw mut base, &raw mut size, addr) };
         (r == sys::CUresult::CUDA_SUCCESS).then_some(base)
     }
 
@@ -428,12 +437,12 @@ impl Backend for CudaBackend {
         // reads device->host results from it).
         check("cuMemHostAlloc", unsafe {
             sys::cuMemHostAlloc(
-                &mut p,
+                &raw mut p,
                 bytes.max(1),
                 sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP,
             )
         })?;
-        let p = ptr::NonNull::new(p as *mut u8).ok_or(BackendError::OutOfMemory { bytes })?;
+        let p = ptr::NonNull::new(p.cast::<u8>()).ok_or(BackendError::OutOfMemory { bytes })?;
         // SAFETY: `p` owns `bytes` bytes until free_host.
         Ok(unsafe { HostAlloc::from_raw(p, bytes.max(1)) })
     }
@@ -443,7 +452,10 @@ impl Backend for CudaBackend {
             // Nothing can be checked or freed without the context: leaked.
             return;
         };
-        let mut deferred = self.deferred.lock().unwrap_or_else(|e| e.into_inner());
+        let mut deferred = self
+            .deferred
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         if !self.may_free() {
             // A lane the engine gave up on may still reach it: freed once every lane is idle.
             deferred.push(alloc);
@@ -453,7 +465,7 @@ impl Backend for CudaBackend {
             // SAFETY: allocated by cuMemHostAlloc; the caller guarantees nothing touches it again
             // and, for memory deferred, every lane is idle now. Errors are ignored: freeing must
             // not panic, and there is nothing left to do.
-            let _ = unsafe { result::free_host(a.as_ptr() as *mut c_void) };
+            let _ = unsafe { result::free_host(a.as_ptr().cast::<c_void>()) };
         }
     }
 
@@ -527,7 +539,7 @@ impl Backend for CudaBackend {
         l.pending.fetch_add(1, Ordering::AcqRel);
         l.queue
             .lock()
-            .unwrap_or_else(|e| e.into_inner())
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
             .push_back(job);
         l.work.notify_one();
         Ok(Submitted::Ok)
@@ -606,8 +618,8 @@ impl Backend for CudaBackend {
         let (start, end) = &l.timing_events[(seq as usize) % l.timing_events.len()];
         let mut ms = 0f32;
         // SAFETY: both events were recorded for this (complete) transfer; the call never blocks.
-        let r = unsafe { sys::cuEventElapsedTime_v2(&mut ms, start.raw, end.raw) };
-        (r == sys::CUresult::CUDA_SUCCESS).then_some((ms as f64 * 1e6) as u64)
+        let r = unsafe { sys::cuEventElapsedTime_v2(&raw mut ms, start.raw, end.raw) };
+        (r == sys::CUresult::CUDA_SUCCESS).then_some((f64::from(ms) * 1e6) as u64)
     }
 
     fn inject_failures(&self, count: u64) {
@@ -685,7 +697,7 @@ impl Drop for Shared {
                     for a in deferred.drain(..) {
                         // SAFETY: from cuMemHostAlloc, handed back by its owner, and every lane
                         // is idle: nothing can reach it any more.
-                        let _ = unsafe { result::free_host(a.as_ptr() as *mut c_void) };
+                        let _ = unsafe { result::free_host(a.as_ptr().cast::<c_void>()) };
                     }
                 }
                 idle

@@ -69,8 +69,8 @@ impl Shared {
             let n = chunk.min(src.len() - start);
             // The driver takes mutable pointers but only reads the arrays during the call.
             let (d, s, z) = (
-                dst[start..].as_ptr() as *mut sys::CUdeviceptr,
-                src[start..].as_ptr() as *mut sys::CUdeviceptr,
+                dst[start..].as_ptr().cast_mut(),
+                src[start..].as_ptr().cast_mut(),
                 size[start..].as_ptr() as *mut usize,
             );
             let mut fail_idx = usize::MAX;
@@ -84,20 +84,20 @@ impl Shared {
                         s,
                         z,
                         n,
-                        &mut attrs,
-                        &mut attr_idx,
+                        &raw mut attrs,
+                        &raw mut attr_idx,
                         1,
-                        &mut fail_idx,
+                        &raw mut fail_idx,
                         stream,
                     ),
-                    BatchFn::V13(f) => f(d, s, z, n, &mut attrs, &mut attr_idx, 1, stream),
+                    BatchFn::V13(f) => f(d, s, z, n, &raw mut attrs, &raw mut attr_idx, 1, stream),
                 }
             };
             if r != sys::CUresult::CUDA_SUCCESS {
                 let index = if fail_idx < n {
                     Some(first + start + fail_idx)
                 } else {
-                    self.find_bad_descriptor(&src[start..start + n], &dst[start..start + n])
+                    Self::find_bad_descriptor(&src[start..start + n], &dst[start..start + n])
                         .map(|i| first + start + i)
                 };
                 return Err(BackendError::CopyFailed {
@@ -151,7 +151,7 @@ impl Shared {
             };
             // SAFETY: every row lies in a registered block table's pages (checked at registration
             // and submission); the struct is read during the call only; the stream is valid.
-            let r = unsafe { sys::cuMemcpy2DAsync_v2(&c, stream) };
+            let r = unsafe { sys::cuMemcpy2DAsync_v2(&raw const c, stream) };
             if r != sys::CUresult::CUDA_SUCCESS {
                 return Err(BackendError::CopyFailed {
                     index: Some(k),
@@ -220,7 +220,7 @@ impl Shared {
             // keep to one); the stream is valid.
             let r = unsafe {
                 match batch3d {
-                    Batch3dFn::V12(f) => f(n, list, &mut fail_idx, 0, stream),
+                    Batch3dFn::V12(f) => f(n, list, &raw mut fail_idx, 0, stream),
                     Batch3dFn::V13(f) => f(n, list, 0, stream),
                 }
             };

@@ -153,7 +153,7 @@ impl fmt::Debug for BatchFn {
 pub(super) fn error_name(code: sys::CUresult) -> String {
     let mut p: *const std::ffi::c_char = ptr::null();
     // SAFETY: cuGetErrorName writes a pointer to a static string or leaves it null.
-    let r = unsafe { sys::cuGetErrorName(code, &mut p) };
+    let r = unsafe { sys::cuGetErrorName(code, &raw mut p) };
     if r == sys::CUresult::CUDA_SUCCESS && !p.is_null() {
         // SAFETY: the driver returns a NUL-terminated static string.
         unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
@@ -204,7 +204,7 @@ pub fn driver_available() -> Result<i32, BackendError> {
     let mut version = 0;
     // SAFETY: as above; writes one int.
     check("cuDriverGetVersion", unsafe {
-        sys::cuDriverGetVersion(&mut version)
+        sys::cuDriverGetVersion(&raw mut version)
     })?;
     Ok(version)
 }
@@ -217,10 +217,10 @@ pub(super) fn resolve(name: &str, version: i32) -> Option<*mut c_void> {
     let r = unsafe {
         sys::cuGetProcAddress_v2(
             cname.as_ptr(),
-            &mut pfn,
+            &raw mut pfn,
             version,
             sys::CUdriverProcAddress_flags::CU_GET_PROC_ADDRESS_DEFAULT as u64,
-            &mut status,
+            &raw mut status,
         )
     };
     (r == sys::CUresult::CUDA_SUCCESS
@@ -258,6 +258,7 @@ pub(super) fn driver_error(call: &'static str, e: DriverError) -> BackendError {
 }
 
 /// Called before each driver resource is created: a test may make that creation fail.
+#[allow(clippy::unnecessary_wraps)] // fails only in tests, where a hook says so
 pub(super) fn may_create(call: &'static str) -> Result<(), BackendError> {
     #[cfg(test)]
     {
@@ -286,9 +287,10 @@ pub(super) fn may_create(call: &'static str) -> Result<(), BackendError> {
 }
 
 /// Counts driver resources made (+1) and dropped (-1), for the tests.
-pub(super) fn tally(_delta: i64) {
+#[cfg_attr(not(test), allow(clippy::needless_pass_by_value, unused_variables))]
+pub(super) fn tally(delta: i64) {
     #[cfg(test)]
-    hooks::LIVE.with(|l| l.set(l.get() + _delta));
+    hooks::LIVE.with(|l| l.set(l.get() + delta));
 }
 
 /// Test hooks on the driver resources a thread creates: how many are alive, and a failure

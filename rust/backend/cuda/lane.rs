@@ -68,12 +68,13 @@ impl CudaLane {
         i: usize,
         stream: Option<u64>,
     ) -> Result<Self, BackendError> {
+        #[allow(clippy::cast_ptr_alignment)] // 64-byte slots of a page-aligned allocation
         // SAFETY: inside the 4 * 64-byte allocation, 8-byte aligned.
-        let counter = unsafe { counters.as_ptr().add(i * 64) } as *mut u64;
+        let counter = unsafe { counters.as_ptr().add(i * 64) }.cast::<u64>();
         let mut counter_dev = 0;
         // SAFETY: `counter` lies in mapped pinned memory; the driver writes one device pointer.
         check("cuMemHostGetDevicePointer", unsafe {
-            sys::cuMemHostGetDevicePointer_v2(&mut counter_dev, counter as *mut c_void, 0)
+            sys::cuMemHostGetDevicePointer_v2(&raw mut counter_dev, counter.cast::<c_void>(), 0)
         })?;
         let stream = match stream {
             Some(s) => Stream::borrowed(s, ctx),
@@ -229,7 +230,11 @@ impl Shared {
     /// An event of the lane's pool (made if the pool is empty) recorded on the caller's stream.
     pub(super) fn record_dep(&self, lane: Direction, stream: u64) -> Result<Event, BackendError> {
         let l = self.lane(lane);
-        let pooled = l.deps.lock().unwrap_or_else(|e| e.into_inner()).pop();
+        let pooled = l
+            .deps
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .pop();
         let ev = match pooled {
             Some(ev) => ev,
             None => Event::create(self.ctx.raw, false)?,
@@ -242,7 +247,10 @@ impl Shared {
         match r {
             Ok(()) => Ok(ev),
             Err(e) => {
-                l.deps.lock().unwrap_or_else(|e| e.into_inner()).push(ev);
+                l.deps
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .push(ev);
                 Err(e)
             }
         }
@@ -251,10 +259,16 @@ impl Shared {
     /// Blocks until the lane's issuing thread has issued everything handed to it.
     pub(super) fn wait_drained(&self, lane: Direction) {
         let l = self.lane(lane);
-        let mut q = l.queue.lock().unwrap_or_else(|e| e.into_inner());
+        let mut q = l
+            .queue
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         // Acquire: pairs with the Release decrement in `work`.
         while l.pending.load(Ordering::Acquire) != 0 {
-            q = l.drained.wait(q).unwrap_or_else(|e| e.into_inner());
+            q = l
+                .drained
+                .wait(q)
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
         }
     }
 
@@ -265,7 +279,10 @@ impl Shared {
         let l = self.lane(lane);
         loop {
             let job = {
-                let mut q = l.queue.lock().unwrap_or_else(|e| e.into_inner());
+                let mut q = l
+                    .queue
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
                 loop {
                     if let Some(job) = q.pop_front() {
                         break job;
@@ -274,7 +291,10 @@ impl Shared {
                     if self.stopping.load(Ordering::Acquire) {
                         return;
                     }
-                    q = l.work.wait(q).unwrap_or_else(|e| e.into_inner());
+                    q = l
+                        .work
+                        .wait(q)
+                        .unwrap_or_else(std::sync::PoisonError::into_inner);
                 }
             };
             if l.error.get().is_none() {
@@ -294,7 +314,10 @@ impl Shared {
                     }
                 }
             }
-            let _q = l.queue.lock().unwrap_or_else(|e| e.into_inner());
+            let _q = l
+                .queue
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
             // Release: the slab is not touched after this (pairs with Acquire loads in
             // `wait_drained` and `failed`).
             if l.pending.fetch_sub(1, Ordering::AcqRel) == 1 {
@@ -368,7 +391,10 @@ impl Shared {
         }
         if let Some(dep) = job.dep {
             // Every wait on it is queued: it may be recorded again.
-            l.deps.lock().unwrap_or_else(|e| e.into_inner()).push(dep);
+            l.deps
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .push(dep);
         }
         let tail = self.marker_stream(lane, job.staged.is_some());
         if let (Ok(()), Some((_, end))) = (&outcome, timing) {
@@ -405,7 +431,7 @@ impl Shared {
 
     /// After a failed batch whose ABI does not say which descriptor failed: the first one whose
     /// source or destination the driver does not know.
-    pub(super) fn find_bad_descriptor(&self, src: &[u64], dst: &[u64]) -> Option<usize> {
+    pub(super) fn find_bad_descriptor(src: &[u64], dst: &[u64]) -> Option<usize> {
         (0..src.len()).find(|&i| memory_type(src[i]).is_none() || memory_type(dst[i]).is_none())
     }
 

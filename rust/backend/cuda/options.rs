@@ -97,6 +97,7 @@ pub struct CudaOptions {
 }
 
 impl CudaOptions {
+    #[must_use]
     pub fn new(device: i32) -> Self {
         CudaOptions {
             device,

@@ -16,7 +16,7 @@ pub(super) fn memory_type(addr: u64) -> Option<sys::CUmemorytype> {
     // SAFETY: writes one u32 (CUmemorytype) for a pointer attribute query; any address is allowed.
     let r = unsafe {
         sys::cuPointerGetAttribute(
-            &mut t as *mut u32 as *mut c_void,
+            (&raw mut t).cast::<c_void>(),
             sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
             addr,
         )
@@ -36,7 +36,7 @@ pub(super) fn memory_type(addr: u64) -> Option<sys::CUmemorytype> {
 pub(super) fn pointer_u64(addr: u64, attr: sys::CUpointer_attribute) -> Option<u64> {
     let mut v: u64 = 0;
     // SAFETY: the range attributes are pointer-sized (CUdeviceptr / size_t).
-    let r = unsafe { sys::cuPointerGetAttribute(&mut v as *mut u64 as *mut c_void, attr, addr) };
+    let r = unsafe { sys::cuPointerGetAttribute((&raw mut v).cast::<c_void>(), attr, addr) };
     (r == sys::CUresult::CUDA_SUCCESS).then_some(v)
 }
 
@@ -45,7 +45,7 @@ pub(super) fn device_ordinal(addr: u64) -> Option<i32> {
     // SAFETY: the ordinal attribute is an int.
     let r = unsafe {
         sys::cuPointerGetAttribute(
-            &mut v as *mut i32 as *mut c_void,
+            (&raw mut v).cast::<c_void>(),
             sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
             addr,
         )
@@ -70,6 +70,7 @@ pub(super) fn driver_has(symbol: &str) -> bool {
 /// What the driver says `addr` is: `Host` for page-locked host memory, `Device` for any other
 /// memory it knows (the CPU cannot read it directly). `None` where it does not know the address
 /// (ordinary pageable host memory) and where there is no driver to ask.
+#[must_use]
 pub fn memory_kind(addr: u64) -> Option<MemoryKind> {
     if !driver_has("cuPointerGetAttribute") {
         return None;
@@ -92,7 +93,7 @@ pub fn host_device_pointer(host: u64) -> Result<Option<u64>, BackendError> {
     // SAFETY: the symbol is present (checked above); the driver writes one device pointer and only
     // looks `host` up, never dereferences it.
     check("cuMemHostGetDevicePointer", unsafe {
-        sys::cuMemHostGetDevicePointer_v2(&mut dev, host as *mut c_void, 0)
+        sys::cuMemHostGetDevicePointer_v2(&raw mut dev, host as *mut c_void, 0)
     })?;
     Ok(Some(dev))
 }

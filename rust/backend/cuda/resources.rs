@@ -146,7 +146,9 @@ impl DeviceMem {
         let _bound = bind(ctx)?;
         let mut ptr = 0;
         // SAFETY: writes one device pointer.
-        check("cuMemAlloc", unsafe { sys::cuMemAlloc_v2(&mut ptr, len) })?;
+        check("cuMemAlloc", unsafe {
+            sys::cuMemAlloc_v2(&raw mut ptr, len)
+        })?;
         tally(1);
         Ok(DeviceMem { ptr, ctx })
     }
@@ -201,7 +203,7 @@ impl PinnedHost {
         }
         .map_err(|e| driver_error("cuMemHostAlloc", e))?;
         let ptr =
-            ptr::NonNull::new(p as *mut u8).ok_or(BackendError::OutOfMemory { bytes: len })?;
+            ptr::NonNull::new(p.cast::<u8>()).ok_or(BackendError::OutOfMemory { bytes: len })?;
         // SAFETY: `len` bytes just allocated, not shared yet.
         unsafe { ptr::write_bytes(ptr.as_ptr(), 0, len) };
         tally(1);
@@ -218,7 +220,7 @@ impl Drop for PinnedHost {
         if let Ok(_bound) = bind(self.ctx) {
             // SAFETY: allocated by `alloc` and freed once, here; the owner drops it only once no
             // stream can write it. Errors are ignored: Drop must not panic.
-            let _ = unsafe { result::free_host(self.ptr.as_ptr() as *mut c_void) };
+            let _ = unsafe { result::free_host(self.ptr.as_ptr().cast::<c_void>()) };
         }
         tally(-1);
     }
@@ -271,7 +273,9 @@ impl HostPinner {
         driver_available()?;
         let mut dev = 0;
         // SAFETY: symbols checked by `driver_available`; cuDeviceGet writes one handle.
-        check("cuDeviceGet", unsafe { sys::cuDeviceGet(&mut dev, device) })?;
+        check("cuDeviceGet", unsafe {
+            sys::cuDeviceGet(&raw mut dev, device)
+        })?;
         Ok(HostPinner {
             ctx: PrimaryCtx::retain(dev)?,
         })

@@ -39,7 +39,7 @@ struct StagedLaunch {
 }
 
 /// One lane's staging resources, made on its first staged transfer: a ring of two slots in
-/// device memory, a stream for the kernels (the lane's stream does the copies across PCIe) and
+/// device memory, a stream for the kernels (the lane's stream does the copies across `PCIe`) and
 /// the events that hand each slot between the two.
 #[derive(Debug)]
 pub(super) struct Stage {
@@ -59,11 +59,11 @@ pub(super) struct Stage {
     join: Event,
     /// The lane's last completion marker went on the kernel stream: the next one written on
     /// the lane's stream waits for it (`join`), so markers stay in order.
-    marker_on_stage: bool,
+    marker_on_kernels: bool,
     /// Steps issued on the lane so far: the next takes slot `steps % 2`.
     steps: u64,
     /// Device memory the transfer's block entries and geometries are copied into before its
-    /// first kernel, so the kernels read them from HBM, not across the PCIe link the rows are crossing. One
+    /// first kernel, so the kernels read them from HBM, not across the `PCIe` link the rows are crossing. One
     /// per lane: the copy goes on the kernel stream, after every kernel of the lane's earlier
     /// transfers.
     desc: Option<DeviceMem>,
@@ -105,7 +105,7 @@ impl Stage {
             ready: [Event::create(ctx, false)?, Event::create(ctx, false)?],
             free: [Event::create(ctx, false)?, Event::create(ctx, false)?],
             join: Event::create(ctx, false)?,
-            marker_on_stage: false,
+            marker_on_kernels: false,
             steps: 0,
             desc: None,
             desc_bytes: 0,
@@ -121,7 +121,7 @@ impl Shared {
     /// Issues a staged transfer (see [`StagedRequest`]): per step, CPU -> GPU, the step's rows
     /// copied into a ring slot on the lane's stream, then the kernel moving its pages from the
     /// slot into the GPU pages on the stage's stream; GPU -> CPU the kernel into the slot, then
-    /// the rows out of it. Two slots: a step's copy across PCIe overlaps the previous step's
+    /// the rows out of it. Two slots: a step's copy across `PCIe` overlaps the previous step's
     /// kernel, also across transfers (the lane's stream never waits for a kernel of an earlier
     /// transfer, only for its slot). The completion marker goes where
     /// [`CudaBackend::marker_stream`] says: after every kernel issued, whatever failed, so a
@@ -146,7 +146,10 @@ impl Shared {
                 req.kernel
             )));
         };
-        let mut stage = l.stage.lock().unwrap_or_else(|e| e.into_inner());
+        let mut stage = l
+            .stage
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         if stage.as_ref().is_some_and(|st| st.slot != req.slot_bytes) {
             return Err(BackendError::InvalidArgument(format!(
                 "this lane's staging slots are {} bytes, the transfer asks for {}",
@@ -243,7 +246,7 @@ impl Shared {
                             ring_base: shift,
                             ring_src: host_src,
                         };
-                        self.launch(&kernel, kstream, cols, (b, (end - b) as u64, 1), Some(at))?;
+                        Self::launch(&kernel, kstream, cols, (b, (end - b) as u64, 1), Some(at))?;
                         b = end;
                     }
                     Ok::<(), BackendError>(())
@@ -290,7 +293,10 @@ impl Shared {
     /// Where an ordering call fails, this waits for the kernel stream instead.
     pub(super) fn marker_stream(&self, lane: Direction, staged: bool) -> sys::CUstream {
         let l = self.lane(lane);
-        let mut stage = l.stage.lock().unwrap_or_else(|e| e.into_inner());
+        let mut stage = l
+            .stage
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         let Some(st) = stage.as_mut() else {
             return l.stream.raw;
         };
@@ -300,15 +306,15 @@ impl Shared {
             && l.stream.owned
             && order(&st.lane_done, l.stream.raw, kstream).is_ok()
         {
-            st.marker_on_stage = true;
+            st.marker_on_kernels = true;
             return kstream;
         }
-        if staged || st.marker_on_stage {
+        if staged || st.marker_on_kernels {
             if order(&st.join, kstream, l.stream.raw).is_err() {
                 // SAFETY: a valid stream; blocks until its work is done.
                 let _ = unsafe { sys::cuStreamSynchronize(kstream) };
             }
-            st.marker_on_stage = false;
+            st.marker_on_kernels = false;
         }
         l.stream.raw
     }
@@ -319,7 +325,6 @@ impl Shared {
     /// kernel may read `cols` until it ends and that every address the entries name may be
     /// written or read as they say.
     fn launch(
-        &self,
         k: &LoadedKernel,
         stream: sys::CUstream,
         cols: [u64; 3],
@@ -353,7 +358,7 @@ impl Shared {
         let items = n.saturating_mul(staged.map_or(split, |g| g.segments));
         let mut ptrs = [ptr::null_mut::<c_void>(); MAX_KERNEL_PARAMS];
         for (p, v) in ptrs.iter_mut().zip(vals.iter_mut()).take(k.total) {
-            *p = (v as *mut u64).cast();
+            *p = std::ptr::from_mut::<u64>(v).cast();
         }
         let grid = items
             .div_ceil(u64::from(k.spec.rows))
@@ -410,7 +415,7 @@ impl Shared {
             // The kernel reads the descriptors from the slab's pinned columns in place (mapped
             // memory, alive until the lane's marker after this launch is seen); every address
             // they name was checked against registered memory at submission.
-            self.launch(&k, stream, cols, (p0, n, split), None)?;
+            Self::launch(&k, stream, cols, (p0, n, split), None)?;
             p0 += n as usize;
         }
         Ok(())

@@ -19,19 +19,20 @@ use crate::region::MemoryKind;
 /// The tests that make a backend share the device's primary context, whose state some check.
 fn gpu() -> MutexGuard<'static, ()> {
     static GPU: Mutex<()> = Mutex::new(());
-    GPU.lock().unwrap_or_else(|e| e.into_inner())
+    GPU.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// Driver resources alive that this thread made.
 fn live() -> i64 {
-    hooks::LIVE.with(|l| l.get())
+    hooks::LIVE.with(std::cell::Cell::get)
 }
 
 fn device0() -> sys::CUdevice {
     driver_available().expect("a CUDA driver");
     let mut dev = 0;
     // SAFETY: symbols checked; writes one handle.
-    check("cuDeviceGet", unsafe { sys::cuDeviceGet(&mut dev, 0) }).expect("device 0");
+    check("cuDeviceGet", unsafe { sys::cuDeviceGet(&raw mut dev, 0) }).expect("device 0");
     dev
 }
 
@@ -40,7 +41,7 @@ fn primary_ctx_active() -> bool {
     let (mut flags, mut active) = (0u32, 0i32);
     // SAFETY: writes two ints.
     check("cuDevicePrimaryCtxGetState", unsafe {
-        sys::cuDevicePrimaryCtxGetState(device0(), &mut flags, &mut active)
+        sys::cuDevicePrimaryCtxGetState(device0(), &raw mut flags, &raw mut active)
     })
     .expect("primary context state");
     active != 0
@@ -180,7 +181,7 @@ impl Gate {
         let mut flag_dev = 0;
         // SAFETY: the flag is mapped pinned memory; writes one device pointer.
         check("cuMemHostGetDevicePointer", unsafe {
-            sys::cuMemHostGetDevicePointer_v2(&mut flag_dev, flag.as_ptr() as *mut c_void, 0)
+            sys::cuMemHostGetDevicePointer_v2(&raw mut flag_dev, flag.as_ptr().cast::<c_void>(), 0)
         })
         .expect("device pointer");
         let stream = Stream::create(ctx).expect("stream");
@@ -351,14 +352,14 @@ fn a_backend_dropped_under_running_copies_leaks_rather_than_frees() {
     assert_eq!(live(), before - 6);
     assert!(primary_ctx_active());
     gate.drain();
-    let _bound = bind(ctx).unwrap();
+    let bound = bind(ctx).unwrap();
     // SAFETY: no argument; reports a fault of any work in the context.
     check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })
         .expect("the copies and completion writes ran into memory still allocated");
     // SAFETY: from malloc_sync; the context is idle.
     unsafe { result::free_sync(dev) }.unwrap();
     drop(gate);
-    drop(_bound);
+    drop(bound);
     // Give back the reference the backend kept, for the tests after this one.
     // SAFETY: one reference was leaked by the drop above.
     unsafe { result::primary_ctx::release(device0()) }.unwrap();

@@ -1,0 +1,120 @@
+"""Whether a transfer's block rows cross PCIe faster spread over several streams.
+
+    python benches/probe_rows_streams.py [--rows-kib 320,640,1280] [--streams 1,2,3,4]
+
+The staged plan's DMA alone: 32 rows of ``rows-kib`` KiB (80 layers' pages of 4, 8 and 16 KiB
+by default), taken at random from 64 rows of a pinned buffer, to or from one contiguous device
+buffer, one ``copy_`` per row, handed out round-robin to 1-4 streams. Everything is queued
+behind a spin kernel, so no host time enters: the copy engines' own cost per copy, and whether
+copies on several streams (several copy engines) hide it. Against the link's ceiling (one
+256 MiB copy) and one copy of the same bytes, measured in the same run; medians of 9.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+import numpy as np
+import torch
+
+from blockswap import Engine
+
+KIB, MIB = 1 << 10, 1 << 20
+
+
+def run(row: int, streams: int, d2h: bool, rows: int = 32, reps: int = 9) -> float:
+    """GB/s of ``rows`` copies of ``row`` bytes over ``streams`` streams (``rows == 1``: one
+    copy of ``row`` bytes)."""
+    host = torch.empty(2 * rows * row, dtype=torch.uint8).pin_memory()
+    dev = torch.empty(rows * row, dtype=torch.uint8, device="cuda")
+    pick = torch.randperm(2 * rows)[:rows].tolist()
+    gate = torch.cuda.Stream()
+    ss = [torch.cuda.Stream() for _ in range(streams)]
+    out = []
+    for _ in range(reps + 1):
+        torch.cuda.synchronize()
+        with torch.cuda.stream(gate):
+            torch.cuda._sleep(3_000_000)  # the whole queue is in place before this ends
+        start = torch.cuda.Event(enable_timing=True)
+        start.record(gate)
+        for s in ss:
+            s.wait_stream(gate)
+        for i, b in enumerate(pick):
+            h, d = host[b * row : (b + 1) * row], dev[i * row : (i + 1) * row]
+            with torch.cuda.stream(ss[i % streams]):
+                (h if d2h else d).copy_(d if d2h else h, non_blocking=True)
+        for s in ss:
+            gate.wait_stream(s)
+        end = torch.cuda.Event(enable_timing=True)
+        end.record(gate)
+        end.synchronize()
+        out.append(rows * row / (start.elapsed_time(end) * 1e-3) / 1e9)
+    return statistics.median(out[1:])
+
+
+def engines(row: int, count: int, d2h: bool, rows: int = 32, reps: int = 9) -> float:
+    """GB/s of the same rows as one batch (``cuMemcpyBatchAsync``) per engine, the rows dealt
+    round-robin to ``count`` engines (each its own streams), all waiting behind one gate stream:
+    the span of the slowest engine's transfer, GPU-timed by the engine."""
+    host = torch.empty(2 * rows * row, dtype=torch.uint8).pin_memory()
+    dev = torch.empty(rows * row, dtype=torch.uint8, device="cuda")
+    pick = np.random.default_rng(1).permutation(2 * rows)[:rows].astype(np.int64)
+    gate = torch.cuda.Stream()
+    engs = [Engine("cuda", timing=True) for _ in range(count)]
+    out = []
+    try:
+        bases = [(e.register(host), e.register(dev)) for e in engs]
+        for job in range(reps + 1):
+            torch.cuda.synchronize()
+            with torch.cuda.stream(gate):
+                torch.cuda._sleep(3_000_000)
+            spans = []
+            for k, (e, (hb, db)) in enumerate(zip(engs, bases)):
+                mine = np.arange(k, rows, count)
+                hs, ds = hb + pick[mine] * row, db + mine.astype(np.int64) * row
+                src, dst = (ds, hs) if d2h else (hs, ds)
+                sizes = np.full(len(mine), row, dtype=np.int64)
+                e.submit(
+                    job, src, dst, sizes, "d2h" if d2h else "h2d", wait_stream=gate.cuda_stream
+                )
+            for e in engs:
+                e.wait([job])
+                (r,) = e.get_finished()
+                assert r.success, r.error
+                spans.append(r.seconds)
+            out.append(rows * row / max(spans) / 1e9)
+    finally:
+        for e in engs:
+            e.shutdown()
+    return statistics.median(out[1:])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows-kib", default="320,640,1280")
+    ap.add_argument("--streams", default="1,2,3,4")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("probe_rows_streams: needs a CUDA GPU", file=sys.stderr)
+        return 1
+    counts = [int(x) for x in args.streams.split(",")]
+    print(f"# {torch.cuda.get_device_name()}; 32 scattered rows, % of the ceiling")
+    for d2h in (False, True):
+        ceil = run(256 * MIB, 1, d2h, rows=1)
+        name = "d2h" if d2h else "h2d"
+        print(f"{name}: ceiling {ceil:.1f} GB/s")
+        for kib in (int(x) for x in args.rows_kib.split(",")):
+            one = run(32 * kib * KIB, 1, d2h, rows=1)
+            got = [run(kib * KIB, n, d2h) for n in counts]
+            cells = "  ".join(f"{n}: {g / ceil:6.1%}" for n, g in zip(counts, got))
+            batch = [engines(kib * KIB, n, d2h) for n in (1, 2)]
+            print(f"  rows of {kib:>5} KiB: one copy {one / ceil:6.1%}; a copy_ each on n streams"
+                  f" {cells}; a batch on 1 / 2 engines {batch[0] / ceil:6.1%} / "
+                  f"{batch[1] / ceil:6.1%}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
