@@ -16,10 +16,7 @@ import argparse
 import statistics
 import sys
 
-import numpy as np
 import torch
-
-from blockswap import Engine
 
 KIB, MIB = 1 << 10, 1 << 20
 
@@ -54,43 +51,6 @@ def run(row: int, streams: int, d2h: bool, rows: int = 32, reps: int = 9) -> flo
     return statistics.median(out[1:])
 
 
-def engines(row: int, count: int, d2h: bool, rows: int = 32, reps: int = 9) -> float:
-    """GB/s of the same rows as one batch (``cuMemcpyBatchAsync``) per engine, the rows dealt
-    round-robin to ``count`` engines (each its own streams), all waiting behind one gate stream:
-    the span of the slowest engine's transfer, GPU-timed by the engine."""
-    host = torch.empty(2 * rows * row, dtype=torch.uint8).pin_memory()
-    dev = torch.empty(rows * row, dtype=torch.uint8, device="cuda")
-    pick = np.random.default_rng(1).permutation(2 * rows)[:rows].astype(np.int64)
-    gate = torch.cuda.Stream()
-    engs = [Engine("cuda", timing=True) for _ in range(count)]
-    out = []
-    try:
-        bases = [(e.register(host), e.register(dev)) for e in engs]
-        for job in range(reps + 1):
-            torch.cuda.synchronize()
-            with torch.cuda.stream(gate):
-                torch.cuda._sleep(3_000_000)
-            spans = []
-            for k, (e, (hb, db)) in enumerate(zip(engs, bases)):
-                mine = np.arange(k, rows, count)
-                hs, ds = hb + pick[mine] * row, db + mine.astype(np.int64) * row
-                src, dst = (ds, hs) if d2h else (hs, ds)
-                sizes = np.full(len(mine), row, dtype=np.int64)
-                e.submit(
-                    job, src, dst, sizes, "d2h" if d2h else "h2d", wait_stream=gate.cuda_stream
-                )
-            for e in engs:
-                e.wait([job])
-                (r,) = e.get_finished()
-                assert r.success, r.error
-                spans.append(r.seconds)
-            out.append(rows * row / max(spans) / 1e9)
-    finally:
-        for e in engs:
-            e.shutdown()
-    return statistics.median(out[1:])
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows-kib", default="320,640,1280")
@@ -109,10 +69,8 @@ def main() -> int:
             one = run(32 * kib * KIB, 1, d2h, rows=1)
             got = [run(kib * KIB, n, d2h) for n in counts]
             cells = "  ".join(f"{n}: {g / ceil:6.1%}" for n, g in zip(counts, got))
-            batch = [engines(kib * KIB, n, d2h) for n in (1, 2)]
             print(f"  rows of {kib:>5} KiB: one copy {one / ceil:6.1%}; a copy_ each on n streams"
-                  f" {cells}; a batch on 1 / 2 engines {batch[0] / ceil:6.1%} / "
-                  f"{batch[1] / ceil:6.1%}")  # fmt: skip
+                  f" {cells}")  # fmt: skip
     return 0
 
 
