@@ -248,16 +248,7 @@ impl PyEngine {
         )
         .and_then(|c| c.stage_bytes(stage_bytes))
         .map_err(EngineError::from)?;
-        let want_cuda = match backend {
-            "host" => false,
-            "cuda" => true,
-            "auto" => cuda::driver_available().is_ok(),
-            other => {
-                return Err(invalid(format!(
-                    "backend must be 'auto', 'host' or 'cuda', not {other:?}"
-                )))
-            }
-        };
+        let want_cuda = crate::backend::is_cuda(backend).map_err(invalid)?;
         // Parsed on every backend, so that a misspelt option is refused on machines without a
         // GPU too.
         let mut opts = CudaOptions::new(device);

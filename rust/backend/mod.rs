@@ -573,6 +573,19 @@ pub fn clamp_in_flight(max_in_flight: usize) -> usize {
     max_in_flight.clamp(1, MAX_IN_FLIGHT)
 }
 
+/// Whether the backend named `name` is the CUDA one: `"cuda"`, or `"auto"` where a CUDA driver
+/// can be loaded; `"host"` is the memcpy backend. Any other name is refused by name.
+pub fn is_cuda(name: &str) -> Result<bool, String> {
+    match name {
+        "host" => Ok(false),
+        "cuda" => Ok(true),
+        "auto" => Ok(cuda::driver_available().is_ok()),
+        other => Err(format!(
+            "backend must be 'auto', 'host' or 'cuda', not {other:?}"
+        )),
+    }
+}
+
 /// Takes one injected failure from `counter`, if any is left.
 pub(crate) fn take_injected(counter: &std::sync::atomic::AtomicU64) -> bool {
     use std::sync::atomic::Ordering;
@@ -672,6 +685,14 @@ mod tests {
         let mut mixed = staged.to_vec();
         mixed.push("split");
         assert!(parse(&mixed).unwrap_err().contains("neither"));
+    }
+
+    #[test]
+    fn a_backend_is_named_auto_host_or_cuda() {
+        assert_eq!(is_cuda("host"), Ok(false));
+        assert_eq!(is_cuda("cuda"), Ok(true));
+        assert_eq!(is_cuda("auto"), Ok(cuda::driver_available().is_ok()));
+        assert!(is_cuda("gpu").unwrap_err().contains("not \"gpu\""));
     }
 
     #[test]

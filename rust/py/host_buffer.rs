@@ -26,16 +26,7 @@ impl PyHostBuffer {
         backend: &str,
         device: i32,
     ) -> PyResult<Self> {
-        let cuda = match backend {
-            "host" => false,
-            "cuda" => true,
-            "auto" => cuda::driver_available().is_ok(),
-            other => {
-                return Err(invalid(format!(
-                    "backend must be 'auto', 'host' or 'cuda', not {other:?}"
-                )))
-            }
-        };
+        let cuda = crate::backend::is_cuda(backend).map_err(invalid)?;
         let buf = py.detach(|| {
             let pinner: Option<Box<dyn Pinner>> = if cuda {
                 Some(Box::new(cuda::HostPinner::new(device)?))
