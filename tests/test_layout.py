@@ -31,7 +31,7 @@ from blockswap.layout import (
     expand_sub_blocks,
     make_cpu_cache_like,
 )
-from kv_helpers import assert_storage, block_bytes, fill_random, raw, snapshot, strided
+from kv_helpers import apply_move, assert_storage, block_bytes, fill_random, raw, snapshot, strided
 
 # --------------------------------------------------------------------------------------------
 # Helpers
@@ -98,25 +98,6 @@ def engine_copy(
 def dim_order(t: torch.Tensor) -> list[int]:
     """Dims of ``t`` from outermost to innermost in memory."""
     return sorted(range(t.dim()), key=lambda k: (-t.stride()[k], k))
-
-
-def apply_move(
-    expected: dict[int, torch.Tensor],
-    src_snap: dict[int, torch.Tensor],
-    src: Sequence[torch.Tensor],
-    src_ids: Sequence[int],
-    dst: Sequence[torch.Tensor],
-    dst_ids: Sequence[int],
-    block_dim: int,
-) -> None:
-    """What moving blocks src_ids -> dst_ids must do, computed with torch indexing."""
-    for ts, td in zip(src, dst):
-        bd_s = block_dim % ts.dim()
-        bd_d = block_dim % td.dim()
-        for bs, bdst in zip(src_ids, dst_ids):
-            ps = block_bytes(ts, bd_s, bs)
-            pd = block_bytes(td, bd_d, bdst)
-            expected[raw(td).data_ptr()][pd] = src_snap[raw(ts).data_ptr()][ps]
 
 
 # --------------------------------------------------------------------------------------------
