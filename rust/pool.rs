@@ -240,7 +240,7 @@ impl Pool {
     pub fn stats(&self) -> PoolStats {
         PoolStats {
             slabs: self.slabs.load(Ordering::Relaxed),
-            free: self.free.iter().map(crossbeam_queue::ArrayQueue::len).sum(),
+            free: self.free.iter().map(ArrayQueue::len).sum(),
             bytes: self.bytes.load(Ordering::Relaxed),
             cap: self.cap,
         }
