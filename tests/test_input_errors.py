@@ -284,6 +284,36 @@ def test_submit_groups_names_a_bad_launch_bytes(launch_bytes, error, match):
         assert np.array_equal(b[256:512], a[:256])
 
 
+def _kernel(params: list[str]) -> dict:
+    return {"function": 1, "threads": 128, "shared": 0, "params": params, "rows": 1, "ctas": 1}
+
+
+_PAGES = ["srcs", "dsts", "sizes", "count", "split", "src_base", "dst_base"]
+_STAGED = [
+    "ids", "rings", "bases", "strides", "offsets", "count", "segments", "ring_base", "ring_src",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("params", "error", "match"),
+    [
+        pytest.param([*_PAGES[:3], "cnt"], InvalidTransferError, '"cnt" is none of', id="unknown"),
+        pytest.param([*_PAGES[:4], "srcs"], blockswap.BackendError, "named twice", id="twice"),
+        pytest.param(_STAGED[:-1], blockswap.BackendError, "neither", id="staged-missing-one"),
+        pytest.param([*_STAGED, "split"], blockswap.BackendError, "neither", id="kinds-mixed"),
+    ],
+)
+def test_load_kernel_names_parameters_of_neither_kind(params, error, match):
+    """A kernel's parameters must be a page kernel's or a staged kernel's: refused by name on
+    every backend (the host backend launches no kernel, but takes no malformed one either); a
+    kernel of either kind is taken (no id on the host backend)."""
+    with Engine("host") as eng:
+        with pytest.raises(error, match=match):
+            eng.load_kernel(_kernel(params))
+        assert eng.load_kernel(_kernel(_PAGES)) is None
+        assert eng.load_kernel(_kernel(_STAGED)) is None
+
+
 # -- the one int check ---------------------------------------------------------------------------
 
 _WORDS_E = (KeyError, IndexError)

@@ -2,7 +2,7 @@
 //! KV-cache group or several) written as page descriptors, block plans or staged plans.
 
 use super::{Engine, EngineError, Shape, SubmitState};
-use crate::backend::{KernelSpec, PageKernel, STAGED_MIN_STEPS};
+use crate::backend::{BackendError, KernelSpec, PageKernel, STAGED_MIN_STEPS};
 use crate::direction::Direction;
 use crate::table::{
     block_runs, expand_groups_into, staged_row, BlockTable, Group, Plan, Run, TableError,
@@ -161,11 +161,13 @@ impl Engine {
         self.submit_groups(job_id, &[group], direction, wait_stream, shape)
     }
 
-    /// Makes a compiled copy kernel launchable by this engine's staged plans (see
-    /// [`KernelSpec`]); its id goes in [`Shape::Staged`]. `None` on the host backend, which
-    /// copies pages with memcpy.
+    /// Makes a compiled copy kernel launchable by this engine (see [`KernelSpec`]): a page
+    /// kernel's id goes in [`PageKernel::Loaded`], a staged kernel's in [`Shape::Staged`].
+    /// Parameters of neither kind are refused on every backend; `None` on the host backend,
+    /// which copies pages with memcpy.
     pub fn load_kernel(&self, spec: KernelSpec) -> Result<Option<u32>, EngineError> {
         self.check_usable()?;
+        spec.kind().map_err(BackendError::InvalidArgument)?;
         Ok(self.backend.load_kernel(spec)?)
     }
 
