@@ -15,8 +15,8 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender};
 
 use super::{
-    staged_steps, take_injected, Backend, BackendError, BackendInfo, HostAlloc, KernelBatch,
-    PageKernel, StagedRequest, SubmitRequest, Submitted,
+    take_injected, Backend, BackendError, BackendInfo, HostAlloc, KernelBatch, PageKernel,
+    StagedRequest, SubmitRequest, Submitted,
 };
 use crate::direction::Direction;
 use crate::region::MemoryKind;
@@ -130,7 +130,7 @@ unsafe fn run_staged(
     let (src, dst, size) = (slab.src(), slab.dst(), slab.size());
     let (r, first) = (req.rows, req.first_block);
     let (row_addr, row_ring, row_bytes) = (&src[..r], &dst[..r], &size[..r]);
-    let steps = staged_steps(row_ring, row_bytes, &dst[first..2 * first], req.slot_bytes);
+    let steps = req.steps(dst, size);
     let fail_at = injected.then_some(steps.len() / 2);
     ring.resize(ring.len().max(req.slot_bytes as usize), 0);
     let base = ring.as_mut_ptr() as u64;

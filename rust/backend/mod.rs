@@ -347,6 +347,21 @@ pub struct StagedRequest {
     pub kernel: Option<u32>,
 }
 
+impl StagedRequest {
+    /// The transfer's steps ([`staged_steps`]) from the slab's destination and size columns:
+    /// its rows' ring offsets and bytes, and its block entries' ring offsets.
+    #[must_use]
+    pub fn steps(&self, dst: &[u64], size: &[u64]) -> Vec<StagedStep> {
+        let (r, first) = (self.rows, self.first_block);
+        staged_steps(
+            &dst[..r],
+            &size[..r],
+            &dst[first..2 * first],
+            self.slot_bytes,
+        )
+    }
+}
+
 /// A step is cut to at most `ceil(rows / STAGED_MIN_STEPS)` rows, so that a transfer of enough
 /// rows runs in at least this many steps over the two slots: one step's copy across `PCIe` then
 /// overlaps the previous step's kernel. One step per transfer held 4 KiB pages to 54-81 % of the

@@ -10,8 +10,8 @@ use super::backend::Shared;
 use super::driver::{check, MAX_KERNEL_PARAMS};
 use super::resources::{order, DeviceMem, Event, Stream};
 use crate::backend::{
-    kernel_split, staged_steps, take_injected, BackendError, KernelBatch, KernelKind, KernelParam,
-    KernelSpec, StagedRequest,
+    kernel_split, take_injected, BackendError, KernelBatch, KernelKind, KernelParam, KernelSpec,
+    StagedRequest,
 };
 use crate::direction::Direction;
 use crate::slab::SlabInner;
@@ -163,13 +163,8 @@ impl Shared {
         let st = stage.as_mut().expect("made above");
         let host_src = lane == Direction::HostToDevice;
         let (src, dst, size) = (slab.src(), slab.dst(), slab.size());
-        let (r, first) = (req.rows, req.first_block);
-        let steps = staged_steps(
-            &dst[..r],
-            &size[..r],
-            &dst[first..2 * first],
-            req.slot_bytes,
-        );
+        let first = req.first_block;
+        let steps = req.steps(dst, size);
         let fail_at = take_injected(&self.fail_next).then_some(steps.len() / 2);
         let kstream = st.stream.raw;
         let ctx = self.ctx.raw;
