@@ -487,13 +487,14 @@ def test_the_event_ring_is_sized_by_the_clamped_max_in_flight():
     assert float(took) < 60
 
 
-@pytest.mark.parametrize("route", ["dma", "core_kernel"])
+@pytest.mark.parametrize("route", ["dma", "core_kernel", "staged"])
 def test_threads_submit_while_another_shuts_down(torch, route):
     """Two threads submit (onloads and offloads, which each direction's issuing thread puts on
     the device) while a third shuts the engine down: every transfer the engine accepted is
     reported exactly once and succeeds, its bytes in place (shutdown issues everything accepted
     before its deadline); a submission after the shutdown is refused. ``core_kernel``: block
-    transfers whose pages the copy kernel moves, launched by the core from the issuing threads."""
+    transfers whose pages the copy kernel moves, launched by the core from the issuing threads;
+    ``staged``: block transfers by the staged plan (rows through the ring, the staged kernel)."""
     import threading
 
     from blockswap.kernels import core_kernel
@@ -512,7 +513,7 @@ def test_threads_submit_while_another_shuts_down(torch, route):
         id(t): eng.register_table([t.data_ptr()], [size], [size], n, kind[id(t)])
         for t in (host, dev, src, back)
     }
-    compiled = core_kernel(0, max_size=size) if route == "core_kernel" else None
+    compiled = None if route == "dma" else core_kernel(0, max_size=size, staged=route == "staged")
     kernel = None if compiled is None else eng.load_kernel(compiled)
     assert (kernel is None) == (route == "dma")
     accepted: dict[str, list[int]] = {"h2d": [], "d2h": []}
@@ -525,7 +526,10 @@ def test_threads_submit_while_another_shuts_down(torch, route):
             eng.submit(job, [a.data_ptr() + off], [b.data_ptr() + off], [size], direction)
         else:
             group = (tables[id(a)], [i], tables[id(b)], [i], None)
-            eng.submit_groups(job, [group], direction, kernel_below=1 << 40, kernel=kernel)
+            if route == "staged":
+                eng.submit_groups(job, [group], direction, staged=True, kernel=kernel)
+            else:
+                eng.submit_groups(job, [group], direction, kernel_below=1 << 40, kernel=kernel)
 
     def submitter(direction: str) -> None:
         a, b = (host, dev) if direction == "h2d" else (src, back)
