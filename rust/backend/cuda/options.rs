@@ -77,12 +77,22 @@ impl FromStr for CompletionMode {
 }
 
 /// Settings of a [`CudaBackend`](super::CudaBackend).
+/// Copies per driver call by default. While the lane's thread is inside a batch call, another
+/// thread's driver calls wait (the model's kernel launches among them), and the GPU starts on a
+/// batch only once the call carrying it returns. On the H100 (2026-11-24, `python
+/// benches/probe_max_batch.py`), a bf16 GEMM's launch beside one transfer of 8,192 4 KiB /
+/// 4,096 64 KiB / 512 1 MiB copies took 17 / 2.3 / 0.4 ms with 16,384 copies a call, 0.35 /
+/// 0.26 / 0.36 ms with 64 (0.02 ms alone), and the transfers ran at 2.0 / 37 / 53 GB/s against
+/// 8.2 / 51 / 54 GB/s: more copies a call gained nothing from 64 on (128: 7.8 / 52 / 54 GB/s,
+/// launches 0.57 / 0.35 / 0.39 ms).
+pub const DEFAULT_MAX_BATCH: usize = 64;
+
 #[derive(Clone, Debug)]
 pub struct CudaOptions {
     pub device: i32,
     pub copy_path: CopyPath,
     /// Descriptors per driver call; larger transfers are split (one 51,828-descriptor batch has
-    /// been reported to crash a driver).
+    /// been reported to crash a driver). Default [`DEFAULT_MAX_BATCH`].
     pub max_batch: usize,
     /// Record timing events around each transfer, for device seconds in its result.
     pub timing: bool,
@@ -102,7 +112,7 @@ impl CudaOptions {
         CudaOptions {
             device,
             copy_path: CopyPath::Auto,
-            max_batch: 16_384,
+            max_batch: DEFAULT_MAX_BATCH,
             timing: false,
             access_order: Direction::ALL.map(|d| match d.src_kind() {
                 MemoryKind::Host => AccessOrder::Any,
