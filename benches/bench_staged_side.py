@@ -1,18 +1,26 @@
 """The staged plan beside the model and beside itself: a bf16 8192^3 GEMM's time alone and
-while staged onloads run, and offload with onload at once against two large copies at once.
+while onloads run, and offload with onload at once against two large copies at once.
 
     python benches/bench_staged_side.py [--page-kib 16,2048] [--option KEY=VALUE ...]
                                         [--json out.json]
 
-80 separately allocated layer tensors (where the handler takes the staged plan), 64 GPU blocks,
-32 random blocks per transfer; one transfer each way first, to warm both directions. GEMM:
-median of 20, each timed on the compute stream right after queueing enough onloads to outlast
-it, against the median of 20 alone and against the median of 20 beside plain copies (a 256 MiB
-pinned copy CPU->GPU queued on a stream of its own until it outlasts the GEMM: what PCIe
-traffic costs the GEMM on this machine with no SM and no blockswap involved). Bidirectional: 16 offloads and 16 onloads queued at once,
-bytes of both over wall time, best of 3, against one 256 MiB pinned copy each way on two
-streams at once (best of 5), measured in the same run. ``--option``: a handler or engine
-option (``copy_path=loop``), ints as ints.
+80 separately allocated layer tensors (where the handler takes the staged plan, or per-page DMA
+where a block's row is past a slot), 64 GPU blocks, 32 random blocks per transfer; one transfer
+each way first, to warm both directions.
+
+GEMM, median of 20 each, in three situations: alone; right after queueing enough onloads to
+outlast it; right after queueing enough 256 MiB pinned CPU->GPU copies on a stream of their own
+(what PCIe traffic costs the GEMM on this machine with no SM and no blockswap involved). Each
+two ways: ``gpu``, the GEMM queued behind a spin kernel so that its launch is in place before the
+GPU reaches it (the GPU's time alone: what the copies and kernels running beside it cost it), and
+``launched``, timed from an event recorded just before its launch (the GPU's time plus however
+long the launch took to arrive). ``launch``: the host time of the launch (two event records and
+``torch.mm``), which grows where another thread is inside a long driver call.
+
+Bidirectional: 16 offloads and 16 onloads queued at once, bytes of both over wall time, best of
+3, against one 256 MiB pinned copy each way on two streams at once (best of 5), measured in the
+same run. ``--option``: a handler or engine option (``copy_path=loop``, ``max_batch=16384``),
+ints as ints.
 """
 
 from __future__ import annotations
@@ -23,18 +31,61 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
 
 from bench_blocks import option
 from blockswap.handler import CpuGpuHandlers
-from blockswap_bench.interference import gemm_ms
+
+#: GPU cycles of the spin kernel a ``gpu`` GEMM waits behind (about 10 ms on an H100): longer
+#: than any launch delay seen beside onloads.
+SPIN_CYCLES = 20_000_000
+
+#: What a situation queues before each GEMM; it returns the wait for what it queued.
+Side = Callable[[], Callable[[], None]]
 
 
-def gemm_median_ms(a: torch.Tensor, b: torch.Tensor, n: int = 10) -> float:
-    """Median of ``n`` GEMMs, each timed on its own (the device idle between them)."""
-    return statistics.median(gemm_ms(a, b, 1)[0] for _ in range(n))
+def gemm_once(a: torch.Tensor, b: torch.Tensor, hidden: bool) -> tuple[float, float]:
+    """(GPU ms, launch host ms) of one ``a @ b`` on the current stream; ``hidden``: queued
+    behind the spin kernel."""
+    if hidden:
+        torch.cuda._sleep(SPIN_CYCLES)
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
+    s.record()
+    torch.mm(a, b)
+    e.record()
+    launch = time.perf_counter() - t0
+    e.synchronize()
+    return s.elapsed_time(e), launch * 1e3
+
+
+def gemm_stats(a: torch.Tensor, b: torch.Tensor, side: Side, n: int = 20) -> dict[str, float]:
+    """Medians over ``n`` GEMMs each way, each right after ``side`` queued its work."""
+    out = {}
+    for hidden in (True, False):
+        runs = []
+        for _ in range(n):
+            wait = side()
+            runs.append(gemm_once(a, b, hidden))
+            wait()
+        key = "gpu" if hidden else "launched"
+        out[f"{key}_ms"] = statistics.median(r[0] for r in runs)
+        out[f"{key}_launch_ms"] = statistics.median(r[1] for r in runs)
+    return out
+
+
+def side_bytes() -> int:
+    """Bytes to queue beside a GEMM so they outlast it and its spin kernel at 55 GB/s."""
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    torch.cuda._sleep(SPIN_CYCLES)
+    e.record()
+    e.synchronize()
+    return int((s.elapsed_time(e) + 3.0) * 1e-3 * 55e9)
 
 
 def bidir_ceiling() -> float:
@@ -55,22 +106,43 @@ def bidir_ceiling() -> float:
     return best
 
 
-def gemm_beside_copies_ms(a: torch.Tensor, b: torch.Tensor, n: int = 20) -> float:
-    """Median of ``n`` GEMMs, each beside 256 MiB pinned CPU->GPU copies on a stream of their
-    own, queued to outlast it: the control for the GEMM beside onloads."""
+def plain_copies(nbytes: int) -> Side:
+    """256 MiB pinned CPU->GPU copies on a stream of their own, ``nbytes`` in all: the control
+    for the GEMM beside onloads."""
     size = 256 << 20
     host = torch.empty(size, dtype=torch.uint8).pin_memory()
     dev = torch.empty(size, dtype=torch.uint8, device="cuda")
-    side = torch.cuda.Stream()
-    per = -(-int(2e-3 * 55e9) // size) + 1
-    out = []
-    for _ in range(n):
-        with torch.cuda.stream(side):
-            for _ in range(per):
+    stream = torch.cuda.Stream()
+
+    def side() -> Callable[[], None]:
+        with torch.cuda.stream(stream):
+            for _ in range(-(-nbytes // size)):
                 dev.copy_(host, non_blocking=True)
-        out.append(gemm_ms(a, b, 1)[0])
-        side.synchronize()
-    return statistics.median(out)
+        return stream.synchronize
+
+    return side
+
+
+def onloads(h: CpuGpuHandlers, n: int, spec: Callable[[], Any]) -> Side:
+    """``n`` onloads of ``spec()`` through ``h`` (job ids from 1 << 40 up)."""
+    jobs = iter(range(1 << 40, 1 << 41))
+
+    def side() -> Callable[[], None]:
+        ids = [next(jobs) for _ in range(n)]
+        for job in ids:
+            h.h2d.transfer_async(job, spec())
+
+        def wait() -> None:
+            h.wait(ids)
+            assert all(r.success for r in h.get_finished())
+
+        return wait
+
+    return side
+
+
+def pct(x: float, base: float) -> str:
+    return f"{100 * (x / base - 1):+.1f} %"
 
 
 def main() -> int:
@@ -83,9 +155,11 @@ def main() -> int:
     rng = np.random.default_rng(0)
     a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
     b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-    gemm_median_ms(a, b)
+    for hidden in (False, True):  # warm cuBLAS and the spin kernel
+        gemm_once(a, b, hidden)
     ceil = bidir_ceiling()
-    control = gemm_beside_copies_ms(a, b)
+    beside = side_bytes()
+    copies = gemm_stats(a, b, plain_copies(beside))
     rows = []
     print(f"# {torch.cuda.get_device_name()}; bidirectional ceiling {ceil:.1f} GB/s; options "
           f"{options}")  # fmt: skip
@@ -107,20 +181,9 @@ def main() -> int:
                 (h.d2h if d2h else h.h2d).transfer_async(job, spec(d2h))
                 h.wait([job])
             assert all(r.success for r in h.get_finished())
-            alone = gemm_median_ms(a, b, 20)
-            # Enough onloads queued before each GEMM to outlast it at the link's rate.
-            per = -(-int(2e-3 * 55e9) // nbytes) + 1
-            beside_t = []
-            for _ in range(20):
-                ids = []
-                for _ in range(per):
-                    job += 1
-                    ids.append(job)
-                    h.h2d.transfer_async(job, spec(False))
-                beside_t.append(gemm_ms(a, b, 1)[0])
-                h.wait(ids)
-            beside = statistics.median(beside_t)
-            assert all(r.success for r in h.get_finished())
+
+            alone = gemm_stats(a, b, lambda: lambda: None)
+            loads = gemm_stats(a, b, onloads(h, -(-beside // nbytes), lambda: spec(False)))
             bidir = 0.0
             for _ in range(3):
                 torch.cuda.synchronize()
@@ -135,14 +198,19 @@ def main() -> int:
                 bidir = max(bidir, 32 * nbytes / (time.perf_counter() - t0) / 1e9)
                 assert all(r.success for r in h.get_finished())
             row = {"page_kib": kib, "route": h.routes["h2d"].reason, "options": options,
-                   "gemm_alone_ms": alone, "gemm_beside_ms": beside,
-                   "gemm_beside_copies_ms": control, "bidir_gbps": bidir,
+                   "gemm_alone": alone, "gemm_beside_onloads": loads,
+                   "gemm_beside_copies": copies, "bidir_gbps": bidir,
                    "bidir_ceiling_gbps": ceil}  # fmt: skip
             rows.append(row)
-            print(f"{kib:>5} KiB {h.routes['h2d'].plan}: GEMM {alone:.3f} ms alone, "
-                  f"{beside:.3f} ms beside onloads ({100 * (beside / alone - 1):+.1f} %), "
-                  f"{control:.3f} ms beside plain copies ({100 * (control / alone - 1):+.1f} %); "
-                  f"offload + onload {bidir:.1f} GB/s = {100 * bidir / ceil:.0f} % of both ways")  # fmt: skip
+            print(f"{kib:>5} KiB {h.routes['h2d'].plan}: GEMM on the GPU "
+                  f"{alone['gpu_ms']:.3f} ms alone, {pct(loads['gpu_ms'], alone['gpu_ms'])} "
+                  f"beside onloads, {pct(copies['gpu_ms'], alone['gpu_ms'])} beside plain "
+                  f"copies; as launched {pct(loads['launched_ms'], alone['launched_ms'])} / "
+                  f"{pct(copies['launched_ms'], alone['launched_ms'])}; its launch "
+                  f"{alone['launched_launch_ms']:.3f} ms alone, "
+                  f"{loads['launched_launch_ms']:.3f} beside onloads, "
+                  f"{copies['launched_launch_ms']:.3f} beside plain copies; offload + onload "
+                  f"{bidir:.1f} GB/s = {100 * bidir / ceil:.0f} % of both ways")  # fmt: skip
         finally:
             h.shutdown()
     if args.json:
