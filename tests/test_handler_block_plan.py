@@ -115,7 +115,7 @@ def test_block_major_cache_moves_blocks_as_one_copy_each(layout: str, factor: in
         mirror.shutdown()
 
 
-def test_auto_takes_the_block_plan_for_pages_of_16_kib_and_more() -> None:
+def test_auto_takes_the_block_plan_from_block_min_page() -> None:
     from blockswap.handler import BLOCK_MIN_PAGE
 
     def route(page: int, layers: int = 4) -> str:

@@ -193,10 +193,15 @@ def choose_route(
 #: held 81-91 % (H100, 2026-11-23, `python benches/bench_blocks.py`, docs/benchmarks.md).
 BLOCK_MAX_COPIES = 2
 
-#: ...and where pages are at least this large: at 4 KiB one 2-D copy per block reached 69-75 %
-#: of the link against the copy kernel's 83-86 %; from 16 KiB it leads (91 / 98 / 100 % at 16 /
-#: 64 / 256 KiB, against 88-90 / 88-91 / 83-85 %), on the copy engines alone. Same run.
-BLOCK_MIN_PAGE = 16 * 1024
+#: ...and where pages are at least this large. Below it, layers of one allocation take the
+#: staged plan like separately allocated ones: head to head on the H100 (2026-11-24, `python
+#: benches/bench_blocks.py --pages 16,32,64 --handlers blocks,staged --reps 15`, GPU->CPU /
+#: CPU->GPU isolated), one 2-D copy per block reached 91 / 87 % at 16 KiB and 95 / 76 % at
+#: 32 KiB where the staged plan reached 95 / 92 % and 96 / 97 %; at 64 KiB the block plan
+#: leads (98 / 98 % against 97 / 94 %) and uses no SM at all. Earlier runs agree (staged 94-96 %
+#: at 16 KiB against 81-94 %, docs/benchmarks.md). At 4 KiB one 2-D copy per block reached
+#: 69-75 %.
+BLOCK_MIN_PAGE = 64 * 1024
 
 
 def block_route(
