@@ -6,7 +6,7 @@ a bf16 GEMM's launch made while the engine's thread issues that transfer.
 
 While the engine's thread is inside a driver call, another thread's driver calls wait (the
 model's launches among them), and the GPU starts on a batch only once the call that carries it
-returns. Medians of 10 transfers (5 for the launch); printed, not saved.
+returns. Medians of 10 transfers (6 for the launch); printed, not saved.
 """
 
 from __future__ import annotations

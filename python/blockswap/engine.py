@@ -204,8 +204,8 @@ class Engine:
     Options of the CUDA backend (the host backend ignores them, with a warning where one is not
     the default): ``device``; ``copy_path`` (``"auto"``, ``"batch"``, ``"loop"``); ``max_batch``
     (descriptors per driver call, 64 by default: another thread's driver calls, the model's
-    launches among them, wait while one is in progress); ``timing`` (device time from events); ``completion``
-    (``"auto"``, ``"write_value"``, ``"event"``); ``h2d_order`` / ``d2h_order`` (source access
+    launches among them, wait while one is in progress); ``timing`` (device time from events);
+    ``completion`` (``"auto"``, ``"write_value"``, ``"event"``); ``h2d_order`` / ``d2h_order`` (source access
     order, ``"any"`` or ``"stream"``); ``h2d_stream`` / ``d2h_stream`` (a raw ``CUstream`` to use
     instead of the engine's own).
 

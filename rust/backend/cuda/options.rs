@@ -76,7 +76,6 @@ impl FromStr for CompletionMode {
     }
 }
 
-/// Settings of a [`CudaBackend`](super::CudaBackend).
 /// Copies per driver call by default. While the lane's thread is inside a batch call, another
 /// thread's driver calls wait (the model's kernel launches among them), and the GPU starts on a
 /// batch only once the call carrying it returns. On the H100 (2026-11-24, `python
@@ -87,6 +86,7 @@ impl FromStr for CompletionMode {
 /// launches 0.57 / 0.35 / 0.39 ms).
 pub const DEFAULT_MAX_BATCH: usize = 64;
 
+/// Settings of a [`CudaBackend`](super::CudaBackend).
 #[derive(Clone, Debug)]
 pub struct CudaOptions {
     pub device: i32,
