@@ -97,10 +97,10 @@ MIRI_TIMEOUT ?= 1500
 # side (each into its own log, printed in order), which halves the step on a 2-core machine.
 miri:
 	cargo +nightly miri --version >/dev/null 2>&1 || rustup toolchain install nightly --profile minimal --component miri,rust-src
-	cargo +nightly miri test --lib --test engine --test engine_blocks --no-run
+	cargo +nightly miri test --lib --test engine --test engine_blocks --test engine_faults --no-run
 	.ci/parallel "$(MIRI_TIMEOUT)" \
 	  "cargo +nightly miri test --lib -- pool:: completion:: transfer:: region::" \
-	  "MIRIFLAGS=-Zmiri-disable-isolation cargo +nightly miri test --test engine --test engine_blocks" \
+	  "MIRIFLAGS=-Zmiri-disable-isolation cargo +nightly miri test --test engine --test engine_blocks --test engine_faults" \
 	  "MIRIFLAGS=-Zmiri-tree-borrows cargo +nightly miri test --lib -- pool:: completion::"
 
 # The property tests with fresh random examples (CI runs them derandomised: the same examples

@@ -121,6 +121,15 @@ fn no_table_in(tables: &[Option<BlockTable>], start: u64, end: u64) -> Result<()
     }
 }
 
+/// A slab whose transfer was reported while its backend may still read it, and what says when
+/// it may not any more: the lane's completed sequence number reaching `seq`.
+#[derive(Debug)]
+struct Parked {
+    direction: Direction,
+    seq: u64,
+    slab: crate::slab::Slab,
+}
+
 /// What a slab holds: `(src, dst, size)` descriptors, of which those below a size may go to a
 /// kernel launcher, or the 2-D copies of a block plan.
 pub enum Shape<'a> {
@@ -156,6 +165,10 @@ pub struct Engine {
     retired: ArrayQueue<JobId>,
     counters: [LaneCounters; 4],
     failed_lanes: [OnceLock<BackendError>; 4],
+    /// Slabs of transfers already reported (failed, with their lane) that the backend may still
+    /// hold: kept out of the pool until the lane's completed sequence number passes them (see
+    /// [`Engine::finish`]). Lock-free, as polling is.
+    parked: ArrayQueue<Parked>,
     shut: AtomicBool,
     /// Set by a shutdown that reached its timeout with transfers in flight.
     shutdown_timed_out: AtomicBool,
@@ -201,6 +214,8 @@ impl Engine {
             retired: ArrayQueue::new(4 * max_in_flight),
             counters: Default::default(),
             failed_lanes: Default::default(),
+            // At most every lane's records at once: a failed lane takes no new transfer.
+            parked: ArrayQueue::new(4 * max_in_flight),
             shut: AtomicBool::new(false),
             shutdown_timed_out: AtomicBool::new(false),
             config,
@@ -626,6 +641,23 @@ impl Engine {
                 lane.drain(|record| self.finish(direction, record, Some(e), out));
             }
         }
+        self.unpark();
+    }
+
+    /// Brings home the parked slabs whose lane has completed past them.
+    fn unpark(&self) {
+        // Each parked slab is looked at once per call: those still held go back to the queue
+        // (pollers racing here pop disjoint slabs).
+        for _ in 0..self.parked.len() {
+            let Some(p) = self.parked.pop() else { break };
+            if p.seq <= self.backend.completed(p.direction) {
+                self.pool.release(p.slab);
+            } else if let Err(p) = self.parked.push(p) {
+                // Cannot happen (the queue holds every record a lane may have); leaking the slab
+                // is the safe way out: the backend may still read it.
+                std::mem::forget(p);
+            }
+        }
     }
 
     fn finish(
@@ -668,7 +700,23 @@ impl Engine {
         });
         // Room is guaranteed: retired ids are a subset of live ids, which submit bounds.
         let _ = self.retired.push(record.job_id);
-        self.pool.release(record.slab);
+        // A slab goes home only once the backend no longer holds it: its lane completed past the
+        // transfer. A record drained from a failed lane may still be held (a backend whose
+        // `submit` failed, or that shutdown stopped waiting for, may still be issuing or running
+        // its copies): its result is reported now, its slab waits.
+        if record.seq <= self.backend.completed(direction) {
+            self.pool.release(record.slab);
+        } else {
+            let parked = Parked {
+                direction,
+                seq: record.seq,
+                slab: record.slab,
+            };
+            if let Err(p) = self.parked.push(parked) {
+                // As in `unpark`: leaked rather than reused while it may be read.
+                std::mem::forget(p);
+            }
+        }
     }
 
     /// Blocks until every listed job has finished (its result is still reported by
@@ -718,19 +766,44 @@ impl Engine {
         if !self.forked() {
             let deadline = deadline(self.config.shutdown_timeout);
             for direction in Direction::ALL {
+                if self.lane_failed(direction) {
+                    // Nothing on it will complete as asked: its transfers are reported failed
+                    // with the lane's error, and no timeout passed.
+                    continue;
+                }
                 let last = self.lanes[direction.lane()].next_seq() - 1;
                 let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
-                let reached = self.backend.wait(direction, last, left).unwrap_or(false);
-                if !reached {
-                    // Relaxed: a flag read by `stats` only, after `shutdown` returned.
-                    self.shutdown_timed_out.store(true, Ordering::Relaxed);
-                    let _ = self.failed_lanes[direction.lane()].set(BackendError::CopyFailed {
-                        index: None,
-                        reason: "still in flight when the engine shut down".into(),
-                    });
+                let reached = match self.backend.wait(direction, last, left) {
+                    Ok(reached) => reached,
+                    // A lane the backend reports failed has nothing more to wait for: its
+                    // transfers are reported failed with its error, which is not a timeout.
+                    Err(_) => continue,
+                };
+                if reached || self.lane_failed(direction) {
+                    continue;
                 }
+                // Relaxed: a flag read by `stats` only, after `shutdown` returned.
+                self.shutdown_timed_out.store(true, Ordering::Relaxed);
+                let _ = self.failed_lanes[direction.lane()].set(BackendError::CopyFailed {
+                    index: None,
+                    reason: "still in flight when the engine shut down".into(),
+                });
             }
             self.backend.shutdown(deadline);
+        }
+    }
+
+    /// Whether `direction`'s lane has failed, as the engine or its backend saw it.
+    fn lane_failed(&self, direction: Direction) -> bool {
+        if self.failed_lanes[direction.lane()].get().is_some() {
+            return true;
+        }
+        match self.backend.lane_error(direction) {
+            Some(e) => {
+                let _ = self.failed_lanes[direction.lane()].set(e);
+                true
+            }
+            None => false,
         }
     }
 

@@ -494,8 +494,15 @@ impl Backend for CudaBackend {
         slab: SlabRef,
         request: SubmitRequest<'_>,
     ) -> Result<Submitted, BackendError> {
-        let _ctx = self.make_current()?;
         let l = self.lane(lane);
+        // An `Err` fails the lane (the engine reports its transfers failed and takes no more):
+        // recorded here too, so that its issuing thread issues nothing more from slabs that are
+        // no longer promised to it.
+        let fail = |e: BackendError| {
+            let _ = l.error.set(e.clone());
+            e
+        };
+        let _ctx = self.make_current().map_err(fail)?;
         // The caller's stream as it is now: recorded here, waited for when the job is issued.
         let (dep, failed) = match request.wait_stream {
             None => (None, None),
@@ -533,7 +540,7 @@ impl Backend for CudaBackend {
             self.wait_drained(lane);
             return self.issue_job(lane, job, request.kernel);
         }
-        self.start_worker(lane)?;
+        self.start_worker(lane).map_err(fail)?;
         // Release: as above.
         l.accepted.store(seq, Ordering::Release);
         l.pending.fetch_add(1, Ordering::AcqRel);

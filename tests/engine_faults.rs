@@ -1,0 +1,220 @@
+//! A backend that fails while it still holds earlier transfers: their slabs stay out of the pool
+//! until the backend completes past them, and shutdown does not call a failed lane a timeout.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use blockswap::backend::host::HostBackend;
+use blockswap::backend::{HostAlloc, SubmitRequest, Submitted};
+use blockswap::engine::{Engine, EngineConfig};
+use blockswap::slab::SlabRef;
+use blockswap::{Backend, BackendError, BackendInfo, Direction, MemoryKind, TransferResult};
+
+/// Holds every transfer it is given (copies nothing, completes nothing until `complete` says
+/// so) and refuses the submission of sequence number `fail_seq` of the host-to-device lane, as a
+/// driver error would.
+#[derive(Debug)]
+struct Holding {
+    host: HostBackend,
+    fail_seq: u64,
+    completed: [AtomicU64; 4],
+    /// The slab (its first column's address) of each transfer, by lane and sequence number.
+    slabs: Mutex<Vec<(Direction, u64, u64)>>,
+}
+
+impl Holding {
+    fn new(fail_seq: u64) -> Self {
+        Holding {
+            host: HostBackend::new(),
+            fail_seq,
+            completed: Default::default(),
+            slabs: Mutex::new(Vec::new()),
+        }
+    }
+
+    fn slab_of(&self, lane: Direction, seq: u64) -> u64 {
+        let slabs = self.slabs.lock().unwrap();
+        slabs
+            .iter()
+            .find(|&&(l, s, _)| l == lane && s == seq)
+            .map(|&(_, _, a)| a)
+            .expect("submitted")
+    }
+
+    fn complete(&self, lane: Direction, seq: u64) {
+        self.completed[lane.lane()].store(seq, Ordering::Release);
+    }
+}
+
+impl Backend for Holding {
+    fn info(&self) -> BackendInfo {
+        self.host.info()
+    }
+    fn check_region(&self, _start: u64, _len: u64, _kind: MemoryKind) -> Result<(), BackendError> {
+        Ok(())
+    }
+    fn alloc_host(&self, bytes: usize) -> Result<HostAlloc, BackendError> {
+        self.host.alloc_host(bytes)
+    }
+    unsafe fn free_host(&self, alloc: HostAlloc) {
+        // SAFETY: forwarded from our caller.
+        unsafe { self.host.free_host(alloc) }
+    }
+    fn submit(
+        &self,
+        lane: Direction,
+        seq: u64,
+        slab: SlabRef,
+        _request: SubmitRequest<'_>,
+    ) -> Result<Submitted, BackendError> {
+        // SAFETY: inside the in-flight window of `slab` (this call).
+        let addr = unsafe { slab.get() }.column_addr(0);
+        self.slabs.lock().unwrap().push((lane, seq, addr));
+        if lane == Direction::HostToDevice && seq == self.fail_seq {
+            return Err(BackendError::Unavailable("injected submit failure".into()));
+        }
+        Ok(Submitted::Ok)
+    }
+    fn completed(&self, lane: Direction) -> u64 {
+        self.completed[lane.lane()].load(Ordering::Acquire)
+    }
+    fn wait(
+        &self,
+        lane: Direction,
+        seq: u64,
+        timeout: Option<Duration>,
+    ) -> Result<bool, BackendError> {
+        let end = Instant::now() + timeout.unwrap_or(Duration::from_secs(5));
+        while self.completed(lane) < seq {
+            if Instant::now() >= end {
+                return Ok(false);
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        Ok(true)
+    }
+    fn inject_failures(&self, _count: u64) {}
+    fn shutdown(&self, _deadline: Option<Instant>) -> u64 {
+        0
+    }
+}
+
+struct Setup {
+    engine: Engine,
+    backend: Arc<Holding>,
+    src: Vec<u8>,
+    dst: Vec<u8>,
+}
+
+fn setup(fail_seq: u64, shutdown_timeout: Duration) -> Setup {
+    let backend = Arc::new(Holding::new(fail_seq));
+    let config = EngineConfig {
+        shutdown_timeout,
+        ..EngineConfig::default()
+    };
+    let engine = Engine::new(backend.clone(), config);
+    let (src, mut dst) = (vec![1u8; 1 << 16], vec![0u8; 1 << 16]);
+    // SAFETY: both vectors outlive the engine (the engine is dropped first in every test: it is
+    // the first field of Setup) and are never resized.
+    unsafe {
+        engine
+            .register(src.as_ptr() as u64, src.len() as u64, MemoryKind::Host)
+            .unwrap();
+        engine
+            .register(dst.as_mut_ptr() as u64, dst.len() as u64, MemoryKind::Device)
+            .unwrap();
+    }
+    Setup {
+        engine,
+        backend,
+        src,
+        dst,
+    }
+}
+
+fn submit(s: &Setup, job: u64, direction: Direction) {
+    let (from, to) = match direction {
+        Direction::HostToDevice => (s.src.as_ptr() as u64, s.dst.as_ptr() as u64),
+        _ => (s.dst.as_ptr() as u64, s.src.as_ptr() as u64),
+    };
+    let at = (job % 8) * 4096;
+    s.engine
+        .submit(job, &[from + at], &[to + at], &[4096], direction, None)
+        .unwrap();
+}
+
+fn poll(engine: &Engine) -> Vec<TransferResult> {
+    let mut out = Vec::new();
+    engine.get_finished(&mut out);
+    out
+}
+
+#[test]
+fn a_failed_lane_keeps_the_slabs_its_backend_still_holds() {
+    let s = setup(2, Duration::from_secs(1));
+    submit(&s, 1, Direction::HostToDevice); // held by the backend
+    submit(&s, 2, Direction::HostToDevice); // the backend's submit fails: the lane fails
+    let results = poll(&s.engine);
+    let mut ids: Vec<(u64, bool)> = results.iter().map(|r| (r.job_id, r.success)).collect();
+    ids.sort_unstable();
+    assert_eq!(ids, [(1, false), (2, false)], "both reported, failed, once");
+    assert!(poll(&s.engine).is_empty());
+    let held = s.backend.slab_of(Direction::HostToDevice, 1);
+    // Another lane's transfer must not be given the slab the backend still reads.
+    submit(&s, 3, Direction::DeviceToHost);
+    assert_ne!(s.backend.slab_of(Direction::DeviceToHost, 1), held);
+    assert_eq!(s.engine.stats().pool.free, 0, "no slab at home yet");
+    // Once the backend completes past the held transfers, their slabs come home.
+    s.backend.complete(Direction::HostToDevice, 2);
+    s.backend.complete(Direction::DeviceToHost, 1);
+    let results = poll(&s.engine);
+    assert_eq!(results.len(), 1);
+    assert_eq!((results[0].job_id, results[0].success), (3, true));
+    let stats = s.engine.stats();
+    assert_eq!(stats.pool.free, stats.pool.slabs, "every slab home: {stats:?}");
+    assert_eq!(stats.pool.slabs, 3);
+}
+
+#[test]
+fn a_slab_the_backend_never_releases_is_never_reused() {
+    let s = setup(2, Duration::from_secs(1));
+    submit(&s, 1, Direction::HostToDevice);
+    submit(&s, 2, Direction::HostToDevice);
+    assert_eq!(poll(&s.engine).len(), 2);
+    let held = s.backend.slab_of(Direction::HostToDevice, 1);
+    for job in 10..40 {
+        submit(&s, job, Direction::DeviceToHost);
+        let seq = job - 9;
+        assert_ne!(s.backend.slab_of(Direction::DeviceToHost, seq), held);
+        s.backend.complete(Direction::DeviceToHost, seq);
+        assert_eq!(poll(&s.engine).len(), 1);
+    }
+}
+
+#[test]
+fn shutdown_with_a_failed_lane_is_not_a_timeout() {
+    let s = setup(1, Duration::from_secs(30));
+    submit(&s, 1, Direction::HostToDevice); // fails the lane at once
+    let start = Instant::now();
+    s.engine.shutdown();
+    assert!(
+        start.elapsed() < Duration::from_secs(10),
+        "shutdown waited for a lane that had failed"
+    );
+    assert!(!s.engine.stats().shutdown_timed_out);
+    let results = poll(&s.engine);
+    assert_eq!(results.len(), 1);
+    assert!(!results[0].success);
+}
+
+#[test]
+fn shutdown_past_its_timeout_says_so_and_keeps_the_slab() {
+    let s = setup(u64::MAX, Duration::from_millis(50));
+    submit(&s, 1, Direction::HostToDevice); // held past the timeout
+    s.engine.shutdown();
+    assert!(s.engine.stats().shutdown_timed_out);
+    let results = poll(&s.engine);
+    assert_eq!((results.len(), results[0].success), (1, false));
+    assert_eq!(s.engine.stats().pool.free, 0, "the held slab stays out");
+}
