@@ -162,14 +162,17 @@ impl From<TransferResult> for PyTransferResult {
     }
 }
 
-/// Views an int64 array as the u64 addresses and sizes it carries.
-fn as_u64<'a>(name: &str, a: &'a PyReadonlyArray1<'_, i64>) -> PyResult<&'a [u64]> {
+/// Copies an int64 array into owned memory as the u64 addresses, sizes or ids it carries.
+///
+/// The copy is what gets validated and used: the caller's array is not read again once the GIL
+/// is released, where another Python thread could write to it between the check and the use (a
+/// validated address or block id swapped for one that was never checked).
+fn copy_u64(name: &str, a: &PyReadonlyArray1<'_, i64>) -> PyResult<Vec<u64>> {
     let s = a
         .as_slice()
         .map_err(|_| invalid(format!("{name} must be a contiguous array")))?;
-    // SAFETY: i64 and u64 have the same size and alignment and every bit pattern is valid for
-    // both. Negative values become huge ones, which validation refuses by name.
-    Ok(unsafe { std::slice::from_raw_parts(s.as_ptr().cast::<u64>(), s.len()) })
+    // Negative values become huge ones, which validation refuses by name.
+    Ok(s.iter().map(|&v| v as u64).collect())
 }
 
 fn direction(s: &str) -> PyResult<Direction> {
@@ -305,9 +308,9 @@ impl PyEngine {
     ) -> PyResult<()> {
         let dir = self::direction(direction)?;
         let (s, d, z) = (
-            as_u64("src_ptrs", &src_ptrs)?,
-            as_u64("dst_ptrs", &dst_ptrs)?,
-            as_u64("sizes", &sizes)?,
+            copy_u64("src_ptrs", &src_ptrs)?,
+            copy_u64("dst_ptrs", &dst_ptrs)?,
+            copy_u64("sizes", &sizes)?,
         );
         if s.len() != d.len() || s.len() != z.len() {
             return Err(EngineError::from(DescriptorError::LengthMismatch {
@@ -326,9 +329,9 @@ impl PyEngine {
             self.engine.submit_routed(
                 job_id,
                 Batch {
-                    src: s,
-                    dst: d,
-                    size: z,
+                    src: &s,
+                    dst: &d,
+                    size: &z,
                 },
                 dir,
                 wait_stream,
@@ -357,9 +360,9 @@ impl PyEngine {
     ) -> PyResult<u32> {
         let kind = MemoryKind::parse(kind)
             .ok_or_else(|| invalid(format!("kind must be 'host' or 'device', not {kind:?}")))?;
-        let b = as_u64("bases", &bases)?.to_vec();
-        let st = as_u64("strides", &strides)?.to_vec();
-        let n = as_u64("nbytes", &nbytes)?.to_vec();
+        let b = copy_u64("bases", &bases)?;
+        let st = copy_u64("strides", &strides)?;
+        let n = copy_u64("nbytes", &nbytes)?;
         // Every binding that takes the engine lock lets go of the GIL first: a submit holding the
         // lock may be waiting for the GIL (a Python launcher), and would wait forever.
         py.detach(|| {
@@ -395,7 +398,7 @@ impl PyEngine {
         launcher: Option<Py<PyAny>>,
     ) -> PyResult<()> {
         let dir = self::direction(direction)?;
-        let (s, d) = (as_u64("src_ids", &src_ids)?, as_u64("dst_ids", &dst_ids)?);
+        let (s, d) = (copy_u64("src_ids", &src_ids)?, copy_u64("dst_ids", &dst_ids)?);
         let launch = |b: KernelBatch| call_launcher(launcher.as_ref().expect("routed"), b);
         let kernel = (launcher.is_some() && kernel_below > 0).then_some((
             kernel_below,
@@ -404,7 +407,7 @@ impl PyEngine {
         py.detach(|| {
             self.engine.submit_blocks(
                 job_id,
-                GroupIds::blocks(src_table, s, dst_table, d),
+                GroupIds::blocks(src_table, &s, dst_table, &d),
                 dir,
                 wait_stream,
                 kernel,
@@ -432,11 +435,11 @@ impl PyEngine {
         wait_stream: Option<u64>,
     ) -> PyResult<()> {
         let dir = self::direction(direction)?;
-        let (s, d) = (as_u64("src_ids", &src_ids)?, as_u64("dst_ids", &dst_ids)?);
+        let (s, d) = (copy_u64("src_ids", &src_ids)?, copy_u64("dst_ids", &dst_ids)?);
         py.detach(|| {
             self.engine.submit_block_runs(
                 job_id,
-                GroupIds::blocks(src_table, s, dst_table, d),
+                GroupIds::blocks(src_table, &s, dst_table, &d),
                 dir,
                 wait_stream,
             )
@@ -478,16 +481,21 @@ impl PyEngine {
         launch_bytes: Option<u64>,
     ) -> PyResult<()> {
         let dir = self::direction(direction)?;
-        let mut gs = Vec::with_capacity(groups.len());
-        for (src_table, src_ids, dst_table, dst_ids, chunks) in &groups {
-            gs.push(GroupIds {
-                src_table: *src_table,
-                src_ids: as_u64("src_ids", src_ids)?,
-                dst_table: *dst_table,
-                dst_ids: as_u64("dst_ids", dst_ids)?,
-                chunks: *chunks,
-            });
+        let mut ids = Vec::with_capacity(groups.len());
+        for (_, src_ids, _, dst_ids, _) in &groups {
+            ids.push((copy_u64("src_ids", src_ids)?, copy_u64("dst_ids", dst_ids)?));
         }
+        let gs: Vec<GroupIds<'_>> = groups
+            .iter()
+            .zip(&ids)
+            .map(|((src_table, _, dst_table, _, chunks), (s, d))| GroupIds {
+                src_table: *src_table,
+                src_ids: s,
+                dst_table: *dst_table,
+                dst_ids: d,
+                chunks: *chunks,
+            })
+            .collect();
         let launch = |b: KernelBatch| call_launcher(launcher.as_ref().expect("routed"), b);
         let shape = if staged {
             Shape::Staged { kernel }
@@ -557,8 +565,9 @@ impl PyEngine {
 
     /// The bytes of a block's row where the table is block-major (the staged plan moves a row
     /// per block), else None.
-    fn staged_row(&self, table: u32) -> PyResult<Option<u64>> {
-        Ok(self.engine.staged_row(table)?)
+    fn staged_row(&self, py: Python<'_>, table: u32) -> PyResult<Option<u64>> {
+        // The engine lock: taken with the GIL released (see `register_table`).
+        Ok(py.detach(|| self.engine.staged_row(table))?)
     }
 
     /// Bytes of each staging slot (the `stage_bytes` option): the largest row a staged plan takes.

@@ -3,7 +3,7 @@
 use numpy::{PyArray1, PyReadonlyArray1};
 use pyo3::prelude::*;
 
-use super::{as_u64, cuda, table, EngineError, MemoryKind};
+use super::{copy_u64, cuda, table, EngineError, MemoryKind};
 
 /// The sub-block ids a transfer of `blocks` blocks names by `chunk_ids` (chunks of `unit`
 /// sub-blocks, `num_chunks` of them: unbounded by default), starting `skip` sub-blocks into the
@@ -18,12 +18,12 @@ pub(super) fn chunk_blocks<'py>(
     skip: u64,
     num_chunks: Option<u64>,
 ) -> PyResult<Bound<'py, PyArray1<i64>>> {
-    let chunks = as_u64("chunk_ids", &chunk_ids)?;
+    let chunks = copy_u64("chunk_ids", &chunk_ids)?;
     let mut out = Vec::new();
     let limit = num_chunks
         .unwrap_or(u64::MAX)
         .min(i64::MAX as u64 / unit.max(1));
-    table::map_chunks(["CPU", "GPU"], unit, limit, chunks, blocks, skip, &mut out)
+    table::map_chunks(["CPU", "GPU"], unit, limit, &chunks, blocks, skip, &mut out)
         .map_err(EngineError::from)?;
     // In range of i64: every id is below `limit * unit <= i64::MAX`.
     Ok(PyArray1::from_vec(
