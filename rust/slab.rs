@@ -114,6 +114,12 @@ impl SlabInner {
         self.len == 0
     }
 
+    /// Entries each column has room for (the columns lie this many entries apart).
+    #[must_use]
+    pub fn capacity(&self) -> usize {
+        self.cap
+    }
+
     /// Records that the transfer failed. The first reason wins.
     pub fn set_failed(&self, reason: String) {
         let _ = self.error.set(reason);
@@ -172,11 +178,6 @@ impl Slab {
         // this call consumes (a Slab has no Drop); the pool calls this only for a slab whose
         // transfer completed, so no SlabRef of it is used again.
         unsafe { Box::from_raw(ptr) }
-    }
-
-    #[must_use]
-    pub fn capacity(&self) -> usize {
-        self.cap
     }
 
     /// The three columns, writable, at full capacity.

@@ -79,6 +79,44 @@ pub(super) struct Stage {
 /// The smallest device descriptor buffer a stage makes (it grows by powers of two).
 const MIN_DESC_BYTES: usize = 64 << 10;
 
+
+/// The copy of a staged transfer's block entries to the device: entries `[first, first + n)` of
+/// each of the slab's three columns (`cap` entries apart), as the three rows of one 2-D copy into
+/// three packed device columns. Only the entries in use cross: a slab's columns run to its
+/// capacity, up to twice the entries a transfer holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct EntryCopy {
+    /// Offset of the first entry copied from the slab's first column.
+    pub(super) src_offset: u64,
+    /// Bytes from one column to the next in the slab.
+    pub(super) src_pitch: usize,
+    /// Bytes of each row: one column's entries in use, packed on the device.
+    pub(super) width: usize,
+    first: u64,
+}
+
+impl EntryCopy {
+    pub(super) fn new(first: usize, n: usize, cap: usize) -> Self {
+        EntryCopy {
+            src_offset: 8 * first as u64,
+            src_pitch: 8 * cap,
+            width: 8 * n,
+            first: first as u64,
+        }
+    }
+
+    /// The device bytes the three packed columns take.
+    pub(super) fn device_bytes(&self) -> usize {
+        3 * self.width
+    }
+
+    /// Where the kernels find column `c` on the device at `dev`, indexed by slab entry: entry
+    /// `i` (`first <= i`) of column `c` is at `column(dev, c) + 8 * i`.
+    pub(super) fn column(&self, dev: u64, c: usize) -> u64 {
+        (dev + (c * self.width) as u64).wrapping_sub(8 * self.first)
+    }
+}
+
 impl Stage {
     /// A device buffer of at least `bytes` for the descriptors of the transfer being issued. A
     /// buffer outgrown is kept until the stage goes: an earlier transfer's kernel may still
@@ -185,18 +223,36 @@ impl Shared {
             // stream after the earlier transfers' kernels; `cols[c] + 8 * i` is then where the
             // kernels read entry i of column c.
             let cols = if src.len() > first {
-                let lo = slab.column_addr(0) + 8 * first as u64;
-                let hi = slab.column_addr(2) + 8 * src.len() as u64;
-                let bytes = (hi - lo) as usize;
-                let dev = st.desc_buffer(ctx, bytes)?;
-                // SAFETY: `[lo, hi)` lies in the slab's pinned allocation (columns 0 to 2),
-                // which outlives the copy (the lane's marker waits for the kernel stream); `dev`
-                // holds at least `bytes`, and the kernels of earlier transfers that read it come
-                // before this copy on the same stream.
-                check("cuMemcpyAsync", unsafe {
-                    sys::cuMemcpyAsync(dev, lo, bytes, kstream)
+                let (n, cap) = (src.len() - first, slab.capacity());
+                let copy = EntryCopy::new(first, n, cap);
+                let dev = st.desc_buffer(ctx, copy.device_bytes())?;
+                let c = sys::CUDA_MEMCPY2D {
+                    srcXInBytes: 0,
+                    srcY: 0,
+                    srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_UNIFIED,
+                    srcHost: std::ptr::null(),
+                    srcDevice: slab.column_addr(0) + copy.src_offset,
+                    srcArray: std::ptr::null_mut(),
+                    srcPitch: copy.src_pitch,
+                    dstXInBytes: 0,
+                    dstY: 0,
+                    dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_UNIFIED,
+                    dstHost: std::ptr::null_mut(),
+                    dstDevice: dev,
+                    dstArray: std::ptr::null_mut(),
+                    dstPitch: copy.width,
+                    WidthInBytes: copy.width,
+                    Height: 3,
+                };
+                // SAFETY: the three rows (entries `[first, first + n)` of each column) lie in the
+                // slab's pinned allocation, which outlives the copy (the lane's marker waits for
+                // the kernel stream); `dev` holds at least the three rows, and the kernels of
+                // earlier transfers that read it come before this copy on the same stream; the
+                // struct is read during the call only.
+                check("cuMemcpy2DAsync", unsafe {
+                    sys::cuMemcpy2DAsync_v2(&raw const c, kstream)
                 })?;
-                [0, 1, 2].map(|c| dev.wrapping_add(slab.column_addr(c)).wrapping_sub(lo))
+                [0, 1, 2].map(|c| copy.column(dev, c))
             } else {
                 [0, 1, 2].map(|c| slab.column_addr(c))
             };
