@@ -266,8 +266,14 @@ impl PyEngine {
         }
         opts.timing = timing;
         opts.completion = completion.parse().map_err(invalid)?;
-        opts.access_order[Direction::HostToDevice.lane()] = h2d_order.parse().map_err(invalid)?;
-        opts.access_order[Direction::DeviceToHost.lane()] = d2h_order.parse().map_err(invalid)?;
+        // The parse error names the kind of setting; the argument is named here.
+        let order = |name: &str, value: &str| {
+            value
+                .parse()
+                .map_err(|e| invalid(format!("{name} (source access order) {e}")))
+        };
+        opts.access_order[Direction::HostToDevice.lane()] = order("h2d_order", h2d_order)?;
+        opts.access_order[Direction::DeviceToHost.lane()] = order("d2h_order", d2h_order)?;
         opts.streams[Direction::HostToDevice.lane()] = h2d_stream;
         opts.streams[Direction::DeviceToHost.lane()] = d2h_stream;
         opts.max_in_flight = config.max_in_flight;

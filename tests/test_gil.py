@@ -90,6 +90,7 @@ SCRIPT = textwrap.dedent(
     """
 )
 
+
 def _bindings() -> list[str]:
     """Every public method and property of the compiled engine: a binding added later is
     tested here without anyone listing it."""

@@ -378,3 +378,11 @@ def test_check_int_returns_a_python_int_and_lets_none_through_where_asked():
     assert got == 3 and type(got) is int
     assert check_int("n", None, 1, optional=True) is None
     assert check_int("n", 5) == 5
+
+
+@pytest.mark.parametrize("name", ["h2d_order", "d2h_order"])
+def test_a_bad_access_order_names_its_argument(name: str) -> None:
+    with pytest.raises(
+        blockswap.InvalidTransferError, match=f"{name} .*must be 'stream' or 'any', not \"strem\""
+    ):
+        blockswap.Engine("host", **{name: "strem"})

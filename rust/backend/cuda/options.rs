@@ -46,7 +46,7 @@ impl FromStr for AccessOrder {
         match s {
             "stream" => Ok(AccessOrder::Stream),
             "any" => Ok(AccessOrder::Any),
-            _ => Err(format!("access order must be 'stream' or 'any', not {s:?}")),
+            _ => Err(format!("must be 'stream' or 'any', not {s:?}")),
         }
     }
 }
