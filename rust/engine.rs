@@ -652,10 +652,10 @@ impl Engine {
             let Some(p) = self.parked.pop() else { break };
             if p.seq <= self.backend.completed(p.direction) {
                 self.pool.release(p.slab);
-            } else if let Err(p) = self.parked.push(p) {
-                // Cannot happen (the queue holds every record a lane may have); leaking the slab
-                // is the safe way out: the backend may still read it.
-                std::mem::forget(p);
+            } else {
+                // Room: this call took it out. Were there none, the slab would be dropped, which
+                // leaks it (a Slab has no Drop): the safe way out while the backend may read it.
+                let _ = self.parked.push(p);
             }
         }
     }
@@ -712,10 +712,9 @@ impl Engine {
                 seq: record.seq,
                 slab: record.slab,
             };
-            if let Err(p) = self.parked.push(parked) {
-                // As in `unpark`: leaked rather than reused while it may be read.
-                std::mem::forget(p);
-            }
+            // The queue holds every record the lanes may have; were it full, the slab would be
+            // dropped, which leaks it (a Slab has no Drop) rather than reusing it while read.
+            let _ = self.parked.push(parked);
         }
     }
 
@@ -773,11 +772,10 @@ impl Engine {
                 }
                 let last = self.lanes[direction.lane()].next_seq() - 1;
                 let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
-                let reached = match self.backend.wait(direction, last, left) {
-                    Ok(reached) => reached,
-                    // A lane the backend reports failed has nothing more to wait for: its
-                    // transfers are reported failed with its error, which is not a timeout.
-                    Err(_) => continue,
+                // A wait the backend refuses (its lane failed) has nothing more to wait for: its
+                // transfers are reported failed with its error, which is not a timeout.
+                let Ok(reached) = self.backend.wait(direction, last, left) else {
+                    continue;
                 };
                 if reached || self.lane_failed(direction) {
                     continue;

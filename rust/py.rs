@@ -404,7 +404,10 @@ impl PyEngine {
         launcher: Option<Py<PyAny>>,
     ) -> PyResult<()> {
         let dir = self::direction(direction)?;
-        let (s, d) = (copy_u64("src_ids", &src_ids)?, copy_u64("dst_ids", &dst_ids)?);
+        let (s, d) = (
+            copy_u64("src_ids", &src_ids)?,
+            copy_u64("dst_ids", &dst_ids)?,
+        );
         let launch = |b: KernelBatch| call_launcher(launcher.as_ref().expect("routed"), b);
         let kernel = (launcher.is_some() && kernel_below > 0).then_some((
             kernel_below,
@@ -441,7 +444,10 @@ impl PyEngine {
         wait_stream: Option<u64>,
     ) -> PyResult<()> {
         let dir = self::direction(direction)?;
-        let (s, d) = (copy_u64("src_ids", &src_ids)?, copy_u64("dst_ids", &dst_ids)?);
+        let (s, d) = (
+            copy_u64("src_ids", &src_ids)?,
+            copy_u64("dst_ids", &dst_ids)?,
+        );
         py.detach(|| {
             self.engine.submit_block_runs(
                 job_id,

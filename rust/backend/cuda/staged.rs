@@ -79,7 +79,6 @@ pub(super) struct Stage {
 /// The smallest device descriptor buffer a stage makes (it grows by powers of two).
 const MIN_DESC_BYTES: usize = 64 << 10;
 
-
 /// The copy of a staged transfer's block entries to the device: entries `[first, first + n)` of
 /// each of the slab's three columns (`cap` entries apart), as the three rows of one 2-D copy into
 /// three packed device columns. Only the entries in use cross: a slab's columns run to its

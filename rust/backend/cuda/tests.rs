@@ -370,8 +370,15 @@ fn a_staged_transfer_copies_only_the_entries_it_uses() {
     // A transfer of 600 block entries from entry 40, in a slab of 1,024 entries a column.
     let (first, n, cap) = (40usize, 600usize, 1024usize);
     let copy = super::staged::EntryCopy::new(first, n, cap);
-    assert_eq!(copy.device_bytes(), 3 * 8 * n, "only the entries in use cross");
-    assert_eq!((copy.src_offset, copy.src_pitch), (8 * first as u64, 8 * cap));
+    assert_eq!(
+        copy.device_bytes(),
+        3 * 8 * n,
+        "only the entries in use cross"
+    );
+    assert_eq!(
+        (copy.src_offset, copy.src_pitch),
+        (8 * first as u64, 8 * cap)
+    );
     // Entry i of column c is found where the packed copy put it.
     let dev = 1 << 40;
     for c in 0..3 {
