@@ -122,7 +122,11 @@ fn setup(fail_seq: u64, shutdown_timeout: Duration) -> Setup {
             .register(src.as_ptr() as u64, src.len() as u64, MemoryKind::Host)
             .unwrap();
         engine
-            .register(dst.as_mut_ptr() as u64, dst.len() as u64, MemoryKind::Device)
+            .register(
+                dst.as_mut_ptr() as u64,
+                dst.len() as u64,
+                MemoryKind::Device,
+            )
             .unwrap();
     }
     Setup {
@@ -172,7 +176,10 @@ fn a_failed_lane_keeps_the_slabs_its_backend_still_holds() {
     assert_eq!(results.len(), 1);
     assert_eq!((results[0].job_id, results[0].success), (3, true));
     let stats = s.engine.stats();
-    assert_eq!(stats.pool.free, stats.pool.slabs, "every slab home: {stats:?}");
+    assert_eq!(
+        stats.pool.free, stats.pool.slabs,
+        "every slab home: {stats:?}"
+    );
     assert_eq!(stats.pool.slabs, 3);
 }
 

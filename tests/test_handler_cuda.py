@@ -119,6 +119,74 @@ def test_cuda_model_roundtrip(model: Model, factor: int) -> None:
         h.shutdown()
 
 
+ISSUE_OPTIONS = [
+    {"idle_issue": True},
+    {"spin_us": 200},
+    {"idle_issue": True, "spin_us": 200},
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("factor", [1, 4])
+@pytest.mark.parametrize("path", ["auto", "staged", "dma", "kernel"])
+@pytest.mark.parametrize(
+    "options", ISSUE_OPTIONS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items())
+)
+def test_cuda_transfers_issued_by_the_caller_or_a_spinning_thread(
+    options: dict[str, object], path: str, factor: int
+) -> None:
+    """Isolated transfers (issued on the caller's thread with ``idle_issue``) and bursts that
+    fill the ring (issued by the lane's thread, awake or not), alternating, byte-exact both
+    ways."""
+    model = Model("llama-3.1-70b-tp4", 80, 2, 128)
+    (gpu,) = cuda_cache(model)
+    ring = 8
+    h = CpuGpuHandlers(
+        gpu,
+        CPU_BLOCKS,
+        layout="kv_split",
+        path=path,
+        block_size_factor=factor,
+        max_in_flight=ring,
+        **options,
+    )
+    rng = np.random.default_rng(factor)
+    n = 8  # GPU blocks a transfer
+    layers = (0, len(gpu) - 1)  # the first and the last layer are checked
+    job = 0
+    try:
+        for burst in (1, ring, 1, ring):
+            # Offload `burst` transfers to disjoint CPU blocks, then onload them into disjoint
+            # GPU blocks, each batch queued at once.
+            cpu = rng.permutation(CPU_BLOCKS)[: burst * n // factor].reshape(burst, -1)
+            src = [rng.permutation(GPU_BLOCKS)[:n] for _ in range(burst)]
+            before = [[sel(gpu[i], "kv_split", s.tolist()).clone() for i in layers] for s in src]
+            jobs = []
+            for k in range(burst):
+                job += 1
+                assert h.gpu_to_cpu_handler.transfer_async(job, (src[k], cpu[k])) is True
+                jobs.append(job)
+            h.wait(jobs)
+            assert all(r.success for r in h.get_finished())
+            for k in range(burst):
+                subs = ref_store_subs(cpu[k].tolist(), n, factor)
+                for i, b in zip(layers, before[k]):
+                    assert torch.equal(sel(h.cpu_caches[i], "kv_split", subs), b.cpu())
+            dst = rng.permutation(GPU_BLOCKS)[: burst * n].reshape(burst, n)
+            jobs = []
+            for k in range(burst):
+                job += 1
+                assert h.cpu_to_gpu_handler.transfer_async(job, (cpu[k], dst[k])) is True
+                jobs.append(job)
+            h.wait(jobs)
+            assert all(r.success for r in h.get_finished())
+            for k in range(burst):
+                for i, b in zip(layers, before[k]):
+                    assert torch.equal(sel(gpu[i], "kv_split", dst[k].tolist()), b)
+    finally:
+        h.shutdown()
+
+
 @pytest.mark.cuda
 def test_cuda_partial_cpu_blocks_factor_4() -> None:
     m = Model("llama-3.1-8b", 4, 8, 128)

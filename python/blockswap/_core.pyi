@@ -92,6 +92,8 @@ class Engine:
         h2d_stream: int | None = None,
         d2h_stream: int | None = None,
         stage_bytes: int = 16777216,
+        idle_issue: bool = False,
+        spin_us: int = 0,
     ) -> Engine: ...
     def submit(
         self,

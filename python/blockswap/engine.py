@@ -207,7 +207,10 @@ class Engine:
     launches among them, wait while one is in progress); ``timing`` (device time from events);
     ``completion`` (``"auto"``, ``"write_value"``, ``"event"``); ``h2d_order`` / ``d2h_order`` (source access
     order, ``"any"`` or ``"stream"``); ``h2d_stream`` / ``d2h_stream`` (a raw ``CUstream`` to use
-    instead of the engine's own).
+    instead of the engine's own); ``idle_issue`` (where every earlier transfer of a direction
+    is complete, :meth:`submit` issues the copies on the caller's thread rather than waking the
+    engine's thread for that direction); ``spin_us`` (how long that thread stays awake looking
+    for the next transfer, spinning on a CPU core, before it sleeps).
 
     Every address a transfer names must lie in memory registered with :meth:`register`,
     :meth:`pin` or :meth:`alloc_host`; anything else is refused before a copy is issued.
@@ -237,6 +240,8 @@ class Engine:
         h2d_stream: int | None = None,
         d2h_stream: int | None = None,
         stage_bytes: int = 16 << 20,
+        idle_issue: bool = False,
+        spin_us: int = 0,
     ) -> None:
         self._core = _core.Engine(
             check_arg("backend", backend, _one_of(BackendName), _is_str),
@@ -261,6 +266,8 @@ class Engine:
                 "d2h_stream", d2h_stream, 0, _U64_MAX, optional=True, what=_STREAM, errors=_ERRORS
             ),
             stage_bytes=check_int("stage_bytes", stage_bytes, *_I128, errors=_ERRORS),
+            idle_issue=check_arg("idle_issue", idle_issue, "a bool", _is_bool),
+            spin_us=check_int("spin_us", spin_us, 0, 10**6, errors=_ERRORS),
         )
         self._kept: dict[int, Any] = {}
         # The hot paths bound straight to the core (no Python frame in between), shadowing the
@@ -672,6 +679,8 @@ _CUDA_ONLY = (
     "d2h_order",
     "h2d_stream",
     "d2h_stream",
+    "idle_issue",
+    "spin_us",
 )
 
 

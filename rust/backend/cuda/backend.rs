@@ -540,6 +540,18 @@ impl Backend for CudaBackend {
             self.wait_drained(lane);
             return self.issue_job(lane, job, request.kernel);
         }
+        // Idle: every earlier transfer of the lane complete, so its thread holds no job
+        // (Acquire: pairs with the Release decrement in `work`). Transfers that follow busy ones
+        // still go to the thread, and their callers pay no driver call.
+        if self.opts.idle_issue
+            && l.pending.load(Ordering::Acquire) == 0
+            && self.completed_seq(lane) + 1 >= seq
+        {
+            // No other submit can queue a job before this returns (the engine's submit lock):
+            // the copies go in from here, in order.
+            l.accepted.store(seq, Ordering::Release);
+            return self.issue_job(lane, job, request.kernel);
+        }
         self.start_worker(lane).map_err(fail)?;
         // Release: as above.
         l.accepted.store(seq, Ordering::Release);

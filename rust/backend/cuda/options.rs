@@ -104,6 +104,15 @@ pub struct CudaOptions {
     pub streams: [Option<u64>; 4],
     /// Transfers in flight per direction the event rings hold (the engine's `max_in_flight`).
     pub max_in_flight: usize,
+    /// Where a lane is idle (every earlier transfer complete), `submit` issues the transfer on
+    /// the caller's thread instead of waking the lane's thread: the caller pays the driver calls,
+    /// and the copies start without a thread's wake-up in the way. A transfer that follows a
+    /// busy one still goes to the lane's thread.
+    pub idle_issue: bool,
+    /// How long a lane's thread keeps looking for the next transfer (spinning on the CPU)
+    /// before it sleeps, once it has issued all it had: a transfer that comes sooner finds it
+    /// awake. Zero: it sleeps at once.
+    pub spin: std::time::Duration,
 }
 
 impl CudaOptions {
@@ -121,6 +130,8 @@ impl CudaOptions {
             completion: CompletionMode::Auto,
             streams: [None; 4],
             max_in_flight: 1024,
+            idle_issue: false,
+            spin: std::time::Duration::ZERO,
         }
     }
 }
