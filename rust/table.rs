@@ -801,18 +801,24 @@ pub fn expand_groups_into(
         // apart, so what the whole transfer writes is checked, by the rule each group kept.
         let table = groups.first().map_or("", |g| g.dst.name.as_str());
         let len = total.len;
-        let (addrs, sizes) = match plan {
-            Plan::Pages { .. } => (dst[..len].to_vec(), size[..len].to_vec()),
-            Plan::Runs(_) => written_rows(&src[..len], &dst[..len], &size[..len]),
-            // The bytes written land in GPU pages (CPU -> GPU, by the kernel) or in host rows.
+        // What the plan wrote where it is not in the slab's columns as written ranges already.
+        let ranges = match plan {
+            Plan::Runs(_) => Some(written_rows(&src[..len], &dst[..len], &size[..len])),
+            // CPU -> GPU: the bytes land in the GPU pages the kernel writes.
             Plan::Staged {
                 rows,
                 host_src: true,
                 ..
-            } => written_pages(src, dst, size, rows..cursor.block),
-            Plan::Staged { .. } => (src[..cursor.row].to_vec(), size[..cursor.row].to_vec()),
+            } => Some(written_pages(src, dst, size, rows..cursor.block)),
+            Plan::Staged { .. } | Plan::Pages { .. } => None,
         };
-        check_written(table, &addrs, &sizes, Overlap::Groups, scratch)?;
+        let (addrs, sizes) = match (&ranges, plan) {
+            (Some((a, z)), _) => (&a[..], &z[..]),
+            // GPU -> CPU: the host rows.
+            (None, Plan::Staged { .. }) => (&src[..cursor.row], &size[..cursor.row]),
+            (None, _) => (&dst[..len], &size[..len]),
+        };
+        check_written(table, addrs, sizes, Overlap::Groups, scratch)?;
     }
     Ok(total)
 }

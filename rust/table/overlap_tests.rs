@@ -241,5 +241,29 @@ fn every_plan_checks_groups_that_write_one_tensor() {
                 .contains("destination pages of different groups overlap"),
             "{e}"
         );
+        // Two groups storing into one CPU table: host rows (staged), rows or pages alike.
+        let g1 = table(
+            &[GPU + 0x1000, GPU + 0x1200],
+            &[64; 2],
+            64,
+            8,
+            MemoryKind::Device,
+        );
+        assert!(
+            run(kind, &[(&gpu, &[0], &h0, &[1]), (&g1, &[0], &h0, &[2])]).is_ok(),
+            "{kind:?}"
+        );
+        let e = run(kind, &[(&gpu, &[0], &h0, &[1]), (&g1, &[0], &h0, &[1])]).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                TableError::OverlappingDestinations {
+                    first: (a, _),
+                    within: Overlap::Groups,
+                    ..
+                } if a == HOST + 128
+            ),
+            "{kind:?}: {e}"
+        );
     }
 }
