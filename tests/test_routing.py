@@ -283,7 +283,7 @@ def test_calibration_measures_every_route_and_keeps_the_cache_intact():
 # the suite) and without a visible GPU: the process a user without a GPU has.
 _NO_GPU_SCRIPT = r"""
 import os
-import threading
+import time
 
 import torch
 
@@ -327,13 +327,19 @@ tasks = set(os.listdir("/proc/self/task"))
 try:
     CpuGpuHandlers(gpu, 8, layout="kv_split", path="kernel")
 except RouteUnavailableError as e:
+    refused = e  # its traceback keeps the half-built handler alive
     assert isinstance(e, blockswap.BackendError) and isinstance(e, ValueError), type(e).__mro__
     assert e.path == "kernel" and "0 active drivers" in e.reason, e
     assert str(e).startswith("path='kernel' cannot run here: the copy kernel needs a GPU"), e
     assert "TRITON_INTERPRET=1" in str(e), e
 else:
     raise AssertionError("path='kernel' was accepted without a GPU")
+# A joined thread leaves /proc/self/task a moment after the join returns.
+deadline = time.monotonic() + 10
+while not set(os.listdir("/proc/self/task")) <= tasks and time.monotonic() < deadline:
+    time.sleep(0.001)
 assert set(os.listdir("/proc/self/task")) <= tasks, "the refused handler's engine still runs"
+assert refused.__traceback__ is not None
 print("ok")
 """
 
