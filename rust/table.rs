@@ -14,8 +14,8 @@
 //! transfer writes: no byte twice, else the result would depend on the order of the copies.
 //! Where the destination table's geometry proves it (distinct ids, segments that share no byte)
 //! nothing is sorted; a table whose segments share memory in every block (layers that view one
-//! tensor) is refused as a destination by [`check_ids`] whatever the ids, and anything else is
-//! checked by [`check_written`] on what the plan wrote.
+//! tensor) is refused as a destination by `check_ids` whatever the ids, and anything else is
+//! checked by `check_written` on what the plan wrote.
 
 use crate::descriptor::{check_disjoint, Columns, DescriptorError, Prepared, Scratch, Side};
 use crate::region::{MemoryKind, RegionTable};
@@ -659,10 +659,10 @@ impl Group<'_> {
 /// after group. A group may be empty (no id on either side); the transfer may not. Errors name the
 /// group where there are several, and positions in chunk ids where a side has them.
 ///
-/// Destinations are proven disjoint within each group by its plan (see [`check_ids`]); across
-/// groups by their tables' spans, or, where two groups' destination tables may share bytes (one
-/// tensor in two groups), by checking what the whole batch writes ([`check_written`]: pages,
-/// 2-D copies' rows or staged pages alike).
+/// Destinations are proven disjoint within each group by its plan (see the module's rule);
+/// across groups by their tables' spans, or, where two groups' destination tables may share bytes
+/// (one tensor in two groups), by checking what the whole batch writes (pages, 2-D copies' rows
+/// or staged pages alike).
 /// `out` must have room for every group's descriptors; `bufs` holds expanded chunk ids.
 pub fn expand_groups_into(
     groups: &[Group<'_>],
