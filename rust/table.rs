@@ -9,8 +9,15 @@
 //! destinations unique) and writes the descriptors straight into a pool slab, segment-major and
 //! block-minor so that runs of consecutive blocks coalesce. No address from the caller is ever
 //! copied from unchecked, and no descriptor or 2-D copy crosses a boundary between two regions.
+//!
+//! Every plan (pages, the block plan's 2-D copies, the staged plan) keeps one rule for what a
+//! transfer writes: no byte twice, else the result would depend on the order of the copies.
+//! Where the destination table's geometry proves it (distinct ids, segments that share no byte)
+//! nothing is sorted; a table whose segments share memory in every block (layers that view one
+//! tensor) is refused as a destination by `check_ids` whatever the ids, and anything else is
+//! checked by `check_written` on what the plan wrote.
 
-use crate::descriptor::{check_disjoint, Columns, Prepared, Scratch, Side};
+use crate::descriptor::{check_disjoint, Columns, DescriptorError, Prepared, Scratch, Side};
 use crate::region::{MemoryKind, RegionTable};
 
 mod chunks;
@@ -18,8 +25,10 @@ mod error;
 mod runs;
 mod staged;
 pub use chunks::{chunk_blocks, map_chunks};
-pub use error::TableError;
+pub use error::{Overlap, TableError};
+use runs::written_rows;
 pub use runs::{block_runs, expand_runs_into, for_each_row, Run, MAX_PITCH, PITCHED_ENTRIES};
+use staged::written_pages;
 pub use staged::{expand_staged_into, staged_pages, staged_row, StagedCursor, STAGED_TABLE_EXTRA};
 
 /// A block table as its caller describes it, before it is checked against registered memory
@@ -97,6 +106,9 @@ pub struct BlockTable {
     /// Distinct (segment, block) pairs never share a byte: unique destination block ids then
     /// prove disjoint destinations without sorting.
     disjoint: bool,
+    /// Two segments whose pages share bytes in every block (see [`shared_segments`]): the table
+    /// can be a source, never a destination.
+    shared: Option<(usize, usize)>,
     /// Per segment, the start of the driver allocation it lies in, where the backend knows
     /// (see [`BlockTable::in_allocations`]): a block plan's run never crosses from one to another.
     allocations: Vec<Option<u64>>,
@@ -127,6 +139,36 @@ fn interleaved(bases: &[u64], strides: &[u64], nbytes: &[u64], num_blocks: u64) 
     offs.sort_unstable();
     let in_period = num_blocks == 1 || offs.iter().all(|&(o, z)| o.saturating_add(z) <= t);
     in_period && offs.windows(2).all(|w| w[0].0 + w[0].1 <= w[1].0)
+}
+
+/// Two segments (the lower first) whose pages of one block share bytes in every block: one
+/// block stride, and page ranges that overlap at block 0, as layers that view one tensor have.
+/// `None` where there are none; pages that overlap for some blocks only are found per transfer
+/// (see [`check_written`]).
+fn shared_segments(
+    bases: &[u64],
+    strides: &[u64],
+    nbytes: &[u64],
+    num_blocks: u64,
+) -> Option<(usize, usize)> {
+    // With one block, every page is at block 0: the strides do not matter.
+    let stride = |s: usize| if num_blocks > 1 { strides[s] } else { 0 };
+    let mut order: Vec<usize> = (0..bases.len()).collect();
+    order.sort_unstable_by_key(|&s| (stride(s), bases[s], s));
+    // Among segments of one stride in order of their bases, one overlaps an earlier one exactly
+    // when it starts before the furthest end so far (`reach`, and the segment that has it).
+    let mut reach: Option<(u64, u64, usize)> = None;
+    for &s in &order {
+        let end = bases[s] + nbytes[s];
+        match reach {
+            Some((t, far, r)) if t == stride(s) && bases[s] < far => {
+                return Some((r.min(s), r.max(s)))
+            }
+            Some((t, far, _)) if t == stride(s) && far >= end => {}
+            _ => reach = Some((stride(s), end, s)),
+        }
+    }
+    None
 }
 
 /// The first of `cuts` (sorted) strictly inside the range of `extent` bytes from `start + b *
@@ -241,6 +283,11 @@ impl BlockTable {
         spans.sort_unstable();
         let disjoint = spans.windows(2).all(|w| w[0].0 + w[0].1 <= w[1].0)
             || interleaved(&bases, &strides, &nbytes, num_blocks);
+        let shared = if disjoint {
+            None
+        } else {
+            shared_segments(&bases, &strides, &nbytes, num_blocks)
+        };
         let span = (lo, hi);
         Ok(BlockTable {
             bases,
@@ -251,6 +298,7 @@ impl BlockTable {
             name: String::new(),
             unit: 1,
             disjoint,
+            shared,
             allocations: vec![None; n],
             cuts,
             span,
@@ -325,6 +373,14 @@ impl BlockTable {
         self.bases.len()
     }
 
+    /// Two segments whose pages share bytes in every block (layers that view one tensor), the
+    /// lower first: a transfer into the table is refused whatever its ids
+    /// ([`Overlap::Segments`]), a transfer out of it reads those bytes twice. `None` otherwise.
+    #[must_use]
+    pub fn shared_segments(&self) -> Option<(usize, usize)> {
+        self.shared
+    }
+
     fn compatible(&self, dst: &BlockTable) -> Result<(), TableError> {
         if self.nbytes == dst.nbytes {
             return Ok(());
@@ -356,7 +412,10 @@ pub struct Pair<'a> {
 }
 
 /// The checks every block-id transfer passes before a descriptor is written: equal lengths, at
-/// least one block, compatible pages, every id in range, destinations distinct.
+/// least one block, compatible pages, every id in range, destinations distinct, and a destination
+/// table whose segments do not share memory in every block (see [`BlockTable::shared_segments`]).
+/// With them, a plan's destinations are disjoint where the destination table is
+/// ([`BlockTable::disjoint`]); each plan proves the rest with [`check_written`].
 fn check_ids(pair: Pair<'_>, scratch: &mut Scratch) -> Result<(), TableError> {
     let Pair {
         src,
@@ -401,7 +460,44 @@ fn check_ids(pair: Pair<'_>, scratch: &mut Scratch) -> Result<(), TableError> {
         let (name, id) = (dst.label(Side::Dst), dst_ids[index] / dst.unit);
         return Err(TableError::DuplicateDestination { name, index, id });
     }
+    if let Some((a, b)) = dst.shared {
+        let page = |s: usize| (dst.bases[s] + dst_ids[0] * dst.strides[s], dst.nbytes[s]);
+        return Err(TableError::OverlappingDestinations {
+            table: dst.name.clone(),
+            first: page(a),
+            second: page(b),
+            within: Overlap::Segments(a, b),
+        });
+    }
     Ok(())
+}
+
+/// The rule every plan keeps for what one transfer writes: no byte twice. Proves the ranges
+/// `[addrs[i], + sizes[i])` (the pages, 2-D copies' rows or staged pages a plan wrote) pairwise
+/// disjoint, or names two that overlap ([`TableError::OverlappingDestinations`], `within` one
+/// table of `table`'s name or across groups). A plan calls it where its destination table is not
+/// proven disjoint by its geometry, or where groups' destination tables share memory.
+fn check_written(
+    table: &str,
+    addrs: &[u64],
+    sizes: &[u64],
+    within: Overlap,
+    scratch: &mut Scratch,
+) -> Result<(), TableError> {
+    check_disjoint(addrs, sizes, scratch).map_err(|e| match e {
+        DescriptorError::OverlappingDestinations { first, second } => {
+            TableError::OverlappingDestinations {
+                table: table.to_string(),
+                first,
+                second,
+                within,
+            }
+        }
+        e => TableError::BadSegment {
+            segment: 0,
+            reason: e.to_string(),
+        },
+    })
 }
 
 /// Checks block ids and writes the transfer's descriptors into `out`: for each segment, for each
@@ -495,12 +591,13 @@ pub fn expand_into(
         bytes = bytes.wrapping_add(z * n as u64);
     }
     if !dst.disjoint {
-        check_disjoint(&out.dst[..w], &out.size[..w], scratch).map_err(|e| {
-            TableError::BadSegment {
-                segment: 0,
-                reason: format!("destination pages of different segments overlap: {e}"),
-            }
-        })?;
+        check_written(
+            &dst.name,
+            &out.dst[..w],
+            &out.size[..w],
+            Overlap::Pages,
+            scratch,
+        )?;
     }
     // Addresses are base + id * stride: their alignment is that of the bases and strides.
     let alignment = 1u64 << (bitmask | max_size).trailing_zeros().min(4);
@@ -562,9 +659,10 @@ impl Group<'_> {
 /// after group. A group may be empty (no id on either side); the transfer may not. Errors name the
 /// group where there are several, and positions in chunk ids where a side has them.
 ///
-/// Destinations are proven disjoint within each group as [`expand_into`] does; across groups by
-/// their tables' spans, or, where two groups' destination tables may share bytes (one tensor in
-/// two groups), by checking the whole batch (page descriptors; 2-D copies are refused there).
+/// Destinations are proven disjoint within each group by its plan (see the module's rule);
+/// across groups by their tables' spans, or, where two groups' destination tables may share bytes
+/// (one tensor in two groups), by checking what the whole batch writes (pages, 2-D copies' rows
+/// or staged pages alike).
 /// `out` must have room for every group's descriptors; `bufs` holds expanded chunk ids.
 pub fn expand_groups_into(
     groups: &[Group<'_>],
@@ -698,35 +796,29 @@ pub fn expand_groups_into(
         total.len = cursor.table;
         total.staged_blocks_at = rows;
     }
-    if let (true, Plan::Staged { rows, host_src, .. }) = (shared, plan) {
-        // The bytes written land in GPU pages (CPU -> GPU, by the kernel) or in host rows.
-        let (addrs, sizes): (Vec<u64>, Vec<u64>) = if host_src {
-            (rows..cursor.block)
-                .flat_map(|i| staged_pages(src, dst, size, i))
-                .map(|(_, gpu, bytes)| (gpu, bytes))
-                .unzip()
-        } else {
-            (src[..cursor.row].to_vec(), size[..cursor.row].to_vec())
-        };
-        check_disjoint(&addrs, &sizes, scratch).map_err(|e| TableError::BadSegment {
-            segment: 0,
-            reason: format!("destination pages of different groups overlap: {e}"),
-        })?;
-        return Ok(total);
-    }
     if shared {
-        if !matches!(plan, Plan::Pages { .. }) {
-            return Err(TableError::BadChunking(
-                "two groups' destination tables share memory: their 2-D copies cannot be proven \
-                 disjoint; move them page by page"
-                    .into(),
-            ));
-        }
+        // Two groups' destination tables share memory: no geometry proves the groups' pages
+        // apart, so what the whole transfer writes is checked, by the rule each group kept.
+        let table = groups.first().map_or("", |g| g.dst.name.as_str());
         let len = total.len;
-        check_disjoint(&dst[..len], &size[..len], scratch).map_err(|e| TableError::BadSegment {
-            segment: 0,
-            reason: format!("destination pages of different groups overlap: {e}"),
-        })?;
+        // What the plan wrote where it is not in the slab's columns as written ranges already.
+        let ranges = match plan {
+            Plan::Runs(_) => Some(written_rows(&src[..len], &dst[..len], &size[..len])),
+            // CPU -> GPU: the bytes land in the GPU pages the kernel writes.
+            Plan::Staged {
+                rows,
+                host_src: true,
+                ..
+            } => Some(written_pages(src, dst, size, rows..cursor.block)),
+            Plan::Staged { .. } | Plan::Pages { .. } => None,
+        };
+        let (addrs, sizes) = match (&ranges, plan) {
+            (Some((a, z)), _) => (&a[..], &z[..]),
+            // GPU -> CPU: the host rows.
+            (None, Plan::Staged { .. }) => (&src[..cursor.row], &size[..cursor.row]),
+            (None, _) => (&dst[..len], &size[..len]),
+        };
+        check_written(table, addrs, sizes, Overlap::Groups, scratch)?;
     }
     Ok(total)
 }
@@ -788,3 +880,6 @@ mod props;
 
 #[cfg(test)]
 mod boundaries;
+
+#[cfg(test)]
+mod overlap_tests;

@@ -523,8 +523,7 @@ fn staged_plans_are_refused_where_they_cannot_run() {
 
 #[test]
 fn block_plans_are_refused_where_a_table_pair_has_none() {
-    // Destination segments whose pages overlap (32 bytes apart, 64 long): their disjointness is
-    // proven per descriptor, so no block plan.
+    // Pages of different sizes on the two sides: no 2-D copy moves them.
     let mut b = Buffers {
         src: vec![1; 4096],
         dst: vec![0; 4096],
@@ -542,9 +541,9 @@ fn block_plans_are_refused_where_a_table_pair_has_none() {
         .unwrap();
     let dst = engine
         .register_table(TableSpec::new(
-            vec![d, d + 32],
+            vec![d, d + 1024],
             vec![128, 128],
-            vec![64, 64],
+            vec![32, 32],
             8,
             MemoryKind::Device,
         ))
@@ -595,6 +594,77 @@ fn block_plans_are_refused_where_a_table_pair_has_none() {
         )
         .unwrap_err();
     assert!(err.to_string().contains("out of range"), "{err}");
+    assert_eq!(engine.stats().in_flight, 0);
+}
+
+#[test]
+fn every_plan_refuses_loads_into_layers_that_share_a_tensor_and_stores_them() {
+    // Two layers of K and V pages (64 bytes, 4 blocks) viewing one GPU tensor (KV sharing), and
+    // a block-major CPU cache of their 4 pages a block.
+    let mut b = Buffers {
+        src: vec![0; 4096],
+        dst: (0..4096u32).map(|i| (i * 7 + 3) as u8).collect(),
+    };
+    let (engine, _) = engine_with(&mut b, EngineConfig::default());
+    let (c, g) = (b.src.as_ptr() as u64, b.dst.as_ptr() as u64);
+    let gpu = engine
+        .register_table(
+            TableSpec::new(
+                vec![g, g + 256, g, g + 256],
+                vec![64; 4],
+                vec![64; 4],
+                4,
+                MemoryKind::Device,
+            )
+            .named("GPU", 1),
+        )
+        .unwrap();
+    let cpu = engine
+        .register_table(
+            TableSpec::new(
+                vec![c, c + 64, c + 128, c + 192],
+                vec![256; 4],
+                vec![64; 4],
+                4,
+                MemoryKind::Host,
+            )
+            .named("CPU", 1),
+        )
+        .unwrap();
+    let gpu_before = b.dst.clone();
+    let shape = |name| match name {
+        "pages" => Shape::Pages(None),
+        "runs" => Shape::Runs,
+        _ => Shape::Staged { kernel: None },
+    };
+    for (job, name) in (1u64..).step_by(2).zip(["pages", "runs", "staged"]) {
+        // Stores read each shared page twice: both layers' CPU pages hold the tensor's page.
+        let store = [GroupIds::blocks(gpu, &[2, 0], cpu, &[1, 3])];
+        engine
+            .submit_groups(job, &store, Direction::DeviceToHost, None, shape(name))
+            .unwrap();
+        assert!(finish(&engine, &[job])[0].success, "{name}");
+        for (gb, cb) in [(2usize, 1usize), (0, 3)] {
+            for (seg, off) in [0usize, 256, 0, 256].into_iter().enumerate() {
+                let page = &b.dst[off + gb * 64..off + gb * 64 + 64];
+                let at = cb * 256 + seg * 64;
+                assert_eq!(&b.src[at..at + 64], page, "{name}");
+            }
+        }
+        // Loads are refused alike, whatever the plan, and write nothing.
+        let load = [GroupIds::blocks(cpu, &[1, 3], gpu, &[0, 1])];
+        let e = engine
+            .submit_groups(job + 1, &load, Direction::HostToDevice, None, shape(name))
+            .unwrap_err();
+        assert!(
+            e.to_string().starts_with(
+                "destination pages overlap: segments 0 and 2 of the GPU table share memory"
+            ),
+            "{name}: {e}"
+        );
+        assert!(b.dst == gpu_before, "{name}");
+        b.src.fill(0);
+    }
     assert_eq!(engine.stats().in_flight, 0);
 }
 

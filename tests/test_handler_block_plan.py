@@ -237,6 +237,49 @@ def _roundtrip_on_gpu(
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("path", ["auto", "staged", "dma", "blocks", "kernel"])
+def test_layers_sharing_one_gpu_tensor_store_and_refuse_loads_on_every_path(
+    path: str, device: str
+) -> None:
+    # Two layers viewing one GPU tensor (KV sharing) in one group: their K pages are one memory,
+    # and so are their V pages. A load would write each of them twice, from two CPU pages, in
+    # no fixed order (on the GPU, a race between the kernel's CTAs), so every plan refuses it;
+    # a store reads them twice, which is well-defined.
+    t = one_allocation("kv_split", 1, N_GPU, device)[0]
+    kw = {"backend": "host"} if device == "cpu" else {}
+    h = CpuGpuHandlers([t, t], N_CPU, layout="kv_split", path=path, **kw)
+    try:
+        plan = {"auto": "staged", "dma": "pages", "kernel": "pages"}.get(path, path)
+        assert h.routes["h2d"].plan == h.routes["d2h"].plan == plan
+        before = t.clone()
+        h.d2h.transfer_async(1, ([3, 9], [2, 5]))
+        h.wait([1])
+        assert [r.success for r in h.get_finished()] == [True]
+        cpu = h.cpu_caches[0]
+        for layer in cpu:  # both layers' CPU pages hold the tensor's pages
+            for g, c in ((3, 2), (9, 5)):
+                assert torch.equal(
+                    page_of(layer, "kv_split", c)[0].cpu(), page_of(t, "kv_split", g)[0].cpu()
+                )
+                assert torch.equal(
+                    page_of(layer, "kv_split", c)[1].cpu(), page_of(t, "kv_split", g)[1].cpu()
+                )
+        with pytest.raises(
+            InvalidTransferError,
+            match=r"h2d job 2: destination pages overlap: segments 0 and 2 of the GPU table "
+            r"share memory",
+        ):
+            h.h2d.transfer_async(2, ([2, 5], [0, 1]))
+        assert torch.equal(t.view(torch.uint8), before.view(torch.uint8))  # nothing written
+        # The handler goes on: stores still work.
+        h.d2h.transfer_async(3, ([0], [7]))
+        h.wait([3])
+        assert [r.success for r in h.get_finished()] == [True]
+    finally:
+        h.shutdown()
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("factor", FACTORS)
 @pytest.mark.parametrize("layout", sorted(ONE_ALLOCATION))

@@ -279,6 +279,122 @@ def test_calibration_measures_every_route_and_keeps_the_cache_intact():
         h.shutdown()
 
 
+# Run in a fresh interpreter without TRITON_INTERPRET (which conftest.py sets for the rest of
+# the suite) and without a visible GPU: the process a user without a GPU has.
+_NO_GPU_SCRIPT = r"""
+import os
+import time
+
+import torch
+
+assert "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available()
+import blockswap
+from blockswap.handler import CpuGpuHandlers
+from blockswap.kernels import interpreter_mode, kernel_unavailable
+from blockswap.routing import RouteUnavailableError
+
+assert not interpreter_mode()
+assert "TRITON_INTERPRET=1" in kernel_unavailable()
+
+torch.manual_seed(2)
+gpu = [torch.randint(0, 255, (2, 8, 4, 1, 8), dtype=torch.uint8) for _ in range(2)]
+before = [t.clone() for t in gpu]
+# Calibration measures the routes that can run here: not the Triton kernel.
+h = CpuGpuHandlers(gpu, 8, layout="kv_split", calibrate=True)
+try:
+    assert h.backend == "host"
+    for d, r in h.calibration.items():
+        assert "kernel_gbps" not in r and r["dma_gbps"] > 0 and r["chosen"] != "kernel", r
+        assert h.routes[d].launcher is None and h.routes[d].kernel is None
+    for t, b in zip(gpu, before):
+        assert torch.equal(t, b), "calibration put every block back"
+    # Then transfers run, byte-exact, both ways.
+    h.d2h.transfer_async(1, ([1, 2, 5], [3, 4, 0]))
+    h.wait([1])
+    h.h2d.transfer_async(2, ([3, 4, 0], [6, 7, 0]))
+    h.wait([2])
+    assert [r.success for r in h.get_finished()] == [True, True]
+    for t, b in zip(gpu, before):
+        assert torch.equal(t[:, [6, 7, 0]], b[:, [1, 2, 5]])
+finally:
+    h.shutdown()
+# path="auto" on the host backend never needs the kernel; path="kernel" is refused up front,
+# naming the path and why, and leaves no engine behind.
+h = CpuGpuHandlers(gpu, 8, layout="kv_split", path="auto", kernel_below=1 << 20)
+assert all(r.launcher is None for r in h.routes.values())
+h.shutdown()
+tasks = set(os.listdir("/proc/self/task"))
+try:
+    CpuGpuHandlers(gpu, 8, layout="kv_split", path="kernel")
+except RouteUnavailableError as e:
+    refused = e  # its traceback keeps the half-built handler alive
+    assert isinstance(e, blockswap.BackendError) and isinstance(e, ValueError), type(e).__mro__
+    assert e.path == "kernel" and "0 active drivers" in e.reason, e
+    assert str(e).startswith("path='kernel' cannot run here: the copy kernel needs a GPU"), e
+    assert "TRITON_INTERPRET=1" in str(e), e
+else:
+    raise AssertionError("path='kernel' was accepted without a GPU")
+# A joined thread leaves /proc/self/task a moment after the join returns.
+deadline = time.monotonic() + 10
+while not set(os.listdir("/proc/self/task")) <= tasks and time.monotonic() < deadline:
+    time.sleep(0.001)
+assert set(os.listdir("/proc/self/task")) <= tasks, "the refused handler's engine still runs"
+assert refused.__traceback__ is not None
+print("ok")
+"""
+
+
+def test_without_a_gpu_or_interpreter_only_routes_that_run_are_taken_or_measured():
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    r = subprocess.run(
+        [sys.executable, "-c", _NO_GPU_SCRIPT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
+
+
+def test_failed_transfers_are_logged_by_the_handler(caplog):
+    import logging
+
+    import torch
+
+    from blockswap.handler import CpuGpuHandlers
+
+    gpu = [torch.zeros(2, 8, 4, 1, 8, dtype=torch.uint8) for _ in range(2)]
+    h = CpuGpuHandlers(gpu, 8, layout="kv_split", backend="host", path="dma")
+    try:
+        for job, poll in ((1, h.get_finished), (2, h.d2h.get_finished), (3, h.h2d.get_finished)):
+            h.engine.inject_failures(1)
+            h.d2h.transfer_async(job, ([1], [2]))
+            h.wait([job])
+            caplog.clear()
+            with caplog.at_level(logging.WARNING, logger="blockswap"):
+                results = poll()
+            assert [r.success for r in results] == [False]
+            failed = [r for r in caplog.records if r.levelno == logging.WARNING]
+            assert len(failed) == 1, caplog.records
+            assert failed[0].name.startswith("blockswap")
+            msg = failed[0].getMessage()
+            assert msg.startswith(f"transfer job {job} failed:") and "injected" in msg, msg
+        # Successes are not logged.
+        h.d2h.transfer_async(4, ([1], [2]))
+        h.wait([4])
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="blockswap"):
+            assert [r.success for r in h.get_finished()] == [True]
+        assert not caplog.records
+    finally:
+        h.shutdown()
+
+
 @pytest.mark.cuda
 def test_cuda_calibration_reports_both_paths():
     import torch

@@ -19,7 +19,7 @@ Everything that can be computed once is computed at construction: the per-block 
 registrations with one :class:`~blockswap.Engine`, which holds both tables of every KV-cache
 group. Per transfer, ``transfer_async`` hands the block ids to the engine, which maps CPU blocks
 to sub-blocks, checks every id and writes the copies (:meth:`blockswap.Engine.submit_groups`);
-``get_finished`` is the engine's own lock-free poll, bound directly.
+``get_finished`` is the engine's own lock-free poll, which also logs each failed transfer.
 
 Block ids and ``block_size_factor``
 -----------------------------------
@@ -56,7 +56,8 @@ Both handlers share one engine, so ``get_finished`` (of either handler, or of
 over all calls: poll them all and concatenate, as vLLM's ``OffloadingWorker`` does. Job ids are
 one space across the two directions. A result is a :class:`blockswap.TransferResult`
 (``job_id``, ``success``, ``bytes``, ``seconds``, ``error``: vLLM's job id, success, transfer
-size and transfer time).
+size and transfer time). A failed transfer is also logged, once, as a warning on the
+``blockswap.handler`` logger when ``get_finished`` returns it.
 
 Host cost
 ---------
@@ -212,6 +213,23 @@ _bad_job_id = check_job_id
 _to_ids = as_block_ids
 
 
+def _logging_poll(
+    poll: Callable[[], list[TransferResult]],
+) -> Callable[[], list[TransferResult]]:
+    """``poll`` (the engine's ``get_finished``) that also logs a warning for each failed transfer
+    it returns: a result is returned once, so a failure is logged once, and never silently
+    dropped by a caller that only counts results."""
+
+    def get_finished() -> list[TransferResult]:
+        results = poll()
+        for r in results:
+            if not r.success:
+                log.warning("transfer job %d failed: %s", r.job_id, r.error)
+        return results
+
+    return get_finished
+
+
 # --------------------------------------------------------------------------------------------
 # One direction
 # --------------------------------------------------------------------------------------------
@@ -234,7 +252,8 @@ class SingleDirectionHandler:
     get_finished: Callable[[], list[TransferResult]]
     """Results (:class:`~blockswap.TransferResult`: ``job_id``, ``success``, ``bytes``,
     ``seconds``, ``error``) of the transfers of both directions finished since the last call.
-    Lock-free, never blocks: the engine's own poll."""
+    Lock-free, never blocks: the engine's own poll, with a warning logged for each failed
+    transfer it returns."""
 
     def __init__(
         self,
@@ -262,7 +281,7 @@ class SingleDirectionHandler:
         core = owner.engine._core
         # Hot paths bound straight to the core.
         self._submit_groups = core.submit_groups
-        self.get_finished = core.get_finished
+        self.get_finished = _logging_poll(core.get_finished)
         self._core_wait = core.wait
         self._core_stats = core.stats
 
@@ -462,6 +481,10 @@ class CpuGpuHandlers:
     insist on one): each block's row through a device staging ring of two ``stage_bytes`` slots
     (an engine option; by default :data:`STAGE_BYTES`, grown to one block's row up to
     :data:`STAGE_MAX_AUTO`), its pages moved inside the GPU by the copy kernel the core launches.
+    A path that cannot run in this process is refused here with
+    :class:`~blockswap.routing.RouteUnavailableError` naming it and why (``"kernel"`` without a
+    GPU, unless Triton's interpreter runs the kernel: ``TRITON_INTERPRET=1``); ``"auto"`` and
+    ``calibrate=True`` use and measure only the routes that can.
 
     ``load_waits_for_compute``: CPU -> GPU transfers also wait for the work issued on the current
     torch stream before ``transfer_async`` (as GPU -> CPU ones always do): vLLM 0.33's rule, for
@@ -641,21 +664,28 @@ class CpuGpuHandlers:
         #: while the engine may launch them.
         self._kernels: list[dict[str, Any]] = []
         # Path selection, once, here: which plan, and which descriptors a copy kernel moves.
-        self.routes: dict[str, Route] = choose_routes(
-            self.engine._core,
-            tids,
-            gpu_tables,
-            cpu_tables,
-            self.block_plans,
-            self._load_kernel,
-            path=path,
-            on_cuda=on_cuda,
-            block_major=self.cpu_chunks is not None,
-            device_index=device_index,
-            kernel_ctas=kernel_ctas,
-            kernel_below=kernel_below,
-            launch_bytes=kernel_launch_bytes,
-        )
+        try:
+            self.routes: dict[str, Route] = choose_routes(
+                self.engine._core,
+                tids,
+                gpu_tables,
+                cpu_tables,
+                self.block_plans,
+                self._load_kernel,
+                path=path,
+                on_cuda=on_cuda,
+                block_major=self.cpu_chunks is not None,
+                device_index=device_index,
+                kernel_ctas=kernel_ctas,
+                kernel_below=kernel_below,
+                launch_bytes=kernel_launch_bytes,
+            )
+        except BaseException:
+            # A path that cannot run here, or that the geometry gives no plan for: the engine
+            # started above does not outlive the refused construction.
+            with _KeepDevice(device_index):
+                self.engine.shutdown()
+            raise
         self.gpu_to_cpu_handler = SingleDirectionHandler(
             self, "d2h", tids, wait_stream, device_index, self.routes["d2h"]
         )
@@ -667,7 +697,7 @@ class CpuGpuHandlers:
             device_index,
             self.routes["h2d"],
         )
-        self.get_finished = self.engine._core.get_finished
+        self.get_finished = _logging_poll(self.engine._core.get_finished)
         self.calibration: dict[str, dict[str, Any]] | None = None
         if calibrate:
             self.calibration = self._calibrate(kernel_ctas)

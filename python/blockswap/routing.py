@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Protocol
 import numpy as np
 
 from ._checks import check_int
-from ._core import BlockswapError, TransferResult
+from ._core import BackendError, BlockswapError, TransferResult
 from ._types import Direction
 
 if TYPE_CHECKING:
@@ -43,6 +43,7 @@ __all__ = [
     "DirectionHandler",
     "LoadKernel",
     "Route",
+    "RouteUnavailableError",
     "block_route",
     "calibrate",
     "choose_route",
@@ -56,6 +57,17 @@ _SHORT = {"d2h": "GPU -> CPU", "h2d": "CPU -> GPU"}
 #: The handler's logger: route choices and calibration results are part of what a handler logs
 #: (``logging.getLogger("blockswap.handler")`` keeps covering them).
 log = logging.getLogger("blockswap.handler")
+
+
+class RouteUnavailableError(BackendError, ValueError):
+    """A copy path asked for (``path=``) that cannot run in this process, refused when the
+    handlers are built: ``path`` names it, ``reason`` says why (the Triton copy kernel without a
+    GPU, outside Triton's interpreter)."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(f"path={path!r} cannot run here: {reason}")
+        self.path = path
+        self.reason = reason
 
 
 class LoadKernel(Protocol):
@@ -162,6 +174,10 @@ def choose_route(
     DMA, in the same transfer where a model mixes both (hybrid groups). On the host backend,
     ``"auto"`` is DMA (memcpy): there is no GPU to run a kernel on. ``launch_bytes``: the most
     one kernel launch moves (:data:`KERNEL_LAUNCH_BYTES`; ``None``: one launch per transfer).
+
+    Where the copy kernel cannot run in this process
+    (:func:`~blockswap.kernels.kernel_unavailable`: no GPU driver for Triton and no
+    interpreter), ``"kernel"`` raises :class:`RouteUnavailableError` and ``"auto"`` is DMA.
     """
     if direction not in KERNEL_BELOW:
         raise ValueError(f"direction must be 'h2d' or 'd2h', not {direction!r}")
@@ -173,7 +189,13 @@ def choose_route(
     sizes = sorted({int(n) for t in gpu_tables for n in t.nbytes.tolist()})
     if not any(n < threshold for n in sizes):
         return Route(0, None, f"dma: every page is >= {threshold} bytes")
-    from .kernels import engine_launcher
+    from .kernels import engine_launcher, kernel_unavailable
+
+    why = kernel_unavailable()
+    if why is not None:
+        if path == "kernel":
+            raise RouteUnavailableError(path, why)
+        return Route(0, None, f"dma: {why}")
 
     launcher = engine_launcher(
         max_ctas=kernel_ctas,
@@ -465,12 +487,13 @@ def calibrate(
     and each candidate's GB/s.
 
     The candidates: per-page DMA, the copy kernel for every page (the core's ``kernel`` where
-    it loaded one, else launched from Python on ``kernel_ctas`` CTAs), and where the geometry
-    gives them, the block plan (``block_plans``) and the staged plan (``staged``). Runs a
+    it loaded one, else launched from Python on ``kernel_ctas`` CTAs, where it can run here:
+    see :func:`~blockswap.kernels.kernel_unavailable`), and where the geometry gives them, the block plan (``block_plans``) and the staged plan
+    (``staged``). Only routes that can run here are measured. Runs a
     GPU -> CPU transfer of up to 256 scattered blocks, then CPU -> GPU of the same blocks back
     into place, so the KV cache's bytes are unchanged.
     """
-    from .kernels import engine_launcher
+    from .kernels import engine_launcher, kernel_unavailable
 
     f = block_size_factor
     num_gpu = gpu_table.num_blocks
@@ -482,19 +505,24 @@ def calibrate(
     cpu_ids = np.arange(-(-n // f), dtype=np.int64)
     nbytes = n * int(gpu_table.nbytes.sum())
     every = 1 << 62
-    kernel_route = Route(every, None, "kernel: every page", "pages")
+    kernel_route = None
+    why = None if kernel is not None else kernel_unavailable()
     if kernel is not None:
-        kernel_route = kernel_route._replace(kernel=kernel)
-    else:
+        kernel_route = Route(every, None, "kernel: every page", "pages", kernel)
+    elif why is None:
         launcher = next(
             (r.launcher for r in routes.values() if r.launcher is not None), None
         ) or engine_launcher(max_ctas=kernel_ctas, block_bytes=KERNEL_BLOCK_BYTES)
-        kernel_route = kernel_route._replace(launcher=launcher)
+        kernel_route = Route(every, launcher, "kernel: every page", "pages")
+    else:
+        log.info("calibration leaves the copy kernel out: %s", why)
     report: dict[str, dict[str, Any]] = {}
     job = (1 << 64) - 1
     d2h, h2d = handlers
     for h, spec in ((d2h, (gpu_ids, cpu_ids)), (h2d, (cpu_ids, gpu_ids))):
-        candidates = {"dma": Route(0, None, "dma: every page"), "kernel": kernel_route}
+        candidates = {"dma": Route(0, None, "dma: every page")}
+        if kernel_route is not None:
+            candidates["kernel"] = kernel_route
         plan = block_plans[h.direction][0]
         blocks = block_route(plan, len(gpu_table.nbytes), h.direction, insist=True)
         if blocks is not None:

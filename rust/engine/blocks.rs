@@ -294,8 +294,8 @@ impl Engine {
                         no_plan(
                             gi,
                             groups.len(),
-                            "these tables have no block plan (different pages, or destination \
-                             pages that may share bytes): move them page by page"
+                            "these tables have no block plan (their pages differ in size): move \
+                             them page by page"
                                 .into(),
                         )
                     })?;

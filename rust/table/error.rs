@@ -53,6 +53,16 @@ pub enum TableError {
     },
     /// The same destination block twice in one transfer, in the caller's units.
     DuplicateDestination { name: String, index: usize, id: u64 },
+    /// Two pages one transfer would write share bytes (`first` and `second`, as `(address,
+    /// bytes)`): what lands there would depend on the order of the copies (on the GPU, a race
+    /// between a kernel's CTAs). `table`: the destination table's name (may be empty); `within`:
+    /// where the two pages come from. Every plan refuses it alike.
+    OverlappingDestinations {
+        table: String,
+        first: (u64, u64),
+        second: (u64, u64),
+        within: Overlap,
+    },
     /// Chunk ids that do not match the blocks on the other side (see [`chunk_blocks`]).
     ChunkCount {
         name: String,
@@ -70,6 +80,20 @@ pub enum TableError {
         group: usize,
         error: Box<TableError>,
     },
+}
+
+/// Where the two pages of [`TableError::OverlappingDestinations`] come from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Overlap {
+    /// Two segments of the destination table that share memory in every block (layers that
+    /// share one tensor): a transfer into the table writes those bytes twice whatever its ids,
+    /// so the table can be a source only (known when it is registered, see
+    /// [`super::BlockTable::shared_segments`]).
+    Segments(usize, usize),
+    /// Segments of the destination table whose pages overlap for some blocks only.
+    Pages,
+    /// Pages of two KV-cache groups whose destination tables share memory.
+    Groups,
 }
 
 impl fmt::Display for TableError {
@@ -145,6 +169,37 @@ impl fmt::Display for TableError {
                 f,
                 "{name} block id {id} is a destination more than once (again at position {index})"
             ),
+            TableError::OverlappingDestinations {
+                table,
+                first: (a, m),
+                second: (b, n),
+                within,
+            } => {
+                let of = if table.is_empty() {
+                    String::new()
+                } else {
+                    format!(" of the {table} table")
+                };
+                match within {
+                    Overlap::Segments(s, t) => write!(
+                        f,
+                        "destination pages overlap: segments {s} and {t}{of} share memory \
+                         ([{a:#x}, +{m}) and [{b:#x}, +{n}) in one block), so a transfer into it \
+                         would write those bytes twice, in no fixed order; a table whose \
+                         segments share memory (layers on one tensor) can be a source only"
+                    ),
+                    Overlap::Pages => write!(
+                        f,
+                        "destination pages of different segments{of} overlap: [{a:#x}, +{m}) \
+                         and [{b:#x}, +{n}); the result would depend on the order of the copies"
+                    ),
+                    Overlap::Groups => write!(
+                        f,
+                        "destination pages of different groups overlap: [{a:#x}, +{m}) and \
+                         [{b:#x}, +{n}); the result would depend on the order of the copies"
+                    ),
+                }
+            }
             TableError::ChunkCount {
                 name,
                 other,

@@ -2,7 +2,7 @@
 //! ([`block_runs`]), the copies written into a slab ([`expand_runs_into`]), and the rows those
 //! copies cover ([`for_each_row`]) for a backend without 2-D copies.
 
-use super::{check_ids, BlockTable, Pair, TableError};
+use super::{check_ids, check_written, BlockTable, Overlap, Pair, TableError};
 use crate::descriptor::{Columns, Prepared, Scratch};
 
 /// The largest row pitch of a 2-D copy: `CU_DEVICE_ATTRIBUTE_MAX_PITCH` is 2^31 - 1 on the GPUs
@@ -23,8 +23,9 @@ pub struct Run {
 }
 
 /// The block plan of a table pair: its segments cut, in table order, into [`Run`]s as long as
-/// both sides allow. `None` where it cannot be used: the tables differ in pages, or the
-/// destination's segments may share bytes (its uniqueness proof is per segment).
+/// both sides allow. `None` where it cannot be used: the tables differ in pages. Where the
+/// destination's segments may share bytes, each transfer's rows are checked as pages are
+/// (see [`expand_runs_into`]).
 ///
 /// A block then moves as `runs.len()` copies instead of `segments` descriptors: a block-major
 /// CPU cache (every page of a block in one chunk) against layer tensors at one pitch is one run.
@@ -32,7 +33,7 @@ pub struct Run {
 /// no block's run crosses a boundary between two registered regions on either side.
 #[must_use]
 pub fn block_runs(src: &BlockTable, dst: &BlockTable) -> Option<Vec<Run>> {
-    if src.nbytes != dst.nbytes || !dst.disjoint {
+    if src.nbytes != dst.nbytes {
         return None;
     }
     let pitch = |t: &BlockTable, s: usize| {
@@ -84,8 +85,9 @@ pub const PITCHED_ENTRIES: usize = 2;
 /// then `(src pitch, dst pitch, rows)`. A run whose rows are contiguous on both sides is written
 /// as one row of `rows * width` bytes. `out` must have room for `2 * runs * ids` entries.
 ///
-/// The copies write exactly the bytes [`super::expand_into`]'s descriptors write, so its proof of
-/// disjoint destinations (distinct ids, segments that share no byte) holds unchanged.
+/// The copies write exactly the bytes [`super::expand_into`]'s descriptors write, and are held
+/// to the same rule: disjoint where the destination table is (distinct ids, segments that share
+/// no byte), else their rows checked.
 pub fn expand_runs_into(
     pair: Pair<'_>,
     runs: &[Run],
@@ -133,6 +135,10 @@ pub fn expand_runs_into(
             bytes += width * rows;
         }
     }
+    if !dst.disjoint {
+        let (addrs, sizes) = written_rows(&out.src[..w], &out.dst[..w], &out.size[..w]);
+        check_written(&dst.name, &addrs, &sizes, Overlap::Pages, scratch)?;
+    }
     let alignment = 1u64 << (bitmask | max_size).trailing_zeros().min(4);
     Ok(Prepared {
         len: w,
@@ -160,4 +166,15 @@ pub fn for_each_row(
             copy(k, sa + r * sp, da + r * dp, width);
         }
     }
+}
+
+/// The destination rows of the 2-D copies in slab entries written by [`expand_runs_into`], as
+/// `(addresses, bytes)`: what they write.
+pub(super) fn written_rows(src: &[u64], dst: &[u64], size: &[u64]) -> (Vec<u64>, Vec<u64>) {
+    let mut rows = (Vec::new(), Vec::new());
+    for_each_row(src, dst, size, |_, _, d, bytes| {
+        rows.0.push(d);
+        rows.1.push(bytes);
+    });
+    rows
 }

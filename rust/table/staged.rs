@@ -17,7 +17,9 @@
 //! V pages holds 32 + 32 + 163 entries, not a descriptor per page (5,152): the submitting thread
 //! writes a few hundred words, and the kernel's descriptors cross `PCIe` as a few KiB.
 
-use super::{check_ids, BlockTable, Pair, TableError};
+use std::ops::Range;
+
+use super::{check_ids, check_written, BlockTable, Overlap, Pair, TableError};
 use crate::descriptor::{Columns, Prepared, Scratch};
 
 /// Slab entries of one group's geometry beyond its segments: the header and the row's end.
@@ -77,8 +79,9 @@ impl StagedCursor {
 ///
 /// The host side must have a [`staged_row`]. A page's bytes in the ring are its bytes in the
 /// host row, so the pages [`staged_pages`] names write exactly the bytes
-/// [`super::expand_into`]'s descriptors would, and its proof of disjoint destinations holds (the
-/// host side's rows are disjoint by its table).
+/// [`super::expand_into`]'s descriptors would, and they are held to the same rule: GPU -> CPU,
+/// the host rows are disjoint by the host table; CPU -> GPU, the GPU pages are disjoint where the
+/// GPU table is, and checked where it is not (its segments may share bytes).
 pub fn expand_staged_into(
     pair: Pair<'_>,
     host_src: bool,
@@ -154,6 +157,11 @@ pub fn expand_staged_into(
         cursor.ring += row;
     }
     cursor.row = r;
+    if host_src && !gpu.disjoint {
+        let (addrs, sizes) =
+            written_pages(out.src, out.dst, out.size, cursor.block - n..cursor.block);
+        check_written(&gpu.name, &addrs, &sizes, Overlap::Pages, scratch)?;
+    }
     Ok(Prepared {
         // Blocks: the caller counts the slab's length once every group is written.
         len: n,
@@ -180,6 +188,20 @@ pub fn staged_pages<'a>(
         let gpu = src[s].wrapping_add(id.wrapping_mul(dst[s]));
         (ring + size[s], gpu, size[s + 1] - size[s])
     })
+}
+
+/// The GPU pages of block entries `blocks` of a staged slab, as `(addresses, bytes)`: what a
+/// CPU -> GPU transfer's kernel writes.
+pub(super) fn written_pages(
+    src: &[u64],
+    dst: &[u64],
+    size: &[u64],
+    blocks: Range<usize>,
+) -> (Vec<u64>, Vec<u64>) {
+    blocks
+        .flat_map(|i| staged_pages(src, dst, size, i))
+        .map(|(_, gpu, bytes)| (gpu, bytes))
+        .unzip()
 }
 
 #[cfg(test)]

@@ -211,7 +211,10 @@ fn overlapping_huge_segments_are_refused_not_summed_past_u64() {
     );
     assert!(matches!(
         expand(&h, &[0, 1, 2, 3], &g, &[0, 1, 2, 3]),
-        Err(TableError::BadSegment { .. })
+        Err(TableError::OverlappingDestinations {
+            within: Overlap::Segments(0, 1),
+            ..
+        })
     ));
 }
 
@@ -281,8 +284,12 @@ fn overlapping_segments_fall_back_to_a_full_check() {
     )
     .unwrap();
     assert!(!bad.disjoint);
+    assert_eq!(bad.shared_segments(), Some((0, 1)));
     assert!(matches!(
         expand(&h, &[0], &bad, &[0]),
-        Err(TableError::BadSegment { .. })
+        Err(TableError::OverlappingDestinations {
+            within: Overlap::Segments(0, 1),
+            ..
+        })
     ));
 }

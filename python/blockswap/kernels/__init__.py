@@ -6,6 +6,7 @@ from blockswap.kernels.copy import (
     copy_blocks_reference,
     engine_launcher,
     interpreter_mode,
+    kernel_unavailable,
 )
 from blockswap.kernels.core import core_kernel
 
@@ -16,4 +17,5 @@ __all__ = [
     "core_kernel",
     "engine_launcher",
     "interpreter_mode",
+    "kernel_unavailable",
 ]

@@ -116,6 +116,7 @@ __all__ = [
     "copy_blocks_reference",
     "engine_launcher",
     "interpreter_mode",
+    "kernel_unavailable",
 ]
 
 DEFAULT_MAX_CTAS = 16
@@ -335,6 +336,23 @@ def _copy_items(src, dst, size, part, split, rows, ALIGNED16: tl.constexpr, ROWS
 def interpreter_mode() -> bool:
     """True when this module's kernels were built for Triton's CPU interpreter."""
     return not isinstance(_copy_blocks_kernel, triton.runtime.JITFunction)
+
+
+def kernel_unavailable() -> str | None:
+    """Why this module's copy kernel cannot run in this process, or None where it can: built for
+    the GPU, it needs a GPU driver Triton can use (without one every launch raises
+    ``RuntimeError: 0 active drivers``); under Triton's interpreter it runs on the CPU."""
+    if interpreter_mode():
+        return None
+    try:
+        triton.runtime.driver.active  # noqa: B018 - made on first use; raises where none is
+    except RuntimeError as e:
+        return (
+            f"the copy kernel needs a GPU driver Triton can use, and Triton has none here ({e}); "
+            "without a GPU it runs only under Triton's interpreter (TRITON_INTERPRET=1 set "
+            "before blockswap.kernels is imported)"
+        )
+    return None
 
 
 def _cdiv(a: int, b: int) -> int:
