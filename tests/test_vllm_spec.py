@@ -28,25 +28,36 @@ from vllm.v1.kv_offload.config import (
 from blockswap.vllm import BlockswapOffloadingWorker
 
 
-def offloading_config(canonical_layout: bool = False) -> OffloadingConfig:
+def offloading_config(
+    canonical_layout: bool = False,
+    *,
+    spec_name: str = "BlockswapOffloadingSpec",
+    engine_id: str = "engine-0",
+    rank: int = 0,
+    world_size: int = 1,
+    replicated_layout: bool = False,
+    **more: Any,
+) -> OffloadingConfig:
     """The OffloadingConfig vLLM 0.33 builds for ``--kv-transfer-config`` with
-    ``spec_name: BlockswapOffloadingSpec``: one group of two layers, one worker."""
+    ``spec_name: BlockswapOffloadingSpec``: one group of two layers, one worker (by default)."""
     extra: dict[str, Any] = {
-        "spec_name": "BlockswapOffloadingSpec",
+        "spec_name": spec_name,
         "spec_module_path": "blockswap.vllm",
         "cpu_bytes_to_use": 64 << 10,
         "blockswap_max_in_flight": 8,
+        **more,
     }
     return OffloadingConfig(
         groups=(OffloadingGroupConfig(16, ("layers.0", "layers.1"), 0),),
         worker_kv_bytes_per_block=2 * 256,
         enable_kv_cache_events=False,
         extra_config=extra,
-        engine_id="engine-0",
+        engine_id=engine_id,
         model=OffloadingModelConfig("test-model", "bfloat16"),
         cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=2),
-        parallel=OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, None, False),
+        parallel=OffloadingParallelConfig(rank, world_size, world_size, 1, 1, 1, 0, 1, None, False),
         canonical_layout=canonical_layout,
+        replicated_layout=replicated_layout,
     )
 
 
@@ -90,3 +101,77 @@ def test_vllms_factory_builds_the_spec_and_its_worker_by_name() -> None:
         w.shutdown()
     with pytest.raises(ValueError, match="canonical_layout"):
         OffloadingSpecFactory.create_spec(offloading_config(canonical_layout=True))
+
+
+def two_tensors(seed: int) -> tuple[CanonicalKVCaches, list[torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    ts = [torch.randint(-128, 128, (16, 256), dtype=torch.int8, generator=gen) for _ in range(2)]
+    kv = CanonicalKVCaches(
+        [CanonicalKVCacheTensor(t, 256) for t in ts],
+        [[CanonicalKVCacheRef(0, 256), CanonicalKVCacheRef(1, 256)]],
+    )
+    return kv, ts
+
+
+@pytest.mark.parametrize(
+    ("rank", "world", "replicated"), [(0, 1, False), (1, 2, False), (1, 2, True)]
+)
+def test_the_spec_makes_vllms_region_where_vllms_spec_does(
+    monkeypatch: pytest.MonkeyPatch, rank: int, world: int, replicated: bool
+) -> None:
+    """On a platform where vLLM's CPU spec keeps its tier in a shared region (CUDA, stood in for
+    here), blockswap's spec makes the same region (size, row, cell, rank, segments, file name)
+    and its worker's views of it are vLLM's worker's: same offsets and strides. A store lands in
+    the region."""
+    import uuid
+
+    from vllm.v1.kv_offload.cpu import spec as cpu_spec
+    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+    monkeypatch.setattr(cpu_spec.current_platform, "is_cuda_alike", lambda: True)
+    monkeypatch.setattr(cpu_spec.current_platform, "is_rocm", lambda: False)
+    monkeypatch.setattr(cpu_spec, "_all_workers_barrier", lambda: None)  # one process here
+    made: list[Any] = []
+
+    class VllmWorker:  # vLLM's CPUOffloadingWorker, which needs vLLM's compiled ops: the region
+        def __init__(self, mmap_region: Any = None, **_: Any) -> None:
+            made.append(mmap_region)
+
+    monkeypatch.setattr(cpu_spec, "CPUOffloadingWorker", VllmWorker)
+    ids = [str(uuid.uuid4()) for _ in range(2)]
+    kw: dict[str, Any] = {"rank": rank, "world_size": world, "replicated_layout": replicated}
+    vllm_cfg = offloading_config(spec_name="CPUOffloadingSpec", engine_id=ids[0], **kw)
+    vllm_cfg = OffloadingConfig(**{**vllm_cfg.__dict__, "extra_config": {
+        k: v for k, v in vllm_cfg.extra_config.items() if k != "spec_module_path"}})  # fmt: skip
+    ours = OffloadingSpecFactory.create_spec(offloading_config(engine_id=ids[1], **kw))
+    theirs = OffloadingSpecFactory.create_spec(vllm_cfg)
+    assert type(theirs) is cpu_spec.CPUOffloadingSpec
+    kv, ts = two_tensors(3)
+    theirs.create_worker(kv)
+    (vr,) = made
+    w = ours.get_worker(kv)
+    try:
+        r = w.mmap_region
+        assert isinstance(w, BlockswapOffloadingWorker) and r is not None
+        assert w.cpu_cache is None and w.host_memory is None  # no private cache
+        for a in ("num_chunks", "total_size_bytes", "_row_stride", "cpu_page_size", "rank"):
+            assert getattr(r, a) == getattr(vr, a), a
+        assert r.mmap_path == vr.mmap_path.replace(ids[0], ids[1])
+        assert [n for _, _, n in r._segments] == [n for _, _, n in vr._segments]
+        assert r.rank == (0 if replicated else rank)
+        views = [vr.create_next_worker_view(t.page_size_bytes * 2) for t in kv.tensors]
+        for mine, theirs_v in zip(w.cpu_tensors, views):
+            assert mine.shape == theirs_v.shape and mine.stride() == theirs_v.stride()
+            assert (
+                mine.data_ptr() - r.base_tensor.data_ptr()
+                == theirs_v.data_ptr() - vr.base_tensor.data_ptr()
+            )
+        assert w.submit_store(1, GPULoadStoreSpec([3, 5], [2], [0]), CPULoadStoreSpec([1]))
+        w.wait({1})
+        assert [(x.job_id, x.success) for x in w.get_finished()] == [(1, True)]
+        assert torch.equal(w.cpu_tensors[0][1], ts[0][[3, 5]].reshape(-1))
+        del mine, theirs_v, views
+    finally:
+        w.shutdown()
+        vr.cleanup()
