@@ -175,3 +175,80 @@ def test_the_spec_makes_vllms_region_where_vllms_spec_does(
     finally:
         w.shutdown()
         vr.cleanup()
+
+
+def test_tiering_spec_round_trip_through_the_fs_tier(tmp_path: Any) -> None:
+    """``BlockswapTieringOffloadingSpec`` built by vLLM's factory with vLLM's ``fs`` secondary
+    tier in a temporary directory: blocks stored to the CPU tier by blockswap's worker, written
+    to files by the fs tier (reading the scheduler's view of the same region), evicted from the
+    CPU tier (their chunks overwritten), read back from the files into other chunks, loaded into
+    other GPU blocks: byte-exact, and nothing else written."""
+    import time
+    import uuid
+
+    import numpy as np
+    from vllm.v1.kv_offload.base import ReqContext, make_offload_key
+    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+    from vllm.v1.kv_offload.tiering.base import TransferJob
+    from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+    cfg = offloading_config(
+        spec_name="BlockswapTieringOffloadingSpec",
+        engine_id=str(uuid.uuid4()),
+        secondary_tiers=[
+            {"type": "fs", "root_dir": str(tmp_path), "n_read_threads": 2, "n_write_threads": 2}
+        ],
+    )
+    spec = OffloadingSpecFactory.create_spec(cfg)
+    assert type(spec).__name__ == "BlockswapTieringOffloadingSpec"
+    assert isinstance(spec, TieringOffloadingSpec)
+    manager = spec.get_manager()  # the scheduler's region (rank None) and the fs tier
+    (fs,) = manager.secondary_tiers  # type: ignore[attr-defined]
+    kv, ts = two_tensors(11)
+    w = spec.get_worker(kv)
+    try:
+        assert isinstance(w, BlockswapOffloadingWorker) and w.mmap_region is not None
+        n = spec.num_chunks
+        assert n >= 4
+        before = [t.clone() for t in ts]
+        # 1. Store GPU blocks 3, 5, 7, 9 into chunks 0 and 1 (two blocks a chunk).
+        assert w.submit_store(1, GPULoadStoreSpec([3, 5, 7, 9], [4], [0]), CPULoadStoreSpec([0, 1]))
+        w.wait({1})
+        assert [(r.job_id, r.success) for r in w.get_finished()] == [(1, True)]
+        ctx = ReqContext(req_id="r0")
+        keys = [make_offload_key(bytes([k]) * 32, 0) for k in (1, 2)]
+
+        def finish(job: int) -> None:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                done = list(fs.get_finished_jobs())
+                if done:
+                    assert [(r.job_id, r.success) for r in done] == [(job, True)]
+                    return
+                time.sleep(0.01)
+            raise AssertionError(f"fs job {job} did not finish")
+
+        # 2. The fs tier writes chunks 0 and 1 to files.
+        fs.submit_store(TransferJob(10, keys, np.array([0, 1]), False, ctx))
+        finish(10)
+        assert len(list(tmp_path.rglob("*.bin"))) == 2
+        # 3. Evicted from the CPU tier: the chunks are reused by other blocks.
+        assert w.submit_store(2, GPULoadStoreSpec([0, 1, 2, 4], [4], [0]), CPULoadStoreSpec([0, 1]))
+        w.wait({2})
+        assert [r.job_id for r in w.get_finished()] == [2]
+        # 4. Promoted back from the files into chunks n-2 and n-1, loaded into blocks 10-13.
+        fs.submit_load(TransferJob(11, keys, np.array([n - 2, n - 1]), True, ctx))
+        finish(11)
+        for t in ts:
+            t.zero_()
+        back = GPULoadStoreSpec([10, 11, 12, 13], [4], [0])
+        assert w.submit_load(3, CPULoadStoreSpec([n - 2, n - 1]), back)
+        w.wait({3})
+        assert [(r.job_id, r.success) for r in w.get_finished()] == [(3, True)]
+        for t, b in zip(ts, before):
+            assert torch.equal(t[10:14], b[[3, 5, 7, 9]])
+            assert not t[:10].any() and not t[14:].any()
+    finally:
+        w.shutdown()
+        manager.shutdown()
