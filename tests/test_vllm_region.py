@@ -490,3 +490,58 @@ def test_replicated_layout_two_processes_share_one_copy() -> None:
     assert exact0 and exact1 and clean0 and clean1
     assert all(p.exitcode == 0 for p in procs)
     assert not os.path.exists(f"/dev/shm/vllm_offload_{engine}.mmap")  # unlinked after the barrier
+
+
+@pytest.mark.parametrize("bpc", [1, 4])
+def test_a_region_in_pieces_moves_the_bytes_of_one_registered_whole(bpc: int) -> None:
+    """The region registered with the engines in pieces of 3 rows (``pin_piece_bytes``; on the
+    host backend nothing is page-locked, but the registrations are cut the same way): the pieces
+    tile the region in whole rows, and stores across piece boundaries, partial at both ends,
+    leave the bytes a worker over one piece leaves, which are vLLM's."""
+    n_gpu, n_chunks, page = 32, 10, 1024
+    gen = torch.Generator().manual_seed(bpc)
+    ts = [
+        torch.randint(-128, 128, (n_gpu, page), dtype=torch.int8, generator=gen) for _ in range(3)
+    ]
+    kv = CanonicalKVCaches(
+        [CanonicalKVCacheTensor(t, page) for t in ts],
+        [
+            [CanonicalKVCacheRef(0, page), CanonicalKVCacheRef(2, page)],
+            [CanonicalKVCacheRef(1, 512)],
+        ],
+    )
+    regions = [make_region(kv, bpc, n_chunks) for _ in range(3)]
+    row = regions[0]._row_stride
+    whole = BlockswapOffloadingWorker(kv, bpc, n_chunks, mmap_region=regions[0], backend="host")
+    pieces = BlockswapOffloadingWorker(
+        kv, bpc, n_chunks, mmap_region=regions[1], backend="host", pin_piece_bytes=3 * row + 100
+    )
+    ref_views = [regions[2].create_next_worker_view(t.page_size_bytes * bpc) for t in kv.tensors]
+    try:
+        assert len(whole.region_pieces) == 1
+        base = regions[1].base_tensor.data_ptr()
+        assert pieces.region_pieces == [
+            (base + k * 3 * row, min(3, n_chunks - 3 * k) * row) for k in range(4)
+        ]
+        for job in range(4):
+            # Consecutive chunks from 1 or 2, over a boundary at chunk 3 or 6, partial at both ends.
+            first = 1 + job % 2 + 3 * (job // 2)
+            skip = (bpc - 1) if bpc > 1 else 0
+            n0 = 3 * bpc - 2 * skip
+            ids = [list(range(job, job + n0)), list(range(16 + job, 16 + job + bpc))]
+            need = [math.ceil((skip + len(ids[0])) / bpc), 1]
+            chunks = [list(range(first, first + need[0])), [9 * (job % 2)]]
+            spec = GPULoadStoreSpec(ids[0] + ids[1], [len(g) for g in ids], [skip, 0])
+            cpu = CPULoadStoreSpec(chunks[0] + chunks[1])
+            for w in (whole, pieces):
+                assert w.submit_store(job, spec, cpu)
+                wait_one(w, job)
+            vllm_store(ref_views, kv, bpc, ids, chunks, [skip, 0])
+            assert torch.equal(regions[0].base_tensor, regions[1].base_tensor), job
+            assert torch.equal(regions[1].base_tensor, regions[2].base_tensor), job
+        assert regions[1].base_tensor.any()
+    finally:
+        del ref_views
+        whole.shutdown()
+        pieces.shutdown()
+        regions[2].cleanup()
