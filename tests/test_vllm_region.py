@@ -545,3 +545,48 @@ def test_a_region_in_pieces_moves_the_bytes_of_one_registered_whole(bpc: int) ->
         whole.shutdown()
         pieces.shutdown()
         regions[2].cleanup()
+
+
+def test_the_worker_owns_the_region_once_built_and_releases_it_at_shutdown(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As with vLLM's worker (``test_worker_shutdown_releases_region_and_runs_both_handlers``):
+    the caller owns the region until the constructor returns (a failed construction leaves it
+    mapped, for the caller's ``cleanup``); after a successful one the worker releases it once
+    both directions are drained -- unless an engine still had copies in flight, when it stays
+    mapped for the process."""
+    import blockswap.handler as handler_module
+    import blockswap.vllm as plugin
+
+    kv = CanonicalKVCaches(
+        [CanonicalKVCacheTensor(torch.zeros(8, 512, dtype=torch.int8), 512)],
+        [[CanonicalKVCacheRef(0, 512)]],
+    )
+    region = make_region(kv, 2, 4)
+    with pytest.raises(ValueError, match="blocks_per_chunk"):
+        BlockswapOffloadingWorker(kv, 0, 4, mmap_region=region, backend="host")
+    with pytest.raises(ValueError, match="path must be"):
+        BlockswapOffloadingWorker(kv, 2, 4, mmap_region=region, backend="host", path="nope")
+    assert region.mmap_obj is not None and os.path.exists(region.mmap_path)  # still the caller's
+    region.cleanup()
+    assert not os.path.exists(region.mmap_path)
+
+    region = make_region(kv, 2, 4)
+    w = BlockswapOffloadingWorker(kv, 2, 4, mmap_region=region, backend="host")
+    w.shutdown()
+    assert w.mmap_region is None and w.cpu_tensors == []
+    assert region.mmap_obj is None and not os.path.exists(region.mmap_path)
+
+    region = make_region(kv, 2, 4)
+    w = BlockswapOffloadingWorker(kv, 2, 4, mmap_region=region, backend="host")
+    real = handler_module.CpuGpuHandlers.shutdown
+
+    def timed_out(self: Any) -> None:
+        real(self)
+        self.memory_kept = True
+
+    monkeypatch.setattr(handler_module.CpuGpuHandlers, "shutdown", timed_out)
+    w.shutdown()
+    assert region.mmap_obj is not None and region in plugin._kept_regions
+    plugin._kept_regions.remove(region)
+    region.cleanup()

@@ -683,6 +683,9 @@ class CpuGpuHandlers:
             self.routes["h2d"],
         )
         self.get_finished = self.engine._core.get_finished
+        #: Set by a :meth:`shutdown` that could not release the memory (transfers still in flight
+        #: after ``shutdown_timeout``): it is kept alive, and so must be the caller's.
+        self.memory_kept = False
         self.calibration: dict[str, dict[str, Any]] | None = None
         if calibrate:
             self.calibration = self._calibrate(kernel_ctas)
@@ -844,6 +847,7 @@ class CpuGpuHandlers:
                 _leaked.append(
                     (self._gpu_caches, self._cpu_caches, self.gpu_tables, self.cpu_tables)
                 )
+                self.memory_kept = True
             else:
                 # Nothing of this engine reaches the CPU cache any more: the driver lets go of
                 # it now (unless another engine was given it too; then the last user does).

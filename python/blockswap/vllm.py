@@ -254,17 +254,19 @@ class BlockswapOffloadingWorker(OffloadingWorker):
         self._sizes: dict[int, int] = {}
         #: Empty jobs with nothing before them in their lane: reported by the next poll.
         self._empty: list[VllmTransferResult] = []
+        # Until the constructor returns, a shared region stays the caller's (as with vLLM's
+        # worker): a failure here releases only what the worker made.
         try:
             self._main = handlers()
         except BaseException:
-            self._free_cache()
+            self._free_cache(release_region=False)
             raise
         try:
             # Expedited loads on an engine of their own: they never queue behind regular loads.
             self._expedited = handlers()
         except BaseException:
             self._main.shutdown()
-            self._free_cache()
+            self._free_cache(release_region=False)
             raise
         log.info(
             "blockswap offloading worker: %d KV-cache group(s), %d tensor(s), CPU cache %s; "
@@ -415,12 +417,22 @@ class BlockswapOffloadingWorker(OffloadingWorker):
     def shutdown(self) -> None:
         """Drains both engines (every accepted transfer runs), then frees the CPU cache: a private
         one unpinned once neither engine holds a registration in it, unmapped once no tensor views
-        it; a shared region released as vLLM's worker releases it (``cleanup``)."""
+        it; a shared region released as vLLM's worker releases it (``cleanup``), unless an engine
+        still had copies in flight when its shutdown timed out (then it stays mapped and
+        page-locked for the process: never unmapped under a copy)."""
         for h in (self._expedited, self._main):
             h.shutdown()
+        kept = self._main.memory_kept or self._expedited.memory_kept
+        if kept and self.mmap_region is not None:
+            log.warning(
+                "transfers still in flight after shutdown: the CPU offload region %s stays mapped",
+                self.mmap_region.mmap_path,
+            )
+            _kept_regions.append(self.mmap_region)
+            self.mmap_region = None
         self._free_cache()
 
-    def _free_cache(self) -> None:
+    def _free_cache(self, release_region: bool = True) -> None:
         if self.host_memory is not None:
             try:
                 self.host_memory.unpin()
@@ -430,7 +442,7 @@ class BlockswapOffloadingWorker(OffloadingWorker):
         self.cpu_cache = None
         self.cpu_tensors = []  # views of the region: the mapping closes once none is left
         region, self.mmap_region = self.mmap_region, None
-        if region is not None:
+        if region is not None and release_region:
             region.cleanup()
 
     # ---- the mapping -----------------------------------------------------------------------------
@@ -522,6 +534,9 @@ class BlockswapOffloadingWorker(OffloadingWorker):
             )
         return out_gpu, out_cpu, (out_start if fan == 1 else None), size
 
+
+#: Regions an engine could still copy into when its shutdown timed out: kept for the process.
+_kept_regions: list[SharedOffloadRegion] = []
 
 #: The lanes of a worker's transfers: each keeps its jobs in submission order.
 _LANES = ("store", "load", "expedited")
