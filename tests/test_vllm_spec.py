@@ -252,3 +252,93 @@ def test_tiering_spec_round_trip_through_the_fs_tier(tmp_path: Any) -> None:
     finally:
         w.shutdown()
         manager.shutdown()
+
+
+def test_tiering_manager_stores_cascades_evicts_and_promotes_through_blockswaps_worker(
+    tmp_path: Any,
+) -> None:
+    """The same round trip driven by vLLM's own tiering manager, as its scheduler drives it:
+    ``prepare_store`` picks the chunks, blockswap's worker stores into them, ``complete_store``
+    cascades them to the ``fs`` tier; stores of other blocks evict them from the CPU tier (LRU);
+    a lookup finds them in the ``fs`` tier and promotes them into the CPU tier; ``prepare_load``
+    names the chunks and the worker loads them into other GPU blocks: byte-exact."""
+    import time
+    import uuid
+
+    from vllm.v1.kv_offload.base import (
+        LookupResult,
+        ReqContext,
+        ScheduleEndContext,
+        make_offload_key,
+    )
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+    cfg = offloading_config(
+        spec_name="BlockswapTieringOffloadingSpec",
+        engine_id=str(uuid.uuid4()),
+        secondary_tiers=[
+            {"type": "fs", "root_dir": str(tmp_path), "n_read_threads": 2, "n_write_threads": 2}
+        ],
+    )
+    spec = OffloadingSpecFactory.create_spec(cfg)
+    manager = spec.get_manager()
+    kv, ts = two_tensors(12)
+    w = spec.get_worker(kv)
+    ctx = ReqContext(req_id="r0")
+    manager.on_new_request(ctx)
+    step = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
+    job = iter(range(1, 1000))
+
+    def store(keys: list[Any], blocks: list[int]) -> list[Any]:
+        out = manager.prepare_store(keys, ctx)
+        assert out is not None and list(out.keys_to_store) == keys
+        j = next(job)
+        assert w.submit_store(j, GPULoadStoreSpec(blocks, [len(blocks)], [0]), out.store_spec)
+        w.wait({j})
+        assert [(r.job_id, r.success) for r in w.get_finished()] == [(j, True)]
+        manager.complete_store(keys, ctx, success=True)
+        return list(out.evicted_keys)
+
+    def settle(until: Any) -> None:
+        deadline = time.monotonic() + 30
+        while not until():
+            assert time.monotonic() < deadline, "the tiering manager did not settle"
+            manager.on_schedule_end(step)
+            time.sleep(0.01)
+
+    try:
+        n = spec.num_chunks
+        before = [t.clone() for t in ts]
+        keys = [make_offload_key(bytes([1, k]) * 16, 0) for k in range(2)]
+        store(keys, [3, 5, 7, 9])  # two chunks of two blocks
+        settle(lambda: len(list(tmp_path.rglob("*.bin"))) == 2 and not manager.has_pending_work())
+        # Fill the CPU tier with other blocks until both chunks are evicted.
+        evicted: set[Any] = set()
+        for k in range(n):
+            other = [make_offload_key(bytes([2, k]) * 16, 0)]
+            evicted.update(store(other, [0, 1]))
+            settle(lambda: not manager.has_pending_work())
+            if set(keys) <= evicted:
+                break
+        assert set(keys) <= evicted
+        assert manager.lookup(keys[0], ctx) is not LookupResult.HIT
+
+        # Promotion from the fs tier, then a load into blocks 10-13.
+        def promoted() -> bool:
+            return all(manager.lookup(k, ctx) is LookupResult.HIT for k in keys)
+
+        settle(promoted)
+        load_spec = manager.prepare_load(keys, ctx)
+        for t in ts:
+            t.zero_()
+        j = next(job)
+        assert w.submit_load(j, load_spec, GPULoadStoreSpec([10, 11, 12, 13], [4], [0]))
+        w.wait({j})
+        assert [(r.job_id, r.success) for r in w.get_finished()] == [(j, True)]
+        manager.complete_load(keys, ctx)
+        for t, b in zip(ts, before):
+            assert torch.equal(t[10:14], b[[3, 5, 7, 9]])
+            assert not t[:10].any() and not t[14:].any()
+    finally:
+        w.shutdown()
+        manager.shutdown()
