@@ -28,6 +28,15 @@ from vllm.v1.kv_offload.config import (
 from blockswap.vllm import BlockswapOffloadingWorker
 
 
+@pytest.fixture(autouse=True)
+def _one_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests run one worker in one process, without vLLM's distributed groups: vLLM's CPU
+    spec's barrier for its shared region (made on a GPU machine) has nothing to wait for."""
+    from vllm.v1.kv_offload.cpu import spec as cpu_spec
+
+    monkeypatch.setattr(cpu_spec, "_all_workers_barrier", lambda: None)
+
+
 def offloading_config(
     canonical_layout: bool = False,
     *,
@@ -131,7 +140,6 @@ def test_the_spec_makes_vllms_region_where_vllms_spec_does(
 
     monkeypatch.setattr(cpu_spec.current_platform, "is_cuda_alike", lambda: True)
     monkeypatch.setattr(cpu_spec.current_platform, "is_rocm", lambda: False)
-    monkeypatch.setattr(cpu_spec, "_all_workers_barrier", lambda: None)  # one process here
     made: list[Any] = []
 
     class VllmWorker:  # vLLM's CPUOffloadingWorker, which needs vLLM's compiled ops: the region
