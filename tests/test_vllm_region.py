@@ -567,6 +567,12 @@ def test_the_worker_owns_the_region_once_built_and_releases_it_at_shutdown(
         BlockswapOffloadingWorker(kv, 0, 4, mmap_region=region, backend="host")
     with pytest.raises(ValueError, match="path must be"):
         BlockswapOffloadingWorker(kv, 2, 4, mmap_region=region, backend="host", path="nope")
+    big = CanonicalKVCaches(
+        [CanonicalKVCacheTensor(torch.zeros(8, 1024, dtype=torch.int8), 1024)],
+        [[CanonicalKVCacheRef(0, 1024)]],
+    )
+    with pytest.raises(ValueError, match="a cell of the shared offload region holds 1024"):
+        BlockswapOffloadingWorker(big, 2, 4, mmap_region=region, backend="host")
     assert region.mmap_obj is not None and os.path.exists(region.mmap_path)  # still the caller's
     region.cleanup()
     assert not os.path.exists(region.mmap_path)

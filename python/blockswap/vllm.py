@@ -341,6 +341,13 @@ class BlockswapOffloadingWorker(OffloadingWorker):
                 f"the shared offload region holds {region.num_chunks} chunks, the worker was "
                 f"given num_cpu_chunks={self.num_cpu_chunks}"
             )
+        need = sum(ct.page_size_bytes for ct in kv_caches.tensors) * f
+        if need > region.cpu_page_size:
+            raise ValueError(
+                f"the KV-cache tensors take {need} bytes per chunk ({f} blocks of every "
+                f"tensor's page), but a cell of the shared offload region holds "
+                f"{region.cpu_page_size}: the region was sized for other KV caches"
+            )
         self.cpu_tensors = views = [
             region.create_next_worker_view(ct.page_size_bytes * f) for ct in kv_caches.tensors
         ]
