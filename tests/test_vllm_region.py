@@ -596,3 +596,34 @@ def test_the_worker_owns_the_region_once_built_and_releases_it_at_shutdown(
     assert region.mmap_obj is not None and region in plugin._kept_regions
     plugin._kept_regions.remove(region)
     region.cleanup()
+
+
+@pytest.mark.cuda
+def test_load_waits_for_pending_compute_stream_writes() -> None:
+    """vLLM's test of the same name, on a shared region: a load lands after the writes already
+    queued on the compute stream to its GPU blocks (a delayed zeroing of freshly allocated
+    blocks), not before them."""
+    page, n, loaded, sentinel = 128 * 1024, 64, list(range(32)), 0x5A
+    gpu = torch.zeros((n, page), dtype=torch.int8, device="cuda")
+    ids = torch.tensor(loaded, dtype=torch.long, device="cuda")
+    kv = CanonicalKVCaches([CanonicalKVCacheTensor(gpu, page)], [[CanonicalKVCacheRef(0, page)]])
+    region = make_region(kv, 1, n)
+    w = BlockswapOffloadingWorker(kv, 1, n, mmap_region=region, backend="cuda")
+    try:
+        assert region.is_pinned
+        w.cpu_tensors[0].fill_(sentinel)
+        for trial in range(3):
+            gpu.fill_(0x11)
+            torch.cuda.synchronize()
+            torch.cuda._sleep(50_000_000)
+            gpu.index_fill_(0, ids, 0)
+            spec = GPULoadStoreSpec(loaded, group_sizes=(len(loaded),), block_indices=(0,))
+            assert w.submit_load(trial + 1, CPULoadStoreSpec(loaded), spec)
+            wait_one(w, trial + 1)
+            torch.cuda.synchronize()
+            got = gpu.cpu()
+            assert (got[loaded] == sentinel).all(), f"trial {trial}: the zeroing overwrote the load"
+            assert (got[32:] == 0x11).all()
+    finally:
+        w.shutdown()
+    assert not region.is_pinned and region.mmap_obj is None  # released as vLLM releases it
