@@ -218,7 +218,7 @@ class BlockswapOffloadingWorker(OffloadingWorker):
         else:
             self._fanout = f
             factor = 1
-            cpu_groups = self._region_cells(kv_caches, group_pages, on_cuda, pin_piece_bytes)
+            cpu_groups = self._region_cells(kv_caches, group_pages, on_cuda, index, pin_piece_bytes)
             handler_options["host_pieces"] = self.region_pieces
         for pages in group_pages:
             if not pages:
@@ -326,6 +326,7 @@ class BlockswapOffloadingWorker(OffloadingWorker):
         kv_caches: CanonicalKVCaches,
         group_pages: list[dict[int, int]],
         on_cuda: bool,
+        index: int,
         pin_piece_bytes: int,
     ) -> list[list[torch.Tensor]]:
         """vLLM's views of the shared region, made as vLLM's worker makes them (one per KV-cache
@@ -359,7 +360,10 @@ class BlockswapOffloadingWorker(OffloadingWorker):
             (base + o, min(per_piece, total - o)) for o in range(0, total, per_piece)
         ]
         if on_cuda and not region.is_pinned:
-            _pin_region(region, self.region_pieces)
+            # Registered in the primary context of the engines' device (not portable: flags 0,
+            # as vLLM registers it).
+            with torch.cuda.device(index):
+                _pin_region(region, self.region_pieces)
         page_of = [ct.page_size_bytes for ct in kv_caches.tensors]
         return [
             [
