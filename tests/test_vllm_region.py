@@ -171,11 +171,10 @@ def test_transfer(
                 src = dst_to_src.get(sub)
                 want = src_view[src] if src is not None else orig_view[sub]
                 assert torch.equal(dst_view[sub], want), sub
-        # The other rank's cells (world of 2) are untouched: they are not this worker's.
-        base = region.base_tensor.view(num_cpu_blocks, -1)
-        if not replicated_layout:
-            cell = num_tensors * page * blocks_per_chunk
-            assert base.shape[1] >= 2 * cell
+        # Past this rank's cell (the other rank's in a world of 2, and the row's padding) no
+        # byte was written: the region is fresh, so it is all zero.
+        cell = num_tensors * page * blocks_per_chunk
+        assert not region.base_tensor.view(num_cpu_blocks, -1)[:, cell:].any()
     finally:
         del cpu_tensors, src_tensors, dst_tensors
         worker.shutdown()
