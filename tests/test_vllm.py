@@ -470,18 +470,24 @@ MODELS = [(m.name, m.layers, m.block_bytes(1), m.groups, 0) for m in CATALOGUE] 
 
 
 def model_caches(
-    layers: int, page: int, groups: int, cross_layer: bool, n_gpu: int, pad: int
+    layers: int,
+    page: int,
+    groups: int,
+    cross_layer: bool,
+    n_gpu: int,
+    pad: int,
+    device: str = "cuda",
 ) -> tuple[CanonicalKVCaches, list[torch.Tensor]]:
     row = page + pad
     if cross_layer:
-        t = torch.randint(-128, 128, (n_gpu, layers * page + pad), dtype=torch.int8, device="cuda")
+        t = torch.randint(-128, 128, (n_gpu, layers * page + pad), dtype=torch.int8, device=device)
         return CanonicalKVCaches(
             [CanonicalKVCacheTensor(t, layers * page + pad)],
             [[CanonicalKVCacheRef(0, layers * page)]],
         ), [t]
     n_t = layers // groups
     ts = [
-        torch.randint(-128, 128, (n_gpu, row), dtype=torch.int8, device="cuda") for _ in range(n_t)
+        torch.randint(-128, 128, (n_gpu, row), dtype=torch.int8, device=device) for _ in range(n_t)
     ]
     refs = [[CanonicalKVCacheRef(i, page) for i in range(n_t)] for _ in range(groups)]
     return CanonicalKVCaches([CanonicalKVCacheTensor(t, row) for t in ts], refs), ts
@@ -665,3 +671,68 @@ def test_a_6_gib_cache_is_pinned_in_1_gib_pieces_without_rounding(
     finally:
         w.shutdown()
     assert w.host_memory is None and not m.pinned
+
+
+# ---- vLLM's counts and order ----------------------------------------------------------------
+
+
+def test_a_tensor_named_twice_in_a_group_moves_once_and_reports_vllms_count() -> None:
+    """Two references of one group name one tensor (vLLM's own worker test does): the worker
+    copies the larger page once, and reports what vLLM counts, ``group_size *
+    sum(ref.page_size_bytes)`` (2 blocks x (1,024 + 512) = 3,072 bytes, not the 2,048 moved)."""
+    gen = torch.Generator().manual_seed(3)
+    t = torch.randint(-128, 128, (8, 1024), dtype=torch.int8, generator=gen)
+    kv = CanonicalKVCaches(
+        [CanonicalKVCacheTensor(t, 1024)],
+        [[CanonicalKVCacheRef(0, 1024), CanonicalKVCacheRef(0, 512)]],
+    )
+    w = BlockswapOffloadingWorker(kv, 1, 4, backend="host")
+    try:
+        before = t.clone()
+        assert w.submit_store(1, GPULoadStoreSpec([2, 5], (2,), (0,)), CPULoadStoreSpec([0, 3]))
+        w.wait({1})
+        (r,) = w.get_finished()
+        assert (r.job_id, r.success, r.transfer_size) == (1, True, 3072)
+        assert w.handlers[0].stats()["d2h"]["bytes"] == 2048  # the bytes moved: once
+        t.zero_()
+        assert w.submit_load(2, CPULoadStoreSpec([0, 3]), GPULoadStoreSpec([0, 1], (2,), (0,)))
+        w.wait({2})
+        (r,) = w.get_finished()
+        assert (r.job_id, r.transfer_size) == (2, 3072)
+        assert torch.equal(t[[0, 1]], before[[2, 5]]) and not t[2:].any()
+    finally:
+        w.shutdown()
+
+
+def test_an_empty_job_is_reported_after_the_jobs_before_it_in_its_direction() -> None:
+    """Transfers of one direction finish in submission order, so vLLM may take a job's result as
+    proof that the earlier ones finished: an empty store submitted behind a store in flight is
+    reported after it (in the same poll or a later one), never before; an empty load behind no
+    load is reported by the next poll."""
+    page, n = 1 << 20, 48
+    gen = torch.Generator().manual_seed(4)
+    ts = [torch.randint(-128, 128, (n, page), dtype=torch.int8, generator=gen) for _ in range(2)]
+    kv = CanonicalKVCaches(
+        [CanonicalKVCacheTensor(x, page) for x in ts],
+        [[CanonicalKVCacheRef(0, page), CanonicalKVCacheRef(1, page)]],
+    )
+    w = BlockswapOffloadingWorker(kv, 1, n, backend="host")
+    try:
+        empty = GPULoadStoreSpec([], (0,), (0,))
+        big = GPULoadStoreSpec(list(range(n)), (n,), (0,))
+        assert w.submit_store(1, big, CPULoadStoreSpec(list(range(n))))
+        assert w.submit_store(2, empty, CPULoadStoreSpec([]))
+        assert w.submit_store(3, empty, CPULoadStoreSpec([]))
+        assert w.submit_load(4, CPULoadStoreSpec([]), empty)
+        order: list[int] = []
+        first = w.get_finished()
+        assert 4 in [r.job_id for r in first]  # nothing before it in its lane
+        order += [r.job_id for r in first if r.job_id != 4]
+        w.wait({1})
+        order += [r.job_id for r in w.get_finished()]
+        assert order == [1, 2, 3]
+        # With nothing in flight, an empty job is reported by the next poll.
+        assert w.submit_store(5, empty, CPULoadStoreSpec([]))
+        assert [(r.job_id, r.success, r.transfer_size) for r in w.get_finished()] == [(5, True, 0)]
+    finally:
+        w.shutdown()

@@ -490,6 +490,11 @@ class CpuGpuHandlers:
     torch stream before ``transfer_async`` (as GPU -> CPU ones always do): vLLM 0.33's rule, for
     loads into blocks a kernel may still be writing (zeroing). Off by default.
 
+    ``host_pieces``: with ``cpu_caches`` given, the ``(address, bytes)`` ranges of host memory
+    registered with the engine, one region each, instead of the CPU tables' spans: memory the
+    caller page-locked in pieces (vLLM's shared offload region), which no copy may cross from one
+    into the next. Every CPU table must lie in them.
+
     ``engine_options``: more options of :class:`~blockswap.Engine` (``max_in_flight``,
     ``pool_bytes``, ``copy_path``, ``timing``, ...).
 
@@ -516,6 +521,7 @@ class CpuGpuHandlers:
         cpu_layout: str = "block_major",
         load_waits_for_compute: bool = False,
         pin_piece_bytes: int = DEFAULT_PIECE_BYTES,
+        host_pieces: Sequence[tuple[int, int]] | None = None,
         **engine_options: Any,
     ) -> None:
         self._lock = threading.Lock()
@@ -578,6 +584,15 @@ class CpuGpuHandlers:
                 cpu_caches, gpu_groups, grouped, layouts, self.num_cpu_blocks, f, on_cuda
             )
         cpu_tables = cpu_tables_of(cpu_groups, layouts, gpu_tables, self.num_cpu_blocks, f)
+        if host_pieces is None:
+            host_spans = union_spans(cpu_tables)
+        elif cpu_caches is None:
+            raise ValueError("host_pieces describes a given CPU cache: pass cpu_caches too")
+        else:
+            host_spans = [(int(a), int(n)) for a, n in host_pieces]
+            for a, n in host_spans:
+                check_int("host_pieces address", a, 0)
+                check_int("host_pieces bytes", n, 1)
 
         # Streams and the engine.
         self._streams: list[Any] = []
@@ -613,7 +628,7 @@ class CpuGpuHandlers:
                 for start, n in union_spans(gpu_tables):
                     self.engine.register(start, n, "device")
                     self._registered.append(start)
-                for start, n in union_spans(cpu_tables):
+                for start, n in host_spans:
                     self.engine.register(start, n, "host")
                     self._registered.append(start)
                 # Per group, the GPU and the CPU table in the core, which maps block ids to
@@ -698,6 +713,9 @@ class CpuGpuHandlers:
             self.routes["h2d"],
         )
         self.get_finished = _logging_poll(self.engine._core.get_finished)
+        #: Set by a :meth:`shutdown` that could not release the memory (transfers still in flight
+        #: after ``shutdown_timeout``): it is kept alive, and so must be the caller's.
+        self.memory_kept = False
         self.calibration: dict[str, dict[str, Any]] | None = None
         if calibrate:
             self.calibration = self._calibrate(kernel_ctas)
@@ -859,6 +877,7 @@ class CpuGpuHandlers:
                 _leaked.append(
                     (self._gpu_caches, self._cpu_caches, self.gpu_tables, self.cpu_tables)
                 )
+                self.memory_kept = True
             else:
                 # Nothing of this engine reaches the CPU cache any more: the driver lets go of
                 # it now (unless another engine was given it too; then the last user does).

@@ -10,27 +10,41 @@ vLLM's ``OffloadingConnector`` loads an out-of-tree backend from ``kv_connector_
 ``cpu_bytes_to_use`` and runs the scheduler side) with its worker replaced by
 :class:`BlockswapOffloadingWorker`: every transfer is one submission to a blockswap engine, which
 turns vLLM's block ids into copies in its core (``CpuGpuHandlers``; no per-block Python).
+:class:`BlockswapTieringOffloadingSpec` is vLLM's ``TieringOffloadingSpec`` (the CPU tier with
+secondary tiers: ``fs``, ``obj``, ``p2p``, out-of-tree ones) with the same worker.
 
-The CPU cache is blockswap's and block-major: each GPU-sized sub-block of a CPU chunk holds the
-pages of every KV-cache tensor it stores back to back (padding of the GPU pages is not copied
-and takes no room). It is exactly the bytes vLLM sized it to (torch's pinned allocator would
-round it up to a power of two), page-locked in pieces of whole sub-blocks of at most 256 GiB
-(one driver registration of 512 GiB or more fails; :mod:`blockswap.hostmem`), and no copy
-crosses from one piece into the next; one log line gives its size, pieces and time.
+The CPU cache is where vLLM keeps it. Where vLLM's own spec uses its ``SharedOffloadRegion`` (on
+CUDA, and always for tiering), blockswap's spec makes the same region the same way (engine id,
+rank, world size, ``replicated_layout``, segments, pre-faulting, the barrier) and the worker
+moves the bytes in vLLM's layout: a row per chunk, a cell per rank in each row (one cell for all
+ranks with ``replicated_layout``), and in a cell every KV-cache tensor's ``blocks_per_chunk``
+pages of its ``page_size_bytes``, tensor after tensor. After a store the region holds exactly the
+bytes vLLM's worker would have written, at the same offsets, so the scheduler, a secondary tier
+or a vLLM worker reads them unchanged. The core sees the cells as block tables (per sub-block
+index ``j`` of a chunk, each tensor's ``j``-th page at the row stride); on CUDA the region is
+page-locked in pieces of whole rows, each registered with the engines as a region of its own, so
+no copy crosses from one piece into the next. Where vLLM keeps no region, the CPU cache is
+blockswap's own and block-major: each GPU-sized sub-block of a CPU chunk holds the pages of every
+KV-cache tensor it stores back to back, exactly the bytes vLLM sized it to, page-locked in pieces
+of whole sub-blocks of at most 256 GiB (:mod:`blockswap.hostmem`); one log line gives its size,
+pieces and time.
 
 vLLM's block mapping is kept exactly: a CPU chunk holds ``blocks_per_chunk`` GPU blocks; per
 KV-cache group, a transfer starts ``block_indices[g] % blocks_per_chunk`` sub-blocks into its
-first chunk, in both directions, and its first and last chunk may be partial.
-Stores and loads both wait for the work issued on the current compute stream; transfers of one
-direction finish in submission order; expedited loads run on an engine of their own, so they
-never queue behind regular loads. ``transfer_time`` is the copies' GPU time.
+first chunk, in both directions, and its first and last chunk may be partial (a store writes only
+the sub-blocks it owns). Stores and loads both wait for the work issued on the current compute
+stream; transfers of one direction finish, and are reported, in submission order (a job with no
+block included); expedited loads run on an engine of their own, so they never queue behind
+regular loads. ``transfer_time`` is the copies' GPU time; ``transfer_size`` is vLLM's count
+(per group, blocks times the sum of its references' pages, a tensor two references name counted
+twice though its bytes move once).
 
 Options (``kv_connector_extra_config``, all optional): ``blockswap_path`` (``"auto"``,
 ``"blocks"``, ``"dma"`` or ``"kernel"``: the copy path, see :class:`~blockswap.handler.CpuGpuHandlers`),
 ``blockswap_max_in_flight`` (transfers in flight per direction) and ``blockswap_pin_piece_bytes``
-(the largest piece the CPU cache is page-locked in). Not supported, and refused when the worker
-is built with a message naming the option: ``canonical_layout`` (vLLM's parallelism-free CPU
-layout, ``CanonicalPageMapping``) and the shared offload region (``replicated_layout``).
+(the largest piece the CPU cache is page-locked in). Not supported, and refused when the spec or
+worker is built with a message naming the option: ``canonical_layout`` (vLLM's
+parallelism-free CPU layout, ``CanonicalPageMapping``).
 
 Importing this module needs vLLM; ``import blockswap`` never imports it.
 """
@@ -38,8 +52,9 @@ Importing this module needs vLLM; ``import blockswap`` never imports it.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
@@ -67,10 +82,18 @@ except ModuleNotFoundError as e:
         name=e.name,
     ) from e
 
+from ._core import chunk_blocks
 from .handler import CpuGpuHandlers
 from .hostmem import DEFAULT_PIECE_BYTES, PinnedRows
 
-__all__ = ["BlockswapOffloadingSpec", "BlockswapOffloadingWorker"]  # noqa: F822 (made on first use)
+if TYPE_CHECKING:
+    from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+
+__all__ = [  # noqa: F822 (the specs are made on first use)
+    "BlockswapOffloadingSpec",
+    "BlockswapOffloadingWorker",
+    "BlockswapTieringOffloadingSpec",
+]
 
 #: Worker construction, the CPU cache's allocation, refused submissions.
 log = logging.getLogger(__name__)
@@ -89,10 +112,15 @@ class BlockswapOffloadingWorker(OffloadingWorker):
     ``kv_caches``: vLLM's ``CanonicalKVCaches`` (unique int8 tensors of ``(num_blocks,
     page_size_bytes)`` rows, and per KV-cache group the references to them with the page size
     each copies). ``blocks_per_chunk``: GPU blocks per CPU chunk. ``num_cpu_chunks``: chunks in
-    the CPU cache (vLLM's ``CPULoadStoreSpec.block_ids`` index them). ``pin_piece_bytes``: the
-    largest piece the CPU cache is page-locked (and registered) in, a whole number of sub-blocks
-    each (see :class:`~blockswap.hostmem.PinnedRows`). ``backend``, ``path`` and the other keyword
-    options go to :class:`~blockswap.handler.CpuGpuHandlers`.
+    the CPU cache (vLLM's ``CPULoadStoreSpec.block_ids`` index them).
+
+    ``mmap_region``: vLLM's ``SharedOffloadRegion`` the CPU cache lives in, laid out as vLLM's own
+    worker lays it out (see the module's documentation); the worker owns it once built and
+    releases it at :meth:`shutdown`. ``None``: a private block-major cache, allocated here, where
+    vLLM itself keeps none. ``pin_piece_bytes``: the largest piece the CPU cache is page-locked
+    (and registered) in, a whole number of sub-blocks (of the region: chunk rows) each.
+    ``backend``, ``path`` and the other keyword options go to
+    :class:`~blockswap.handler.CpuGpuHandlers`.
 
     A failed submission returns ``False`` and logs why; it never raises into vLLM.
     """
@@ -103,12 +131,14 @@ class BlockswapOffloadingWorker(OffloadingWorker):
         blocks_per_chunk: int,
         num_cpu_chunks: int,
         *,
+        mmap_region: SharedOffloadRegion | None = None,
         backend: str = "auto",
         path: str = "auto",
         pin_piece_bytes: int = DEFAULT_PIECE_BYTES,
         **options: Any,
     ) -> None:
         check_int("blocks_per_chunk", blocks_per_chunk, 1)
+        check_int("pin_piece_bytes", pin_piece_bytes, 1)
         if num_cpu_chunks < 1:
             raise ValueError(
                 f"the CPU cache holds {num_cpu_chunks} chunks: raise cpu_bytes_to_use (in "
@@ -131,9 +161,11 @@ class BlockswapOffloadingWorker(OffloadingWorker):
             if not t.is_contiguous():
                 raise ValueError(f"KV-cache tensor {i} is not contiguous")
             rows.append(t.view(torch.int8).view(-1, ct.page_size_bytes))
-        # Per tensor, the bytes a CPU sub-block keeps: the largest page any reference copies.
-        slot: dict[int, int] = {}
+        # Per group, each tensor it copies with the largest page any of its references copies:
+        # references of one group naming one tensor copy the same bytes from the same offset.
+        group_pages: list[dict[int, int]] = []
         for g, group in enumerate(refs):
+            pages: dict[int, int] = {}
             for r in group:
                 if not 0 <= r.tensor_idx < len(rows):
                     raise ValueError(f"group {g} refers to tensor {r.tensor_idx} of {len(rows)}")
@@ -143,23 +175,129 @@ class BlockswapOffloadingWorker(OffloadingWorker):
                         f"group {g}: a page of {r.page_size_bytes} bytes in tensor "
                         f"{r.tensor_idx}, whose rows are {row} bytes"
                     )
-                slot[r.tensor_idx] = max(slot.get(r.tensor_idx, 0), r.page_size_bytes)
-        offset: dict[int, int] = {}
-        sub_block = 0
-        for t in sorted(slot):
-            offset[t] = sub_block
-            sub_block += slot[t]
+                pages[r.tensor_idx] = max(pages.get(r.tensor_idx, 0), r.page_size_bytes)
+            group_pages.append(pages)
+        if not any(group_pages):
+            raise ValueError("no KV-cache group refers to a tensor: nothing to offload")
+        #: Per vLLM group, the bytes vLLM counts per GPU block: every reference's page, a tensor
+        #: named twice counted twice (its ``transfer_size``), though the bytes move once.
+        self._block_bytes = [sum(r.page_size_bytes for r in group) for group in refs]
 
         device = rows[0].device
         on_cuda = device.type == "cuda" and backend != "host"
-        self.blocks_per_chunk = int(blocks_per_chunk)
+        self.blocks_per_chunk = f = int(blocks_per_chunk)
         self.num_cpu_chunks = int(num_cpu_chunks)
         if device.index is not None:
             index = device.index
         else:
             index = torch.cuda.current_device() if on_cuda else 0
-        #: The CPU cache's memory: exactly its size, page-locked in pieces of whole sub-blocks.
-        self.host_memory: PinnedRows | None = PinnedRows(
+        #: The private CPU cache's memory (None with a shared region).
+        self.host_memory: PinnedRows | None = None
+        #: The private CPU cache: ``num_cpu_chunks * blocks_per_chunk`` sub-blocks of every
+        #: tensor's page (None with a shared region).
+        self.cpu_cache: torch.Tensor | None = None
+        #: vLLM's shared offload region holding the CPU cache, owned by the worker once built.
+        self.mmap_region: SharedOffloadRegion | None = mmap_region
+        #: The ``(address, bytes)`` pieces of the region registered with the engines.
+        self.region_pieces: list[tuple[int, int]] = []
+        #: vLLM's views of the region, one per KV-cache tensor (its worker's ``cpu_tensors``:
+        #: ``(num_cpu_chunks, blocks_per_chunk * page_size_bytes)`` at the row stride).
+        self.cpu_tensors: list[torch.Tensor] = []
+
+        gpu_groups: list[list[torch.Tensor]] = []
+        cpu_groups: list[list[torch.Tensor]] = []
+        #: vLLM group index -> its first handler group (None: a group without pages). With a
+        #: shared region a group has ``blocks_per_chunk`` handler groups, one per sub-block
+        #: index in a chunk; otherwise one.
+        self._groups: list[int | None] = []
+        handler_options = dict(options)
+        if mmap_region is None:
+            self._fanout = 1
+            factor = f
+            cpu_groups = self._private_cache(group_pages, rows, on_cuda, index, pin_piece_bytes)
+        else:
+            self._fanout = f
+            factor = 1
+            cpu_groups = self._region_cells(kv_caches, group_pages, on_cuda, index, pin_piece_bytes)
+            handler_options["host_pieces"] = self.region_pieces
+        for pages in group_pages:
+            if not pages:
+                self._groups.append(None)
+                continue
+            self._groups.append(len(gpu_groups))
+            for _ in range(self._fanout):
+                gpu_groups.append([rows[t][:, :p].unsqueeze(1) for t, p in pages.items()])
+        self._single = len(gpu_groups) == 1
+        if on_cuda:
+            handler_options.setdefault("timing", True)  # transfer_time: the copies' GPU time
+
+        def handlers() -> CpuGpuHandlers:
+            return CpuGpuHandlers(
+                gpu_groups,
+                self.num_cpu_chunks,
+                layout="mla",
+                block_size_factor=factor,
+                cpu_caches=cpu_groups,
+                backend=backend,
+                path=path,
+                load_waits_for_compute=True,
+                **handler_options,
+            )
+
+        #: Per lane (stores, loads, expedited loads), the jobs in flight in submission order,
+        #: each with the empty jobs submitted after it: reported right after it, as transfers of
+        #: one direction finish in submission order.
+        self._lanes: dict[str, deque[list[int]]] = {k: deque() for k in _LANES}
+        #: job id -> its lane, while in flight.
+        self._lane_of: dict[int, str] = {}
+        #: job id -> the bytes vLLM counts for it, while in flight.
+        self._sizes: dict[int, int] = {}
+        #: Empty jobs with nothing before them in their lane: reported by the next poll.
+        self._empty: list[VllmTransferResult] = []
+        # Until the constructor returns, a shared region stays the caller's (as with vLLM's
+        # worker): a failure here releases only what the worker made.
+        try:
+            self._main = handlers()
+        except BaseException:
+            self._free_cache(release_region=False)
+            raise
+        try:
+            # Expedited loads on an engine of their own: they never queue behind regular loads.
+            self._expedited = handlers()
+        except BaseException:
+            self._main.shutdown()
+            self._free_cache(release_region=False)
+            raise
+        log.info(
+            "blockswap offloading worker: %d KV-cache group(s), %d tensor(s), CPU cache %s; "
+            "store %s; load %s",
+            sum(p is not None for p in self._groups),
+            len(rows),
+            "private" if mmap_region is None else "in vLLM's shared offload region",
+            self._main.routes["d2h"].reason,
+            self._main.routes["h2d"].reason,
+        )
+
+    def _private_cache(
+        self,
+        group_pages: list[dict[int, int]],
+        rows: list[torch.Tensor],
+        on_cuda: bool,
+        index: int,
+        pin_piece_bytes: int,
+    ) -> list[list[torch.Tensor]]:
+        """Allocates the private block-major cache; returns its views per handler group."""
+        # Per tensor, the bytes a CPU sub-block keeps: the largest page any reference copies.
+        slot: dict[int, int] = {}
+        for pages in group_pages:
+            for t, p in pages.items():
+                slot[t] = max(slot.get(t, 0), p)
+        offset: dict[int, int] = {}
+        sub_block = 0
+        for t in sorted(slot):
+            offset[t] = sub_block
+            sub_block += slot[t]
+        self.host_memory = PinnedRows(
             self.num_cpu_chunks * self.blocks_per_chunk,
             max(sub_block, 1),
             piece_bytes=pin_piece_bytes,
@@ -167,8 +305,7 @@ class BlockswapOffloadingWorker(OffloadingWorker):
             device=index,
             log_line=False,
         )
-        #: The CPU cache: ``num_cpu_chunks * blocks_per_chunk`` sub-blocks of every tensor's page.
-        self.cpu_cache: torch.Tensor | None = self.host_memory.tensor()
+        self.cpu_cache = cache = self.host_memory.tensor()
         log.info(
             "CPU KV cache: %.2f GiB (%d chunks of %d blocks, %d bytes each) %s in %.2f s",
             self.host_memory.nbytes / 2**30,
@@ -178,68 +315,65 @@ class BlockswapOffloadingWorker(OffloadingWorker):
             self.host_memory.how(),
             self.host_memory.seconds,
         )
+        return [
+            [cache[:, offset[t] : offset[t] + p].unsqueeze(1) for t, p in pages.items()]
+            for pages in group_pages
+            if pages
+        ]
 
-        # One handler group per vLLM group with pages; each (tensor, page) is a one-page layer.
-        gpu_groups: list[list[torch.Tensor]] = []
-        cpu_groups: list[list[torch.Tensor]] = []
-        #: vLLM group index -> handler group index (None: a group without pages).
-        self._groups: list[int | None] = []
-        for group in refs:
-            pages: dict[int, int] = {}
-            for r in group:
-                pages[r.tensor_idx] = max(pages.get(r.tensor_idx, 0), r.page_size_bytes)
-            if not pages:
-                self._groups.append(None)
-                continue
-            self._groups.append(len(gpu_groups))
-            gpu_groups.append([rows[t][:, :p].unsqueeze(1) for t, p in pages.items()])
-            cpu_groups.append(
-                [
-                    self.cpu_cache[:, offset[t] : offset[t] + p].unsqueeze(1)
-                    for t, p in pages.items()
-                ]
+    def _region_cells(
+        self,
+        kv_caches: CanonicalKVCaches,
+        group_pages: list[dict[int, int]],
+        on_cuda: bool,
+        index: int,
+        pin_piece_bytes: int,
+    ) -> list[list[torch.Tensor]]:
+        """vLLM's views of the shared region, made as vLLM's worker makes them (one per KV-cache
+        tensor, in order: ``blocks_per_chunk`` pages of the tensor's ``page_size_bytes`` in each
+        chunk's cell); the region page-locked on CUDA and cut into the pieces the engines
+        register; per handler group ``(g, j)`` the ``j``-th page of each tensor of group ``g``,
+        a ``(num_cpu_chunks, 1, page)`` view at the region's row stride."""
+        region = self.mmap_region
+        assert region is not None
+        f = self.blocks_per_chunk
+        if region.num_chunks != self.num_cpu_chunks:
+            raise ValueError(
+                f"the shared offload region holds {region.num_chunks} chunks, the worker was "
+                f"given num_cpu_chunks={self.num_cpu_chunks}"
             )
-        if not gpu_groups:
-            raise ValueError("no KV-cache group refers to a tensor: nothing to offload")
-        self._single = len(gpu_groups) == 1
-        handler_options = dict(options)
-        if on_cuda:
-            handler_options.setdefault("timing", True)  # transfer_time: the copies' GPU time
-
-        def handlers() -> CpuGpuHandlers:
-            return CpuGpuHandlers(
-                gpu_groups,
-                self.num_cpu_chunks,
-                layout="mla",
-                block_size_factor=self.blocks_per_chunk,
-                cpu_caches=cpu_groups,
-                backend=backend,
-                path=path,
-                load_waits_for_compute=True,
-                **handler_options,
+        need = sum(ct.page_size_bytes for ct in kv_caches.tensors) * f
+        if need > region.cpu_page_size:
+            raise ValueError(
+                f"the KV-cache tensors take {need} bytes per chunk ({f} blocks of every "
+                f"tensor's page), but a cell of the shared offload region holds "
+                f"{region.cpu_page_size}: the region was sized for other KV caches"
             )
-
-        #: Transfers that move no block (vLLM may submit them): done at once, reported next poll.
-        self._empty: list[VllmTransferResult] = []
-        try:
-            self._main = handlers()
-        except BaseException:
-            self._free_cache()
-            raise
-        try:
-            # Expedited loads on an engine of their own: they never queue behind regular loads.
-            self._expedited = handlers()
-        except BaseException:
-            self._main.shutdown()
-            self._free_cache()
-            raise
-        log.info(
-            "blockswap offloading worker: %d KV-cache group(s), %d tensor(s); store %s; load %s",
-            len(gpu_groups),
-            len(rows),
-            self._main.routes["d2h"].reason,
-            self._main.routes["h2d"].reason,
-        )
+        self.cpu_tensors = views = [
+            region.create_next_worker_view(ct.page_size_bytes * f) for ct in kv_caches.tensors
+        ]
+        row = region._row_stride
+        # Pieces of whole rows: a page lies inside one cell, so no copy crosses a row.
+        per_piece = max(pin_piece_bytes // row, 1) * row
+        base, total = region.base_tensor.data_ptr(), region.total_size_bytes
+        self.region_pieces = [
+            (base + o, min(per_piece, total - o)) for o in range(0, total, per_piece)
+        ]
+        if on_cuda and not region.is_pinned:
+            # Registered in the primary context of the engines' device (not portable: flags 0,
+            # as vLLM registers it).
+            with torch.cuda.device(index):
+                _pin_region(region, self.region_pieces)
+        page_of = [ct.page_size_bytes for ct in kv_caches.tensors]
+        return [
+            [
+                views[t][:, j * page_of[t] : j * page_of[t] + p].unsqueeze(1)
+                for t, p in pages.items()
+            ]
+            for pages in group_pages
+            if pages
+            for j in range(f)
+        ]
 
     @property
     def handlers(self) -> tuple[CpuGpuHandlers, CpuGpuHandlers]:
@@ -252,7 +386,8 @@ class BlockswapOffloadingWorker(OffloadingWorker):
         self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
     ) -> bool:
         """GPU -> CPU: ``src_spec`` names GPU blocks, ``dst_spec`` CPU chunks."""
-        return self._submit(self._main.gpu_to_cpu_handler, job_id, src_spec, dst_spec, src_spec)
+        h = self._main.gpu_to_cpu_handler
+        return self._submit(h, "store", job_id, src_spec, dst_spec, src_spec)
 
     def submit_load(
         self,
@@ -263,15 +398,25 @@ class BlockswapOffloadingWorker(OffloadingWorker):
     ) -> bool:
         """CPU -> GPU: ``src_spec`` names CPU chunks, ``dst_spec`` GPU blocks."""
         h = (self._expedited if expedited else self._main).cpu_to_gpu_handler
-        return self._submit(h, job_id, src_spec, dst_spec, dst_spec)
+        lane = "expedited" if expedited else "load"
+        return self._submit(h, lane, job_id, src_spec, dst_spec, dst_spec)
 
     def get_finished(self) -> list[VllmTransferResult]:
         out, self._empty = self._empty, []
         for h in (self._main, self._expedited):
+            # A failed job is logged once, by the handler that reports it.
             for r in h.get_finished():
-                if not r.success:
-                    log.warning("offloading job %d failed: %s", r.job_id, r.error)
-                out.append(VllmTransferResult(r.job_id, r.success, r.bytes, r.seconds))
+                size = self._sizes.pop(r.job_id, r.bytes)
+                out.append(VllmTransferResult(r.job_id, r.success, size, r.seconds))
+                lane = self._lane_of.pop(r.job_id, None)
+                if lane is None:
+                    continue
+                jobs = self._lanes[lane]
+                for k, entry in enumerate(jobs):
+                    if entry[0] == r.job_id:
+                        del jobs[k]
+                        out.extend(VllmTransferResult(e, True, 0, 0.0) for e in entry[1:])
+                        break
         return out
 
     def wait(self, job_ids: set[int]) -> None:
@@ -280,13 +425,24 @@ class BlockswapOffloadingWorker(OffloadingWorker):
         self._expedited.wait(ids)
 
     def shutdown(self) -> None:
-        """Drains both engines (every accepted transfer runs), then frees the CPU cache: unpinned
-        once neither engine holds a registration in it, unmapped once no tensor views it."""
+        """Drains both engines (every accepted transfer runs), then frees the CPU cache: a private
+        one unpinned once neither engine holds a registration in it, unmapped once no tensor views
+        it; a shared region released as vLLM's worker releases it (``cleanup``), unless an engine
+        still had copies in flight when its shutdown timed out (then it stays mapped and
+        page-locked for the process: never unmapped under a copy)."""
         for h in (self._expedited, self._main):
             h.shutdown()
+        kept = self._main.memory_kept or self._expedited.memory_kept
+        if kept and self.mmap_region is not None:
+            log.warning(
+                "transfers still in flight after shutdown: the CPU offload region %s stays mapped",
+                self.mmap_region.mmap_path,
+            )
+            _kept_regions.append(self.mmap_region)
+            self.mmap_region = None
         self._free_cache()
 
-    def _free_cache(self) -> None:
+    def _free_cache(self, release_region: bool = True) -> None:
         if self.host_memory is not None:
             try:
                 self.host_memory.unpin()
@@ -294,33 +450,54 @@ class BlockswapOffloadingWorker(OffloadingWorker):
                 log.warning("the CPU KV cache stays pinned: %s", e)
         self.host_memory = None
         self.cpu_cache = None
+        self.cpu_tensors = []  # views of the region: the mapping closes once none is left
+        region, self.mmap_region = self.mmap_region, None
+        if region is not None and release_region:
+            region.cleanup()
 
     # ---- the mapping -----------------------------------------------------------------------------
 
     def _submit(
-        self, handler: Any, job_id: int, src: Any, dst: Any, gpu_spec: GPULoadStoreSpec
+        self,
+        handler: Any,
+        lane: str,
+        job_id: int,
+        src: Any,
+        dst: Any,
+        gpu_spec: GPULoadStoreSpec,
     ) -> bool:
         try:
             cpu_spec = dst if gpu_spec is src else src
-            gpu_ids, cpu_ids, starts = self._split(gpu_spec, cpu_spec)
+            gpu_ids, cpu_ids, starts, size = self._split(gpu_spec, cpu_spec)
+            jobs = self._lanes[lane]
             if not any(g.shape[0] for g in gpu_ids):
-                # No data to move, so no order to keep: reported done by the next poll.
-                self._empty.append(VllmTransferResult(job_id, True, 0, 0.0))
+                # No data to move: reported right after the jobs submitted before it in its lane.
+                if jobs:
+                    jobs[-1].append(job_id)
+                else:
+                    self._empty.append(VllmTransferResult(job_id, True, 0, 0.0))
                 return True
             sides: tuple[Any, Any] = (gpu_ids, cpu_ids) if gpu_spec is src else (cpu_ids, gpu_ids)
             if self._single:
                 sides = (sides[0][0], sides[1][0])
-            return bool(handler.transfer_async(job_id, sides, block_indices=starts))
+            handler.transfer_async(job_id, sides, block_indices=starts)
         except Exception as e:  # vLLM turns False into a failed job; an exception would kill it
             log.warning("offloading job %d refused: %s", job_id, e)
             return False
+        jobs.append([job_id])
+        self._lane_of[job_id] = lane
+        self._sizes[job_id] = size
+        return True
 
     def _split(
         self, gpu_spec: GPULoadStoreSpec, cpu_spec: LoadStoreSpec
-    ) -> tuple[list[npt.NDArray[np.int64]], list[npt.NDArray[np.int64]], list[int]]:
-        """vLLM's flat ids cut per KV-cache group: ``(GPU ids, CPU chunk ids, first block
-        indices)`` per handler group. A group takes ``ceil((skip + n) / blocks_per_chunk)`` chunks
-        of the flat list (none for no block); the engine checks each group's count again."""
+    ) -> tuple[list[npt.NDArray[np.int64]], list[npt.NDArray[np.int64]], list[int] | None, int]:
+        """vLLM's flat ids cut per KV-cache group: ``(GPU ids, CPU ids, first block indices,
+        bytes vLLM counts)``, ids per handler group. A group takes ``ceil((skip + n) /
+        blocks_per_chunk)`` chunks of the flat list (none for no block); the engine checks each
+        group's count again. With a shared region the core maps each group's chunks to the
+        sub-blocks its blocks use (``chunk_blocks``), and block ``i`` goes to handler group
+        ``(g, sub-block index)`` with its chunk id."""
         gpu = np.asarray(gpu_spec.block_ids, dtype=np.int64)
         chunks = np.asarray(getattr(cpu_spec, "block_ids", cpu_spec), dtype=np.int64)
         sizes: Sequence[int] = gpu_spec.group_sizes
@@ -331,38 +508,89 @@ class BlockswapOffloadingWorker(OffloadingWorker):
                 f"{len(self._groups)} KV-cache groups"
             )
         f = self.blocks_per_chunk
+        fan = self._fanout
         out_gpu: list[npt.NDArray[np.int64]] = []
         out_cpu: list[npt.NDArray[np.int64]] = []
         out_start: list[int] = []
-        o = c = 0
+        o = c = size = 0
         for g, (n, start) in enumerate(zip(sizes, starts)):
             n, start = int(n), int(start)
-            m = -(-(start % f + n) // f) if n else 0
+            if n < 0 or start < 0:
+                raise ValueError(f"group {g}: {n} blocks from block index {start}")
+            skip = start % f
+            m = -(-(skip + n) // f) if n else 0
             if self._groups[g] is None:
                 if n:
                     raise ValueError(f"group {g} has no pages but the spec names {n} blocks")
                 continue
-            out_gpu.append(gpu[o : o + n])
-            out_cpu.append(chunks[c : c + m])
-            out_start.append(start)
+            ids, cs = gpu[o : o + n], chunks[c : c + m]
+            size += n * self._block_bytes[g]
             o, c = o + n, c + m
+            if fan == 1:
+                out_gpu.append(ids)
+                out_cpu.append(cs)
+                out_start.append(start)
+                continue
+            # The chunk rule in the core: the sub-block (chunk * f + index) of each block.
+            sub = chunk_blocks(cs, f, ids.shape[0], skip, self.num_cpu_chunks) if n else cs
+            for j in range(fan):
+                first = (j - skip) % f  # the first block at sub-block index j of its chunk
+                out_gpu.append(ids[first::f])
+                out_cpu.append(sub[first::f] // f)
         if o != gpu.shape[0] or c != chunks.shape[0]:
             raise ValueError(
                 f"the groups take {o} GPU blocks and {c} CPU chunks, the spec names "
                 f"{gpu.shape[0]} and {chunks.shape[0]}"
             )
-        return out_gpu, out_cpu, out_start
+        return out_gpu, out_cpu, (out_start if fan == 1 else None), size
+
+
+#: Regions an engine could still copy into when its shutdown timed out: kept for the process.
+_kept_regions: list[SharedOffloadRegion] = []
+
+#: The lanes of a worker's transfers: each keeps its jobs in submission order.
+_LANES = ("store", "load", "expedited")
+
+
+def _pin_region(region: SharedOffloadRegion, pieces: list[tuple[int, int]]) -> None:
+    """Page-locks the whole region with vLLM's ``host_register``, piece by piece, recorded on
+    the region so that its ``cleanup`` unregisters them (every rank registers the whole region:
+    the engines' block tables span every row; vLLM's own worker does the same where pinning only
+    its cells would save little). Raises naming the piece that failed, after undoing the others."""
+    from vllm.v1.kv_offload.cpu.host_register import host_register, host_unregister
+
+    done: list[int] = []
+    for addr, n in pieces:
+        if host_register(addr, n):
+            done.append(addr)
+            continue
+        for a in reversed(done):
+            host_unregister(a)
+        raise RuntimeError(
+            f"could not page-lock the CPU offload region ({n} bytes at {addr:#x}, piece "
+            f"{len(done)} of {len(pieces)}): blockswap's CUDA engine moves page-locked memory "
+            "only; lower cpu_bytes_to_use or raise the memlock limit"
+        )
+    region.pinned_addresses.extend(done)
+    region.is_pinned = True
+
+
+def _worker_options(extra_config: dict[str, Any]) -> dict[str, Any]:
+    return {name: extra_config[key] for key, name in OPTIONS.items() if key in extra_config}
 
 
 def _spec_class() -> type:
     """vLLM's ``CPUOffloadingSpec`` with blockswap's worker (built on first use: importing vLLM's
     CPU spec module pulls in most of vLLM)."""
     from vllm.v1.kv_offload.config import OffloadingConfig
+    from vllm.v1.kv_offload.cpu import spec as cpu_spec
+    from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
     from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
     class BlockswapOffloadingSpec(CPUOffloadingSpec):
         """vLLM's CPU offloading spec (cache sizing from ``cpu_bytes_to_use``, the scheduler's
-        manager) with :class:`BlockswapOffloadingWorker` as its worker."""
+        manager, the shared offload region where vLLM keeps one, ``replicated_layout``) with
+        :class:`BlockswapOffloadingWorker` as its worker."""
 
         def __init__(self, config: OffloadingConfig) -> None:
             if config.canonical_layout:
@@ -372,31 +600,107 @@ def _spec_class() -> type:
                 )
             super().__init__(config)
 
-        def _uses_shared_region(self) -> bool:
-            # The CPU cache is the worker's own (no shared mmap region, so no replicated_layout).
-            return False
+        def create_worker(self, kv_caches: CanonicalKVCaches) -> BlockswapOffloadingWorker:
+            # The region exactly as CPUOffloadingSpec.create_worker makes it.
+            region: SharedOffloadRegion | None = None
+            if self._uses_shared_region() and self.num_chunks > 0:
+                world_size = self.config.parallel.world_size
+                worker_index = self.config.parallel.rank
+                region = SharedOffloadRegion(
+                    engine_id=self.config.engine_id,
+                    num_chunks=self.num_chunks,
+                    rank=0 if self.replicated_layout else worker_index,
+                    kv_bytes_per_chunk=self.kv_bytes_per_chunk,
+                    cpu_page_size=self.cpu_page_size_per_worker,
+                    barrier=cpu_spec._all_workers_barrier,
+                    num_segments=cpu_spec._REGION_SEGMENTS,
+                    populate_shard=((worker_index, world_size) if self.replicated_layout else None),
+                )
+            return _new_worker(self, kv_caches, region)
 
         def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
-            worker: OffloadingWorker | None = self._worker  # type: ignore[has-type]
-            if worker is None:
-                options = {
-                    name: self.extra_config[key]
-                    for key, name in OPTIONS.items()
-                    if key in self.extra_config
-                }
-                worker = BlockswapOffloadingWorker(
-                    kv_caches, self.blocks_per_chunk, self.num_chunks, **options
-                )
-                self._worker = worker
-            return worker
+            return _get_worker(self, kv_caches)
 
     BlockswapOffloadingSpec.__module__ = __name__
     return BlockswapOffloadingSpec
 
 
+def _tiering_spec_class() -> type:
+    """vLLM's ``TieringOffloadingSpec`` with blockswap's worker (built on first use)."""
+    from vllm.v1.kv_offload.config import OffloadingConfig
+    from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+    from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+    class BlockswapTieringOffloadingSpec(TieringOffloadingSpec):
+        """vLLM's tiering spec (the CPU tier in the shared offload region, its eviction, the
+        secondary tiers ``fs``, ``obj``, ``p2p`` and out-of-tree ones reading and writing the CPU
+        tier through the region) with :class:`BlockswapOffloadingWorker` as its worker."""
+
+        def __init__(self, config: OffloadingConfig) -> None:
+            if config.canonical_layout:
+                raise ValueError(
+                    "blockswap's offloading worker does not support canonical_layout: remove it "
+                    "from kv_connector_extra_config"
+                )
+            super().__init__(config)
+
+        def create_worker(self, kv_caches: CanonicalKVCaches) -> BlockswapOffloadingWorker:
+            # The region exactly as TieringOffloadingSpec.create_worker makes it.
+            region = SharedOffloadRegion(
+                engine_id=self._engine_id,
+                num_chunks=self.num_chunks,
+                rank=0 if self.replicated_layout else self.config.parallel.rank,
+                kv_bytes_per_chunk=self.kv_bytes_per_chunk,
+                cpu_page_size=self.cpu_page_size_per_worker,
+            )
+            return _new_worker(self, kv_caches, region)
+
+        def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+            return _get_worker(self, kv_caches)
+
+    BlockswapTieringOffloadingSpec.__module__ = __name__
+    return BlockswapTieringOffloadingSpec
+
+
+def _new_worker(
+    spec: Any, kv_caches: CanonicalKVCaches, region: SharedOffloadRegion | None
+) -> BlockswapOffloadingWorker:
+    """The worker over ``region`` (released here if the worker cannot be built, as vLLM's
+    ``create_worker`` does)."""
+    try:
+        return BlockswapOffloadingWorker(
+            kv_caches,
+            spec.blocks_per_chunk,
+            spec.num_chunks,
+            mmap_region=region,
+            **_worker_options(spec.extra_config),
+        )
+    except Exception:
+        if region is not None:
+            region.cleanup()
+        raise
+
+
+def _get_worker(spec: Any, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+    """One worker per spec, made on first use (blockswap's host backend runs without a GPU, so
+    vLLM's platform check is not repeated here)."""
+    worker: OffloadingWorker | None = spec._worker
+    if worker is None:
+        worker = spec.create_worker(kv_caches)
+        spec._worker = worker
+    return worker
+
+
+_MADE = {
+    "BlockswapOffloadingSpec": _spec_class,
+    "BlockswapTieringOffloadingSpec": _tiering_spec_class,
+}
+
+
 def __getattr__(name: str) -> Any:
-    if name == "BlockswapOffloadingSpec":
-        cls = _spec_class()
+    make = _MADE.get(name)
+    if make is not None:
+        cls = make()
         globals()[name] = cls
         return cls
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

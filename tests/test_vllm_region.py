@@ -1,0 +1,628 @@
+"""blockswap's vLLM worker on vLLM's shared offload region (``SharedOffloadRegion``): the bytes it
+leaves there are the bytes vLLM's own worker would leave, at the same offsets.
+
+Ported from vLLM 0.33's tests (``tests/v1/kv_offload/cpu/test_gpu_worker.py`` and the region's
+``test_shared_offload_region.py``, read from vLLM's repository), their cases and assertions kept.
+What changed, and why:
+
+- ``CPUOffloadingWorker`` is :class:`~blockswap.vllm.BlockswapOffloadingWorker` (the worker under
+  test); vLLM's ``handler.src_tensors`` / ``dst_tensors`` are the worker's ``cpu_tensors`` (vLLM's
+  own region views, made by the region's ``create_next_worker_view`` as vLLM's worker makes them)
+  and the KV-cache tensors; ``handler._transfers`` is not checked (blockswap's engine keeps its
+  queue in the core).
+- The region is built with vLLM 0.33's signature (``num_chunks``, ``kv_bytes_per_chunk``, the
+  rank's ``cpu_page_size``), sized as ``CPUOffloadingSpec`` sizes it (a row rounded up to a page).
+- The "GPU" tensors are CPU tensors on the host backend (no GPU in CI); the same tests run on the
+  GPU with the ``cuda`` marker. ``transfer_time > 0`` becomes ``>= 0`` on the host backend, which
+  does not time its memcpy.
+- ``test_transfer``'s private-cache case (``use_shared_memory=False``) is ``tests/test_vllm.py``'s
+  ``test_vllm_transfer``.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import multiprocessing
+import os
+import uuid
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("vllm.v1.kv_offload.base", reason="vLLM is not installed")
+from vllm.v1.kv_offload.base import (
+    BlockIDsLoadStoreSpec,
+    CanonicalKVCacheRef,
+    CanonicalKVCaches,
+    CanonicalKVCacheTensor,
+    GPULoadStoreSpec,
+)
+from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+
+from blockswap.vllm import BlockswapOffloadingWorker
+from test_vllm import CASES, model_caches
+
+PAGE = mmap.PAGESIZE
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+def backend_of(device: str) -> str:
+    return "host" if device == "cpu" else "cuda"
+
+
+class CPULoadStoreSpec(BlockIDsLoadStoreSpec):
+    """vLLM's ``CPULoadStoreSpec`` (its module imports most of vLLM): chunk ids."""
+
+
+def round_up(x: int, to: int) -> int:
+    return -(-x // to) * to
+
+
+def make_region(
+    kv: CanonicalKVCaches,
+    bpc: int,
+    n_chunks: int,
+    *,
+    world: int = 1,
+    rank: int = 0,
+    replicated: bool = False,
+    engine_id: str | None = None,
+    **kwargs: Any,
+) -> SharedOffloadRegion:
+    """The region ``CPUOffloadingSpec`` makes for these caches: a rank's cell is every tensor's
+    ``bpc`` pages, a row one cell per rank (one with ``replicated``) rounded up to a page."""
+    cell = sum(t.page_size_bytes for t in kv.tensors) * bpc
+    copies = 1 if replicated else world
+    return SharedOffloadRegion(
+        engine_id=engine_id or str(uuid.uuid4()),
+        num_chunks=n_chunks,
+        rank=0 if replicated else rank,
+        kv_bytes_per_chunk=round_up(cell * copies, SharedOffloadRegion.BLOCK_SIZE_ALIGNMENT),
+        cpu_page_size=cell,
+        **kwargs,
+    )
+
+
+def wait_one(w: BlockswapOffloadingWorker, job: int) -> Any:
+    w.wait({job})
+    (r,) = w.get_finished()
+    assert (r.job_id, r.success) == (job, True)
+    return r
+
+
+# ---- vLLM's test_transfer / test_transfer_multi_group on the shared region ------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("replicated_layout", [False, True])
+@pytest.mark.parametrize("blocks_per_chunk", [1, 3])
+@pytest.mark.parametrize("gpu_page_size_bytes", [512, 1024])
+@pytest.mark.parametrize("gpu_to_cpu", [True, False])
+def test_transfer(
+    gpu_to_cpu: bool,
+    gpu_page_size_bytes: int,
+    blocks_per_chunk: int,
+    replicated_layout: bool,
+    device: str,
+) -> None:
+    """vLLM's ``test_transfer`` with ``use_shared_memory=True``: 4 tensors of one group in a
+    region of a simulated world of 2 (rank 0), or replicated; 3 chunks, the first
+    ``blocks_per_chunk - 1`` sub-blocks skipped."""
+    torch.manual_seed(gpu_page_size_bytes + blocks_per_chunk)
+    gen = torch.Generator().manual_seed(gpu_page_size_bytes * 7 + blocks_per_chunk)
+    num_gpu_blocks, num_cpu_blocks, num_tensors, num_mappings = 64, 256, 4, 3
+    page = gpu_page_size_bytes
+    tensors = [
+        torch.zeros((num_gpu_blocks, page), dtype=torch.int8, device=device)
+        for _ in range(num_tensors)
+    ]
+    kv = CanonicalKVCaches(
+        tensors=[CanonicalKVCacheTensor(t, page) for t in tensors],
+        group_data_refs=[[CanonicalKVCacheRef(i, page) for i in range(num_tensors)]],
+    )
+    region = make_region(
+        kv, blocks_per_chunk, num_cpu_blocks, world=2, replicated=replicated_layout
+    )
+    worker = BlockswapOffloadingWorker(
+        kv, blocks_per_chunk, num_cpu_blocks, mmap_region=region, backend=backend_of(device)
+    )
+    try:
+        gpu_blocks = torch.randperm(num_gpu_blocks, generator=gen)[
+            : num_mappings * blocks_per_chunk
+        ].tolist()
+        cpu_blocks = torch.randperm(num_cpu_blocks, generator=gen)[:num_mappings].tolist()
+        expanded = [c * blocks_per_chunk + j for c in cpu_blocks for j in range(blocks_per_chunk)]
+        skip = blocks_per_chunk - 1
+        if skip > 0:
+            gpu_blocks, expanded = gpu_blocks[skip:], expanded[skip:]
+        gpu_spec = GPULoadStoreSpec(
+            gpu_blocks, group_sizes=(len(gpu_blocks),), block_indices=(skip,)
+        )
+        cpu_spec = CPULoadStoreSpec(cpu_blocks)
+        cpu_tensors = worker.cpu_tensors
+        src_tensors, dst_tensors = (tensors, cpu_tensors) if gpu_to_cpu else (cpu_tensors, tensors)
+        dst_to_src = dict(zip(expanded, gpu_blocks) if gpu_to_cpu else zip(gpu_blocks, expanded))
+        num_dst_sub_blocks = num_cpu_blocks * blocks_per_chunk if gpu_to_cpu else num_gpu_blocks
+        for t in (*src_tensors, *dst_tensors):
+            t.random_()
+        orig_src = [x.clone() for x in src_tensors]
+        orig_dst = [x.clone() for x in dst_tensors]
+        if gpu_to_cpu:
+            assert worker.submit_store(1, gpu_spec, cpu_spec)
+        else:
+            assert worker.submit_load(1, cpu_spec, gpu_spec)
+        r = wait_one(worker, 1)
+        assert r.transfer_size == len(gpu_blocks) * sum(
+            x.page_size_bytes for x in kv.group_data_refs[0]
+        )
+        assert r.transfer_time >= 0
+        if device == "cuda":
+            assert r.transfer_time > 0
+            torch.cuda.synchronize()
+        for o, t in zip(orig_src, src_tensors):
+            assert torch.equal(o, t)
+        for s, d, o in zip(src_tensors, dst_tensors, orig_dst):
+            src_view = s.reshape(-1, page).cpu()
+            dst_view = d.reshape(-1, page).cpu()
+            orig_view = o.reshape(-1, page).cpu()
+            for sub in range(num_dst_sub_blocks):
+                src = dst_to_src.get(sub)
+                want = src_view[src] if src is not None else orig_view[sub]
+                assert torch.equal(dst_view[sub], want), sub
+        # Past this rank's cell (the other rank's in a world of 2, and the row's padding) no
+        # byte was written: the region is fresh, so it is all zero.
+        cell = num_tensors * page * blocks_per_chunk
+        assert not region.base_tensor.view(num_cpu_blocks, -1)[:, cell:].any()
+    finally:
+        del cpu_tensors, src_tensors, dst_tensors
+        worker.shutdown()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("blocks_per_chunk", [1, 3])
+@pytest.mark.parametrize("gpu_page_size_bytes", [512, 1024])
+@pytest.mark.parametrize("gpu_to_cpu", [True, False])
+def test_transfer_multi_group(
+    gpu_to_cpu: bool, gpu_page_size_bytes: int, blocks_per_chunk: int, device: str
+) -> None:
+    """vLLM's ``test_transfer_multi_group`` on a region: three groups of two tensors; group 0
+    aligned, group 1 empty, group 2 unaligned at both ends (its first and last chunk
+    partial)."""
+    gen = torch.Generator().manual_seed(gpu_page_size_bytes + blocks_per_chunk)
+    num_gpu_blocks, num_cpu_blocks, per_group, n_map, page = 64, 256, 2, 2, gpu_page_size_bytes
+    bpc = blocks_per_chunk
+    tensors = [
+        torch.zeros((num_gpu_blocks, page), dtype=torch.int8, device=device)
+        for _ in range(3 * per_group)
+    ]
+    kv = CanonicalKVCaches(
+        tensors=[CanonicalKVCacheTensor(t, page) for t in tensors],
+        group_data_refs=[
+            [CanonicalKVCacheRef(g * per_group + i, page) for i in range(per_group)]
+            for g in range(3)
+        ],
+    )
+    region = make_region(kv, bpc, num_cpu_blocks)
+    worker = BlockswapOffloadingWorker(
+        kv, bpc, num_cpu_blocks, mmap_region=region, backend=backend_of(device)
+    )
+    try:
+        sizes = [n_map, 0, n_map]
+        gpu_all = torch.randperm(num_gpu_blocks, generator=gen)[: sum(sizes) * bpc].tolist()
+        cpu_all = torch.randperm(num_cpu_blocks, generator=gen)[: sum(sizes)].tolist()
+        gpu_g, cpu_g, o, c = [], [], 0, 0
+        for n in sizes:
+            gpu_g.append(gpu_all[o : o + n * bpc])
+            cpu_g.append(cpu_all[c : c + n])
+            o, c = o + n * bpc, c + n
+        exp_g = [[x * bpc + j for x in cs for j in range(bpc)] for cs in cpu_g]
+        skip = bpc - 1
+        if skip > 0:
+            gpu_g[2], exp_g[2] = gpu_g[2][skip:-skip], exp_g[2][skip:-skip]
+        group_sizes = [len(g) for g in gpu_g]
+        gpu_spec = GPULoadStoreSpec([b for g in gpu_g for b in g], group_sizes, [0, 0, skip])
+        cpu_spec = CPULoadStoreSpec([x for cs in cpu_g for x in cs])
+        cpu_tensors = worker.cpu_tensors
+        src_tensors, dst_tensors = (tensors, cpu_tensors) if gpu_to_cpu else (cpu_tensors, tensors)
+        for t in (*src_tensors, *dst_tensors):
+            t.random_()
+        orig_src = [x.clone() for x in src_tensors]
+        orig_dst = [x.clone() for x in dst_tensors]
+        if gpu_to_cpu:
+            assert worker.submit_store(1, gpu_spec, cpu_spec)
+            maps = [dict(zip(e, g)) for e, g in zip(exp_g, gpu_g)]
+            num_dst = num_cpu_blocks * bpc
+        else:
+            assert worker.submit_load(1, cpu_spec, gpu_spec)
+            maps = [dict(zip(g, e)) for e, g in zip(exp_g, gpu_g)]
+            num_dst = num_gpu_blocks
+        r = wait_one(worker, 1)
+        assert r.transfer_size == sum(
+            n * sum(x.page_size_bytes for x in refs)
+            for n, refs in zip(group_sizes, kv.group_data_refs)
+        )
+        if device == "cuda":
+            torch.cuda.synchronize()
+        for o, t in zip(orig_src, src_tensors):
+            assert torch.equal(o, t)
+        for g, m in enumerate(maps):
+            for i in range(per_group):
+                t = g * per_group + i
+                src_view = src_tensors[t].reshape(-1, page).cpu()
+                dst_view = dst_tensors[t].reshape(-1, page).cpu()
+                orig_view = orig_dst[t].reshape(-1, page).cpu()
+                for sub in range(num_dst):
+                    src = m.get(sub)
+                    want = src_view[src] if src is not None else orig_view[sub]
+                    assert torch.equal(dst_view[sub], want), (g, i, sub)
+    finally:
+        del cpu_tensors, src_tensors, dst_tensors
+        worker.shutdown()
+
+
+def test_worker_isolation_two_ranks_in_one_region() -> None:
+    """The region's ``test_create_next_worker_view_worker_isolation`` through two workers (ranks
+    0 and 1 of one region): each rank's stores land in its own cell of each row, at
+    ``rank * cpu_page_size``, and never touch the other rank's."""
+    n_gpu, n_chunks, page, bpc = 8, 4, 1024, 2
+    engine = str(uuid.uuid4())
+    gens = [torch.Generator().manual_seed(r) for r in (0, 1)]
+    kvs, tss = [], []
+    for gen in gens:
+        ts = [torch.randint(-128, 128, (n_gpu, page), dtype=torch.int8, generator=gen)]
+        tss.append(ts)
+        kvs.append(CanonicalKVCaches([CanonicalKVCacheTensor(ts[0], page)],
+                                     [[CanonicalKVCacheRef(0, page)]]))  # fmt: skip
+    regions = [
+        make_region(kvs[r], bpc, n_chunks, world=2, rank=r, engine_id=engine) for r in (0, 1)
+    ]
+    workers = [
+        BlockswapOffloadingWorker(kvs[r], bpc, n_chunks, mmap_region=regions[r], backend="host")
+        for r in (0, 1)
+    ]
+    try:
+        for w in workers:
+            spec = GPULoadStoreSpec(list(range(n_chunks * bpc)), (n_chunks * bpc,), (0,))
+            assert w.submit_store(1, spec, CPULoadStoreSpec(list(range(n_chunks))))
+            wait_one(w, 1)
+        raw = regions[0].base_tensor.view(n_chunks, -1)
+        cell = page * bpc
+        for c in range(n_chunks):
+            for r in (0, 1):
+                want = tss[r][0][c * bpc : (c + 1) * bpc].reshape(-1)
+                assert torch.equal(raw[c, r * cell : (r + 1) * cell], want), (c, r)
+    finally:
+        del raw
+        for w in workers:
+            w.shutdown()
+
+
+# ---- the region's bytes equal vLLM's ------------------------------------------------------------
+
+
+def vllm_store(
+    views: list[torch.Tensor],
+    kv: CanonicalKVCaches,
+    bpc: int,
+    ids: list[list[int]],
+    chunks: list[list[int]],
+    starts: list[int],
+) -> None:
+    """What vLLM's worker writes for a store, by torch indexing on vLLM's own region views: per
+    group, per reference, GPU block ``i`` to sub-block ``(skip + i) % bpc`` of chunk
+    ``chunks[(skip + i) // bpc]``, ``ref.page_size_bytes`` bytes at ``sub * tensor page``."""
+    for g, refs in enumerate(kv.group_data_refs):
+        skip = starts[g] % bpc
+        for ref in refs:
+            t, p = ref.tensor_idx, ref.page_size_bytes
+            tp = kv.tensors[t].page_size_bytes
+            src = kv.tensors[t].tensor.view(torch.int8).view(-1, tp)
+            for i, b in enumerate(ids[g]):
+                c, j = chunks[g][(skip + i) // bpc], (skip + i) % bpc
+                views[t][c, j * tp : j * tp + p] = src[b, :p].cpu()
+
+
+def random_transfer(
+    gen: torch.Generator, groups: int, n_gpu: int, n_chunks: int, bpc: int, per: int
+) -> tuple[list[list[int]], list[list[int]], list[int]]:
+    """Per group: distinct GPU blocks, a random first block index (partial first and last chunks
+    where bpc > 1) and the chunks they take, all chunks distinct."""
+    perm = torch.randperm(n_gpu, generator=gen).tolist()
+    ids = [perm[g * per : (g + 1) * per] for g in range(groups)]
+    starts = [int(torch.randint(0, 50, (1,), generator=gen)) for _ in range(groups)]
+    need = [math.ceil((s % bpc + len(i)) / bpc) for i, s in zip(ids, starts)]
+    flat = torch.randperm(n_chunks, generator=gen)[: sum(need)].tolist()
+    chunks, k = [], 0
+    for m in need:
+        chunks.append(flat[k : k + m])
+        k += m
+    return ids, chunks, starts
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bpc", [1, 4])
+@pytest.mark.parametrize(
+    ("model", "cross_layer"),
+    CASES,
+    ids=[f"{m[0]}-{'cross-layer' if x else 'per-layer'}" for m, x in CASES],
+)
+def test_region_bytes_equal_vllms(
+    model: tuple[str, int, int, int, int], cross_layer: bool, bpc: int, device: str
+) -> None:
+    """Random stores of the catalogue's models, per-layer and cross-layer, partial first and last
+    chunks: after each, the whole region (every rank's cells, padding, untouched sub-blocks)
+    equals a reference region written by torch indexing on the views vLLM's own
+    ``SharedOffloadRegion`` hands its worker; loads bring the pages back byte for byte and write
+    nothing else."""
+    name, layers, page, groups, pad = model
+    n_gpu, n_chunks = (48, 16) if device == "cuda" else (12, 6)
+    per = 5 if groups == 1 else 3
+    torch.manual_seed(layers * bpc)
+    kv, ts = model_caches(layers, page, groups, cross_layer, n_gpu, pad, device=device)
+    region = make_region(kv, bpc, n_chunks, world=2, rank=1)
+    ref = make_region(kv, bpc, n_chunks, world=2, rank=1)
+    gen = torch.Generator().manual_seed(layers + bpc)
+    fill = torch.randint(-128, 128, (region.total_size_bytes,), dtype=torch.int8, generator=gen)
+    region.base_tensor.copy_(fill)
+    ref.base_tensor.copy_(fill)
+    del fill
+    ref_views = [ref.create_next_worker_view(t.page_size_bytes * bpc) for t in kv.tensors]
+    w = BlockswapOffloadingWorker(kv, bpc, n_chunks, mmap_region=region, backend=backend_of(device))
+    try:
+        for job in range(3):
+            ids, chunks, starts = random_transfer(gen, groups, n_gpu, n_chunks, bpc, per)
+            spec = GPULoadStoreSpec([b for g in ids for b in g], [len(g) for g in ids], starts)
+            cpu = CPULoadStoreSpec([c for cs in chunks for c in cs])
+            assert w.submit_store(job, spec, cpu) is True
+            wait_one(w, job)
+            vllm_store(ref_views, kv, bpc, ids, chunks, starts)
+            assert torch.equal(region.base_tensor, ref.base_tensor), (name, job)
+        # Load the last store back into other blocks of a cleared cache.
+        taken = {b for g in ids for b in g}
+        others = [b for b in range(n_gpu) if b not in taken]
+        back = [others[g * per : (g + 1) * per] for g in range(groups)]
+        before = [t.clone() for t in ts]
+        for t in ts:
+            t.zero_()
+        spec = GPULoadStoreSpec([b for g in back for b in g], [len(g) for g in back], starts)
+        assert w.submit_load(9, cpu, spec) is True
+        wait_one(w, 9)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        p = layers * page if cross_layer else page
+        dsts = {d: s for g in range(groups) for s, d in zip(ids[g], back[g])}
+        for t, b0 in zip(ts, before):
+            got, want = t.cpu(), b0.cpu()
+            for b in range(n_gpu):
+                if b in dsts:
+                    assert torch.equal(got[b, :p], want[dsts[b], :p]), (name, b)
+                    assert not got[b, p:].any()
+                else:
+                    assert not got[b].any(), (name, b)
+        assert torch.equal(region.base_tensor, ref.base_tensor)  # a load writes no host byte
+    finally:
+        del ref_views
+        w.shutdown()
+        ref.cleanup()
+
+
+# ---- replicated layout: two processes, one copy ------------------------------------------------
+
+
+def _replicated_rank(rank: int, engine: str, barrier: Any, out: Any) -> None:
+    """One rank of a world of 2 with ``replicated_layout``: the region as ``CPUOffloadingSpec``
+    makes it (rank 0's cell for both, each rank pre-faulting its share, the barrier); identical
+    KV on both ranks (as MLA under TP); rank ``r`` stores chunks of its own, then each rank loads
+    the other's chunks back."""
+    try:
+        n_gpu, n_chunks, bpc, page = 16, 8, 2, 4096
+        gen = torch.Generator().manual_seed(5)  # the same KV on both ranks
+        ts = [torch.randint(-128, 128, (n_gpu, page), dtype=torch.int8, generator=gen)
+              for _ in range(2)]  # fmt: skip
+        kv = CanonicalKVCaches([CanonicalKVCacheTensor(t, page) for t in ts],
+                               [[CanonicalKVCacheRef(0, page), CanonicalKVCacheRef(1, page)]])  # fmt: skip
+        region = make_region(
+            kv,
+            bpc,
+            n_chunks,
+            world=2,
+            rank=rank,
+            replicated=True,
+            engine_id=engine,
+            barrier=lambda: barrier.wait(60),
+            populate_shard=(rank, 2),
+        )
+        st = os.fstat(region.fd)  # type: ignore[arg-type]
+        w = BlockswapOffloadingWorker(kv, bpc, n_chunks, mmap_region=region, backend="host")
+        try:
+            mine = [rank * 4 + k for k in range(4)]  # chunks 0-3 for rank 0, 4-7 for rank 1
+            blocks = list(range(rank * 8, rank * 8 + 8))
+            spec = GPULoadStoreSpec(blocks, (8,), (0,))
+            assert w.submit_store(1, spec, CPULoadStoreSpec(mine))
+            wait_one(w, 1)
+            barrier.wait(60)
+            theirs = [(1 - rank) * 4 + k for k in range(4)]
+            src = list(range((1 - rank) * 8, (1 - rank) * 8 + 8))
+            before = [t.clone() for t in ts]
+            for t in ts:
+                t.zero_()
+            back = list(range(8, 16)) if rank == 0 else list(range(8))
+            assert w.submit_load(2, CPULoadStoreSpec(theirs), GPULoadStoreSpec(back, (8,), (0,)))
+            wait_one(w, 2)
+            exact = all(torch.equal(t[back], b[src]) for t, b in zip(ts, before))
+            untouched = all(not t[[x for x in range(n_gpu) if x not in back]].any() for t in ts)
+            out.put((rank, None, st.st_ino, st.st_size, region.total_size_bytes, exact, untouched))
+            barrier.wait(60)
+        finally:
+            w.shutdown()
+    except Exception as e:  # reported to the parent, which fails the test with it
+        out.put((rank, repr(e), 0, 0, 0, False, False))
+        barrier.abort()
+
+
+def test_replicated_layout_two_processes_share_one_copy() -> None:
+    """Ranks 0 and 1 (world size 2) in two processes with ``replicated_layout``: one region of
+    one copy (``num_chunks`` rows of one cell, not two), the same file in both; each rank's
+    stores are read back byte for byte by the other rank's loads."""
+    ctx = multiprocessing.get_context("spawn")
+    engine = str(uuid.uuid4())
+    barrier = ctx.Barrier(2)
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_replicated_rank, args=(r, engine, barrier, out)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        results = sorted(out.get(timeout=120) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+    for rank, err, *_ in results:
+        assert err is None, f"rank {rank}: {err}"
+    (_, _, ino0, size0, total0, exact0, clean0), (_, _, ino1, size1, total1, exact1, clean1) = (
+        results
+    )
+    cell = 2 * 4096 * 2  # two tensors' two pages
+    assert total0 == total1 == 8 * cell  # one copy: a world of 2 without it holds 2 * 8 * cell
+    assert size0 == size1 == total0 and ino0 == ino1  # one file, mapped by both ranks
+    assert exact0 and exact1 and clean0 and clean1
+    assert all(p.exitcode == 0 for p in procs)
+    assert not os.path.exists(f"/dev/shm/vllm_offload_{engine}.mmap")  # unlinked after the barrier
+
+
+@pytest.mark.parametrize("bpc", [1, 4])
+def test_a_region_in_pieces_moves_the_bytes_of_one_registered_whole(bpc: int) -> None:
+    """The region registered with the engines in pieces of 3 rows (``pin_piece_bytes``; on the
+    host backend nothing is page-locked, but the registrations are cut the same way): the pieces
+    tile the region in whole rows, and stores across piece boundaries, partial at both ends,
+    leave the bytes a worker over one piece leaves, which are vLLM's."""
+    n_gpu, n_chunks, page = 32, 10, 1024
+    gen = torch.Generator().manual_seed(bpc)
+    ts = [
+        torch.randint(-128, 128, (n_gpu, page), dtype=torch.int8, generator=gen) for _ in range(3)
+    ]
+    kv = CanonicalKVCaches(
+        [CanonicalKVCacheTensor(t, page) for t in ts],
+        [
+            [CanonicalKVCacheRef(0, page), CanonicalKVCacheRef(2, page)],
+            [CanonicalKVCacheRef(1, 512)],
+        ],
+    )
+    regions = [make_region(kv, bpc, n_chunks) for _ in range(3)]
+    row = regions[0]._row_stride
+    whole = BlockswapOffloadingWorker(kv, bpc, n_chunks, mmap_region=regions[0], backend="host")
+    pieces = BlockswapOffloadingWorker(
+        kv, bpc, n_chunks, mmap_region=regions[1], backend="host", pin_piece_bytes=3 * row + 100
+    )
+    ref_views = [regions[2].create_next_worker_view(t.page_size_bytes * bpc) for t in kv.tensors]
+    try:
+        assert len(whole.region_pieces) == 1
+        base = regions[1].base_tensor.data_ptr()
+        assert pieces.region_pieces == [
+            (base + k * 3 * row, min(3, n_chunks - 3 * k) * row) for k in range(4)
+        ]
+        for job in range(4):
+            # Consecutive chunks from 1 or 2, over a boundary at chunk 3 or 6, partial at both ends.
+            first = 1 + job % 2 + 3 * (job // 2)
+            skip = (bpc - 1) if bpc > 1 else 0
+            n0 = 3 * bpc - 2 * skip
+            ids = [list(range(job, job + n0)), list(range(16 + job, 16 + job + bpc))]
+            need = [math.ceil((skip + len(ids[0])) / bpc), 1]
+            chunks = [list(range(first, first + need[0])), [9 * (job % 2)]]
+            spec = GPULoadStoreSpec(ids[0] + ids[1], [len(g) for g in ids], [skip, 0])
+            cpu = CPULoadStoreSpec(chunks[0] + chunks[1])
+            for w in (whole, pieces):
+                assert w.submit_store(job, spec, cpu)
+                wait_one(w, job)
+            vllm_store(ref_views, kv, bpc, ids, chunks, [skip, 0])
+            assert torch.equal(regions[0].base_tensor, regions[1].base_tensor), job
+            assert torch.equal(regions[1].base_tensor, regions[2].base_tensor), job
+        assert regions[1].base_tensor.any()
+    finally:
+        del ref_views
+        whole.shutdown()
+        pieces.shutdown()
+        regions[2].cleanup()
+
+
+def test_the_worker_owns_the_region_once_built_and_releases_it_at_shutdown(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As with vLLM's worker (``test_worker_shutdown_releases_region_and_runs_both_handlers``):
+    the caller owns the region until the constructor returns (a failed construction leaves it
+    mapped, for the caller's ``cleanup``); after a successful one the worker releases it once
+    both directions are drained -- unless an engine still had copies in flight, when it stays
+    mapped for the process."""
+    import blockswap.handler as handler_module
+    import blockswap.vllm as plugin
+
+    kv = CanonicalKVCaches(
+        [CanonicalKVCacheTensor(torch.zeros(8, 512, dtype=torch.int8), 512)],
+        [[CanonicalKVCacheRef(0, 512)]],
+    )
+    region = make_region(kv, 2, 4)
+    with pytest.raises(ValueError, match="blocks_per_chunk"):
+        BlockswapOffloadingWorker(kv, 0, 4, mmap_region=region, backend="host")
+    with pytest.raises(ValueError, match="path must be"):
+        BlockswapOffloadingWorker(kv, 2, 4, mmap_region=region, backend="host", path="nope")
+    big = CanonicalKVCaches(
+        [CanonicalKVCacheTensor(torch.zeros(8, 1024, dtype=torch.int8), 1024)],
+        [[CanonicalKVCacheRef(0, 1024)]],
+    )
+    with pytest.raises(ValueError, match="a cell of the shared offload region holds 1024"):
+        BlockswapOffloadingWorker(big, 2, 4, mmap_region=region, backend="host")
+    assert region.mmap_obj is not None and os.path.exists(region.mmap_path)  # still the caller's
+    region.cleanup()
+    assert not os.path.exists(region.mmap_path)
+
+    region = make_region(kv, 2, 4)
+    w = BlockswapOffloadingWorker(kv, 2, 4, mmap_region=region, backend="host")
+    w.shutdown()
+    assert w.mmap_region is None and w.cpu_tensors == []
+    assert region.mmap_obj is None and not os.path.exists(region.mmap_path)
+
+    region = make_region(kv, 2, 4)
+    w = BlockswapOffloadingWorker(kv, 2, 4, mmap_region=region, backend="host")
+    real = handler_module.CpuGpuHandlers.shutdown
+
+    def timed_out(self: Any) -> None:
+        real(self)
+        self.memory_kept = True
+
+    monkeypatch.setattr(handler_module.CpuGpuHandlers, "shutdown", timed_out)
+    w.shutdown()
+    assert region.mmap_obj is not None and region in plugin._kept_regions
+    plugin._kept_regions.remove(region)
+    region.cleanup()
+
+
+@pytest.mark.cuda
+def test_load_waits_for_pending_compute_stream_writes() -> None:
+    """vLLM's test of the same name, on a shared region: a load lands after the writes already
+    queued on the compute stream to its GPU blocks (a delayed zeroing of freshly allocated
+    blocks), not before them."""
+    page, n, loaded, sentinel = 128 * 1024, 64, list(range(32)), 0x5A
+    gpu = torch.zeros((n, page), dtype=torch.int8, device="cuda")
+    ids = torch.tensor(loaded, dtype=torch.long, device="cuda")
+    kv = CanonicalKVCaches([CanonicalKVCacheTensor(gpu, page)], [[CanonicalKVCacheRef(0, page)]])
+    region = make_region(kv, 1, n)
+    w = BlockswapOffloadingWorker(kv, 1, n, mmap_region=region, backend="cuda")
+    try:
+        assert region.is_pinned
+        w.cpu_tensors[0].fill_(sentinel)
+        for trial in range(3):
+            gpu.fill_(0x11)
+            torch.cuda.synchronize()
+            torch.cuda._sleep(50_000_000)
+            gpu.index_fill_(0, ids, 0)
+            spec = GPULoadStoreSpec(loaded, group_sizes=(len(loaded),), block_indices=(0,))
+            assert w.submit_load(trial + 1, CPULoadStoreSpec(loaded), spec)
+            wait_one(w, trial + 1)
+            torch.cuda.synchronize()
+            got = gpu.cpu()
+            assert (got[loaded] == sentinel).all(), f"trial {trial}: the zeroing overwrote the load"
+            assert (got[32:] == 0x11).all()
+    finally:
+        w.shutdown()
+    assert not region.is_pinned and region.mmap_obj is None  # released as vLLM releases it
