@@ -1,0 +1,201 @@
+"""How fast can a CPU tier of tens of GiB be made page-locked? A probe, driver calls by ctypes.
+
+    python benches/probe_pinning.py [--gib 16] [--threads 16] [--json out.json]
+
+One mapping of ``--gib`` GiB per case, anonymous (blockswap's PinnedRows) or a file in /dev/shm
+mapped shared (vLLM's SharedOffloadRegion), filled with pages (``populate``: MADV_POPULATE_WRITE
+over the whole range, from one thread or from ``--threads`` threads each taking a slice) and
+page-locked with ``cuMemHostRegister`` (one call over the whole range, or one call per slice from
+that many threads at once). Without ``populate`` the register call faults the pages in itself.
+Prints seconds per phase and GiB/s over both; the mapping is unmapped between cases.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import mmap
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+MADV_HUGEPAGE = 14
+MADV_POPULATE_WRITE = 23  # Linux 5.14
+CU_MEMHOSTREGISTER_PORTABLE = 1
+
+libc = ctypes.CDLL("libc.so.6", use_errno=True)
+libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
+libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+cuda = ctypes.CDLL("libcuda.so.1")
+
+
+def check(call: str, r: int) -> None:
+    if r != 0:
+        raise RuntimeError(f"{call} failed: CUresult {r}")
+
+
+def parallel(n: int, fn: Callable[[int], None]) -> None:
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            fn(i)
+        except BaseException as e:  # reported after the join
+            errors.append(e)
+
+    ts = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
+def slices(addr: int, size: int, n: int) -> list[tuple[int, int]]:
+    step = (size // n + (2 << 20) - 1) // (2 << 20) * (2 << 20)
+    return [(addr + o, min(step, size - o)) for o in range(0, size, step)]
+
+
+def one_case(
+    kind: str, size: int, populate: int, register: int, huge: bool, ctx: ctypes.c_void_p
+) -> dict[str, Any]:
+    fd, path = -1, ""
+    if kind == "shm":
+        path = f"/dev/shm/probe_pinning_{os.getpid()}"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        os.ftruncate(fd, size)
+        flags = mmap.MAP_SHARED
+    else:
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    addr = libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, 0)
+    if addr in (None, ctypes.c_void_p(-1).value):
+        raise RuntimeError(f"mmap failed: errno {ctypes.get_errno()}")
+    try:
+        if huge:
+            libc.madvise(addr, size, MADV_HUGEPAGE)
+        t0 = time.perf_counter()
+        if populate:
+            fills = slices(addr, size, populate)
+
+            def fill(i: int) -> None:
+                if i < len(fills) and libc.madvise(fills[i][0], fills[i][1], MADV_POPULATE_WRITE):
+                    raise OSError(ctypes.get_errno(), "madvise(MADV_POPULATE_WRITE)")
+
+            parallel(populate, fill)
+        t1 = time.perf_counter()
+        parts = slices(addr, size, register)
+
+        def reg(i: int) -> None:
+            if i < len(parts):
+                check("cuCtxSetCurrent", cuda.cuCtxSetCurrent(ctx))
+                check(
+                    "cuMemHostRegister",
+                    cuda.cuMemHostRegister_v2(
+                        ctypes.c_void_p(parts[i][0]),
+                        ctypes.c_size_t(parts[i][1]),
+                        ctypes.c_uint(CU_MEMHOSTREGISTER_PORTABLE),
+                    ),
+                )
+
+        parallel(register, reg)
+        t2 = time.perf_counter()
+        for p, _ in parts:
+            check("cuMemHostUnregister", cuda.cuMemHostUnregister(ctypes.c_void_p(p)))
+    finally:
+        libc.munmap(addr, size)
+        if fd >= 0:
+            os.close(fd)
+            os.unlink(path)
+    gib = size / (1 << 30)
+    return {
+        "kind": kind,
+        "huge": huge,
+        "populate_threads": populate,
+        "register_threads": register,
+        "populate_s": t1 - t0,
+        "register_s": t2 - t1,
+        "gib_per_s": gib / (t2 - t0),
+    }
+
+
+def read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return "?"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--gib", type=float, default=16)
+    ap.add_argument("--threads", type=int, default=16)
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    torch.cuda.init()
+    torch.empty(1, device="cuda")
+    ctx = ctypes.c_void_p()
+    check("cuCtxGetCurrent", cuda.cuCtxGetCurrent(ctypes.byref(ctx)))
+    size = int(a.gib * (1 << 30)) // (2 << 20) * (2 << 20)
+    t = a.threads
+    st = os.statvfs("/dev/shm")
+    print(
+        f"{torch.cuda.get_device_name()}, {a.gib} GiB a case, /dev/shm free "
+        f"{st.f_bavail * st.f_frsize / (1 << 30):.1f} GiB, THP: "
+        + read("/sys/kernel/mm/transparent_hugepage/enabled")
+        + " / shmem "
+        + read("/sys/kernel/mm/transparent_hugepage/shmem_enabled"),
+        flush=True,
+    )
+    cases = [
+        ("anon", 0, 1, True),  # PinnedRows today: the driver faults the pages in
+        ("anon", 1, 1, True),
+        ("anon", t, 1, True),
+        ("anon", t, t, True),
+        ("anon", 0, t, True),
+        ("anon", t, t, False),
+        ("shm", 0, 1, False),  # vLLM's region, registered whole
+        ("shm", t, 1, False),
+        ("shm", t, t, False),
+        ("shm", 0, t, False),
+    ]
+    rows = []
+    print(
+        f"{'kind':5} {'huge':5} {'fill thr':>8} {'reg thr':>7} {'fill s':>7} {'reg s':>7} {'GiB/s':>7}"
+    )
+    for kind, populate, register, huge in cases:
+        try:
+            r = one_case(kind, size, populate, register, huge, ctx)
+        except Exception as e:  # a case that cannot run here is reported, the rest go on
+            print(f"{kind:5} {huge!s:5} {populate:8} {register:7} failed: {e}", flush=True)
+            continue
+        rows.append(r)
+        print(
+            f"{kind:5} {huge!s:5} {populate:8} {register:7} {r['populate_s']:7.2f} "
+            f"{r['register_s']:7.2f} {r['gib_per_s']:7.1f}",
+            flush=True,
+        )
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(
+                {"gpu": torch.cuda.get_device_name(), "gib": a.gib, "rows": rows}, f, indent=1
+            )
+
+
+if __name__ == "__main__":
+    main()
