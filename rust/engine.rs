@@ -846,6 +846,13 @@ impl Drop for Engine {
         // Bring every completed slab home so the pool frees it.
         let mut sink = Vec::new();
         self.get_finished(&mut sink);
+        // The parked ones too: the engine goes, so none is handed out again, and the pool frees
+        // them through the backend, whose `free_host` keeps what its device may still read until
+        // the device is done (the CUDA backend defers such frees; the host backend's worker has
+        // stopped by now).
+        while let Some(p) = self.parked.pop() {
+            self.pool.release(p.slab);
+        }
         let buffers = std::mem::take(&mut self.lock().buffers);
         let pinned = std::mem::take(&mut self.lock().pinned);
         let parts = std::mem::take(&mut self.lock().parts);
