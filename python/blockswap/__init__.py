@@ -5,7 +5,7 @@ The low-level API is :class:`Engine`: register memory, submit batches of ``(src,
 descriptors under a job id, and poll ``get_finished()``. The Rust core validates every address
 against registered memory before any copy is issued.
 
-Every error blockswap raises is a :class:`BlockswapError`.
+Every error blockswap raises is a :class:`BlockswapError` (:mod:`blockswap.errors`).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from ._core import (
 )
 from ._types import EngineInfo, EngineStats, LaneStats, PoolStats
 from .engine import ArgumentTypeError, Engine, info
+from .errors import ConfigError, ConfigTypeError
 
 if TYPE_CHECKING:
     from ._core import TransferStateError as TransferStateError
@@ -49,6 +50,8 @@ __all__ = [
     "ArgumentTypeError",
     "BackendError",
     "BlockswapError",
+    "ConfigError",
+    "ConfigTypeError",
     "Engine",
     "EngineInfo",
     "EngineStats",

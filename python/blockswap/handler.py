@@ -97,7 +97,7 @@ try:
 except ModuleNotFoundError as e:
     _optional.missing(e, __name__)
 
-from ._checks import check_int
+from ._checks import check_bool, check_choice, check_int
 from ._core import BlockswapError, InvalidTransferError, ShutdownError, TransferResult
 from ._kvcache import (
     allocate_cpu_cache,
@@ -111,6 +111,7 @@ from ._kvcache import (
 )
 from ._types import Direction
 from .engine import Engine, check_job_id, check_job_ids
+from .errors import ConfigError, ConfigTypeError, refuses_with_config_errors
 from .hostmem import DEFAULT_PIECE_BYTES, PinnedRows
 from .layout import BlockTable, Layout, as_block_ids, expand_sub_blocks
 from .routing import (
@@ -195,12 +196,14 @@ def _stream_handle(s: Any, device_index: int | None, what: str) -> int:
         return int(s)
     handle = getattr(s, "cuda_stream", None)
     if handle is None:
-        raise TypeError(
+        raise ConfigTypeError(
             f"{what} must be a torch.cuda.Stream or a raw CUstream int, not {type(s).__name__}"
         )
     dev = getattr(s, "device", None)
     if device_index is not None and dev is not None and torch.device(dev).index != device_index:
-        raise ValueError(f"{what} is a stream of {dev}, but the KV cache is on cuda:{device_index}")
+        raise ConfigError(
+            f"{what} is a stream of {dev}, but the KV cache is on cuda:{device_index}"
+        )
     return int(handle)
 
 
@@ -246,7 +249,7 @@ class SingleDirectionHandler:
         route: Route | None = None,
     ) -> None:
         if direction not in _SHORT:
-            raise ValueError(f"direction must be 'd2h' or 'h2d', not {direction!r}")
+            raise ConfigError(f"direction must be 'd2h' or 'h2d', not {direction!r}")
         self._owner = owner
         self.direction: Direction = "d2h" if direction == "d2h" else "h2d"
         self._d2h = direction == "d2h"
@@ -471,10 +474,13 @@ class CpuGpuHandlers:
     ``pool_bytes``, ``copy_path``, ``timing``, ...).
 
     Construction validates everything, builds the block tables once and registers the GPU tensors
-    as ``"device"`` memory and the CPU cache as ``"host"`` memory; errors are ``ValueError`` /
-    ``TypeError`` subclasses (:class:`~blockswap.layout.LayoutError`) or blockswap errors.
+    as ``"device"`` memory and the CPU cache as ``"host"`` memory. Every error it raises is a
+    :class:`~blockswap.BlockswapError`: a bad argument is a :class:`~blockswap.errors.ConfigError`
+    (a ``ValueError``; :class:`~blockswap.layout.LayoutError` for tensors that do not fit their
+    layout) or a :class:`~blockswap.errors.ConfigTypeError` (a ``TypeError``).
     """
 
+    @refuses_with_config_errors
     def __init__(
         self,
         gpu_caches: KVCaches,
@@ -496,20 +502,15 @@ class CpuGpuHandlers:
         **engine_options: Any,
     ) -> None:
         self._lock = threading.Lock()
-        if path not in ("auto", "blocks", "staged", "dma", "kernel"):
-            raise ValueError(
-                f"path must be 'auto', 'blocks', 'staged', 'dma' or 'kernel', not {path!r}"
-            )
+        check_choice("path", path, ("auto", "blocks", "staged", "dma", "kernel"))
+        check_bool("calibrate", calibrate)
         self._shut = False
         check_int("num_cpu_blocks", num_cpu_blocks, 1)
-        if not isinstance(load_waits_for_compute, bool):
-            raise TypeError(
-                f"load_waits_for_compute must be a bool, not {type(load_waits_for_compute).__name__}"
-            )
+        check_bool("load_waits_for_compute", load_waits_for_compute)
         check_int("block_size_factor", block_size_factor, 1)
         for key in ("device", "h2d_stream", "d2h_stream"):
             if key in engine_options:
-                raise TypeError(
+                raise ConfigTypeError(
                     f"{key!r} is set by CpuGpuHandlers (the tensors' device; copy_streams=)"
                 )
         self.num_cpu_blocks = int(num_cpu_blocks)
@@ -533,8 +534,7 @@ class CpuGpuHandlers:
         #: elements)`` tensor per group (see :func:`~blockswap.layout.make_block_major_cpu_cache`),
         #: where it was allocated here block-major; ``cpu_caches`` are per-layer views into it.
         self.cpu_chunks: list[torch.Tensor] | None = None
-        if cpu_layout not in ("block_major", "mirror"):
-            raise ValueError(f"cpu_layout must be 'block_major' or 'mirror', not {cpu_layout!r}")
+        check_choice("cpu_layout", cpu_layout, ("block_major", "mirror"))
         check_int("pin_piece_bytes", pin_piece_bytes, 1)
         #: The host memory of the CPU cache allocated here, unpinned by :meth:`shutdown`.
         self._host_memory: list[PinnedRows] = []
@@ -561,11 +561,11 @@ class CpuGpuHandlers:
         options = dict(engine_options)
         if copy_streams is not None:
             if not on_cuda:
-                raise ValueError("copy_streams needs the CUDA backend")
+                raise ConfigError("copy_streams needs the CUDA backend")
             if isinstance(copy_streams, Mapping):
                 unknown = set(copy_streams) - {"h2d", "d2h"}
                 if unknown:
-                    raise ValueError(f"copy_streams keys must be 'h2d' / 'd2h', not {unknown}")
+                    raise ConfigError(f"copy_streams keys must be 'h2d' / 'd2h', not {unknown}")
                 per = dict(copy_streams)
             else:
                 per = {"h2d": copy_streams, "d2h": copy_streams}
@@ -760,7 +760,7 @@ class CpuGpuHandlers:
         choices than the built-in ones. Needs one KV-cache group (the page sizes are then one
         size class)."""
         if self.num_groups != 1:
-            raise ValueError("calibrate=True needs a single KV-cache group")
+            raise ConfigError("calibrate=True needs a single KV-cache group")
         kid = None
         if self.backend == "cuda":
             kid, _ = self._load_kernel(

@@ -26,9 +26,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from . import _core
-from ._checks import check_int
+from ._checks import check_bool, check_int
 from ._types import BackendName
 from .engine import _ERRORS, _I32, _U64_MAX, _one_of, check_arg
+from .errors import refuses_with_config_errors
 
 if TYPE_CHECKING:
     import torch
@@ -70,6 +71,7 @@ class PinnedRows:
     buffer and every array over it are collected.
     """
 
+    @refuses_with_config_errors
     def __init__(
         self,
         rows: int,
@@ -85,6 +87,7 @@ class PinnedRows:
         piece_bytes = check_int("piece_bytes", piece_bytes, 1, _U64_MAX, errors=_ERRORS)
         check_arg("backend", backend, _one_of(BackendName), lambda x: isinstance(x, str))
         device = check_int("device", device, *_I32, errors=_ERRORS)
+        check_bool("log_line", log_line)
         t0 = time.perf_counter()
         self._buf = _core.HostBuffer(rows, row_bytes, piece_bytes, backend, device)
         #: Seconds the mapping and the page-locking took.

@@ -26,6 +26,7 @@ import numpy as np
 from ._checks import check_int
 from ._core import BlockswapError, TransferResult
 from ._types import Direction
+from .errors import ConfigError
 
 if TYPE_CHECKING:
     from ._core import Engine as CoreEngine
@@ -164,7 +165,7 @@ def choose_route(
     one kernel launch moves (:data:`KERNEL_LAUNCH_BYTES`; ``None``: one launch per transfer).
     """
     if direction not in KERNEL_BELOW:
-        raise ValueError(f"direction must be 'h2d' or 'd2h', not {direction!r}")
+        raise ConfigError(f"direction must be 'h2d' or 'd2h', not {direction!r}")
     check_int("kernel_launch_bytes", launch_bytes, 1, optional=True)
     if path == "dma" or (path == "auto" and not on_cuda):
         return Route(0, None, "dma" if path == "dma" else "host backend: memcpy")
@@ -312,7 +313,7 @@ def staged_route(
         why = why or None
     if why is not None:
         if insist:
-            raise ValueError(f"path='staged' is not possible here: {why}")
+            raise ConfigError(f"path='staged' is not possible here: {why}")
         log.info("no staged route: %s", why)
         return None
     how = (
@@ -396,7 +397,7 @@ def choose_routes(
     for d, r in routes.items():
         log.info("%s route (path=%r): %s", _SHORT[d], path, r.reason)
     if path == "blocks" and any(r.plan != "blocks" for r in routes.values()):
-        raise ValueError(
+        raise ConfigError(
             "path='blocks' needs KV-cache groups whose pages lie at one pitch on both sides, "
             f"in memory no other group shares; here: {routes['d2h'].reason}"
         )
