@@ -22,6 +22,7 @@ from ._types import (
 
 __all__ = [
     "DEFAULT_PIECE_BYTES",
+    "MAX_IN_FLIGHT",
     "REGISTRATION_LIMIT",
     "BackendError",
     "BlockswapError",
@@ -44,6 +45,7 @@ __all__ = [
 __version__: str
 DEFAULT_PIECE_BYTES: int
 REGISTRATION_LIMIT: int
+MAX_IN_FLIGHT: int
 
 class BlockswapError(Exception): ...
 class InvalidTransferError(BlockswapError): ...

@@ -25,6 +25,14 @@ CopyPath = Literal["auto", "batch", "loop"]
 CompletionMode = Literal["auto", "write_value", "event"]
 """CUDA: how completions are signalled (``cuStreamWriteValue`` or events)."""
 
+HandlerPath = Literal["auto", "blocks", "staged", "dma", "kernel"]
+"""The copy path of :class:`~blockswap.handler.CpuGpuHandlers`: chosen per direction from the
+caches' geometry (``"auto"``), or insisted on (see :func:`~blockswap.routing.choose_route`)."""
+
+CpuLayout = Literal["block_major", "mirror"]
+"""The CPU cache :class:`~blockswap.handler.CpuGpuHandlers` allocates: block-major (a block's
+pages in one chunk) or a mirror of the GPU tensors."""
+
 AccessOrder = Literal["any", "stream"]
 """CUDA: the source access order of batched copies (``CU_MEMCPY_SRC_ACCESS_ORDER_*``)."""
 

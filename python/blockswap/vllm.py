@@ -26,11 +26,15 @@ direction finish in submission order; expedited loads run on an engine of their 
 never queue behind regular loads. ``transfer_time`` is the copies' GPU time.
 
 Options (``kv_connector_extra_config``, all optional): ``blockswap_path`` (``"auto"``,
-``"blocks"``, ``"dma"`` or ``"kernel"``: the copy path, see :class:`~blockswap.handler.CpuGpuHandlers`),
-``blockswap_max_in_flight`` (transfers in flight per direction) and ``blockswap_pin_piece_bytes``
-(the largest piece the CPU cache is page-locked in). Not supported, and refused when the worker
-is built with a message naming the option: ``canonical_layout`` (vLLM's parallelism-free CPU
-layout, ``CanonicalPageMapping``) and the shared offload region (``replicated_layout``).
+``"blocks"``, ``"staged"``, ``"dma"`` or ``"kernel"``: the copy path, see
+:class:`~blockswap.handler.CpuGpuHandlers`), ``blockswap_max_in_flight`` (transfers in flight per
+direction, 1 to ``blockswap._core.MAX_IN_FLIGHT``) and ``blockswap_pin_piece_bytes`` (the largest
+piece the CPU cache is page-locked in). All of them are checked when the spec is made, before
+the CPU cache is sized or allocated (:mod:`blockswap._vllm_config`): an unknown ``blockswap_*``
+key is refused with the list of known ones, a bad value with its key and the values it takes,
+as a :class:`~blockswap.errors.ConfigError`. Not supported, and refused when the spec is made
+with a message naming the option: ``canonical_layout`` (vLLM's parallelism-free CPU layout,
+``CanonicalPageMapping``) and the shared offload region (``replicated_layout``).
 
 Importing this module needs vLLM; ``import blockswap`` never imports it.
 """
@@ -44,8 +48,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from . import _optional
+from . import _optional, _vllm_config
 from ._checks import check_int
+from .errors import ConfigError
 
 try:
     import torch
@@ -75,12 +80,9 @@ __all__ = ["BlockswapOffloadingSpec", "BlockswapOffloadingWorker"]  # noqa: F822
 #: Worker construction, the CPU cache's allocation, refused submissions.
 log = logging.getLogger(__name__)
 
-#: ``kv_connector_extra_config`` keys this backend reads, and the worker option each sets.
-OPTIONS = {
-    "blockswap_path": "path",
-    "blockswap_max_in_flight": "max_in_flight",
-    "blockswap_pin_piece_bytes": "pin_piece_bytes",
-}
+#: ``kv_connector_extra_config`` keys this backend reads, and the worker option each sets
+#: (checked by :func:`blockswap._vllm_config.worker_options` when the spec is made).
+OPTIONS = {key: opt.param for key, opt in _vllm_config.OPTIONS.items()}
 
 
 class BlockswapOffloadingWorker(OffloadingWorker):
@@ -365,8 +367,10 @@ def _spec_class() -> type:
         manager) with :class:`BlockswapOffloadingWorker` as its worker."""
 
         def __init__(self, config: OffloadingConfig) -> None:
+            # Every blockswap_* key checked before vLLM sizes or blockswap allocates anything.
+            _vllm_config.worker_options(config.extra_config)
             if config.canonical_layout:
-                raise ValueError(
+                raise ConfigError(
                     "blockswap's offloading worker does not support canonical_layout: remove it "
                     "from kv_connector_extra_config"
                 )

@@ -1,0 +1,126 @@
+"""``kv_connector_extra_config`` checked when vLLM's factory makes the spec: unknown
+``blockswap_*`` keys refused with the known ones, bad values with the config key and what it
+takes, before vLLM sizes the CPU cache and before blockswap allocates anything."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm.v1.kv_offload.base", reason="vLLM is not installed")
+
+from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+from blockswap import BlockswapError, _core
+from blockswap._vllm_config import OPTIONS, worker_options
+from blockswap.errors import ConfigError, ConfigTypeError
+from test_vllm_spec import offloading_config
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def config_with(**extra: Any) -> Any:
+    cfg = offloading_config()
+    merged = dict(cfg.extra_config)
+    for k, v in extra.items():
+        if v is None:
+            merged.pop(k, None)
+        else:
+            merged[k] = v
+    return type(cfg)(**{**cfg.__dict__, "extra_config": merged})
+
+
+@pytest.fixture
+def allocations(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Records every step that sizes or allocates: vLLM's CPU spec's constructor (it sizes the
+    cache from cpu_bytes_to_use) and blockswap's host buffers."""
+    seen: list[str] = []
+    spec_init = CPUOffloadingSpec.__init__
+    host_buffer = _core.HostBuffer
+
+    def sizing(self: Any, config: Any) -> None:
+        seen.append("vLLM sized the cache")
+        spec_init(self, config)
+
+    def buffer(*args: Any) -> Any:
+        seen.append("host memory allocated")
+        return host_buffer(*args)
+
+    monkeypatch.setattr(CPUOffloadingSpec, "__init__", sizing)
+    monkeypatch.setattr(_core, "HostBuffer", buffer)
+    return seen
+
+
+BAD = [
+    # (extra config, error kind, words the message must hold)
+    (
+        {"blockswap_max_inflight": 8},
+        ConfigError,
+        [
+            "'blockswap_max_inflight'",
+            "blockswap_path, blockswap_max_in_flight, blockswap_pin_piece_bytes",
+        ],
+    ),
+    ({"blockswap_pth": "dma", "blockswap_zz": 1}, ConfigError, ["'blockswap_pth', 'blockswap_zz'"]),
+    (
+        {"blockswap_max_in_flight": 0},
+        ConfigError,
+        [f"blockswap_max_in_flight must be an int from 1 to {_core.MAX_IN_FLIGHT}, not 0"],
+    ),
+    ({"blockswap_max_in_flight": "8"}, ConfigTypeError, ["blockswap_max_in_flight", "'8'"]),
+    (
+        {"blockswap_path": "fast"},
+        ConfigError,
+        ["blockswap_path must be 'auto', 'blocks', 'staged', 'dma' or 'kernel', not 'fast'"],
+    ),
+    ({"blockswap_pin_piece_bytes": -4096}, ConfigError, ["blockswap_pin_piece_bytes"]),
+    ({"cpu_bytes_to_use": None}, ConfigError, ["cpu_bytes_to_use", "must be set"]),
+    ({"cpu_bytes_to_use": "64GiB"}, ConfigTypeError, ["cpu_bytes_to_use", "number of bytes"]),
+    ({"cpu_bytes_to_use": 0}, ConfigError, ["cpu_bytes_to_use must be at least 1 byte"]),
+]
+
+
+@pytest.mark.parametrize("extra,kind,words", BAD, ids=[str(b[0]) for b in BAD])
+def test_vllms_factory_refuses_a_bad_config_before_any_allocation(
+    allocations: list[str], extra: dict[str, Any], kind: type[Exception], words: list[str]
+) -> None:
+    with pytest.raises(kind) as info:
+        OffloadingSpecFactory.create_spec(config_with(**extra))
+    assert isinstance(info.value, BlockswapError)
+    msg = str(info.value)
+    for w in words:
+        assert w in msg, (w, msg)
+    assert "kv_connector_extra_config" in msg
+    assert allocations == []  # refused before vLLM sized the cache or anything was allocated
+
+
+def test_a_good_config_passes_and_sets_the_workers_options(allocations: list[str]) -> None:
+    spec = OffloadingSpecFactory.create_spec(
+        config_with(blockswap_path="staged", blockswap_pin_piece_bytes=1 << 20)
+    )
+    assert allocations == ["vLLM sized the cache"]
+    assert worker_options(spec.extra_config) == {
+        "path": "staged",
+        "max_in_flight": 8,
+        "pin_piece_bytes": 1 << 20,
+    }
+    # vLLM's own keys pass untouched.
+    assert worker_options({"cpu_bytes_to_use": 1.5e9, "eviction_policy": "arc"}) == {}
+
+
+def test_the_readme_and_the_module_list_every_option_and_value() -> None:
+    """The option list users read matches the code (it once left out ``staged``)."""
+    import blockswap.vllm as plugin
+
+    readme = (ROOT / "README.md").read_text()
+    doc = plugin.__doc__ or ""
+    for key in OPTIONS:
+        assert f"`{key}`" in readme and f"``{key}``" in doc, key
+    section = readme[readme.index("`blockswap_path`") :][:400]
+    for path in ("auto", "blocks", "staged", "dma", "kernel"):
+        assert re.search(rf"`{path}`", section), path
+        assert f'``"{path}"``' in doc, path
