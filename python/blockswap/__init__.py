@@ -10,6 +10,7 @@ Every error blockswap raises is a :class:`BlockswapError` (:mod:`blockswap.error
 
 from __future__ import annotations
 
+import logging
 import warnings
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +28,10 @@ from ._core import (
 from ._types import EngineInfo, EngineStats, LaneStats, PoolStats
 from .engine import ArgumentTypeError, Engine, info
 from .errors import ConfigError, ConfigTypeError
+
+# The library prints nothing on its own: its lines go where the application's logging sends them
+# (inside vLLM, to vLLM's log: blockswap._vllm_logging).
+logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 if TYPE_CHECKING:
     from ._core import TransferStateError as TransferStateError

@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from . import _optional, _vllm_config
+from . import _optional, _vllm_config, _vllm_logging
 from ._checks import check_int
 from .errors import ConfigError
 
@@ -367,6 +367,8 @@ def _spec_class() -> type:
         manager) with :class:`BlockswapOffloadingWorker` as its worker."""
 
         def __init__(self, config: OffloadingConfig) -> None:
+            # blockswap's log lines in vLLM's log, in its format, at INFO.
+            _vllm_logging.attach()
             # Every blockswap_* key checked before vLLM sizes or blockswap allocates anything.
             _vllm_config.worker_options(config.extra_config)
             if config.canonical_layout:
