@@ -734,6 +734,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("DEFAULT_PIECE_BYTES", hostmem::DEFAULT_PIECE_BYTES)?;
     m.add("REGISTRATION_LIMIT", hostmem::REGISTRATION_LIMIT)?;
     m.add("MAX_IN_FLIGHT", crate::backend::MAX_IN_FLIGHT)?;
+    m.add_function(wrap_pyfunction!(functions::host_memory_available, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_status, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_memory_kind, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_device_pointer, m)?)?;

@@ -15,6 +15,7 @@ pytest.importorskip("vllm.v1.kv_offload.base", reason="vLLM is not installed")
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
+import blockswap
 from blockswap import BlockswapError, _core
 from blockswap._vllm_config import OPTIONS, worker_options
 from blockswap.errors import ConfigError, ConfigTypeError
@@ -124,3 +125,32 @@ def test_the_readme_and_the_module_list_every_option_and_value() -> None:
     for path in ("auto", "blocks", "staged", "dma", "kernel"):
         assert re.search(rf"`{path}`", section), path
         assert f'``"{path}"``' in doc, path
+
+
+def test_a_cache_larger_than_the_hosts_memory_is_refused_before_allocation(
+    allocations: list[str],
+) -> None:
+    """The README's 64 GiB example on a smaller host: refused when the spec is made, in GiB,
+    with the host's available memory and the key to lower (cpu_bytes_to_use)."""
+    available = _core.host_memory_available()
+    assert available is not None and available > 0
+    asked = 1 << 47  # 128 TiB: more than any host here has
+    with pytest.raises(ConfigError) as info:
+        OffloadingSpecFactory.create_spec(config_with(cpu_bytes_to_use=asked))
+    msg = str(info.value)
+    # vLLM's sizing: chunks of 2 blocks of 512 bytes each, aligned to 4 KiB: a quarter of it.
+    assert msg.startswith("the CPU KV cache needs 32768.00 GiB of host memory on this worker")
+    assert re.search(r"the host has \d+\.\d\d GiB available \(MemAvailable\)", msg), msg
+    assert f"lower cpu_bytes_to_use in kv_connector_extra_config (now {asked})" in msg
+    assert allocations == ["vLLM sized the cache"]  # nothing allocated
+
+
+def test_a_host_buffer_that_cannot_be_mapped_says_gib_errno_and_available() -> None:
+    from blockswap.hostmem import PinnedRows
+
+    with pytest.raises(blockswap.BackendError) as info:
+        PinnedRows(1 << 20, 1 << 27, backend="host")  # 2^47 bytes: no address space for it
+    msg = str(info.value)
+    assert msg.startswith("could not map 131072.00 GiB (140737488355328 bytes) of host memory")
+    assert "errno 12 (Cannot allocate memory)" in msg
+    assert re.search(r"the host has \d+\.\d\d GiB available \(MemAvailable\)$", msg), msg

@@ -7,7 +7,8 @@ with ``blockswap_``. :func:`worker_options` checks them all when the spec is mad
 ``blockswap_*`` key (a misspelling) is refused with the list of known ones, and a bad value with
 the key's name and the values it takes, as a :class:`~blockswap.errors.ConfigError` (or
 :class:`~blockswap.errors.ConfigTypeError`), before vLLM sizes or blockswap allocates the CPU
-cache.
+cache. :func:`check_fits` then refuses a cache larger than the host's available memory, naming
+``cpu_bytes_to_use``.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from . import _core
 from ._checks import check_choice, check_int
 from ._types import HandlerPath
 from .errors import ConfigError, ConfigTypeError
+from .hostmem import size_text
 
-__all__ = ["OPTIONS", "worker_options"]
+__all__ = ["OPTIONS", "check_fits", "worker_options"]
 
 _WHERE = "in kv_connector_extra_config"
 
@@ -100,3 +102,21 @@ def cpu_bytes_to_use(extra_config: Mapping[str, Any]) -> int:
     if not value >= 1:
         raise ConfigError(f"{key} must be at least 1 byte {_WHERE}, not {value!r}")
     return int(value)
+
+
+def check_fits(nbytes: int, extra_config: Mapping[str, Any], workers: int) -> None:
+    """Refuses, before anything is allocated, a CPU cache whose share on this worker (``nbytes``:
+    vLLM's chunks times this worker's bytes per chunk) is more than the host has available
+    (``MemAvailable``): page-locked memory cannot be swapped out, so it would fail (or wake the
+    OOM killer) after minutes of pinning. The message says it in GiB and names the key to
+    lower."""
+    available = _core.host_memory_available()
+    if available is None or nbytes <= available:
+        return
+    asked = extra_config.get("cpu_bytes_to_use")
+    share = f" (cpu_bytes_to_use={asked!r} over {workers} workers)" if workers > 1 else ""
+    raise ConfigError(
+        f"the CPU KV cache needs {size_text(nbytes)} of host memory on this worker{share}, but "
+        f"the host has {size_text(available)} available (MemAvailable): lower cpu_bytes_to_use "
+        f"{_WHERE} (now {asked!r})"
+    )

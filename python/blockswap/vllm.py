@@ -377,6 +377,11 @@ def _spec_class() -> type:
                     "from kv_connector_extra_config"
                 )
             super().__init__(config)
+            _vllm_config.check_fits(
+                self.num_chunks * self.cpu_page_size_per_worker,
+                config.extra_config,
+                config.parallel.world_size,
+            )
 
         def _uses_shared_region(self) -> bool:
             # The CPU cache is the worker's own (no shared mmap region, so no replicated_layout).
