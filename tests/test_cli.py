@@ -149,7 +149,7 @@ def test_bench_prints_a_table_and_writes_nothing(tmp_path: Path) -> None:
         for cell in r[3:6]:  # "12.3 (45 %)": GB/s, then the percent of the ceiling
             gbps, pct = cell.split(" (")
             assert float(gbps) > 0 and pct.endswith(" %)"), r
-        assert r[6] == "dma", r  # the host backend's one path
+        assert r[6] == "memcpy", r  # the host backend's one path
     assert "benches/suite.py" in p.stdout
     assert list(tmp_path.iterdir()) == []
 

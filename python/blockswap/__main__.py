@@ -24,6 +24,7 @@ from typing import Any, NoReturn
 
 from . import __version__
 from .engine import Engine, info
+from .routing import HOST_ROUTE
 
 
 class _Parser(argparse.ArgumentParser):
@@ -41,7 +42,7 @@ def _driver(version: int) -> str:
 def _routes(backend: str, copy_path: str | None) -> dict[str, str]:
     """Per direction, the copy path ``CpuGpuHandlers(path="auto")`` would take here."""
     if backend != "cuda":
-        return {d: "memcpy (host backend: no GPU to run a kernel on)" for d in ("d2h", "h2d")}
+        return {d: HOST_ROUTE for d in ("d2h", "h2d")}
     try:
         from . import handler
     except ImportError as e:

@@ -212,6 +212,26 @@ _JOB_END = 1 << 64
 
 
 _bad_job_id = check_job_id
+
+
+def _pair(spec: Any, direction: str) -> tuple[Any, Any]:
+    """``spec``'s two sides, or a ValueError naming the argument and the shape it must have."""
+    sides = (
+        "(GPU block ids, CPU block ids)" if direction == "d2h" else "(CPU block ids, GPU block ids)"
+    )
+    try:
+        n = len(spec)
+    except TypeError:
+        n = -1
+    if n != 2 or isinstance(spec, (str, bytes)) or hasattr(spec, "shape"):
+        got = f"a {type(spec).__name__}" + (f" of {n} items" if n >= 0 else "")
+        if hasattr(spec, "shape"):
+            got = f"a {type(spec).__name__} of shape {tuple(spec.shape)}"
+        raise ValueError(f"spec must be a pair {sides}, not {got}")
+    src, dst = spec
+    return src, dst
+
+
 _to_ids = as_block_ids
 
 
@@ -324,7 +344,7 @@ class SingleDirectionHandler:
         if type(job_id) is not int or not 0 <= job_id < _JOB_END:
             job_id = _bad_job_id(job_id)
         try:
-            src, dst = spec
+            src, dst = _pair(spec, self.direction)
             groups = self._groups(src, dst, block_indices)
         except (IndexError, ValueError, TypeError) as e:
             raise InvalidTransferError(f"{self.direction} job {job_id}: {e}") from e

@@ -122,6 +122,11 @@ STAGE_BYTES = 16 << 20
 STAGE_MAX_AUTO = 64 << 20
 
 
+#: The route of every transfer on the host backend, as the handler (``routes[...].reason``),
+#: ``blockswap info`` and ``blockswap bench`` say it.
+HOST_ROUTE = "host backend: memcpy (no GPU to run a kernel on)"
+
+
 class Route(NamedTuple):
     """How a handler's transfers move. ``plan="blocks"``: each block as the 2-D copies of the
     table pair's block plan (:meth:`blockswap.Engine.block_runs`), copy engines only.
@@ -168,7 +173,7 @@ def choose_route(
         raise ConfigError(f"direction must be 'h2d' or 'd2h', not {direction!r}")
     check_int("kernel_launch_bytes", launch_bytes, 1, optional=True)
     if path == "dma" or (path == "auto" and not on_cuda):
-        return Route(0, None, "dma" if path == "dma" else "host backend: memcpy")
+        return Route(0, None, "dma" if path == "dma" else HOST_ROUTE)
     default = KERNEL_BELOW[direction]
     threshold = (1 << 62) if path == "kernel" else (default if below is None else below)
     sizes = sorted({int(n) for t in gpu_tables for n in t.nbytes.tolist()})
@@ -319,7 +324,7 @@ def staged_route(
     how = (
         f"pages moved inside the GPU by the core's kernel on {STAGED_CTAS} CTAs"
         if on_cuda
-        else "host backend: memcpy"
+        else HOST_ROUTE
     )
     return Route(
         0,
