@@ -85,7 +85,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Callable, Union
+from typing import Any, Callable, Protocol, Union
 
 import numpy as np
 import numpy.typing as npt
@@ -109,7 +109,7 @@ from ._kvcache import (
     layouts_of,
     union_spans,
 )
-from ._types import Direction
+from ._types import BackendName, CpuLayout, Direction, HandlerPath, LaneStats
 from .engine import Engine, check_job_id, check_job_ids
 from .errors import ConfigError, ConfigTypeError, refuses_with_config_errors
 from .hostmem import DEFAULT_PIECE_BYTES, PinnedRows
@@ -136,10 +136,12 @@ from .routing import block_route as block_route
 from .routing import choose_route as choose_route
 
 __all__ = [
+    "BlockIds",
     "CpuGpuHandlers",
     "KVCaches",
     "SingleDirectionHandler",
     "TransferResult",
+    "TransferSpec",
     "load_sub_blocks",
     "store_sub_blocks",
 ]
@@ -153,6 +155,27 @@ KVCaches = Union[
 """KV-cache tensors of one device: one tensor, a list of per-layer tensors, a ``{layer name:
 tensor}`` dict (as vLLM holds them; values in order) -- all one KV-cache group -- or a sequence of
 groups, each a list of tensors (hybrid models)."""
+
+
+class HasBlockIds(Protocol):
+    """An object with a ``block_ids`` attribute (vLLM's ``BlockIDsLoadStoreSpec``)."""
+
+    @property
+    def block_ids(self) -> Any: ...
+
+
+BlockIds = Union[npt.NDArray[np.integer[Any]], Sequence[int], torch.Tensor, HasBlockIds]
+"""One side's block ids of one KV-cache group: a 1-D integer numpy array, a list of ints, a CPU
+integer tensor, or an object with a ``block_ids`` attribute (vLLM's ``BlockIDsLoadStoreSpec``)."""
+
+TransferSpec = Union[
+    tuple[BlockIds, BlockIds],
+    tuple[Sequence[BlockIds], Sequence[BlockIds]],
+    tuple[HasBlockIds, HasBlockIds],
+]
+"""``(source ids, destination ids)``: GPU then CPU block ids for GPU -> CPU, CPU then GPU for
+CPU -> GPU; with several KV-cache groups, each side a sequence with one :data:`BlockIds` per
+group."""
 
 #: Route choices, calibration results, descriptor-building fallbacks, the CPU cache's
 #: allocation and shutdowns that timed out (see :mod:`blockswap.engine`).
@@ -224,7 +247,8 @@ def _pair(spec: Any, direction: str) -> tuple[Any, Any]:
     except TypeError:
         n = -1
     if n != 2 or isinstance(spec, (str, bytes)) or hasattr(spec, "shape"):
-        got = f"a {type(spec).__name__}" + (f" of {n} items" if n >= 0 else "")
+        got = "None" if spec is None else f"a {type(spec).__name__}"
+        got += f" of {n} items" if n >= 0 else ""
         if hasattr(spec, "shape"):
             got = f"a {type(spec).__name__} of shape {tuple(spec.shape)}"
         raise ValueError(f"spec must be a pair {sides}, not {got}")
@@ -313,7 +337,13 @@ class SingleDirectionHandler:
 
     # ---- the hot path ----------------------------------------------------------------------
 
-    def transfer_async(self, job_id: int, spec: Any, *, block_indices: Any = None) -> bool:
+    def transfer_async(
+        self,
+        job_id: int,
+        spec: TransferSpec,
+        *,
+        block_indices: Sequence[int] | npt.NDArray[np.integer[Any]] | None = None,
+    ) -> bool:
         """Issues the transfer ``spec`` under ``job_id`` and returns ``True`` at once (it never
         waits on the GPU); its result comes from :meth:`get_finished`.
 
@@ -424,10 +454,11 @@ class SingleDirectionHandler:
         with _KeepDevice(self._device_index):
             self._core_wait(ids, timeout)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> LaneStats:
         """This direction's totals over finished transfers: ``transfers``, ``failed``, ``bytes``,
         ``seconds`` and ``gb_per_s`` (bytes / seconds / 1e9)."""
-        return dict(self._core_stats()[self.direction])
+        s: LaneStats = self._core_stats()[self.direction]
+        return s.copy()
 
     def shutdown(self) -> None:
         """Shuts down both directions (they share one engine): see
@@ -509,14 +540,14 @@ class CpuGpuHandlers:
         layout: Layout | Sequence[Layout],
         block_size_factor: int = 1,
         cpu_caches: KVCaches | None = None,
-        backend: str = "auto",
+        backend: BackendName = "auto",
         copy_streams: Any = None,
-        path: str = "auto",
+        path: HandlerPath = "auto",
         kernel_ctas: int = 16,
         kernel_below: int | None = None,
         kernel_launch_bytes: int | None = KERNEL_LAUNCH_BYTES,
         calibrate: bool = False,
-        cpu_layout: str = "block_major",
+        cpu_layout: CpuLayout = "block_major",
         load_waits_for_compute: bool = False,
         pin_piece_bytes: int = DEFAULT_PIECE_BYTES,
         **engine_options: Any,
@@ -540,10 +571,11 @@ class CpuGpuHandlers:
         ng = len(gpu_groups)
         layouts = layouts_of(layout, ng)
 
-        device, backend, device_index = device_of(gpu_groups, backend)
-        on_cuda = backend == "cuda"
+        device, resolved, device_index = device_of(gpu_groups, backend)
+        on_cuda = resolved == "cuda"
         self.device = device
-        self.backend = backend
+        #: The backend in use: ``"cuda"`` or ``"host"``.
+        self.backend: str = resolved
 
         # GPU tables (validate layouts; layers of one shape where the CPU cache is made here).
         gpu_tables = gpu_tables_of(gpu_groups, layouts, uniform=cpu_caches is None)
@@ -768,11 +800,11 @@ class CpuGpuHandlers:
         :meth:`SingleDirectionHandler.wait`."""
         self.gpu_to_cpu_handler.wait(job_ids, timeout)
 
-    def stats(self) -> dict[str, dict[str, Any]]:
+    def stats(self) -> dict[str, LaneStats]:
         """Per-direction totals: ``{"d2h": {...}, "h2d": {...}}`` with ``transfers``, ``failed``,
         ``bytes``, ``seconds``, ``gb_per_s``."""
         s = self.engine.stats()
-        return {"d2h": dict(s["d2h"]), "h2d": dict(s["h2d"])}
+        return {"d2h": s["d2h"].copy(), "h2d": s["h2d"].copy()}
 
     def _calibrate(self, kernel_ctas: int, reps: int = 5) -> dict[str, dict[str, Any]]:
         """Measures the routes this cache can take on this machine, per direction, and keeps the

@@ -50,6 +50,7 @@ import numpy.typing as npt
 
 from . import _optional, _vllm_config, _vllm_logging
 from ._checks import check_int
+from ._types import BackendName, HandlerPath
 from .errors import ConfigError
 
 try:
@@ -105,8 +106,8 @@ class BlockswapOffloadingWorker(OffloadingWorker):
         blocks_per_chunk: int,
         num_cpu_chunks: int,
         *,
-        backend: str = "auto",
-        path: str = "auto",
+        backend: BackendName = "auto",
+        path: HandlerPath = "auto",
         pin_piece_bytes: int = DEFAULT_PIECE_BYTES,
         **options: Any,
     ) -> None:

@@ -7,7 +7,7 @@ import contextlib
 import itertools
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -638,8 +638,14 @@ def _device_pointer(host_ptr: int) -> int:
     return host_ptr if dptr is None else dptr  # no driver: unified addressing, the same address
 
 
+OffloaderKind = Literal["prefetch", "sync", "zero_copy", "none"]
+"""The offloaders :func:`create_offloader` makes."""
+
+
 @refuses_with_config_errors
-def create_offloader(kind: str, layers: Sequence[nn.Module] = (), **options: Any) -> BaseOffloader:
+def create_offloader(
+    kind: OffloaderKind, layers: Sequence[nn.Module] = (), **options: Any
+) -> BaseOffloader:
     """``"prefetch"`` (:class:`PrefetchOffloader`), ``"sync"`` (the same with
     ``synchronous=True``), ``"zero_copy"`` (:class:`ZeroCopyOffloader`) or ``"none"``
     (:class:`NoopOffloader`)."""
