@@ -138,6 +138,31 @@ pub fn plan_pieces(
         .collect())
 }
 
+/// How much a buffer with a pinner faults in before each progress update (1 GiB).
+pub const FAULT_STEP: usize = 1 << 30;
+
+/// How far [`HostBuffer::with_progress`] got, for another thread to report: of `total` bytes,
+/// how many are faulted in and how many page-locked (each counts up to `total`).
+#[derive(Debug, Default)]
+pub struct AllocProgress {
+    total: AtomicU64,
+    faulted: AtomicU64,
+    locked: AtomicU64,
+}
+
+impl AllocProgress {
+    /// `(total, faulted, locked)` bytes now.
+    #[must_use]
+    pub fn get(&self) -> (u64, u64, u64) {
+        // Relaxed: three counters read for a report; they need not agree with each other.
+        (
+            self.total.load(Ordering::Relaxed),
+            self.faulted.load(Ordering::Relaxed),
+            self.locked.load(Ordering::Relaxed),
+        )
+    }
+}
+
 /// The host's available memory in bytes (`MemAvailable` in /proc/meminfo), where it can be read:
 /// what an allocation that failed is measured against in its message.
 #[must_use]
@@ -386,6 +411,20 @@ impl HostBuffer {
         max_piece_bytes: u64,
         pinner: Option<Box<dyn Pinner>>,
     ) -> Result<Self, HostBufferError> {
+        Self::with_progress(rows, row_bytes, max_piece_bytes, pinner, None)
+    }
+
+    /// [`HostBuffer::new`], counting in `progress` what is done: with a pinner, the memory is
+    /// first faulted in [`FAULT_STEP`] at a time (the work `cuMemHostRegister` would otherwise
+    /// do inside one call per piece, minutes for a large cache), then page-locked piece by piece,
+    /// so another thread can report how far it got and how fast.
+    pub fn with_progress(
+        rows: u64,
+        row_bytes: u64,
+        max_piece_bytes: u64,
+        pinner: Option<Box<dyn Pinner>>,
+        progress: Option<&AllocProgress>,
+    ) -> Result<Self, HostBufferError> {
         crate::fork::install_fork_hook();
         let plan = plan_pieces(rows, row_bytes, max_piece_bytes, os_page())?;
         let len = (rows * row_bytes) as usize;
@@ -418,6 +457,27 @@ impl HostBuffer {
                 libc::madvise(p, len, libc::MADV_DONTFORK);
             }
         }
+        if let Some(progress) = progress {
+            progress.total.store(len as u64, Ordering::Relaxed);
+        }
+        if pinner.is_some() {
+            let page = os_page() as usize;
+            let mut at = 0;
+            while at < len {
+                let end = (at + FAULT_STEP).min(len);
+                for off in (at..end).step_by(page) {
+                    // SAFETY: inside the mapping just made (readable, writable, private); a zero
+                    // written over the zero an anonymous page starts with changes nothing but
+                    // makes the kernel fault the page in now.
+                    unsafe { ptr.as_ptr().add(off).write_volatile(0) };
+                }
+                at = end;
+                if let Some(progress) = progress {
+                    // Relaxed: a progress report only.
+                    progress.faulted.store(at as u64, Ordering::Relaxed);
+                }
+            }
+        }
         let mut mapping = Mapping {
             ptr,
             len,
@@ -435,6 +495,10 @@ impl HostBuffer {
                     return Err(no_memory("page-lock", len as u64, &why).into());
                 }
                 mapping.pieces[i].2 = true;
+                if let Some(progress) = progress {
+                    // Relaxed: a progress report only.
+                    progress.locked.fetch_add(n, Ordering::Relaxed);
+                }
             }
         }
         let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
@@ -687,6 +751,20 @@ mod tests {
         let log = rec.log.lock().unwrap();
         let unpins: Vec<(char, u64)> = starts.iter().map(|&s| ('u', s)).collect();
         assert_eq!(log[4..], unpins[..], "each piece unpinned once: {log:?}");
+    }
+
+    #[test]
+    fn progress_counts_the_faulted_and_the_locked_bytes() {
+        let progress = AllocProgress::default();
+        let rec = Arc::new(Recorder::default());
+        let b = HostBuffer::with_progress(10, 4096, 3 * 4096, Some(Box::new(rec)), Some(&progress))
+            .unwrap();
+        assert_eq!(progress.get(), (10 * 4096, 10 * 4096, 10 * 4096));
+        drop(b);
+        // Without a pinner nothing is faulted in or locked: only the size is known.
+        let progress = AllocProgress::default();
+        let _b = HostBuffer::with_progress(10, 4096, 3 * 4096, None, Some(&progress)).unwrap();
+        assert_eq!(progress.get(), (10 * 4096, 0, 0));
     }
 
     #[test]

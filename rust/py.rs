@@ -731,6 +731,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyEngine>()?;
     m.add_class::<PyTransferResult>()?;
     m.add_class::<PyHostBuffer>()?;
+    m.add_class::<host_buffer::PyAllocProgress>()?;
     m.add("DEFAULT_PIECE_BYTES", hostmem::DEFAULT_PIECE_BYTES)?;
     m.add("REGISTRATION_LIMIT", hostmem::REGISTRATION_LIMIT)?;
     m.add("MAX_IN_FLIGHT", crate::backend::MAX_IN_FLIGHT)?;

@@ -24,6 +24,7 @@ __all__ = [
     "DEFAULT_PIECE_BYTES",
     "MAX_IN_FLIGHT",
     "REGISTRATION_LIMIT",
+    "AllocProgress",
     "BackendError",
     "BlockswapError",
     "Engine",
@@ -191,6 +192,11 @@ class Engine:
     ) -> None: ...
 
 @final
+class AllocProgress:
+    def __new__(cls) -> AllocProgress: ...
+    def get(self) -> tuple[int, int, int]: ...
+
+@final
 class HostBuffer:
     def __new__(
         cls,
@@ -199,6 +205,7 @@ class HostBuffer:
         piece_bytes: int = ...,
         backend: BackendName = "auto",
         device: int = 0,
+        progress: AllocProgress | None = None,
     ) -> HostBuffer: ...
     @property
     def addr(self) -> int: ...
