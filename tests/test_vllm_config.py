@@ -154,3 +154,66 @@ def test_a_host_buffer_that_cannot_be_mapped_says_gib_errno_and_available() -> N
     assert msg.startswith("could not map 131072.00 GiB (140737488355328 bytes) of host memory")
     assert "errno 12 (Cannot allocate memory)" in msg
     assert re.search(r"the host has \d+\.\d\d GiB available \(MemAvailable\)$", msg), msg
+
+
+def short_form(size_gib: float) -> Any:
+    """What vLLM 0.33 makes of ``--kv-offloading-size <size_gib> --kv-transfer-config '{...}'``
+    (the README's short form), by its own code: the CLI's KVTransferConfig from the JSON, the
+    cache config with the size, and VllmConfig's post-init step that turns the size into
+    OffloadingConnector with cpu_bytes_to_use merged into the extra config. (vLLM's full CLI
+    parsing needs a GPU to infer the device; this is the step that implements the option.)"""
+    import json
+    from types import SimpleNamespace
+
+    from vllm.config import CacheConfig, KVTransferConfig, VllmConfig
+
+    readme = (ROOT / "README.md").read_text()
+    flag = "--kv-transfer-config '"
+    start = readme.index(flag, readme.index("--kv-offloading-size")) + len(flag)
+    cli_json = readme[start : readme.index("'", start)]
+    kvt = KVTransferConfig(**json.loads(cli_json))
+    ns = SimpleNamespace(
+        cache_config=CacheConfig(kv_offloading_size=size_gib), kv_transfer_config=kvt
+    )
+    VllmConfig._post_init_kv_transfer_config(ns)  # type: ignore[arg-type]
+    return ns.kv_transfer_config
+
+
+def test_vllms_kv_offloading_size_short_form_selects_blockswap(allocations: list[str]) -> None:
+    import torch
+    from vllm.v1.kv_offload.base import (
+        CanonicalKVCacheRef,
+        CanonicalKVCaches,
+        CanonicalKVCacheTensor,
+        GPULoadStoreSpec,
+    )
+    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+    from blockswap.vllm import BlockswapOffloadingWorker
+
+    kvt = short_form(64)
+    assert kvt.kv_connector == "OffloadingConnector" and kvt.kv_role == "kv_both"
+    assert kvt.kv_connector_extra_config == {
+        "spec_name": "BlockswapOffloadingSpec",
+        "spec_module_path": "blockswap.vllm",
+        "cpu_bytes_to_use": 64 << 30,
+    }
+    # The same at a size this machine can hold (64 KiB), through vLLM's factory to a store.
+    kvt = short_form((64 << 10) / (1 << 30))
+    cfg = offloading_config()
+    cfg = type(cfg)(**{**cfg.__dict__, "extra_config": kvt.kv_connector_extra_config})
+    spec = OffloadingSpecFactory.create_spec(cfg)
+    assert type(spec).__name__ == "BlockswapOffloadingSpec" and spec.num_chunks > 0
+    ts = [torch.zeros((16, 256), dtype=torch.int8) for _ in range(2)]
+    kv = CanonicalKVCaches(
+        [CanonicalKVCacheTensor(t, 256) for t in ts],
+        [[CanonicalKVCacheRef(0, 256), CanonicalKVCacheRef(1, 256)]],
+    )
+    w = spec.get_worker(kv)
+    try:
+        assert isinstance(w, BlockswapOffloadingWorker)
+        assert w.submit_store(1, GPULoadStoreSpec([3, 5], [2], [0]), CPULoadStoreSpec([1]))
+        w.wait({1})
+        assert [(r.job_id, r.success) for r in w.get_finished()] == [(1, True)]
+    finally:
+        w.shutdown()
