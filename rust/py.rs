@@ -660,10 +660,19 @@ impl PyEngine {
 
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.engine.stats();
+        let latency = self.engine.latency();
         let d = PyDict::new(py);
         for dir in Direction::ALL {
             let l = s.lanes[dir.lane()];
             let ld = PyDict::new(py);
+            let t = latency[dir.lane()];
+            let secs = |ns: Option<u64>| ns.map(|n| n as f64 * 1e-9);
+            ld.set_item("wall_p50", secs(t.transfer_p50_ns))?;
+            ld.set_item("wall_p99", secs(t.transfer_p99_ns))?;
+            ld.set_item("submit_p50", secs(t.submit_p50_ns))?;
+            ld.set_item("submit_p99", secs(t.submit_p99_ns))?;
+            ld.set_item("refused", t.refused)?;
+            ld.set_item("submit_failed", t.submit_failed)?;
             ld.set_item("transfers", l.transfers)?;
             ld.set_item("failed", l.failed)?;
             ld.set_item("bytes", l.bytes)?;

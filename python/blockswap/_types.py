@@ -6,7 +6,7 @@ The literal types list the strings the core accepts; the core checks them (an un
 
 from __future__ import annotations
 
-from typing import Literal, TypedDict
+from typing import Literal, Optional, TypedDict
 
 BackendName = Literal["auto", "host", "cuda"]
 """``"auto"``: CUDA where a driver is present, else the host backend."""
@@ -38,13 +38,26 @@ AccessOrder = Literal["any", "stream"]
 
 
 class LaneStats(TypedDict):
-    """Counters of one direction."""
+    """Counters of one direction: transfers reported (``failed`` of them failed), their bytes and
+    ``seconds`` (GPU time on CUDA, wall time on the host backend) and ``gb_per_s``; the p50 and
+    p99 of a transfer's wall-clock time from its submission to the poll that reported it
+    (``wall_p50``, ``wall_p99``) and of a submission's host time in the core (``submit_p50``,
+    ``submit_p99``), in seconds, None before the first; submissions the core ``refused`` before
+    anything was issued (bad input, too many in flight, the pool exhausted, shut down) and those
+    the backend failed to issue (``submit_failed``). Percentiles are within 1/32 of the true
+    value (log-linear buckets), over the engine's life."""
 
     transfers: int
     failed: int
     bytes: int
     seconds: float
     gb_per_s: float
+    wall_p50: Optional[float]
+    wall_p99: Optional[float]
+    submit_p50: Optional[float]
+    submit_p99: Optional[float]
+    refused: int
+    submit_failed: int
 
 
 class PoolStats(TypedDict):
