@@ -6,7 +6,7 @@ The literal types list the strings the core accepts; the core checks them (an un
 
 from __future__ import annotations
 
-from typing import Literal, Optional, TypedDict
+from typing import Literal, TypedDict
 
 BackendName = Literal["auto", "host", "cuda"]
 """``"auto"``: CUDA where a driver is present, else the host backend."""
@@ -52,10 +52,10 @@ class LaneStats(TypedDict):
     bytes: int
     seconds: float
     gb_per_s: float
-    wall_p50: Optional[float]
-    wall_p99: Optional[float]
-    submit_p50: Optional[float]
-    submit_p99: Optional[float]
+    wall_p50: float | None
+    wall_p99: float | None
+    submit_p50: float | None
+    submit_p99: float | None
     refused: int
     submit_failed: int
 
