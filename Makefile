@@ -49,7 +49,9 @@ test-python: develop
 # The test command: Rust tests, then Python tests against a fresh build.
 test: setup test-rust test-python
 
-# stubtest checks the hand-written python/blockswap/_core.pyi against the built extension.
+# stubtest checks the hand-written python/blockswap/_core.pyi against the built extension;
+# tests/typing/check_planted.py that `mypy --strict` reports each of the API mistakes planted in
+# tests/typing/planted.py (a typo in an option, a spec of the wrong type), and nothing else.
 lint: develop
 	cargo fmt --check
 	cargo clippy --all-targets --features python -- -D warnings
@@ -57,6 +59,7 @@ lint: develop
 	$(VENV)/bin/ruff format --check python tests benches
 	$(VENV)/bin/mypy
 	$(PY) -m mypy.stubtest blockswap._core --mypy-config-file pyproject.toml
+	$(PY) tests/typing/check_planted.py
 
 fmt: setup
 	cargo fmt

@@ -34,6 +34,7 @@ use crate::transfer::{JobId, TransferResult, TransferState};
 mod blocks;
 mod config;
 mod error;
+mod latency;
 pub use crate::fork::{fork_generation, in_forked_child};
 pub use blocks::GroupIds;
 pub use config::{
@@ -41,6 +42,7 @@ pub use config::{
     MIN_STAGE_BYTES,
 };
 pub use error::EngineError;
+pub use latency::LaneLatencyStats;
 
 /// The deadline `timeout` from now; `None` (no deadline) where the clock cannot count that far.
 fn deadline(timeout: Duration) -> Option<Instant> {
@@ -164,6 +166,7 @@ pub struct Engine {
     state: Mutex<SubmitState>,
     retired: ArrayQueue<JobId>,
     counters: [LaneCounters; 4],
+    latency: latency::Latency,
     failed_lanes: [OnceLock<BackendError>; 4],
     /// Slabs of transfers already reported (failed, with their lane) that the backend may still
     /// hold: kept out of the pool until the lane's completed sequence number passes them (see
@@ -213,6 +216,7 @@ impl Engine {
             }),
             retired: ArrayQueue::new(4 * max_in_flight),
             counters: Default::default(),
+            latency: latency::Latency::default(),
             failed_lanes: Default::default(),
             // At most every lane's records at once: a failed lane takes no new transfer.
             parked: ArrayQueue::new(4 * max_in_flight),
@@ -510,6 +514,7 @@ impl Engine {
         fill: impl FnOnce(&mut SubmitState, Columns<'_>) -> Result<Prepared, EngineError>,
     ) -> Result<(), EngineError> {
         let _timed = AddElapsed::start(&self.submit_ns);
+        let mut timing = self.latency.submission(direction);
         self.check_usable()?;
         if let Some(e) = self.failed_lanes[direction.lane()].get() {
             return Err(e.clone().into());
@@ -613,7 +618,9 @@ impl Engine {
             });
         }
         state.live.insert(job_id, (direction, seq));
-        match self.backend.submit(direction, seq, handle, request) {
+        let submitted = self.backend.submit(direction, seq, handle, request);
+        timing.issued(submitted.is_ok());
+        match submitted {
             Ok(Submitted::Ok | Submitted::CopyFailed) => Ok(()),
             Err(e) => {
                 // Nothing can be promised about this lane any more: its transfers are reported
@@ -682,6 +689,8 @@ impl Engine {
                 .unwrap_or_else(|| record.submitted_at.elapsed().as_nanos() as u64),
             ns => ns,
         };
+        self.latency
+            .transferred(direction, record.submitted_at.elapsed());
         let c = &self.counters[direction.lane()];
         // Relaxed: statistics only.
         c.transfers.fetch_add(1, Ordering::Relaxed);
@@ -807,6 +816,12 @@ impl Engine {
 
     pub fn is_shut_down(&self) -> bool {
         self.shut.load(Ordering::Acquire)
+    }
+
+    /// Per direction (indexed by `Direction::lane`): p50 and p99 of transfers' wall-clock time
+    /// and of submissions' host time, refused and failed submissions.
+    pub fn latency(&self) -> [LaneLatencyStats; 4] {
+        self.latency.stats()
     }
 
     pub fn stats(&self) -> EngineStats {

@@ -138,6 +138,75 @@ pub fn plan_pieces(
         .collect())
 }
 
+/// How much a buffer with a pinner faults in before each progress update (1 GiB).
+pub const FAULT_STEP: usize = 1 << 30;
+
+/// How far [`HostBuffer::with_progress`] got, for another thread to report: of `total` bytes,
+/// how many are faulted in and how many page-locked (each counts up to `total`).
+#[derive(Debug, Default)]
+pub struct AllocProgress {
+    total: AtomicU64,
+    faulted: AtomicU64,
+    locked: AtomicU64,
+}
+
+impl AllocProgress {
+    /// `(total, faulted, locked)` bytes now.
+    #[must_use]
+    pub fn get(&self) -> (u64, u64, u64) {
+        // Relaxed: three counters read for a report; they need not agree with each other.
+        (
+            self.total.load(Ordering::Relaxed),
+            self.faulted.load(Ordering::Relaxed),
+            self.locked.load(Ordering::Relaxed),
+        )
+    }
+}
+
+/// The host's available memory in bytes (`MemAvailable` in /proc/meminfo), where it can be read:
+/// what an allocation that failed is measured against in its message.
+#[must_use]
+pub fn available_memory() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kib = text
+        .lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))?
+        .trim()
+        .strip_suffix("kB")?
+        .trim()
+        .parse::<u64>()
+        .ok()?;
+    Some(kib * 1024)
+}
+
+/// `bytes` in GiB with two decimals (`64.00 GiB`).
+fn gib(bytes: u64) -> String {
+    #[allow(clippy::cast_precision_loss)] // two decimals of a byte count
+    let g = bytes as f64 / f64::from(1u32 << 30);
+    format!("{g:.2} GiB")
+}
+
+/// An OS error as `errno 12 (Cannot allocate memory)`.
+fn os_error(err: &std::io::Error) -> String {
+    let text = err.to_string();
+    let text = text.split(" (os error").next().unwrap_or(&text);
+    match err.raw_os_error() {
+        Some(n) => format!("errno {n} ({text})"),
+        None => text.to_string(),
+    }
+}
+
+/// A host buffer that could not be mapped or page-locked, said the way a person sizing a cache
+/// needs it: the size in GiB (and bytes), why, and what the host has available.
+fn no_memory(what: &str, bytes: u64, why: &str) -> BackendError {
+    let available = available_memory().map_or_else(|| "an unknown amount".to_string(), gib);
+    BackendError::BadMemory(format!(
+        "could not {what} {} ({bytes} bytes) of host memory: {why}; the host has {available} \
+         available (MemAvailable)",
+        gib(bytes)
+    ))
+}
+
 /// The OS page size.
 #[must_use]
 pub fn os_page() -> u64 {
@@ -342,6 +411,20 @@ impl HostBuffer {
         max_piece_bytes: u64,
         pinner: Option<Box<dyn Pinner>>,
     ) -> Result<Self, HostBufferError> {
+        Self::with_progress(rows, row_bytes, max_piece_bytes, pinner, None)
+    }
+
+    /// [`HostBuffer::new`], counting in `progress` what is done: with a pinner, the memory is
+    /// first faulted in [`FAULT_STEP`] at a time (the work `cuMemHostRegister` would otherwise
+    /// do inside one call per piece, minutes for a large cache), then page-locked piece by piece,
+    /// so another thread can report how far it got and how fast.
+    pub fn with_progress(
+        rows: u64,
+        row_bytes: u64,
+        max_piece_bytes: u64,
+        pinner: Option<Box<dyn Pinner>>,
+        progress: Option<&AllocProgress>,
+    ) -> Result<Self, HostBufferError> {
         crate::fork::install_fork_hook();
         let plan = plan_pieces(rows, row_bytes, max_piece_bytes, os_page())?;
         let len = (rows * row_bytes) as usize;
@@ -358,9 +441,11 @@ impl HostBuffer {
             )
         };
         if p == libc::MAP_FAILED {
-            return Err(BackendError::OutOfMemory { bytes: len }.into());
+            let err = std::io::Error::last_os_error();
+            return Err(no_memory("map", len as u64, &os_error(&err)).into());
         }
-        let ptr = NonNull::new(p.cast::<u8>()).ok_or(BackendError::OutOfMemory { bytes: len })?;
+        let ptr = NonNull::new(p.cast::<u8>())
+            .ok_or_else(|| no_memory("map", len as u64, "mmap returned a null address"))?;
         let addr = ptr.as_ptr() as u64;
         if pinner.is_some() {
             // Advice only, so failures are ignored. Huge pages: fewer pages to fault in and lock.
@@ -370,6 +455,27 @@ impl HostBuffer {
             unsafe {
                 libc::madvise(p, len, libc::MADV_HUGEPAGE);
                 libc::madvise(p, len, libc::MADV_DONTFORK);
+            }
+        }
+        if let Some(progress) = progress {
+            progress.total.store(len as u64, Ordering::Relaxed);
+        }
+        if pinner.is_some() {
+            let page = os_page() as usize;
+            let mut at = 0;
+            while at < len {
+                let end = (at + FAULT_STEP).min(len);
+                for off in (at..end).step_by(page) {
+                    // SAFETY: inside the mapping just made (readable, writable, private); a zero
+                    // written over the zero an anonymous page starts with changes nothing but
+                    // makes the kernel fault the page in now.
+                    unsafe { ptr.as_ptr().add(off).write_volatile(0) };
+                }
+                at = end;
+                if let Some(progress) = progress {
+                    // Relaxed: a progress report only.
+                    progress.faulted.store(at as u64, Ordering::Relaxed);
+                }
             }
         }
         let mut mapping = Mapping {
@@ -385,9 +491,14 @@ impl HostBuffer {
                 if let Err(e) = unsafe { pinner.pin(start, n) } {
                     // SAFETY: never shared: nothing reaches the memory.
                     unsafe { mapping.release() };
-                    return Err(e.into());
+                    let why = format!("piece {i} ({} at most) failed: {e}", gib(n));
+                    return Err(no_memory("page-lock", len as u64, &why).into());
                 }
                 mapping.pieces[i].2 = true;
+                if let Some(progress) = progress {
+                    // Relaxed: a progress report only.
+                    progress.locked.fetch_add(n, Ordering::Relaxed);
+                }
             }
         }
         let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
@@ -640,6 +751,49 @@ mod tests {
         let log = rec.log.lock().unwrap();
         let unpins: Vec<(char, u64)> = starts.iter().map(|&s| ('u', s)).collect();
         assert_eq!(log[4..], unpins[..], "each piece unpinned once: {log:?}");
+    }
+
+    #[test]
+    fn progress_counts_the_faulted_and_the_locked_bytes() {
+        let progress = AllocProgress::default();
+        let rec = Arc::new(Recorder::default());
+        let b = HostBuffer::with_progress(10, 4096, 3 * 4096, Some(Box::new(rec)), Some(&progress))
+            .unwrap();
+        assert_eq!(progress.get(), (10 * 4096, 10 * 4096, 10 * 4096));
+        drop(b);
+        // Without a pinner nothing is faulted in or locked: only the size is known.
+        let progress = AllocProgress::default();
+        let _b = HostBuffer::with_progress(10, 4096, 3 * 4096, None, Some(&progress)).unwrap();
+        assert_eq!(progress.get(), (10 * 4096, 0, 0));
+    }
+
+    #[test]
+    fn a_mapping_that_fails_says_gib_errno_and_what_the_host_has() {
+        // 2^47 bytes: the whole of x86-64's user address space, refused whatever the overcommit
+        // policy.
+        let e = HostBuffer::new(1 << 20, 1 << 27, DEFAULT_PIECE_BYTES, None).unwrap_err();
+        let msg = e.to_string();
+        assert!(
+            msg.starts_with("could not map 131072.00 GiB (140737488355328 bytes) of host memory"),
+            "{msg}"
+        );
+        assert!(msg.contains("errno 12 (Cannot allocate memory)"), "{msg}");
+        assert!(available_memory().is_some_and(|a| a > 0));
+        assert!(msg.contains("; the host has "), "{msg}");
+        assert!(msg.ends_with(" GiB available (MemAvailable)"), "{msg}");
+    }
+
+    #[test]
+    fn a_failed_pin_says_the_size_the_piece_and_what_the_host_has() {
+        let rec = Arc::new(Recorder {
+            fail_at: Some(1),
+            ..Default::default()
+        });
+        let msg = HostBuffer::new(10, 4096, 3 * 4096, Some(Box::new(rec)))
+            .unwrap_err()
+            .to_string();
+        assert!(msg.starts_with("could not page-lock 0.00 GiB (40960 bytes) of host memory: piece 1 (0.00 GiB at most) failed: cuMemHostRegister failed: CUDA_ERROR_OUT_OF_MEMORY (2); the host has "), "{msg}");
+        assert!(msg.ends_with(" available (MemAvailable)"), "{msg}");
     }
 
     #[test]

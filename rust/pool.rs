@@ -55,7 +55,8 @@ impl fmt::Display for PoolError {
             } => write!(
                 f,
                 "descriptor pool exhausted: {requested} more bytes wanted, {in_use} of {cap} in \
-                 use by transfers in flight (raise pool_bytes, or poll completions)"
+                 use by transfers in flight or finished but not yet polled (call get_finished, \
+                 or raise pool_bytes)"
             ),
             PoolError::TooLarge { descriptors, max } => {
                 write!(

@@ -685,10 +685,19 @@ impl PyEngine {
 
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.engine.stats();
+        let latency = self.engine.latency();
         let d = PyDict::new(py);
         for dir in Direction::ALL {
             let l = s.lanes[dir.lane()];
             let ld = PyDict::new(py);
+            let t = latency[dir.lane()];
+            let secs = |ns: Option<u64>| ns.map(|n| n as f64 * 1e-9);
+            ld.set_item("wall_p50", secs(t.transfer_p50_ns))?;
+            ld.set_item("wall_p99", secs(t.transfer_p99_ns))?;
+            ld.set_item("submit_p50", secs(t.submit_p50_ns))?;
+            ld.set_item("submit_p99", secs(t.submit_p99_ns))?;
+            ld.set_item("refused", t.refused)?;
+            ld.set_item("submit_failed", t.submit_failed)?;
             ld.set_item("transfers", l.transfers)?;
             ld.set_item("failed", l.failed)?;
             ld.set_item("bytes", l.bytes)?;
@@ -756,8 +765,11 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyEngine>()?;
     m.add_class::<PyTransferResult>()?;
     m.add_class::<PyHostBuffer>()?;
+    m.add_class::<host_buffer::PyAllocProgress>()?;
     m.add("DEFAULT_PIECE_BYTES", hostmem::DEFAULT_PIECE_BYTES)?;
     m.add("REGISTRATION_LIMIT", hostmem::REGISTRATION_LIMIT)?;
+    m.add("MAX_IN_FLIGHT", crate::backend::MAX_IN_FLIGHT)?;
+    m.add_function(wrap_pyfunction!(functions::host_memory_available, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_status, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_memory_kind, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_device_pointer, m)?)?;

@@ -33,11 +33,50 @@ def test_version(tmp_path: Path) -> None:
     assert p.returncode == 0 and p.stdout.strip() == f"blockswap {blockswap.__version__}"
 
 
-def test_no_command_prints_the_help_and_writes_nothing(tmp_path: Path) -> None:
+def test_no_command_prints_info_and_writes_nothing(tmp_path: Path) -> None:
     p = cli(cwd=tmp_path)
-    assert p.returncode == 2
-    assert "info" in p.stderr and "bench" in p.stderr and p.stdout == ""
+    assert p.returncode == 0, p.stderr
+    assert p.stdout == cli("info", cwd=tmp_path).stdout
+    assert p.stdout.startswith(f"blockswap {blockswap.__version__}\n") and p.stderr == ""
     assert list(tmp_path.iterdir()) == []
+
+
+def test_info_says_torch_triton_and_whether_the_copy_kernel_can_run(tmp_path: Path) -> None:
+    import importlib.metadata
+
+    plain = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run(
+        [sys.executable, "-m", "blockswap", "info"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=120, env=plain,
+    )  # fmt: skip
+    lines = p.stdout.splitlines()
+    assert f"torch:           {importlib.metadata.version('torch')}" in lines
+    assert f"triton:          {importlib.metadata.version('triton')}" in lines
+    kernel = next(ln for ln in lines if ln.startswith("copy kernel:"))
+    if blockswap.cuda_status()[0]:
+        assert kernel == "copy kernel:     yes (on the GPU)"
+    else:
+        assert kernel.startswith("copy kernel:     no (no CUDA GPU here"), kernel
+        assert "TRITON_INTERPRET=1" in kernel
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    p = subprocess.run(
+        [sys.executable, "-m", "blockswap", "info", "--json"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=120, env=env,
+    )  # fmt: skip
+    d = json.loads(p.stdout)
+    assert d["copy_kernel"]["can_run"] is True and "interpreter" in d["copy_kernel"]["why"]
+    assert d["torch"] == importlib.metadata.version("torch")
+    # Without Triton, the kernel cannot run, whatever the GPU.
+    from blockswap.__main__ import copy_kernel_status
+
+    real = importlib.util.find_spec
+    try:
+        importlib.util.find_spec = lambda name, *a: None if name == "triton" else real(name, *a)  # type: ignore[assignment]
+        assert copy_kernel_status(True) == (
+            False, "triton not installed (pip install 'blockswap[torch]')"
+        )  # fmt: skip
+    finally:
+        importlib.util.find_spec = real
 
 
 @pytest.mark.parametrize(
@@ -149,7 +188,7 @@ def test_bench_prints_a_table_and_writes_nothing(tmp_path: Path) -> None:
         for cell in r[3:6]:  # "12.3 (45 %)": GB/s, then the percent of the ceiling
             gbps, pct = cell.split(" (")
             assert float(gbps) > 0 and pct.endswith(" %)"), r
-        assert r[6] == "dma", r  # the host backend's one path
+        assert r[6] == "memcpy", r  # the host backend's one path
     assert "benches/suite.py" in p.stdout
     assert list(tmp_path.iterdir()) == []
 

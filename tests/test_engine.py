@@ -217,7 +217,7 @@ def test_in_flight_limit_is_typed(rng):
     engine = blockswap.Engine("host", max_in_flight=1)
     src, dst = registered_pair(engine, 64 * MiB, rng)
     engine.submit(1, [src.ctypes.data], [dst.ctypes.data], [64 * MiB])
-    with pytest.raises(PoolExhaustedError, match="already in flight"):
+    with pytest.raises(PoolExhaustedError, match="in flight or finished but not yet polled"):
         engine.submit(2, [src.ctypes.data], [dst.ctypes.data], [8])
     engine.wait([1])
     engine.get_finished()

@@ -59,8 +59,8 @@ BAD_D2H: list[tuple[str, Any, str]] = [
     ("2d", (np.zeros((1, 2), dtype=np.int64), [5]), "must be 1-D"),
     ("huge-uint", (np.array([2**64 - 1], dtype=np.uint64), [5]), "out of range"),
     ("empty", ([], []), "empty transfer"),
-    ("not-a-pair", ([0], [5], [1]), "too many values to unpack"),
-    ("none", None, "cannot unpack"),
+    ("not-a-pair", ([0], [5], [1]), r"spec must be a pair \(.*\), not a tuple of 3 items"),
+    ("none", None, r"spec must be a pair \(.*\), not None"),
 ]
 BAD_H2D: list[tuple[str, Any, str]] = [
     # (name, spec, message) for the CPU -> GPU handler, factor 4 (CPU ids, GPU ids)

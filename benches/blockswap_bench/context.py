@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from blockswap._bench import buffers, engine_over, measure_ceiling
+from blockswap._types import HandlerPath
 
 from .common import GiB, KiB, MiB, Progress, fmt_bytes, repeat
 
@@ -46,7 +47,7 @@ class Profile:
     handler_max_blocks: int = 1024
     handler_warmup: int = 5
     handler_reps: int = 100
-    handler_paths: tuple[str, ...] = ("auto", "dma", "kernel")
+    handler_paths: tuple[HandlerPath, ...] = ("auto", "dma", "kernel")
     handler_forced_reps: int = 30
     """Repetitions of the forced paths (``dma``, ``kernel``) beside ``auto``."""
     handler_max_layers: int | None = None

@@ -23,6 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from blockswap._types import BackendName
+
 from .common import fmt_bytes, handler_route, median, p90, repeat, route_choice
 from .context import Context
 from .models import KVModel, select
@@ -138,7 +140,7 @@ def _model(ctx: Context, model: KVModel, ceiling: dict[str, float]) -> list[dict
     }
     baseline = _baseline(ctx, model, gpu, cpu, num_blocks, nbytes)
     rows: list[dict[str, Any]] = []
-    backend = "cuda" if ctx.cuda else "host"
+    backend: BackendName = "cuda" if ctx.cuda else "host"
     for path in p.handler_paths:
         if not ctx.cuda and path != "auto":
             for direction in ("d2h", "h2d"):

@@ -120,8 +120,9 @@ def kernel_launchers(ctx: Context) -> tuple[dict[str, Any] | None, str | None, d
         )
     try:
         gpu = torch.zeros((8, 1, 4096), dtype=torch.uint8, device="cuda" if ctx.cuda else "cpu")
-        backend = "cuda" if ctx.cuda else "host"
-        h = CpuGpuHandlers(gpu, 8, layout="mla", path="kernel", backend=backend)
+        h = CpuGpuHandlers(
+            gpu, 8, layout="mla", path="kernel", backend="cuda" if ctx.cuda else "host"
+        )
         try:
             routes = {d: handler_route(h, d) for d in DIRS}
         finally:

@@ -5,11 +5,12 @@ The low-level API is :class:`Engine`: register memory, submit batches of ``(src,
 descriptors under a job id, and poll ``get_finished()``. The Rust core validates every address
 against registered memory before any copy is issued.
 
-Every error blockswap raises is a :class:`BlockswapError`.
+Every error blockswap raises is a :class:`BlockswapError` (:mod:`blockswap.errors`).
 """
 
 from __future__ import annotations
 
+import logging
 import warnings
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +27,11 @@ from ._core import (
 )
 from ._types import EngineInfo, EngineStats, LaneStats, PoolStats
 from .engine import ArgumentTypeError, Engine, info
+from .errors import ConfigError, ConfigTypeError
+
+# The library prints nothing on its own: its lines go where the application's logging sends them
+# (inside vLLM, to vLLM's log: blockswap._vllm_logging).
+logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 if TYPE_CHECKING:
     from ._core import TransferStateError as TransferStateError
@@ -49,6 +55,8 @@ __all__ = [
     "ArgumentTypeError",
     "BackendError",
     "BlockswapError",
+    "ConfigError",
+    "ConfigTypeError",
     "Engine",
     "EngineInfo",
     "EngineStats",

@@ -1,12 +1,14 @@
 """``python -m blockswap`` (also the ``blockswap`` command).
 
+    blockswap                      (the same as ``blockswap info``)
     blockswap --version
     blockswap info [--json]
     blockswap bench [--quick | --tiny] [--backend auto|cuda|host]
 
 ``info`` says what blockswap would use on this machine: whether CUDA can be used (and why not),
-the backend, driver and batch-copy ABI an engine gets, and the copy path the offloading handler
-would take per direction. ``bench`` runs a short transfer benchmark (:mod:`blockswap._bench`): the
+the torch and Triton versions and whether the copy kernel can run here, the backend, driver and
+batch-copy ABI an engine gets, and the copy path the offloading handler would take per
+direction. ``bench`` runs a short transfer benchmark (:mod:`blockswap._bench`): the
 link's ceiling and a few block sizes, one table. Neither writes a file (the full benchmark suite
 is ``benches/suite.py`` in the source repository). Errors are one line on stderr and a non-zero
 exit status.
@@ -15,15 +17,18 @@ exit status.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import importlib.util
 import inspect
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from . import __version__
 from .engine import Engine, info
+from .routing import HOST_ROUTE
 
 
 class _Parser(argparse.ArgumentParser):
@@ -41,7 +46,7 @@ def _driver(version: int) -> str:
 def _routes(backend: str, copy_path: str | None) -> dict[str, str]:
     """Per direction, the copy path ``CpuGpuHandlers(path="auto")`` would take here."""
     if backend != "cuda":
-        return {d: "memcpy (host backend: no GPU to run a kernel on)" for d in ("d2h", "h2d")}
+        return {d: HOST_ROUTE for d in ("d2h", "h2d")}
     try:
         from . import handler
     except ImportError as e:
@@ -61,9 +66,39 @@ def _routes(backend: str, copy_path: str | None) -> dict[str, str]:
     }
 
 
+def _version(package: str) -> str | None:
+    """The installed version of ``package`` (without importing it), or None."""
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def copy_kernel_status(cuda: bool) -> tuple[bool, str]:
+    """Whether the Triton copy kernel (the handler's kernel route and the staged plan's gather
+    and scatter) can run here, and why not: it needs torch and Triton, and a CUDA GPU, or Triton's
+    CPU interpreter (``TRITON_INTERPRET=1`` set before blockswap's kernels are imported; slow, for
+    tests). Without a GPU, Triton itself imports fine and fails only at the first launch."""
+    missing = [p for p in ("torch", "triton") if importlib.util.find_spec(p) is None]
+    if missing:
+        return False, (f"{' and '.join(missing)} not installed (pip install 'blockswap[torch]')")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return True, "under Triton's CPU interpreter (TRITON_INTERPRET=1): slow, for tests"
+    if not cuda:
+        return False, (
+            "no CUDA GPU here (see CUDA above): Triton compiles for a GPU; TRITON_INTERPRET=1 "
+            "runs the kernel on the CPU, slowly"
+        )
+    return True, "on the GPU"
+
+
 def describe() -> dict[str, Any]:
     """Everything ``blockswap info`` reports, as one dict."""
     out: dict[str, Any] = dict(info())
+    out["torch"] = _version("torch")
+    out["triton"] = _version("triton")
+    can, why = copy_kernel_status(bool(out["cuda"]))
+    out["copy_kernel"] = {"can_run": can, "why": why}
     try:
         eng = Engine(out["default_backend"])
     except Exception as e:
@@ -83,6 +118,10 @@ def format_info(d: dict[str, Any]) -> str:
     lines = [
         f"blockswap {d['version']}",
         f"CUDA:            {'yes' if d['cuda'] else 'no'} ({d['cuda_status']})",
+        f"torch:           {d.get('torch') or 'not installed'}",
+        f"triton:          {d.get('triton') or 'not installed'}",
+        f"copy kernel:     {'yes' if d['copy_kernel']['can_run'] else 'no'} "
+        f"({d['copy_kernel']['why']})",
         f"default backend: {d['default_backend']}",
     ]
     if "error" in e:
@@ -146,9 +185,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     ap = build_parser()
     args = ap.parse_args(args_list)
-    if args.command is None:
-        ap.print_help(sys.stderr)
-        return 2
+    if args.command is None:  # bare `blockswap`: what a person most likely wants to know
+        args = ap.parse_args(["info"])
     try:
         return int(args.func(args))
     except KeyboardInterrupt:

@@ -27,6 +27,7 @@ import numpy as np
 
 from . import __version__
 from .engine import Engine, info
+from .routing import HOST_ROUTE
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -284,9 +285,14 @@ def handler_route(h: Any, direction: str) -> Any:
 
 
 def route_choice(route: Any, page_bytes: int) -> str:
-    """``"kernel"`` or ``"dma"``: what ``route`` does with pages of ``page_bytes``."""
+    """What ``route`` does with pages of ``page_bytes``: ``"memcpy"`` on the host backend, the
+    plan (``"blocks"``, ``"staged"``) where it is not per page, else ``"kernel"`` or ``"dma"``."""
     if route is None:
         return "unknown"
+    if str(route.reason).endswith(HOST_ROUTE):
+        return "memcpy"
+    if getattr(route, "plan", "pages") != "pages":
+        return str(route.plan)
     if not route.kernel_below:
         return "dma"
     return "kernel" if page_bytes < route.kernel_below else "dma"

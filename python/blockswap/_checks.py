@@ -1,20 +1,27 @@
 """The check of an int argument, one for the whole package, with one message:
 ``"<name> must be an int >= 1, not 0"`` (``"... must be an int, not 2.0"`` for a value of another
-type). Each caller names the exceptions it raises: ``TypeError`` and ``ValueError`` by default,
-the engine's typed errors in :mod:`blockswap.engine`. The Rust core words its own range errors
-the same way (``"max_in_flight must be an int from 1 to 16384, not 0"``).
+type). A caller may name the exceptions it raises (the engine's typed errors in
+:mod:`blockswap.engine`). The Rust core words its own range errors the same way
+(``"max_in_flight must be an int from 1 to 16384, not 0"``).
+
+By default a refused int is a :class:`~blockswap.errors.ConfigTypeError` or
+:class:`~blockswap.errors.ConfigError` (a ``TypeError`` / ``ValueError`` and a
+:class:`~blockswap.BlockswapError`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal, overload
 
 import numpy as np
 
+from .errors import ConfigError, ConfigTypeError
+
 Errors = tuple[type[Exception], type[Exception]]
 """The exception for a value that is not an int, and the one for an int out of range."""
 
-_DEFAULT_ERRORS: Errors = (TypeError, ValueError)
+_DEFAULT_ERRORS: Errors = (ConfigTypeError, ConfigError)
 
 
 @overload
@@ -102,3 +109,24 @@ def _shown(value: Any) -> str:
     if isinstance(value, (str, bytes)) and len(value) <= 40:
         return repr(value)
     return f"a {type(value).__name__}"
+
+
+def check_bool(name: str, value: Any, errors: type[Exception] = ConfigTypeError) -> bool:
+    """``value`` of argument ``name`` if it is a bool (Python's or numpy's), else ``errors``
+    saying ``"<name> must be a bool, not <value>"`` (an array or a string is not taken for its
+    truth)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise errors(f"{name} must be a bool, not {_shown(value)}")
+    return bool(value)
+
+
+def check_choice(name: str, value: Any, choices: Sequence[str]) -> str:
+    """``value`` of argument ``name`` if it is one of the strings ``choices``, else a
+    :class:`~blockswap.errors.ConfigError` (a :class:`~blockswap.errors.ConfigTypeError` for a
+    value that is not a str) saying ``"<name> must be 'a', 'b' or 'c', not <value>"``."""
+    if isinstance(value, str) and value in choices:
+        return value
+    names = [repr(c) for c in choices]
+    one_of = ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else names[0]
+    kind = ConfigError if isinstance(value, str) else ConfigTypeError
+    raise kind(f"{name} must be {one_of}, not {_shown(value)}")

@@ -22,7 +22,9 @@ from ._types import (
 
 __all__ = [
     "DEFAULT_PIECE_BYTES",
+    "MAX_IN_FLIGHT",
     "REGISTRATION_LIMIT",
+    "AllocProgress",
     "BackendError",
     "BlockswapError",
     "Engine",
@@ -39,11 +41,13 @@ __all__ = [
     "cuda_memcpy",
     "cuda_memory_kind",
     "cuda_status",
+    "host_memory_available",
 ]
 
 __version__: str
 DEFAULT_PIECE_BYTES: int
 REGISTRATION_LIMIT: int
+MAX_IN_FLIGHT: int
 
 class BlockswapError(Exception): ...
 class InvalidTransferError(BlockswapError): ...
@@ -190,6 +194,11 @@ class Engine:
     ) -> None: ...
 
 @final
+class AllocProgress:
+    def __new__(cls) -> AllocProgress: ...
+    def get(self) -> tuple[int, int, int]: ...
+
+@final
 class HostBuffer:
     def __new__(
         cls,
@@ -198,6 +207,7 @@ class HostBuffer:
         piece_bytes: int = ...,
         backend: BackendName = "auto",
         device: int = 0,
+        progress: AllocProgress | None = None,
     ) -> HostBuffer: ...
     @property
     def addr(self) -> int: ...
@@ -218,6 +228,7 @@ class HostBuffer:
     def unpin(self) -> None: ...
 
 def cuda_status() -> tuple[bool, str]: ...
+def host_memory_available() -> int | None: ...
 def cuda_memory_kind(addr: int) -> MemoryKind | None: ...
 def cuda_device_pointer(addr: int) -> int | None: ...
 def cuda_memcpy(dst: int, src: int, nbytes: int) -> None: ...

@@ -19,7 +19,9 @@ try:
 except ModuleNotFoundError as e:
     _optional.missing(e, __name__)
 
-from ._core import cuda_status
+from ._checks import check_choice
+from ._core import BlockswapError, cuda_status
+from .errors import ConfigError, ConfigTypeError
 from .hostmem import PinnedRows, size_text
 from .layout import (
     LAYOUTS,
@@ -41,7 +43,7 @@ def as_groups(caches: Any, name: str) -> tuple[list[list[torch.Tensor]], bool]:
     if isinstance(caches, Mapping):
         caches = list(caches.values())
     if isinstance(caches, (str, bytes)) or not isinstance(caches, Iterable):
-        raise TypeError(
+        raise ConfigTypeError(
             f"{name} must be a tensor, a list of tensors, a dict of tensors or a list of groups, "
             f"not {type(caches).__name__}"
         )
@@ -53,7 +55,7 @@ def as_groups(caches: Any, name: str) -> tuple[list[list[torch.Tensor]], bool]:
     groups = []
     for g, item in enumerate(items):
         if isinstance(item, torch.Tensor):
-            raise TypeError(f"{name} mixes tensors and groups (entry {g} is a tensor)")
+            raise ConfigTypeError(f"{name} mixes tensors and groups (entry {g} is a tensor)")
         if isinstance(item, Mapping):
             item = list(item.values())
         ts = list(item)
@@ -61,11 +63,19 @@ def as_groups(caches: Any, name: str) -> tuple[list[list[torch.Tensor]], bool]:
             raise LayoutError(f"{name}: group {g} is empty")
         for i, t in enumerate(ts):
             if not isinstance(t, torch.Tensor):
-                raise TypeError(
+                raise ConfigTypeError(
                     f"{name}: group {g} entry {i} is a {type(t).__name__}, not a tensor"
                 )
         groups.append(ts)
     return groups, True
+
+
+def _named(e: Exception, where: str) -> Exception:
+    """``e`` again with ``where`` in front of its message: of its own kind where that is a
+    blockswap error, else a :class:`~blockswap.errors.ConfigTypeError` (a ``TypeError`` from
+    torch, say)."""
+    kind = type(e) if isinstance(e, BlockswapError) else ConfigTypeError
+    return kind(f"{where}: {e}")
 
 
 def check_group_uniform(ts: Sequence[torch.Tensor], g: int, name: str) -> None:
@@ -98,12 +108,17 @@ def layouts_of(layout: Any, ng: int) -> list[Layout]:
     if isinstance(layout, str):
         layouts = [layout] * ng
     else:
+        if not isinstance(layout, Iterable):
+            raise ConfigTypeError(
+                f"layout must be a layout name or one per KV-cache group, not {layout!r:.80}"
+            )
         layouts = list(layout)
         if len(layouts) != ng:
-            raise ValueError(f"{len(layouts)} layouts given for {ng} KV-cache groups")
+            raise ConfigError(f"{len(layouts)} layouts given for {ng} KV-cache groups")
     for lay in layouts:
-        if lay not in LAYOUTS:
-            raise ValueError(f"unknown layout {lay!r}; expected one of {sorted(LAYOUTS)}")
+        if not isinstance(lay, str) or lay not in LAYOUTS:
+            kind = ConfigError if isinstance(lay, str) else ConfigTypeError
+            raise kind(f"unknown layout {lay!r:.80}; expected one of {sorted(LAYOUTS)}")
     return cast("list[Layout]", layouts)
 
 
@@ -117,23 +132,22 @@ def device_of(
     for g, ts in enumerate(gpu_groups):
         for i, t in enumerate(ts):
             if t.device != device:
-                raise ValueError(
+                raise ConfigError(
                     f"gpu_caches: group {g} tensor {i} is on {t.device}, but group 0 tensor 0 "
                     f"is on {device}; all KV-cache tensors must be on one device"
                 )
     if device.type not in ("cuda", "cpu"):
-        raise ValueError(f"gpu_caches are on {device}: blockswap moves CUDA (or CPU) memory")
+        raise ConfigError(f"gpu_caches are on {device}: blockswap moves CUDA (or CPU) memory")
+    check_choice("backend", backend, ("auto", "cuda", "host"))
     if backend == "auto":
         backend = "cuda" if device.type == "cuda" and cuda_status()[0] else "host"
-    if backend not in ("cuda", "host"):
-        raise ValueError(f"backend must be 'auto', 'cuda' or 'host', not {backend!r}")
     if backend == "host" and device.type != "cpu":
-        raise ValueError(
+        raise ConfigError(
             f"the host backend copies host memory only, but gpu_caches are on {device}; use "
             "backend='cuda' (or 'auto')"
         )
     if backend == "cuda" and device.type != "cuda":
-        raise ValueError(f"backend='cuda' needs CUDA tensors, but gpu_caches are on {device}")
+        raise ConfigError(f"backend='cuda' needs CUDA tensors, but gpu_caches are on {device}")
     device_index: int | None = None
     if backend == "cuda":
         device_index = device.index if device.index is not None else torch.cuda.current_device()
@@ -153,7 +167,7 @@ def gpu_tables_of(
         try:
             gpu_tables.append(BlockTable.from_tensors(ts, lay))
         except (LayoutError, TypeError) as e:
-            raise type(e)(f"gpu_caches group {g}: {e}") from e
+            raise _named(e, f"gpu_caches group {g}") from e
     return gpu_tables
 
 
@@ -270,7 +284,7 @@ def _check_cpu_group(
     want_blocks = num_cpu_blocks * factor
     for i, (c, t) in enumerate(zip(cts, gts)):
         if c.device.type != "cpu":
-            raise ValueError(f"cpu_caches group {g} tensor {i} is on {c.device}, not the CPU")
+            raise ConfigError(f"cpu_caches group {g} tensor {i} is on {c.device}, not the CPU")
         if c.dtype != t.dtype:
             raise LayoutError(
                 f"cpu_caches group {g} tensor {i} is {c.dtype}, the GPU tensor {t.dtype}"
@@ -285,7 +299,7 @@ def _check_cpu_group(
                 f"block_size_factor={factor} needs {tuple(want)}"
             )
         if on_cuda and not c.is_pinned():
-            raise ValueError(
+            raise ConfigError(
                 f"cpu_caches group {g} tensor {i} is not pinned: the CUDA backend needs "
                 "page-locked memory (pin_memory=True)"
             )
@@ -306,7 +320,7 @@ def cpu_tables_of(
             tab = BlockTable.from_tensors(ts, lay)
             gpu_tables[g].check_compatible(tab)
         except (LayoutError, TypeError) as e:
-            raise type(e)(f"cpu_caches group {g}: {e}") from e
+            raise _named(e, f"cpu_caches group {g}") from e
         if tab.num_blocks != num_cpu_blocks * factor:
             raise LayoutError(
                 f"cpu_caches group {g} has {tab.num_blocks} blocks in its block dim; "

@@ -25,18 +25,39 @@ CopyPath = Literal["auto", "batch", "loop"]
 CompletionMode = Literal["auto", "write_value", "event"]
 """CUDA: how completions are signalled (``cuStreamWriteValue`` or events)."""
 
+HandlerPath = Literal["auto", "blocks", "staged", "dma", "kernel"]
+"""The copy path of :class:`~blockswap.handler.CpuGpuHandlers`: chosen per direction from the
+caches' geometry (``"auto"``), or insisted on (see :func:`~blockswap.routing.choose_route`)."""
+
+CpuLayout = Literal["block_major", "mirror"]
+"""The CPU cache :class:`~blockswap.handler.CpuGpuHandlers` allocates: block-major (a block's
+pages in one chunk) or a mirror of the GPU tensors."""
+
 AccessOrder = Literal["any", "stream"]
 """CUDA: the source access order of batched copies (``CU_MEMCPY_SRC_ACCESS_ORDER_*``)."""
 
 
 class LaneStats(TypedDict):
-    """Counters of one direction."""
+    """Counters of one direction: transfers reported (``failed`` of them failed), their bytes and
+    ``seconds`` (GPU time on CUDA, wall time on the host backend) and ``gb_per_s``; the p50 and
+    p99 of a transfer's wall-clock time from its submission to the poll that reported it
+    (``wall_p50``, ``wall_p99``) and of a submission's host time in the core (``submit_p50``,
+    ``submit_p99``), in seconds, None before the first; submissions the core ``refused`` before
+    anything was issued (bad input, too many in flight, the pool exhausted, shut down) and those
+    the backend failed to issue (``submit_failed``). Percentiles are within 1/32 of the true
+    value (log-linear buckets), over the engine's life."""
 
     transfers: int
     failed: int
     bytes: int
     seconds: float
     gb_per_s: float
+    wall_p50: float | None
+    wall_p99: float | None
+    submit_p50: float | None
+    submit_p99: float | None
+    refused: int
+    submit_failed: int
 
 
 class PoolStats(TypedDict):

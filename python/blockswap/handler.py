@@ -86,7 +86,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Callable, Union
+from typing import Any, Callable, Protocol, Union
 
 import numpy as np
 import numpy.typing as npt
@@ -98,7 +98,7 @@ try:
 except ModuleNotFoundError as e:
     _optional.missing(e, __name__)
 
-from ._checks import check_int
+from ._checks import check_bool, check_choice, check_int
 from ._core import BlockswapError, InvalidTransferError, ShutdownError, TransferResult
 from ._kvcache import (
     allocate_cpu_cache,
@@ -110,8 +110,9 @@ from ._kvcache import (
     layouts_of,
     union_spans,
 )
-from ._types import Direction
+from ._types import BackendName, CpuLayout, Direction, HandlerPath, LaneStats
 from .engine import Engine, check_job_id, check_job_ids
+from .errors import ConfigError, ConfigTypeError, refuses_with_config_errors
 from .hostmem import DEFAULT_PIECE_BYTES, PinnedRows
 from .layout import BlockTable, Layout, as_block_ids, expand_sub_blocks
 from .routing import (
@@ -136,10 +137,12 @@ from .routing import block_route as block_route
 from .routing import choose_route as choose_route
 
 __all__ = [
+    "BlockIds",
     "CpuGpuHandlers",
     "KVCaches",
     "SingleDirectionHandler",
     "TransferResult",
+    "TransferSpec",
     "load_sub_blocks",
     "store_sub_blocks",
 ]
@@ -153,6 +156,27 @@ KVCaches = Union[
 """KV-cache tensors of one device: one tensor, a list of per-layer tensors, a ``{layer name:
 tensor}`` dict (as vLLM holds them; values in order) -- all one KV-cache group -- or a sequence of
 groups, each a list of tensors (hybrid models)."""
+
+
+class HasBlockIds(Protocol):
+    """An object with a ``block_ids`` attribute (vLLM's ``BlockIDsLoadStoreSpec``)."""
+
+    @property
+    def block_ids(self) -> Any: ...
+
+
+BlockIds = Union[npt.NDArray[np.integer[Any]], Sequence[int], torch.Tensor, HasBlockIds]
+"""One side's block ids of one KV-cache group: a 1-D integer numpy array, a list of ints, a CPU
+integer tensor, or an object with a ``block_ids`` attribute (vLLM's ``BlockIDsLoadStoreSpec``)."""
+
+TransferSpec = Union[
+    tuple[BlockIds, BlockIds],
+    tuple[Sequence[BlockIds], Sequence[BlockIds]],
+    tuple[HasBlockIds, HasBlockIds],
+]
+"""``(source ids, destination ids)``: GPU then CPU block ids for GPU -> CPU, CPU then GPU for
+CPU -> GPU; with several KV-cache groups, each side a sequence with one :data:`BlockIds` per
+group."""
 
 #: Route choices, calibration results, descriptor-building fallbacks, the CPU cache's
 #: allocation and shutdowns that timed out (see :mod:`blockswap.engine`).
@@ -196,12 +220,14 @@ def _stream_handle(s: Any, device_index: int | None, what: str) -> int:
         return int(s)
     handle = getattr(s, "cuda_stream", None)
     if handle is None:
-        raise TypeError(
+        raise ConfigTypeError(
             f"{what} must be a torch.cuda.Stream or a raw CUstream int, not {type(s).__name__}"
         )
     dev = getattr(s, "device", None)
     if device_index is not None and dev is not None and torch.device(dev).index != device_index:
-        raise ValueError(f"{what} is a stream of {dev}, but the KV cache is on cuda:{device_index}")
+        raise ConfigError(
+            f"{what} is a stream of {dev}, but the KV cache is on cuda:{device_index}"
+        )
     return int(handle)
 
 
@@ -210,6 +236,27 @@ _JOB_END = 1 << 64
 
 
 _bad_job_id = check_job_id
+
+
+def _pair(spec: Any, direction: str) -> tuple[Any, Any]:
+    """``spec``'s two sides, or a ValueError naming the argument and the shape it must have."""
+    sides = (
+        "(GPU block ids, CPU block ids)" if direction == "d2h" else "(CPU block ids, GPU block ids)"
+    )
+    try:
+        n = len(spec)
+    except TypeError:
+        n = -1
+    if n != 2 or isinstance(spec, (str, bytes)) or hasattr(spec, "shape"):
+        got = "None" if spec is None else f"a {type(spec).__name__}"
+        got += f" of {n} items" if n >= 0 else ""
+        if hasattr(spec, "shape"):
+            got = f"a {type(spec).__name__} of shape {tuple(spec.shape)}"
+        raise ValueError(f"spec must be a pair {sides}, not {got}")
+    src, dst = spec
+    return src, dst
+
+
 _to_ids = as_block_ids
 
 
@@ -265,7 +312,7 @@ class SingleDirectionHandler:
         route: Route | None = None,
     ) -> None:
         if direction not in _SHORT:
-            raise ValueError(f"direction must be 'd2h' or 'h2d', not {direction!r}")
+            raise ConfigError(f"direction must be 'd2h' or 'h2d', not {direction!r}")
         self._owner = owner
         self.direction: Direction = "d2h" if direction == "d2h" else "h2d"
         self._d2h = direction == "d2h"
@@ -309,7 +356,13 @@ class SingleDirectionHandler:
 
     # ---- the hot path ----------------------------------------------------------------------
 
-    def transfer_async(self, job_id: int, spec: Any, *, block_indices: Any = None) -> bool:
+    def transfer_async(
+        self,
+        job_id: int,
+        spec: TransferSpec,
+        *,
+        block_indices: Sequence[int] | npt.NDArray[np.integer[Any]] | None = None,
+    ) -> bool:
         """Issues the transfer ``spec`` under ``job_id`` and returns ``True`` at once (it never
         waits on the GPU); its result comes from :meth:`get_finished`.
 
@@ -340,7 +393,7 @@ class SingleDirectionHandler:
         if type(job_id) is not int or not 0 <= job_id < _JOB_END:
             job_id = _bad_job_id(job_id)
         try:
-            src, dst = spec
+            src, dst = _pair(spec, self.direction)
             groups = self._groups(src, dst, block_indices)
         except (IndexError, ValueError, TypeError) as e:
             raise InvalidTransferError(f"{self.direction} job {job_id}: {e}") from e
@@ -420,10 +473,11 @@ class SingleDirectionHandler:
         with _KeepDevice(self._device_index):
             self._core_wait(ids, timeout)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> LaneStats:
         """This direction's totals over finished transfers: ``transfers``, ``failed``, ``bytes``,
         ``seconds`` and ``gb_per_s`` (bytes / seconds / 1e9)."""
-        return dict(self._core_stats()[self.direction])
+        s: LaneStats = self._core_stats()[self.direction]
+        return s.copy()
 
     def shutdown(self) -> None:
         """Shuts down both directions (they share one engine): see
@@ -499,10 +553,13 @@ class CpuGpuHandlers:
     ``pool_bytes``, ``copy_path``, ``timing``, ...).
 
     Construction validates everything, builds the block tables once and registers the GPU tensors
-    as ``"device"`` memory and the CPU cache as ``"host"`` memory; errors are ``ValueError`` /
-    ``TypeError`` subclasses (:class:`~blockswap.layout.LayoutError`) or blockswap errors.
+    as ``"device"`` memory and the CPU cache as ``"host"`` memory. Every error it raises is a
+    :class:`~blockswap.BlockswapError`: a bad argument is a :class:`~blockswap.errors.ConfigError`
+    (a ``ValueError``; :class:`~blockswap.layout.LayoutError` for tensors that do not fit their
+    layout) or a :class:`~blockswap.errors.ConfigTypeError` (a ``TypeError``).
     """
 
+    @refuses_with_config_errors
     def __init__(
         self,
         gpu_caches: KVCaches,
@@ -511,34 +568,29 @@ class CpuGpuHandlers:
         layout: Layout | Sequence[Layout],
         block_size_factor: int = 1,
         cpu_caches: KVCaches | None = None,
-        backend: str = "auto",
+        backend: BackendName = "auto",
         copy_streams: Any = None,
-        path: str = "auto",
+        path: HandlerPath = "auto",
         kernel_ctas: int = 16,
         kernel_below: int | None = None,
         kernel_launch_bytes: int | None = KERNEL_LAUNCH_BYTES,
         calibrate: bool = False,
-        cpu_layout: str = "block_major",
+        cpu_layout: CpuLayout = "block_major",
         load_waits_for_compute: bool = False,
         pin_piece_bytes: int = DEFAULT_PIECE_BYTES,
         host_pieces: Sequence[tuple[int, int]] | None = None,
         **engine_options: Any,
     ) -> None:
         self._lock = threading.Lock()
-        if path not in ("auto", "blocks", "staged", "dma", "kernel"):
-            raise ValueError(
-                f"path must be 'auto', 'blocks', 'staged', 'dma' or 'kernel', not {path!r}"
-            )
+        check_choice("path", path, ("auto", "blocks", "staged", "dma", "kernel"))
+        check_bool("calibrate", calibrate)
         self._shut = False
         check_int("num_cpu_blocks", num_cpu_blocks, 1)
-        if not isinstance(load_waits_for_compute, bool):
-            raise TypeError(
-                f"load_waits_for_compute must be a bool, not {type(load_waits_for_compute).__name__}"
-            )
+        check_bool("load_waits_for_compute", load_waits_for_compute)
         check_int("block_size_factor", block_size_factor, 1)
         for key in ("device", "h2d_stream", "d2h_stream"):
             if key in engine_options:
-                raise TypeError(
+                raise ConfigTypeError(
                     f"{key!r} is set by CpuGpuHandlers (the tensors' device; copy_streams=)"
                 )
         self.num_cpu_blocks = int(num_cpu_blocks)
@@ -548,10 +600,11 @@ class CpuGpuHandlers:
         ng = len(gpu_groups)
         layouts = layouts_of(layout, ng)
 
-        device, backend, device_index = device_of(gpu_groups, backend)
-        on_cuda = backend == "cuda"
+        device, resolved, device_index = device_of(gpu_groups, backend)
+        on_cuda = resolved == "cuda"
         self.device = device
-        self.backend = backend
+        #: The backend in use: ``"cuda"`` or ``"host"``.
+        self.backend: str = resolved
 
         # GPU tables (validate layouts; layers of one shape where the CPU cache is made here).
         gpu_tables = gpu_tables_of(gpu_groups, layouts, uniform=cpu_caches is None)
@@ -562,8 +615,7 @@ class CpuGpuHandlers:
         #: elements)`` tensor per group (see :func:`~blockswap.layout.make_block_major_cpu_cache`),
         #: where it was allocated here block-major; ``cpu_caches`` are per-layer views into it.
         self.cpu_chunks: list[torch.Tensor] | None = None
-        if cpu_layout not in ("block_major", "mirror"):
-            raise ValueError(f"cpu_layout must be 'block_major' or 'mirror', not {cpu_layout!r}")
+        check_choice("cpu_layout", cpu_layout, ("block_major", "mirror"))
         check_int("pin_piece_bytes", pin_piece_bytes, 1)
         #: The host memory of the CPU cache allocated here, unpinned by :meth:`shutdown`.
         self._host_memory: list[PinnedRows] = []
@@ -599,11 +651,11 @@ class CpuGpuHandlers:
         options = dict(engine_options)
         if copy_streams is not None:
             if not on_cuda:
-                raise ValueError("copy_streams needs the CUDA backend")
+                raise ConfigError("copy_streams needs the CUDA backend")
             if isinstance(copy_streams, Mapping):
                 unknown = set(copy_streams) - {"h2d", "d2h"}
                 if unknown:
-                    raise ValueError(f"copy_streams keys must be 'h2d' / 'd2h', not {unknown}")
+                    raise ConfigError(f"copy_streams keys must be 'h2d' / 'd2h', not {unknown}")
                 per = dict(copy_streams)
             else:
                 per = {"h2d": copy_streams, "d2h": copy_streams}
@@ -796,11 +848,11 @@ class CpuGpuHandlers:
         :meth:`SingleDirectionHandler.wait`."""
         self.gpu_to_cpu_handler.wait(job_ids, timeout)
 
-    def stats(self) -> dict[str, dict[str, Any]]:
+    def stats(self) -> dict[str, LaneStats]:
         """Per-direction totals: ``{"d2h": {...}, "h2d": {...}}`` with ``transfers``, ``failed``,
         ``bytes``, ``seconds``, ``gb_per_s``."""
         s = self.engine.stats()
-        return {"d2h": dict(s["d2h"]), "h2d": dict(s["h2d"])}
+        return {"d2h": s["d2h"].copy(), "h2d": s["h2d"].copy()}
 
     def _calibrate(self, kernel_ctas: int, reps: int = 5) -> dict[str, dict[str, Any]]:
         """Measures the routes this cache can take on this machine, per direction, and keeps the
@@ -808,7 +860,7 @@ class CpuGpuHandlers:
         choices than the built-in ones. Needs one KV-cache group (the page sizes are then one
         size class)."""
         if self.num_groups != 1:
-            raise ValueError("calibrate=True needs a single KV-cache group")
+            raise ConfigError("calibrate=True needs a single KV-cache group")
         kid = None
         if self.backend == "cuda":
             kid, _ = self._load_kernel(

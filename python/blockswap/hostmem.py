@@ -20,15 +20,17 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from . import _core
-from ._checks import check_int
+from ._checks import check_bool, check_int
 from ._types import BackendName
 from .engine import _ERRORS, _I32, _U64_MAX, _one_of, check_arg
+from .errors import refuses_with_config_errors
 
 if TYPE_CHECKING:
     import torch
@@ -41,8 +43,62 @@ DEFAULT_PIECE_BYTES: int = _core.DEFAULT_PIECE_BYTES
 #: One driver registration of this many bytes or more fails (512 GiB): no piece may be this large.
 REGISTRATION_LIMIT: int = _core.REGISTRATION_LIMIT
 
-#: One line per allocation (size, pieces, seconds), unless the caller writes its own.
+#: One line per allocation (size, pieces, seconds), unless the caller writes its own; while a
+#: buffer is pinned, a progress line every :data:`PROGRESS_SECONDS`.
 log = logging.getLogger(__name__)
+
+#: Seconds between progress lines while a buffer is faulted in and page-locked (tens of GiB take
+#: minutes): the first comes after this long, so a quick allocation logs none.
+PROGRESS_SECONDS = 10.0
+
+
+class _Counts(Protocol):
+    def get(self) -> tuple[int, int, int]: ...
+
+
+class PinProgress:
+    """Logs, every ``interval`` seconds until :meth:`stop`, how far pinning a buffer got: the
+    share done, the bytes faulted in and page-locked of the total, and the rate (the buffer's
+    bytes times the share done, per second since ``start``). ``counts.get()`` gives ``(total,
+    faulted, locked)`` bytes (:class:`blockswap._core.AllocProgress`, which the core counts up
+    while the constructor runs with the GIL released)."""
+
+    def __init__(self, counts: _Counts, interval: float | None = None) -> None:
+        self.counts = counts
+        self.interval = PROGRESS_SECONDS if interval is None else interval
+        self.lines = 0
+        self._stop = threading.Event()
+        self._t0 = time.perf_counter()
+        self._thread = threading.Thread(
+            target=self._run, name="blockswap-pin-progress", daemon=True
+        )
+
+    def start(self) -> PinProgress:
+        self._t0 = time.perf_counter()
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def line(self) -> str:
+        """The progress line now."""
+        total, faulted, locked = self.counts.get()
+        elapsed = time.perf_counter() - self._t0
+        share = (faulted + locked) / (2 * total) if total else 0.0
+        rate = share * total / elapsed / 2**30 if elapsed > 0 else 0.0
+        return (
+            f"pinning {size_text(total)} of host memory: {share:.0%} after {elapsed:.0f} s "
+            f"({size_text(faulted)} faulted in, {size_text(locked)} page-locked; "
+            f"{rate:.2f} GiB/s)"
+        )
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            log.info("%s", self.line())
+            self.lines += 1
 
 
 def size_text(nbytes: int) -> str:
@@ -70,6 +126,7 @@ class PinnedRows:
     buffer and every array over it are collected.
     """
 
+    @refuses_with_config_errors
     def __init__(
         self,
         rows: int,
@@ -85,8 +142,15 @@ class PinnedRows:
         piece_bytes = check_int("piece_bytes", piece_bytes, 1, _U64_MAX, errors=_ERRORS)
         check_arg("backend", backend, _one_of(BackendName), lambda x: isinstance(x, str))
         device = check_int("device", device, *_I32, errors=_ERRORS)
+        check_bool("log_line", log_line)
         t0 = time.perf_counter()
-        self._buf = _core.HostBuffer(rows, row_bytes, piece_bytes, backend, device)
+        counts = _core.AllocProgress()
+        report = PinProgress(counts).start() if backend != "host" else None
+        try:
+            self._buf = _core.HostBuffer(rows, row_bytes, piece_bytes, backend, device, counts)
+        finally:
+            if report is not None:
+                report.stop()
         #: Seconds the mapping and the page-locking took.
         self.seconds = time.perf_counter() - t0
         n = self._buf.nbytes
@@ -136,10 +200,13 @@ class PinnedRows:
 
     def describe(self) -> str:
         """``"6.00 GiB (3072 rows of 2097152 bytes) pinned in 6 pieces of at most 1.00 GiB in
-        2.41 s"``: what the allocation's log line says."""
+        2.41 s (2.49 GiB/s)"``: what the allocation's log line says."""
+        rate = ""
+        if self.pinned and self.seconds > 0:
+            rate = f" ({self.nbytes / self.seconds / 2**30:.2f} GiB/s)"
         return (
             f"{size_text(self.nbytes)} ({self.rows} rows of {self.row_bytes} bytes) "
-            f"{self.how()} in {self.seconds:.2f} s"
+            f"{self.how()} in {self.seconds:.2f} s{rate}"
         )
 
     def how(self) -> str:

@@ -46,8 +46,9 @@ try:
 except ModuleNotFoundError as e:
     _optional.missing(e, __name__)
 
-from ._checks import check_int
-from ._core import BlockswapError, InvalidTransferError, chunk_blocks
+from ._checks import check_bool, check_int
+from ._core import InvalidTransferError, chunk_blocks, cuda_status
+from .errors import ConfigError, ConfigTypeError, refuses_with_config_errors
 
 __all__ = [
     "LAYOUTS",
@@ -85,12 +86,14 @@ integer CPU torch tensor."""
 _I64 = np.int64
 _I64_MAX = np.iinfo(np.int64).max
 
-#: The CPU-cache makers refuse a bad count with a ValueError, whatever its type.
-_VALUE_ERRORS = (ValueError, ValueError)
+#: The CPU-cache makers refuse a bad count with a ConfigError (a ValueError), whatever its type.
+_VALUE_ERRORS = (ConfigError, ConfigError)
 
 
-class LayoutError(BlockswapError, ValueError):
-    """A tensor does not fit the layout, or two tables cannot be copied between."""
+class LayoutError(ConfigError):
+    """A tensor does not fit the layout, or two tables cannot be copied between (a
+    :class:`~blockswap.errors.ConfigError`: a :class:`~blockswap.BlockswapError` and a
+    ``ValueError``)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -100,12 +103,17 @@ class LayoutError(BlockswapError, ValueError):
 
 def _resolve_block_dim(layout: str | None, block_dim: int | None) -> int:
     if layout is None and block_dim is None:
-        raise ValueError(f"give a layout (one of {sorted(LAYOUTS)}) or an explicit block_dim")
+        raise ConfigError(f"give a layout (one of {sorted(LAYOUTS)}) or an explicit block_dim")
     if layout is not None:
-        if layout not in LAYOUTS:
-            raise ValueError(f"unknown layout {layout!r}; expected one of {sorted(LAYOUTS)}")
+        if not isinstance(layout, str) or layout not in LAYOUTS:
+            kind = ConfigError if isinstance(layout, str) else ConfigTypeError
+            raise kind(f"unknown layout {layout!r:.80}; expected one of {sorted(LAYOUTS)}")
+        if block_dim is not None and (
+            isinstance(block_dim, bool) or not isinstance(block_dim, (int, np.integer))
+        ):
+            check_int("block_dim", block_dim)
         if block_dim is not None and block_dim != LAYOUTS[layout]:
-            raise ValueError(
+            raise ConfigError(
                 f"layout {layout!r} has block dim {LAYOUTS[layout]}, but block_dim={block_dim} "
                 "was given; give one or the other"
             )
@@ -122,7 +130,7 @@ def _as_tensor_list(tensors: torch.Tensor | Sequence[torch.Tensor]) -> list[torc
         raise LayoutError("no tensors given")
     for i, t in enumerate(out):
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"tensor {i} is a {type(t).__name__}, not a torch.Tensor")
+            raise ConfigTypeError(f"tensor {i} is a {type(t).__name__}, not a torch.Tensor")
     return out
 
 
@@ -247,7 +255,9 @@ class BlockTable:
             raise LayoutError("every segment must have nbytes > 0")
         if (arrays["strides"] < 0).any() or (arrays["bases"] < 0).any():
             raise LayoutError("bases and strides must be non-negative")
-        num_blocks = check_int("num_blocks", self.num_blocks, 0, errors=(TypeError, LayoutError))
+        num_blocks = check_int(
+            "num_blocks", self.num_blocks, 0, errors=(ConfigTypeError, LayoutError)
+        )
         for name, a in arrays.items():
             object.__setattr__(self, name, a)
         object.__setattr__(self, "num_blocks", num_blocks)
@@ -256,6 +266,7 @@ class BlockTable:
         object.__setattr__(self, "_key", arrays["nbytes"].tobytes())
 
     @classmethod
+    @refuses_with_config_errors
     def from_tensors(
         cls,
         tensors: torch.Tensor | Sequence[torch.Tensor],
@@ -450,6 +461,11 @@ def _cpu_rows(
 ) -> torch.Tensor:
     """The memory of a CPU cache: ``allocate``'s, else pinned rows of
     :class:`~blockswap.hostmem.PinnedRows` (``pin_memory``) or plain torch memory."""
+    check_bool("pin_memory", pin_memory)
+    if allocate is not None and not callable(allocate):
+        raise ConfigTypeError(f"allocate_rows must be a callable or None, not {allocate!r:.80}")
+    if pin_memory and allocate is None and not cuda_status()[0]:
+        raise ConfigError(f"pin_memory=True needs CUDA: {cuda_status()[1]}")
     if allocate is not None and rows * row_bytes > 0:
         t = allocate(rows, row_bytes)
         ok = (
@@ -460,7 +476,7 @@ def _cpu_rows(
             and t.is_contiguous()
         )
         if not ok:
-            raise TypeError(
+            raise ConfigTypeError(
                 f"allocate_rows({rows}, {row_bytes}) must return a contiguous int8 CPU tensor of "
                 f"shape ({rows}, {row_bytes}), not {t!r:.80}"
             )
@@ -474,6 +490,7 @@ def _cpu_rows(
     return torch.empty((rows, row_bytes), dtype=torch.int8, pin_memory=pin_memory)
 
 
+@refuses_with_config_errors
 def make_block_major_cpu_cache(
     gpu_tensors: torch.Tensor | Sequence[torch.Tensor],
     num_cpu_blocks: int,
@@ -557,6 +574,7 @@ def _cpu_like_meta(
     )
 
 
+@refuses_with_config_errors
 def make_cpu_cache_like(
     gpu_tensors: torch.Tensor | Sequence[torch.Tensor],
     num_cpu_blocks: int,

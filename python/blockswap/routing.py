@@ -26,6 +26,7 @@ import numpy as np
 from ._checks import check_int
 from ._core import BackendError, BlockswapError, TransferResult
 from ._types import Direction
+from .errors import ConfigError
 
 if TYPE_CHECKING:
     from ._core import Engine as CoreEngine
@@ -133,6 +134,11 @@ STAGE_BYTES = 16 << 20
 STAGE_MAX_AUTO = 64 << 20
 
 
+#: The route of every transfer on the host backend, as the handler (``routes[...].reason``),
+#: ``blockswap info`` and ``blockswap bench`` say it.
+HOST_ROUTE = "host backend: memcpy (no GPU to run a kernel on)"
+
+
 class Route(NamedTuple):
     """How a handler's transfers move. ``plan="blocks"``: each block as the 2-D copies of the
     table pair's block plan (:meth:`blockswap.Engine.block_runs`), copy engines only.
@@ -180,10 +186,10 @@ def choose_route(
     interpreter), ``"kernel"`` raises :class:`RouteUnavailableError` and ``"auto"`` is DMA.
     """
     if direction not in KERNEL_BELOW:
-        raise ValueError(f"direction must be 'h2d' or 'd2h', not {direction!r}")
+        raise ConfigError(f"direction must be 'h2d' or 'd2h', not {direction!r}")
     check_int("kernel_launch_bytes", launch_bytes, 1, optional=True)
     if path == "dma" or (path == "auto" and not on_cuda):
-        return Route(0, None, "dma" if path == "dma" else "host backend: memcpy")
+        return Route(0, None, "dma" if path == "dma" else HOST_ROUTE)
     default = KERNEL_BELOW[direction]
     threshold = (1 << 62) if path == "kernel" else (default if below is None else below)
     sizes = sorted({int(n) for t in gpu_tables for n in t.nbytes.tolist()})
@@ -334,13 +340,13 @@ def staged_route(
         why = why or None
     if why is not None:
         if insist:
-            raise ValueError(f"path='staged' is not possible here: {why}")
+            raise ConfigError(f"path='staged' is not possible here: {why}")
         log.info("no staged route: %s", why)
         return None
     how = (
         f"pages moved inside the GPU by the core's kernel on {STAGED_CTAS} CTAs"
         if on_cuda
-        else "host backend: memcpy"
+        else HOST_ROUTE
     )
     return Route(
         0,
@@ -418,7 +424,7 @@ def choose_routes(
     for d, r in routes.items():
         log.info("%s route (path=%r): %s", _SHORT[d], path, r.reason)
     if path == "blocks" and any(r.plan != "blocks" for r in routes.values()):
-        raise ValueError(
+        raise ConfigError(
             "path='blocks' needs KV-cache groups whose pages lie at one pitch on both sides, "
             f"in memory no other group shares; here: {routes['d2h'].reason}"
         )

@@ -40,11 +40,15 @@ regular loads. ``transfer_time`` is the copies' GPU time; ``transfer_size`` is v
 twice though its bytes move once).
 
 Options (``kv_connector_extra_config``, all optional): ``blockswap_path`` (``"auto"``,
-``"blocks"``, ``"dma"`` or ``"kernel"``: the copy path, see :class:`~blockswap.handler.CpuGpuHandlers`),
-``blockswap_max_in_flight`` (transfers in flight per direction) and ``blockswap_pin_piece_bytes``
-(the largest piece the CPU cache is page-locked in). Not supported, and refused when the spec or
-worker is built with a message naming the option: ``canonical_layout`` (vLLM's
-parallelism-free CPU layout, ``CanonicalPageMapping``).
+``"blocks"``, ``"staged"``, ``"dma"`` or ``"kernel"``: the copy path, see
+:class:`~blockswap.handler.CpuGpuHandlers`), ``blockswap_max_in_flight`` (transfers in flight per
+direction, 1 to ``blockswap._core.MAX_IN_FLIGHT``) and ``blockswap_pin_piece_bytes`` (the largest
+piece the CPU cache is page-locked in). All of them are checked when the spec is made, before
+the CPU cache is sized or allocated (:mod:`blockswap._vllm_config`): an unknown ``blockswap_*``
+key is refused with the list of known ones, a bad value with its key and the values it takes,
+as a :class:`~blockswap.errors.ConfigError`. Not supported, and refused when the spec is made
+with a message naming the option: ``canonical_layout`` (vLLM's parallelism-free CPU layout,
+``CanonicalPageMapping``).
 
 Importing this module needs vLLM; ``import blockswap`` never imports it.
 """
@@ -59,8 +63,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from . import _optional
+from . import _optional, _vllm_config, _vllm_logging
 from ._checks import check_int
+from ._types import BackendName, HandlerPath
+from .errors import ConfigError
 
 try:
     import torch
@@ -98,12 +104,9 @@ __all__ = [  # noqa: F822 (the specs are made on first use)
 #: Worker construction, the CPU cache's allocation, refused submissions.
 log = logging.getLogger(__name__)
 
-#: ``kv_connector_extra_config`` keys this backend reads, and the worker option each sets.
-OPTIONS = {
-    "blockswap_path": "path",
-    "blockswap_max_in_flight": "max_in_flight",
-    "blockswap_pin_piece_bytes": "pin_piece_bytes",
-}
+#: ``kv_connector_extra_config`` keys this backend reads, and the worker option each sets
+#: (checked by :func:`blockswap._vllm_config.worker_options` when the spec is made).
+OPTIONS = {key: opt.param for key, opt in _vllm_config.OPTIONS.items()}
 
 
 class BlockswapOffloadingWorker(OffloadingWorker):
@@ -132,8 +135,8 @@ class BlockswapOffloadingWorker(OffloadingWorker):
         num_cpu_chunks: int,
         *,
         mmap_region: SharedOffloadRegion | None = None,
-        backend: str = "auto",
-        path: str = "auto",
+        backend: BackendName = "auto",
+        path: HandlerPath = "auto",
         pin_piece_bytes: int = DEFAULT_PIECE_BYTES,
         **options: Any,
     ) -> None:
@@ -576,7 +579,21 @@ def _pin_region(region: SharedOffloadRegion, pieces: list[tuple[int, int]]) -> N
 
 
 def _worker_options(extra_config: dict[str, Any]) -> dict[str, Any]:
-    return {name: extra_config[key] for key, name in OPTIONS.items() if key in extra_config}
+    """The worker's options from ``kv_connector_extra_config``, checked."""
+    return _vllm_config.worker_options(extra_config)
+
+
+def _check_config(config: Any) -> None:
+    """What both specs do before vLLM sizes or blockswap allocates anything: blockswap's log
+    lines joined to vLLM's log, every ``blockswap_*`` key checked, ``canonical_layout`` refused."""
+    # blockswap's log lines in vLLM's log, in its format, at INFO.
+    _vllm_logging.attach()
+    _vllm_config.worker_options(config.extra_config)
+    if config.canonical_layout:
+        raise ConfigError(
+            "blockswap's offloading worker does not support canonical_layout: remove it "
+            "from kv_connector_extra_config"
+        )
 
 
 def _spec_class() -> type:
@@ -593,12 +610,13 @@ def _spec_class() -> type:
         :class:`BlockswapOffloadingWorker` as its worker."""
 
         def __init__(self, config: OffloadingConfig) -> None:
-            if config.canonical_layout:
-                raise ValueError(
-                    "blockswap's offloading worker does not support canonical_layout: remove it "
-                    "from kv_connector_extra_config"
-                )
+            _check_config(config)
             super().__init__(config)
+            _vllm_config.check_fits(
+                self.num_chunks * self.cpu_page_size_per_worker,
+                config.extra_config,
+                config.parallel.world_size,
+            )
 
         def create_worker(self, kv_caches: CanonicalKVCaches) -> BlockswapOffloadingWorker:
             # The region exactly as CPUOffloadingSpec.create_worker makes it.
@@ -637,12 +655,13 @@ def _tiering_spec_class() -> type:
         tier through the region) with :class:`BlockswapOffloadingWorker` as its worker."""
 
         def __init__(self, config: OffloadingConfig) -> None:
-            if config.canonical_layout:
-                raise ValueError(
-                    "blockswap's offloading worker does not support canonical_layout: remove it "
-                    "from kv_connector_extra_config"
-                )
+            _check_config(config)
             super().__init__(config)
+            _vllm_config.check_fits(
+                self.num_chunks * self.cpu_page_size_per_worker,
+                config.extra_config,
+                config.parallel.world_size,
+            )
 
         def create_worker(self, kv_caches: CanonicalKVCaches) -> BlockswapOffloadingWorker:
             # The region exactly as TieringOffloadingSpec.create_worker makes it.

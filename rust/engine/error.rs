@@ -55,8 +55,8 @@ impl fmt::Display for EngineError {
             }
             EngineError::TooManyInFlight { direction, max } => write!(
                 f,
-                "{max} {direction} transfers are already in flight (poll get_finished, or raise \
-                 max_in_flight)"
+                "{max} {direction} transfers are in flight or finished but not yet polled (call \
+                 get_finished, or raise max_in_flight)"
             ),
             EngineError::Timeout { pending } => {
                 write!(

@@ -66,3 +66,10 @@ pub(super) fn cuda_memcpy(py: Python<'_>, dst: u64, src: u64, nbytes: usize) -> 
     py.detach(|| unsafe { cuda::memcpy(dst, src, nbytes) })
         .map_err(|e| EngineError::Backend(e).into())
 }
+
+/// The host's available memory in bytes (`MemAvailable`), None where it cannot be read: what a
+/// CPU cache is checked against before it is allocated.
+#[pyfunction]
+pub(super) fn host_memory_available() -> Option<u64> {
+    crate::hostmem::available_memory()
+}

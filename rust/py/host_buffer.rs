@@ -1,6 +1,10 @@
 //! `HostBuffer`: a large host buffer pinned in pieces.
 
+use std::sync::Arc;
+
 use pyo3::prelude::*;
+
+use crate::hostmem::AllocProgress;
 
 use super::{cuda, hostmem, invalid, HostBuffer, Pinner};
 
@@ -13,11 +17,30 @@ pub(super) struct PyHostBuffer {
     backend: &'static str,
 }
 
+/// How far a `HostBuffer`'s allocation got (bytes faulted in, then page-locked), read by another
+/// thread while the constructor runs with the GIL released.
+#[pyclass(name = "AllocProgress", module = "blockswap._core", frozen)]
+#[derive(Default)]
+pub(super) struct PyAllocProgress(Arc<AllocProgress>);
+
+#[pymethods]
+impl PyAllocProgress {
+    #[new]
+    fn new() -> Self {
+        Self::default()
+    }
+
+    /// `(total, faulted, locked)` bytes now.
+    fn get(&self) -> (u64, u64, u64) {
+        self.0.get()
+    }
+}
+
 #[pymethods]
 impl PyHostBuffer {
     #[new]
     #[pyo3(signature = (rows, row_bytes, piece_bytes = hostmem::DEFAULT_PIECE_BYTES,
-        backend = "auto", device = 0))]
+        backend = "auto", device = 0, progress = None))]
     fn new(
         py: Python<'_>,
         rows: u64,
@@ -25,15 +48,17 @@ impl PyHostBuffer {
         piece_bytes: u64,
         backend: &str,
         device: i32,
+        progress: Option<&PyAllocProgress>,
     ) -> PyResult<Self> {
         let cuda = crate::backend::is_cuda(backend).map_err(invalid)?;
+        let progress = progress.map(|p| Arc::clone(&p.0));
         let buf = py.detach(|| {
             let pinner: Option<Box<dyn Pinner>> = if cuda {
                 Some(Box::new(cuda::HostPinner::new(device)?))
             } else {
                 None
             };
-            HostBuffer::new(rows, row_bytes, piece_bytes, pinner)
+            HostBuffer::with_progress(rows, row_bytes, piece_bytes, pinner, progress.as_deref())
         })?;
         Ok(PyHostBuffer {
             buf,

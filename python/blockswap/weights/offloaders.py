@@ -7,15 +7,16 @@ import contextlib
 import itertools
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
 from torch import nn
 
-from .._checks import check_int
+from .._checks import check_bool, check_int
 from .._core import BackendError, BlockswapError, cuda_device_pointer
 from ..engine import Engine
+from ..errors import refuses_with_config_errors
 from .errors import OffloadConfigError, OffloadDeviceError, WeightTransferError
 from .ops import _IDS, _REGISTRY, _make_forward
 from .plan import _MARK, _bytes_of, _make_plan, _Plan, _typed_view
@@ -179,6 +180,7 @@ class PrefetchOffloader(_OffloaderCore):
     Raises :class:`OffloadConfigError` / :class:`OffloadDeviceError` before changing anything.
     """
 
+    @refuses_with_config_errors
     def __init__(
         self,
         layers: Sequence[nn.Module],
@@ -193,12 +195,19 @@ class PrefetchOffloader(_OffloaderCore):
         trace: list[Any] | None = None,
     ) -> None:
         step = check_int("prefetch_step", prefetch_step, 1, errors=_CONFIG_ERRORS)
+        check_bool("synchronous", synchronous, OffloadConfigError)
+        if trace is not None and not isinstance(trace, list):
+            raise OffloadConfigError(f"trace must be a list or None, not {type(trace).__name__}")
         plan = _make_plan(layers, group_size, num_in_group, params, device)
         n = len(plan.offloaded)
         if step > n:
             raise OffloadConfigError(
                 f"prefetch_step ({step}) is larger than the number of offloaded layers ({n}): "
                 f"there would be more prefetch slots than layers to fill them"
+            )
+        if engine_options is not None and not isinstance(engine_options, dict):
+            raise OffloadConfigError(
+                f"engine_options must be a dict or None, not {type(engine_options).__name__}"
             )
         opts = dict(engine_options or {})
         for reserved in ("h2d_stream", "device"):
@@ -521,6 +530,7 @@ class ZeroCopyOffloader(_OffloaderCore):
     In the host test mode the parameters simply point into the host buffer.
     """
 
+    @refuses_with_config_errors
     def __init__(
         self,
         layers: Sequence[nn.Module],
@@ -628,7 +638,14 @@ def _device_pointer(host_ptr: int) -> int:
     return host_ptr if dptr is None else dptr  # no driver: unified addressing, the same address
 
 
-def create_offloader(kind: str, layers: Sequence[nn.Module] = (), **options: Any) -> BaseOffloader:
+OffloaderKind = Literal["prefetch", "sync", "zero_copy", "none"]
+"""The offloaders :func:`create_offloader` makes."""
+
+
+@refuses_with_config_errors
+def create_offloader(
+    kind: OffloaderKind, layers: Sequence[nn.Module] = (), **options: Any
+) -> BaseOffloader:
     """``"prefetch"`` (:class:`PrefetchOffloader`), ``"sync"`` (the same with
     ``synchronous=True``), ``"zero_copy"`` (:class:`ZeroCopyOffloader`) or ``"none"``
     (:class:`NoopOffloader`)."""

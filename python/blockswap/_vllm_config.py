@@ -1,0 +1,122 @@
+"""The plug-in's options in vLLM's ``kv_connector_extra_config``, checked before anything is
+allocated.
+
+vLLM hands every offloading backend the whole ``kv_connector_extra_config`` and reads its own keys
+from it (``spec_name``, ``cpu_bytes_to_use``, ``eviction_policy``, ...); blockswap's keys start
+with ``blockswap_``. :func:`worker_options` checks them all when the spec is made: an unknown
+``blockswap_*`` key (a misspelling) is refused with the list of known ones, and a bad value with
+the key's name and the values it takes, as a :class:`~blockswap.errors.ConfigError` (or
+:class:`~blockswap.errors.ConfigTypeError`), before vLLM sizes or blockswap allocates the CPU
+cache. :func:`check_fits` then refuses a cache larger than the host's available memory, naming
+``cpu_bytes_to_use``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Callable, get_args
+
+from . import _core
+from ._checks import check_choice, check_int
+from ._types import HandlerPath
+from .errors import ConfigError, ConfigTypeError
+from .hostmem import size_text
+
+__all__ = ["OPTIONS", "check_fits", "worker_options"]
+
+_WHERE = "in kv_connector_extra_config"
+
+
+@dataclass(frozen=True)
+class Option:
+    """A ``kv_connector_extra_config`` key: the worker's keyword it sets, what it takes (for the
+    error and the docs) and its check, which returns the value the worker gets."""
+
+    param: str
+    takes: str
+    check: Callable[[str, Any], Any]
+
+
+def _path(key: str, value: Any) -> Any:
+    return check_choice(key, value, get_args(HandlerPath))
+
+
+def _int(lo: int, hi: int) -> Callable[[str, Any], Any]:
+    def check(key: str, value: Any) -> Any:
+        return check_int(key, value, lo, hi, numpy=False)
+
+    return check
+
+
+#: The keys this backend reads, in the order the docs list them.
+OPTIONS: dict[str, Option] = {
+    "blockswap_path": Option("path", " or ".join(repr(p) for p in get_args(HandlerPath)), _path),
+    "blockswap_max_in_flight": Option(
+        "max_in_flight", f"an int from 1 to {_core.MAX_IN_FLIGHT}", _int(1, _core.MAX_IN_FLIGHT)
+    ),
+    "blockswap_pin_piece_bytes": Option(
+        "pin_piece_bytes",
+        f"an int from 1 to {_core.REGISTRATION_LIMIT - 1}",
+        _int(1, _core.REGISTRATION_LIMIT - 1),
+    ),
+}
+
+
+def worker_options(extra_config: Mapping[str, Any]) -> dict[str, Any]:
+    """The worker's keyword options from ``extra_config``, every ``blockswap_*`` key checked
+    first (see the module's documentation); ``cpu_bytes_to_use`` must be a positive number of
+    bytes (vLLM's own check says only that it is missing)."""
+    if not isinstance(extra_config, Mapping):
+        raise ConfigTypeError(
+            f"kv_connector_extra_config must be a dict, not {type(extra_config).__name__}"
+        )
+    unknown = sorted(k for k in extra_config if isinstance(k, str) and k.startswith("blockswap_"))
+    unknown = [k for k in unknown if k not in OPTIONS]
+    if unknown:
+        raise ConfigError(
+            f"unknown blockswap option{'s' if len(unknown) > 1 else ''} "
+            f"{', '.join(map(repr, unknown))} {_WHERE}; the known ones are "
+            f"{', '.join(OPTIONS)}"
+        )
+    out: dict[str, Any] = {}
+    for key, opt in OPTIONS.items():
+        if key in extra_config:
+            try:
+                out[opt.param] = opt.check(key, extra_config[key])
+            except (ConfigError, ConfigTypeError) as e:
+                raise type(e)(f"{e} {_WHERE}") from None
+    cpu_bytes_to_use(extra_config)
+    return out
+
+
+def cpu_bytes_to_use(extra_config: Mapping[str, Any]) -> int:
+    """vLLM's ``cpu_bytes_to_use`` (the CPU cache's size in bytes): present, a number > 0 (vLLM
+    takes ``int()`` of it, so a float is fine), as an int."""
+    key = "cpu_bytes_to_use"
+    if key not in extra_config:
+        raise ConfigError(f"{key} (the CPU cache's size in bytes) must be set {_WHERE}")
+    value = extra_config[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigTypeError(f"{key} must be a number of bytes {_WHERE}, not {value!r:.60}")
+    if not value >= 1:
+        raise ConfigError(f"{key} must be at least 1 byte {_WHERE}, not {value!r}")
+    return int(value)
+
+
+def check_fits(nbytes: int, extra_config: Mapping[str, Any], workers: int) -> None:
+    """Refuses, before anything is allocated, a CPU cache whose share on this worker (``nbytes``:
+    vLLM's chunks times this worker's bytes per chunk) is more than the host has available
+    (``MemAvailable``): page-locked memory cannot be swapped out, so it would fail (or wake the
+    OOM killer) after minutes of pinning. The message says it in GiB and names the key to
+    lower."""
+    available = _core.host_memory_available()
+    if available is None or nbytes <= available:
+        return
+    asked = extra_config.get("cpu_bytes_to_use")
+    share = f" (cpu_bytes_to_use={asked!r} over {workers} workers)" if workers > 1 else ""
+    raise ConfigError(
+        f"the CPU KV cache needs {size_text(nbytes)} of host memory on this worker{share}, but "
+        f"the host has {size_text(available)} available (MemAvailable): lower cpu_bytes_to_use "
+        f"{_WHERE} (now {asked!r})"
+    )

@@ -1,0 +1,219 @@
+"""``kv_connector_extra_config`` checked when vLLM's factory makes the spec: unknown
+``blockswap_*`` keys refused with the known ones, bad values with the config key and what it
+takes, before vLLM sizes the CPU cache and before blockswap allocates anything."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm.v1.kv_offload.base", reason="vLLM is not installed")
+
+from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+import blockswap
+from blockswap import BlockswapError, _core
+from blockswap._vllm_config import OPTIONS, worker_options
+from blockswap.errors import ConfigError, ConfigTypeError
+from test_vllm_spec import offloading_config
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def config_with(**extra: Any) -> Any:
+    cfg = offloading_config()
+    merged = dict(cfg.extra_config)
+    for k, v in extra.items():
+        if v is None:
+            merged.pop(k, None)
+        else:
+            merged[k] = v
+    return type(cfg)(**{**cfg.__dict__, "extra_config": merged})
+
+
+@pytest.fixture
+def allocations(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Records every step that sizes or allocates: vLLM's CPU spec's constructor (it sizes the
+    cache from cpu_bytes_to_use) and blockswap's host buffers."""
+    seen: list[str] = []
+    spec_init = CPUOffloadingSpec.__init__
+    host_buffer = _core.HostBuffer
+
+    def sizing(self: Any, config: Any) -> None:
+        seen.append("vLLM sized the cache")
+        spec_init(self, config)
+
+    def buffer(*args: Any) -> Any:
+        seen.append("host memory allocated")
+        return host_buffer(*args)
+
+    monkeypatch.setattr(CPUOffloadingSpec, "__init__", sizing)
+    monkeypatch.setattr(_core, "HostBuffer", buffer)
+    return seen
+
+
+BAD = [
+    # (extra config, error kind, words the message must hold)
+    (
+        {"blockswap_max_inflight": 8},
+        ConfigError,
+        [
+            "'blockswap_max_inflight'",
+            "blockswap_path, blockswap_max_in_flight, blockswap_pin_piece_bytes",
+        ],
+    ),
+    ({"blockswap_pth": "dma", "blockswap_zz": 1}, ConfigError, ["'blockswap_pth', 'blockswap_zz'"]),
+    (
+        {"blockswap_max_in_flight": 0},
+        ConfigError,
+        [f"blockswap_max_in_flight must be an int from 1 to {_core.MAX_IN_FLIGHT}, not 0"],
+    ),
+    ({"blockswap_max_in_flight": "8"}, ConfigTypeError, ["blockswap_max_in_flight", "'8'"]),
+    (
+        {"blockswap_path": "fast"},
+        ConfigError,
+        ["blockswap_path must be 'auto', 'blocks', 'staged', 'dma' or 'kernel', not 'fast'"],
+    ),
+    ({"blockswap_pin_piece_bytes": -4096}, ConfigError, ["blockswap_pin_piece_bytes"]),
+    ({"cpu_bytes_to_use": None}, ConfigError, ["cpu_bytes_to_use", "must be set"]),
+    ({"cpu_bytes_to_use": "64GiB"}, ConfigTypeError, ["cpu_bytes_to_use", "number of bytes"]),
+    ({"cpu_bytes_to_use": 0}, ConfigError, ["cpu_bytes_to_use must be at least 1 byte"]),
+]
+
+
+@pytest.mark.parametrize("extra,kind,words", BAD, ids=[str(b[0]) for b in BAD])
+def test_vllms_factory_refuses_a_bad_config_before_any_allocation(
+    allocations: list[str], extra: dict[str, Any], kind: type[Exception], words: list[str]
+) -> None:
+    with pytest.raises(kind) as info:
+        OffloadingSpecFactory.create_spec(config_with(**extra))
+    assert isinstance(info.value, BlockswapError)
+    msg = str(info.value)
+    for w in words:
+        assert w in msg, (w, msg)
+    assert "kv_connector_extra_config" in msg
+    assert allocations == []  # refused before vLLM sized the cache or anything was allocated
+
+
+def test_a_good_config_passes_and_sets_the_workers_options(allocations: list[str]) -> None:
+    spec = OffloadingSpecFactory.create_spec(
+        config_with(blockswap_path="staged", blockswap_pin_piece_bytes=1 << 20)
+    )
+    assert allocations == ["vLLM sized the cache"]
+    assert worker_options(spec.extra_config) == {
+        "path": "staged",
+        "max_in_flight": 8,
+        "pin_piece_bytes": 1 << 20,
+    }
+    # vLLM's own keys pass untouched.
+    assert worker_options({"cpu_bytes_to_use": 1.5e9, "eviction_policy": "arc"}) == {}
+
+
+def test_the_readme_and_the_module_list_every_option_and_value() -> None:
+    """The option list users read matches the code (it once left out ``staged``)."""
+    import blockswap.vllm as plugin
+
+    readme = (ROOT / "README.md").read_text()
+    doc = plugin.__doc__ or ""
+    for key in OPTIONS:
+        assert f"`{key}`" in readme and f"``{key}``" in doc, key
+    section = readme[readme.index("`blockswap_path`") :][:400]
+    for path in ("auto", "blocks", "staged", "dma", "kernel"):
+        assert re.search(rf"`{path}`", section), path
+        assert f'``"{path}"``' in doc, path
+
+
+def test_a_cache_larger_than_the_hosts_memory_is_refused_before_allocation(
+    allocations: list[str],
+) -> None:
+    """The README's 64 GiB example on a smaller host: refused when the spec is made, in GiB,
+    with the host's available memory and the key to lower (cpu_bytes_to_use)."""
+    available = _core.host_memory_available()
+    assert available is not None and available > 0
+    asked = 1 << 47  # 128 TiB: more than any host here has
+    with pytest.raises(ConfigError) as info:
+        OffloadingSpecFactory.create_spec(config_with(cpu_bytes_to_use=asked))
+    msg = str(info.value)
+    # vLLM's sizing: chunks of 2 blocks of 512 bytes each, aligned to 4 KiB: a quarter of it.
+    assert msg.startswith("the CPU KV cache needs 32768.00 GiB of host memory on this worker")
+    assert re.search(r"the host has \d+\.\d\d GiB available \(MemAvailable\)", msg), msg
+    assert f"lower cpu_bytes_to_use in kv_connector_extra_config (now {asked})" in msg
+    assert allocations == ["vLLM sized the cache"]  # nothing allocated
+
+
+def test_a_host_buffer_that_cannot_be_mapped_says_gib_errno_and_available() -> None:
+    from blockswap.hostmem import PinnedRows
+
+    with pytest.raises(blockswap.BackendError) as info:
+        PinnedRows(1 << 20, 1 << 27, backend="host")  # 2^47 bytes: no address space for it
+    msg = str(info.value)
+    assert msg.startswith("could not map 131072.00 GiB (140737488355328 bytes) of host memory")
+    assert "errno 12 (Cannot allocate memory)" in msg
+    assert re.search(r"the host has \d+\.\d\d GiB available \(MemAvailable\)$", msg), msg
+
+
+def short_form(size_gib: float) -> Any:
+    """What vLLM 0.33 makes of ``--kv-offloading-size <size_gib> --kv-transfer-config '{...}'``
+    (the README's short form), by its own code: the CLI's KVTransferConfig from the JSON, the
+    cache config with the size, and VllmConfig's post-init step that turns the size into
+    OffloadingConnector with cpu_bytes_to_use merged into the extra config. (vLLM's full CLI
+    parsing needs a GPU to infer the device; this is the step that implements the option.)"""
+    import json
+    from types import SimpleNamespace
+
+    from vllm.config import CacheConfig, KVTransferConfig, VllmConfig
+
+    readme = (ROOT / "README.md").read_text()
+    flag = "--kv-transfer-config '"
+    start = readme.index(flag, readme.index("--kv-offloading-size")) + len(flag)
+    cli_json = readme[start : readme.index("'", start)]
+    kvt = KVTransferConfig(**json.loads(cli_json))
+    ns = SimpleNamespace(
+        cache_config=CacheConfig(kv_offloading_size=size_gib), kv_transfer_config=kvt
+    )
+    VllmConfig._post_init_kv_transfer_config(ns)  # type: ignore[arg-type]
+    return ns.kv_transfer_config
+
+
+def test_vllms_kv_offloading_size_short_form_selects_blockswap(allocations: list[str]) -> None:
+    import torch
+    from vllm.v1.kv_offload.base import (
+        CanonicalKVCacheRef,
+        CanonicalKVCaches,
+        CanonicalKVCacheTensor,
+        GPULoadStoreSpec,
+    )
+    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+    from blockswap.vllm import BlockswapOffloadingWorker
+
+    kvt = short_form(64)
+    assert kvt.kv_connector == "OffloadingConnector" and kvt.kv_role == "kv_both"
+    assert kvt.kv_connector_extra_config == {
+        "spec_name": "BlockswapOffloadingSpec",
+        "spec_module_path": "blockswap.vllm",
+        "cpu_bytes_to_use": 64 << 30,
+    }
+    # The same at a size this machine can hold (64 KiB), through vLLM's factory to a store.
+    kvt = short_form((64 << 10) / (1 << 30))
+    cfg = offloading_config()
+    cfg = type(cfg)(**{**cfg.__dict__, "extra_config": kvt.kv_connector_extra_config})
+    spec = OffloadingSpecFactory.create_spec(cfg)
+    assert type(spec).__name__ == "BlockswapOffloadingSpec" and spec.num_chunks > 0
+    ts = [torch.zeros((16, 256), dtype=torch.int8) for _ in range(2)]
+    kv = CanonicalKVCaches(
+        [CanonicalKVCacheTensor(t, 256) for t in ts],
+        [[CanonicalKVCacheRef(0, 256), CanonicalKVCacheRef(1, 256)]],
+    )
+    w = spec.get_worker(kv)
+    try:
+        assert isinstance(w, BlockswapOffloadingWorker)
+        assert w.submit_store(1, GPULoadStoreSpec([3, 5], [2], [0]), CPULoadStoreSpec([1]))
+        w.wait({1})
+        assert [(r.job_id, r.success) for r in w.get_finished()] == [(1, True)]
+    finally:
+        w.shutdown()
