@@ -107,14 +107,15 @@ def measure(
     job = 0
     out = {}
     for d, handler in (("d2h", h.d2h), ("h2d", h.h2d)):
-        gpu_s, host_s = [], []
+        gpu_s: list[float] = []
+        host_s: list[float] = []
 
         def spec(d: str = d) -> tuple[np.ndarray, np.ndarray]:
             g = rng.permutation(nb)[:blocks]
             c = cpu_block_ids(rng, blocks, h.num_cpu_blocks, order)
             return (g, c) if d == "d2h" else (c, g)
 
-        polled_s = []
+        polled_s: list[float] = []
         for i in range(2 * reps + 3):  # isolated
             job += 1
             s = spec()

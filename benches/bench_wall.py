@@ -356,9 +356,10 @@ def measure(
         g = rng.permutation(n_gpu)[:blocks].astype(np.int64)
         return g, cpu_block_ids(rng, blocks, n_cpu, order)
 
-    def guarded(t: Target, fn: Callable[[], None]) -> None:
+    def guarded(t: Target, fn: Callable[..., None], *args: Any) -> None:
+        """``fn(*args)``; a failure is ``t``'s, which is measured no further."""
         try:
-            fn()
+            fn(*args)
         except Exception as e:
             out[t.name] = {"error": f"{type(e).__name__}: {e}"}
             alive.remove(t)
@@ -413,23 +414,23 @@ def measure(
             isolated(t, False)
 
     for t in list(alive):
-        guarded(t, lambda t=t: warm(t))
+        guarded(t, warm, t)
     copier.seconds(d, nbytes)
     copies: list[float] = []
     for i in range(n_iso):
         copies.append(copier.seconds(d, nbytes))
         for t in rotated(alive, i):
-            guarded(t, lambda t=t: isolated(t, True))
+            guarded(t, isolated, t, True)
     for i in range(n_queued):
         for t in rotated(alive, i):
-            guarded(t, lambda t=t: queued(t))
+            guarded(t, queued, t)
     addresses = Addresses(targets[0].tables, blocks)
     numpy_slept: list[float] = []
     numpy_b2b: list[float] = []
     for i in range(n_slept):
         g, c = spec()
         for t in rotated(alive, i):
-            guarded(t, lambda t=t, g=g, c=c: slept(t, g, c))
+            guarded(t, slept, t, g, c)
         time.sleep(sleep_s)
         t0 = time.perf_counter()
         addresses(d, g, c)
@@ -590,7 +591,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.set_defaults(pages=None, reps=None)
     ap.add_argument("--layouts", type=choices(LAYOUTS), default=list(LAYOUTS),
                     help="separate, one-alloc, plugin (comma list; default all)")  # fmt: skip
-    ap.add_argument("--variants", nargs="+", type=variant, default=[], metavar="NAME:KEY=VALUE,...",
+    ap.add_argument("--variants", nargs="+", action="extend", type=variant, default=[],
+                    metavar="NAME:KEY=VALUE,...",
                     help="handlers with more options, measured beside the default, interleaved")  # fmt: skip
     ap.add_argument("--sleep-ms", type=float, default=20.0,
                     help="the caller's sleep before a submission (default 20)")  # fmt: skip
@@ -763,6 +765,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         save()
     ceilings.measure("end")
     best = ceilings.best_from()
+    names = [n for n, _ in variants]
+    rows.sort(key=lambda r: (pages.index(r["page_kib"]), LAYOUTS.index(r["layout"]),
+                             args.cpu_blocks.index(r["cpu_blocks"]),
+                             DIRECTIONS.index(r["direction"]), names.index(r["variant"])))  # fmt: skip
     log(f"the link's ceiling at the end: {ceilings.describe()}")
     for r in rows:
         if not r.get("error"):

@@ -158,10 +158,11 @@ class Ceilings:
 
     def best_from(self) -> dict[str, str]:
         """Per direction, when the best was measured (``start``, ``middle``, ``end``)."""
-        return {
-            d: max(self.measured, key=lambda m, d=d: m[d])["when"] if self.measured else "-"
-            for d in DIRECTIONS
-        }
+        out = {}
+        for d in DIRECTIONS:
+            best = max(self.measured, key=lambda m: float(m[d]), default=None)
+            out[d] = "-" if best is None else str(best["when"])
+        return out
 
     def describe(self) -> str:
         """``h2d 55.1 GB/s (best of start 54.9, middle 55.1, end 55.0), d2h ...``."""
