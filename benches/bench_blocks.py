@@ -23,11 +23,12 @@ of one allocation ("one alloc") or allocated one by one ("separate"). Handlers p
 Per direction: the isolated transfer (GPU time of the copies, CUDA events: ``timing=True``), 8
 transfers queued back to back (bytes / wall time from the first submit to the last completion)
 as % of the link's ceiling measured in the same run (one 256 MiB pinned copy per direction,
-best of 5: ``blockswap_bench.kvblocks.ceiling``), beside one contiguous copy of the transfer's bytes (``1 copy``: what a transfer of
-that size can reach at all, isolated; median of 9) and the transfer's block rows alone (``rows``:
-the 32 host rows of 80 pages each, scattered, to or from one contiguous device buffer, as one
-``Engine.submit`` of 32 descriptors, GPU time by events, median of 9: what the copy engines
-make of a block row per copy, the staged plan's copies without its kernels). Host time of ``transfer_async``, median:
+best of 5: ``blockswap_bench.kvblocks.ceiling``), beside one contiguous copy of the transfer's
+bytes (``1 copy``: what a transfer of that size can reach at all, isolated; median of 9) and the
+transfer's block rows alone (``rows``: the 32 host rows of 80 pages each, scattered, to or from
+one contiguous device buffer, as one ``Engine.submit`` of 32 descriptors, GPU time by events,
+median of 9: what the copy engines make of a block row per copy, the staged plan's copies
+without its kernels). Host time of ``transfer_async``, median:
 ``host us`` for isolated transfers after the calling thread slept in ``wait`` for the last one
 (for as long as that transfer took: its caches and core go cold), ``poll us`` for isolated
 transfers after it polled ``get_finished`` until the last one was done (a serving loop's way),

@@ -40,10 +40,11 @@ Per page size, layout, CPU block order, direction and variant:
   ``numpy_b2b_us`` in the JSON: warm); ``ratio`` = slept / numpy.
 
 The link's ceiling: one 256 MiB pinned copy per direction (best of 5), measured at the start, the
-middle (after half the page size x layout groups) and the end of the run; the best of each
-direction is kept and every percentage is of it (the rows printed as the run goes use the best so
-far; the final table, the best of all three). The host backend (no GPU, or ``--backend host``)
-times everything by the wall clock, its copies being ``memcpy``.
+middle (before the page size x layout group where about half the run's time, as estimated, has
+passed) and the end of the run; the best of each direction is kept and every percentage is of it
+(the rows printed as the run goes use the best so far; the final table, the best of all three).
+The host backend (no GPU, or ``--backend host``) times everything by the wall clock, its copies
+being ``memcpy``.
 
 ``--variants spin:spin_us=200 caller:idle_issue=true`` builds, beside the default (``--option``s
 alone), one handler per variant with those options added, all alive at once, and interleaves
@@ -136,6 +137,16 @@ class Reps:
         slept = clamp(self.slept_budget_s / (variants * (est_s + sleep_s) + sleep_s),
                       min(self.min_slept, self.slept), self.slept)  # fmt: skip
         return iso, queued, slept
+
+    def seconds(self, est_s: float, variants: int, sleep_s: float) -> float:
+        """About how long one case (a direction and an order) takes with transfers of
+        ``est_s``."""
+        iso, queued, slept = self.counts(est_s, variants, sleep_s)
+        return (
+            (self.warmup * variants + 1 + iso * (variants + 1)) * est_s
+            + queued * variants * QUEUED * est_s
+            + slept * (variants * (est_s + sleep_s) + sleep_s)
+        )
 
 
 QUICK = Reps(reps=5, min_reps=3, queued=1, slept=3, min_slept=3, warmup=1,
@@ -593,7 +604,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="separate, one-alloc, plugin (comma list; default all)")  # fmt: skip
     ap.add_argument("--variants", nargs="+", action="extend", type=variant, default=[],
                     metavar="NAME:KEY=VALUE,...",
-                    help="handlers with more options, measured beside the default, interleaved")  # fmt: skip
+                    help="handlers with more options, measured beside the default, "
+                         "interleaved")  # fmt: skip
     ap.add_argument("--sleep-ms", type=float, default=20.0,
                     help="the caller's sleep before a submission (default 20)")  # fmt: skip
     ap.add_argument("--min-reps", type=int, default=None, help="fewest isolated repetitions")
@@ -614,7 +626,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     base = Reps() if not args.quick else QUICK
     reps = Reps(**{**base.__dict__, **({"reps": args.reps} if args.reps else {}),
                    **({"min_reps": args.min_reps} if args.min_reps else {})})  # fmt: skip
-    pages = args.pages or [int(x) for x in (QUICK_PAGES[backend] if args.quick else DEFAULT_PAGES).split(",")]  # fmt: skip
+    default_pages = QUICK_PAGES[backend] if args.quick else DEFAULT_PAGES
+    pages: list[int] = args.pages or [int(x) for x in default_pages.split(",")]
     options: dict[str, Any] = ({"timing": True} if cuda else {}) | dict(args.option)
     gpu_time = cuda and options.get("timing") is not False
     variants = [("default", options)] + [(n, options | o) for n, o in args.variants]
@@ -637,7 +650,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"# bench_wall: {gpu_name}, driver {meta.get('driver') or 'n/a'}; backend {backend}; "
           f"{layers} layers x {blocks} blocks ({n_gpu} GPU blocks, {n_cpu} CPU blocks); "
           f"pages {','.join(map(str, pages))} KiB; layouts {','.join(layouts)}; CPU blocks "
-          f"{','.join(args.cpu_blocks)}; sleep {args.sleep_ms:g} ms; {reps}", flush=True)  # fmt: skip
+          f"{','.join(args.cpu_blocks)}; sleep {args.sleep_ms:g} ms; {reps}",
+          flush=True)  # fmt: skip
     for n, o in variants:
         print(f"# variant {n}: {o}", flush=True)
     if not gpu_time:
@@ -653,6 +667,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     jobs = Jobs()
     rng = np.random.default_rng(args.seed)
     groups = [(kib, layout) for kib in pages for layout in layouts]
+    # The middle measurement of the ceiling: before the group where half the run's time (as
+    # estimated from the start's ceiling) has passed.
+    cost = [
+        len(args.cpu_blocks)
+        * sum(
+            reps.seconds(layers * blocks * kib * 1024 / (ceilings.best(d) * 1e9) + 50e-6,
+                         len(variants), sleep_s)
+            for d in DIRECTIONS
+        )
+        for kib, _ in groups
+    ]  # fmt: skip
+    middle = next((i for i in range(len(groups)) if sum(cost[: i + 1]) >= sum(cost) / 2), 0)
+    middle = max(1, middle)
+    log(f"about {sum(cost):.1f} s of measurements to come (besides building the caches)")
     extra: dict[str, Any] = {}
 
     def save(final: bool = False) -> None:
@@ -670,20 +698,30 @@ def main(argv: Sequence[str] | None = None) -> int:
                               "gpu_time": gpu_time},
                       skipped_layouts=skipped_layouts, complete=final, **extra)  # fmt: skip
 
+    def row_of(kib: int, layout: str, order: str, d: str, name: str) -> dict[str, Any]:
+        """A row's key fields (every row has them)."""
+        return {"page_kib": kib, "layout": layout, "cpu_blocks": order, "variant": name,
+                "direction": d, "backend": backend, "bytes": layers * blocks * kib * 1024,
+                "options": dict(variants)[name]}  # fmt: skip
+
     def fail_rows(kib: int, layout: str, names: Sequence[str], why: str,
                   skipped: bool = False) -> None:  # fmt: skip
+        """Rows saying why ``names`` were not measured, for every order and direction not in
+        ``rows`` yet."""
+        done = {(r["cpu_blocks"], r["direction"], r["variant"]) for r in rows
+                if r["page_kib"] == kib and r["layout"] == layout}  # fmt: skip
         for order in args.cpu_blocks:
             for d in DIRECTIONS:
                 for name in names:
-                    row = {"page_kib": kib, "layout": layout, "cpu_blocks": order, "variant": name,
-                           "direction": d, "backend": backend, "bytes": layers * blocks * kib * 1024,
-                           "options": dict(variants)[name], "error": why, "skipped": skipped}  # fmt: skip
-                    rows.append(row)
-                    print(line(row), flush=True)
+                    if (order, d, name) not in done:
+                        row = row_of(kib, layout, order, d, name)
+                        row.update(error=why, skipped=skipped)
+                        rows.append(row)
+                        print(line(row), flush=True)
 
     print(HEAD, flush=True)
     for gi, (kib, layout) in enumerate(groups):
-        if gi == len(groups) // 2 and gi:
+        if gi == middle:
             ceilings.measure("middle")
             log(f"the link's ceiling in the middle: {ceilings.describe()}")
         if log.elapsed() > args.max_s:
@@ -724,11 +762,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         if "error" in res[t.name]:
                             dead[t.name] = res[t.name]["error"]
                     for t in targets:
-                        route, plan = t.route(d)
-                        row = {"page_kib": kib, "layout": layout, "cpu_blocks": order,
-                               "variant": t.name, "direction": d, "backend": backend,
-                               "bytes": nbytes, "options": t.options, "route": route,
-                               "plan": plan}  # fmt: skip
+                        row = row_of(kib, layout, order, d, t.name)
+                        row["route"], row["plan"] = t.route(d)
                         m = res[t.name]
                         if "error" in m:
                             row["error"] = m["error"]
@@ -737,20 +772,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                             percent(row, ceilings.gbps)
                         rows.append(row)
                         print(line(row), flush=True)
-        except Exception as e:
+        except Exception as e:  # the caches could not be made (memory), or a bug here
             traceback.print_exc()
-            done = {(r["cpu_blocks"], r["direction"], r["variant"]) for r in rows
-                    if r["page_kib"] == kib and r["layout"] == layout}  # fmt: skip
-            for order in args.cpu_blocks:
-                for d in DIRECTIONS:
-                    for name, _ in variants:
-                        if (order, d, name) not in done:
-                            row = {"page_kib": kib, "layout": layout, "cpu_blocks": order,
-                                   "variant": name, "direction": d, "backend": backend,
-                                   "bytes": nbytes, "options": dict(variants)[name],
-                                   "error": f"{type(e).__name__}: {e}"}  # fmt: skip
-                            rows.append(row)
-                            print(line(row), flush=True)
+            fail_rows(kib, layout, [n for n, _ in variants], f"{type(e).__name__}: {e}")
         finally:
             for t in targets:
                 try:
@@ -763,12 +787,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 torch.cuda.empty_cache()
         log(f"{kib} KiB {layout} done")
         save()
+    if middle >= len(groups):
+        ceilings.measure("middle")
     ceilings.measure("end")
     best = ceilings.best_from()
     names = [n for n, _ in variants]
     rows.sort(key=lambda r: (pages.index(r["page_kib"]), LAYOUTS.index(r["layout"]),
                              args.cpu_blocks.index(r["cpu_blocks"]),
-                             DIRECTIONS.index(r["direction"]), names.index(r["variant"])))  # fmt: skip
+                             DIRECTIONS.index(r["direction"]),
+                             names.index(r["variant"])))  # fmt: skip
     log(f"the link's ceiling at the end: {ceilings.describe()}")
     for r in rows:
         if not r.get("error"):
