@@ -1,6 +1,7 @@
 """benches/bench_wall.py end to end on the host backend (``--quick``, a small cache): it runs, goes
-on past a variant that cannot be built, and writes a JSON whose rows carry every field. Figures
-are checked for sanity, never for speed."""
+on past a variant that cannot be built, and writes a JSON whose rows carry every field; on a GPU,
+the same on the CUDA backend, the GPU time included. Figures are checked for sanity, never for
+speed."""
 
 from __future__ import annotations
 
@@ -113,3 +114,27 @@ def test_a_variant_that_cannot_be_built_is_reported(
     assert bad and all("no_such_option" in r["error"] for r in bad)
     assert all(r["options"]["no_such_option"] == 1 for r in bad)
     assert "FAILED: cannot build" in p.stdout
+
+
+@pytest.mark.cuda
+def test_on_cuda_every_row_has_the_gpu_time_too(tmp_path: Path) -> None:
+    out = tmp_path / "wall.json"
+    p = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--backend", "cuda", "--layers", "8",
+         "--blocks", "4", "--pages", "4,64", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    saved = json.loads(out.read_text())
+    assert saved["backend"] == "cuda" and saved["gpu"] != "none (host backend)"
+    assert saved["config"]["gpu_time"] is True
+    assert saved["rows"]
+    for r in saved["rows"]:
+        assert r["error"] is None, r
+        assert set(ROW_FIELDS) <= set(r)
+        for key in ("isolated_pct_link", "isolated_pct_one_copy", "queued_pct_link",
+                    "gpu_pct_link", "async_slept_us", "numpy_slept_us"):  # fmt: skip
+            assert _positive(r[key]), (key, r)
+        assert r["options"]["timing"] is True
