@@ -32,7 +32,8 @@ Per page size, layout, CPU block order, direction and variant:
 * ``GPU %``: the engine's GPU time of the isolated transfers (its timing events), % of the link: a
   diagnostic (``n/a`` on the host backend, or with timing off);
 * ``idle %``: the wall clock of a transfer submitted after the caller slept ``--sleep-ms``, % of the
-  link (what an idle gap adds);
+  link (what an idle gap adds); ``first_wall_us`` in the JSON: the case's first transfer (a
+  warm-up, not in the medians);
 * host time of ``transfer_async``: ``b2b us``, back to back (median of the queued batches' later
   calls); ``slept us``, after the caller slept ``--sleep-ms`` (median); ``numpy us``, numpy
   computing the same transfer's per-page addresses (``bases + ids * strides`` for every layer,
@@ -101,7 +102,7 @@ QUEUED = 8
 ROW_FIELDS = (
     "page_kib", "layout", "cpu_blocks", "variant", "direction", "backend", "bytes", "options",
     "route", "plan", "ceiling_gbps", "reps",
-    "isolated_wall_us", "isolated_wall_gbps", "isolated_pct_link",
+    "isolated_wall_us", "isolated_wall_gbps", "isolated_pct_link", "first_wall_us",
     "one_copy_wall_us", "one_copy_gbps", "one_copy_pct_link", "isolated_pct_one_copy",
     "queued_gbps", "queued_pct_link",
     "gpu_gbps", "gpu_pct_link",
@@ -359,7 +360,9 @@ def measure(
     alive = list(targets)
     timeout = 30.0 + 100 * est_s
     samples: dict[str, dict[str, list[float]]] = {
-        t.name: {k: [] for k in ("wall", "polled", "gpu", "b2b", "slept", "idle", "queued")}
+        t.name: {
+            k: [] for k in ("first", "wall", "polled", "gpu", "b2b", "slept", "idle", "queued")
+        }
         for t in targets
     }
 
@@ -384,6 +387,8 @@ def measure(
         if ok is False:
             raise Failed(f"transfer {job} refused (see the log)")
         end, ((_, _, secs, _),) = wait_for(t, {job}, t0 + timeout)
+        if not record and not samples[t.name]["first"]:
+            samples[t.name]["first"].append(end - t0)
         if record:
             s = samples[t.name]
             s["wall"].append(end - t0)
@@ -458,6 +463,7 @@ def measure(
         out[t.name] = {
             "reps": {"isolated": n_iso, "queued_rounds": n_queued, "slept": n_slept},
             "wall_s": median_or_none(s["wall"]),
+            "first_s": median_or_none(s["first"]),
             "one_copy_s": copy_s,
             "queued_gbps": max(s["queued"]),
             "gpu_s": median_or_none(s["gpu"]),
@@ -497,6 +503,7 @@ def figures(row: dict[str, Any], m: dict[str, Any], gpu_time: bool) -> None:
         reps=m["reps"],
         isolated_wall_us=us(m["wall_s"]),
         isolated_wall_gbps=gbps(m["wall_s"]),
+        first_wall_us=us(m["first_s"]),
         one_copy_wall_us=us(m["one_copy_s"]),
         one_copy_gbps=gbps(m["one_copy_s"]),
         isolated_pct_one_copy=(
