@@ -2,12 +2,13 @@
 
     python benches/bench_blocks.py [--pages 4,16,64,256,1024] [--layers 80] [--blocks 32]
                                    [--reps 20] [--handlers auto,staged] [--option KEY=VALUE]
-                                   [--json out.json]
+                                   [--cpu-blocks random,adjacent] [--json out.json]
 
 A KV cache of ``--layers`` layer tensors, one page of P bytes per block per layer (the page a
 serving engine moves per layer), 64 GPU blocks; a transfer moves ``--blocks`` random GPU blocks
-to (or from) random CPU blocks (``--cpu-blocks adjacent``: CPU blocks one after the other, as a
-fresh cache hands them out; their rows then cross PCIe joined). GPU layer tensors either views
+to (or from) random CPU blocks, no two consecutive ones adjacent (``--cpu-blocks adjacent``: CPU
+blocks one after the other, as a fresh cache hands them out; their rows then cross PCIe joined;
+``random,adjacent``: both, one row each). GPU layer tensors either views
 of one allocation ("one alloc") or allocated one by one ("separate"). Handlers per case:
 
 * ``auto``: the default CpuGpuHandlers (block-major CPU cache; the route ``path="auto"`` picks);
@@ -22,11 +23,12 @@ of one allocation ("one alloc") or allocated one by one ("separate"). Handlers p
 Per direction: the isolated transfer (GPU time of the copies, CUDA events: ``timing=True``), 8
 transfers queued back to back (bytes / wall time from the first submit to the last completion)
 as % of the link's ceiling measured in the same run (one 256 MiB pinned copy per direction,
-best of 5), beside one contiguous copy of the transfer's bytes (``1 copy``: what a transfer of
-that size can reach at all, isolated; median of 9) and the transfer's block rows alone (``rows``:
-the 32 host rows of 80 pages each, scattered, to or from one contiguous device buffer, as one
-``Engine.submit`` of 32 descriptors, GPU time by events, median of 9: what the copy engines
-make of a block row per copy, the staged plan's copies without its kernels). Host time of ``transfer_async``, median:
+best of 5: ``blockswap_bench.kvblocks.ceiling``), beside one contiguous copy of the transfer's
+bytes (``1 copy``: what a transfer of that size can reach at all, isolated; median of 9) and the
+transfer's block rows alone (``rows``: the 32 host rows of 80 pages each, scattered, to or from
+one contiguous device buffer, as one ``Engine.submit`` of 32 descriptors, GPU time by events,
+median of 9: what the copy engines make of a block row per copy, the staged plan's copies
+without its kernels). Host time of ``transfer_async``, median:
 ``host us`` for isolated transfers after the calling thread slept in ``wait`` for the last one
 (for as long as that transfer took: its caches and core go cold), ``poll us`` for isolated
 transfers after it polled ``get_finished`` until the last one was done (a serving loop's way),
@@ -37,9 +39,6 @@ events; ``stats()["driver_ns"]``), which bounds how fast transfers can follow ea
 
 from __future__ import annotations
 
-import argparse
-import inspect
-import json
 import os
 import statistics
 import sys
@@ -49,62 +48,21 @@ from typing import Any
 import numpy as np
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from blockswap import Engine
 from blockswap.handler import CpuGpuHandlers
+from blockswap_bench.kvblocks import (
+    ENGINE_OPTIONS,
+    Copier,
+    ceiling,
+    cpu_block_ids,
+    option,
+    parser,
+    write_figures,
+)
 
-
-def ceiling(nbytes: int = 256 << 20, reps: int = 5) -> dict[str, float]:
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    out = {}
-    for d, (dst, src) in {"h2d": (dev, host), "d2h": (host, dev)}.items():
-        best = 0.0
-        for _ in range(reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            dst.copy_(src, non_blocking=True)
-            b.record()
-            b.synchronize()
-            best = max(best, nbytes / (a.elapsed_time(b) * 1e-3) / 1e9)
-        out[d] = best
-    return out
-
-
-def write_figures(path: str, script: str, ceil: dict[str, float], rows: list[Any]) -> None:
-    """A benchmark's figures as JSON: GPU, date, the command that made them (without the output
-    folder, which is the machine's), the ceiling measured in the same run, the rows."""
-    args = [os.path.basename(a) if a == path else a for a in sys.argv[1:]]
-    with open(path, "w") as f:
-        json.dump(
-            {
-                "gpu": torch.cuda.get_device_name(),
-                "date": time.strftime("%Y-%m-%d"),
-                "command": " ".join(["python", f"benches/{script}", *args]),
-                "ceiling_gbps": ceil,
-                "rows": rows,
-            },
-            f,
-            indent=1,
-        )
-
-
-def one_copy(nbytes: int, reps: int = 9) -> dict[str, float]:
-    """GB/s of one contiguous pinned copy of ``nbytes`` per direction, isolated, median."""
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    out = {}
-    for d, (dst, src) in {"h2d": (dev, host), "d2h": (host, dev)}.items():
-        speeds = []
-        for _ in range(reps + 1):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            a.record()
-            dst.copy_(src, non_blocking=True)
-            b.record()
-            b.synchronize()
-            speeds.append(nbytes / (a.elapsed_time(b) * 1e-3) / 1e9)
-        out[d] = statistics.median(speeds[1:])
-    return out
+#: Imported from here by other benchmarks (bench_vllm.py, probe_staged.py, bench_staged_side.py).
+__all__ = ["ceiling", "option", "write_figures"]
 
 
 def rows_only(row: int, n: int, reps: int = 9, **options: Any) -> dict[str, float]:
@@ -143,25 +101,22 @@ def measure(
     blocks: int,
     reps: int,
     rng: np.random.Generator,
-    adjacent: bool = False,
+    order: str = "random",
 ) -> dict:
     nb = h.gpu_tables[0].num_blocks
     nbytes = blocks * int(h.gpu_tables[0].nbytes.sum())
     job = 0
     out = {}
     for d, handler in (("d2h", h.d2h), ("h2d", h.h2d)):
-        gpu_s, host_s = [], []
+        gpu_s: list[float] = []
+        host_s: list[float] = []
 
         def spec(d: str = d) -> tuple[np.ndarray, np.ndarray]:
             g = rng.permutation(nb)[:blocks]
-            if adjacent:
-                first = int(rng.integers(0, h.num_cpu_blocks - blocks + 1))
-                c = np.arange(first, first + blocks)
-            else:
-                c = rng.permutation(h.num_cpu_blocks)[:blocks]
+            c = cpu_block_ids(rng, blocks, h.num_cpu_blocks, order)
             return (g, c) if d == "d2h" else (c, g)
 
-        polled_s = []
+        polled_s: list[float] = []
         for i in range(2 * reps + 3):  # isolated
             job += 1
             s = spec()
@@ -210,30 +165,9 @@ def measure(
     return out
 
 
-#: Options of the engine (the rest of ``--option`` goes to the handlers only).
-ENGINE_OPTIONS = set(inspect.signature(Engine).parameters) - {"backend"}
-
-
-def option(text: str) -> tuple[str, object]:
-    """``KEY=VALUE`` from the command line: ints as ints, true/false as bools."""
-    key, _, value = text.partition("=")
-    if value in ("true", "false"):
-        return key, value == "true"
-    return key, int(value) if value.lstrip("-").isdigit() else value
-
-
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--pages", default="4,8,16,32,64,256,1024", help="page sizes in KiB")
-    ap.add_argument("--layers", type=int, default=80)
-    ap.add_argument("--blocks", type=int, default=32)
-    ap.add_argument("--reps", type=int, default=20)
+    ap = parser(__doc__, pages="4,8,16,32,64,256,1024", reps=20)
     ap.add_argument("--handlers", default=None, help="only these handlers (comma list)")
-    ap.add_argument("--cpu-blocks", choices=("random", "adjacent"), default="random",
-                    help="CPU blocks of a transfer: random, or one after the other")  # fmt: skip
-    ap.add_argument("--option", action="append", default=[], type=option,
-                    help="a handler option (engine options also for the rows), KEY=VALUE")  # fmt: skip
-    ap.add_argument("--json", default=None)
     args = ap.parse_args()
     options = dict(args.option)
     only = set(args.handlers.split(",")) if args.handlers else None
@@ -245,14 +179,15 @@ def main() -> int:
     rows = []
     print(f"# {torch.cuda.get_device_name()}; ceiling h2d {ceil['h2d']:.1f} GB/s, "
           f"d2h {ceil['d2h']:.1f} GB/s; {args.layers} layers x {args.blocks} random GPU blocks, "
-          f"{args.cpu_blocks} CPU blocks; options {options}")  # fmt: skip
-    print(f"{'page':>6} {'GPU layers':>10} {'handler':>11} {'route':<34} "
+          f"{'/'.join(args.cpu_blocks)} CPU blocks; options {options}")  # fmt: skip
+    print(f"{'page':>6} {'GPU layers':>10} {'CPU blks':>8} {'handler':>11} {'route':<34} "
           f"{'dir':>4} {'isol %':>7} {'8 q %':>6} {'1 copy':>6} {'rows':>6} {'host us':>8} "
           f"{'poll us':>8} {'busy us':>8} {'issue us':>8}")  # fmt: skip
-    for kib in (int(x) for x in args.pages.split(",")):
+    for kib in args.pages:
         for one_alloc in (True, False):
             gpu = gpu_layers(args.layers, 64, kib * 1024, one_alloc)
-            same = one_copy(args.layers * args.blocks * kib * 1024)
+            nbytes = args.layers * args.blocks * kib * 1024
+            same = Copier(nbytes).gbps(nbytes, wall=False)
             engine_options = {k: v for k, v in options.items() if k in ENGINE_OPTIONS}
             rows_alone = rows_only(args.layers * kib * 1024, args.blocks, **engine_options)
             variants: list[tuple[str, dict]] = [("auto", {})]
@@ -272,29 +207,33 @@ def main() -> int:
                     print(f"{kib:>5}K {name}: {e}")
                     continue
                 try:
-                    res = measure(h, args.blocks, args.reps, rng, args.cpu_blocks == "adjacent")
-                    for d, m in res.items():
-                        route = h.routes[d].reason.split(" (")[0]
-                        row = {
-                            "page_kib": kib,
-                            "gpu_layers": "one alloc" if one_alloc else "separate",
-                            "handler": name,
-                            "route": h.routes[d].reason,
-                            "plan": h.routes[d].plan,
-                            "direction": d,
-                            "ceiling_gbps": ceil[d],
-                            "one_copy_gbps": same[d],
-                            "rows_only_gbps": rows_alone[d],
-                            **m,
-                        }
-                        rows.append(row)
-                        print(f"{kib:>5}K {row['gpu_layers']:>10} {name:>11} {route[:34]:<34} "
-                              f"{d:>4} {100 * m['isolated_gbps'] / ceil[d]:>6.1f}% "
-                              f"{100 * m['queued_gbps'] / ceil[d]:>5.1f}% "
-                              f"{100 * same[d] / ceil[d]:>5.1f}% "
-                              f"{100 * rows_alone[d] / ceil[d]:>5.1f}% "
-                              f"{m['host_us']:>8.1f} {m['polled_host_us']:>8.1f} "
-                              f"{m['busy_host_us']:>8.1f} {m['issue_us']:>8.1f}")  # fmt: skip
+                    for order in args.cpu_blocks:
+                        res = measure(h, args.blocks, args.reps, rng, order)
+                        for d, m in res.items():
+                            route = h.routes[d].reason.split(" (")[0]
+                            row = {
+                                "page_kib": kib,
+                                "gpu_layers": "one alloc" if one_alloc else "separate",
+                                "cpu_blocks": order,
+                                "handler": name,
+                                "route": h.routes[d].reason,
+                                "plan": h.routes[d].plan,
+                                "direction": d,
+                                "ceiling_gbps": ceil[d],
+                                "one_copy_gbps": same[d],
+                                "rows_only_gbps": rows_alone[d],
+                                **m,
+                            }
+                            rows.append(row)
+                            print(f"{kib:>5}K {row['gpu_layers']:>10} {order:>8} {name:>11} "
+                                  f"{route[:34]:<34} "
+                                  f"{d:>4} {100 * m['isolated_gbps'] / ceil[d]:>6.1f}% "
+                                  f"{100 * m['queued_gbps'] / ceil[d]:>5.1f}% "
+                                  f"{100 * same[d] / ceil[d]:>5.1f}% "
+                                  f"{100 * rows_alone[d] / ceil[d]:>5.1f}% "
+                                  f"{m['host_us']:>8.1f} {m['polled_host_us']:>8.1f} "
+                                  f"{m['busy_host_us']:>8.1f} {m['issue_us']:>8.1f}",
+                                  flush=True)  # fmt: skip
                 finally:
                     h.shutdown()
             del gpu

@@ -37,8 +37,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench_blocks import option
 from blockswap.handler import CpuGpuHandlers
+from blockswap_bench.kvblocks import option
 
 #: GPU cycles of the spin kernel a ``gpu`` GEMM waits behind (about 10 ms on an H100): longer
 #: than any launch delay seen beside onloads.

@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_blocks import ceiling, write_figures
+from blockswap_bench.kvblocks import ceiling, write_figures
 
 KiB = 1024
 CTAS = 32  # programs of the scatter / gather kernel (--ctas)

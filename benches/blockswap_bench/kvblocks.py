@@ -1,0 +1,293 @@
+"""What the KV-block benchmarks per page size share (``benches/bench_blocks.py``,
+``benches/bench_wall.py`` and the probes beside them): the link's ceiling, one contiguous copy of
+a transfer's bytes, CPU block ids in the orders a cache hands out, the command line, and the JSON.
+
+The link's ceiling is measured here and nowhere else in those scripts: :func:`ceiling` (one
+256 MiB pinned copy per direction, best of a few), :class:`Ceilings` when a run measures it again
+at its start, middle and end and keeps the best.
+
+On the host backend (no GPU) a copy is one ``memcpy`` (numpy ``copyto``) between two host
+buffers, timed by the wall clock. torch is imported only where CUDA is used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from blockswap import Engine
+from blockswap._bench import median, one_copy
+
+from .common import run_metadata
+
+#: Bytes of the copy that measures the link's ceiling.
+LINK_BYTES = 256 << 20
+
+#: Directions, each as its ``(source, destination)`` sides.
+DIRECTIONS = ("h2d", "d2h")
+
+#: CPU block orders: ``random`` (no two consecutive ids adjacent), ``adjacent`` (one after the
+#: other, as a fresh cache hands them out).
+ORDERS = ("random", "adjacent")
+
+#: Options of the engine (the rest of ``--option`` goes to the handlers only).
+ENGINE_OPTIONS = set(inspect.signature(Engine).parameters) - {"backend"}
+
+
+def cuda_available() -> bool:
+    """Whether torch sees a CUDA GPU (blockswap's CUDA backend is then used)."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+# ---- copies -----------------------------------------------------------------------------------
+
+
+class Copier:
+    """A host buffer and a device buffer of ``nbytes`` each (pinned host memory, exactly that size,
+    and device memory on CUDA; two numpy arrays on the host backend, the second standing in for
+    the device), and one contiguous copy of their first bytes either way, timed."""
+
+    def __init__(self, nbytes: int, cuda: bool | None = None) -> None:
+        self.cuda = cuda_available() if cuda is None else cuda
+        self.nbytes = int(nbytes)
+        self._pinned: Any = None
+        if self.cuda:
+            import torch
+
+            from blockswap.hostmem import PinnedRows
+
+            # Exactly the bytes asked for (torch's pinned allocator rounds up to a power of 2).
+            self._pinned = PinnedRows(1, self.nbytes, backend="cuda", log_line=False)
+            self.host: Any = torch.from_numpy(self._pinned.array.reshape(-1))
+            self.dev: Any = torch.empty(self.nbytes, dtype=torch.uint8, device="cuda")
+            self.host.fill_(1)
+            self.dev.fill_(2)
+            torch.cuda.synchronize()
+        else:
+            self.host = np.full(self.nbytes, 1, dtype=np.uint8)
+            self.dev = np.full(self.nbytes, 2, dtype=np.uint8)
+
+    def sides(self, direction: str) -> tuple[Any, Any]:
+        return (self.host, self.dev) if direction == "h2d" else (self.dev, self.host)
+
+    def seconds(self, direction: str, nbytes: int, *, wall: bool = True) -> float:
+        """One copy of ``nbytes`` in ``direction``. ``wall``: the wall clock from a synchronised
+        device to the copy seen done (``synchronize``, ``copy_``, ``synchronize``: what a caller
+        waits for, fixed latency included); else its GPU time (CUDA events around it). The host
+        backend has only the wall clock."""
+        if nbytes > self.nbytes:
+            raise ValueError(f"a copy of {nbytes} bytes over buffers of {self.nbytes}")
+        src, dst = self.sides(direction)
+        if not self.cuda:
+            t0 = time.perf_counter()
+            one_copy(src, dst, nbytes, None)()
+            return time.perf_counter() - t0
+        import torch
+
+        if wall:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            dst[:nbytes].copy_(src[:nbytes], non_blocking=True)
+            torch.cuda.synchronize()
+            return time.perf_counter() - t0
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        a.record()
+        dst[:nbytes].copy_(src[:nbytes], non_blocking=True)
+        b.record()
+        b.synchronize()
+        return float(a.elapsed_time(b)) * 1e-3
+
+    def gbps(self, nbytes: int, reps: int = 9, *, wall: bool = True) -> dict[str, float]:
+        """GB/s of one copy of ``nbytes`` per direction, isolated, median of ``reps`` (after one
+        discarded)."""
+        out = {}
+        for d in DIRECTIONS:
+            times = [self.seconds(d, nbytes, wall=wall) for _ in range(reps + 1)][1:]
+            out[d] = nbytes / median(times) / 1e9
+        return out
+
+
+def ceiling(
+    nbytes: int = LINK_BYTES, reps: int = 5, *, copier: Copier | None = None
+) -> dict[str, float]:
+    """The link's ceiling in GB/s per direction: one ``nbytes`` pinned copy, GPU time by CUDA
+    events (the host backend: one memcpy, wall clock), best of ``reps`` after one discarded.
+    ``copier``: buffers of at least ``nbytes`` to use (else allocated here)."""
+    c = copier if copier is not None and copier.nbytes >= nbytes else Copier(nbytes)
+    out = {}
+    for d in DIRECTIONS:
+        times = [c.seconds(d, nbytes, wall=not c.cuda) for _ in range(reps + 1)][1:]
+        out[d] = nbytes / min(times) / 1e9
+    return out
+
+
+class Ceilings:
+    """The link's ceiling measured more than once in a run (its start, middle and end), the best
+    of each direction kept, and which measurement gave it."""
+
+    def __init__(self, nbytes: int = LINK_BYTES, copier: Copier | None = None) -> None:
+        self.nbytes = nbytes
+        self.copier = copier
+        self.measured: list[dict[str, Any]] = []
+
+    def measure(self, when: str) -> dict[str, float]:
+        c = ceiling(self.nbytes, copier=self.copier)
+        self.measured.append({"when": when, **c})
+        return c
+
+    def best(self, direction: str) -> float:
+        """The best so far (``nan`` before the first measurement)."""
+        return max((m[direction] for m in self.measured), default=float("nan"))
+
+    @property
+    def gbps(self) -> dict[str, float]:
+        return {d: self.best(d) for d in DIRECTIONS}
+
+    def best_from(self) -> dict[str, str]:
+        """Per direction, when the best was measured (``start``, ``middle``, ``end``)."""
+        out = {}
+        for d in DIRECTIONS:
+            best = max(self.measured, key=lambda m: float(m[d]), default=None)
+            out[d] = "-" if best is None else str(best["when"])
+        return out
+
+    def describe(self) -> str:
+        """``h2d 55.1 GB/s (best of start 54.9, middle 55.1, end 55.0), d2h ...``."""
+        parts = []
+        for d in DIRECTIONS:
+            each = ", ".join(f"{m['when']} {m[d]:.1f}" for m in self.measured)
+            parts.append(f"{d} {self.best(d):.1f} GB/s (best of {each})")
+        return "; ".join(parts)
+
+
+# ---- block ids --------------------------------------------------------------------------------
+
+
+def cpu_block_ids(rng: np.random.Generator, n: int, num_cpu_blocks: int, order: str) -> np.ndarray:
+    """``n`` distinct CPU block ids out of ``num_cpu_blocks``: ``adjacent``, one after the other
+    from a random first; ``random``, in random order with no two consecutive ids adjacent in
+    memory (``|c[i + 1] - c[i]| != 1``: no rows that could be joined)."""
+    if n > num_cpu_blocks:
+        raise ValueError(f"{n} CPU blocks do not fit in {num_cpu_blocks}")
+    if order == "adjacent":
+        first = int(rng.integers(0, num_cpu_blocks - n + 1))
+        return np.arange(first, first + n, dtype=np.int64)
+    if order != "random":
+        raise ValueError(f"CPU block order must be one of {ORDERS}, not {order!r}")
+    for _ in range(10_000):
+        c = rng.permutation(num_cpu_blocks)[:n].astype(np.int64)
+        if n < 2 or bool((np.abs(np.diff(c)) != 1).all()):
+            return c
+    raise ValueError(f"no order of {n} of {num_cpu_blocks} CPU blocks without adjacent ones")
+
+
+# ---- the command line -------------------------------------------------------------------------
+
+
+def option(text: str) -> tuple[str, object]:
+    """``KEY=VALUE`` from the command line: ints as ints, true/false as bools, ``none`` as None."""
+    key, sep, value = text.partition("=")
+    if not key or not sep:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    if value in ("true", "false"):
+        return key, value == "true"
+    if value == "none":
+        return key, None
+    return key, int(value) if value.lstrip("-").isdigit() else value
+
+
+def kib_list(text: str) -> list[int]:
+    """``4,16,1024`` (KiB) as a list of ints."""
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"page sizes in KiB, comma separated: {text!r}") from None
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"page sizes in KiB, each >= 1: {text!r}")
+    return out
+
+
+def choices(allowed: Sequence[str]) -> Any:
+    """An argparse type: a comma list of names out of ``allowed``."""
+
+    def parse(text: str) -> list[str]:
+        out = [x.strip() for x in text.split(",") if x.strip()]
+        bad = [x for x in out if x not in allowed]
+        if bad or not out:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: a comma list of {', '.join(allowed)} (not {', '.join(bad)})"
+            )
+        return out
+
+    return parse
+
+
+def parser(
+    doc: str | None, *, pages: str, reps: int, cpu_blocks: str = "random"
+) -> argparse.ArgumentParser:
+    """The arguments every KV-block benchmark takes: ``--pages`` (KiB), ``--layers``, ``--blocks``
+    (per transfer), ``--reps``, ``--cpu-blocks`` (orders), ``--option KEY=VALUE`` (repeatable, to
+    the handler and its engine) and ``--json``. ``doc``: the script's docstring, for ``--help``."""
+    ap = argparse.ArgumentParser(
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--pages", type=kib_list, default=kib_list(pages),
+                    help=f"page sizes in KiB, comma list (default {pages})")  # fmt: skip
+    ap.add_argument("--layers", type=int, default=80, help="layer tensors (default 80)")
+    ap.add_argument("--blocks", type=int, default=32, help="blocks per transfer (default 32)")
+    ap.add_argument("--reps", type=int, default=reps, help=f"repetitions (default {reps})")
+    ap.add_argument("--cpu-blocks", type=choices(ORDERS), default=choices(ORDERS)(cpu_blocks),
+                    help="CPU block orders, comma list: random (no two adjacent), adjacent "
+                         f"(one after the other) (default {cpu_blocks})")  # fmt: skip
+    ap.add_argument("--option", action="append", default=[], type=option, metavar="KEY=VALUE",
+                    help="a handler or engine option (repeatable): ints as ints, "
+                         "true/false as bools")  # fmt: skip
+    ap.add_argument("--json", default=None, help="write the figures to this file")
+    return ap
+
+
+# ---- the figures ------------------------------------------------------------------------------
+
+
+_META: dict[str, Any] = {}
+
+
+def write_figures(
+    path: str, script: str, ceil: dict[str, float], rows: list[Any], **extra: Any
+) -> None:
+    """A benchmark's figures as JSON: GPU, driver, date, the command that made them (without the
+    output folder, which is the machine's), the ceiling measured in the same run, the rows, the
+    run's metadata (versions, host), and ``extra``. Written to a temporary file first, then
+    renamed: a run cut short leaves the last complete file."""
+    args = [os.path.basename(a) if a == path else a for a in sys.argv[1:]]
+    if not _META:
+        _META.update(run_metadata())  # once per run: it asks nvidia-smi
+    meta = dict(_META)
+    figures = {
+        "gpu": meta.get("gpu") or "none (host backend)",
+        "driver": meta.get("driver"),
+        "date": time.strftime("%Y-%m-%d"),
+        "time": meta.get("time"),
+        "command": " ".join(["python", f"benches/{script}", *args]),
+        "ceiling_gbps": ceil,
+        **extra,
+        "meta": meta,
+        "rows": rows,
+    }
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(figures, f, indent=1, default=str)
+    os.replace(tmp, path)
