@@ -4,7 +4,10 @@
 mod functions;
 mod host_buffer;
 
-use functions::{chunk_blocks, cuda_device_pointer, cuda_memcpy, cuda_memory_kind, cuda_status};
+use functions::{
+    chunk_blocks, cuda_device_pointer, cuda_memcpy, cuda_memory_kind, cuda_pin, cuda_status,
+    cuda_unpin,
+};
 use host_buffer::PyHostBuffer;
 
 use std::sync::Arc;
@@ -774,6 +777,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_memory_kind, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_device_pointer, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_memcpy, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_pin, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_unpin, m)?)?;
     m.add_function(wrap_pyfunction!(chunk_blocks, m)?)?;
     m.add("BlockswapError", py.get_type::<BlockswapError>())?;
     m.add(

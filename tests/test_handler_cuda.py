@@ -171,7 +171,7 @@ def test_cuda_transfers_issued_by_the_caller_or_a_spinning_thread(
             for k in range(burst):
                 subs = ref_store_subs(cpu[k].tolist(), n, factor)
                 for i, b in zip(layers, before[k]):
-                    assert torch.equal(sel(h.cpu_caches[i], "kv_split", subs), b.cpu())
+                    assert torch.equal(sel(h.cpu_caches[0][i], "kv_split", subs), b.cpu())
             dst = rng.permutation(GPU_BLOCKS)[: burst * n].reshape(burst, n)
             jobs = []
             for k in range(burst):

@@ -88,7 +88,8 @@ except ModuleNotFoundError as e:
         name=e.name,
     ) from e
 
-from ._core import chunk_blocks
+from . import _core
+from ._core import BackendError, BlockswapError, chunk_blocks
 from .handler import CpuGpuHandlers
 from .hostmem import DEFAULT_PIECE_BYTES, PinnedRows
 
@@ -143,17 +144,17 @@ class BlockswapOffloadingWorker(OffloadingWorker):
         check_int("blocks_per_chunk", blocks_per_chunk, 1)
         check_int("pin_piece_bytes", pin_piece_bytes, 1)
         if num_cpu_chunks < 1:
-            raise ValueError(
+            raise ConfigError(
                 f"the CPU cache holds {num_cpu_chunks} chunks: raise cpu_bytes_to_use (in "
                 "kv_connector_extra_config) to at least one chunk per worker"
             )
         if not kv_caches.tensors:
-            raise ValueError("kv_caches holds no tensor")
+            raise ConfigError("kv_caches holds no tensor")
         refs = kv_caches.group_data_refs
         for g, group in enumerate(refs):
             for r in group:
                 if r.mapping is not None:
-                    raise ValueError(
+                    raise ConfigError(
                         f"KV-cache group {g} carries a CanonicalPageMapping: blockswap's worker "
                         "does not support canonical_layout; remove it from "
                         "kv_connector_extra_config"
@@ -162,7 +163,7 @@ class BlockswapOffloadingWorker(OffloadingWorker):
         for i, ct in enumerate(kv_caches.tensors):
             t = ct.tensor
             if not t.is_contiguous():
-                raise ValueError(f"KV-cache tensor {i} is not contiguous")
+                raise ConfigError(f"KV-cache tensor {i} is not contiguous")
             rows.append(t.view(torch.int8).view(-1, ct.page_size_bytes))
         # Per group, each tensor it copies with the largest page any of its references copies:
         # references of one group naming one tensor copy the same bytes from the same offset.
@@ -171,17 +172,17 @@ class BlockswapOffloadingWorker(OffloadingWorker):
             pages: dict[int, int] = {}
             for r in group:
                 if not 0 <= r.tensor_idx < len(rows):
-                    raise ValueError(f"group {g} refers to tensor {r.tensor_idx} of {len(rows)}")
+                    raise ConfigError(f"group {g} refers to tensor {r.tensor_idx} of {len(rows)}")
                 row = rows[r.tensor_idx].shape[1]
                 if not 0 < r.page_size_bytes <= row:
-                    raise ValueError(
+                    raise ConfigError(
                         f"group {g}: a page of {r.page_size_bytes} bytes in tensor "
                         f"{r.tensor_idx}, whose rows are {row} bytes"
                     )
                 pages[r.tensor_idx] = max(pages.get(r.tensor_idx, 0), r.page_size_bytes)
             group_pages.append(pages)
         if not any(group_pages):
-            raise ValueError("no KV-cache group refers to a tensor: nothing to offload")
+            raise ConfigError("no KV-cache group refers to a tensor: nothing to offload")
         #: Per vLLM group, the bytes vLLM counts per GPU block: every reference's page, a tensor
         #: named twice counted twice (its ``transfer_size``), though the bytes move once.
         self._block_bytes = [sum(r.page_size_bytes for r in group) for group in refs]
@@ -203,6 +204,9 @@ class BlockswapOffloadingWorker(OffloadingWorker):
         self.mmap_region: SharedOffloadRegion | None = mmap_region
         #: The ``(address, bytes)`` pieces of the region registered with the engines.
         self.region_pieces: list[tuple[int, int]] = []
+        # Pieces of the shared region this worker page-locked, and the device it did so on.
+        self._region_pinned: list[int] = []
+        self._pin_device = 0
         #: vLLM's views of the region, one per KV-cache tensor (its worker's ``cpu_tensors``:
         #: ``(num_cpu_chunks, blocks_per_chunk * page_size_bytes)`` at the row stride).
         self.cpu_tensors: list[torch.Tensor] = []
@@ -341,13 +345,13 @@ class BlockswapOffloadingWorker(OffloadingWorker):
         assert region is not None
         f = self.blocks_per_chunk
         if region.num_chunks != self.num_cpu_chunks:
-            raise ValueError(
+            raise ConfigError(
                 f"the shared offload region holds {region.num_chunks} chunks, the worker was "
                 f"given num_cpu_chunks={self.num_cpu_chunks}"
             )
         need = sum(ct.page_size_bytes for ct in kv_caches.tensors) * f
         if need > region.cpu_page_size:
-            raise ValueError(
+            raise ConfigError(
                 f"the KV-cache tensors take {need} bytes per chunk ({f} blocks of every "
                 f"tensor's page), but a cell of the shared offload region holds "
                 f"{region.cpu_page_size}: the region was sized for other KV caches"
@@ -363,10 +367,9 @@ class BlockswapOffloadingWorker(OffloadingWorker):
             (base + o, min(per_piece, total - o)) for o in range(0, total, per_piece)
         ]
         if on_cuda and not region.is_pinned:
-            # Registered in the primary context of the engines' device (not portable: flags 0,
-            # as vLLM registers it).
-            with torch.cuda.device(index):
-                _pin_region(region, self.region_pieces)
+            # Portable registrations, in the primary context of the engines' device.
+            self._region_pinned = _pin_region(self.region_pieces, index)
+            self._pin_device = index
         page_of = [ct.page_size_bytes for ct in kv_caches.tensors]
         return [
             [
@@ -443,6 +446,7 @@ class BlockswapOffloadingWorker(OffloadingWorker):
             )
             _kept_regions.append(self.mmap_region)
             self.mmap_region = None
+            self._region_pinned = []  # page-locked for the life of the process, as it is mapped
         self._free_cache()
 
     def _free_cache(self, release_region: bool = True) -> None:
@@ -455,6 +459,10 @@ class BlockswapOffloadingWorker(OffloadingWorker):
         self.cpu_cache = None
         self.cpu_tensors = []  # views of the region: the mapping closes once none is left
         region, self.mmap_region = self.mmap_region, None
+        # What this worker page-locked in the region, undone before the region goes (vLLM's
+        # cleanup unpins only what vLLM pinned) or back to the caller.
+        _unpin_region(self._region_pinned, self._pin_device)
+        self._region_pinned = []
         if region is not None and release_region:
             region.cleanup()
 
@@ -506,7 +514,7 @@ class BlockswapOffloadingWorker(OffloadingWorker):
         sizes: Sequence[int] = gpu_spec.group_sizes
         starts: Sequence[int] = gpu_spec.block_indices
         if len(sizes) != len(self._groups) or len(starts) != len(self._groups):
-            raise ValueError(
+            raise ConfigError(
                 f"the spec has {len(sizes)} group sizes and {len(starts)} block indices for "
                 f"{len(self._groups)} KV-cache groups"
             )
@@ -519,12 +527,12 @@ class BlockswapOffloadingWorker(OffloadingWorker):
         for g, (n, start) in enumerate(zip(sizes, starts)):
             n, start = int(n), int(start)
             if n < 0 or start < 0:
-                raise ValueError(f"group {g}: {n} blocks from block index {start}")
+                raise ConfigError(f"group {g}: {n} blocks from block index {start}")
             skip = start % f
             m = -(-(skip + n) // f) if n else 0
             if self._groups[g] is None:
                 if n:
-                    raise ValueError(f"group {g} has no pages but the spec names {n} blocks")
+                    raise ConfigError(f"group {g} has no pages but the spec names {n} blocks")
                 continue
             ids, cs = gpu[o : o + n], chunks[c : c + m]
             size += n * self._block_bytes[g]
@@ -541,7 +549,7 @@ class BlockswapOffloadingWorker(OffloadingWorker):
                 out_gpu.append(ids[first::f])
                 out_cpu.append(sub[first::f] // f)
         if o != gpu.shape[0] or c != chunks.shape[0]:
-            raise ValueError(
+            raise ConfigError(
                 f"the groups take {o} GPU blocks and {c} CPU chunks, the spec names "
                 f"{gpu.shape[0]} and {chunks.shape[0]}"
             )
@@ -555,27 +563,35 @@ _kept_regions: list[SharedOffloadRegion] = []
 _LANES = ("store", "load", "expedited")
 
 
-def _pin_region(region: SharedOffloadRegion, pieces: list[tuple[int, int]]) -> None:
-    """Page-locks the whole region with vLLM's ``host_register``, piece by piece, recorded on
-    the region so that its ``cleanup`` unregisters them (every rank registers the whole region:
-    the engines' block tables span every row; vLLM's own worker does the same where pinning only
-    its cells would save little). Raises naming the piece that failed, after undoing the others."""
-    from vllm.v1.kv_offload.cpu.host_register import host_register, host_unregister
-
+def _pin_region(pieces: list[tuple[int, int]], device: int) -> list[int]:
+    """Page-locks the whole region with the driver, piece by piece (every rank registers the
+    whole region: the engines' block tables span every row); returns the pieces' addresses for
+    :func:`_unpin_region`. blockswap pins it itself rather than through vLLM's ``host_register``,
+    which pins only where vLLM's platform says CUDA and reports a failure as a warning: the engine
+    moves page-locked memory only, so a failure here is an error, with the driver's reason, after
+    the pieces already pinned are undone."""
     done: list[int] = []
     for addr, n in pieces:
-        if host_register(addr, n):
-            done.append(addr)
-            continue
-        for a in reversed(done):
-            host_unregister(a)
-        raise RuntimeError(
-            f"could not page-lock the CPU offload region ({n} bytes at {addr:#x}, piece "
-            f"{len(done)} of {len(pieces)}): blockswap's CUDA engine moves page-locked memory "
-            "only; lower cpu_bytes_to_use or raise the memlock limit"
-        )
-    region.pinned_addresses.extend(done)
-    region.is_pinned = True
+        try:
+            _core.cuda_pin(addr, n, device)
+        except BlockswapError as e:
+            _unpin_region(done, device)
+            raise BackendError(
+                f"could not page-lock the CPU offload region ({n / (1 << 30):.2f} GiB at "
+                f"{addr:#x}, piece {len(done)} of {len(pieces)}): {e}. blockswap's CUDA engine "
+                "moves page-locked memory only: lower cpu_bytes_to_use or raise the memlock limit"
+            ) from e
+        done.append(addr)
+    return done
+
+
+def _unpin_region(addresses: list[int], device: int) -> None:
+    """Undoes :func:`_pin_region` (no copy reaches the region any more)."""
+    for addr in reversed(addresses):
+        try:
+            _core.cuda_unpin(addr, device)
+        except BlockswapError as e:  # nothing left to do but say so: the pages stay locked
+            log.warning("could not unpin the CPU offload region's piece at %#x: %s", addr, e)
 
 
 def _worker_options(extra_config: dict[str, Any]) -> dict[str, Any]:

@@ -67,6 +67,31 @@ pub(super) fn cuda_memcpy(py: Python<'_>, dst: u64, src: u64, nbytes: usize) -> 
         .map_err(|e| EngineError::Backend(e).into())
 }
 
+/// Page-locks `nbytes` of mapped host memory at `ptr` with the driver (`cuMemHostRegister`,
+/// portable: every context of the process reaches it), in the primary context of `device`. The
+/// caller vouches that the range stays mapped until `cuda_unpin(ptr)`.
+#[pyfunction]
+pub(super) fn cuda_pin(py: Python<'_>, ptr: u64, nbytes: u64, device: i32) -> PyResult<()> {
+    py.detach(|| {
+        let pinner = cuda::HostPinner::new(device)?;
+        // SAFETY: the Python caller vouches that the range stays mapped until unpinned.
+        unsafe { pinner.pin(ptr, nbytes) }
+    })
+    .map_err(|e| EngineError::Backend(e).into())
+}
+
+/// Undoes `cuda_pin` of the range starting at `ptr`. The caller vouches that no copy reaches it
+/// any more.
+#[pyfunction]
+pub(super) fn cuda_unpin(py: Python<'_>, ptr: u64, device: i32) -> PyResult<()> {
+    py.detach(|| {
+        let pinner = cuda::HostPinner::new(device)?;
+        // SAFETY: the Python caller vouches that no copy reaches the range any more.
+        unsafe { pinner.unpin(ptr) }
+    })
+    .map_err(|e| EngineError::Backend(e).into())
+}
+
 /// The host's available memory in bytes (`MemAvailable`), None where it cannot be read: what a
 /// CPU cache is checked against before it is allocated.
 #[pyfunction]
