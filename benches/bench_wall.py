@@ -47,7 +47,7 @@ passed) and the end of the run; the best of each direction is kept and every per
 The host backend (no GPU, or ``--backend host``) times everything by the wall clock, its copies
 being ``memcpy``.
 
-``--variants spin:spin_us=200 caller:idle_issue=true`` builds, beside the default (``--option``s
+``--variants caller:idle_issue=true dma:path=dma`` builds, beside the default (``--option``s
 alone), one handler per variant with those options added, all alive at once, and interleaves
 their repetitions (and the one-copy reference's) so that drift hits them alike; their rows carry
 the variant's name. A variant or case that fails (an unknown option, too little memory, a
@@ -76,6 +76,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from blockswap._bench import resolve_backend
+from blockswap._types import BackendName
 from blockswap.handler import CpuGpuHandlers
 from blockswap_bench.common import Progress, run_metadata
 from blockswap_bench.kvblocks import (
@@ -217,7 +218,7 @@ class CPUSpec:
 
 
 class PluginTarget(Target):
-    def __init__(self, name: str, kv: Any, num_cpu: int, backend: str,
+    def __init__(self, name: str, kv: Any, num_cpu: int, backend: BackendName,
                  options: dict[str, Any]) -> None:  # fmt: skip
         from vllm.v1.kv_offload.base import GPULoadStoreSpec
 

@@ -223,7 +223,7 @@ impl PyEngine {
         max_descriptors = None, coalesce = true, shutdown_timeout = 60.0, copy_path = "auto",
         max_batch = None, timing = false, completion = "auto", h2d_order = "any",
         d2h_order = "stream", h2d_stream = None, d2h_stream = None,
-        stage_bytes = 16777216, idle_issue = false, spin_us = 0))]
+        stage_bytes = 16777216, idle_issue = false))]
     // The Python signature's keyword arguments, one parameter each.
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -245,7 +245,6 @@ impl PyEngine {
         d2h_stream: Option<u64>,
         stage_bytes: i128,
         idle_issue: bool,
-        spin_us: u64,
     ) -> PyResult<Self> {
         let config = EngineConfig::from_settings(
             max_in_flight,
@@ -283,7 +282,6 @@ impl PyEngine {
         opts.streams[Direction::DeviceToHost.lane()] = d2h_stream;
         opts.max_in_flight = config.max_in_flight;
         opts.idle_issue = idle_issue;
-        opts.spin = std::time::Duration::from_micros(spin_us);
         let backend: Arc<dyn Backend> = if want_cuda {
             let b = py
                 .detach(|| CudaBackend::new(opts))

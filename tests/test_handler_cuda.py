@@ -119,11 +119,7 @@ def test_cuda_model_roundtrip(model: Model, factor: int) -> None:
         h.shutdown()
 
 
-ISSUE_OPTIONS = [
-    {"idle_issue": True},
-    {"spin_us": 200},
-    {"idle_issue": True, "spin_us": 200},
-]
+ISSUE_OPTIONS = [{"idle_issue": True}, {"idle_issue": False}]
 
 
 @pytest.mark.cuda
@@ -132,12 +128,11 @@ ISSUE_OPTIONS = [
 @pytest.mark.parametrize(
     "options", ISSUE_OPTIONS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items())
 )
-def test_cuda_transfers_issued_by_the_caller_or_a_spinning_thread(
+def test_cuda_transfers_issued_by_the_caller_or_the_lanes_thread(
     options: dict[str, object], path: str, factor: int
 ) -> None:
     """Isolated transfers (issued on the caller's thread with ``idle_issue``) and bursts that
-    fill the ring (issued by the lane's thread, awake or not), alternating, byte-exact both
-    ways."""
+    fill the ring (issued by the lane's thread), alternating, byte-exact both ways."""
     model = Model("llama-3.1-70b-tp4", 80, 2, 128)
     (gpu,) = cuda_cache(model)
     ring = 8

@@ -41,6 +41,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
+from blockswap import _core
 from blockswap.vllm import BlockswapOffloadingWorker
 from test_vllm import CASES, model_caches
 
@@ -608,8 +609,11 @@ def test_load_waits_for_pending_compute_stream_writes() -> None:
     kv = CanonicalKVCaches([CanonicalKVCacheTensor(gpu, page)], [[CanonicalKVCacheRef(0, page)]])
     region = make_region(kv, 1, n)
     w = BlockswapOffloadingWorker(kv, 1, n, mmap_region=region, backend="cuda")
+    base = region.base_tensor.data_ptr()
     try:
-        assert region.is_pinned
+        # Page-locked by the worker through the driver (vLLM's own flag stays unset: its
+        # cleanup unpins only what vLLM pinned).
+        assert _core.cuda_memory_kind(base) == "host"
         w.cpu_tensors[0].fill_(sentinel)
         for trial in range(3):
             gpu.fill_(0x11)
@@ -625,4 +629,4 @@ def test_load_waits_for_pending_compute_stream_writes() -> None:
             assert (got[32:] == 0x11).all()
     finally:
         w.shutdown()
-    assert not region.is_pinned and region.mmap_obj is None  # released as vLLM releases it
+    assert region.mmap_obj is None  # released as vLLM releases it, unpinned first

@@ -39,6 +39,8 @@ __all__ = [
     "chunk_blocks",
     "cuda_device_pointer",
     "cuda_memcpy",
+    "cuda_pin",
+    "cuda_unpin",
     "cuda_memory_kind",
     "cuda_status",
     "host_memory_available",
@@ -97,7 +99,6 @@ class Engine:
         d2h_stream: int | None = None,
         stage_bytes: int = 16777216,
         idle_issue: bool = False,
-        spin_us: int = 0,
     ) -> Engine: ...
     def submit(
         self,

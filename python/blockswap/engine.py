@@ -209,8 +209,8 @@ class Engine:
     order, ``"any"`` or ``"stream"``); ``h2d_stream`` / ``d2h_stream`` (a raw ``CUstream`` to use
     instead of the engine's own); ``idle_issue`` (where every earlier transfer of a direction
     is complete, :meth:`submit` issues the copies on the caller's thread rather than waking the
-    engine's thread for that direction); ``spin_us`` (how long that thread stays awake looking
-    for the next transfer, spinning on a CPU core, before it sleeps).
+    engine's thread for that direction: an isolated transfer starts sooner, and the caller pays
+    its driver calls; see docs/tuning.md).
 
     Every address a transfer names must lie in memory registered with :meth:`register`,
     :meth:`pin` or :meth:`alloc_host`; anything else is refused before a copy is issued.
@@ -241,7 +241,6 @@ class Engine:
         d2h_stream: int | None = None,
         stage_bytes: int = 16 << 20,
         idle_issue: bool = False,
-        spin_us: int = 0,
     ) -> None:
         self._core = _core.Engine(
             check_arg("backend", backend, _one_of(BackendName), _is_str),
@@ -267,7 +266,6 @@ class Engine:
             ),
             stage_bytes=check_int("stage_bytes", stage_bytes, *_I128, errors=_ERRORS),
             idle_issue=check_arg("idle_issue", idle_issue, "a bool", _is_bool),
-            spin_us=check_int("spin_us", spin_us, 0, 10**6, errors=_ERRORS),
         )
         self._kept: dict[int, Any] = {}
         # The hot paths bound straight to the core (no Python frame in between), shadowing the
@@ -680,7 +678,6 @@ _CUDA_ONLY = (
     "h2d_stream",
     "d2h_stream",
     "idle_issue",
-    "spin_us",
 )
 
 

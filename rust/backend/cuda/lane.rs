@@ -283,7 +283,6 @@ impl Shared {
                     .queue
                     .lock()
                     .unwrap_or_else(std::sync::PoisonError::into_inner);
-                let mut spun = self.opts.spin.is_zero();
                 loop {
                     if let Some(job) = q.pop_front() {
                         break job;
@@ -291,25 +290,6 @@ impl Shared {
                     // Acquire: pairs with the Release store in `CudaBackend`'s Drop.
                     if self.stopping.load(Ordering::Acquire) {
                         return;
-                    }
-                    if !spun {
-                        // Awake a while longer: a transfer that comes now is issued without a
-                        // wake-up. `pending` goes up before a job is queued (Acquire: pairs
-                        // with its AcqRel increment in `submit`).
-                        drop(q);
-                        let until = std::time::Instant::now() + self.opts.spin;
-                        while l.pending.load(Ordering::Acquire) == 0
-                            && !self.stopping.load(Ordering::Acquire)
-                            && std::time::Instant::now() < until
-                        {
-                            std::hint::spin_loop();
-                        }
-                        spun = true;
-                        q = l
-                            .queue
-                            .lock()
-                            .unwrap_or_else(std::sync::PoisonError::into_inner);
-                        continue;
                     }
                     q = l
                         .work

@@ -109,10 +109,6 @@ pub struct CudaOptions {
     /// and the copies start without a thread's wake-up in the way. A transfer that follows a
     /// busy one still goes to the lane's thread.
     pub idle_issue: bool,
-    /// How long a lane's thread keeps looking for the next transfer (spinning on the CPU)
-    /// before it sleeps, once it has issued all it had: a transfer that comes sooner finds it
-    /// awake. Zero: it sleeps at once.
-    pub spin: std::time::Duration,
 }
 
 impl CudaOptions {
@@ -131,7 +127,6 @@ impl CudaOptions {
             streams: [None; 4],
             max_in_flight: 1024,
             idle_issue: false,
-            spin: std::time::Duration::ZERO,
         }
     }
 }
