@@ -97,6 +97,8 @@ class PinProgress:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
+            if self.counts.get()[0] == 0:
+                continue  # the core has not said how much it will pin yet: nothing to report
             log.info("%s", self.line())
             self.lines += 1
 
