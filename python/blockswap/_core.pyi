@@ -39,10 +39,10 @@ __all__ = [
     "chunk_blocks",
     "cuda_device_pointer",
     "cuda_memcpy",
-    "cuda_pin",
-    "cuda_unpin",
     "cuda_memory_kind",
+    "cuda_pin",
     "cuda_status",
+    "cuda_unpin",
     "host_memory_available",
 ]
 
