@@ -599,6 +599,19 @@ def _worker_options(extra_config: dict[str, Any]) -> dict[str, Any]:
     return _vllm_config.worker_options(extra_config)
 
 
+def _init_spec(spec: Any, config: Any, base_init: Any) -> None:
+    """Both specs' construction: the config checked (:func:`_check_config`), vLLM's spec made
+    (``base_init``: its ``__init__``, bound), then the CPU tier it sized checked against the
+    host's available memory, before anything is allocated."""
+    _check_config(config)
+    base_init(config)
+    _vllm_config.check_fits(
+        spec.num_chunks * spec.cpu_page_size_per_worker,
+        config.extra_config,
+        config.parallel.world_size,
+    )
+
+
 def _check_config(config: Any) -> None:
     """What both specs do before vLLM sizes or blockswap allocates anything: blockswap's log
     lines joined to vLLM's log, every ``blockswap_*`` key checked, ``canonical_layout`` refused."""
@@ -626,13 +639,7 @@ def _spec_class() -> type:
         :class:`BlockswapOffloadingWorker` as its worker."""
 
         def __init__(self, config: OffloadingConfig) -> None:
-            _check_config(config)
-            super().__init__(config)
-            _vllm_config.check_fits(
-                self.num_chunks * self.cpu_page_size_per_worker,
-                config.extra_config,
-                config.parallel.world_size,
-            )
+            _init_spec(self, config, super().__init__)
 
         def create_worker(self, kv_caches: CanonicalKVCaches) -> BlockswapOffloadingWorker:
             # The region exactly as CPUOffloadingSpec.create_worker makes it.
@@ -671,13 +678,7 @@ def _tiering_spec_class() -> type:
         tier through the region) with :class:`BlockswapOffloadingWorker` as its worker."""
 
         def __init__(self, config: OffloadingConfig) -> None:
-            _check_config(config)
-            super().__init__(config)
-            _vllm_config.check_fits(
-                self.num_chunks * self.cpu_page_size_per_worker,
-                config.extra_config,
-                config.parallel.world_size,
-            )
+            _init_spec(self, config, super().__init__)
 
         def create_worker(self, kv_caches: CanonicalKVCaches) -> BlockswapOffloadingWorker:
             # The region exactly as TieringOffloadingSpec.create_worker makes it.
