@@ -598,6 +598,11 @@ fn block_plans_are_refused_where_a_table_pair_has_none() {
 }
 
 #[test]
+#[cfg_attr(
+    miri,
+    ignore = "ran for over 15 minutes under Miri without finishing (not understood yet); \
+              cargo test runs it"
+)]
 fn every_plan_refuses_loads_into_layers_that_share_a_tensor_and_stores_them() {
     // Two layers of K and V pages (64 bytes, 4 blocks) viewing one GPU tensor (KV sharing), and
     // a block-major CPU cache of their 4 pages a block.
