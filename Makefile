@@ -92,7 +92,9 @@ clean:
 
 # Undefined-behaviour check of the host-only Rust tests under Miri (nightly and its miri component,
 # installed when missing): the modules with unsafe code (slab pool, completion lane) and the engine
-# tests over the host backend, under Stacked Borrows, then the pool and lane under Tree Borrows.
+# tests over the host backend (the fault-injecting backend's after the modules, the engine's own
+# in a run of their own, each run under MIRI_TIMEOUT), under Stacked Borrows, then the pool and
+# lane under Tree Borrows.
 # Property tests run 2 cases and loops are shortened there (Miri is ~1000x slower); MIRI_TIMEOUT
 # bounds each run. The engine tests run without isolation: proptest looks for its regression files.
 MIRI_TIMEOUT ?= 1500
@@ -102,8 +104,8 @@ miri:
 	cargo +nightly miri --version >/dev/null 2>&1 || rustup toolchain install nightly --profile minimal --component miri,rust-src
 	cargo +nightly miri test --lib --test engine --test engine_blocks --test engine_faults --no-run
 	.ci/parallel "$(MIRI_TIMEOUT)" \
-	  "cargo +nightly miri test --lib -- pool:: completion:: transfer:: region::" \
-	  "MIRIFLAGS=-Zmiri-disable-isolation cargo +nightly miri test --test engine --test engine_blocks --test engine_faults" \
+	  "cargo +nightly miri test --lib -- pool:: completion:: transfer:: region:: && MIRIFLAGS=-Zmiri-disable-isolation cargo +nightly miri test --test engine_faults" \
+	  "MIRIFLAGS=-Zmiri-disable-isolation cargo +nightly miri test --test engine --test engine_blocks" \
 	  "MIRIFLAGS=-Zmiri-tree-borrows cargo +nightly miri test --lib -- pool:: completion::"
 
 # The property tests with fresh random examples (CI runs them derandomised: the same examples
