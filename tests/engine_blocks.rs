@@ -383,6 +383,11 @@ proptest! {
     /// step, the slots reused many times in a transfer) to many, and CPU blocks scattered or
     /// one after the other (their rows then cross as joined copies).
     #[test]
+    #[cfg_attr(
+        miri,
+        ignore = "ran past Miri's time limit on CI's 2 cores (not understood yet, as with the \
+                  shared-tensor test); cargo test runs it"
+    )]
     fn staged_plans_copy_what_pages_copy(
         g in geometry(),
         seed in any::<u64>(),
