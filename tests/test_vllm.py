@@ -344,17 +344,7 @@ def test_vllm_transfer_multi_group(device: str, gpu_to_cpu: bool, page: int, bpc
     w = BlockswapOffloadingWorker(kv, bpc, n_cpu, backend=backend_of(device))
     try:
         sizes = [n_map, 0, n_map]  # in chunks
-        gpu_all = torch.randperm(n_gpu, generator=gen)[: sum(sizes) * bpc].tolist()
-        cpu_all = torch.randperm(n_cpu, generator=gen)[: sum(sizes)].tolist()
-        gpu_g, cpu_g, o, c = [], [], 0, 0
-        for n in sizes:
-            gpu_g.append(gpu_all[o : o + n * bpc])
-            cpu_g.append(cpu_all[c : c + n])
-            o, c = o + n * bpc, c + n
-        exp_g = [[x * bpc + j for x in cs for j in range(bpc)] for cs in cpu_g]
-        skip = bpc - 1
-        if skip:
-            gpu_g[2], exp_g[2] = gpu_g[2][skip:-skip], exp_g[2][skip:-skip]
+        gpu_g, cpu_g, exp_g, skip = three_group_mapping(gen, sizes, bpc, n_gpu, n_cpu)
         spec = GPULoadStoreSpec(
             [b for g in gpu_g for b in g], [len(g) for g in gpu_g], [0, 0, skip]
         )
@@ -736,3 +726,26 @@ def test_an_empty_job_is_reported_after_the_jobs_before_it_in_its_direction() ->
         assert [(r.job_id, r.success, r.transfer_size) for r in w.get_finished()] == [(5, True, 0)]
     finally:
         w.shutdown()
+
+
+def three_group_mapping(
+    gen: torch.Generator, sizes: list[int], bpc: int, n_gpu: int, n_cpu: int
+) -> tuple[list[list[int]], list[list[int]], list[list[int]], int]:
+    """vLLM's three-group worker test's block mapping: per group (``sizes`` in chunks) random GPU
+    blocks, random CPU chunks, and the sub-blocks each GPU block maps to; the last group starts
+    and ends ``bpc - 1`` sub-blocks inside its first and last chunk. Returns ``(gpu blocks, CPU
+    chunks, sub-blocks, skip)`` per group."""
+    gpu_all = torch.randperm(n_gpu, generator=gen)[: sum(sizes) * bpc].tolist()
+    cpu_all = torch.randperm(n_cpu, generator=gen)[: sum(sizes)].tolist()
+    gpu_g: list[list[int]] = []
+    cpu_g: list[list[int]] = []
+    o = c = 0
+    for n in sizes:
+        gpu_g.append(gpu_all[o : o + n * bpc])
+        cpu_g.append(cpu_all[c : c + n])
+        o, c = o + n * bpc, c + n
+    exp_g = [[x * bpc + j for x in cs for j in range(bpc)] for cs in cpu_g]
+    skip = bpc - 1
+    if skip:
+        gpu_g[2], exp_g[2] = gpu_g[2][skip:-skip], exp_g[2][skip:-skip]
+    return gpu_g, cpu_g, exp_g, skip

@@ -43,7 +43,7 @@ from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
 from blockswap import _core
 from blockswap.vllm import BlockswapOffloadingWorker
-from test_vllm import CASES, model_caches
+from test_vllm import CASES, model_caches, three_group_mapping
 
 PAGE = mmap.PAGESIZE
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
@@ -211,17 +211,9 @@ def test_transfer_multi_group(
     )
     try:
         sizes = [n_map, 0, n_map]
-        gpu_all = torch.randperm(num_gpu_blocks, generator=gen)[: sum(sizes) * bpc].tolist()
-        cpu_all = torch.randperm(num_cpu_blocks, generator=gen)[: sum(sizes)].tolist()
-        gpu_g, cpu_g, o, c = [], [], 0, 0
-        for n in sizes:
-            gpu_g.append(gpu_all[o : o + n * bpc])
-            cpu_g.append(cpu_all[c : c + n])
-            o, c = o + n * bpc, c + n
-        exp_g = [[x * bpc + j for x in cs for j in range(bpc)] for cs in cpu_g]
-        skip = bpc - 1
-        if skip > 0:
-            gpu_g[2], exp_g[2] = gpu_g[2][skip:-skip], exp_g[2][skip:-skip]
+        gpu_g, cpu_g, exp_g, skip = three_group_mapping(
+            gen, sizes, bpc, num_gpu_blocks, num_cpu_blocks
+        )
         group_sizes = [len(g) for g in gpu_g]
         gpu_spec = GPULoadStoreSpec([b for g in gpu_g for b in g], group_sizes, [0, 0, skip])
         cpu_spec = CPULoadStoreSpec([x for cs in cpu_g for x in cs])
