@@ -691,7 +691,8 @@ pub mod expand {
     }
 
     /// The refusal `expand_into` must answer with, if any, worked out the slow way; `None` on
-    /// success. `Some(None)`: refused because destinations of different segments overlap.
+    /// success. `Some(None)`: refused because two destination pages overlap
+    /// ([`TableError::OverlappingDestinations`]).
     fn reference_error(
         s: &BlockTable,
         sid: &[u64],
@@ -816,7 +817,7 @@ pub mod expand {
                 &mut scratch,
             );
             match (&got, &want) {
-                (Err(TableError::BadSegment { .. }), Some(None)) => {}
+                (Err(TableError::OverlappingDestinations { .. }), Some(None)) => {}
                 (Err(e), Some(Some(w))) => {
                     assert!(same_variant(e, w), "expand_into gave {e:?}; expected {w:?}");
                     match (e, w) {
