@@ -16,7 +16,7 @@ use std::time::Instant;
 
 use crate::slab::Slab;
 use crate::sync::{ArrayQueue, AtomicU64, Ordering};
-use crate::transfer::{JobId, TransferState};
+use crate::transfer::JobId;
 
 /// A transfer in flight on a lane.
 #[derive(Debug)]
@@ -25,7 +25,6 @@ pub struct InFlight {
     pub job_id: JobId,
     pub bytes: u64,
     pub submitted_at: Instant,
-    pub state: TransferState,
     pub slab: Slab,
 }
 
@@ -134,7 +133,6 @@ mod tests {
             job_id: seq * 10,
             bytes: 1,
             submitted_at: Instant::now(),
-            state: TransferState::Submitted,
             slab: pool.acquire(1).unwrap(),
         }
     }

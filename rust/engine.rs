@@ -29,7 +29,7 @@ use crate::hostmem;
 use crate::pool::{Pool, PoolStats};
 use crate::region::{MemoryKind, RegionError, RegionTable};
 use crate::table::BlockTable;
-use crate::transfer::{JobId, TransferResult, TransferState};
+use crate::transfer::{JobId, TransferResult};
 
 mod blocks;
 mod config;
@@ -549,7 +549,6 @@ impl Engine {
             .into());
         }
 
-        let transfer = TransferState::Pending;
         let mut slab = self.pool.acquire(descriptors)?;
         let filled = {
             let _timed = AddElapsed::start(&self.prepare_ns);
@@ -560,7 +559,6 @@ impl Engine {
             Err(e) => {
                 // Never issued: the slab goes straight home.
                 self.pool.release(slab);
-                transfer.cancel()?;
                 return Err(e);
             }
         };
@@ -606,7 +604,6 @@ impl Engine {
             job_id,
             bytes: prepared.bytes,
             submitted_at: Instant::now(),
-            state: transfer.submit()?,
             slab,
         };
         if let Err(record) = lane.push(record) {
@@ -680,8 +677,6 @@ impl Engine {
             (None, None) => None,
         };
         let ok = error.is_none();
-        // Submitted -> Done | Failed is always legal for a record on a lane.
-        debug_assert!(record.state.complete(ok).is_ok());
         let nanos = match record.slab.device_ns() {
             0 => self
                 .backend

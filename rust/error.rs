@@ -1,7 +1,7 @@
 //! The error types of each layer, gathered into one enum for callers that want a single type.
 //!
 //! Every layer has its own typed error ([`DescriptorError`], [`RegionError`], [`PoolError`],
-//! [`TransitionError`], [`BackendError`], and [`ConfigError`] for engine settings);
+//! [`BackendError`], [`TableError`] and [`ConfigError`] for engine settings);
 //! [`EngineError`](crate::engine::EngineError) wraps them and the Python bindings map each variant
 //! to one exception class.
 
@@ -10,4 +10,4 @@ pub use crate::descriptor::DescriptorError;
 pub use crate::engine::ConfigError;
 pub use crate::pool::PoolError;
 pub use crate::region::RegionError;
-pub use crate::transfer::TransitionError;
+pub use crate::table::TableError;

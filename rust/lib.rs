@@ -43,4 +43,4 @@ pub use backend::{Backend, BackendError, BackendInfo};
 pub use direction::Direction;
 pub use engine::{Engine, EngineConfig, EngineError, EngineStats};
 pub use region::MemoryKind;
-pub use transfer::{JobId, TransferResult, TransferState};
+pub use transfer::{JobId, TransferResult};

@@ -58,13 +58,6 @@ create_exception!(
 );
 create_exception!(
     blockswap,
-    TransferStateError,
-    BlockswapError,
-    "Deprecated: never raised. The transfer lifecycle is the engine's own; no call can ask a \
-     transfer to take an edge it does not have. Kept so that code naming it still imports."
-);
-create_exception!(
-    blockswap,
     ShutdownError,
     BlockswapError,
     "The engine is shut down."
@@ -93,10 +86,6 @@ impl From<EngineError> for PyErr {
             }
             EngineError::Pool(_) | EngineError::TooManyInFlight { .. } => {
                 PoolExhaustedError::new_err(msg)
-            }
-            // The engine takes only legal edges: one that is refused is a bug in blockswap.
-            EngineError::Transition(_) => {
-                BlockswapError::new_err(format!("internal error (a blockswap bug): {msg}"))
             }
             EngineError::Timeout { .. } => WaitTimeoutError::new_err(msg),
             EngineError::ShutDown => ShutdownError::new_err(msg),
@@ -785,7 +774,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     )?;
     m.add("PoolExhaustedError", py.get_type::<PoolExhaustedError>())?;
     m.add("BackendError", py.get_type::<BackendError>())?;
-    m.add("TransferStateError", py.get_type::<TransferStateError>())?;
     m.add("ShutdownError", py.get_type::<ShutdownError>())?;
     m.add("WaitTimeoutError", py.get_type::<WaitTimeoutError>())?;
     Ok(())

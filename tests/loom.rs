@@ -33,7 +33,7 @@ use loom::thread;
 use blockswap::backend::host::HostBackend;
 use blockswap::completion::{InFlight, Lane};
 use blockswap::pool::{Pool, PoolError, Slab, DESCRIPTOR_BYTES, MIN_CLASS};
-use blockswap::{Backend, TransferState};
+use blockswap::Backend;
 
 /// Bytes of one slab of the smallest class.
 const SLAB: usize = DESCRIPTOR_BYTES << MIN_CLASS;
@@ -74,7 +74,6 @@ fn record(seq: u64, slab: Slab) -> InFlight {
         job_id: 100 + seq,
         bytes: seq,
         submitted_at: Instant::now(),
-        state: TransferState::Submitted,
         slab,
     }
 }

@@ -178,15 +178,11 @@ def test_every_error_class_is_a_blockswap_error():
         BlockTable.from_tensors([], layout="kv_split")
 
 
-def test_transfer_state_error_is_deprecated():
-    with pytest.warns(DeprecationWarning, match="never raised"):
-        cls = blockswap.TransferStateError
-    assert cls is _core.TransferStateError and issubclass(cls, BlockswapError)
-    with pytest.warns(DeprecationWarning):
-        from blockswap import TransferStateError  # noqa: F401
-    assert "TransferStateError" not in blockswap.__all__
-    with pytest.raises(AttributeError, match="no attribute 'TransferStateErr'"):
-        _ = blockswap.TransferStateErr  # type: ignore[attr-defined]
+def test_the_never_raised_transfer_state_error_is_gone():
+    assert not hasattr(blockswap, "TransferStateError")
+    assert not hasattr(_core, "TransferStateError")
+    with pytest.raises(AttributeError, match="no attribute 'TransferStateError'"):
+        _ = blockswap.TransferStateError  # type: ignore[attr-defined]
 
 
 # -- the typed surface ---------------------------------------------------------------------------

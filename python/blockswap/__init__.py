@@ -11,8 +11,6 @@ Every error blockswap raises is a :class:`BlockswapError` (:mod:`blockswap.error
 from __future__ import annotations
 
 import logging
-import warnings
-from typing import TYPE_CHECKING, Any
 
 from ._core import (
     BackendError,
@@ -32,24 +30,6 @@ from .errors import ConfigError, ConfigTypeError
 # The library prints nothing on its own: its lines go where the application's logging sends them
 # (inside vLLM, to vLLM's log: blockswap._vllm_logging).
 logging.getLogger(__name__).addHandler(logging.NullHandler())
-
-if TYPE_CHECKING:
-    from ._core import TransferStateError as TransferStateError
-else:
-
-    def __getattr__(name: str) -> Any:
-        if name == "TransferStateError":
-            warnings.warn(
-                "blockswap.TransferStateError is deprecated: it is never raised (no call can "
-                "make a transfer take an edge its lifecycle does not have); catch BlockswapError",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            from ._core import TransferStateError
-
-            return TransferStateError
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
 
 __all__ = [
     "ArgumentTypeError",

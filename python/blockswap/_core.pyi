@@ -33,7 +33,6 @@ __all__ = [
     "PoolExhaustedError",
     "ShutdownError",
     "TransferResult",
-    "TransferStateError",
     "WaitTimeoutError",
     "__version__",
     "chunk_blocks",
@@ -57,9 +56,8 @@ class PoolExhaustedError(BlockswapError): ...
 class BackendError(BlockswapError): ...
 
 @deprecated("never raised: no call can make a transfer take an edge it does not have")
-class TransferStateError(BlockswapError): ...
-
 class ShutdownError(BlockswapError): ...
+
 class WaitTimeoutError(BlockswapError): ...
 
 @final

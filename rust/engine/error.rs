@@ -9,7 +9,7 @@ use crate::direction::Direction;
 use crate::pool::PoolError;
 use crate::region::RegionError;
 use crate::table::TableError;
-use crate::transfer::{JobId, TransitionError};
+use crate::transfer::JobId;
 
 /// Everything submit, wait and registration can refuse.
 #[derive(Clone, Debug, PartialEq)]
@@ -18,7 +18,6 @@ pub enum EngineError {
     Region(RegionError),
     Pool(PoolError),
     Backend(BackendError),
-    Transition(TransitionError),
     Table(TableError),
     /// A setting outside its limits, refused when the engine is made.
     Config(ConfigError),
@@ -44,7 +43,6 @@ impl fmt::Display for EngineError {
             EngineError::Region(e) => e.fmt(f),
             EngineError::Pool(e) => e.fmt(f),
             EngineError::Backend(e) => e.fmt(f),
-            EngineError::Transition(e) => e.fmt(f),
             EngineError::Table(e) => e.fmt(f),
             EngineError::Config(e) => e.fmt(f),
             EngineError::JobIdLive(id) => {
@@ -82,5 +80,5 @@ macro_rules! from_error {
     )*};
 }
 from_error!(DescriptorError => Descriptor, RegionError => Region, PoolError => Pool,
-    BackendError => Backend, TransitionError => Transition, TableError => Table,
+    BackendError => Backend, TableError => Table,
     ConfigError => Config);
