@@ -398,11 +398,8 @@ mod tests {
         let parents = Pool::new(backend.clone(), 1 << 20);
         let s = parents.acquire(1).unwrap();
         parents.release(s);
-        // Installs the engine's fork hook, which counts fork generations.
-        drop(crate::engine::Engine::new(
-            Arc::new(HostBackend::new()),
-            crate::engine::EngineConfig::default(),
-        ));
+        // Counts fork generations (an engine installs it when it is made).
+        crate::fork::install_fork_hook();
         // SAFETY: the child only drops a pool (lock-free queues, the heap, an atomic counter) and
         // leaves with `_exit`.
         match unsafe { libc::fork() } {

@@ -2,8 +2,8 @@
 
 use cudarc::driver::sys;
 
-use super::backend::Shared;
 use super::driver::{error_name, Batch3dFn, BatchFn};
+use super::shared::Shared;
 use crate::backend::{take_injected, BackendError};
 use crate::direction::Direction;
 use crate::slab::SlabInner;

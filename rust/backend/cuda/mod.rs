@@ -12,11 +12,13 @@
 //! mapped pinned memory (`cuStreamWriteValue64`), which polls read with an atomic load; where the
 //! device has no stream memory operations, a ring of events is queried instead.
 //!
-//! The rooms: `driver` loads the library and resolves its entry points, `options` holds what a
-//! backend is made with, `resources` the driver resources each freed by its own `Drop`, `backend`
-//! the [`CudaBackend`] and the state it shares with its issuing threads, `lane` each direction's
-//! stream, completion state and issuing thread, `copy` a transfer's copies, `staged` the staged
-//! plan's issuing, `query` the queries for code outside the backends.
+//! The rooms, each using only those listed before it: `driver` loads the library and resolves
+//! its entry points, `options` holds what a backend is made with, `query` the queries for code
+//! outside the backends, `resources` the driver resources each freed by its own `Drop`, `stage`
+//! the staged plan's resources, `lane` each direction's stream, completion state and queue,
+//! `shared` the driver state the backend shares with its issuing threads, `worker` a lane's
+//! issuing thread and completion queries, `copy` a transfer's copies, `staged` the staged plan's
+//! issuing, `backend` the [`CudaBackend`].
 
 mod backend;
 mod copy;
@@ -25,13 +27,17 @@ mod lane;
 mod options;
 mod query;
 mod resources;
+mod shared;
+mod stage;
 mod staged;
+mod worker;
 
-pub use backend::{CudaBackend, Shared};
+pub use backend::CudaBackend;
 pub use driver::driver_available;
 pub use options::{AccessOrder, CompletionMode, CopyPath, CudaOptions};
 pub use query::{host_device_pointer, memcpy, memory_kind};
 pub use resources::HostPinner;
+pub use shared::Shared;
 
 // Miri cannot dlopen a driver (or probe for one).
 #[cfg(all(test, not(miri)))]

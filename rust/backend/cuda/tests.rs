@@ -369,7 +369,7 @@ fn a_backend_dropped_under_running_copies_leaks_rather_than_frees() {
 fn a_staged_transfer_copies_only_the_entries_it_uses() {
     // A transfer of 600 block entries from entry 40, in a slab of 1,024 entries a column.
     let (first, n, cap) = (40usize, 600usize, 1024usize);
-    let copy = super::staged::EntryCopy::new(first, n, cap);
+    let copy = super::stage::EntryCopy::new(first, n, cap);
     assert_eq!(
         copy.device_bytes(),
         3 * 8 * n,

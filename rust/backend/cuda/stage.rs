@@ -1,0 +1,138 @@
+//! The staged plan's resources: the kernels loaded for it, each lane's stage (ring, kernel
+//! stream, events, device descriptor buffer) and the copy of a transfer's entries to the device.
+
+use cudarc::driver::sys;
+
+use super::resources::{DeviceMem, Event, Stream};
+use crate::backend::{BackendError, KernelKind, KernelSpec};
+
+/// A kernel the staged plan launches (see [`KernelSpec`]), checked against the driver's view of
+/// its parameters when loaded.
+#[derive(Clone, Debug)]
+pub(super) struct LoadedKernel {
+    pub(super) function: u64,
+    pub(super) spec: KernelSpec,
+    pub(super) kind: KernelKind,
+    /// Parameters of the kernel in all: those of `spec.params`, then null pointers.
+    pub(super) total: usize,
+}
+
+/// One lane's staging resources, made on its first staged transfer: a ring of two slots in
+/// device memory, a stream for the kernels (the lane's stream does the copies across `PCIe`) and
+/// the events that hand each slot between the two.
+#[derive(Debug)]
+pub(super) struct Stage {
+    pub(super) ring: DeviceMem,
+    pub(super) slot: u64,
+    pub(super) stream: Stream,
+    /// Recorded on the lane's stream before a CPU -> GPU transfer's completion marker goes on
+    /// the kernel stream (see [`CudaBackend::marker_stream`]).
+    pub(super) lane_done: Event,
+    /// Per slot: its copy (CPU -> GPU) or kernel (GPU -> CPU) is done; the other stream goes on.
+    pub(super) ready: [Event; 2],
+    /// Per slot: the last work on it is done; it may be filled again.
+    pub(super) free: [Event; 2],
+    /// Recorded on the kernel stream after a transfer's last step; the lane's stream waits for
+    /// it before a completion marker it writes, so a transfer completes only once its kernels
+    /// have.
+    pub(super) join: Event,
+    /// The lane's last completion marker went on the kernel stream: the next one written on
+    /// the lane's stream waits for it (`join`), so markers stay in order.
+    pub(super) marker_on_kernels: bool,
+    /// Steps issued on the lane so far: the next takes slot `steps % 2`.
+    pub(super) steps: u64,
+    /// Device memory the transfer's block entries and geometries are copied into before its
+    /// first kernel, so the kernels read them from HBM, not across the `PCIe` link the rows are crossing. One
+    /// per lane: the copy goes on the kernel stream, after every kernel of the lane's earlier
+    /// transfers.
+    pub(super) desc: Option<DeviceMem>,
+    pub(super) desc_bytes: usize,
+    /// Descriptor buffers outgrown while kernels may still read them: freed with the stage.
+    pub(super) retired: Vec<DeviceMem>,
+    /// The step's row copies, handed to the batch call.
+    pub(super) src: Vec<u64>,
+    pub(super) dst: Vec<u64>,
+    pub(super) size: Vec<u64>,
+}
+
+/// The smallest device descriptor buffer a stage makes (it grows by powers of two).
+const MIN_DESC_BYTES: usize = 64 << 10;
+
+/// The copy of a staged transfer's block entries to the device: entries `[first, first + n)` of
+/// each of the slab's three columns (`cap` entries apart), as the three rows of one 2-D copy into
+/// three packed device columns. Only the entries in use cross: a slab's columns run to its
+/// capacity, up to twice the entries a transfer holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct EntryCopy {
+    /// Offset of the first entry copied from the slab's first column.
+    pub(super) src_offset: u64,
+    /// Bytes from one column to the next in the slab.
+    pub(super) src_pitch: usize,
+    /// Bytes of each row: one column's entries in use, packed on the device.
+    pub(super) width: usize,
+    first: u64,
+}
+
+impl EntryCopy {
+    pub(super) fn new(first: usize, n: usize, cap: usize) -> Self {
+        EntryCopy {
+            src_offset: 8 * first as u64,
+            src_pitch: 8 * cap,
+            width: 8 * n,
+            first: first as u64,
+        }
+    }
+
+    /// The device bytes the three packed columns take.
+    pub(super) fn device_bytes(&self) -> usize {
+        3 * self.width
+    }
+
+    /// Where the kernels find column `c` on the device at `dev`, indexed by slab entry: entry
+    /// `i` (`first <= i`) of column `c` is at `column(dev, c) + 8 * i`.
+    pub(super) fn column(&self, dev: u64, c: usize) -> u64 {
+        (dev + (c * self.width) as u64).wrapping_sub(8 * self.first)
+    }
+}
+
+impl Stage {
+    /// A device buffer of at least `bytes` for the descriptors of the transfer being issued. A
+    /// buffer outgrown is kept until the stage goes: an earlier transfer's kernel may still
+    /// read it.
+    pub(super) fn desc_buffer(
+        &mut self,
+        ctx: sys::CUcontext,
+        bytes: usize,
+    ) -> Result<u64, BackendError> {
+        if self.desc.is_none() || self.desc_bytes < bytes {
+            let want = bytes.max(MIN_DESC_BYTES).next_power_of_two();
+            let new = DeviceMem::alloc(ctx, want)?;
+            if let Some(old) = self.desc.replace(new) {
+                self.retired.push(old);
+            }
+            self.desc_bytes = want;
+        }
+        Ok(self.desc.as_ref().expect("made above").ptr)
+    }
+
+    pub(super) fn new(ctx: sys::CUcontext, slot: u64) -> Result<Self, BackendError> {
+        let bytes = usize::try_from(slot.saturating_mul(2)).unwrap_or(usize::MAX);
+        Ok(Stage {
+            ring: DeviceMem::alloc(ctx, bytes)?,
+            slot,
+            stream: Stream::create(ctx)?,
+            lane_done: Event::create(ctx, false)?,
+            ready: [Event::create(ctx, false)?, Event::create(ctx, false)?],
+            free: [Event::create(ctx, false)?, Event::create(ctx, false)?],
+            join: Event::create(ctx, false)?,
+            marker_on_kernels: false,
+            steps: 0,
+            desc: None,
+            desc_bytes: 0,
+            retired: Vec::new(),
+            src: Vec::new(),
+            dst: Vec::new(),
+            size: Vec::new(),
+        })
+    }
+}

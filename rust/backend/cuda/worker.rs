@@ -1,0 +1,353 @@
+//! A lane's work on the shared state: its issuing thread's loop, a job's copies and completion
+//! marker, the completion queries and the stream health checks.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use cudarc::driver::sys;
+
+use super::driver::{check, error_name};
+use super::lane::{CudaLane, Job};
+use super::options::AccessOrder;
+use super::query::memory_type;
+use super::resources::Event;
+use super::shared::Shared;
+use crate::backend::{AddElapsed, BackendError, KernelBatch, PageKernel, Submitted};
+use crate::direction::Direction;
+
+impl Shared {
+    pub(super) fn lane(&self, d: Direction) -> &CudaLane {
+        &self.lanes[d.lane()]
+    }
+
+    /// Whether nothing this backend accepted on `lane` can still run: every completion marker
+    /// reached, or, where a marker may be missing, nothing left to issue and the streams idle.
+    /// Never blocks; the context is current.
+    pub(super) fn lane_idle(&self, lane: Direction) -> bool {
+        let l = self.lane(lane);
+        // Acquire: pairs with the Release stores in `submit` and `issue_job`, and the
+        // decrement in `work`.
+        if l.unmarked.load(Ordering::Acquire) {
+            if l.pending.load(Ordering::Acquire) != 0 {
+                return false;
+            }
+            let kernels = l
+                .stage
+                .try_lock()
+                .ok()
+                .map(|st| st.as_ref().map(|st| st.stream.raw));
+            let idle = |s: sys::CUstream| {
+                // SAFETY: the stream is valid for the backend's life; cuStreamQuery never blocks.
+                (unsafe { sys::cuStreamQuery(s) }) == sys::CUresult::CUDA_SUCCESS
+            };
+            // A stage held by a submission in progress is not idle.
+            return idle(l.stream.raw) && kernels.is_some_and(|k| k.is_none_or(idle));
+        }
+        self.completed_seq(lane) >= l.accepted.load(Ordering::Acquire)
+    }
+
+    /// Whether host memory may be freed now. Until shutdown, and while no lane has failed, the
+    /// engine frees only what no transfer in flight uses; after either, only once every lane is
+    /// idle. The context is current.
+    pub(super) fn may_free(&self) -> bool {
+        // Acquire: pairs with the store in `shutdown`.
+        let trusted = !self.shut.load(Ordering::Acquire)
+            && self.lanes.iter().all(|l| l.error.get().is_none());
+        trusted || Direction::ALL.into_iter().all(|d| self.lane_idle(d))
+    }
+
+    /// The transfers not known complete on lanes that are not idle.
+    pub(super) fn left(&self) -> u64 {
+        Direction::ALL
+            .into_iter()
+            .filter(|&d| !self.lane_idle(d))
+            .map(|d| self.left_on(d))
+            .sum()
+    }
+
+    /// The transfers of `lane` not known complete (at least 1 where the lane is not idle).
+    pub(super) fn left_on(&self, lane: Direction) -> u64 {
+        let l = self.lane(lane);
+        l.accepted
+            .load(Ordering::Acquire)
+            .saturating_sub(self.completed_seq(lane))
+            .max(1)
+    }
+
+    pub(super) fn attrs(&self, lane: Direction) -> sys::CUmemcpyAttributes {
+        // SAFETY: CUmemcpyAttributes is a plain C struct; all-zero is a valid (no hints) value.
+        let mut a: sys::CUmemcpyAttributes = unsafe { std::mem::zeroed() };
+        a.srcAccessOrder = match self.opts.access_order[lane.lane()] {
+            AccessOrder::Any => sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_ANY,
+            AccessOrder::Stream => sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+        };
+        a
+    }
+    /// The highest sequence number of `lane` known complete.
+    pub(super) fn completed_seq(&self, lane: Direction) -> u64 {
+        let l = self.lane(lane);
+        if self.write_value {
+            // SAFETY: `counter` is 8-byte aligned mapped pinned memory that lives as long as the
+            // backend; the device writes it with the stream's memory barrier before the value.
+            // Acquire: the copies' bytes are read only after seeing their sequence number.
+            let written = unsafe { AtomicU64::from_ptr(l.counter) }.load(Ordering::Acquire);
+            // Acquire: pairs with the Release store in `issue_job`, after what it recorded in
+            // the slab (a failure): a transfer is complete once its marker is both queued and
+            // reached.
+            return written.min(l.submitted.load(Ordering::Acquire));
+        }
+        let submitted = l.submitted.load(Ordering::Acquire);
+        let mut known = l.known.load(Ordering::Acquire);
+        while known < submitted {
+            let ev = l.done_events[((known + 1) as usize) % l.done_events.len()].raw;
+            // SAFETY: valid event; cuEventQuery never blocks.
+            if unsafe { sys::cuEventQuery(ev) } != sys::CUresult::CUDA_SUCCESS {
+                break;
+            }
+            known += 1;
+        }
+        // fetch_max: racing pollers only ever move it forward.
+        l.known.fetch_max(known, Ordering::AcqRel);
+        known
+    }
+
+    /// An event of the lane's pool (made if the pool is empty) recorded on the caller's stream.
+    pub(super) fn record_dep(&self, lane: Direction, stream: u64) -> Result<Event, BackendError> {
+        let l = self.lane(lane);
+        let pooled = l
+            .deps
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .pop();
+        let ev = match pooled {
+            Some(ev) => ev,
+            None => Event::create(self.ctx.raw, false)?,
+        };
+        // SAFETY: `stream` is the caller's stream handle (0 is the legacy default stream, which
+        // may be recorded on); a bad handle comes back as an error, failing this transfer only.
+        let r = check("cuEventRecord", unsafe {
+            sys::cuEventRecord(ev.raw, stream as sys::CUstream)
+        });
+        match r {
+            Ok(()) => Ok(ev),
+            Err(e) => {
+                l.deps
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .push(ev);
+                Err(e)
+            }
+        }
+    }
+
+    /// Blocks until the lane's issuing thread has issued everything handed to it.
+    pub(super) fn wait_drained(&self, lane: Direction) {
+        let l = self.lane(lane);
+        let mut q = l
+            .queue
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        // Acquire: pairs with the Release decrement in `work`.
+        while l.pending.load(Ordering::Acquire) != 0 {
+            q = l
+                .drained
+                .wait(q)
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+        }
+    }
+
+    /// The issuing thread of `lane`: issues the jobs handed to it, in order, until the backend
+    /// stops and the queue is empty. On a lane that failed it issues nothing more: the engine
+    /// reports those transfers failed once `pending` is 0.
+    pub(super) fn work(&self, lane: Direction) {
+        let l = self.lane(lane);
+        loop {
+            let job = {
+                let mut q = l
+                    .queue
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                loop {
+                    if let Some(job) = q.pop_front() {
+                        break job;
+                    }
+                    // Acquire: pairs with the Release store in `CudaBackend`'s Drop.
+                    if self.stopping.load(Ordering::Acquire) {
+                        return;
+                    }
+                    q = l
+                        .work
+                        .wait(q)
+                        .unwrap_or_else(std::sync::PoisonError::into_inner);
+                }
+            };
+            if l.error.get().is_none() {
+                match self.make_current() {
+                    Ok(_ctx) => {
+                        let kernel = job.kernel.map(|(batch, kernel, launch_bytes)| {
+                            let k = PageKernel::Loaded {
+                                kernel,
+                                launch_bytes,
+                            };
+                            (batch, k)
+                        });
+                        let _ = self.issue_job(lane, job, kernel);
+                    }
+                    Err(e) => {
+                        let _ = l.error.set(e);
+                    }
+                }
+            }
+            let _q = l
+                .queue
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            // Release: the slab is not touched after this (pairs with Acquire loads in
+            // `wait_drained` and `failed`).
+            if l.pending.fetch_sub(1, Ordering::AcqRel) == 1 {
+                l.drained.notify_all();
+            }
+        }
+    }
+
+    /// Issues one transfer on the lane's streams: the wait for the caller's stream, its copies
+    /// (and kernels), then its completion marker, which goes in whatever happened to the copies,
+    /// so the lane stays ordered. The context is current. `Err` where the marker could not be
+    /// queued: the lane has failed.
+    pub(super) fn issue_job(
+        &self,
+        lane: Direction,
+        job: Job,
+        launch: Option<(KernelBatch, PageKernel<'_>)>,
+    ) -> Result<Submitted, BackendError> {
+        let l = self.lane(lane);
+        let seq = job.seq;
+        // SAFETY: the engine keeps the slab in flight until completion of `seq` is observed,
+        // which needs the marker queued below (or, on a failed lane, `pending` back at 0).
+        let slab = unsafe { job.slab.get() };
+        let mut outcome = job.failed.map_or(Ok(()), Err);
+        if let Some(dep) = &job.dep {
+            // SAFETY: both handles valid; our stream waits for the caller's work at submission.
+            outcome = check("cuStreamWaitEvent", unsafe {
+                sys::cuStreamWaitEvent(l.stream.raw, dep.raw, 0)
+            });
+        }
+        let timing = (!l.timing_events.is_empty()).then(|| {
+            let (start, end) = &l.timing_events[(seq as usize) % l.timing_events.len()];
+            (start.raw, end.raw)
+        });
+        if let (Ok(()), Some((start, _))) = (&outcome, timing) {
+            // SAFETY: valid event and stream. A failed timing record only loses the timing.
+            let _ = unsafe { sys::cuEventRecord(start, l.stream.raw) };
+        }
+        // Copies are issued only when the ordering they depend on is in place.
+        let mut first = 0;
+        if let (Ok(()), Some((batch, kernel))) = (&outcome, launch) {
+            // The small descriptors first, by the copy kernel on this lane's stream; it reads them
+            // from the slab in place. Then DMA for the rest, then the completion marker: one
+            // submission, one completion.
+            first = batch.len;
+            outcome = match kernel {
+                PageKernel::Launcher(launch) => launch(KernelBatch {
+                    stream: l.stream.raw as u64,
+                    ..batch
+                })
+                .map_err(|reason| BackendError::CopyFailed {
+                    index: None,
+                    reason: format!("copy kernel: {reason}"),
+                }),
+                PageKernel::Loaded {
+                    kernel,
+                    launch_bytes,
+                } => self.launch_pages(l.stream.raw, batch, kernel, launch_bytes),
+            };
+        }
+        if outcome.is_ok() && first < slab.len() {
+            let _timed = AddElapsed::start(&self.driver_ns);
+            let dep = job.dep.as_ref().map(|e| e.raw);
+            outcome = if let Some(req) = job.staged {
+                self.issue_staged(lane, slab, req, dep)
+            } else if job.pitched {
+                self.issue_pitched(lane, slab)
+            } else {
+                self.issue_copies(lane, slab, first)
+            };
+        }
+        if let Some(dep) = job.dep {
+            // Every wait on it is queued: it may be recorded again.
+            l.deps
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .push(dep);
+        }
+        let tail = self.marker_stream(lane, job.staged.is_some());
+        if let (Ok(()), Some((_, end))) = (&outcome, timing) {
+            // SAFETY: as above.
+            let _ = unsafe { sys::cuEventRecord(end, tail) };
+        }
+        if let Err(e) = &outcome {
+            slab.set_failed(e.to_string());
+        }
+        if let Err(e) = self.signal(lane, seq, tail) {
+            // Release: pairs with the Acquire load in `lane_idle`.
+            l.unmarked.store(true, Ordering::Release);
+            let _ = l.error.set(e.clone());
+            return Err(e);
+        }
+        // Release: pairs with Acquire loads in `completed` (event mode) and health checks.
+        l.submitted.store(seq, Ordering::Release);
+        Ok(if outcome.is_ok() {
+            Submitted::Ok
+        } else {
+            Submitted::CopyFailed
+        })
+    }
+
+    /// The lane's error, once its issuing thread holds no slab any more (before that, the
+    /// engine must not hand the slabs of its transfers back).
+    pub(super) fn failed(&self, lane: Direction) -> Option<&BackendError> {
+        let l = self.lane(lane);
+        // Acquire: pairs with the Release decrement in `work`.
+        l.error
+            .get()
+            .filter(|_| l.pending.load(Ordering::Acquire) == 0)
+    }
+
+    /// After a failed batch whose ABI does not say which descriptor failed: the first one whose
+    /// source or destination the driver does not know.
+    pub(super) fn find_bad_descriptor(src: &[u64], dst: &[u64]) -> Option<usize> {
+        (0..src.len()).find(|&i| memory_type(src[i]).is_none() || memory_type(dst[i]).is_none())
+    }
+
+    /// Queues the completion marker of `seq` on `stream` (see [`Self::marker_stream`]).
+    fn signal(&self, lane: Direction, seq: u64, stream: sys::CUstream) -> Result<(), BackendError> {
+        let l = self.lane(lane);
+        if self.write_value {
+            // SAFETY: writes one u64 into our mapped pinned counter, after the preceding copies
+            // (flags 0 keeps the memory barrier: the copied bytes are visible before the value).
+            check("cuStreamWriteValue64", unsafe {
+                sys::cuStreamWriteValue64_v2(stream, l.counter_dev, seq, 0)
+            })
+        } else {
+            let ev = l.done_events[(seq as usize) % l.done_events.len()].raw;
+            // SAFETY: the event and stream are valid; re-recording a ring slot is safe because the
+            // engine never has more than half the ring in flight.
+            check("cuEventRecord", unsafe { sys::cuEventRecord(ev, stream) })
+        }
+    }
+
+    pub(super) fn check_stream(&self, lane: Direction) {
+        let l = self.lane(lane);
+        if l.error.get().is_some() {
+            return;
+        }
+        // SAFETY: the stream is valid for the backend's life; cuStreamQuery never blocks.
+        let r = unsafe { sys::cuStreamQuery(l.stream.raw) };
+        if r != sys::CUresult::CUDA_SUCCESS && r != sys::CUresult::CUDA_ERROR_NOT_READY {
+            let _ = l.error.set(BackendError::Driver {
+                call: "cuStreamQuery",
+                code: r as i32,
+                name: error_name(r),
+            });
+        }
+    }
+}
