@@ -191,7 +191,7 @@ def _tables(*page_bytes):
 
 
 def test_route_is_chosen_once_from_page_sizes():
-    from blockswap.handler import KERNEL_BELOW, choose_route
+    from blockswap.routing import KERNEL_BELOW, choose_route
 
     small, large = _tables(8 * KiB), _tables(1 << 20)
     assert choose_route(small, on_cuda=False).launcher is None  # host backend: memcpy

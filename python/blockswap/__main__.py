@@ -48,20 +48,20 @@ def _routes(backend: str, copy_path: str | None) -> dict[str, str]:
     if backend != "cuda":
         return {d: HOST_ROUTE for d in ("d2h", "h2d")}
     try:
-        from . import handler
+        from . import handler, routing
     except ImportError as e:
         why = f"unknown: blockswap.handler needs torch ({e})"
         return {d: why for d in ("d2h", "h2d")}
     ctas = inspect.signature(handler.CpuGpuHandlers).parameters["kernel_ctas"].default
     dma = copy_path or "DMA"
     kernel = (
-        f"Triton copy kernel ({ctas} CTAs, at most {handler.KERNEL_LAUNCH_BYTES >> 20} MiB "
+        f"Triton copy kernel ({ctas} CTAs, at most {routing.KERNEL_LAUNCH_BYTES >> 20} MiB "
         "per launch)"
     )
     if importlib.util.find_spec("triton") is None:
         kernel = "DMA: triton is not installed (the copy kernel needs it)"
     return {
-        d: f"pages < {handler.KERNEL_BELOW[d] >> 10} KiB: {kernel}; larger pages: {dma}"
+        d: f"pages < {routing.KERNEL_BELOW[d] >> 10} KiB: {kernel}; larger pages: {dma}"
         for d in ("d2h", "h2d")
     }
 

@@ -127,15 +127,6 @@ from .routing import (
     staged_route,
 )
 
-# The routing names this module held before they had a module of their own, importable from
-# here as they were.
-from .routing import BLOCK_MAX_COPIES as BLOCK_MAX_COPIES
-from .routing import BLOCK_MIN_PAGE as BLOCK_MIN_PAGE
-from .routing import KERNEL_BELOW as KERNEL_BELOW
-from .routing import STAGED_CTAS as STAGED_CTAS
-from .routing import block_route as block_route
-from .routing import choose_route as choose_route
-
 __all__ = [
     "BlockIds",
     "CpuGpuHandlers",
@@ -235,9 +226,6 @@ _I64_MAX = int(np.iinfo(np.int64).max)
 _JOB_END = 1 << 64
 
 
-_bad_job_id = check_job_id
-
-
 def _pair(spec: Any, direction: str) -> tuple[Any, Any]:
     """``spec``'s two sides, or a ValueError naming the argument and the shape it must have."""
     sides = (
@@ -255,9 +243,6 @@ def _pair(spec: Any, direction: str) -> tuple[Any, Any]:
         raise ValueError(f"spec must be a pair {sides}, not {got}")
     src, dst = spec
     return src, dst
-
-
-_to_ids = as_block_ids
 
 
 def _logging_poll(
@@ -391,7 +376,7 @@ class SingleDirectionHandler:
         if self._closed:
             raise ShutdownError("the offloading handlers are shut down")
         if type(job_id) is not int or not 0 <= job_id < _JOB_END:
-            job_id = _bad_job_id(job_id)
+            job_id = check_job_id(job_id)
         try:
             src, dst = _pair(spec, self.direction)
             groups = self._groups(src, dst, block_indices)
@@ -438,7 +423,7 @@ class SingleDirectionHandler:
                     f"block-id array per group, got {len(srcs)} and {len(dsts)}"
                 )
         if block_indices is not None:
-            starts = _to_ids(block_indices, "block_indices")
+            starts = as_block_ids(block_indices, "block_indices")
             if starts.shape[0] != ng:
                 raise ValueError(
                     f"block_indices holds {starts.shape[0]} entries for {ng} KV-cache group(s)"
@@ -450,8 +435,8 @@ class SingleDirectionHandler:
         out = []
         for g in range(ng):
             where = f"group {g}: " if ng > 1 else ""
-            s = _to_ids(srcs[g], f"{where}{'GPU' if d2h else 'CPU'} block ids")
-            d = _to_ids(dsts[g], f"{where}{'CPU' if d2h else 'GPU'} block ids")
+            s = as_block_ids(srcs[g], f"{where}{'GPU' if d2h else 'CPU'} block ids")
+            d = as_block_ids(dsts[g], f"{where}{'CPU' if d2h else 'GPU'} block ids")
             if block_indices is not None:
                 skip = int(starts[g]) % f
             else:
