@@ -54,10 +54,7 @@ def probe(
         groups = hd._groups(c, g, None)
         t1 = time.perf_counter()
         job += 1
-        hd._submit_groups(
-            job, groups, "h2d", None, hd._kernel_below, hd._launcher, hd._blocks,
-            hd._staged, hd._kernel, hd._launch_bytes,
-        )  # fmt: skip
+        hd._submit_groups(job, groups, "h2d", None, hd._route)
         t2 = time.perf_counter()
         poll()
         return t1 - t0, t2 - t1

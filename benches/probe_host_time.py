@@ -20,6 +20,7 @@ import time
 import numpy as np
 import torch
 
+import blockswap
 from blockswap.handler import CpuGpuHandlers
 
 
@@ -54,10 +55,7 @@ def main() -> int:
                     groups = hd._groups(*spec, None)
                     ws = hd._wait_stream() if hd._wait_stream else None
                     t1 = time.perf_counter()
-                    hd._submit_groups(
-                        i + 1, groups, hd.direction, ws, hd._kernel_below, hd._launcher,
-                        hd._blocks, hd._staged, hd._kernel, hd._launch_bytes,
-                    )  # fmt: skip
+                    hd._submit_groups(i + 1, groups, hd.direction, ws, hd._route)
                     t2 = time.perf_counter()
                     poll(h)
                     py_s.append(t1 - t0)
@@ -71,9 +69,8 @@ def main() -> int:
                     groups = h.h2d._groups(c, g, None)
                     time.sleep(gap)
                     t1 = time.perf_counter()
-                    h.h2d._submit_groups(
-                        1000 + i, groups, "h2d", None, 0, None, False, True, h.h2d._kernel, None
-                    )
+                    staged = blockswap.Route.staged(h.h2d.route.kernel)
+                    h.h2d._submit_groups(1000 + i, groups, "h2d", None, staged)
                     core_s.append(time.perf_counter() - t1)
                     poll(h)
                 print(f"          h2d core submit after sleeping {gap * 1e3:.1f} ms: "

@@ -8,7 +8,6 @@
 //! lock-free queue, so a job id becomes reusable once its result has been reported.
 
 use std::collections::HashMap;
-use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
@@ -16,8 +15,7 @@ use std::time::{Duration, Instant};
 use crossbeam_queue::ArrayQueue;
 
 use crate::backend::{
-    AddElapsed, Backend, BackendError, BackendInfo, HostAlloc, KernelBatch, PageKernel,
-    StagedRequest, SubmitRequest, Submitted,
+    AddElapsed, Backend, BackendError, BackendInfo, HostAlloc, SubmitRequest, Submitted,
 };
 use crate::completion::{InFlight, Lane};
 use crate::descriptor::{
@@ -26,9 +24,12 @@ use crate::descriptor::{
 use crate::direction::Direction;
 use crate::fork::install_fork_hook;
 use crate::hostmem;
+use crate::kernel::{KernelBatch, PageKernel};
+use crate::plan::Plan;
 use crate::pool::{Pool, PoolStats};
 use crate::region::{MemoryKind, RegionError, RegionTable};
 use crate::table::BlockTable;
+use crate::table::StagedRequest;
 use crate::transfer::{JobId, TransferResult};
 
 mod blocks;
@@ -132,30 +133,13 @@ struct Parked {
     slab: crate::slab::Slab,
 }
 
-/// What a slab holds: `(src, dst, size)` descriptors, of which those below a size may go to a
-/// kernel launcher, or the 2-D copies of a block plan.
-pub enum Shape<'a> {
-    /// A descriptor per page; with `Some((below, launcher))` those below `below` bytes (after
-    /// coalescing) are moved by the copy kernel `launcher` launches, the rest by DMA.
-    Pages(Option<(u64, PageKernel<'a>)>),
-    /// The 2-D copies of each table pair's block plan: copy engines only.
-    Runs,
-    /// The staged plan: each block's host row across `PCIe` as one copy, into or out of a device
-    /// staging ring, and its pages moved inside the GPU by the loaded kernel `kernel` (see
-    /// [`Engine::load_kernel`]; `None` on the host backend, which copies with memcpy).
-    Staged { kernel: Option<u32> },
-}
-
-impl fmt::Debug for Shape<'_> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Shape::Pages(None) => f.write_str("Pages(dma)"),
-            Shape::Pages(Some((below, k))) => write!(f, "Pages(kernel {k:?} below {below} bytes)"),
-            Shape::Runs => f.write_str("Runs"),
-            Shape::Staged { kernel } => write!(f, "Staged(kernel {kernel:?})"),
-        }
-    }
-}
+/// How the caller asks a transfer to move (see [`Plan`]): a descriptor per page, with
+/// `Some((below, kernel))` those below `below` bytes (after coalescing) moved by the copy kernel
+/// `kernel` and the rest by DMA; the 2-D copies of each table pair's block plan, copy engines
+/// only; or the staged plan, each block's host row across `PCIe` as one copy into or out of a
+/// device staging ring and its pages moved inside the GPU by the loaded kernel (see
+/// [`Engine::load_kernel`]; `None` on the host backend, which copies with memcpy).
+pub type Route<'a> = Plan<Option<(u64, PageKernel<'a>)>, (), Option<u32>>;
 
 /// Moves batches of blocks over a backend. Shared between threads (`&self` everywhere).
 #[derive(Debug)]
@@ -489,7 +473,7 @@ impl Engine {
             |_| Ok(batch.src.len()),
             direction,
             wait_stream,
-            Shape::Pages(kernel),
+            Plan::Pages(kernel),
             |state, cols| {
                 let SubmitState {
                     regions, scratch, ..
@@ -510,7 +494,7 @@ impl Engine {
         descriptors: impl FnOnce(&SubmitState) -> Result<usize, EngineError>,
         direction: Direction,
         wait_stream: Option<u64>,
-        shape: Shape<'_>,
+        route: Route<'_>,
         fill: impl FnOnce(&mut SubmitState, Columns<'_>) -> Result<Prepared, EngineError>,
     ) -> Result<(), EngineError> {
         let _timed = AddElapsed::start(&self.submit_ns);
@@ -563,28 +547,15 @@ impl Engine {
             }
         };
         slab.set_len(prepared.len);
-        let mut request = SubmitRequest {
-            wait_stream,
-            kernel: None,
-            pitched: matches!(shape, Shape::Runs),
-            staged: match shape {
-                Shape::Staged { kernel } => Some(StagedRequest {
-                    rows: prepared.staged_rows,
-                    first_block: prepared.staged_blocks_at,
-                    slot_bytes: self.config.stage_bytes,
-                    kernel,
-                }),
-                _ => None,
-            },
-        };
-        if let Shape::Pages(Some((below, launch))) = shape {
-            // Every descriptor small (the usual KV-cache case): no partition pass.
-            let (len, max_size, alignment) = if prepared.max_size < below {
-                (prepared.len, prepared.max_size, prepared.alignment)
-            } else {
-                partition_small(slab.columns(), prepared.len, below)
-            };
-            if len > 0 {
+        let plan = match route {
+            Plan::Pages(None) => Plan::Pages(None),
+            Plan::Pages(Some((below, launch))) => {
+                // Every descriptor small (the usual KV-cache case): no partition pass.
+                let (len, max_size, alignment) = if prepared.max_size < below {
+                    (prepared.len, prepared.max_size, prepared.alignment)
+                } else {
+                    partition_small(slab.columns(), prepared.len, below)
+                };
                 let batch = KernelBatch {
                     src: slab.column_addr(0),
                     dst: slab.column_addr(1),
@@ -594,9 +565,17 @@ impl Engine {
                     alignment,
                     stream: 0,
                 };
-                request.kernel = Some((batch, launch));
+                Plan::Pages((len > 0).then_some((batch, launch)))
             }
-        }
+            Plan::Runs(()) => Plan::Runs(()),
+            Plan::Staged(kernel) => Plan::Staged(StagedRequest {
+                rows: prepared.staged_rows,
+                first_block: prepared.staged_blocks_at,
+                slot_bytes: self.config.stage_bytes,
+                kernel,
+            }),
+        };
+        let request = SubmitRequest { wait_stream, plan };
         let seq = lane.next_seq();
         let handle = slab.share();
         let record = InFlight {

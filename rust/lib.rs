@@ -9,12 +9,14 @@
 //! - [`direction`]: the four directions, each an ordered lane;
 //! - [`descriptor`]: validation and coalescing of `(src, dst, size)` batches;
 //! - [`region`]: the memory blockswap knows about; every address of a transfer must lie in it;
-//! - [`table`]: block tables, for transfers named by block ids;
+//! - [`plan`]: the three routes a transfer may take, one enum at every layer;
+//! - [`kernel`]: the copy kernels the core launches or hands a batch to;
+//! - [`table`]: block tables, for transfers named by block ids, and their expansion by route;
 //! - [`hostmem`]: exactly sized host buffers for CPU caches, page-locked in pieces;
 //! - [`slab`]: backends' host allocations, and the descriptor slab a transfer owns with the
 //!   backend's handle on it in flight;
 //! - [`pool`]: reused descriptor slabs (page-locked on CUDA), never reused while in flight;
-//! - [`transfer`]: the transfer lifecycle state machine and its results;
+//! - [`transfer`]: a transfer's job id and its result;
 //! - [`completion`]: lock-free completion polling over per-lane sequence numbers;
 //! - [`backend`]: the host (memcpy) backend and the CUDA driver backend;
 //! - [`engine`]: submit / poll / wait / shutdown over a backend.
@@ -29,6 +31,8 @@ pub mod engine;
 pub mod error;
 pub mod fork;
 pub mod hostmem;
+pub mod kernel;
+pub mod plan;
 pub mod pool;
 pub mod region;
 pub mod slab;

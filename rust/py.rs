@@ -3,12 +3,14 @@
 
 mod functions;
 mod host_buffer;
+mod route;
 
 use functions::{
     chunk_blocks, cuda_device_pointer, cuda_memcpy, cuda_memory_kind, cuda_pin, cuda_status,
     cuda_unpin,
 };
 use host_buffer::PyHostBuffer;
+use route::{launch_with, PyRoute};
 
 use std::sync::Arc;
 
@@ -20,11 +22,13 @@ use pyo3::types::PyDict;
 
 use crate::backend::cuda::{self, CudaBackend, CudaOptions};
 use crate::backend::host::HostBackend;
-use crate::backend::{Backend, KernelBatch, KernelLauncher, KernelParam, KernelSpec, PageKernel};
+use crate::backend::Backend;
 use crate::descriptor::{Batch, DescriptorError};
 use crate::direction::Direction;
-use crate::engine::{self, Engine, EngineConfig, EngineError, GroupIds, Shape};
+use crate::engine::{self, Engine, EngineConfig, EngineError, GroupIds};
 use crate::hostmem::{self, HostBuffer, HostBufferError, Pinner};
+use crate::kernel::{KernelBatch, KernelLauncher, KernelParam, KernelSpec, PageKernel};
+use crate::plan::Plan;
 use crate::pool::PoolError;
 use crate::region::MemoryKind;
 use crate::table;
@@ -456,16 +460,11 @@ impl PyEngine {
     /// Issues one transfer of several KV-cache groups as one batch: `groups` holds one
     /// `(src_table, src_ids, dst_table, dst_ids, chunks)` per group (int64 id arrays; `chunks`:
     /// None, or the sub-blocks skipped in the first chunk where the side whose table has
-    /// `unit` > 1 is named by chunk ids). A group may be empty. `runs`: each pair's block plan
-    /// (copy engines only) instead of a descriptor per page; `staged`: the staged plan with the
-    /// loaded `kernel`. Otherwise a descriptor per page, those below `kernel_below` bytes by the
-    /// copy kernel: `launcher`'s, or with none the loaded `kernel`, launched by the core at most
-    /// `launch_bytes` a launch (None: one launch).
-    #[pyo3(signature = (job_id, groups, direction = "h2d", wait_stream = None, kernel_below = 0,
-        launcher = None, runs = false, staged = false, kernel = None, launch_bytes = None))]
-    // The Python signature's keyword arguments, one parameter each; `groups` is the Python list
-    // of 5-tuples as pyo3 extracts it.
-    #[allow(clippy::too_many_arguments, clippy::type_complexity)]
+    /// `unit` > 1 is named by chunk ids). A group may be empty. `route`: how it moves (a
+    /// `Route`; None: a descriptor per page, by the copy engines).
+    #[pyo3(signature = (job_id, groups, direction = "h2d", wait_stream = None, route = None))]
+    // `groups` is the Python list of 5-tuples as pyo3 extracts it.
+    #[allow(clippy::type_complexity)]
     fn submit_groups(
         &self,
         py: Python<'_>,
@@ -479,12 +478,7 @@ impl PyEngine {
         )>,
         direction: &str,
         wait_stream: Option<u64>,
-        kernel_below: u64,
-        launcher: Option<Py<PyAny>>,
-        runs: bool,
-        staged: bool,
-        kernel: Option<u32>,
-        launch_bytes: Option<u64>,
+        route: Option<Py<PyRoute>>,
     ) -> PyResult<()> {
         let dir = self::direction(direction)?;
         let mut ids = Vec::with_capacity(groups.len());
@@ -502,31 +496,12 @@ impl PyEngine {
                 chunks: *chunks,
             })
             .collect();
-        let launch = |b: KernelBatch| call_launcher(launcher.as_ref().expect("routed"), b);
-        let shape = if staged {
-            Shape::Staged { kernel }
-        } else if runs {
-            Shape::Runs
-        } else if kernel_below == 0 {
-            Shape::Pages(None)
-        } else if launcher.is_some() {
-            Shape::Pages(Some((
-                kernel_below,
-                PageKernel::Launcher(&launch as KernelLauncher<'_>),
-            )))
-        } else {
-            Shape::Pages(kernel.map(|kernel| {
-                let launch_bytes = launch_bytes.unwrap_or(u64::MAX);
-                let k = PageKernel::Loaded {
-                    kernel,
-                    launch_bytes,
-                };
-                (kernel_below, k)
-            }))
-        };
         py.detach(|| {
+            let route = route.as_ref().map(Py::get);
+            let launch = |b: KernelBatch| launch_with(route.expect("a launcher's route"), b);
+            let core = route.map_or(Plan::Pages(None), |r| r.core(&launch as KernelLauncher<'_>));
             self.engine
-                .submit_groups(job_id, &gs, dir, wait_stream, shape)
+                .submit_groups(job_id, &gs, dir, wait_stream, core)
         })
         .map_err(Into::into)
     }
@@ -754,6 +729,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_class::<PyEngine>()?;
     m.add_class::<PyTransferResult>()?;
+    m.add_class::<PyRoute>()?;
     m.add_class::<PyHostBuffer>()?;
     m.add_class::<host_buffer::PyAllocProgress>()?;
     m.add("DEFAULT_PIECE_BYTES", hostmem::DEFAULT_PIECE_BYTES)?;

@@ -18,6 +18,7 @@
 //! checked by `check_written` on what the plan wrote.
 
 use crate::descriptor::{check_disjoint, Columns, DescriptorError, Prepared, Scratch, Side};
+use crate::plan::Plan;
 use crate::region::{MemoryKind, RegionTable};
 
 mod chunks;
@@ -29,7 +30,10 @@ pub use error::{Overlap, TableError};
 use runs::written_rows;
 pub use runs::{block_runs, expand_runs_into, for_each_row, Run, MAX_PITCH, PITCHED_ENTRIES};
 use staged::written_pages;
-pub use staged::{expand_staged_into, staged_pages, staged_row, StagedCursor, STAGED_TABLE_EXTRA};
+pub use staged::{
+    expand_staged_into, staged_pages, staged_row, staged_steps, StagedCursor, StagedRequest,
+    StagedStep, STAGED_MIN_STEPS, STAGED_TABLE_EXTRA,
+};
 
 /// A block table as its caller describes it, before it is checked against registered memory
 /// (see [`TableSpec::build`]): `bases`, `strides` and `nbytes` per segment, `num_blocks` blocks of
@@ -611,21 +615,19 @@ pub fn expand_into(
     })
 }
 
-/// How [`expand_groups_into`] writes a transfer.
-#[derive(Clone, Copy, Debug)]
-pub enum Plan<'a> {
-    /// A descriptor per page, merged where `coalesce` and both addresses continue ([`expand_into`]).
-    Pages { coalesce: bool },
-    /// One plan of 2-D copies per group ([`expand_runs_into`]).
-    Runs(&'a [Vec<Run>]),
-    /// The staged plan ([`expand_staged_into`]) of a transfer of `rows` blocks in all, the host
-    /// side the source (`host_src`, CPU -> GPU) or the destination; rows of blocks that follow
-    /// each other on the host joined up to `merge` bytes (0: never).
-    Staged {
-        rows: usize,
-        host_src: bool,
-        merge: u64,
-    },
+/// How [`expand_groups_into`] writes a transfer into its slab: a descriptor per page, merged
+/// where the `bool` (coalesce) says and both addresses continue ([`expand_into`]); one plan of
+/// 2-D copies per group ([`expand_runs_into`]); or the staged plan ([`expand_staged_into`]).
+pub type Expansion<'a> = Plan<bool, &'a [Vec<Run>], StagedExpansion>;
+
+/// The staged plan's expansion of a transfer of `rows` blocks in all, the host side the source
+/// (`host_src`, CPU -> GPU) or the destination; rows of blocks that follow each other on the host
+/// joined up to `merge` bytes (0: never).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StagedExpansion {
+    pub rows: usize,
+    pub host_src: bool,
+    pub merge: u64,
 }
 
 /// One KV-cache group of a block transfer (see [`expand_groups_into`]): its two tables and ids.
@@ -666,7 +668,7 @@ impl Group<'_> {
 /// `out` must have room for every group's descriptors; `bufs` holds expanded chunk ids.
 pub fn expand_groups_into(
     groups: &[Group<'_>],
-    plan: Plan<'_>,
+    plan: Expansion<'_>,
     out: Columns<'_>,
     scratch: &mut Scratch,
     bufs: &mut [Vec<u64>; 2],
@@ -694,7 +696,7 @@ pub fn expand_groups_into(
     let mut used: Vec<(u64, u64)> = Vec::new();
     let mut shared = false;
     let mut cursor = match plan {
-        Plan::Staged { rows, merge, .. } => StagedCursor::new(rows, merge),
+        Plan::Staged(StagedExpansion { rows, merge, .. }) => StagedCursor::new(rows, merge),
         _ => StagedCursor::default(),
     };
     for (gi, g) in groups.iter().enumerate() {
@@ -742,7 +744,7 @@ pub fn expand_groups_into(
             continue;
         }
         // Staged plans place rows and pages themselves (see `StagedCursor`).
-        let w = if matches!(plan, Plan::Staged { .. }) {
+        let w = if matches!(plan, Plan::Staged(_)) {
             0
         } else {
             total.len
@@ -759,9 +761,9 @@ pub fn expand_groups_into(
             dst_ids: dids,
         };
         let p = match plan {
-            Plan::Pages { coalesce } => expand_into(pair, coalesce, cols, scratch),
+            Plan::Pages(coalesce) => expand_into(pair, coalesce, cols, scratch),
             Plan::Runs(r) => expand_runs_into(pair, &r[gi], cols, scratch),
-            Plan::Staged { host_src, .. } => {
+            Plan::Staged(StagedExpansion { host_src, .. }) => {
                 expand_staged_into(pair, host_src, cols, &mut cursor, scratch)
             }
         };
@@ -788,7 +790,7 @@ pub fn expand_groups_into(
     if total.len == 0 {
         return Err(TableError::Empty);
     }
-    if let Plan::Staged { rows, .. } = plan {
+    if let Plan::Staged(StagedExpansion { rows, .. }) = plan {
         // Rows, blocks from `rows` on, then the geometries: the slab's length counts all three.
         // The caller sized the rows by the groups' block counts, which the checks above made
         // exact; joined rows leave the end of that room unused.
@@ -805,17 +807,17 @@ pub fn expand_groups_into(
         let ranges = match plan {
             Plan::Runs(_) => Some(written_rows(&src[..len], &dst[..len], &size[..len])),
             // CPU -> GPU: the bytes land in the GPU pages the kernel writes.
-            Plan::Staged {
+            Plan::Staged(StagedExpansion {
                 rows,
                 host_src: true,
                 ..
-            } => Some(written_pages(src, dst, size, rows..cursor.block)),
-            Plan::Staged { .. } | Plan::Pages { .. } => None,
+            }) => Some(written_pages(src, dst, size, rows..cursor.block)),
+            Plan::Staged(_) | Plan::Pages(_) => None,
         };
         let (addrs, sizes) = match (&ranges, plan) {
             (Some((a, z)), _) => (&a[..], &z[..]),
             // GPU -> CPU: the host rows.
-            (None, Plan::Staged { .. }) => (&src[..cursor.row], &size[..cursor.row]),
+            (None, Plan::Staged(_)) => (&src[..cursor.row], &size[..cursor.row]),
             (None, _) => (&dst[..len], &size[..len]),
         };
         check_written(table, addrs, sizes, Overlap::Groups, scratch)?;

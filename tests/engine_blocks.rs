@@ -3,7 +3,8 @@
 
 mod common;
 
-use blockswap::engine::{Engine, EngineConfig, EngineError, GroupIds, Shape};
+use blockswap::engine::{Engine, EngineConfig, EngineError, GroupIds};
+use blockswap::plan::Plan;
 use blockswap::table::TableSpec;
 use blockswap::{Direction, MemoryKind};
 use common::{engine_with, finish, Buffers};
@@ -334,9 +335,9 @@ fn staged_both_ways(
     let (gi, ci): (Vec<u64>, Vec<u64>) = pairs.iter().copied().unzip();
     let shape = || {
         if staged {
-            Shape::Staged { kernel: None }
+            Plan::Staged(None)
         } else {
-            Shape::Pages(None)
+            Plan::Pages(None)
         }
     };
     let groups = |st, si, dt, di| [GroupIds::blocks(st, si, dt, di)];
@@ -464,7 +465,7 @@ fn staged_plans_are_refused_where_they_cannot_run() {
             .register_table(TableSpec::new(cb, cs, nbytes, 4, MemoryKind::Host).named("CPU", 1))
             .unwrap()
     };
-    let staged = || Shape::Staged { kernel: None };
+    let staged = || Plan::Staged(None);
     let submit = |job, cpu, dir| {
         let (gi, ci) = ([0u64, 1], [2u64, 3]);
         let groups = if dir == Direction::DeviceToHost {
@@ -643,9 +644,9 @@ fn every_plan_refuses_loads_into_layers_that_share_a_tensor_and_stores_them() {
         .unwrap();
     let gpu_before = b.dst.clone();
     let shape = |name| match name {
-        "pages" => Shape::Pages(None),
-        "runs" => Shape::Runs,
-        _ => Shape::Staged { kernel: None },
+        "pages" => Plan::Pages(None),
+        "runs" => Plan::Runs(()),
+        _ => Plan::Staged(None),
     };
     for (job, name) in (1u64..).step_by(2).zip(["pages", "runs", "staged"]) {
         // Stores read each shared page twice: both layers' CPU pages hold the tensor's page.
@@ -713,7 +714,7 @@ fn groups_move_as_one_transfer_with_chunk_ids_and_skips() {
         group(gpu1, &[9], cpu1, &[2], Some(3)),
     ];
     engine
-        .submit_groups(1, &store, Direction::DeviceToHost, None, Shape::Pages(None))
+        .submit_groups(1, &store, Direction::DeviceToHost, None, Plan::Pages(None))
         .unwrap();
     let r = finish(&engine, &[1]);
     assert!(r[0].success);
@@ -733,7 +734,7 @@ fn groups_move_as_one_transfer_with_chunk_ids_and_skips() {
         group(cpu1, &[2], gpu1, &[0], Some(3)),
     ];
     engine
-        .submit_groups(2, &load, Direction::HostToDevice, None, Shape::Runs)
+        .submit_groups(2, &load, Direction::HostToDevice, None, Plan::Runs(()))
         .unwrap();
     assert!(finish(&engine, &[2])[0].success);
     assert_eq!(b.dst[1024..1024 + 32], b.src[c1..c1 + 32]);
@@ -744,7 +745,7 @@ fn groups_move_as_one_transfer_with_chunk_ids_and_skips() {
         group(gpu1, &[1, 2], cpu1, &[0], Some(3)),
     ];
     let err = engine
-        .submit_groups(3, &bad, Direction::DeviceToHost, None, Shape::Pages(None))
+        .submit_groups(3, &bad, Direction::DeviceToHost, None, Plan::Pages(None))
         .unwrap_err()
         .to_string();
     assert!(
@@ -752,7 +753,7 @@ fn groups_move_as_one_transfer_with_chunk_ids_and_skips() {
         "{err}"
     );
     let err = engine
-        .submit_groups(3, &[], Direction::DeviceToHost, None, Shape::Pages(None))
+        .submit_groups(3, &[], Direction::DeviceToHost, None, Plan::Pages(None))
         .unwrap_err();
     assert!(err.to_string().contains("empty"), "{err}");
     drop(engine);

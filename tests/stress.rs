@@ -25,9 +25,9 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender};
 
 use blockswap::backend::host::HostBackend;
-use blockswap::backend::{KernelBatch, PageKernel};
 use blockswap::descriptor::Batch;
 use blockswap::engine::{Engine, EngineConfig, EngineError, GroupIds};
+use blockswap::kernel::{KernelBatch, PageKernel};
 use blockswap::table::TableSpec;
 use blockswap::{Backend, Direction, MemoryKind, TransferResult};
 

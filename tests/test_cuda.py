@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import blockswap
-from blockswap import BackendError, InvalidTransferError
+from blockswap import BackendError, InvalidTransferError, Route
 
 pytestmark = pytest.mark.cuda
 
@@ -527,9 +527,10 @@ def test_threads_submit_while_another_shuts_down(torch, route):
         else:
             group = (tables[id(a)], [i], tables[id(b)], [i], None)
             if route == "staged":
-                eng.submit_groups(job, [group], direction, staged=True, kernel=kernel)
+                eng.submit_groups(job, [group], direction, route=Route.staged(kernel))
             else:
-                eng.submit_groups(job, [group], direction, kernel_below=1 << 40, kernel=kernel)
+                pages = Route.pages(1 << 40, kernel=kernel)
+                eng.submit_groups(job, [group], direction, route=pages)
 
     def submitter(direction: str) -> None:
         a, b = (host, dev) if direction == "h2d" else (src, back)
@@ -594,9 +595,9 @@ def test_a_kernel_the_plan_cannot_launch_fails_the_transfer(torch, given: str) -
         wrong = {"never loaded": (7, 7), "of the other kind": (staged_kernel, page_kernel)}
         on_route, on_staged = wrong[given]
         eng.submit_groups(
-            1, [(th, [0, 1], td, [0, 1], None)], "h2d", kernel_below=1 << 40, kernel=on_route
+            1, [(th, [0, 1], td, [0, 1], None)], "h2d", route=Route.pages(1 << 40, kernel=on_route)
         )
-        eng.submit_groups(3, [(th, [0, 1], td, [0, 1], None)], "h2d", staged=True, kernel=on_staged)
+        eng.submit_groups(3, [(th, [0, 1], td, [0, 1], None)], "h2d", route=Route.staged(on_staged))
         eng.wait([1, 3])
         results = sorted(eng.get_finished(), key=lambda r: r.job_id)
         assert [r.success for r in results] == [False, False]

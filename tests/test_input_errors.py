@@ -263,8 +263,8 @@ def test_a_missing_optional_dependency_says_how_to_install_it(module, missing):
         ),
     ],
 )
-def test_submit_groups_names_a_bad_launch_bytes(launch_bytes, error, match):
-    """The kernel route's bytes per launch is checked before anything is issued."""
+def test_a_route_names_a_bad_launch_bytes(launch_bytes, error, match):
+    """The kernel route's bytes per launch is checked when the route is made."""
     with Engine("host") as eng:
         a, b = np.arange(1024, dtype=np.uint8), np.zeros(1024, dtype=np.uint8)
         eng.register(a)
@@ -272,9 +272,11 @@ def test_submit_groups_names_a_bad_launch_bytes(launch_bytes, error, match):
         ta = eng.register_table([a.ctypes.data], [256], [256], 4, "host")
         tb = eng.register_table([b.ctypes.data], [256], [256], 4, "host")
         with pytest.raises(error, match=match):
-            eng.submit_groups(1, [(ta, [0], tb, [1], None)], "h2h", launch_bytes=launch_bytes)
+            blockswap.Route.pages(1 << 20, kernel=0, launch_bytes=launch_bytes)
         assert eng.stats()["in_flight"] == 0
-        eng.submit_groups(2, [(ta, [0], tb, [1], None)], "h2h", launch_bytes=4096)
+        # The host backend loads no kernel: its pages go by memcpy.
+        route = blockswap.Route.pages(1 << 20, kernel=0, launch_bytes=4096)
+        eng.submit_groups(2, [(ta, [0], tb, [1], None)], "h2h", route=route)
         eng.wait([2])
         assert [r.success for r in eng.get_finished()] == [True]
         assert np.array_equal(b[256:512], a[:256])

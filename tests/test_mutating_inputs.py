@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 import blockswap
+from blockswap import Route
 
 SECONDS = 1.5
 # Enough work per submit that the flipping thread runs while the core reads the arrays.
@@ -157,10 +158,10 @@ def _h2d_cases(t: Tables) -> dict[str, Callable[[np.ndarray, np.ndarray, int], N
         "submit_block_runs": lambda s, x, job: eng.submit_block_runs(job, h, s, d, x, "h2d"),
         "submit_groups": lambda s, x, job: eng.submit_groups(job, [(h, s, d, x, None)], "h2d"),
         "submit_groups runs": lambda s, x, job: eng.submit_groups(
-            job, [(h, s, d, x, None)], "h2d", runs=True
+            job, [(h, s, d, x, None)], "h2d", route=Route.blocks()
         ),
         "submit_groups staged": lambda s, x, job: eng.submit_groups(
-            job, [(h, s, d, x, None)], "h2d", staged=True
+            job, [(h, s, d, x, None)], "h2d", route=Route.staged()
         ),
     }
 

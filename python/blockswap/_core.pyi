@@ -3,7 +3,7 @@ extension with mypy.stubtest."""
 
 from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import ClassVar, final
+from typing import ClassVar, Literal, final
 
 import numpy as np
 import numpy.typing as npt
@@ -31,6 +31,7 @@ __all__ = [
     "HostBuffer",
     "InvalidTransferError",
     "PoolExhaustedError",
+    "Route",
     "ShutdownError",
     "TransferResult",
     "WaitTimeoutError",
@@ -74,6 +75,31 @@ class TransferResult:
     def error(self) -> str | None: ...
     def __eq__(self, value: object, /) -> bool: ...
     __hash__: ClassVar[None]  # type: ignore[assignment]
+
+@final
+class Route:
+    @staticmethod
+    def pages(
+        kernel_below: int | None = None,
+        *,
+        kernel: int | None = None,
+        launch_bytes: int | None = None,
+        launcher: Callable[[int, int, int, int, int, int, int], object] | None = None,
+    ) -> Route: ...
+    @staticmethod
+    def blocks() -> Route: ...
+    @staticmethod
+    def staged(kernel: int | None = None) -> Route: ...
+    @property
+    def plan(self) -> Literal["pages", "blocks", "staged"]: ...
+    @property
+    def kernel_below(self) -> int: ...
+    @property
+    def kernel(self) -> int | None: ...
+    @property
+    def launch_bytes(self) -> int | None: ...
+    @property
+    def launcher(self) -> Callable[[int, int, int, int, int, int, int], object] | None: ...
 
 @final
 class Engine:
@@ -138,12 +164,7 @@ class Engine:
         groups: Sequence[tuple[int, npt.NDArray[np.int64], int, npt.NDArray[np.int64], int | None]],
         direction: Direction = "h2d",
         wait_stream: int | None = None,
-        kernel_below: int = 0,
-        launcher: Callable[[int, int, int, int, int, int, int], object] | None = None,
-        runs: bool = False,
-        staged: bool = False,
-        kernel: int | None = None,
-        launch_bytes: int | None = None,
+        route: Route | None = None,
     ) -> None: ...
     def load_kernel(
         self,

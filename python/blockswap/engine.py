@@ -25,7 +25,7 @@ import numpy as np
 
 from . import _core
 from ._checks import Errors, check_int
-from ._core import InvalidTransferError, TransferResult
+from ._core import InvalidTransferError, Route, TransferResult
 from ._types import (
     AccessOrder,
     BackendName,
@@ -113,6 +113,15 @@ _ERRORS: Errors = (ArgumentTypeError, InvalidTransferError)
 _I32 = (-(1 << 31), (1 << 31) - 1)
 _I128 = (-(1 << 127), (1 << 127) - 1)
 _U64_MAX = _U64_END - 1
+
+
+def check_int_arg(name: str, value: Any, hi: int, optional: bool) -> int | None:
+    """``value`` of argument ``name`` as an int in ``[0, hi]`` (or None where ``optional``),
+    else the typed error naming it: the core's constructors (``Route``) call this for a value
+    they could not take."""
+    if optional:
+        return check_int(name, value, 0, hi, optional=True, errors=_ERRORS)
+    return check_int(name, value, 0, hi, errors=_ERRORS)
 
 
 def check_job_id(job_id: Any) -> int:
@@ -446,12 +455,7 @@ class Engine:
         direction: Direction = "h2d",
         *,
         wait_stream: int | None = None,
-        kernel_below: int = 0,
-        launcher: Callable[[int, int, int, int, int, int, int], None] | None = None,
-        runs: bool = False,
-        staged: bool = False,
-        kernel: int | None = None,
-        launch_bytes: int | None = None,
+        route: Route | None = None,
     ) -> None:
         """Issues one transfer of several KV-cache groups as one batch with one result.
 
@@ -462,23 +466,18 @@ class Engine:
         sub-block ``skip`` of the first chunk on, so it needs ``ceil((skip + n) / unit)`` chunk
         ids (the first and the last chunk may be partial). A group may be empty on both sides.
         The core checks every id, every chunk count and that destinations are distinct, across
-        groups too. ``runs``: each pair's block plan (:meth:`block_runs`, copy engines only)
-        instead of a descriptor per page. ``staged``: the staged plan (a host side that is
-        block-major, see :meth:`staged_row`): each block's row crosses PCIe as one copy into or
-        out of a device staging ring of two ``stage_bytes`` slots, and ``kernel`` (an id from
-        :meth:`load_kernel`; ``None`` on the host backend, which copies with memcpy) moves its
-        pages between the ring and the GPU pages, launched by the core. Otherwise as
-        :meth:`submit`, except that with ``kernel`` and no ``launcher`` the descriptors below
-        ``kernel_below`` bytes are moved by that loaded kernel, launched by the core (no Python
-        on the way; on the host backend, which loads none, by memcpy), at most ``launch_bytes``
-        a launch (``None``: one launch)."""
+        groups too.
+
+        ``route`` (a :class:`blockswap.Route`; ``None``: ``Route.pages()``) says how it moves:
+        ``Route.pages(...)`` a descriptor per page as :meth:`submit`, the small ones by a copy
+        kernel where it names one (the core's, from :meth:`load_kernel`, launched with no
+        Python on the way; on the host backend, which loads none, by memcpy);
+        ``Route.blocks()`` each pair's block plan (:meth:`block_runs`, copy engines only);
+        ``Route.staged(kernel)`` the staged plan (a host side that is block-major, see
+        :meth:`staged_row`): each block's row crosses PCIe as one copy into or out of a device
+        staging ring of two ``stage_bytes`` slots, and the staged kernel moves its pages
+        between the ring and the GPU pages."""
         job_id = check_job_id(job_id)
-        if launcher is not None and not callable(launcher):  # the check off the hot path
-            check_arg("launcher", launcher, "callable", callable, optional=True)
-        check_arg("runs", runs, "a bool", _is_bool)
-        check_arg("staged", staged, "a bool", _is_bool)
-        check_int("kernel", kernel, 0, (1 << 32) - 1, optional=True, errors=_ERRORS)
-        check_int("launch_bytes", launch_bytes, 0, _U64_MAX, optional=True, errors=_ERRORS)
         core_groups = []
         for g, group in enumerate(groups):
             try:
@@ -499,20 +498,11 @@ class Engine:
                 )
             )
         try:
-            self._core.submit_groups(
-                job_id,
-                core_groups,
-                direction,
-                wait_stream,
-                kernel_below,
-                launcher,
-                runs,
-                staged,
-                kernel,
-                launch_bytes,
-            )
+            self._core.submit_groups(job_id, core_groups, direction, wait_stream, route)
         except (OverflowError, TypeError) as e:
-            raise _submit_argument_error(e, direction, wait_stream, kernel_below) from None
+            if route is not None and not isinstance(route, Route):
+                check_arg("route", route, "a blockswap.Route or None", lambda _: False)
+            raise _submit_argument_error(e, direction, wait_stream, 0) from None
 
     def staged_row(self, table: int) -> int | None:
         """The bytes of one block's row where ``table`` is block-major (every page of a block in
@@ -530,8 +520,9 @@ class Engine:
         """Makes a compiled copy kernel launchable by the core: ``kernel`` as
         :func:`blockswap.kernels.core_kernel` returns it (which keeps the compiled module, and
         must be kept alive as long as the engine may launch it), a page kernel for the kernel
-        route of :meth:`submit_groups` without a launcher, or (``staged=True``) the staged
-        plan's. Returns the id for :meth:`submit_groups`, or ``None`` on the host backend. A
+        route (``Route.pages(below, kernel=id)``), or (``staged=True``) the staged plan's
+        (``Route.staged(id)``). Returns the id for :meth:`submit_groups`' route, or ``None``
+        on the host backend. A
         kernel whose parameters are neither kind's raises :class:`blockswap.BackendError`."""
         return self._core.load_kernel(
             kernel["function"],

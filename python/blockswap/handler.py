@@ -99,7 +99,7 @@ except ModuleNotFoundError as e:
     _optional.missing(e, __name__)
 
 from ._checks import check_bool, check_choice, check_int
-from ._core import BlockswapError, InvalidTransferError, ShutdownError, TransferResult
+from ._core import BlockswapError, InvalidTransferError, Route, ShutdownError, TransferResult
 from ._kvcache import (
     allocate_cpu_cache,
     as_groups,
@@ -121,7 +121,7 @@ from .routing import (
     KERNEL_LAUNCH_BYTES,
     STAGE_BYTES,
     STAGE_MAX_AUTO,
-    Route,
+    RouteChoice,
     calibrate,
     choose_routes,
     staged_route,
@@ -294,7 +294,7 @@ class SingleDirectionHandler:
         tables: list[tuple[int, int]],
         wait_stream: Callable[[], int] | None,
         device_index: int | None,
-        route: Route | None = None,
+        route: RouteChoice | None = None,
     ) -> None:
         if direction not in _SHORT:
             raise ConfigError(f"direction must be 'd2h' or 'h2d', not {direction!r}")
@@ -308,7 +308,7 @@ class SingleDirectionHandler:
         self._tables = tables
         self._wait_stream = wait_stream
         self._device_index = device_index
-        self._use(route if route is not None else Route(0, None, "dma"))
+        self._use(route if route is not None else RouteChoice(Route.pages(), "dma"))
         self._closed = False
         core = owner.engine._core
         # Hot paths bound straight to the core.
@@ -324,16 +324,11 @@ class SingleDirectionHandler:
             f"{', shut down' if self._closed else ''})"
         )
 
-    def _use(self, route: Route) -> None:
+    def _use(self, route: RouteChoice) -> None:
         """Takes ``route`` for the transfers from now on (construction, calibration)."""
         #: The copy path of this direction (see :func:`choose_route`).
         self.route = route
-        self._kernel_below = route.kernel_below
-        self._launcher = route.launcher
-        self._blocks = route.plan == "blocks"
-        self._staged = route.plan == "staged"
-        self._kernel = route.kernel
-        self._launch_bytes = route.launch_bytes
+        self._route = route.route
 
     @property
     def gpu_to_cpu(self) -> bool:
@@ -390,12 +385,7 @@ class SingleDirectionHandler:
                 groups,
                 self.direction,
                 None if ws is None else ws(),
-                self._kernel_below,
-                self._launcher,
-                self._blocks,
-                self._staged,
-                self._kernel,
-                self._launch_bytes,
+                self._route,
             )
         except InvalidTransferError as e:
             raise InvalidTransferError(f"{self.direction} job {job_id}: {e}") from e
@@ -717,7 +707,7 @@ class CpuGpuHandlers:
         self._kernels: list[dict[str, Any]] = []
         # Path selection, once, here: which plan, and which descriptors a copy kernel moves.
         try:
-            self.routes: dict[str, Route] = choose_routes(
+            self.routes: dict[str, RouteChoice] = choose_routes(
                 self.engine._core,
                 tids,
                 gpu_tables,

@@ -3,14 +3,12 @@ can take, the constants that choose between them (each with the run that set it)
 made once when the handlers are built, and the opt-in calibration that measures the routes on
 this machine and keeps the fastest.
 
-A :class:`Route` per direction: ``"pages"`` (a descriptor per page, those below a size by the
+A :class:`RouteChoice` per direction: ``"pages"`` (a descriptor per page, those below a size by the
 Triton copy kernel: :func:`choose_route`), ``"blocks"`` (a few 2-D copies per block on the copy
 engines: :func:`block_route`) or ``"staged"`` (each block's host row as one copy through a
 device staging ring: :func:`staged_route`). Nothing here holds a handler: the handler passes its
 block tables, its engine's core and the function that loads the copy kernel into the core, and
 :func:`calibrate` drives its two direction handlers.
-
-``blockswap.handler`` re-exports every public name of this module where it stood before.
 """
 
 from __future__ import annotations
@@ -25,6 +23,7 @@ import numpy as np
 
 from ._checks import check_int
 from ._core import BackendError, BlockswapError, TransferResult
+from ._core import Route as CoreRoute
 from ._types import Direction
 from .errors import ConfigError
 
@@ -43,7 +42,7 @@ __all__ = [
     "STAGE_MAX_AUTO",
     "DirectionHandler",
     "LoadKernel",
-    "Route",
+    "RouteChoice",
     "RouteUnavailableError",
     "block_route",
     "calibrate",
@@ -139,27 +138,37 @@ STAGE_MAX_AUTO = 64 << 20
 HOST_ROUTE = "host backend: memcpy (no GPU to run a kernel on)"
 
 
-class Route(NamedTuple):
-    """How a handler's transfers move. ``plan="blocks"``: each block as the 2-D copies of the
-    table pair's block plan (:meth:`blockswap.Engine.block_runs`), copy engines only.
-    ``plan="staged"``: each block's host row as one copy through a device staging ring, its
-    pages moved inside the GPU by the core's kernel ``kernel`` (see
-    :meth:`blockswap.Engine.submit_groups`).
-    ``plan="pages"``: a descriptor per page, those below ``kernel_below`` bytes (0: none, DMA
-    only) by the copy kernel: the core's ``kernel`` where it has one (launched by the core, at
-    most ``launch_bytes`` a launch), else the one ``launcher`` launches from Python."""
+class RouteChoice(NamedTuple):
+    """A direction's route and why it was chosen: ``route`` the core's
+    :class:`blockswap.Route` the handler submits with (``plan`` ``"pages"``, ``"blocks"`` or
+    ``"staged"``; its kernel, where it has one), ``reason`` what chose it."""
 
-    kernel_below: int
-    launcher: Callable[..., None] | None
+    route: CoreRoute
     reason: str
-    plan: str = "pages"
-    #: The copy kernel of the staged plan or of the kernel route, as
-    #: :meth:`blockswap.Engine.load_kernel` returned its id (``None`` on the host backend, which
-    #: copies the pages with memcpy or Triton's interpreter).
-    kernel: int | None = None
-    #: The most one launch of the kernel route moves where the core launches it (``None``: one
-    #: launch per transfer).
-    launch_bytes: int | None = None
+
+    @property
+    def plan(self) -> str:
+        return self.route.plan
+
+    @property
+    def kernel_below(self) -> int:
+        return self.route.kernel_below
+
+    @property
+    def launcher(self) -> Callable[[int, int, int, int, int, int, int], object] | None:
+        return self.route.launcher
+
+    @property
+    def kernel(self) -> int | None:
+        return self.route.kernel
+
+    @property
+    def launch_bytes(self) -> int | None:
+        return self.route.launch_bytes
+
+
+def _dma(reason: str) -> RouteChoice:
+    return RouteChoice(CoreRoute.pages(), reason)
 
 
 def choose_route(
@@ -171,7 +180,7 @@ def choose_route(
     kernel_ctas: int = 16,
     below: int | None = None,
     launch_bytes: int | None = KERNEL_LAUNCH_BYTES,
-) -> Route:
+) -> RouteChoice:
     """Picks the copy path of one direction once, from the page sizes the handler will move.
 
     ``"dma"``: copy engines only (no SM is taken from the model). ``"kernel"``: every page by
@@ -189,30 +198,29 @@ def choose_route(
         raise ConfigError(f"direction must be 'h2d' or 'd2h', not {direction!r}")
     check_int("kernel_launch_bytes", launch_bytes, 1, optional=True)
     if path == "dma" or (path == "auto" and not on_cuda):
-        return Route(0, None, "dma" if path == "dma" else HOST_ROUTE)
+        return _dma("dma" if path == "dma" else HOST_ROUTE)
     default = KERNEL_BELOW[direction]
     threshold = (1 << 62) if path == "kernel" else (default if below is None else below)
     sizes = sorted({int(n) for t in gpu_tables for n in t.nbytes.tolist()})
     if not any(n < threshold for n in sizes):
-        return Route(0, None, f"dma: every page is >= {threshold} bytes")
+        return _dma(f"dma: every page is >= {threshold} bytes")
     from .kernels import engine_launcher, kernel_unavailable
 
     why = kernel_unavailable()
     if why is not None:
         if path == "kernel":
             raise RouteUnavailableError(path, why)
-        return Route(0, None, f"dma: {why}")
+        return _dma(f"dma: {why}")
 
     launcher = engine_launcher(
         max_ctas=kernel_ctas,
         block_bytes=KERNEL_BLOCK_BYTES,
         launch_bytes=None if launch_bytes is None else int(launch_bytes),
     )
+    route = CoreRoute.pages(threshold, launcher=launcher)
     if all(n < threshold for n in sizes):
-        return Route(threshold, launcher, f"kernel ({kernel_ctas} CTAs): pages {sizes} bytes")
-    return Route(
-        threshold, launcher, f"hybrid: pages < {threshold} bytes by kernel, the rest by DMA"
-    )
+        return RouteChoice(route, f"kernel ({kernel_ctas} CTAs): pages {sizes} bytes")
+    return RouteChoice(route, f"hybrid: pages < {threshold} bytes by kernel, the rest by DMA")
 
 
 #: The block plan is taken where a block moves in at most this many 2-D copies: each copy costs
@@ -238,7 +246,7 @@ def block_route(
     direction: str,
     *,
     insist: bool = False,
-) -> Route | None:
+) -> RouteChoice | None:
     """The block-plan route of one direction, or None where the page route measured faster (see
     :data:`BLOCK_MAX_COPIES`, :data:`BLOCK_MIN_PAGE`) or the plan saves no copy. ``insist``
     (``path="blocks"``): wherever the plan saves a copy."""
@@ -248,13 +256,11 @@ def block_route(
         return None
     rows = [r[1] for r in runs]
     gpu_pitch = {r[3] if direction == "d2h" else r[4] for r in runs}
-    return Route(
-        0,
-        None,
+    return RouteChoice(
+        CoreRoute.blocks(),
         f"blocks: {len(runs)} 2-D cop{'y' if len(runs) == 1 else 'ies'} per block "
         f"({'+'.join(map(str, rows))} pages of {runs[0][2]} B, GPU pitch "
         f"{', '.join(map(str, sorted(gpu_pitch)))} B), copy engines only",
-        "blocks",
     )
 
 
@@ -265,7 +271,7 @@ def _groups_block_route(
     direction: str,
     *,
     insist: bool = False,
-) -> Route | None:
+) -> RouteChoice | None:
     """The block route of a cache of one or more KV-cache groups: :func:`block_route` for every
     group, and no two groups sharing memory on either side (their 2-D copies could not be proven
     disjoint)."""
@@ -283,18 +289,18 @@ def _groups_block_route(
             if any(a[1] > b[0] for a, b in zip(spans, spans[1:])):
                 return None
         reason = "; ".join(f"group {g}: {r.reason}" for g, r in enumerate(routes) if r)
-        return Route(0, None, reason, "blocks")
+        return RouteChoice(CoreRoute.blocks(), reason)
     return routes[0]
 
 
 def core_page_route(
-    route: Route,
+    route: RouteChoice,
     gpu_tables: Sequence[BlockTable],
     device_index: int | None,
     kernel_ctas: int,
     launch_bytes: int | None,
     load_kernel: LoadKernel,
-) -> Route:
+) -> RouteChoice:
     """``route`` (the kernel route, with a Python launcher) with its kernel launched by the
     core instead: no Python and no GIL on the way, and the transfer issued from the lane's
     own thread. ``route`` unchanged where the core cannot launch it."""
@@ -304,12 +310,8 @@ def core_page_route(
     if kid is None:
         log.info("the kernel route keeps its Python launcher: %s", why)
         return route
-    return route._replace(
-        launcher=None,
-        kernel=kid,
-        launch_bytes=None if launch_bytes is None else int(launch_bytes),
-        reason=f"{route.reason}, launched by the core",
-    )
+    core = CoreRoute.pages(route.kernel_below, kernel=kid, launch_bytes=launch_bytes)
+    return RouteChoice(core, f"{route.reason}, launched by the core")
 
 
 def staged_route(
@@ -321,7 +323,7 @@ def staged_route(
     load_kernel: LoadKernel,
     *,
     insist: bool,
-) -> Route | None:
+) -> RouteChoice | None:
     """The staged route where every group's CPU table (``cpu_tables``: their ids in ``core``)
     is block-major with rows that fit a staging slot, and (on CUDA) the core can launch the copy
     kernel; else None, or with ``insist`` (``path="staged"``) a ``ValueError`` naming why."""
@@ -348,12 +350,9 @@ def staged_route(
         if on_cuda
         else HOST_ROUTE
     )
-    return Route(
-        0,
-        None,
+    return RouteChoice(
+        CoreRoute.staged(kernel),
         f"staged: a copy per block row (up to {max(rows)} B) through a ring of 2 x {slot} B, {how}",
-        "staged",
-        kernel,
     )
 
 
@@ -372,7 +371,7 @@ def choose_routes(
     kernel_ctas: int,
     kernel_below: int | None,
     launch_bytes: int | None,
-) -> dict[str, Route]:
+) -> dict[str, RouteChoice]:
     """The route of each direction of a handler (``{"d2h": ..., "h2d": ...}``), chosen once from
     its caches' geometry: ``tables`` holds the ids in ``core`` of each group's (GPU table, CPU
     table), ``block_plans`` each direction's block plan per group, ``block_major`` whether the CPU
@@ -441,9 +440,9 @@ class DirectionHandler(Protocol):
     (:class:`~blockswap.handler.SingleDirectionHandler`)."""
 
     direction: Direction
-    route: Route
+    route: RouteChoice
 
-    def _use(self, route: Route) -> None: ...
+    def _use(self, route: RouteChoice) -> None: ...
 
     def transfer_async(self, job_id: int, spec: Any, *, block_indices: Any = None) -> bool: ...
 
@@ -452,7 +451,7 @@ class DirectionHandler(Protocol):
 
 def _seconds_per_transfer(
     h: DirectionHandler,
-    route: Route,
+    route: RouteChoice,
     spec: tuple[Any, Any],
     job: int,
     reps: int,
@@ -475,7 +474,7 @@ def _seconds_per_transfer(
 
 def calibrate(
     handlers: Sequence[DirectionHandler],
-    routes: dict[str, Route],
+    routes: dict[str, RouteChoice],
     gpu_table: BlockTable,
     block_plans: Mapping[str, Sequence[list[tuple[int, int, int, int, int]] | None]],
     *,
@@ -483,7 +482,7 @@ def calibrate(
     block_size_factor: int,
     kernel: int | None,
     kernel_ctas: int,
-    staged: Route | None,
+    staged: RouteChoice | None,
     get_finished: Callable[[], list[TransferResult]],
     reps: int = 5,
 ) -> dict[str, dict[str, Any]]:
@@ -514,19 +513,19 @@ def calibrate(
     kernel_route = None
     why = None if kernel is not None else kernel_unavailable()
     if kernel is not None:
-        kernel_route = Route(every, None, "kernel: every page", "pages", kernel)
+        kernel_route = RouteChoice(CoreRoute.pages(every, kernel=kernel), "kernel: every page")
     elif why is None:
         launcher = next(
             (r.launcher for r in routes.values() if r.launcher is not None), None
         ) or engine_launcher(max_ctas=kernel_ctas, block_bytes=KERNEL_BLOCK_BYTES)
-        kernel_route = Route(every, launcher, "kernel: every page", "pages")
+        kernel_route = RouteChoice(CoreRoute.pages(every, launcher=launcher), "kernel: every page")
     else:
         log.info("calibration leaves the copy kernel out: %s", why)
     report: dict[str, dict[str, Any]] = {}
     job = (1 << 64) - 1
     d2h, h2d = handlers
     for h, spec in ((d2h, (gpu_ids, cpu_ids)), (h2d, (cpu_ids, gpu_ids))):
-        candidates = {"dma": Route(0, None, "dma: every page")}
+        candidates = {"dma": _dma("dma: every page")}
         if kernel_route is not None:
             candidates["kernel"] = kernel_route
         plan = block_plans[h.direction][0]

@@ -19,6 +19,7 @@ use super::{
     StagedRequest, SubmitRequest, Submitted,
 };
 use crate::direction::Direction;
+use crate::plan::Plan;
 use crate::region::MemoryKind;
 use crate::slab::SlabRef;
 use crate::table::staged_pages;
@@ -34,10 +35,8 @@ struct Job {
     slab: SlabRef,
     /// Descriptors before this index were moved by a kernel already.
     first: usize,
-    /// The slab holds 2-D copies (see [`SubmitRequest::pitched`]).
-    pitched: bool,
-    /// The slab holds a staged plan (see [`SubmitRequest::staged`]).
-    staged: Option<StagedRequest>,
+    /// What the slab holds (see [`SubmitRequest::plan`]); a page kernel ran at submission.
+    plan: Plan<(), (), StagedRequest>,
 }
 
 #[derive(Debug, Default)]
@@ -198,40 +197,45 @@ fn worker_loop(rx: Receiver<Job>, shared: std::sync::Arc<Shared>) {
             job.first
         };
         let injected = take_injected(&shared.fail_next);
-        if let (Some(req), true) = (job.staged, first < src.len()) {
-            let host_src = job.lane == Direction::HostToDevice;
-            // SAFETY: the slab was checked at submission (see `run_staged`); this worker is the
-            // only writer of its transfers' destinations.
-            unsafe { run_staged(slab, req, host_src, &mut ring, injected) };
-        } else if job.pitched && first < src.len() {
-            let ops = src.len() / crate::table::PITCHED_ENTRIES;
-            let fail_at = injected.then_some(ops / 2);
-            let mut failed = false;
-            crate::table::for_each_row(src, dst, size, |op, s, d, n| {
-                if failed || Some(op) == fail_at {
-                    if !failed {
-                        slab.set_failed(BackendError::Injected { index: op }.to_string());
+        match job.plan {
+            _ if first >= src.len() => {}
+            Plan::Staged(req) => {
+                let host_src = job.lane == Direction::HostToDevice;
+                // SAFETY: the slab was checked at submission (see `run_staged`); this worker is the
+                // only writer of its transfers' destinations.
+                unsafe { run_staged(slab, req, host_src, &mut ring, injected) };
+            }
+            Plan::Runs(()) => {
+                let ops = src.len() / crate::table::PITCHED_ENTRIES;
+                let fail_at = injected.then_some(ops / 2);
+                let mut failed = false;
+                crate::table::for_each_row(src, dst, size, |op, s, d, n| {
+                    if failed || Some(op) == fail_at {
+                        if !failed {
+                            slab.set_failed(BackendError::Injected { index: op }.to_string());
+                        }
+                        failed = true;
+                        return;
                     }
-                    failed = true;
-                    return;
-                }
-                // SAFETY: every row is a page of a registered block table (checked at
-                // registration, ids checked at submission), destinations pairwise disjoint.
-                unsafe { std::ptr::copy(s as *const u8, d as *mut u8, n as usize) };
-            });
-        } else if !job.pitched && job.staged.is_none() {
-            let fail_at = injected.then_some(first + (src.len() - first) / 2);
-            for i in first..src.len() {
-                if Some(i) == fail_at {
-                    slab.set_failed(BackendError::Injected { index: i }.to_string());
-                    break;
-                }
-                // SAFETY: the engine checked before submission that every range lies inside
-                // memory registered for this direction, and that destinations are pairwise
-                // disjoint. `copy` (memmove) stays correct even if a source overlaps its own
-                // destination.
-                unsafe {
-                    std::ptr::copy(src[i] as *const u8, dst[i] as *mut u8, size[i] as usize);
+                    // SAFETY: every row is a page of a registered block table (checked at
+                    // registration, ids checked at submission), destinations pairwise disjoint.
+                    unsafe { std::ptr::copy(s as *const u8, d as *mut u8, n as usize) };
+                });
+            }
+            Plan::Pages(()) => {
+                let fail_at = injected.then_some(first + (src.len() - first) / 2);
+                for i in first..src.len() {
+                    if Some(i) == fail_at {
+                        slab.set_failed(BackendError::Injected { index: i }.to_string());
+                        break;
+                    }
+                    // SAFETY: the engine checked before submission that every range lies inside
+                    // memory registered for this direction, and that destinations are pairwise
+                    // disjoint. `copy` (memmove) stays correct even if a source overlaps its own
+                    // destination.
+                    unsafe {
+                        std::ptr::copy(src[i] as *const u8, dst[i] as *mut u8, size[i] as usize);
+                    }
                 }
             }
         }
@@ -304,8 +308,8 @@ impl Backend for HostBackend {
         request: SubmitRequest<'_>,
     ) -> Result<Submitted, BackendError> {
         // There is no device stream to wait for: host work is already done when submit is called.
-        let first = match request.kernel {
-            Some((batch, PageKernel::Launcher(launch))) => {
+        let first = match request.plan {
+            Plan::Pages(Some((batch, PageKernel::Launcher(launch)))) => {
                 // The kernel runs here, synchronously (Triton's interpreter on host memory), once
                 // the lane's earlier transfers are done, so the lane stays ordered. The worker
                 // then copies the rest and publishes completion as usual.
@@ -318,7 +322,9 @@ impl Backend for HostBackend {
             }
             // This backend loads no kernel (`load_kernel` gives None): the worker copies those
             // descriptors with the rest.
-            Some((_, PageKernel::Loaded { .. })) | None => 0,
+            Plan::Pages(Some((_, PageKernel::Loaded { .. })) | None)
+            | Plan::Runs(())
+            | Plan::Staged(_) => 0,
         };
         let sender = self
             .sender
@@ -330,8 +336,7 @@ impl Backend for HostBackend {
             seq,
             slab,
             first,
-            pitched: request.pitched,
-            staged: request.staged,
+            plan: request.plan.map(|_| (), |()| (), |s| s),
         })
         .map_err(|e| match e {
             crossbeam_channel::TrySendError::Full(_) => BackendError::CopyFailed {

@@ -1,12 +1,15 @@
 //! Block tables in the engine: registering them, and transfers named by block ids (one
 //! KV-cache group or several) written as page descriptors, block plans or staged plans.
 
-use super::{Engine, EngineError, Shape, SubmitState};
-use crate::backend::{BackendError, KernelSpec, PageKernel, STAGED_MIN_STEPS};
+use super::{Engine, EngineError, Route, SubmitState};
+use crate::backend::BackendError;
 use crate::direction::Direction;
+use crate::kernel::{KernelSpec, PageKernel};
+use crate::plan::Plan;
+use crate::table::STAGED_MIN_STEPS;
 use crate::table::{
-    block_runs, expand_groups_into, staged_row, BlockTable, Group, Plan, Run, TableError,
-    TableSpec, PITCHED_ENTRIES, STAGED_TABLE_EXTRA,
+    block_runs, expand_groups_into, staged_row, BlockTable, Group, Run, StagedExpansion,
+    TableError, TableSpec, PITCHED_ENTRIES, STAGED_TABLE_EXTRA,
 };
 use crate::transfer::JobId;
 
@@ -157,12 +160,17 @@ impl Engine {
         wait_stream: Option<u64>,
         kernel: Option<(u64, PageKernel<'_>)>,
     ) -> Result<(), EngineError> {
-        let shape = Shape::Pages(kernel);
-        self.submit_groups(job_id, &[group], direction, wait_stream, shape)
+        self.submit_groups(
+            job_id,
+            &[group],
+            direction,
+            wait_stream,
+            Plan::Pages(kernel),
+        )
     }
 
     /// Makes a compiled copy kernel launchable by this engine (see [`KernelSpec`]): a page
-    /// kernel's id goes in [`PageKernel::Loaded`], a staged kernel's in [`Shape::Staged`].
+    /// kernel's id goes in [`PageKernel::Loaded`], a staged kernel's in [`Plan::Staged`].
     /// Parameters of neither kind are refused on every backend; `None` on the host backend,
     /// which copies pages with memcpy.
     pub fn load_kernel(&self, spec: KernelSpec) -> Result<Option<u32>, EngineError> {
@@ -211,13 +219,14 @@ impl Engine {
         direction: Direction,
         wait_stream: Option<u64>,
     ) -> Result<(), EngineError> {
-        self.submit_groups(job_id, &[group], direction, wait_stream, Shape::Runs)
+        self.submit_groups(job_id, &[group], direction, wait_stream, Plan::Runs(()))
     }
 
     /// Issues one transfer of several KV-cache groups, each a pair of tables with its ids (see
     /// [`GroupIds`]; a side may be named by chunk ids), as one batch with one completion:
-    /// descriptors per page (`Shape::Pages`, optionally with the small ones to a kernel) or the
-    /// 2-D copies of each pair's block plan (`Shape::Runs`, refused where a pair has none). Ids,
+    /// descriptors per page (`Plan::Pages`, optionally with the small ones to a kernel), the 2-D
+    /// copies of each pair's block plan (`Plan::Runs`, refused where a pair has none) or the
+    /// staged plan (`Plan::Staged`, refused where a host table is not block-major). Ids,
     /// chunk counts and destinations are checked as [`expand_groups_into`] documents.
     pub fn submit_groups(
         &self,
@@ -225,11 +234,11 @@ impl Engine {
         groups: &[GroupIds<'_>],
         direction: Direction,
         wait_stream: Option<u64>,
-        shape: Shape<'_>,
+        route: Route<'_>,
     ) -> Result<(), EngineError> {
         let coalesce = self.config.coalesce;
-        let pitched = matches!(shape, Shape::Runs);
-        let staged = matches!(shape, Shape::Staged { .. });
+        let pitched = matches!(route, Plan::Runs(()));
+        let staged = matches!(route, Plan::Staged(_));
         let slot = self.config.stage_bytes;
         let host_src = direction == Direction::HostToDevice;
         let staged_rows = std::cell::Cell::new(0usize);
@@ -308,7 +317,7 @@ impl Engine {
             },
             direction,
             wait_stream,
-            shape,
+            route,
             |state, cols| {
                 let SubmitState {
                     tables,
@@ -328,15 +337,15 @@ impl Engine {
                     } else {
                         0
                     };
-                    Plan::Staged {
+                    Plan::Staged(StagedExpansion {
                         rows: staged_rows.get(),
                         host_src,
                         merge,
-                    }
+                    })
                 } else if pitched {
-                    Plan::Runs(&runs)
+                    Plan::Runs(&runs[..])
                 } else {
-                    Plan::Pages { coalesce }
+                    Plan::Pages(coalesce)
                 };
                 expand_groups_into(&resolved, plan, cols, scratch, chunk_ids)
                     .map_err(EngineError::from)

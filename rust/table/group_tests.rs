@@ -81,7 +81,7 @@ fn run(groups: &[Group<'_>]) -> Result<Vec<(u64, u64, u64)>, TableError> {
     let (mut a, mut b, mut z) = (vec![0; n], vec![0; n], vec![0; n]);
     let p = expand_groups_into(
         groups,
-        Plan::Pages { coalesce: false },
+        Plan::Pages(false),
         Columns {
             src: &mut a,
             dst: &mut b,

@@ -91,13 +91,13 @@ fn run(
     let rows = groups.iter().map(Group::blocks).sum();
     let host_src = groups[0].src.kind == MemoryKind::Host;
     let plan = match kind {
-        Kind::Pages => Plan::Pages { coalesce: true },
-        Kind::Runs => Plan::Runs(&runs),
-        Kind::Staged => Plan::Staged {
+        Kind::Pages => Plan::Pages(true),
+        Kind::Runs => Plan::Runs(&runs[..]),
+        Kind::Staged => Plan::Staged(StagedExpansion {
             rows,
             host_src,
             merge: 1 << 20,
-        },
+        }),
     };
     let len = 4096;
     let (mut a, mut b, mut z) = (vec![0; len], vec![0; len], vec![0; len]);

@@ -75,7 +75,7 @@ impl StagedCursor {
 /// do not cross a cut and stay within `cursor.merge`; a block entry per block pair; the group's
 /// geometry. Ring offsets count from the transfer's first row (`cursor.ring`, advanced by each
 /// row): a backend places a step of whole rows at a slot and adds `slot - first offset of the
-/// step` to the ring side (see [`crate::backend::StagedRequest`]).
+/// step` to the ring side (see [`StagedRequest`]).
 ///
 /// The host side must have a [`staged_row`]. A page's bytes in the ring are its bytes in the
 /// host row, so the pages [`staged_pages`] names write exactly the bytes
@@ -202,6 +202,94 @@ pub(super) fn written_pages(
         .flat_map(|i| staged_pages(src, dst, size, i))
         .map(|(_, gpu, bytes)| (gpu, bytes))
         .unzip()
+}
+
+/// The staged plan of a transfer (see the module's documentation): the slab's first `rows`
+/// entries are host rows `(address, ring offset, bytes)`, those from `first_block` on a block
+/// entry per block, whose pages [`staged_pages`] names, their ring side an offset
+/// from the transfer's first row. The backend moves the rows across `PCIe` one copy each into (or
+/// out of) the slots of its staging ring, a step of whole rows per slot, and the pages between a
+/// slot and the GPU pages with `kernel` (by memcpy on the host backend).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StagedRequest {
+    /// The host rows, the slab's first entries.
+    pub rows: usize,
+    /// Where the block entries start, and how many there are: the slab holds room for a row
+    /// per block first (rows joined on the host leave the end of it unused).
+    pub first_block: usize,
+    /// Bytes of each of the two slots of a lane's ring; no row is larger.
+    pub slot_bytes: u64,
+    /// From [`crate::backend::Backend::load_kernel`], a [`crate::kernel::KernelKind::Staged`] kernel; `None` where the backend
+    /// copies pages with memcpy.
+    pub kernel: Option<u32>,
+}
+
+impl StagedRequest {
+    /// The transfer's steps ([`staged_steps`]) from the slab's destination and size columns:
+    /// its rows' ring offsets and bytes, and its block entries' ring offsets.
+    #[must_use]
+    pub fn steps(&self, dst: &[u64], size: &[u64]) -> Vec<StagedStep> {
+        let (r, first) = (self.rows, self.first_block);
+        staged_steps(
+            &dst[..r],
+            &size[..r],
+            &dst[first..2 * first],
+            self.slot_bytes,
+        )
+    }
+}
+
+/// A step is cut to at most `ceil(rows / STAGED_MIN_STEPS)` rows, so that a transfer of enough
+/// rows runs in at least this many steps over the two slots: one step's copy across `PCIe` then
+/// overlaps the previous step's kernel. One step per transfer held 4 KiB pages to 54-81 % of the
+/// link isolated, four 88-91 % (H100, `benches/probe_staged.py`, docs/benchmarks.md).
+pub const STAGED_MIN_STEPS: usize = 4;
+
+/// One step of a staged transfer: slab rows `rows`, block entries `blocks` (counted from the
+/// first), and the ring offset of its first row (the slot's start).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StagedStep {
+    pub rows: std::ops::Range<usize>,
+    pub blocks: std::ops::Range<usize>,
+    pub ring_start: u64,
+}
+
+/// Cuts a staged slab into steps (see [`StagedRequest`]): whole rows, at most `slot_bytes` and
+/// `ceil(rows / STAGED_MIN_STEPS)` rows each; a step's blocks are those whose ring offset lies in
+/// its rows. `block_ring`: the block entries' ring offsets. Rows and blocks come in ring order,
+/// as the table code writes them.
+#[must_use]
+pub fn staged_steps(
+    row_ring: &[u64],
+    row_bytes: &[u64],
+    block_ring: &[u64],
+    slot_bytes: u64,
+) -> Vec<StagedStep> {
+    let rows = row_ring.len();
+    let per = rows.div_ceil(STAGED_MIN_STEPS).max(1);
+    let mut steps = Vec::with_capacity(STAGED_MIN_STEPS + 1);
+    let (mut r, mut p) = (0usize, 0usize);
+    while r < rows {
+        let start = row_ring[r];
+        let mut end = r;
+        while end < rows && end - r < per && row_ring[end] + row_bytes[end] - start <= slot_bytes {
+            end += 1;
+        }
+        // A row larger than a slot was refused before submission; never loop on one.
+        let end = end.max(r + 1);
+        let ring_end = row_ring[end - 1] + row_bytes[end - 1];
+        let first = p;
+        while p < block_ring.len() && block_ring[p] < ring_end {
+            p += 1;
+        }
+        steps.push(StagedStep {
+            rows: r..end,
+            blocks: first..p,
+            ring_start: start,
+        });
+        r = end;
+    }
+    steps
 }
 
 #[cfg(test)]

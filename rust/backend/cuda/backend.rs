@@ -17,10 +17,9 @@ use super::query::{device_ordinal, memory_type, pointer_u64};
 use super::resources::{register_host, unregister_host};
 use super::shared::Shared;
 use super::stage::LoadedKernel;
-use crate::backend::{
-    Backend, BackendError, BackendInfo, HostAlloc, KernelSpec, PageKernel, SubmitRequest, Submitted,
-};
+use crate::backend::{Backend, BackendError, BackendInfo, HostAlloc, SubmitRequest, Submitted};
 use crate::direction::Direction;
+use crate::kernel::KernelSpec;
 use crate::region::MemoryKind;
 use crate::slab::SlabRef;
 
@@ -100,6 +99,17 @@ impl Drop for CudaBackend {
 
 /// How long between stream health checks while transfers are outstanding.
 const HEALTH_CHECK: Duration = Duration::from_millis(20);
+
+impl CudaBackend {
+    /// Issues `job` on the caller's thread, after everything queued before it: a Python launcher
+    /// runs here, and a caller that gave its own stream finds the copies on it when this returns.
+    fn issue_on_caller(&self, lane: Direction, job: Job<'_>) -> Result<Submitted, BackendError> {
+        // Release: pairs with Acquire loads in `lane_idle` and `left_on`.
+        self.lane(lane).accepted.store(job.seq, Ordering::Release);
+        self.wait_drained(lane);
+        self.issue_job(lane, job)
+    }
+}
 
 impl Backend for CudaBackend {
     fn info(&self) -> BackendInfo {
@@ -340,35 +350,18 @@ impl Backend for CudaBackend {
                 Err(e) => (None, Some(e)),
             },
         };
-        let loaded = match request.kernel {
-            Some((
-                batch,
-                PageKernel::Loaded {
-                    kernel,
-                    launch_bytes,
-                },
-            )) => Some((batch, kernel, launch_bytes)),
-            _ => None,
-        };
         let job = Job {
             seq,
             slab,
-            pitched: request.pitched,
-            staged: request.staged,
+            plan: request.plan,
             dep,
             failed,
-            kernel: loaded,
         };
-        let launcher = matches!(request.kernel, Some((_, PageKernel::Launcher(_))));
-        if launcher || !l.stream.owned {
-            // Release: pairs with Acquire loads in `lane_idle` and `left_on`.
-            l.accepted.store(seq, Ordering::Release);
-            // Issued on the caller's thread, after everything queued before: a Python launcher
-            // runs here, and a caller that gave its own stream finds the copies on it when
-            // this returns.
-            self.wait_drained(lane);
-            return self.issue_job(lane, job, request.kernel);
-        }
+        let job = match job.into_owned() {
+            Ok(job) if l.stream.owned => job,
+            // A Python launcher, or a stream the caller gave.
+            other => return self.issue_on_caller(lane, other.unwrap_or_else(|job| job)),
+        };
         // Idle: every earlier transfer of the lane complete, so its thread holds no job
         // (Acquire: pairs with the Release decrement in `work`). Transfers that follow busy ones
         // still go to the thread, and their callers pay no driver call.
@@ -379,7 +372,7 @@ impl Backend for CudaBackend {
             // No other submit can queue a job before this returns (the engine's submit lock):
             // the copies go in from here, in order.
             l.accepted.store(seq, Ordering::Release);
-            return self.issue_job(lane, job, request.kernel);
+            return self.issue_job(lane, job);
         }
         self.start_worker(lane).map_err(fail)?;
         // Release: as above.

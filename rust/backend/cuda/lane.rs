@@ -11,7 +11,8 @@ use cudarc::driver::sys;
 use super::driver::check;
 use super::resources::{Event, PinnedHost, Stream};
 use super::stage::Stage;
-use crate::backend::{BackendError, KernelBatch, StagedRequest};
+use crate::backend::{BackendError, Issue};
+use crate::plan::Plan;
 use crate::slab::SlabRef;
 
 /// One direction's stream and completion state.
@@ -24,7 +25,7 @@ pub(super) struct CudaLane {
     /// Events recorded on callers' streams, free for the next transfer (see [`Job::dep`]).
     pub(super) deps: Mutex<Vec<Event>>,
     /// Transfers handed to the lane's issuing thread, in order.
-    pub(super) queue: Mutex<VecDeque<Job>>,
+    pub(super) queue: Mutex<VecDeque<Job<'static>>>,
     /// Signalled when a job is queued or the backend stops.
     pub(super) work: Condvar,
     /// Signalled when the issuing thread has nothing left (`pending` is 0).
@@ -109,20 +110,44 @@ impl CudaLane {
     }
 }
 
-/// A transfer handed to a lane's issuing thread.
+/// A transfer to issue on a lane: by its issuing thread (`Job<'static>`, whose page kernel, if
+/// any, is a loaded one), or on the caller's thread.
 #[derive(Debug)]
-pub(super) struct Job {
+pub(super) struct Job<'a> {
     pub(super) seq: u64,
     pub(super) slab: SlabRef,
-    pub(super) pitched: bool,
-    pub(super) staged: Option<StagedRequest>,
+    /// What the slab holds and what moves it.
+    pub(super) plan: Issue<'a>,
     /// Recorded on the caller's stream at submission: the copies wait for it. Given back to the
     /// lane's pool once the waits on it are queued.
     pub(super) dep: Option<Event>,
     /// Why the transfer fails before any copy is issued (the caller's stream could not be
     /// recorded): only its completion marker goes in.
     pub(super) failed: Option<BackendError>,
-    /// The kernel route's batch and its loaded kernel (`PageKernel::Loaded`): kernel id and
-    /// bytes a launch.
-    pub(super) kernel: Option<(KernelBatch, u32, u64)>,
+}
+
+impl<'a> Job<'a> {
+    /// The job as one a lane's thread may take: `Err(self)` where its page kernel is a launcher
+    /// the caller lent, which runs on the caller's thread.
+    // Both variants are the job itself, moved once per submission: boxing it would only add an
+    // allocation to the submit path.
+    #[allow(clippy::result_large_err)]
+    pub(super) fn into_owned(self) -> Result<Job<'static>, Job<'a>> {
+        let plan = match self.plan {
+            Plan::Pages(Some((batch, kernel))) => match kernel.owned() {
+                Some(kernel) => Plan::Pages(Some((batch, kernel))),
+                None => return Err(self),
+            },
+            Plan::Pages(None) => Plan::Pages(None),
+            Plan::Runs(()) => Plan::Runs(()),
+            Plan::Staged(req) => Plan::Staged(req),
+        };
+        Ok(Job {
+            seq: self.seq,
+            slab: self.slab,
+            plan,
+            dep: self.dep,
+            failed: self.failed,
+        })
+    }
 }

@@ -4,7 +4,8 @@
 use cudarc::driver::sys;
 
 use super::resources::{DeviceMem, Event, Stream};
-use crate::backend::{BackendError, KernelKind, KernelSpec};
+use crate::backend::BackendError;
+use crate::kernel::{KernelKind, KernelSpec};
 
 /// A kernel the staged plan launches (see [`KernelSpec`]), checked against the driver's view of
 /// its parameters when loaded.

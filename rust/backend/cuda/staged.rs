@@ -10,11 +10,11 @@ use super::driver::{check, MAX_KERNEL_PARAMS};
 use super::resources::order;
 use super::shared::Shared;
 use super::stage::{EntryCopy, LoadedKernel, Stage};
-use crate::backend::{
-    kernel_split, take_injected, BackendError, KernelBatch, KernelKind, KernelParam, StagedRequest,
-};
+use crate::backend::{take_injected, BackendError};
 use crate::direction::Direction;
+use crate::kernel::{kernel_split, KernelBatch, KernelKind, KernelParam};
 use crate::slab::SlabInner;
+use crate::table::StagedRequest;
 
 /// What a staged kernel's launch reads besides its block entries: the group's geometry at slab
 /// entry `table` (its header) with `segments` pages per block, the ring's offsets shifted by

@@ -11,8 +11,10 @@ use super::options::AccessOrder;
 use super::query::memory_type;
 use super::resources::Event;
 use super::shared::Shared;
-use crate::backend::{AddElapsed, BackendError, KernelBatch, PageKernel, Submitted};
+use crate::backend::{AddElapsed, BackendError, Submitted};
 use crate::direction::Direction;
+use crate::kernel::{KernelBatch, PageKernel};
+use crate::plan::Plan;
 
 impl Shared {
     pub(super) fn lane(&self, d: Direction) -> &CudaLane {
@@ -183,14 +185,7 @@ impl Shared {
             if l.error.get().is_none() {
                 match self.make_current() {
                     Ok(_ctx) => {
-                        let kernel = job.kernel.map(|(batch, kernel, launch_bytes)| {
-                            let k = PageKernel::Loaded {
-                                kernel,
-                                launch_bytes,
-                            };
-                            (batch, k)
-                        });
-                        let _ = self.issue_job(lane, job, kernel);
+                        let _ = self.issue_job(lane, job);
                     }
                     Err(e) => {
                         let _ = l.error.set(e);
@@ -216,8 +211,7 @@ impl Shared {
     pub(super) fn issue_job(
         &self,
         lane: Direction,
-        job: Job,
-        launch: Option<(KernelBatch, PageKernel<'_>)>,
+        job: Job<'_>,
     ) -> Result<Submitted, BackendError> {
         let l = self.lane(lane);
         let seq = job.seq;
@@ -241,7 +235,7 @@ impl Shared {
         }
         // Copies are issued only when the ordering they depend on is in place.
         let mut first = 0;
-        if let (Ok(()), Some((batch, kernel))) = (&outcome, launch) {
+        if let (Ok(()), Plan::Pages(Some((batch, kernel)))) = (&outcome, job.plan) {
             // The small descriptors first, by the copy kernel on this lane's stream; it reads them
             // from the slab in place. Then DMA for the rest, then the completion marker: one
             // submission, one completion.
@@ -264,12 +258,10 @@ impl Shared {
         if outcome.is_ok() && first < slab.len() {
             let _timed = AddElapsed::start(&self.driver_ns);
             let dep = job.dep.as_ref().map(|e| e.raw);
-            outcome = if let Some(req) = job.staged {
-                self.issue_staged(lane, slab, req, dep)
-            } else if job.pitched {
-                self.issue_pitched(lane, slab)
-            } else {
-                self.issue_copies(lane, slab, first)
+            outcome = match job.plan {
+                Plan::Staged(req) => self.issue_staged(lane, slab, req, dep),
+                Plan::Runs(()) => self.issue_pitched(lane, slab),
+                Plan::Pages(_) => self.issue_copies(lane, slab, first),
             };
         }
         if let Some(dep) = job.dep {
@@ -279,7 +271,7 @@ impl Shared {
                 .unwrap_or_else(std::sync::PoisonError::into_inner)
                 .push(dep);
         }
-        let tail = self.marker_stream(lane, job.staged.is_some());
+        let tail = self.marker_stream(lane, matches!(job.plan, Plan::Staged(_)));
         if let (Ok(()), Some((_, end))) = (&outcome, timing) {
             // SAFETY: as above.
             let _ = unsafe { sys::cuEventRecord(end, tail) };

@@ -1,6 +1,7 @@
 use super::*;
+use crate::plan::Plan;
 use crate::region::{MemoryKind, RegionTable};
-use crate::table::{expand_groups_into, Group, Plan};
+use crate::table::{expand_groups_into, Group, StagedExpansion};
 
 /// What [`staged`] reads back from a slab: the rows used, as `(address, ring offset, bytes)`,
 /// and every page, as `(ring offset, GPU address, bytes)`.
@@ -25,11 +26,11 @@ fn staged(host: &BlockTable, gpu: &BlockTable, ids: &[u64], merge: u64) -> Stage
         dst: &mut b,
         size: &mut z,
     };
-    let plan = Plan::Staged {
+    let plan = Plan::Staged(StagedExpansion {
         rows: n,
         host_src: true,
         merge,
-    };
+    });
     let mut bufs = [Vec::new(), Vec::new()];
     let p = expand_groups_into(&[group], plan, cols, &mut Scratch::default(), &mut bufs).unwrap();
     assert_eq!((p.staged_blocks_at, p.len), (n, len));
@@ -155,4 +156,28 @@ fn a_slab_holds_a_word_per_block_and_one_geometry_per_group_not_a_descriptor_per
     assert_eq!(&b[4..8], [0, 256, 32, 0]);
     assert_eq!(&z[4..8], [0, 0, 64, 96]);
     assert_eq!((cursor.row, cursor.block, cursor.table), (2, 4, 8));
+}
+
+#[test]
+fn staged_steps_take_whole_rows_within_a_slot() {
+    // 10 rows of 3 blocks, 96 bytes a row (blocks of 32 bytes).
+    let rows: Vec<u64> = (0..10).map(|i| i * 96).collect();
+    let bytes = vec![96u64; 10];
+    let blocks: Vec<u64> = (0..30).map(|p| p * 32).collect();
+    for slot in [96u64, 100, 200, 288, 1 << 20] {
+        let steps = staged_steps(&rows, &bytes, &blocks, slot);
+        // Every row and block once, in order; each step within a slot.
+        let (mut r, mut p) = (0, 0);
+        for s in &steps {
+            assert_eq!((s.rows.start, s.blocks.start), (r, p));
+            assert_eq!(s.ring_start, rows[s.rows.start]);
+            assert_eq!(s.blocks.len(), 3 * s.rows.len());
+            assert!(96 * s.rows.len() as u64 <= slot, "{s:?} in {slot}");
+            (r, p) = (s.rows.end, s.blocks.end);
+        }
+        assert_eq!((r, p), (10, 30));
+        // At least STAGED_MIN_STEPS steps; no more than the slot forces.
+        let per = (slot / 96).min(10usize.div_ceil(STAGED_MIN_STEPS) as u64);
+        assert_eq!(steps.len(), 10usize.div_ceil(per as usize), "slot {slot}");
+    }
 }

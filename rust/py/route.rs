@@ -1,0 +1,255 @@
+//! `Route`: how a transfer moves ([`crate::engine::Route`]), as one frozen Python object that
+//! `submit_groups` takes back. Its constructors check that the route is one the core can take;
+//! the choice of a route is the caller's.
+
+use pyo3::prelude::*;
+use pyo3::types::PyBool;
+
+use super::{call_launcher, invalid};
+use crate::engine;
+use crate::kernel::{KernelBatch, KernelLauncher, PageKernel};
+use crate::plan::Plan;
+
+/// What moves the small pages of a page route.
+enum Kernel {
+    /// A Python callable launched on the submitting thread with the batch.
+    Launcher(Py<PyAny>),
+    /// A kernel from `Engine.load_kernel`, launched by the core; `None`: one launch per transfer.
+    Loaded {
+        kernel: u32,
+        launch_bytes: Option<u64>,
+    },
+}
+
+/// How a transfer moves: `Route.pages(...)`, `Route.blocks()` or `Route.staged(...)`.
+#[pyclass(name = "Route", module = "blockswap._core", frozen)]
+pub(super) struct PyRoute {
+    plan: Plan<Option<(u64, Kernel)>, (), Option<u32>>,
+}
+
+/// `value` as an int in `[0, hi]`, or the package's typed error naming `name` (raised by the
+/// Python layer's argument check, the one place that words them).
+fn int_arg(value: &Bound<'_, PyAny>, name: &str, hi: u64, optional: bool) -> PyResult<u64> {
+    if !value.is_instance_of::<PyBool>() {
+        if let Ok(v) = value.extract::<u64>() {
+            if v <= hi {
+                return Ok(v);
+            }
+        }
+    }
+    let check = value
+        .py()
+        .import("blockswap.engine")?
+        .getattr("check_int_arg")?;
+    check.call1((name, value, hi, optional))?;
+    Err(invalid(format!("{name} must be an int from 0 to {hi}")))
+}
+
+fn optional_int_arg(
+    value: Option<&Bound<'_, PyAny>>,
+    name: &str,
+    hi: u64,
+) -> PyResult<Option<u64>> {
+    match value {
+        Some(v) if !v.is_none() => int_arg(v, name, hi, true).map(Some),
+        _ => Ok(None),
+    }
+}
+
+#[pymethods]
+impl PyRoute {
+    /// A descriptor per page, by the copy engines; with `kernel_below` > 0 the pages below that
+    /// many bytes (after coalescing) by a copy kernel instead: the core's `kernel` (an id from
+    /// `Engine.load_kernel`, at most `launch_bytes` a launch, None: one launch) or `launcher`'s
+    /// (a callable taking `(src, dst, size, len, max_size, alignment, stream)`), exactly one.
+    #[staticmethod]
+    #[pyo3(signature = (kernel_below = None, *, kernel = None, launch_bytes = None, launcher = None))]
+    fn pages(
+        kernel_below: Option<&Bound<'_, PyAny>>,
+        kernel: Option<&Bound<'_, PyAny>>,
+        launch_bytes: Option<&Bound<'_, PyAny>>,
+        launcher: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        let below = optional_int_arg(kernel_below, "kernel_below", u64::MAX)?.unwrap_or(0);
+        let kernel = optional_int_arg(kernel, "kernel", u64::from(u32::MAX))?
+            .map(|k| u32::try_from(k).expect("checked above"));
+        let launch_bytes = optional_int_arg(launch_bytes, "launch_bytes", u64::MAX)?;
+        let launcher = launcher.filter(|l| !l.is_none());
+        if let Some(l) = launcher {
+            if !l.is_callable() {
+                return Err(invalid(format!(
+                    "launcher must be a callable, not {}",
+                    l.get_type().name()?
+                )));
+            }
+        }
+        let kernel =
+            match (kernel, launcher) {
+                (Some(_), Some(_)) => return Err(invalid(
+                    "a page route's kernel is the core's (kernel=) or a launcher's (launcher=), \
+                     not both",
+                )),
+                (Some(kernel), None) => Some(Kernel::Loaded {
+                    kernel,
+                    launch_bytes,
+                }),
+                (None, Some(l)) if launch_bytes.is_none() => {
+                    Some(Kernel::Launcher(l.clone().unbind()))
+                }
+                (None, Some(_)) => return Err(invalid(
+                    "launch_bytes bounds the core's launches (kernel=): a launcher slices its own",
+                )),
+                (None, None) if launch_bytes.is_some() => {
+                    return Err(invalid("launch_bytes needs a kernel (kernel=) to bound"))
+                }
+                (None, None) => None,
+            };
+        let pages = match (below, kernel) {
+            (0, None) => None,
+            (0, Some(_)) => {
+                return Err(invalid(
+                    "kernel_below is 0: no page would go to the kernel (give the page size \
+                     below which pages take it)",
+                ))
+            }
+            (below, Some(k)) => Some((below, k)),
+            (below, None) => {
+                return Err(invalid(format!(
+                    "kernel_below={below} needs a kernel (kernel=) or a launcher (launcher=)"
+                )))
+            }
+        };
+        Ok(PyRoute {
+            plan: Plan::Pages(pages),
+        })
+    }
+
+    /// Each block as the 2-D copies of its table pair's block plan (`Engine.block_runs`), copy
+    /// engines only; refused at submission where a pair has none.
+    #[staticmethod]
+    fn blocks() -> Self {
+        PyRoute {
+            plan: Plan::Runs(()),
+        }
+    }
+
+    /// The staged plan: each block's host row across `PCIe` as one copy into or out of a device
+    /// staging ring, its pages moved inside the GPU by `kernel` (a staged kernel's id from
+    /// `Engine.load_kernel`; None on the host backend, which copies with memcpy).
+    #[staticmethod]
+    #[pyo3(signature = (kernel = None))]
+    fn staged(kernel: Option<&Bound<'_, PyAny>>) -> PyResult<Self> {
+        let kernel = optional_int_arg(kernel, "kernel", u64::from(u32::MAX))?
+            .map(|k| u32::try_from(k).expect("checked above"));
+        Ok(PyRoute {
+            plan: Plan::Staged(kernel),
+        })
+    }
+
+    /// `"pages"`, `"blocks"` or `"staged"`.
+    #[getter]
+    fn plan(&self) -> &'static str {
+        self.plan.name()
+    }
+
+    /// Pages below this many bytes go to the kernel (0: none; the page route only).
+    #[getter]
+    fn kernel_below(&self) -> u64 {
+        match &self.plan {
+            Plan::Pages(Some((below, _))) => *below,
+            _ => 0,
+        }
+    }
+
+    /// The core's kernel id (page or staged kernel), if any.
+    #[getter]
+    fn kernel(&self) -> Option<u32> {
+        match &self.plan {
+            Plan::Pages(Some((_, Kernel::Loaded { kernel, .. }))) => Some(*kernel),
+            Plan::Staged(kernel) => *kernel,
+            _ => None,
+        }
+    }
+
+    /// The most one launch of the core's page kernel moves (None: one launch per transfer).
+    #[getter]
+    fn launch_bytes(&self) -> Option<u64> {
+        match &self.plan {
+            Plan::Pages(Some((_, Kernel::Loaded { launch_bytes, .. }))) => *launch_bytes,
+            _ => None,
+        }
+    }
+
+    /// The Python launcher of the page route's kernel, if any.
+    #[getter]
+    fn launcher(&self, py: Python<'_>) -> Option<Py<PyAny>> {
+        match &self.plan {
+            Plan::Pages(Some((_, Kernel::Launcher(l)))) => Some(l.clone_ref(py)),
+            _ => None,
+        }
+    }
+
+    fn __repr__(&self) -> String {
+        match &self.plan {
+            Plan::Pages(None) => "Route.pages()".into(),
+            Plan::Pages(Some((below, Kernel::Launcher(_)))) => {
+                format!("Route.pages({below}, launcher=...)")
+            }
+            Plan::Pages(Some((
+                below,
+                Kernel::Loaded {
+                    kernel,
+                    launch_bytes,
+                },
+            ))) => {
+                let lb = launch_bytes.map_or("None".into(), |b| b.to_string());
+                format!("Route.pages({below}, kernel={kernel}, launch_bytes={lb})")
+            }
+            Plan::Runs(()) => "Route.blocks()".into(),
+            Plan::Staged(k) => {
+                let k = k.map_or("None".into(), |k| k.to_string());
+                format!("Route.staged(kernel={k})")
+            }
+        }
+    }
+}
+
+impl PyRoute {
+    /// The Python launcher, if the route has one: what [`PyRoute::core`]'s launcher calls.
+    pub(super) fn python_launcher(&self) -> Option<&Py<PyAny>> {
+        match &self.plan {
+            Plan::Pages(Some((_, Kernel::Launcher(l)))) => Some(l),
+            _ => None,
+        }
+    }
+
+    /// The engine's form of the route, with `launch` standing for the Python launcher.
+    pub(super) fn core<'a>(&self, launch: KernelLauncher<'a>) -> engine::Route<'a> {
+        match &self.plan {
+            Plan::Pages(None) => Plan::Pages(None),
+            Plan::Pages(Some((below, kernel))) => {
+                let k = match kernel {
+                    Kernel::Launcher(_) => PageKernel::Launcher(launch),
+                    Kernel::Loaded {
+                        kernel,
+                        launch_bytes,
+                    } => PageKernel::Loaded {
+                        kernel: *kernel,
+                        launch_bytes: launch_bytes.unwrap_or(u64::MAX),
+                    },
+                };
+                Plan::Pages(Some((*below, k)))
+            }
+            Plan::Runs(()) => Plan::Runs(()),
+            Plan::Staged(kernel) => Plan::Staged(*kernel),
+        }
+    }
+}
+
+/// Calls the route's Python launcher (taking the GIL); only reached for a route that has one.
+pub(super) fn launch_with(route: &PyRoute, batch: KernelBatch) -> Result<(), String> {
+    match route.python_launcher() {
+        Some(l) => call_launcher(l, batch),
+        None => Err("the route has no launcher".into()),
+    }
+}
