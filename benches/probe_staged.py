@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from blockswap_bench.cli import need_cuda, parser
 from blockswap_bench.kvblocks import ceiling, write_figures
 
 KiB = 1024
@@ -346,18 +347,15 @@ def one_page(
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
+    ap = parser(__doc__, reps=15)
     ap.add_argument("--pages", default="4,8,16,32,64,256", help="KiB")
     ap.add_argument("--layers", type=int, default=80)
     ap.add_argument("--blocks", type=int, default=32)
     ap.add_argument("--step-mib", type=int, default=16)
-    ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--ctas", type=int, default=CTAS, help="programs of the scatter kernel")
     ap.add_argument("--min-steps", type=int, default=4, help="steps a transfer is cut into")
-    ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("probe_staged: needs a CUDA GPU", file=sys.stderr)
+    if not need_cuda("probe_staged"):
         return 1
     from blockswap.kernels.copy import copy_blocks_raw
 
