@@ -10,7 +10,6 @@ finished yet), and the latency from submitting a 4 KiB host->device copy to seei
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 
@@ -20,6 +19,7 @@ import torch
 import blockswap
 from blockswap_bench.cli import parser
 from blockswap_bench.common import run_metadata
+from blockswap_bench.report import write_json
 
 
 def main() -> None:
@@ -58,8 +58,7 @@ def main() -> None:
             print(mode, rows[mode], flush=True)
     meta = run_metadata()
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        write_json({"meta": meta, "rows": rows}, args.json)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import sys
 import torch
 
 from blockswap_bench.cli import need_cuda, parser
+from blockswap_bench.common import gated_gpu_seconds
 from blockswap_bench.kvblocks import ceiling
 
 MIB = 1 << 20
@@ -31,14 +32,8 @@ def run(total: int, steps: int, d2h: bool, staged: bool = True, reps: int = 9) -
     ring = torch.empty(2 * per, dtype=torch.uint8, device="cuda")
     dest = torch.empty(total, dtype=torch.uint8, device="cuda")
     s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
-    out = []
-    for _ in range(reps + 1):
-        torch.cuda.synchronize()
-        with torch.cuda.stream(s1):
-            torch.cuda._sleep(3_000_000)  # the whole queue is in place before this ends
-        s2.wait_stream(s1)
-        start = torch.cuda.Event(enable_timing=True)
-        start.record(s1)
+
+    def issue() -> None:
         free = [torch.cuda.Event() for _ in range(2)]
         for k in range(steps):
             slot = ring[(k % 2) * per : (k % 2 + 1) * per]
@@ -67,11 +62,8 @@ def run(total: int, steps: int, d2h: bool, staged: bool = True, reps: int = 9) -
                     h.copy_(slot, non_blocking=True)
                 if staged:
                     free[k % 2].record(s1)
-        s1.wait_stream(s2)
-        end = torch.cuda.Event(enable_timing=True)
-        end.record(s1)
-        end.synchronize()
-        out.append(total / (start.elapsed_time(end) * 1e-3) / 1e9)
+
+    out = [total / gated_gpu_seconds(issue, [s1, s2]) / 1e9 for _ in range(reps + 1)]
     return statistics.median(out[1:])
 
 

@@ -19,6 +19,7 @@ import sys
 import torch
 
 from blockswap_bench.cli import need_cuda, parser
+from blockswap_bench.common import gated_gpu_seconds
 from blockswap_bench.kvblocks import ceiling
 
 KIB = 1 << 10
@@ -30,27 +31,15 @@ def run(row: int, streams: int, d2h: bool, rows: int = 32, reps: int = 9) -> flo
     host = torch.empty(2 * rows * row, dtype=torch.uint8).pin_memory()
     dev = torch.empty(rows * row, dtype=torch.uint8, device="cuda")
     pick = torch.randperm(2 * rows)[:rows].tolist()
-    gate = torch.cuda.Stream()
     ss = [torch.cuda.Stream() for _ in range(streams)]
-    out = []
-    for _ in range(reps + 1):
-        torch.cuda.synchronize()
-        with torch.cuda.stream(gate):
-            torch.cuda._sleep(3_000_000)  # the whole queue is in place before this ends
-        start = torch.cuda.Event(enable_timing=True)
-        start.record(gate)
-        for s in ss:
-            s.wait_stream(gate)
+
+    def issue() -> None:
         for i, b in enumerate(pick):
             h, d = host[b * row : (b + 1) * row], dev[i * row : (i + 1) * row]
             with torch.cuda.stream(ss[i % streams]):
                 (h if d2h else d).copy_(d if d2h else h, non_blocking=True)
-        for s in ss:
-            gate.wait_stream(s)
-        end = torch.cuda.Event(enable_timing=True)
-        end.record(gate)
-        end.synchronize()
-        out.append(rows * row / (start.elapsed_time(end) * 1e-3) / 1e9)
+
+    out = [rows * row / gated_gpu_seconds(issue, ss) / 1e9 for _ in range(reps + 1)]
     return statistics.median(out[1:])
 
 

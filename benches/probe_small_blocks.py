@@ -23,7 +23,6 @@ that it can be spread over several streams; the kernel is blockswap's `copy_bloc
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 
 import numpy as np
@@ -32,7 +31,7 @@ import torch
 from blockswap._bench import measure_ceiling
 from blockswap.kernels.copy import copy_blocks_raw
 from blockswap_bench.cli import parser
-from blockswap_bench.common import run_metadata
+from blockswap_bench.common import gpu_timed, median, run_metadata
 from blockswap_bench.report import write_json
 
 KiB = 1024
@@ -57,16 +56,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
 
     def measure(fn, reps=6):
-        out = []
-        for _ in range(reps):
-            s = torch.cuda.Event(enable_timing=True)
-            e = torch.cuda.Event(enable_timing=True)
-            s.record(main_s)
-            fn()
-            e.record(main_s)
-            e.synchronize()
-            out.append(s.elapsed_time(e) / 1e3)
-        return statistics.median(out[1:])
+        return median([gpu_timed(main_s, fn)[0] for _ in range(reps)][1:])
 
     def attr(any_order):
         a = driver.CUmemcpyAttributes()

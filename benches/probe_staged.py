@@ -40,6 +40,7 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from blockswap_bench.cli import need_cuda, parser
+from blockswap_bench.common import gated_gpu_seconds
 from blockswap_bench.kvblocks import ceiling, write_figures
 
 KiB = 1024
@@ -197,25 +198,11 @@ class Staged:
 
 
 def timed(issue: Any, sync: Any, starts: list[torch.cuda.Stream]) -> float:
-    """GPU time of what ``issue`` queues on ``starts``: the streams wait behind a gate (a 5 ms
-    spin on another stream) while Python issues, so the time is the GPU's, not Python's."""
+    """GPU time of what ``issue`` queues on ``starts`` after ``sync()``: the streams wait behind
+    a gate (a 5 ms spin on another stream) while Python issues, so the time is the GPU's, not
+    Python's."""
     sync()
-    torch.cuda.synchronize()
-    gate = torch.cuda.Stream()
-    a = torch.cuda.Event(enable_timing=True)
-    with torch.cuda.stream(gate):
-        torch.cuda._sleep(10_000_000)
-        a.record()
-    for s in starts:
-        s.wait_event(a)
-    issue()
-    ends = []
-    for s in starts:
-        e = torch.cuda.Event(enable_timing=True)
-        e.record(s)
-        ends.append(e)
-    torch.cuda.synchronize()
-    return max(a.elapsed_time(e) for e in ends) * 1e-3
+    return gated_gpu_seconds(issue, starts, 10_000_000)
 
 
 def one_page(

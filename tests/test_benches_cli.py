@@ -229,3 +229,27 @@ def test_ceiling_cuda() -> None:
     assert set(c) == {"h2d", "d2h"} and all(1 < v < 1000 for v in c.values())
     both = kvblocks.bidir_ceiling(64 << 20, 3)
     assert 1 < both < 2000
+
+
+@pytest.mark.cuda
+def test_gated_gpu_seconds_cuda() -> None:
+    """The gate's spin (about 10 ms) is not in the time: a 64 MiB copy behind it times as the
+    copy alone does (about 1 ms), and the copy has landed."""
+    import torch
+
+    from blockswap_bench.common import cuda_time_on, gated_gpu_seconds
+
+    n = 64 << 20
+    host = torch.full((n,), 7, dtype=torch.uint8).pin_memory()
+    dev = torch.zeros(n, dtype=torch.uint8, device="cuda")
+    s = torch.cuda.Stream()
+
+    def issue() -> None:
+        with torch.cuda.stream(s):
+            dev.copy_(host, non_blocking=True)
+
+    alone = min(cuda_time_on(s, lambda: dev.copy_(host, non_blocking=True)) for _ in range(3))
+    t = gated_gpu_seconds(issue, [s], 20_000_000)
+    assert 1 < n / t / 1e9 < 1000
+    assert t < 2 * alone + 1e-3
+    assert int(dev[-1].item()) == 7
