@@ -19,8 +19,8 @@ long the launch took to arrive). ``launch``: the host time of the launch (two ev
 
 Bidirectional: 16 offloads and 16 onloads queued at once, bytes of both over wall time, best of
 3, against one 256 MiB pinned copy each way on two streams at once (best of 5:
-``blockswap_bench.kvblocks.bidir_ceiling``), measured in the same run. ``--option``: a handler or engine option (``copy_path=loop``, ``max_batch=16384``),
-ints as ints.
+``blockswap_bench.kvblocks.bidir_ceiling``), measured in the same run. ``--option``: a handler
+or engine option (``copy_path=loop``, ``max_batch=16384``), ints as ints.
 """
 
 from __future__ import annotations

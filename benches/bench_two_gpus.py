@@ -129,9 +129,10 @@ def worker(rank: int, args: argparse.Namespace, barrier: Any, out: Any) -> None:
 
     copier = Copier(LINK_BYTES, cuda=True)
     for d in ("h2d", "d2h"):
-        _turns(rank, barrier, res, f"ceiling_{d}",
-               lambda d=d, c=copier: ceiling(reps=3, copier=c, directions=(d,), copies=4)[d])  # fmt: skip
-    del copier
+        # 4 copies queued per sample: long enough for the two processes' copies to overlap.
+        one = {"reps": 3, "copier": copier, "directions": (d,), "copies": 4}
+        _turns(rank, barrier, res, f"ceiling_{d}", lambda d=d, one=one: ceiling(**one)[d])
+    del copier, one
     for layout in ("per-layer", "cross-layer"):
         _layout(rank, barrier, res, m, layout, n_gpu, n_chunks, blocks, rng)
         torch.cuda.empty_cache()

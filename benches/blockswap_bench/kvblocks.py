@@ -278,8 +278,8 @@ def write_figures(
     """A benchmark's figures as JSON: GPU, driver, date, the command that made them (without the
     output folder, which is the machine's), the ceiling measured in the same run (``None``: a
     script that records its own in ``extra``), the rows, the run's metadata (versions, host), and
-    ``extra``. Written to a temporary file first, then
-    renamed: a run cut short leaves the last complete file."""
+    ``extra``. Written to a temporary file first, then renamed: a run cut short leaves the last
+    complete file."""
     args = [os.path.basename(a) if a == path else a for a in sys.argv[1:]]
     if not _META:
         _META.update(run_metadata())  # once per run: it asks nvidia-smi
