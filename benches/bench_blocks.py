@@ -51,18 +51,15 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from blockswap import Engine
 from blockswap.handler import CpuGpuHandlers
+from blockswap_bench.cli import need_cuda
 from blockswap_bench.kvblocks import (
     ENGINE_OPTIONS,
     Copier,
     ceiling,
     cpu_block_ids,
-    option,
     parser,
     write_figures,
 )
-
-#: Imported from here by other benchmarks (bench_vllm.py, probe_staged.py, bench_staged_side.py).
-__all__ = ["ceiling", "option", "write_figures"]
 
 
 def rows_only(row: int, n: int, reps: int = 9, **options: Any) -> dict[str, float]:
@@ -171,8 +168,7 @@ def main() -> int:
     args = ap.parse_args()
     options = dict(args.option)
     only = set(args.handlers.split(",")) if args.handlers else None
-    if not torch.cuda.is_available():
-        print("bench_blocks: needs a CUDA GPU", file=sys.stderr)
+    if not need_cuda("bench_blocks"):
         return 1
     rng = np.random.default_rng(0)
     ceil = ceiling()

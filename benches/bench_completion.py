@@ -10,8 +10,6 @@ finished yet), and the latency from submitting a 4 KiB host->device copy to seei
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import time
 
@@ -19,13 +17,13 @@ import numpy as np
 import torch
 
 import blockswap
+from blockswap_bench.cli import parser
 from blockswap_bench.common import run_metadata
+from blockswap_bench.report import write_json
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--reps", type=int, default=500)
+    ap = parser(__doc__, reps=500)
     args = ap.parse_args()
     host = torch.ones(1 << 20, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
@@ -60,8 +58,7 @@ def main() -> None:
             print(mode, rows[mode], flush=True)
     meta = run_metadata()
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        write_json({"meta": meta, "rows": rows}, args.json)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ batch submitted through NVIDIA's cuda-bindings, all in one process.
     python benches/bench_dma.py [--quick] [--json out.json]
 
 For each block size, N and direction: GPU time (CUDA events on the copy stream) of
-  - one large pinned copy of the same total bytes (the ceiling),
+  - one large pinned copy of the same total bytes (the ceiling, best of --reps:
+    ``blockswap._bench.measure_ceiling``),
   - blockswap's engine (cuMemcpyBatchAsync),
   - cuda.bindings.driver.cuMemcpyBatchAsync with the same arrays, attributes and stream kind,
   - blockswap's kernel route (the Triton copy kernel on 8 and 16 CTAs, descriptors read from
@@ -24,7 +25,6 @@ Blocks are scattered (random permutations); host buffers are pinned.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -34,9 +34,10 @@ import numpy as np
 import torch
 
 import blockswap
+from blockswap._bench import measure_ceiling
 from blockswap.kernels import engine_launcher
+from blockswap_bench.cli import parser
 from blockswap_bench.common import GiB, KiB, MiB, run_metadata
-from blockswap_bench.common import cuda_time_on as timed_on
 from blockswap_bench.common import median as med
 from blockswap_bench.report import write_json
 
@@ -85,10 +86,7 @@ def cuda_bindings_batch():
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--reps", type=int, default=15)
+    ap = parser(__doc__, reps=15, quick="two block sizes, one N")
     ap.add_argument(
         "--pair-seconds",
         type=float,
@@ -206,12 +204,8 @@ def main() -> None:
                 szs = np.full(blocks, size, dtype=np.int64)
                 total = blocks * size
 
-                ceil = [
-                    timed_on(
-                        stream,
-                        lambda d=dst_t, s=src_t, t=total: d[:t].copy_(s[:t], non_blocking=True),
-                    )
-                    for _ in range(args.reps)
+                ceil = measure_ceiling(src_t, dst_t, total, stream, args.reps, max_reps=args.reps)[
+                    "gbps"
                 ]
                 gpu, sub, drv = [], [], []
                 kernel = {}
@@ -293,7 +287,7 @@ def main() -> None:
                     "direction": direction,
                     "block_bytes": size,
                     "blocks": blocks,
-                    "ceiling_gbps": total / med(ceil) / 1e9,
+                    "ceiling_gbps": ceil,
                     "blockswap_gbps": total / med(gpu) / 1e9,
                     "blockswap_submit_us": med(sub) * 1e6,
                     "driver_call_us": med(drv) * 1e6,

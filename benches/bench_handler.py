@@ -14,22 +14,20 @@ runs them all.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 from blockswap_bench import suite
+from blockswap_bench.cli import parser
 from blockswap_bench.common import GiB
 from blockswap_bench.models import select
 from blockswap_bench.report import format_summary, write_json
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--json", default=None, help="also write the results to this JSON file")
+    ap = parser(__doc__, reps=100, reps_help="measured transfers per direction", backend=True,
+                json_help="also write the results to this JSON file")  # fmt: skip
     ap.add_argument("--models", default="llama-3.1-70b-tp4", help="model keys, or 'all'")
     ap.add_argument("--paths", default="auto", help="handler paths: auto, dma, kernel")
-    ap.add_argument("--reps", type=int, default=100)
-    ap.add_argument("--backend", default="auto", choices=["auto", "cuda", "host"])
     args = ap.parse_args()
     models = select("" if args.models == "all" else args.models)
     overrides = {

@@ -11,19 +11,18 @@ takes `max_ctas` SMs; `auto` is the handler's route for pages of the block size.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 from blockswap_bench import suite
+from blockswap_bench.cli import parser
 from blockswap_bench.report import format_summary, write_json
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--json", default=None, help="also write the results to this JSON file")
+    ap = parser(__doc__, reps=30, reps_help="GEMMs timed per measurement",
+                json_help="also write the results to this JSON file")  # fmt: skip
     ap.add_argument("--block", type=int, default=16 * 1024, help="block size in bytes")
     ap.add_argument("--blocks", type=int, default=8192, help="blocks per transfer")
-    ap.add_argument("--reps", type=int, default=30, help="GEMMs timed per measurement")
     ap.add_argument("--ctas", default="4,8,16", help="kernel CTA counts")
     args = ap.parse_args()
     overrides = {

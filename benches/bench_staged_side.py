@@ -18,16 +18,13 @@ long the launch took to arrive). ``launch``: the host time of the launch (two ev
 ``torch.mm``), which grows where another thread is inside a long driver call.
 
 Bidirectional: 16 offloads and 16 onloads queued at once, bytes of both over wall time, best of
-3, against one 256 MiB pinned copy each way on two streams at once (best of 5), measured in the
-same run. ``--option``: a handler or engine option (``copy_path=loop``, ``max_batch=16384``),
-ints as ints.
+3, against one 256 MiB pinned copy each way on two streams at once (best of 5:
+``blockswap_bench.kvblocks.bidir_ceiling``), measured in the same run. ``--option``: a handler
+or engine option (``copy_path=loop``, ``max_batch=16384``), ints as ints.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import statistics
 import sys
 import time
@@ -38,7 +35,8 @@ import numpy as np
 import torch
 
 from blockswap.handler import CpuGpuHandlers
-from blockswap_bench.kvblocks import option
+from blockswap_bench.cli import option, parser
+from blockswap_bench.kvblocks import bidir_ceiling, write_figures
 
 #: GPU cycles of the spin kernel a ``gpu`` GEMM waits behind (about 10 ms on an H100): longer
 #: than any launch delay seen beside onloads.
@@ -88,24 +86,6 @@ def side_bytes() -> int:
     return int((s.elapsed_time(e) + 3.0) * 1e-3 * 55e9)
 
 
-def bidir_ceiling() -> float:
-    n = 256 << 20
-    host = [torch.empty(n, dtype=torch.uint8).pin_memory() for _ in range(2)]
-    dev = [torch.empty(n, dtype=torch.uint8, device="cuda") for _ in range(2)]
-    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
-    best = 0.0
-    for _ in range(5):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        with torch.cuda.stream(streams[0]):
-            dev[0].copy_(host[0], non_blocking=True)
-        with torch.cuda.stream(streams[1]):
-            host[1].copy_(dev[1], non_blocking=True)
-        torch.cuda.synchronize()
-        best = max(best, 2 * n / (time.perf_counter() - t0) / 1e9)
-    return best
-
-
 def plain_copies(nbytes: int) -> Side:
     """256 MiB pinned CPU->GPU copies on a stream of their own, ``nbytes`` in all: the control
     for the GEMM beside onloads."""
@@ -146,10 +126,10 @@ def pct(x: float, base: float) -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
+    ap = parser(__doc__)
     ap.add_argument("--page-kib", default="16,2048")
-    ap.add_argument("--option", action="append", default=[], type=option)
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--option", action="append", default=[], type=option, metavar="KEY=VALUE",
+                    help="a handler or engine option (repeatable)")  # fmt: skip
     args = ap.parse_args()
     options = dict(args.option)
     rng = np.random.default_rng(0)
@@ -214,11 +194,7 @@ def main() -> int:
         finally:
             h.shutdown()
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
-                       "command": " ".join(["python benches/bench_staged_side.py",
-                                        *(os.path.basename(a) for a in sys.argv[1:])]),
-                   "rows": rows}, f, indent=1)  # fmt: skip
+        write_figures(args.json, "bench_staged_side.py", None, rows, bidir_ceiling_gbps=ceil)
     return 0
 
 

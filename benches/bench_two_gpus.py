@@ -6,15 +6,15 @@ each in its own process, both moving at the same time.
 Per device and per KV-cache layout (per-layer and cross-layer tensors, blocks_per_chunk 1),
 each direction: the worker's bandwidth alone (the other process idle) and together (both
 processes moving at once, started by one barrier), 8 transfers queued back to back, bytes over
-wall time, best of 3; beside the same for one 256 MiB pinned copy per device (the ceiling alone
-and together, which tells whether the two GPUs share an upstream link). Every process first
+wall time, best of 3; beside the link's ceiling per device, alone and together (4 pinned
+copies of 256 MiB queued back to back, CUDA events, best of 3: ``blockswap_bench.kvblocks.
+ceiling``), which tells whether the two GPUs share an upstream link. Every process first
 checks a store and a load of random blocks byte for byte.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import sys
@@ -25,6 +25,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_vllm import CPUSpec
+from blockswap_bench.cli import parser
+from blockswap_bench.kvblocks import write_figures
 
 
 def _bandwidth(issue: Any, wait: Any, nbytes: int) -> float:
@@ -43,25 +45,6 @@ def _turns(rank: int, barrier: Any, res: dict[str, Any], key: str, measure: Any)
         barrier.wait()
         if turn is None or turn == rank:
             res[f"{key}_{'together' if turn is None else 'alone'}"] = measure()
-
-
-def _ceiling(rank: int, barrier: Any, res: dict[str, Any]) -> None:
-    import torch
-
-    size = 256 << 20
-    host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(size, dtype=torch.uint8, device="cuda")
-    stream = torch.cuda.Stream()
-    for d in ("h2d", "d2h"):
-        dst, src = (dev, host) if d == "h2d" else (host, dev)
-
-        def issue(dst: Any = dst, src: Any = src) -> None:
-            with torch.cuda.stream(stream):
-                for _ in range(4):
-                    dst.copy_(src, non_blocking=True)
-
-        _turns(rank, barrier, res, f"ceiling_{d}",
-               lambda issue=issue: _bandwidth(issue, lambda _: stream.synchronize(), 4 * size))  # fmt: skip
 
 
 def _layout(
@@ -135,6 +118,7 @@ def _layout(
 def worker(rank: int, args: argparse.Namespace, barrier: Any, out: Any) -> None:
     import torch
 
+    from blockswap_bench.kvblocks import LINK_BYTES, Copier, ceiling
     from blockswap_bench.models import MODELS
 
     torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -143,7 +127,12 @@ def worker(rank: int, args: argparse.Namespace, barrier: Any, out: Any) -> None:
     n_gpu, n_chunks, blocks = 256, 128, args.blocks
     res: dict[str, Any] = {"rank": rank, "gpu": torch.cuda.get_device_name(rank)}
 
-    _ceiling(rank, barrier, res)
+    copier = Copier(LINK_BYTES, cuda=True)
+    for d in ("h2d", "d2h"):
+        # 4 copies queued per sample: long enough for the two processes' copies to overlap.
+        one = {"reps": 3, "copier": copier, "directions": (d,), "copies": 4}
+        _turns(rank, barrier, res, f"ceiling_{d}", lambda d=d, one=one: ceiling(**one)[d])
+    del copier, one
     for layout in ("per-layer", "cross-layer"):
         _layout(rank, barrier, res, m, layout, n_gpu, n_chunks, blocks, rng)
         torch.cuda.empty_cache()
@@ -151,10 +140,9 @@ def worker(rank: int, args: argparse.Namespace, barrier: Any, out: Any) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
+    ap = parser(__doc__)
     ap.add_argument("--model", default="llama-3.1-70b-tp4")
     ap.add_argument("--blocks", type=int, default=32)
-    ap.add_argument("--json", default=None)
     ap.add_argument(
         "--one-gpu",
         action="store_true",
@@ -192,15 +180,7 @@ def main() -> int:
             print(f"{what:<11} {d}  {line}  aggregate {agg:5.1f}{exact}")
             rows.append({"what": what, "direction": d, "alone_together_gbps": r, "aggregate": agg})
     if args.json:
-        with open(args.json, "w") as f:
-            cmd = ["python", "benches/bench_two_gpus.py"] + [
-                os.path.basename(a) if a == args.json else a for a in sys.argv[1:]
-            ]
-            json.dump(
-                {"gpu": results[0]["gpu"], "date": time.strftime("%Y-%m-%d"),
-                 "command": " ".join(cmd), "processes": results, "rows": rows},
-                f, indent=1,
-            )  # fmt: skip
+        write_figures(args.json, "bench_two_gpus.py", None, rows, processes=results)
     return (
         0 if all(x[f"{w}_byte_exact"] for x in results for w in ("per-layer", "cross-layer")) else 1
     )

@@ -27,7 +27,6 @@ run (one 256 MiB pinned copy per direction, best of 5).
 
 from __future__ import annotations
 
-import argparse
 import functools
 import importlib.util
 import os
@@ -41,8 +40,10 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_blocks import ceiling, write_figures
 from bench_dma import cuda_bindings_batch
+from blockswap_bench.cli import need_cuda, parser
+from blockswap_bench.common import cuda_time_on
+from blockswap_bench.kvblocks import ceiling, write_figures
 from blockswap_bench.models import MODELS, KVModel
 
 N_GPU = 256
@@ -148,16 +149,6 @@ class Case:
         )
 
 
-def events_time(stream: torch.cuda.Stream, fn: Callable[[], None]) -> float:
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    with torch.cuda.stream(stream):
-        a.record()
-        fn()
-        b.record()
-    b.synchronize()
-    return a.elapsed_time(b) * 1e-3
-
-
 def measure_vllm(
     case: Case, path: str, gpu_to_cpu: bool, blocks: int, reps: int, rng: np.random.Generator
 ) -> dict[str, float]:
@@ -176,7 +167,7 @@ def measure_vllm(
         return lambda: tri["swap_blocks_batch"](ts, td, tz, bytes_per_chunk=chunk)
 
     nbytes = case.nbytes(blocks)
-    iso = [events_time(stream, call()) for _ in range(reps + 3)][3:]
+    iso = [cuda_time_on(stream, call()) for _ in range(reps + 3)][3:]
     queued = []
     for _ in range(3):
         calls = [call() for _ in range(8)]
@@ -248,14 +239,11 @@ def measure_worker(
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
+    ap = parser(__doc__, reps=15)
     ap.add_argument("--blocks", type=int, default=32, help="GPU blocks per group per transfer")
-    ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--models", default=",".join(m.key for m in MODELS))
-    ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("bench_vllm: needs a CUDA GPU", file=sys.stderr)
+    if not need_cuda("bench_vllm"):
         return 1
     if cuda_bindings_batch() is None:
         print("bench_vllm: needs cuda-bindings (vLLM's DMA path)", file=sys.stderr)

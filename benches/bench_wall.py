@@ -78,15 +78,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from blockswap._bench import resolve_backend
 from blockswap._types import BackendName
 from blockswap.handler import CpuGpuHandlers
+from blockswap_bench.cli import choices, option
 from blockswap_bench.common import Progress, run_metadata
 from blockswap_bench.kvblocks import (
     DIRECTIONS,
     LINK_BYTES,
     Ceilings,
     Copier,
-    choices,
     cpu_block_ids,
-    option,
     parser,
     write_figures,
 )
@@ -606,7 +605,8 @@ def layer_tensors(layout: str, layers: int, nb: int, page: int, device: str) -> 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = parser(__doc__, pages=DEFAULT_PAGES, reps=15, cpu_blocks="random,adjacent")
+    ap = parser(__doc__, pages=DEFAULT_PAGES, reps=15, cpu_blocks="random,adjacent", backend=True,
+                quick="a few page sizes, a few repetitions", seed=True)  # fmt: skip
     ap.set_defaults(pages=None, reps=None)
     ap.add_argument("--layouts", type=choices(LAYOUTS), default=list(LAYOUTS),
                     help="separate, one-alloc, plugin (comma list; default all)")  # fmt: skip
@@ -617,12 +617,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--sleep-ms", type=float, default=20.0,
                     help="the caller's sleep before a submission (default 20)")  # fmt: skip
     ap.add_argument("--min-reps", type=int, default=None, help="fewest isolated repetitions")
-    ap.add_argument("--backend", choices=("auto", "cuda", "host"), default="auto")
-    ap.add_argument("--quick", action="store_true", help="a few page sizes, a few repetitions")
     ap.add_argument("--max-s", type=float, default=540.0,
                     help="cases that would end past this many seconds (as estimated) are "
                          "skipped (default 540)")  # fmt: skip
-    ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     log = Progress()
     try:

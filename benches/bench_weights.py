@@ -27,7 +27,6 @@ has two layers (one resident, one offloaded) to hide behind, the second crossove
 
 from __future__ import annotations
 
-import argparse
 import copy
 import gc
 import json
@@ -43,6 +42,7 @@ from torch import nn
 
 import blockswap
 from blockswap.weights import PrefetchOffloader, ZeroCopyOffloader
+from blockswap_bench.cli import parser
 
 MiB, GiB = 1 << 20, 1 << 30
 
@@ -187,7 +187,7 @@ def fmt(v: float | None, nd: int = 2) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__)
     ap.add_argument("--tokens", default="1,16,64,256,1024,4096,8192")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--hidden", type=int, default=4096)
@@ -201,7 +201,6 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=170.0, help="seconds; later cells skipped")
     ap.add_argument("--small", action="store_true", help="a tiny model (runs on the CPU)")
     ap.add_argument("--device", default=None, help="cuda (default where present) or cpu")
-    ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.small:
         args.layers, args.hidden, args.inter = 4, 64, 128

@@ -11,7 +11,6 @@ Medians of 15 per situation and round; printed, not saved.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -21,6 +20,7 @@ import numpy as np
 import torch
 
 from blockswap.handler import CpuGpuHandlers
+from blockswap_bench.cli import need_cuda, parser
 
 MiB = 1 << 20
 
@@ -76,11 +76,10 @@ def probe(
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
+    ap = parser(__doc__, json=False)
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("probe_host_cold: needs a CUDA GPU", file=sys.stderr)
+    if not need_cuda("probe_host_cold"):
         return 1
     rng = np.random.default_rng(0)
     big_h = torch.empty(640 * MiB, dtype=torch.uint8, pin_memory=True)

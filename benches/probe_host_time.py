@@ -12,7 +12,6 @@ Medians.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -22,6 +21,7 @@ import torch
 
 import blockswap
 from blockswap.handler import CpuGpuHandlers
+from blockswap_bench.cli import need_cuda, parser
 
 
 def poll(h: CpuGpuHandlers) -> None:
@@ -32,11 +32,10 @@ def poll(h: CpuGpuHandlers) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
+    ap = parser(__doc__, json=False)
     ap.add_argument("--pages", default="4,64,256", help="page sizes in KiB")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("probe_host_time: needs a CUDA GPU", file=sys.stderr)
+    if not need_cuda("probe_host_time"):
         return 1
     rng = np.random.default_rng(0)
     print(f"# {torch.cuda.get_device_name()}")

@@ -11,7 +11,6 @@ returns. Medians of 10 transfers (6 for the launch); printed, not saved.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -20,14 +19,14 @@ import numpy as np
 import torch
 
 from blockswap import Engine
+from blockswap_bench.cli import need_cuda, parser
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
+    ap = parser(__doc__, json=False)
     ap.add_argument("--max-batch", default="16384,256,32")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("probe_max_batch: needs a CUDA GPU", file=sys.stderr)
+    if not need_cuda("probe_max_batch"):
         return 1
     rng = np.random.default_rng(0)
     a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")

@@ -12,9 +12,7 @@ Prints seconds per phase and GiB/s over both; the mapping is unmapped between ca
 
 from __future__ import annotations
 
-import argparse
 import ctypes
-import json
 import mmap
 import os
 import threading
@@ -23,6 +21,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from blockswap_bench.cli import parser
+from blockswap_bench.kvblocks import write_figures
 
 MADV_HUGEPAGE = 14
 MADV_POPULATE_WRITE = 23  # Linux 5.14
@@ -40,7 +41,8 @@ libc.mmap.argtypes = [
     ctypes.c_long,
 ]
 libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-cuda = ctypes.CDLL("libcuda.so.1")
+#: The CUDA driver, loaded by ``main`` (``--help`` works where there is none).
+cuda: Any = None
 
 
 def check(call: str, r: int) -> None:
@@ -142,11 +144,12 @@ def read(path: str) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    global cuda
+    ap = parser(__doc__)
     ap.add_argument("--gib", type=float, default=16)
     ap.add_argument("--threads", type=int, default=16)
-    ap.add_argument("--json")
     a = ap.parse_args()
+    cuda = ctypes.CDLL("libcuda.so.1")
     torch.cuda.init()
     torch.empty(1, device="cuda")
     ctx = ctypes.c_void_p()
@@ -191,10 +194,7 @@ def main() -> None:
             flush=True,
         )
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(
-                {"gpu": torch.cuda.get_device_name(), "gib": a.gib, "rows": rows}, f, indent=1
-            )
+        write_figures(a.json, "probe_pinning.py", None, rows, gib=a.gib)
 
 
 if __name__ == "__main__":

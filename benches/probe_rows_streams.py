@@ -7,18 +7,22 @@ by default), taken at random from 64 rows of a pinned buffer, to or from one con
 buffer, one ``copy_`` per row, handed out round-robin to 1-4 streams. Everything is queued
 behind a spin kernel, so no host time enters: the copy engines' own cost per copy, and whether
 copies on several streams (several copy engines) hide it. Against the link's ceiling (one
-256 MiB copy) and one copy of the same bytes, measured in the same run; medians of 9.
+256 MiB pinned copy, best of 5: ``blockswap_bench.kvblocks.ceiling``) and one copy of the same
+bytes, measured in the same run; medians of 9.
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 
 import torch
 
-KIB, MIB = 1 << 10, 1 << 20
+from blockswap_bench.cli import need_cuda, parser
+from blockswap_bench.common import gated_gpu_seconds
+from blockswap_bench.kvblocks import ceiling
+
+KIB = 1 << 10
 
 
 def run(row: int, streams: int, d2h: bool, rows: int = 32, reps: int = 9) -> float:
@@ -27,43 +31,31 @@ def run(row: int, streams: int, d2h: bool, rows: int = 32, reps: int = 9) -> flo
     host = torch.empty(2 * rows * row, dtype=torch.uint8).pin_memory()
     dev = torch.empty(rows * row, dtype=torch.uint8, device="cuda")
     pick = torch.randperm(2 * rows)[:rows].tolist()
-    gate = torch.cuda.Stream()
     ss = [torch.cuda.Stream() for _ in range(streams)]
-    out = []
-    for _ in range(reps + 1):
-        torch.cuda.synchronize()
-        with torch.cuda.stream(gate):
-            torch.cuda._sleep(3_000_000)  # the whole queue is in place before this ends
-        start = torch.cuda.Event(enable_timing=True)
-        start.record(gate)
-        for s in ss:
-            s.wait_stream(gate)
+
+    def issue() -> None:
         for i, b in enumerate(pick):
             h, d = host[b * row : (b + 1) * row], dev[i * row : (i + 1) * row]
             with torch.cuda.stream(ss[i % streams]):
                 (h if d2h else d).copy_(d if d2h else h, non_blocking=True)
-        for s in ss:
-            gate.wait_stream(s)
-        end = torch.cuda.Event(enable_timing=True)
-        end.record(gate)
-        end.synchronize()
-        out.append(rows * row / (start.elapsed_time(end) * 1e-3) / 1e9)
+
+    out = [rows * row / gated_gpu_seconds(issue, ss) / 1e9 for _ in range(reps + 1)]
     return statistics.median(out[1:])
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
+    ap = parser(__doc__, json=False)
     ap.add_argument("--rows-kib", default="320,640,1280")
     ap.add_argument("--streams", default="1,2,3,4")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("probe_rows_streams: needs a CUDA GPU", file=sys.stderr)
+    if not need_cuda("probe_rows_streams"):
         return 1
     counts = [int(x) for x in args.streams.split(",")]
     print(f"# {torch.cuda.get_device_name()}; 32 scattered rows, % of the ceiling")
+    link = ceiling()
     for d2h in (False, True):
-        ceil = run(256 * MIB, 1, d2h, rows=1)
         name = "d2h" if d2h else "h2d"
+        ceil = link[name]
         print(f"{name}: ceiling {ceil:.1f} GB/s")
         for kib in (int(x) for x in args.rows_kib.split(",")):
             one = run(32 * kib * KIB, 1, d2h, rows=1)

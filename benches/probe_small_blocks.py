@@ -4,7 +4,9 @@
 
 For 4 KiB x 10,000, 16 KiB x 8,192 and 64 KiB x 2,560 blocks, each direction, `depth` transfers
 queued back to back (CUDA events on one stream; median of 5 after one warm-up), as GB/s beside
-one large pinned copy (256 MiB, x 4) measured in the same run:
+the link's ceiling measured in the same run, on the same stream and buffers (256 MiB pinned
+copies, 4 queued, best of 5: ``blockswap._bench.measure_ceiling``) and beside the transfers'
+bytes as ``depth`` single copies queued the same way (``ceiling_same_bytes``):
 
 - the copy kernel on 16 CTAs (32 KiB in flight per program) over scattered, sorted and contiguous
   blocks (does the address pattern matter: page translation, host memory locality?),
@@ -20,16 +22,16 @@ that it can be spread over several streams; the kernel is blockswap's `copy_bloc
 
 from __future__ import annotations
 
-import argparse
 import json
-import statistics
 import sys
 
 import numpy as np
 import torch
 
+from blockswap._bench import measure_ceiling
 from blockswap.kernels.copy import copy_blocks_raw
-from blockswap_bench.common import run_metadata
+from blockswap_bench.cli import parser
+from blockswap_bench.common import gpu_timed, median, run_metadata
 from blockswap_bench.report import write_json
 
 KiB = 1024
@@ -37,12 +39,11 @@ POINTS = ((4 * KiB, 10_000), (16 * KiB, 8192), (64 * KiB, 2560))
 
 
 def main() -> None:
-    from cuda.bindings import driver
-
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--json", default=None)
+    ap = parser(__doc__)
     ap.add_argument("--depth", type=int, default=8, help="transfers queued back to back")
     args = ap.parse_args()
+    from cuda.bindings import driver
+
     depth = args.depth
     cap = 1 << 30
     host = torch.empty(cap, dtype=torch.uint8, pin_memory=True)
@@ -55,16 +56,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
 
     def measure(fn, reps=6):
-        out = []
-        for _ in range(reps):
-            s = torch.cuda.Event(enable_timing=True)
-            e = torch.cuda.Event(enable_timing=True)
-            s.record(main_s)
-            fn()
-            e.record(main_s)
-            e.synchronize()
-            out.append(s.elapsed_time(e) / 1e3)
-        return statistics.median(out[1:])
+        return median([gpu_timed(main_s, fn)[0] for _ in range(reps)][1:])
 
     def attr(any_order):
         a = driver.CUmemcpyAttributes()
@@ -84,13 +76,8 @@ def main() -> None:
             total = n * size
             big = 256 << 20
 
-            def one_copy(nbytes, times, d=dst_t, s=src_t):
-                def go():
-                    with torch.cuda.stream(main_s):
-                        for _ in range(times):
-                            d[:nbytes].copy_(s[:nbytes], non_blocking=True)
-
-                return times * nbytes / measure(go) / 1e9
+            def one_copy(nbytes, times, s=src_t, d=dst_t):
+                return measure_ceiling(s, d, nbytes, main_s, 5, max_reps=5, copies=times)["gbps"]
 
             res = {
                 "dir": direction,

@@ -39,6 +39,8 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from blockswap_bench.cli import need_cuda, parser
+from blockswap_bench.common import gated_gpu_seconds
 from blockswap_bench.kvblocks import ceiling, write_figures
 
 KiB = 1024
@@ -196,25 +198,11 @@ class Staged:
 
 
 def timed(issue: Any, sync: Any, starts: list[torch.cuda.Stream]) -> float:
-    """GPU time of what ``issue`` queues on ``starts``: the streams wait behind a gate (a 5 ms
-    spin on another stream) while Python issues, so the time is the GPU's, not Python's."""
+    """GPU time of what ``issue`` queues on ``starts`` after ``sync()``: the streams wait behind
+    a gate (a 5 ms spin on another stream) while Python issues, so the time is the GPU's, not
+    Python's."""
     sync()
-    torch.cuda.synchronize()
-    gate = torch.cuda.Stream()
-    a = torch.cuda.Event(enable_timing=True)
-    with torch.cuda.stream(gate):
-        torch.cuda._sleep(10_000_000)
-        a.record()
-    for s in starts:
-        s.wait_event(a)
-    issue()
-    ends = []
-    for s in starts:
-        e = torch.cuda.Event(enable_timing=True)
-        e.record(s)
-        ends.append(e)
-    torch.cuda.synchronize()
-    return max(a.elapsed_time(e) for e in ends) * 1e-3
+    return gated_gpu_seconds(issue, starts, 10_000_000)
 
 
 def one_page(
@@ -346,18 +334,15 @@ def one_page(
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
+    ap = parser(__doc__, reps=15)
     ap.add_argument("--pages", default="4,8,16,32,64,256", help="KiB")
     ap.add_argument("--layers", type=int, default=80)
     ap.add_argument("--blocks", type=int, default=32)
     ap.add_argument("--step-mib", type=int, default=16)
-    ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--ctas", type=int, default=CTAS, help="programs of the scatter kernel")
     ap.add_argument("--min-steps", type=int, default=4, help="steps a transfer is cut into")
-    ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("probe_staged: needs a CUDA GPU", file=sys.stderr)
+    if not need_cuda("probe_staged"):
         return 1
     from blockswap.kernels.copy import copy_blocks_raw
 

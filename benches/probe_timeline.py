@@ -11,7 +11,6 @@ so gaps that wait on the host read longer than without it; the GPU's own duratio
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -23,14 +22,14 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from blockswap.handler import CpuGpuHandlers
+from blockswap_bench.cli import need_cuda, parser
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
+    ap = parser(__doc__, json=False)
     ap.add_argument("--page-kib", type=int, default=4)
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("probe_timeline: needs a CUDA GPU", file=sys.stderr)
+    if not need_cuda("probe_timeline"):
         return 1
     kib = args.page_kib
     rng = np.random.default_rng(0)

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from blockswap._bench import check_result
+from blockswap._bench import check_result, one_copy
 from blockswap._types import Direction
 from blockswap.engine import Engine
 
@@ -107,20 +107,8 @@ def _copiers(
 
 
 def _copier(ctx: Context, src: Any, dst: Any, stream: Any, nbytes: int, threaded: bool) -> Issuer:
-    if ctx.cuda:
-        import torch
-
-        def on_stream() -> None:
-            with torch.cuda.stream(stream):
-                dst[:nbytes].copy_(src[:nbytes], non_blocking=True)
-
-        return on_stream, _nothing
-    if not threaded:
-
-        def inline() -> None:
-            np.copyto(dst[:nbytes], src[:nbytes])
-
-        return inline, _nothing
+    if ctx.cuda or not threaded:
+        return one_copy(src, dst, nbytes, stream if ctx.cuda else None), _nothing
     box: list[threading.Thread] = []
 
     def start() -> None:

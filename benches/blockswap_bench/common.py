@@ -47,6 +47,7 @@ __all__ = [
     "cuda_time_on",
     "fmt_bytes",
     "fmt_count",
+    "gated_gpu_seconds",
     "gpu_timed",
     "handler_route",
     "median",
@@ -109,6 +110,34 @@ def cuda_time_on(stream: Any, fn: Callable[[], Any]) -> float:
             fn()
 
     return gpu_timed(stream, issue)[0]
+
+
+def gated_gpu_seconds(
+    issue: Callable[[], Any], streams: Sequence[Any], spin_cycles: int = 3_000_000
+) -> float:
+    """GPU seconds of what ``issue()`` queues on ``streams``, with no host time in it: the
+    streams wait behind a gate (a spin kernel of ``spin_cycles`` on a stream of its own, long
+    enough for the whole queue to be in place before it ends) while Python issues; from the
+    gate's end to the last of ``streams`` done."""
+    import torch
+
+    torch.cuda.synchronize()
+    gate = torch.cuda.Stream()
+    start = torch.cuda.Event(enable_timing=True)
+    with torch.cuda.stream(gate):
+        torch.cuda._sleep(spin_cycles)
+        start.record()
+    for s in streams:
+        s.wait_event(start)
+    issue()
+    ends = []
+    for s in streams:
+        e = torch.cuda.Event(enable_timing=True)
+        e.record(s)
+        ends.append(e)
+    for e in ends:
+        e.synchronize()
+    return max(start.elapsed_time(e) for e in ends) * 1e-3
 
 
 # ---- metadata ---------------------------------------------------------------------------------

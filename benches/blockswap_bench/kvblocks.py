@@ -2,9 +2,11 @@
 ``benches/bench_wall.py`` and the probes beside them): the link's ceiling, one contiguous copy of
 a transfer's bytes, CPU block ids in the orders a cache hands out, the command line, and the JSON.
 
-The link's ceiling is measured here and nowhere else in those scripts: :func:`ceiling` (one
-256 MiB pinned copy per direction, best of a few), :class:`Ceilings` when a run measures it again
-at its start, middle and end and keeps the best.
+The link's ceiling is measured here and nowhere else in ``benches/``: :func:`ceiling` (one
+256 MiB pinned copy per direction, best of a few, through :func:`blockswap._bench.measure_ceiling`,
+which ``blockswap bench`` and the suite use too), :func:`bidir_ceiling` (both ways at once),
+:class:`Ceilings` when a run measures it again at its start, middle and end and keeps the best.
+The command line's base and argument types are :mod:`blockswap_bench.cli`'s.
 
 On the host backend (no GPU) a copy is one ``memcpy`` (numpy ``copyto``) between two host
 buffers, timed by the wall clock. torch is imported only where CUDA is used.
@@ -24,8 +26,10 @@ from typing import Any
 import numpy as np
 
 from blockswap import Engine
-from blockswap._bench import median, one_copy
+from blockswap._bench import measure_ceiling, median, one_copy
 
+from .cli import choices, kib_list, option
+from .cli import parser as base_parser
 from .common import run_metadata
 
 #: Bytes of the copy that measures the link's ceiling.
@@ -121,17 +125,61 @@ class Copier:
 
 
 def ceiling(
-    nbytes: int = LINK_BYTES, reps: int = 5, *, copier: Copier | None = None
+    nbytes: int = LINK_BYTES,
+    reps: int = 5,
+    *,
+    copier: Copier | None = None,
+    directions: Sequence[str] = DIRECTIONS,
+    copies: int = 1,
 ) -> dict[str, float]:
-    """The link's ceiling in GB/s per direction: one ``nbytes`` pinned copy, GPU time by CUDA
-    events (the host backend: one memcpy, wall clock), best of ``reps`` after one discarded.
-    ``copier``: buffers of at least ``nbytes`` to use (else allocated here)."""
+    """The link's ceiling in GB/s per direction: one ``nbytes`` copy between pinned host memory
+    and the GPU, GPU time by CUDA events (the host backend: one memcpy, wall clock), best of
+    ``reps`` after two discarded (:func:`blockswap._bench.measure_ceiling`, the one measurement
+    of it). ``copier``: buffers of at least ``nbytes`` to use (else allocated here);
+    ``directions``: those to measure; ``copies``: copies queued back to back per sample."""
     c = copier if copier is not None and copier.nbytes >= nbytes else Copier(nbytes)
-    out = {}
-    for d in DIRECTIONS:
-        times = [c.seconds(d, nbytes, wall=not c.cuda) for _ in range(reps + 1)][1:]
-        out[d] = nbytes / min(times) / 1e9
-    return out
+    stream = None
+    if c.cuda:
+        import torch
+
+        stream = torch.cuda.current_stream()
+    return {
+        d: float(
+            measure_ceiling(*c.sides(d), nbytes, stream, reps, max_reps=reps, copies=copies)["gbps"]
+        )
+        for d in directions
+    }
+
+
+def bidir_ceiling(nbytes: int = LINK_BYTES, reps: int = 5) -> float:
+    """The link's ceiling both ways at once, GB/s in all: one ``nbytes`` pinned copy each way,
+    on two streams (the host backend: one after the other), wall clock from a synchronised
+    device to both seen done, best of ``reps`` after one discarded. The onload reads the first
+    half of the buffers, the offload the second: no byte is read by one and written by the
+    other."""
+    c = Copier(2 * nbytes)
+    lo, hi = slice(0, nbytes), slice(nbytes, 2 * nbytes)
+    if not c.cuda:
+        streams: list[Any] = [None, None]
+        sync: Any = lambda: None  # noqa: E731
+    else:
+        import torch
+
+        streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+        sync = torch.cuda.synchronize
+    copies = [
+        one_copy(c.host[lo], c.dev[lo], nbytes, streams[0]),
+        one_copy(c.dev[hi], c.host[hi], nbytes, streams[1]),
+    ]
+    times = []
+    for _ in range(reps + 1):
+        sync()
+        t0 = time.perf_counter()
+        for copy in copies:
+            copy()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return 2 * nbytes / min(times[1:]) / 1e9
 
 
 class Ceilings:
@@ -197,65 +245,24 @@ def cpu_block_ids(rng: np.random.Generator, n: int, num_cpu_blocks: int, order: 
 # ---- the command line -------------------------------------------------------------------------
 
 
-def option(text: str) -> tuple[str, object]:
-    """``KEY=VALUE`` from the command line: ints as ints, true/false as bools, ``none`` as None."""
-    key, sep, value = text.partition("=")
-    if not key or not sep:
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
-    if value in ("true", "false"):
-        return key, value == "true"
-    if value == "none":
-        return key, None
-    return key, int(value) if value.lstrip("-").isdigit() else value
-
-
-def kib_list(text: str) -> list[int]:
-    """``4,16,1024`` (KiB) as a list of ints."""
-    try:
-        out = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"page sizes in KiB, comma separated: {text!r}") from None
-    if not out or min(out) < 1:
-        raise argparse.ArgumentTypeError(f"page sizes in KiB, each >= 1: {text!r}")
-    return out
-
-
-def choices(allowed: Sequence[str]) -> Any:
-    """An argparse type: a comma list of names out of ``allowed``."""
-
-    def parse(text: str) -> list[str]:
-        out = [x.strip() for x in text.split(",") if x.strip()]
-        bad = [x for x in out if x not in allowed]
-        if bad or not out:
-            raise argparse.ArgumentTypeError(
-                f"{text!r}: a comma list of {', '.join(allowed)} (not {', '.join(bad)})"
-            )
-        return out
-
-    return parse
-
-
 def parser(
-    doc: str | None, *, pages: str, reps: int, cpu_blocks: str = "random"
+    doc: str | None, *, pages: str, reps: int, cpu_blocks: str = "random", **shared: Any
 ) -> argparse.ArgumentParser:
     """The arguments every KV-block benchmark takes: ``--pages`` (KiB), ``--layers``, ``--blocks``
     (per transfer), ``--reps``, ``--cpu-blocks`` (orders), ``--option KEY=VALUE`` (repeatable, to
-    the handler and its engine) and ``--json``. ``doc``: the script's docstring, for ``--help``."""
-    ap = argparse.ArgumentParser(
-        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    the handler and its engine) and ``--json``, on :func:`blockswap_bench.cli.parser` (``shared``:
+    its other options, e.g. ``backend=True``). ``doc``: the script's docstring, for ``--help``."""
+    ap = base_parser(doc, reps=reps, **shared)
     ap.add_argument("--pages", type=kib_list, default=kib_list(pages),
                     help=f"page sizes in KiB, comma list (default {pages})")  # fmt: skip
     ap.add_argument("--layers", type=int, default=80, help="layer tensors (default 80)")
     ap.add_argument("--blocks", type=int, default=32, help="blocks per transfer (default 32)")
-    ap.add_argument("--reps", type=int, default=reps, help=f"repetitions (default {reps})")
     ap.add_argument("--cpu-blocks", type=choices(ORDERS), default=choices(ORDERS)(cpu_blocks),
                     help="CPU block orders, comma list: random (no two adjacent), adjacent "
                          f"(one after the other) (default {cpu_blocks})")  # fmt: skip
     ap.add_argument("--option", action="append", default=[], type=option, metavar="KEY=VALUE",
                     help="a handler or engine option (repeatable): ints as ints, "
                          "true/false as bools")  # fmt: skip
-    ap.add_argument("--json", default=None, help="write the figures to this file")
     return ap
 
 
@@ -266,12 +273,13 @@ _META: dict[str, Any] = {}
 
 
 def write_figures(
-    path: str, script: str, ceil: dict[str, float], rows: list[Any], **extra: Any
+    path: str, script: str, ceil: dict[str, float] | None, rows: list[Any], **extra: Any
 ) -> None:
     """A benchmark's figures as JSON: GPU, driver, date, the command that made them (without the
-    output folder, which is the machine's), the ceiling measured in the same run, the rows, the
-    run's metadata (versions, host), and ``extra``. Written to a temporary file first, then
-    renamed: a run cut short leaves the last complete file."""
+    output folder, which is the machine's), the ceiling measured in the same run (``None``: a
+    script that records its own in ``extra``), the rows, the run's metadata (versions, host), and
+    ``extra``. Written to a temporary file first, then renamed: a run cut short leaves the last
+    complete file."""
     args = [os.path.basename(a) if a == path else a for a in sys.argv[1:]]
     if not _META:
         _META.update(run_metadata())  # once per run: it asks nvidia-smi
@@ -282,7 +290,7 @@ def write_figures(
         "date": time.strftime("%Y-%m-%d"),
         "time": meta.get("time"),
         "command": " ".join(["python", f"benches/{script}", *args]),
-        "ceiling_gbps": ceil,
+        **({} if ceil is None else {"ceiling_gbps": ceil}),
         **extra,
         "meta": meta,
         "rows": rows,

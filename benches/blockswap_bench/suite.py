@@ -32,6 +32,7 @@ from typing import Any
 from blockswap._bench import resolve_backend
 from blockswap.engine import Engine
 
+from . import cli
 from .common import Progress, run_metadata, slug
 from .context import SECTIONS, Context, Profile, profile
 
@@ -170,7 +171,7 @@ DESCRIPTION = (
 
 
 def build_parser(prog: str | None = None, default_profile: str = "full") -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog=prog, description=DESCRIPTION)
+    ap = cli.parser(DESCRIPTION, json=False, backend=True, prog=prog)
     g = ap.add_mutually_exclusive_group()
     for name, what in (
         ("full", "every size, count, model and path (a few minutes on a GPU)"),
@@ -196,7 +197,6 @@ def build_parser(prog: str | None = None, default_profile: str = "full") -> argp
         default=",".join(SECTIONS),
         help=f"comma-separated sections (default: all: {','.join(SECTIONS)})",
     )
-    ap.add_argument("--backend", default="auto", choices=["auto", "cuda", "host"])
     ap.add_argument("--models", default=None, help="comma-separated model keys (handler section)")
     ap.add_argument("--no-plots", action="store_true", help="write no PNG")
     return ap
