@@ -577,6 +577,27 @@ impl PyEngine {
         }))
     }
 
+    /// Whether a cache whose KV-cache groups are the table pairs `pairs` (source, destination as
+    /// `direction` moves them) takes the block route: by default where each group's plan is at
+    /// most `BLOCK_MAX_COPIES` 2-D copies of pages of at least `BLOCK_MIN_PAGE` bytes, with
+    /// `insist` wherever it saves a copy; never where two groups share memory. Returns `(taken,
+    /// why)`.
+    #[pyo3(signature = (pairs, direction, insist = false))]
+    fn block_route(
+        &self,
+        py: Python<'_>,
+        pairs: Vec<(u32, u32)>,
+        direction: &str,
+        insist: bool,
+    ) -> PyResult<(bool, String)> {
+        let dir = self::direction(direction)?;
+        let route = py.detach(|| self.engine.block_route(&pairs, dir, insist))?;
+        Ok(match route {
+            Ok(why) => (true, why),
+            Err(why) => (false, why),
+        })
+    }
+
     /// Results of the transfers finished since the last call. Lock-free, never blocks.
     fn get_finished(&self) -> Vec<PyTransferResult> {
         let mut out = Vec::new();
@@ -730,6 +751,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyEngine>()?;
     m.add_class::<PyTransferResult>()?;
     m.add_class::<PyRoute>()?;
+    m.add("BLOCK_MAX_COPIES", table::BLOCK_MAX_COPIES)?;
+    m.add("BLOCK_MIN_PAGE", table::BLOCK_MIN_PAGE)?;
     m.add_class::<PyHostBuffer>()?;
     m.add_class::<host_buffer::PyAllocProgress>()?;
     m.add("DEFAULT_PIECE_BYTES", hostmem::DEFAULT_PIECE_BYTES)?;

@@ -28,7 +28,10 @@ mod staged;
 pub use chunks::{chunk_blocks, map_chunks};
 pub use error::{Overlap, TableError};
 use runs::written_rows;
-pub use runs::{block_runs, expand_runs_into, for_each_row, Run, MAX_PITCH, PITCHED_ENTRIES};
+pub use runs::{
+    block_route, block_runs, expand_runs_into, for_each_row, Run, BLOCK_MAX_COPIES, BLOCK_MIN_PAGE,
+    MAX_PITCH, PITCHED_ENTRIES,
+};
 use staged::written_pages;
 pub use staged::{
     expand_staged_into, staged_pages, staged_row, staged_steps, StagedCursor, StagedRequest,

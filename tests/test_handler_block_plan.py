@@ -116,7 +116,7 @@ def test_block_major_cache_moves_blocks_as_one_copy_each(layout: str, factor: in
 
 
 def test_auto_takes_the_block_plan_from_block_min_page() -> None:
-    from blockswap.routing import BLOCK_MIN_PAGE
+    from blockswap._core import BLOCK_MIN_PAGE
 
     def route(page: int, layers: int = 4) -> str:
         buf = torch.zeros((layers, N_GPU, 1, page), dtype=torch.uint8)

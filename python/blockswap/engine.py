@@ -547,6 +547,21 @@ class Engine:
             raise InvalidTransferError(f"direction must be a str, not {direction!r}")
         return self._core.block_runs(src_table, dst_table, direction)
 
+    def block_route(
+        self, pairs: Iterable[tuple[int, int]], direction: str = "h2d", *, insist: bool = False
+    ) -> tuple[bool, str]:
+        """Whether a cache whose KV-cache groups are the table pairs ``pairs`` (source,
+        destination as ``direction`` moves them) takes the block route (``Route.blocks()``):
+        by default where each group's plan (:meth:`block_runs`) is at most
+        ``blockswap._core.BLOCK_MAX_COPIES`` 2-D copies of pages of at least
+        ``BLOCK_MIN_PAGE`` bytes, with ``insist`` wherever it saves a copy, never where two
+        groups share memory. Returns ``(taken, why)``."""
+        ids = [(_table_id(s), _table_id(d)) for s, d in pairs]
+        if not isinstance(direction, str):
+            raise InvalidTransferError(f"direction must be a str, not {direction!r}")
+        check_arg("insist", insist, "a bool", _is_bool)
+        return self._core.block_route(ids, direction, insist)
+
     def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> None:
         """Blocks until the listed jobs finished; their results still come from get_finished.
         Ids never submitted (or already reported) are not waited for. ``timeout`` in seconds

@@ -116,12 +116,14 @@ from .errors import ConfigError, ConfigTypeError, refuses_with_config_errors
 from .hostmem import DEFAULT_PIECE_BYTES, PinnedRows
 from .layout import BlockTable, Layout, as_block_ids, expand_sub_blocks
 from .routing import (
+    _DIRECTIONS,
     _SHORT,
     KERNEL_BLOCK_BYTES,
     KERNEL_LAUNCH_BYTES,
     STAGE_BYTES,
     STAGE_MAX_AUTO,
     RouteChoice,
+    block_route,
     calibrate,
     choose_routes,
     staged_route,
@@ -506,7 +508,7 @@ class CpuGpuHandlers:
     long it holds its SMs from the model (:data:`KERNEL_LAUNCH_BYTES`; ``None``: one launch per
     transfer, the most bandwidth). With a block-major CPU cache (the default), ``"auto"`` takes
     the block plan where a block's GPU pages lie at one pitch and pages are at least
-    :data:`BLOCK_MIN_PAGE`, and the staged plan otherwise (``path="blocks"`` / ``"staged"``
+    ``blockswap._core.BLOCK_MIN_PAGE`` bytes, and the staged plan otherwise (``path="blocks"`` / ``"staged"``
     insist on one): each block's row through a device staging ring of two ``stage_bytes`` slots
     (an engine option; by default :data:`STAGE_BYTES`, grown to one block's row up to
     :data:`STAGE_MAX_AUTO`), its pages moved inside the GPU by the copy kernel the core launches.
@@ -711,8 +713,6 @@ class CpuGpuHandlers:
                 self.engine._core,
                 tids,
                 gpu_tables,
-                cpu_tables,
-                self.block_plans,
                 self._load_kernel,
                 path=path,
                 on_cuda=on_cuda,
@@ -856,7 +856,10 @@ class CpuGpuHandlers:
             self.handlers,
             self.routes,
             self.gpu_tables[0],
-            self.block_plans,
+            {
+                d: block_route(self.engine._core, self._table_ids, d, insist=True)
+                for d in _DIRECTIONS
+            },
             num_cpu_blocks=self.num_cpu_blocks,
             block_size_factor=self.block_size_factor,
             kernel=kid,

@@ -32,8 +32,6 @@ if TYPE_CHECKING:
     from .layout import BlockTable
 
 __all__ = [
-    "BLOCK_MAX_COPIES",
-    "BLOCK_MIN_PAGE",
     "KERNEL_BELOW",
     "KERNEL_BLOCK_BYTES",
     "KERNEL_LAUNCH_BYTES",
@@ -53,6 +51,7 @@ __all__ = [
 ]
 
 _SHORT = {"d2h": "GPU -> CPU", "h2d": "CPU -> GPU"}
+_DIRECTIONS: tuple[Direction, Direction] = ("d2h", "h2d")
 
 #: The handler's logger: route choices and calibration results are part of what a handler logs
 #: (``logging.getLogger("blockswap.handler")`` keeps covering them).
@@ -223,74 +222,24 @@ def choose_route(
     return RouteChoice(route, f"hybrid: pages < {threshold} bytes by kernel, the rest by DMA")
 
 
-#: The block plan is taken where a block moves in at most this many 2-D copies: each copy costs
-#: the host ~3 us and runs a few rows, and with 10-40 copies per block (layer tensors allocated
-#: one by one, a run per driver allocation) it fell to 19-74 % of the link where the page route
-#: held 81-91 % (H100, 2026-11-23, `python benches/bench_blocks.py`, docs/benchmarks.md).
-BLOCK_MAX_COPIES = 2
-
-#: ...and where pages are at least this large. Below it, layers of one allocation take the
-#: staged plan like separately allocated ones: head to head on the H100 (2026-11-24, `python
-#: benches/bench_blocks.py --pages 16,32,64 --handlers blocks,staged --reps 15`, GPU->CPU /
-#: CPU->GPU isolated), one 2-D copy per block reached 91 / 87 % at 16 KiB and 95 / 76 % at
-#: 32 KiB where the staged plan reached 95 / 92 % and 96 / 97 %; at 64 KiB the block plan
-#: leads (98 / 98 % against 97 / 94 %) and uses no SM at all. Earlier runs agree (staged 94-96 %
-#: at 16 KiB against 81-94 %, docs/benchmarks.md). At 4 KiB one 2-D copy per block reached
-#: 69-75 %.
-BLOCK_MIN_PAGE = 64 * 1024
-
-
 def block_route(
-    runs: Sequence[tuple[int, int, int, int, int]] | None,
-    segments: int,
-    direction: str,
+    core: CoreEngine,
+    tables: Sequence[tuple[int, int]],
+    direction: Direction,
     *,
     insist: bool = False,
 ) -> RouteChoice | None:
-    """The block-plan route of one direction, or None where the page route measured faster (see
-    :data:`BLOCK_MAX_COPIES`, :data:`BLOCK_MIN_PAGE`) or the plan saves no copy. ``insist``
-    (``path="blocks"``): wherever the plan saves a copy."""
-    if runs is None or len(runs) >= segments:
+    """The block route of a cache's KV-cache groups (``tables``: each group's ids in ``core`` of
+    its GPU table and its CPU table) in ``direction``, where the core takes it (see
+    ``BLOCK_MAX_COPIES`` and ``BLOCK_MIN_PAGE`` in ``rust/table/runs.rs``; ``insist``,
+    ``path="blocks"``: wherever the plan saves a copy); else None, with the core's reason
+    logged."""
+    pairs = [(g, c) if direction == "d2h" else (c, g) for g, c in tables]
+    taken, why = core.block_route(pairs, direction, insist)
+    if not taken:
+        log.info("%s: no block route: %s", _SHORT.get(direction, direction), why)
         return None
-    if not insist and (len(runs) > BLOCK_MAX_COPIES or runs[0][2] < BLOCK_MIN_PAGE):
-        return None
-    rows = [r[1] for r in runs]
-    gpu_pitch = {r[3] if direction == "d2h" else r[4] for r in runs}
-    return RouteChoice(
-        CoreRoute.blocks(),
-        f"blocks: {len(runs)} 2-D cop{'y' if len(runs) == 1 else 'ies'} per block "
-        f"({'+'.join(map(str, rows))} pages of {runs[0][2]} B, GPU pitch "
-        f"{', '.join(map(str, sorted(gpu_pitch)))} B), copy engines only",
-    )
-
-
-def _groups_block_route(
-    plans: Sequence[list[tuple[int, int, int, int, int]] | None],
-    gpu_tables: Sequence[BlockTable],
-    cpu_tables: Sequence[BlockTable],
-    direction: str,
-    *,
-    insist: bool = False,
-) -> RouteChoice | None:
-    """The block route of a cache of one or more KV-cache groups: :func:`block_route` for every
-    group, and no two groups sharing memory on either side (their 2-D copies could not be proven
-    disjoint)."""
-    routes = [
-        block_route(p, len(t.nbytes), direction, insist=insist) for p, t in zip(plans, gpu_tables)
-    ]
-    if any(r is None for r in routes):
-        return None
-    if len(routes) > 1:
-        for tables in (gpu_tables, cpu_tables):
-            spans = sorted(
-                (int(sp[:, 0].min()), int((sp[:, 0] + sp[:, 1]).max()))
-                for sp in (t.spans() for t in tables)
-            )
-            if any(a[1] > b[0] for a, b in zip(spans, spans[1:])):
-                return None
-        reason = "; ".join(f"group {g}: {r.reason}" for g, r in enumerate(routes) if r)
-        return RouteChoice(CoreRoute.blocks(), reason)
-    return routes[0]
+    return RouteChoice(CoreRoute.blocks(), why)
 
 
 def core_page_route(
@@ -360,8 +309,6 @@ def choose_routes(
     core: CoreEngine,
     tables: Sequence[tuple[int, int]],
     gpu_tables: Sequence[BlockTable],
-    cpu_tables: Sequence[BlockTable],
-    block_plans: Mapping[str, Sequence[list[tuple[int, int, int, int, int]] | None]],
     load_kernel: LoadKernel,
     *,
     path: str,
@@ -374,8 +321,7 @@ def choose_routes(
 ) -> dict[str, RouteChoice]:
     """The route of each direction of a handler (``{"d2h": ..., "h2d": ...}``), chosen once from
     its caches' geometry: ``tables`` holds the ids in ``core`` of each group's (GPU table, CPU
-    table), ``block_plans`` each direction's block plan per group, ``block_major`` whether the CPU
-    cache was allocated here block-major. See :class:`~blockswap.handler.CpuGpuHandlers` for
+    table), ``block_major`` whether the CPU cache was allocated here block-major. See :class:`~blockswap.handler.CpuGpuHandlers` for
     ``path`` and the kernel's options."""
     routes = {
         d: choose_route(
@@ -394,10 +340,10 @@ def choose_routes(
         # cache laid out as a mirror of the GPU (the caller's, or cpu_layout="mirror") keeps
         # the page route by default: pitched copies into it measured 10-25 % slower below
         # 32 KiB pages than into a block-major cache (H100, 2026-11-23).
-        for d, plans in block_plans.items():
-            blk = _groups_block_route(plans, gpu_tables, cpu_tables, d, insist=path == "blocks")
+        for direction in _DIRECTIONS:
+            blk = block_route(core, tables, direction, insist=path == "blocks")
             if blk is not None:
-                routes[d] = blk
+                routes[direction] = blk
     if path == "staged" or (
         path == "auto" and block_major and any(r.plan != "blocks" for r in routes.values())
     ):
@@ -476,7 +422,7 @@ def calibrate(
     handlers: Sequence[DirectionHandler],
     routes: dict[str, RouteChoice],
     gpu_table: BlockTable,
-    block_plans: Mapping[str, Sequence[list[tuple[int, int, int, int, int]] | None]],
+    blocks: Mapping[str, RouteChoice | None],
     *,
     num_cpu_blocks: int,
     block_size_factor: int,
@@ -493,7 +439,7 @@ def calibrate(
 
     The candidates: per-page DMA, the copy kernel for every page (the core's ``kernel`` where
     it loaded one, else launched from Python on ``kernel_ctas`` CTAs, where it can run here:
-    see :func:`~blockswap.kernels.kernel_unavailable`), and where the geometry gives them, the block plan (``block_plans``) and the staged plan
+    see :func:`~blockswap.kernels.kernel_unavailable`), and where the geometry gives them, the block plan (``blocks``, per direction) and the staged plan
     (``staged``). Only routes that can run here are measured. Runs a
     GPU -> CPU transfer of up to 256 scattered blocks, then CPU -> GPU of the same blocks back
     into place, so the KV cache's bytes are unchanged.
@@ -528,10 +474,9 @@ def calibrate(
         candidates = {"dma": _dma("dma: every page")}
         if kernel_route is not None:
             candidates["kernel"] = kernel_route
-        plan = block_plans[h.direction][0]
-        blocks = block_route(plan, len(gpu_table.nbytes), h.direction, insist=True)
-        if blocks is not None:
-            candidates["blocks"] = blocks
+        block = blocks.get(h.direction)
+        if block is not None:
+            candidates["blocks"] = block
         if staged is not None:
             candidates["staged"] = staged
         speeds = {

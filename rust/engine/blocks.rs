@@ -8,8 +8,8 @@ use crate::kernel::{KernelSpec, PageKernel};
 use crate::plan::Plan;
 use crate::table::STAGED_MIN_STEPS;
 use crate::table::{
-    block_runs, expand_groups_into, staged_row, BlockTable, Group, Run, StagedExpansion,
-    TableError, TableSpec, PITCHED_ENTRIES, STAGED_TABLE_EXTRA,
+    block_route, block_runs, expand_groups_into, staged_row, BlockTable, Group, Run,
+    StagedExpansion, TableError, TableSpec, PITCHED_ENTRIES, STAGED_TABLE_EXTRA,
 };
 use crate::transfer::JobId;
 
@@ -207,6 +207,27 @@ impl Engine {
         let state = self.lock();
         let (s, d) = table_pair(&state.tables, src_table, dst_table, direction)?;
         Ok(block_runs(s, d))
+    }
+
+    /// Whether a cache whose groups are the table pairs `pairs` (source, destination as
+    /// `direction` moves them) takes the block route by default, or with `insist` wherever a
+    /// plan saves a copy (see [`block_route`]): `Ok(why)` or `Err(why not)`.
+    pub fn block_route(
+        &self,
+        pairs: &[(u32, u32)],
+        direction: Direction,
+        insist: bool,
+    ) -> Result<Result<String, String>, EngineError> {
+        let state = self.lock();
+        let tables = pairs
+            .iter()
+            .map(|&(s, d)| table_pair(&state.tables, s, d, direction))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(block_route(
+            &tables,
+            direction == Direction::DeviceToHost,
+            insist,
+        ))
     }
 
     /// [`Engine::submit_blocks`], each block moved as the 2-D copies of the pair's block plan

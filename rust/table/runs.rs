@@ -1,6 +1,7 @@
 //! The block plan: a table pair's segments cut into runs that one 2-D copy per block moves
 //! ([`block_runs`]), the copies written into a slab ([`expand_runs_into`]), and the rows those
-//! copies cover ([`for_each_row`]) for a backend without 2-D copies.
+//! copies cover ([`for_each_row`]) for a backend without 2-D copies, and where a cache takes
+//! the block route by default ([`block_route`]).
 
 use super::{check_ids, check_written, BlockTable, Overlap, Pair, TableError};
 use crate::descriptor::{Columns, Prepared, Scratch};
@@ -8,6 +9,96 @@ use crate::descriptor::{Columns, Prepared, Scratch};
 /// The largest row pitch of a 2-D copy: `CU_DEVICE_ATTRIBUTE_MAX_PITCH` is 2^31 - 1 on the GPUs
 /// this runs on, and the host backend keeps to the same plans.
 pub const MAX_PITCH: u64 = (1 << 31) - 1;
+
+/// The block route is taken where a block moves in at most this many 2-D copies: each copy costs
+/// the host ~3 us and runs a few rows, and with 10-40 copies per block (layer tensors allocated
+/// one by one, a run per driver allocation) it fell to 19-74 % of the link where the page route
+/// held 81-91 % (H100, 2026-11-23, `python benches/bench_blocks.py`, docs/benchmarks.md).
+pub const BLOCK_MAX_COPIES: usize = 2;
+
+/// ...and where pages are at least this large. Below it, layers of one allocation take the
+/// staged plan like separately allocated ones: head to head on the H100 (2026-11-24, `python
+/// benches/bench_blocks.py --pages 16,32,64 --handlers blocks,staged --reps 15`, GPU->CPU /
+/// CPU->GPU isolated), one 2-D copy per block reached 91 / 87 % at 16 KiB and 95 / 76 % at
+/// 32 KiB where the staged plan reached 95 / 92 % and 96 / 97 %; at 64 KiB the block plan leads
+/// (98 / 98 % against 97 / 94 %) and uses no SM at all. Earlier runs agree (staged 94-96 % at
+/// 16 KiB against 81-94 %, docs/benchmarks.md). At 4 KiB one 2-D copy per block reached 69-75 %.
+pub const BLOCK_MIN_PAGE: u64 = 64 * 1024;
+
+/// Whether a cache of one or more KV-cache groups takes the block route in one direction:
+/// `pairs` holds each group's (source, destination) tables as the direction moves them, the GPU
+/// side the source where `gpu_src`. `Ok(why)` where every group has a block plan that saves a
+/// copy (fewer runs than segments) and, unless `insist` (`path="blocks"`), one of at most
+/// [`BLOCK_MAX_COPIES`] runs of pages of at least [`BLOCK_MIN_PAGE`], and no two groups' tables
+/// share memory on either side (their 2-D copies could not be proven apart); `Err(why not)`
+/// otherwise.
+pub fn block_route(
+    pairs: &[(&BlockTable, &BlockTable)],
+    gpu_src: bool,
+    insist: bool,
+) -> Result<String, String> {
+    if pairs.is_empty() {
+        return Err("no KV-cache group".into());
+    }
+    let mut reasons = Vec::with_capacity(pairs.len());
+    for (g, (src, dst)) in pairs.iter().enumerate() {
+        let group = if pairs.len() > 1 {
+            format!("group {g}: ")
+        } else {
+            String::new()
+        };
+        let runs = block_runs(src, dst)
+            .ok_or_else(|| format!("{group}the two sides' pages differ: no block plan"))?;
+        if runs.len() >= src.segments() {
+            return Err(format!(
+                "{group}{} 2-D copies per block save none of its {} pages",
+                runs.len(),
+                src.segments()
+            ));
+        }
+        let (copies, page) = (runs.len(), runs[0].width);
+        if !insist && copies > BLOCK_MAX_COPIES {
+            return Err(format!(
+                "{group}{copies} 2-D copies per block, more than {BLOCK_MAX_COPIES}"
+            ));
+        }
+        if !insist && page < BLOCK_MIN_PAGE {
+            return Err(format!(
+                "{group}pages of {page} B, below {BLOCK_MIN_PAGE} B: the staged plan or the \
+                 page route moves them faster"
+            ));
+        }
+        let rows: Vec<String> = runs.iter().map(|r| r.rows.to_string()).collect();
+        let mut pitch: Vec<u64> = runs
+            .iter()
+            .map(|r| if gpu_src { r.src_pitch } else { r.dst_pitch })
+            .collect();
+        pitch.sort_unstable();
+        pitch.dedup();
+        let pitch: Vec<String> = pitch.iter().map(u64::to_string).collect();
+        reasons.push(format!(
+            "{group}blocks: {copies} 2-D cop{} per block ({} pages of {page} B, GPU pitch {} B), \
+             copy engines only",
+            if copies == 1 { "y" } else { "ies" },
+            rows.join("+"),
+            pitch.join(", ")
+        ));
+    }
+    for (side, name) in [(0, "source"), (1, "destination")] {
+        let mut spans: Vec<(u64, u64)> = pairs
+            .iter()
+            .map(|p| if side == 0 { p.0.span } else { p.1.span })
+            .collect();
+        spans.sort_unstable();
+        if spans.windows(2).any(|w| w[0].1 > w[1].0) {
+            return Err(format!(
+                "two groups' {name} tables share memory: their 2-D copies could not be proven \
+                 apart"
+            ));
+        }
+    }
+    Ok(reasons.join("; "))
+}
 
 /// Consecutive segments of a table pair that one 2-D copy per block moves: `rows` pages of
 /// `width` bytes, segment `first + r` of block `id` at `base(first) + id * stride + r * pitch` on

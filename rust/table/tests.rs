@@ -293,3 +293,96 @@ fn overlapping_segments_fall_back_to_a_full_check() {
         })
     ));
 }
+
+/// `layers` GPU layers of `page`-byte pages (8 blocks each, layer after layer in one
+/// allocation unless `split` cuts them) and a block-major CPU cache of the same pages.
+fn block_route_tables(page: u64, layers: u64, split: Option<u64>) -> (BlockTable, BlockTable) {
+    let mut r = RegionTable::default();
+    r.insert(0x100_0000, 0x100_0000, MemoryKind::Device)
+        .unwrap();
+    r.insert(0x1000_0000, 0x100_0000, MemoryKind::Host).unwrap();
+    let layer = 8 * page;
+    let gpu = BlockTable::new(
+        (0..layers).map(|l| 0x100_0000 + l * layer).collect(),
+        vec![page; layers as usize],
+        vec![page; layers as usize],
+        8,
+        MemoryKind::Device,
+        &r,
+    )
+    .unwrap()
+    .in_allocations(move |a| Some(split.filter(|&s| a >= s).unwrap_or(0x100_0000)));
+    let cpu = BlockTable::new(
+        (0..layers).map(|l| 0x1000_0000 + l * page).collect(),
+        vec![layers * page; layers as usize],
+        vec![page; layers as usize],
+        8,
+        MemoryKind::Host,
+        &r,
+    )
+    .unwrap();
+    (gpu, cpu)
+}
+
+#[test]
+fn the_block_route_is_taken_where_few_copies_of_large_pages_save_copies() {
+    let (gpu, cpu) = block_route_tables(BLOCK_MIN_PAGE, 4, None);
+    assert_eq!(
+        block_route(&[(&gpu, &cpu)], true, false),
+        Ok(format!(
+            "blocks: 1 2-D copy per block (4 pages of {BLOCK_MIN_PAGE} B, GPU pitch {} B), copy \
+             engines only",
+            8 * BLOCK_MIN_PAGE
+        ))
+    );
+    // CPU -> GPU: the GPU side is the destination, and its pitch is named.
+    let up = block_route(&[(&cpu, &gpu)], false, false).unwrap();
+    assert!(
+        up.contains(&format!("GPU pitch {} B", 8 * BLOCK_MIN_PAGE)),
+        "{up}"
+    );
+
+    // Smaller pages take another route by default; `insist` takes the block plan anyway.
+    let (gpu, cpu) = block_route_tables(BLOCK_MIN_PAGE / 4, 4, None);
+    let small = block_route(&[(&gpu, &cpu)], true, false).unwrap_err();
+    assert!(small.contains("below 65536 B"), "{small}");
+    assert!(block_route(&[(&gpu, &cpu)], true, true).is_ok());
+
+    // Layers in three allocations: three copies per block, more than BLOCK_MAX_COPIES.
+    let cut = 0x100_0000 + 8 * BLOCK_MIN_PAGE;
+    let (gpu, cpu) = block_route_tables(BLOCK_MIN_PAGE, 4, Some(cut));
+    assert_eq!(block_runs(&gpu, &cpu).unwrap().len(), 2);
+    assert!(block_route(&[(&gpu, &cpu)], true, false).is_ok());
+    let (gpu, cpu) = block_route_tables(BLOCK_MIN_PAGE, 6, None);
+    let many = |t: &BlockTable| {
+        t.clone()
+            .in_allocations(move |a| Some(a / (2 * 8 * BLOCK_MIN_PAGE)))
+    };
+    let (gpu3, cpu3) = (many(&gpu), cpu.clone());
+    assert_eq!(block_runs(&gpu3, &cpu3).unwrap().len(), 3);
+    let three = block_route(&[(&gpu3, &cpu3)], true, false).unwrap_err();
+    assert!(
+        three.contains("3 2-D copies per block, more than 2"),
+        "{three}"
+    );
+    assert!(block_route(&[(&gpu3, &cpu3)], true, true)
+        .unwrap()
+        .contains("3 2-D copies per block"));
+}
+
+#[test]
+fn the_block_route_is_refused_where_it_saves_nothing_or_groups_share_memory() {
+    let (gpu, cpu) = block_route_tables(BLOCK_MIN_PAGE, 1, None);
+    let one = block_route(&[(&gpu, &cpu)], true, true).unwrap_err();
+    assert!(one.contains("save none of its 1 pages"), "{one}");
+
+    let (gpu, cpu) = block_route_tables(BLOCK_MIN_PAGE, 4, None);
+    let (other_gpu, _) = block_route_tables(BLOCK_MIN_PAGE / 2, 4, None);
+    let differ = block_route(&[(&other_gpu, &cpu)], true, true).unwrap_err();
+    assert!(differ.contains("pages differ"), "{differ}");
+
+    // Two groups on the same CPU cache: their copies could not be proven apart.
+    let shared = block_route(&[(&gpu, &cpu), (&gpu, &cpu)], true, false).unwrap_err();
+    assert!(shared.contains("share memory"), "{shared}");
+    assert!(block_route(&[], true, true).is_err());
+}
