@@ -598,6 +598,21 @@ impl PyEngine {
         })
     }
 
+    /// Whether a cache whose KV-cache groups have the host tables `host_tables` takes the
+    /// staged plan with this engine's slots (every table block-major, its rows no larger than
+    /// `stage_bytes`): `(the largest row, "")`, or `(None, why not)`.
+    fn staged_route(
+        &self,
+        py: Python<'_>,
+        host_tables: Vec<u32>,
+    ) -> PyResult<(Option<u64>, String)> {
+        let route = py.detach(|| self.engine.staged_route(&host_tables))?;
+        Ok(match route {
+            Ok(row) => (Some(row), String::new()),
+            Err(why) => (None, why),
+        })
+    }
+
     /// Results of the transfers finished since the last call. Lock-free, never blocks.
     fn get_finished(&self) -> Vec<PyTransferResult> {
         let mut out = Vec::new();

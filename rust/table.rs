@@ -34,8 +34,8 @@ pub use runs::{
 };
 use staged::written_pages;
 pub use staged::{
-    expand_staged_into, staged_pages, staged_row, staged_steps, StagedCursor, StagedRequest,
-    StagedStep, STAGED_MIN_STEPS, STAGED_TABLE_EXTRA,
+    expand_staged_into, staged_fit, staged_pages, staged_row, staged_steps, StagedCursor,
+    StagedRequest, StagedStep, STAGED_MIN_STEPS, STAGED_TABLE_EXTRA,
 };
 
 /// A block table as its caller describes it, before it is checked against registered memory

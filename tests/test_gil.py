@@ -63,6 +63,7 @@ SCRIPT = textwrap.dedent(
         "staged_row": lambda: eng.staged_row(host_t),
         "block_runs": lambda: eng.block_runs(host_t, dev_t),
         "block_route": lambda: eng.block_route([(host_t, dev_t)]),
+        "staged_route": lambda: eng.staged_route([host_t]),
         "free_host": lambda: eng.free_host(eng.alloc_host(4096)),
         "load_kernel": lambda: eng.load_kernel(
             {"function": 0, "threads": 128, "shared": 0, "rows": 1, "ctas": 1,

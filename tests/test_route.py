@@ -97,3 +97,39 @@ def test_the_handlers_choose_core_routes():
         for choice in h.routes.values():
             assert isinstance(choice.route, blockswap.Route)
             assert choice.plan == choice.route.plan
+
+
+def test_the_core_says_where_the_staged_and_block_routes_go():
+    """One rule each, in the core: what a submission refuses is what the route choice avoids."""
+    page, blocks, layers = 64 * 1024, 4, 2
+    with Engine("host", stage_bytes=layers * page) as eng:
+        host = np.zeros(blocks * layers * page, np.uint8)
+        dev = np.zeros(blocks * layers * page, np.uint8)
+        eng.register(host, kind="host")
+        eng.register(dev, kind="device")
+        h, d = host.ctypes.data, dev.ctypes.data
+        # Block-major host rows (a block's two pages side by side), GPU layer after layer.
+        major = eng.register_table([h, h + page], [2 * page] * 2, [page] * 2, blocks, "host")
+        gpu = eng.register_table([d, d + blocks * page], [page] * 2, [page] * 2, blocks, "device")
+        assert eng.staged_route([major]) == (layers * page, "")
+        # Layer-major on the host: no row per block.
+        mirror = eng.register_table([h, h + blocks * page], [page] * 2, [page] * 2, blocks, "host")
+        row, why = eng.staged_route([major, mirror])
+        assert row is None and "not block-major" in why
+        with pytest.raises(InvalidTransferError, match="not block-major"):
+            eng.submit_groups(1, [(mirror, [0], gpu, [0], None)], "h2d", route=Route.staged())
+
+        taken, why = eng.block_route([(gpu, major)], "d2h")
+        assert taken and why.startswith("blocks: 1 2-D copy per block (2 pages of 65536 B"), why
+        taken, why = eng.block_route([(gpu, major), (gpu, major)], "d2h")
+        assert not taken and "share memory" in why
+        with pytest.raises(InvalidTransferError, match="table 99"):
+            eng.block_route([(gpu, 99)], "d2h")
+
+    with Engine("host", stage_bytes=page) as eng:
+        host = np.zeros(blocks * layers * page, np.uint8)
+        eng.register(host, kind="host")
+        h = host.ctypes.data
+        major = eng.register_table([h, h + page], [2 * page] * 2, [page] * 2, blocks, "host")
+        row, why = eng.staged_route([major])
+        assert row is None and "more than a staging slot (stage_bytes = 65536)" in why

@@ -547,6 +547,13 @@ class Engine:
             raise InvalidTransferError(f"direction must be a str, not {direction!r}")
         return self._core.block_runs(src_table, dst_table, direction)
 
+    def staged_route(self, host_tables: Iterable[int]) -> tuple[int | None, str]:
+        """Whether a cache whose KV-cache groups have the host tables ``host_tables`` takes the
+        staged plan (``Route.staged(...)``) with this engine's slots: every table block-major
+        (:meth:`staged_row`) with rows no larger than :attr:`stage_bytes`. Returns ``(the
+        largest row, "")``, or ``(None, why not)``."""
+        return self._core.staged_route([_table_id(t) for t in host_tables])
+
     def block_route(
         self, pairs: Iterable[tuple[int, int]], direction: str = "h2d", *, insist: bool = False
     ) -> tuple[bool, str]:

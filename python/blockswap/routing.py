@@ -277,13 +277,8 @@ def staged_route(
     is block-major with rows that fit a staging slot, and (on CUDA) the core can launch the copy
     kernel; else None, or with ``insist`` (``path="staged"``) a ``ValueError`` naming why."""
     slot = core.stage_bytes
-    found = [core.staged_row(ct) for ct in cpu_tables]
-    rows = [r for r in found if r is not None]
-    why = None
-    if len(rows) < len(found):
-        why = "the CPU cache is not block-major (cpu_layout='block_major', allocated here)"
-    elif max(rows) > slot:
-        why = f"a block's row is {max(rows)} bytes, more than stage_bytes={slot}"
+    row, refused = core.staged_route(list(cpu_tables))
+    why = refused or None
     kernel = None
     if why is None and on_cuda:
         page = max(int(n) for t in gpu_tables for n in t.nbytes.tolist())
@@ -301,7 +296,7 @@ def staged_route(
     )
     return RouteChoice(
         CoreRoute.staged(kernel),
-        f"staged: a copy per block row (up to {max(rows)} B) through a ring of 2 x {slot} B, {how}",
+        f"staged: a copy per block row (up to {row} B) through a ring of 2 x {slot} B, {how}",
     )
 
 

@@ -6,9 +6,10 @@ use crate::backend::BackendError;
 use crate::direction::Direction;
 use crate::kernel::{KernelSpec, PageKernel};
 use crate::plan::Plan;
+use crate::region::MemoryKind;
 use crate::table::STAGED_MIN_STEPS;
 use crate::table::{
-    block_route, block_runs, expand_groups_into, staged_row, BlockTable, Group, Run,
+    block_route, block_runs, expand_groups_into, staged_fit, staged_row, BlockTable, Group, Run,
     StagedExpansion, TableError, TableSpec, PITCHED_ENTRIES, STAGED_TABLE_EXTRA,
 };
 use crate::transfer::JobId;
@@ -191,6 +192,35 @@ impl Engine {
         Ok(staged_row(t))
     }
 
+    /// Whether a cache whose KV-cache groups have the host tables `host_tables` takes the staged
+    /// plan with this engine's slots (see [`staged_fit`]): `Ok(the largest row)` or `Err(why
+    /// not)`.
+    pub fn staged_route(&self, host_tables: &[u32]) -> Result<Result<u64, String>, EngineError> {
+        let state = self.lock();
+        let slot = self.config.stage_bytes;
+        let mut largest = None;
+        for &id in host_tables {
+            let t = state
+                .tables
+                .get(id as usize)
+                .and_then(Option::as_ref)
+                .ok_or(TableError::Unknown(id))?;
+            if t.kind != MemoryKind::Host {
+                return Err(TableError::WrongKind {
+                    table: id,
+                    kind: t.kind,
+                    needed: MemoryKind::Host,
+                }
+                .into());
+            }
+            match staged_fit(t, slot) {
+                Ok(row) => largest = largest.max(Some(row)),
+                Err(why) => return Ok(Err(why)),
+            }
+        }
+        Ok(largest.ok_or_else(|| "no KV-cache group".to_string()))
+    }
+
     /// The staging slot size of this engine (see [`super::EngineConfig::stage_bytes`]).
     pub fn stage_bytes(&self) -> u64 {
         self.config.stage_bytes
@@ -282,24 +312,14 @@ impl Engine {
                     let (mut rows, mut entries, mut bytes) = (0usize, 0usize, 0u64);
                     for (gi, g) in resolved.iter().enumerate() {
                         let host = if host_src { g.src } else { g.dst };
-                        let why = match staged_row(host) {
-                            None => Some(
-                                "the host table is not block-major (a block's pages in \
-                                          one chunk inside one registered region)"
-                                    .to_string(),
-                            ),
-                            Some(row) if row > slot => Some(format!(
-                                "a block's row is {row} bytes, more than a staging slot \
-                                 (stage_bytes = {slot})"
-                            )),
-                            Some(row) => {
+                        match staged_fit(host, slot) {
+                            Ok(row) => {
                                 bytes = bytes.saturating_add(row.saturating_mul(g.blocks() as u64));
-                                None
                             }
-                        };
-                        if let Some(why) = why {
-                            let why = format!("these tables have no staged plan: {why}");
-                            return Err(no_plan(gi, groups.len(), why));
+                            Err(why) => {
+                                let why = format!("these tables have no staged plan: {why}");
+                                return Err(no_plan(gi, groups.len(), why));
+                            }
                         }
                         // A row and a block entry per block, and the group's geometry.
                         rows = rows.saturating_add(g.blocks());

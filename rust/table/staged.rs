@@ -42,6 +42,23 @@ pub fn staged_row(t: &BlockTable) -> Option<u64> {
     (t.disjoint && t.run_in_one_region(0, t.segments() - 1)).then_some(end - t.bases[0])
 }
 
+/// A host table's row where the staged plan can take it with slots of `slot` bytes: the table
+/// block-major ([`staged_row`]) and its row no larger than a slot. Why not otherwise, as every
+/// refusal of the plan (a submission, the handler's choice of route) words it.
+pub fn staged_fit(host: &BlockTable, slot: u64) -> Result<u64, String> {
+    match staged_row(host) {
+        None => Err(
+            "the host table is not block-major (a block's pages in one chunk inside one \
+                     registered region)"
+                .into(),
+        ),
+        Some(row) if row > slot => Err(format!(
+            "a block's row is {row} bytes, more than a staging slot (stage_bytes = {slot})"
+        )),
+        Some(row) => Ok(row),
+    }
+}
+
 /// Where [`expand_staged_into`] writes next: rows from `row` (room for `rows` of them), blocks
 /// from `block`, geometries from `table`, ring offsets from `ring`. `merge`: the most bytes one
 /// row may grow to by joining the next block's row where it continues on the host (0: never).
