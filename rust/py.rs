@@ -6,8 +6,8 @@ mod host_buffer;
 mod route;
 
 use functions::{
-    chunk_blocks, cuda_device_pointer, cuda_memcpy, cuda_memory_kind, cuda_pin, cuda_status,
-    cuda_unpin,
+    chunk_blocks, chunk_count, chunk_skip, cuda_device_pointer, cuda_memcpy, cuda_memory_kind,
+    cuda_pin, cuda_status, cuda_unpin,
 };
 use host_buffer::PyHostBuffer;
 use route::{launch_with, PyRoute};
@@ -781,6 +781,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_pin, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_unpin, m)?)?;
     m.add_function(wrap_pyfunction!(chunk_blocks, m)?)?;
+    m.add_function(wrap_pyfunction!(chunk_skip, m)?)?;
+    m.add_function(wrap_pyfunction!(chunk_count, m)?)?;
     m.add("BlockswapError", py.get_type::<BlockswapError>())?;
     m.add(
         "InvalidTransferError",

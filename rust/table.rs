@@ -25,7 +25,7 @@ mod chunks;
 mod error;
 mod runs;
 mod staged;
-pub use chunks::{chunk_blocks, map_chunks};
+pub use chunks::{chunk_blocks, chunk_count, chunk_skip, map_chunks};
 pub use error::{Overlap, TableError};
 use runs::written_rows;
 pub use runs::{

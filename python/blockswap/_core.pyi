@@ -39,6 +39,8 @@ __all__ = [
     "WaitTimeoutError",
     "__version__",
     "chunk_blocks",
+    "chunk_count",
+    "chunk_skip",
     "cuda_device_pointer",
     "cuda_memcpy",
     "cuda_memory_kind",
@@ -263,6 +265,10 @@ def cuda_device_pointer(addr: int) -> int | None: ...
 def cuda_memcpy(dst: int, src: int, nbytes: int) -> None: ...
 def cuda_pin(ptr: int, nbytes: int, device: int) -> None: ...
 def cuda_unpin(ptr: int, device: int) -> None: ...
+def chunk_skip(
+    unit: int, blocks: int, block_index: int | None = None, store: bool = True
+) -> int: ...
+def chunk_count(unit: int, blocks: int, skip: int) -> int: ...
 def chunk_blocks(
     chunk_ids: npt.NDArray[np.int64],
     unit: int,

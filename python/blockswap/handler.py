@@ -99,7 +99,14 @@ except ModuleNotFoundError as e:
     _optional.missing(e, __name__)
 
 from ._checks import check_bool, check_choice, check_int
-from ._core import BlockswapError, InvalidTransferError, Route, ShutdownError, TransferResult
+from ._core import (
+    BlockswapError,
+    InvalidTransferError,
+    Route,
+    ShutdownError,
+    TransferResult,
+    chunk_skip,
+)
 from ._kvcache import (
     allocate_cpu_cache,
     as_groups,
@@ -429,10 +436,8 @@ class SingleDirectionHandler:
             where = f"group {g}: " if ng > 1 else ""
             s = as_block_ids(srcs[g], f"{where}{'GPU' if d2h else 'CPU'} block ids")
             d = as_block_ids(dsts[g], f"{where}{'CPU' if d2h else 'GPU'} block ids")
-            if block_indices is not None:
-                skip = int(starts[g]) % f
-            else:
-                skip = 0 if d2h else -d.shape[0] % f
+            first = None if block_indices is None else int(starts[g])
+            skip = chunk_skip(f, (s if d2h else d).shape[0], first, d2h)
             gpu_table, cpu_table = self._tables[g]
             if d2h:
                 out.append((gpu_table, s, cpu_table, d, skip))
@@ -954,7 +959,7 @@ def store_sub_blocks(
     ``cpu_block_ids`` writes, in GPU-block order: start-aligned, or from ``block_index %
     block_size_factor`` (see the module's documentation)."""
     f = block_size_factor
-    skip = 0 if block_index is None else block_index % f
+    skip = chunk_skip(f, num_gpu_blocks, block_index, True)
     return expand_sub_blocks(cpu_block_ids, f, skip, num_gpu_blocks)
 
 
@@ -968,5 +973,5 @@ def load_sub_blocks(
     ``cpu_block_ids`` reads, in GPU-block order: end-aligned (``skip = (-n) % f``), or from
     ``block_index % block_size_factor``."""
     f = block_size_factor
-    skip = -num_gpu_blocks % f if block_index is None else block_index % f
+    skip = chunk_skip(f, num_gpu_blocks, block_index, False)
     return expand_sub_blocks(cpu_block_ids, f, skip, num_gpu_blocks)

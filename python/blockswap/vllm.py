@@ -89,7 +89,7 @@ except ModuleNotFoundError as e:
     ) from e
 
 from . import _core
-from ._core import BackendError, BlockswapError, chunk_blocks
+from ._core import BackendError, BlockswapError, chunk_blocks, chunk_count, chunk_skip
 from .handler import CpuGpuHandlers
 from .hostmem import DEFAULT_PIECE_BYTES, PinnedRows
 
@@ -528,8 +528,8 @@ class BlockswapOffloadingWorker(OffloadingWorker):
             n, start = int(n), int(start)
             if n < 0 or start < 0:
                 raise ConfigError(f"group {g}: {n} blocks from block index {start}")
-            skip = start % f
-            m = -(-(skip + n) // f) if n else 0
+            skip = chunk_skip(f, n, start)
+            m = chunk_count(f, n, skip)
             if self._groups[g] is None:
                 if n:
                     raise ConfigError(f"group {g} has no pages but the spec names {n} blocks")

@@ -32,6 +32,22 @@ pub(super) fn chunk_blocks<'py>(
     ))
 }
 
+/// Sub-blocks a transfer of `blocks` GPU blocks skips in its first CPU block of `unit`: the
+/// first block's index in its request modulo `unit` where it is known (`block_index`), else 0
+/// for a store and `(-blocks) mod unit` for a load (it ends at its last CPU block's end).
+#[pyfunction]
+#[pyo3(signature = (unit, blocks, block_index = None, store = true))]
+pub(super) fn chunk_skip(unit: u64, blocks: u64, block_index: Option<u64>, store: bool) -> u64 {
+    table::chunk_skip(unit, blocks, block_index, store)
+}
+
+/// CPU blocks of `unit` a transfer of `blocks` GPU blocks from sub-block `skip` names:
+/// `ceil((skip + blocks) / unit)`, none for no block.
+#[pyfunction]
+pub(super) fn chunk_count(unit: u64, blocks: u64, skip: u64) -> u64 {
+    table::chunk_count(unit, blocks, skip)
+}
+
 /// Whether the CUDA backend can start here, and if not, why.
 #[pyfunction]
 pub(super) fn cuda_status() -> (bool, String) {

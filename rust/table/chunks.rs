@@ -36,6 +36,31 @@ pub fn chunk_blocks(
     )
 }
 
+/// Sub-blocks a transfer of `blocks` blocks skips in its first chunk of `unit`: from the first
+/// block's index in its request where it is known (`block_index % unit`, vLLM's
+/// `block_indices`); without it, a store starts at its first chunk's start (0) and a load ends
+/// at its last chunk's end (`(-blocks) mod unit`).
+#[must_use]
+pub fn chunk_skip(unit: u64, blocks: u64, block_index: Option<u64>, store: bool) -> u64 {
+    let unit = unit.max(1);
+    match block_index {
+        Some(index) => index % unit,
+        None if store => 0,
+        None => (unit - blocks % unit) % unit,
+    }
+}
+
+/// Chunks of `unit` a transfer of `blocks` blocks names from sub-block `skip` of the first:
+/// `ceil((skip + blocks) / unit)`, none for no block.
+#[must_use]
+pub fn chunk_count(unit: u64, blocks: u64, skip: u64) -> u64 {
+    if blocks == 0 {
+        0
+    } else {
+        skip.saturating_add(blocks).div_ceil(unit.max(1))
+    }
+}
+
 /// [`chunk_blocks`] without tables: chunks of `unit` blocks, `num_chunks` of them; `names`: what
 /// errors call the chunks' blocks and the other side's.
 pub fn map_chunks(
@@ -54,14 +79,7 @@ pub fn map_chunks(
              skip must be below {unit}"
         )));
     }
-    let need = if blocks == 0 {
-        0
-    } else {
-        (skip as usize)
-            .saturating_add(blocks)
-            .div_ceil(unit as usize)
-    };
-    if chunks.len() != need {
+    if chunks.len() as u64 != chunk_count(unit, blocks as u64, skip) {
         return Err(TableError::ChunkCount {
             name,
             other: names[1].to_string(),

@@ -208,3 +208,49 @@ fn groups_sharing_a_destination_table_are_checked_across_groups() {
         "{e}"
     );
 }
+
+#[test]
+fn the_skip_and_count_rule_of_chunked_transfers() {
+    // With the first block's index in its request: that many sub-blocks into the first chunk.
+    assert_eq!(chunk_skip(4, 6, Some(9), true), 1);
+    assert_eq!(chunk_skip(4, 6, Some(9), false), 1);
+    // Without it, stores start at a chunk's start and loads end at a chunk's end.
+    assert_eq!(chunk_skip(4, 6, None, true), 0);
+    assert_eq!(chunk_skip(4, 6, None, false), 2);
+    assert_eq!(chunk_skip(4, 8, None, false), 0);
+    assert_eq!(chunk_skip(1, 5, None, false), 0);
+    assert_eq!(chunk_count(4, 6, 2), 2);
+    assert_eq!(chunk_count(4, 6, 3), 3);
+    assert_eq!(chunk_count(4, 1, 3), 1);
+    assert_eq!(chunk_count(4, 0, 3), 0);
+    // The rule the mapping keeps: what chunk_count names is what map_chunks takes.
+    let mut out = Vec::new();
+    for (blocks, skip) in [(6u64, 2u64), (6, 3), (1, 3), (9, 0)] {
+        let n = chunk_count(4, blocks, skip) as usize;
+        let chunks: Vec<u64> = (0..n as u64).collect();
+        map_chunks(
+            ["CPU", "GPU"],
+            4,
+            8,
+            &chunks,
+            blocks as usize,
+            skip,
+            &mut out,
+        )
+        .unwrap();
+        assert_eq!(out.len() as u64, blocks);
+        assert!(
+            map_chunks(
+                ["CPU", "GPU"],
+                4,
+                8,
+                &chunks[..n - 1],
+                blocks as usize,
+                skip,
+                &mut out
+            )
+            .is_err()
+                || n == 0
+        );
+    }
+}
