@@ -63,23 +63,82 @@ impl fmt::Debug for PageKernel<'_> {
     }
 }
 
+/// Work items per CTA the copy kernel's slicing aims for.
+pub const ITEMS_PER_CTA: u64 = 4;
+/// The most descriptors one program of the copy kernel copies side by side (its `ROWS`).
+pub const MAX_ROWS: u64 = 16;
+/// Its `ROWS` where the descriptors' sizes are not known.
+pub const DEFAULT_ROWS: u64 = 4;
+
+/// How one launch of the copy kernel covers `n` descriptors (the Python launcher's and the
+/// core's launches alike): `(grid, split, rows, row_bytes)`, programs, slices per descriptor,
+/// descriptors a program copies side by side (`ROWS`) and bytes per row and step
+/// (`BLOCK_BYTES`), so that a step moves `block_bytes`. Small descriptors go several to a step;
+/// a descriptor is sliced into pieces of at least `row_bytes` where there are too few to give
+/// each of `max_ctas` programs [`ITEMS_PER_CTA`] items. `max_size`: the largest descriptor
+/// (`None`: unknown, taken as large); `total_bytes`: all of them (`None`: `n * max_size`).
+#[must_use]
+pub fn launch_plan(
+    n: u64,
+    max_ctas: u64,
+    block_bytes: u64,
+    max_size: Option<u64>,
+    total_bytes: Option<u64>,
+) -> (u64, u64, u64, u64) {
+    let (max_ctas, block_bytes) = (max_ctas.max(1), block_bytes.max(16));
+    let rows = match max_size {
+        None => DEFAULT_ROWS,
+        // block_bytes >> bit_length(max_size - 1): the rows of pages up to max_size a step holds.
+        Some(m) => block_bytes
+            .checked_shr(u64::BITS - m.saturating_sub(1).leading_zeros())
+            .unwrap_or(0),
+    };
+    let rows = rows.clamp(1, MAX_ROWS.min(block_bytes / 16).max(1));
+    let row_bytes = block_bytes / rows;
+    let split = slices(n, max_ctas, rows, row_bytes, max_size, total_bytes);
+    let grid = max_ctas.min(n.saturating_mul(split).div_ceil(rows));
+    (grid, split, rows, row_bytes)
+}
+
+/// Slices per descriptor of a launch (see [`launch_plan`]).
+fn slices(
+    n: u64,
+    ctas: u64,
+    rows: u64,
+    row_bytes: u64,
+    max_size: Option<u64>,
+    total_bytes: Option<u64>,
+) -> u64 {
+    let target_items = ITEMS_PER_CTA * ctas.max(1) * rows.max(1);
+    match max_size {
+        // Sizes unknown: enough items for every program; surplus slices find no chunk.
+        None if n >= target_items => 1,
+        None => target_items.div_ceil(n.max(1)),
+        Some(m) => {
+            let total = total_bytes.unwrap_or(n.saturating_mul(m));
+            let item_bytes = row_bytes.max(total / target_items);
+            m.div_ceil(row_bytes).min(m.div_ceil(item_bytes)).max(1)
+        }
+    }
+}
+
 /// Slices per descriptor for a launch of a loaded kernel over `n` descriptors of at most
-/// `max_size` bytes, by the rule of the Python layer's launcher (`blockswap.kernels.copy._plan`):
-/// about four steps of `rows` items for each of `ctas` CTAs, a descriptor cut into slices of at
-/// least `row_bytes` where there are too few descriptors to go round. A spec without
-/// `row_bytes` (0) never slices.
+/// `max_size` bytes: [`launch_plan`]'s rule with the kernel's own `rows` and `row_bytes`. A spec
+/// without `row_bytes` (0) never slices.
 #[must_use]
 pub fn kernel_split(spec: &KernelSpec, n: u64, max_size: u64) -> u64 {
     let row_bytes = u64::from(spec.row_bytes);
     if row_bytes == 0 || n == 0 {
         return 1;
     }
-    let target_items = 4 * u64::from(spec.ctas.max(1)) * u64::from(spec.rows.max(1));
-    let item_bytes = row_bytes.max(n.saturating_mul(max_size) / target_items);
-    max_size
-        .div_ceil(row_bytes)
-        .min(max_size.div_ceil(item_bytes))
-        .max(1)
+    slices(
+        n,
+        u64::from(spec.ctas),
+        u64::from(spec.rows),
+        row_bytes,
+        Some(max_size),
+        None,
+    )
 }
 
 /// A value a kernel parameter takes at each launch (see [`KernelSpec`]). A page kernel (the
@@ -291,5 +350,46 @@ mod tests {
         let mut mixed = staged.to_vec();
         mixed.push("split");
         assert!(parse(&mixed).unwrap_err().contains("neither"));
+    }
+
+    #[test]
+    fn a_launch_plan_keeps_block_bytes_of_loads_in_flight_per_program() {
+        // (n, max_ctas, block_bytes, max_size, total_bytes) -> (grid, split, rows, row_bytes)
+        assert_eq!(
+            launch_plan(10_000, 16, 16384, Some(65536), None),
+            (16, 1, 1, 16384)
+        );
+        assert_eq!(
+            launch_plan(10_000, 16, 16384, Some(4096), None),
+            (16, 1, 4, 4096)
+        );
+        assert_eq!(
+            launch_plan(10_000, 16, 16384, Some(16), None),
+            (16, 1, 16, 1024)
+        );
+        assert_eq!(launch_plan(10_000, 16, 16384, None, None), (16, 1, 4, 4096));
+        assert_eq!(
+            launch_plan(1, 16, 16384, Some(1 << 30), None),
+            (16, 64, 1, 16384)
+        );
+        assert_eq!(launch_plan(1, 16, 16384, None, None), (16, 256, 4, 4096));
+        assert_eq!(
+            launch_plan(100, 16, 16384, Some(1 << 20), Some(1 << 20)),
+            (16, 64, 1, 16384)
+        );
+        // The core's split for a loaded kernel is the launcher's for the same rows and bytes.
+        let spec = KernelSpec {
+            function: 0,
+            threads: 128,
+            shared: 0,
+            params: vec![],
+            rows: 1,
+            ctas: 16,
+            row_bytes: 16384,
+        };
+        assert_eq!(
+            kernel_split(&spec, 1, 1 << 30),
+            launch_plan(1, 16, 16384, Some(1 << 30), None).1
+        );
     }
 }

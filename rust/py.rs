@@ -7,7 +7,7 @@ mod route;
 
 use functions::{
     chunk_blocks, chunk_count, chunk_skip, cuda_device_pointer, cuda_memcpy, cuda_memory_kind,
-    cuda_pin, cuda_status, cuda_unpin,
+    cuda_pin, cuda_status, cuda_unpin, launch_plan,
 };
 use host_buffer::PyHostBuffer;
 use route::{launch_with, PyRoute};
@@ -783,6 +783,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(chunk_blocks, m)?)?;
     m.add_function(wrap_pyfunction!(chunk_skip, m)?)?;
     m.add_function(wrap_pyfunction!(chunk_count, m)?)?;
+    m.add_function(wrap_pyfunction!(launch_plan, m)?)?;
     m.add("BlockswapError", py.get_type::<BlockswapError>())?;
     m.add(
         "InvalidTransferError",

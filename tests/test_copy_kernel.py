@@ -25,6 +25,7 @@ if not HAS_CUDA:
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+from blockswap._core import launch_plan  # noqa: E402
 from blockswap.kernels import copy as copy_mod  # noqa: E402
 from blockswap.kernels import staged as staged_mod  # noqa: E402
 
@@ -177,7 +178,7 @@ def test_rows_mixing_aligned_and_unaligned_jobs(max_ctas):
     so = [rng.choice([0, 0, 0, rng.randint(1, 15)]) for _ in sizes]
     do = [rng.choice([0, 0, 0, rng.randint(1, 15)]) for _ in sizes]
     jobs, src_len, dst_len = packed_jobs(sizes, rng, so, do)
-    assert copy_mod._plan(len(jobs), max_ctas, 16384, max(sizes), None)[2] == 16
+    assert launch_plan(len(jobs), max_ctas, 16384, max(sizes))[2] == 16
     src = host_buffer(src_len, seed=13)
     run_and_check(src, dst_len, jobs, max_ctas=max_ctas)
 
@@ -365,7 +366,7 @@ def test_pageable_descriptors_rejected():
 
 
 def test_plan():
-    plan = copy_mod._plan  # (n, max_ctas, block_bytes, max_size, total_bytes)
+    plan = launch_plan  # (n, max_ctas, block_bytes, max_size, total_bytes)
     # -> (grid, split, rows, row_bytes)
     assert plan(10_000, 16, 16384, 65536, None) == (16, 1, 1, 16384)  # one job per step
     assert plan(10_000, 16, 16384, 4096, None) == (16, 1, 4, 4096)  # 4 small jobs per step

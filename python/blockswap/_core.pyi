@@ -48,6 +48,7 @@ __all__ = [
     "cuda_status",
     "cuda_unpin",
     "host_memory_available",
+    "launch_plan",
 ]
 
 __version__: str
@@ -265,6 +266,13 @@ def cuda_device_pointer(addr: int) -> int | None: ...
 def cuda_memcpy(dst: int, src: int, nbytes: int) -> None: ...
 def cuda_pin(ptr: int, nbytes: int, device: int) -> None: ...
 def cuda_unpin(ptr: int, device: int) -> None: ...
+def launch_plan(
+    n: int,
+    max_ctas: int,
+    block_bytes: int,
+    max_size: int | None = None,
+    total_bytes: int | None = None,
+) -> tuple[int, int, int, int]: ...
 def chunk_skip(
     unit: int, blocks: int, block_index: int | None = None, store: bool = True
 ) -> int: ...

@@ -48,6 +48,20 @@ pub(super) fn chunk_count(unit: u64, blocks: u64, skip: u64) -> u64 {
     table::chunk_count(unit, blocks, skip)
 }
 
+/// How one launch of the copy kernel covers `n` descriptors: `(grid, split, rows, row_bytes)`
+/// (see `kernel::launch_plan`), for the Python launcher as for the core's own launches.
+#[pyfunction]
+#[pyo3(signature = (n, max_ctas, block_bytes, max_size = None, total_bytes = None))]
+pub(super) fn launch_plan(
+    n: u64,
+    max_ctas: u64,
+    block_bytes: u64,
+    max_size: Option<u64>,
+    total_bytes: Option<u64>,
+) -> (u64, u64, u64, u64) {
+    crate::kernel::launch_plan(n, max_ctas, block_bytes, max_size, total_bytes)
+}
+
 /// Whether the CUDA backend can start here, and if not, why.
 #[pyfunction]
 pub(super) fn cuda_status() -> (bool, String) {

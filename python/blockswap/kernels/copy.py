@@ -102,6 +102,7 @@ from typing import Any, Union
 
 from blockswap import _core, _optional
 from blockswap._checks import check_int
+from blockswap._core import launch_plan
 
 try:
     import torch
@@ -122,12 +123,6 @@ __all__ = [
 DEFAULT_MAX_CTAS = 16
 DEFAULT_NUM_WARPS = 4
 DEFAULT_BLOCK_BYTES = 16384
-
-# The per-program number of work items that the slice heuristic aims for.
-_ITEMS_PER_CTA = 4
-# Jobs one program copies side by side (ROWS): cap, and the choice when sizes are unknown.
-_MAX_ROWS = 16
-_DEFAULT_ROWS = 4
 
 
 # --------------------------------------------------------------------------------------
@@ -378,34 +373,6 @@ def _check_hints(max_size: int | None, alignment: int | None) -> None:
             raise ValueError(f"alignment must be a power of two, got {alignment}")
 
 
-def _plan(
-    n: int,
-    max_ctas: int,
-    block_bytes: int,
-    max_size: int | None,
-    total_bytes: int | None,
-) -> tuple[int, int, int, int]:
-    """Return ``(grid, split, rows, row_bytes)`` for N jobs.
-
-    grid: programs; split: slices per job; rows: items copied side by side (ROWS);
-    row_bytes: chunk bytes per row (BLOCK_BYTES), so that a step moves ``block_bytes``.
-    """
-    # Small jobs: several per step, so that a program keeps block_bytes of loads in flight.
-    rows = _DEFAULT_ROWS if max_size is None else block_bytes >> (max_size - 1).bit_length()
-    rows = max(1, min(rows, _MAX_ROWS, block_bytes // 16))
-    row_bytes = block_bytes // rows
-    target_items = _ITEMS_PER_CTA * max_ctas * rows
-    if max_size is None:
-        # Sizes unknown: enough items for every program; surplus slices find no chunk.
-        split = 1 if n >= target_items else _cdiv(target_items, n)
-    else:
-        if total_bytes is None:
-            total_bytes = n * max_size
-        item_bytes = max(row_bytes, total_bytes // target_items)
-        split = max(1, min(_cdiv(max_size, row_bytes), _cdiv(max_size, item_bytes)))
-    return min(max_ctas, _cdiv(n * split, rows)), split, rows, row_bytes
-
-
 _held: collections.deque[tuple[torch.cuda.Event, tuple[torch.Tensor, ...]]] = collections.deque()
 
 
@@ -439,7 +406,7 @@ def _launch(
     stream: Any,
     hold: tuple[torch.Tensor, ...] = (),
 ) -> None:
-    grid, split, rows, row_bytes = _plan(n, max_ctas, block_bytes, max_size, total_bytes)
+    grid, split, rows, row_bytes = launch_plan(n, max_ctas, block_bytes, max_size, total_bytes)
     args = (srcs_addr, dsts_addr, sizes_addr, n, split, 0, 0)
     meta = {"ALIGNED16": aligned16, "ROWS": rows, "BLOCK_BYTES": row_bytes, "num_warps": num_warps}
     if interpreter_mode():
@@ -591,7 +558,7 @@ def engine_launcher(
                 block_bytes=block_bytes,
             )
             return
-        grid, split, rows, row_bytes = _plan(n, max_ctas, block_bytes, max_size, None)
+        grid, split, rows, row_bytes = launch_plan(n, max_ctas, block_bytes, max_size)
         aligned16 = alignment % 16 == 0
         key = (aligned16, rows, row_bytes)
         kernel = compiled.get(key)

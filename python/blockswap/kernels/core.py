@@ -7,13 +7,13 @@ from typing import Any
 
 from blockswap import _optional
 from blockswap._checks import check_int
+from blockswap._core import launch_plan
 from blockswap.kernels.copy import (
     DEFAULT_BLOCK_BYTES,
     DEFAULT_MAX_CTAS,
     DEFAULT_NUM_WARPS,
     _check_launch_params,
     _copy_blocks_kernel,
-    _plan,
     interpreter_mode,
 )
 from blockswap.kernels.staged import _copy_staged_kernel
@@ -54,7 +54,7 @@ def core_kernel(
     check_int("max_size", max_size, 1, numpy=False)
     if interpreter_mode():
         return None
-    _, _, rows, row_bytes = _plan(1 << 20, max_ctas, block_bytes, max_size, None)
+    _, _, rows, row_bytes = launch_plan(1 << 20, max_ctas, block_bytes, max_size)
     big = 1 << 40  # every integer argument typed int64 by the compiler
     fn, params = (
         (_copy_staged_kernel, CORE_STAGED_PARAMS)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from blockswap import _optional
 from blockswap._checks import check_int
+from blockswap._core import launch_plan
 from blockswap.kernels.copy import (
     DEFAULT_BLOCK_BYTES,
     DEFAULT_MAX_CTAS,
@@ -20,7 +21,6 @@ from blockswap.kernels.copy import (
     _cdiv,
     _check_launch_params,
     _copy_items,
-    _plan,
 )
 
 try:
@@ -141,7 +141,7 @@ def copy_staged_raw(
     if n_blocks == 0:
         return
     # As the core launches it: a page per work item, never sliced.
-    _, _, rows, row_bytes = _plan(1 << 20, max_ctas, block_bytes, max_size, None)
+    _, _, rows, row_bytes = launch_plan(1 << 20, max_ctas, block_bytes, max_size)
     grid = max(1, min(max_ctas, _cdiv(n_blocks * n_segs, rows)))
     _copy_staged_kernel[(grid,)](
         ids_addr, rings_addr, bases_addr, strides_addr, offsets_addr, n_blocks, n_segs,
