@@ -14,6 +14,8 @@
 //! staged steps' numbers) and each backend's queued job. A route is matched in one place per
 //! layer, and a new route is a new variant the compiler walks every layer through.
 
+pub mod choice;
+
 /// One route of a transfer, with the pages' (`P`), the block plan's (`R`) and the staged plan's
 /// (`S`) data at one layer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -7,10 +7,10 @@ mod route;
 
 use functions::{
     chunk_blocks, chunk_count, chunk_skip, cuda_device_pointer, cuda_memcpy, cuda_memory_kind,
-    cuda_pin, cuda_status, cuda_unpin, launch_plan,
+    cuda_pin, cuda_status, cuda_unpin, launch_plan, stage_slot,
 };
 use host_buffer::PyHostBuffer;
-use route::{launch_with, PyRoute};
+use route::{launch_with, route_candidates, PyRoute};
 
 use std::sync::Arc;
 
@@ -28,7 +28,7 @@ use crate::direction::Direction;
 use crate::engine::{self, Engine, EngineConfig, EngineError, GroupIds};
 use crate::hostmem::{self, HostBuffer, HostBufferError, Pinner};
 use crate::kernel::{KernelBatch, KernelLauncher, KernelParam, KernelSpec, PageKernel};
-use crate::plan::Plan;
+use crate::plan::{choice, Plan};
 use crate::pool::PoolError;
 use crate::region::MemoryKind;
 use crate::table;
@@ -784,6 +784,14 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(chunk_skip, m)?)?;
     m.add_function(wrap_pyfunction!(chunk_count, m)?)?;
     m.add_function(wrap_pyfunction!(launch_plan, m)?)?;
+    m.add_function(wrap_pyfunction!(route_candidates, m)?)?;
+    m.add("KERNEL_BELOW_H2D", choice::KERNEL_BELOW_H2D)?;
+    m.add("KERNEL_BELOW_D2H", choice::KERNEL_BELOW_D2H)?;
+    m.add("STAGED_CTAS", choice::STAGED_CTAS)?;
+    m.add("STAGE_BYTES", choice::STAGE_BYTES)?;
+    m.add("STAGE_MAX_AUTO", choice::STAGE_MAX_AUTO)?;
+    m.add("HOST_ROUTE", choice::HOST_ROUTE)?;
+    m.add_function(wrap_pyfunction!(stage_slot, m)?)?;
     m.add("BlockswapError", py.get_type::<BlockswapError>())?;
     m.add(
         "InvalidTransferError",

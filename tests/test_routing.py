@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import blockswap
+from blockswap.errors import ConfigError
 from blockswap.kernels import engine_launcher
 
 KiB = 1024
@@ -413,5 +414,69 @@ def test_cuda_calibration_reports_both_paths():
         torch.cuda.synchronize()
         for t, b in zip(gpu, before):
             assert torch.equal(t, b)
+    finally:
+        h.shutdown()
+
+
+def test_routes_on_cuda_are_the_first_of_the_cores_ranking_that_builds():
+    """The CUDA side of the choice, without a GPU: the core's ranking read against a host
+    engine's tables, with a kernel loader that refuses what the test says."""
+    import torch
+
+    from blockswap.handler import CpuGpuHandlers
+    from blockswap.routing import KERNEL_BELOW, STAGED_CTAS, choose_routes
+
+    gpu = [torch.zeros(2, 8, 4, 1, 8, dtype=torch.uint8) for _ in range(3)]
+    h = CpuGpuHandlers(gpu, 8, layout="kv_split", backend="host", path="dma")
+    try:
+        calls: list[tuple[int, int, bool]] = []
+
+        def routes(path="auto", refuse=(), **kw):
+            def load(device, max_size, ctas, *, staged=False):
+                calls.append((max_size, ctas, staged))
+                return (None, "refused here") if staged in refuse else (7 if staged else 9, "")
+
+            calls.clear()
+            options = dict(path=path, on_cuda=True, block_major=True, device_index=0,
+                           kernel_ctas=4, kernel_below=None, launch_bytes=1 << 20)  # fmt: skip
+            options.update(kw)
+            return choose_routes(h.engine._core, h._table_ids, h.gpu_tables, load, **options)
+
+        # Layer tensors allocated one by one give no block plan: the staged plan, its kernel
+        # loaded once for both directions.
+        r = routes()
+        assert {d: (c.plan, c.kernel) for d, c in r.items()} == {
+            "d2h": ("staged", 7),
+            "h2d": ("staged", 7),
+        }
+        assert calls == [(32, STAGED_CTAS, True)]
+        # The staged kernel refused: the page kernel launched by the core, below the threshold.
+        r = routes(refuse=(True,))
+        for d, c in r.items():
+            assert (c.plan, c.kernel, c.kernel_below, c.launch_bytes) == (
+                "pages",
+                9,
+                KERNEL_BELOW[d],
+                1 << 20,
+            )
+            assert c.reason.endswith("launched by the core")
+        assert calls == [(32, STAGED_CTAS, True), (32, 4, False)]
+        # Both refused: the page kernel launched from Python.
+        r = routes(refuse=(True, False))
+        assert all(c.launcher is not None and c.kernel is None for c in r.values())
+        # A mirrored cache (block_major=False) is not offered the staged plan.
+        r = routes(block_major=False)
+        assert [c.kernel for c in r.values()] == [9, 9] and calls == [(32, 4, False)]
+        # Insisted on, the staged plan that cannot be built is a refusal naming why.
+        with pytest.raises(ConfigError, match="path='staged' is not possible here: refused here"):
+            routes("staged", refuse=(True,))
+        # Insisted on, the block plan wherever the core's plan saves a copy (how the allocator
+        # placed the layers decides it), else a refusal.
+        if h.block_plans["d2h"][0] is None:
+            with pytest.raises(ConfigError, match="path='blocks' needs"):
+                routes("blocks")
+        else:
+            assert [c.plan for c in routes("blocks").values()] == ["blocks", "blocks"]
+        assert routes("dma")["h2d"].route.plan == "pages" and not calls
     finally:
         h.shutdown()

@@ -24,8 +24,14 @@ __all__ = [
     "BLOCK_MAX_COPIES",
     "BLOCK_MIN_PAGE",
     "DEFAULT_PIECE_BYTES",
+    "HOST_ROUTE",
+    "KERNEL_BELOW_D2H",
+    "KERNEL_BELOW_H2D",
     "MAX_IN_FLIGHT",
     "REGISTRATION_LIMIT",
+    "STAGED_CTAS",
+    "STAGE_BYTES",
+    "STAGE_MAX_AUTO",
     "AllocProgress",
     "BackendError",
     "BlockswapError",
@@ -49,12 +55,26 @@ __all__ = [
     "cuda_unpin",
     "host_memory_available",
     "launch_plan",
+    "route_candidates",
+    "stage_slot",
 ]
 
 __version__: str
 DEFAULT_PIECE_BYTES: int
 REGISTRATION_LIMIT: int
 MAX_IN_FLIGHT: int
+KERNEL_BELOW_H2D: int
+KERNEL_BELOW_D2H: int
+STAGED_CTAS: int
+STAGE_BYTES: int
+STAGE_MAX_AUTO: int
+HOST_ROUTE: str
+
+#: One ranked route of ``route_candidates``: ``(plan, reason, kernel_below, kernel)``, ``plan``
+#: ``"dma"``, ``"kernel"``, ``"blocks"`` or ``"staged"``, ``kernel`` the ``(max_size, ctas,
+#: staged)`` of a copy kernel to load into the core first (None: none; for ``"kernel"``, the
+#: caller's launcher).
+_Candidate = tuple[str, str, int, tuple[int, int, bool] | None]
 
 class BlockswapError(Exception): ...
 class InvalidTransferError(BlockswapError): ...
@@ -277,6 +297,20 @@ def chunk_skip(
     unit: int, blocks: int, block_index: int | None = None, store: bool = True
 ) -> int: ...
 def chunk_count(unit: int, blocks: int, skip: int) -> int: ...
+def stage_slot(row: int) -> int: ...
+def route_candidates(
+    direction: str,
+    path: str,
+    *,
+    on_cuda: bool,
+    page_sizes: Sequence[int],
+    block_major: bool = False,
+    kernel_below: int | None = None,
+    kernel_ctas: int = 16,
+    kernel_unavailable: Callable[[], str | None] | None = None,
+    engine: Engine | None = None,
+    tables: Sequence[tuple[int, int]] | None = None,
+) -> tuple[list[_Candidate], list[str], tuple[str, str] | None]: ...
 def chunk_blocks(
     chunk_ids: npt.NDArray[np.int64],
     unit: int,

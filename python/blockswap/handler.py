@@ -106,6 +106,7 @@ from ._core import (
     ShutdownError,
     TransferResult,
     chunk_skip,
+    stage_slot,
 )
 from ._kvcache import (
     allocate_cpu_cache,
@@ -127,13 +128,9 @@ from .routing import (
     _SHORT,
     KERNEL_BLOCK_BYTES,
     KERNEL_LAUNCH_BYTES,
-    STAGE_BYTES,
-    STAGE_MAX_AUTO,
     RouteChoice,
-    block_route,
     calibrate,
     choose_routes,
-    staged_route,
 )
 
 __all__ = [
@@ -515,8 +512,8 @@ class CpuGpuHandlers:
     the block plan where a block's GPU pages lie at one pitch and pages are at least
     ``blockswap._core.BLOCK_MIN_PAGE`` bytes, and the staged plan otherwise (``path="blocks"`` / ``"staged"``
     insist on one): each block's row through a device staging ring of two ``stage_bytes`` slots
-    (an engine option; by default :data:`STAGE_BYTES`, grown to one block's row up to
-    :data:`STAGE_MAX_AUTO`), its pages moved inside the GPU by the copy kernel the core launches.
+    (an engine option; by default :data:`~blockswap.routing.STAGE_BYTES`, grown to one block's
+    row up to :data:`~blockswap.routing.STAGE_MAX_AUTO`), its pages moved inside the GPU by the copy kernel the core launches.
     A path that cannot run in this process is refused here with
     :class:`~blockswap.routing.RouteUnavailableError` naming it and why (``"kernel"`` without a
     GPU, unless Triton's interpreter runs the kernel: ``TRITON_INTERPRET=1``); ``"auto"`` and
@@ -648,10 +645,8 @@ class CpuGpuHandlers:
                     )
                     self._streams.append(s)
         if "stage_bytes" not in options:
-            # A staging slot holds at least one block's row (every page of a GPU block), up to
-            # STAGE_MAX_AUTO: two slots per direction are device memory.
-            row = max(int(t.nbytes.sum()) for t in gpu_tables)
-            options["stage_bytes"] = max(STAGE_BYTES, row) if row <= STAGE_MAX_AUTO else STAGE_BYTES
+            # A staging slot holds at least one block's row, up to a bound (the core's rule).
+            options["stage_bytes"] = stage_slot(max(int(t.nbytes.sum()) for t in gpu_tables))
         if on_cuda:
             options["device"] = device_index
         self._device_index = device_index
@@ -834,6 +829,28 @@ class CpuGpuHandlers:
         s = self.engine.stats()
         return {"d2h": s["d2h"].copy(), "h2d": s["h2d"].copy()}
 
+    def _insisted(self, path: str, direction: Direction, kernel_ctas: int) -> RouteChoice | None:
+        """The route ``path`` (``"blocks"`` or ``"staged"``) in ``direction`` where the core's
+        rule gives it to this cache, else None (with why logged): a candidate for calibration."""
+        try:
+            return choose_routes(
+                self.engine._core,
+                self._table_ids,
+                self.gpu_tables,
+                self._load_kernel,
+                path=path,
+                on_cuda=self.backend == "cuda",
+                block_major=self.cpu_chunks is not None,
+                device_index=self._device_index,
+                kernel_ctas=kernel_ctas,
+                kernel_below=None,
+                launch_bytes=None,
+                directions=(direction,),
+            )[direction]
+        except ConfigError as e:
+            log.info("calibration leaves path=%r out: %s", path, e)
+            return None
+
     def _calibrate(self, kernel_ctas: int, reps: int = 5) -> dict[str, dict[str, Any]]:
         """Measures the routes this cache can take on this machine, per direction, and keeps the
         fastest (:func:`~blockswap.routing.calibrate`): other GPUs, links and drivers need other
@@ -847,24 +864,12 @@ class CpuGpuHandlers:
                 self._device_index, int(self.gpu_tables[0].nbytes.max()), kernel_ctas
             )
         staged = next((r for r in self.routes.values() if r.plan == "staged"), None)
-        if staged is None and self.cpu_chunks is not None:
-            staged = staged_route(
-                self.engine._core,
-                [ct for _, ct in self._table_ids],
-                self.gpu_tables,
-                self._device_index,
-                self.backend == "cuda",
-                self._load_kernel,
-                insist=False,
-            )
+        staged = staged or self._insisted("staged", "d2h", kernel_ctas)
         return calibrate(
             self.handlers,
             self.routes,
             self.gpu_tables[0],
-            {
-                d: block_route(self.engine._core, self._table_ids, d, insist=True)
-                for d in _DIRECTIONS
-            },
+            {d: self._insisted("blocks", d, kernel_ctas) for d in _DIRECTIONS},
             num_cpu_blocks=self.num_cpu_blocks,
             block_size_factor=self.block_size_factor,
             kernel=kid,

@@ -1,15 +1,15 @@
 """How the KV-cache handlers' transfers move (:mod:`blockswap.handler`): the routes one direction
-can take, the constants that choose between them (each with the run that set it), the choice
-made once when the handlers are built, and the opt-in calibration that measures the routes on
-this machine and keeps the fastest.
+can take, built from the core's ranking of them, and the opt-in calibration that measures the
+routes on this machine and keeps the fastest.
 
 A :class:`RouteChoice` per direction: ``"pages"`` (a descriptor per page, those below a size by the
-Triton copy kernel: :func:`choose_route`), ``"blocks"`` (a few 2-D copies per block on the copy
-engines: :func:`block_route`) or ``"staged"`` (each block's host row as one copy through a
-device staging ring: :func:`staged_route`). Nothing here holds a handler: the handler passes its
-block tables, its engine's core and the function that loads the copy kernel into the core, and
-:func:`calibrate` drives its two direction handlers.
-"""
+Triton copy kernel), ``"blocks"`` (a few 2-D copies per block on the copy engines) or
+``"staged"`` (each block's host row as one copy through a device staging ring). Which one is the
+core's rule (:func:`blockswap._core.route_candidates`, ``rust/plan/choice.rs``): it ranks the
+routes a direction can take, and :func:`choose_routes` takes the first it can build here (loading
+a copy kernel into the core where one needs it; Triton compiles it). Nothing here holds a
+handler: the handler passes its block tables, its engine's core and the function that loads the
+copy kernel into the core, and :func:`calibrate` drives its two direction handlers."""
 
 from __future__ import annotations
 
@@ -21,17 +21,20 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Protocol
 
 import numpy as np
 
+from . import _core
 from ._checks import check_int
-from ._core import BackendError, BlockswapError, TransferResult
+from ._core import BackendError, BlockswapError, TransferResult, route_candidates
 from ._core import Route as CoreRoute
 from ._types import Direction
 from .errors import ConfigError
 
 if TYPE_CHECKING:
     from ._core import Engine as CoreEngine
+    from ._core import _Candidate as Candidate
     from .layout import BlockTable
 
 __all__ = [
+    "HOST_ROUTE",
     "KERNEL_BELOW",
     "KERNEL_BLOCK_BYTES",
     "KERNEL_LAUNCH_BYTES",
@@ -42,12 +45,9 @@ __all__ = [
     "LoadKernel",
     "RouteChoice",
     "RouteUnavailableError",
-    "block_route",
     "calibrate",
     "choose_route",
     "choose_routes",
-    "core_page_route",
-    "staged_route",
 ]
 
 _SHORT = {"d2h": "GPU -> CPU", "h2d": "CPU -> GPU"}
@@ -86,20 +86,9 @@ class LoadKernel(Protocol):
 
 
 #: Pages below this many bytes go to the copy kernel, the rest to DMA, when ``path="auto"``,
-#: per direction. Chosen on an H200 (driver 580, 2026-11-21) from the suite's sweep
-#: (`python benches/suite.py`, docs/benchmarks.md), one transfer of N scattered blocks at a
-#: time, as fractions of the link's ceiling measured in the same run:
-#:
-#: - CPU -> GPU, N = 2,560: kernel 74-91 % from 4 to 128 KiB against DMA 8-87 % (the batch
-#:   call's host cost, ~0.3-1.9 us per descriptor, holds DMA back); at 256 KiB DMA 93 %, kernel
-#:   92 %. With 8 transfers queued back to back DMA catches up earlier (95 % at 64 KiB) because
-#:   its submission then overlaps the copies; the threshold follows the isolated case.
-#: - GPU -> CPU, N = 2,560: kernel 74-94 % from 4 to 128 KiB against DMA 18-85 %; at 256 KiB
-#:   DMA 91 %, kernel 94 % (N = 256: both 93 %), and DMA, which takes no SM, is kept.
-#:
-#: With few blocks (N = 16) DMA is ahead of the kernel from 4 KiB, but such transfers move
-#: little and are latency-bound either way.
-KERNEL_BELOW: dict[str, int] = {"h2d": 256 * 1024, "d2h": 256 * 1024}
+#: per direction: the core's rule (``KERNEL_BELOW_H2D`` / ``KERNEL_BELOW_D2H`` in
+#: ``rust/plan/choice.rs``, with the runs that set them).
+KERNEL_BELOW: dict[str, int] = {"h2d": _core.KERNEL_BELOW_H2D, "d2h": _core.KERNEL_BELOW_D2H}
 
 #: Bytes one kernel program keeps in flight per step on the handler's kernel route: 32 KiB
 #: took CPU -> GPU 16 KiB pages from 90 to 92 % of the link with transfers queued back to back
@@ -119,22 +108,16 @@ KERNEL_BLOCK_BYTES = 32 * 1024
 #: launches and the model's SMs").
 KERNEL_LAUNCH_BYTES = 8 * 1024 * 1024
 
-#: CTAs of the staged plan's kernel, which moves pages between the staging ring and the GPU
-#: pages inside HBM: 32 reached 97-99 % of the link from 32 KiB pages where 132 gained nothing
-#: (H100, 2026-11-23, ``benches/probe_staged.py``).
-STAGED_CTAS = 32
-
-#: Bytes of a staging slot by default (two per direction, in device memory): 16 MiB steps
-#: reached 97-99 % of the link from 32 KiB pages (H100, ``benches/probe_staged.py``). A slot
-#: grows to one block's row where that is larger, up to ``STAGE_MAX_AUTO``; past it the staged
-#: plan is not taken unless ``stage_bytes`` is given.
-STAGE_BYTES = 16 << 20
-STAGE_MAX_AUTO = 64 << 20
-
+#: CTAs of the staged plan's kernel; the staging slot's default bytes, and the most a slot grows
+#: to for one block's row (:func:`blockswap._core.stage_slot`): the core's constants, with the
+#: runs that set them, in ``rust/plan/choice.rs``.
+STAGED_CTAS: int = _core.STAGED_CTAS
+STAGE_BYTES: int = _core.STAGE_BYTES
+STAGE_MAX_AUTO: int = _core.STAGE_MAX_AUTO
 
 #: The route of every transfer on the host backend, as the handler (``routes[...].reason``),
 #: ``blockswap info`` and ``blockswap bench`` say it.
-HOST_ROUTE = "host backend: memcpy (no GPU to run a kernel on)"
+HOST_ROUTE: str = _core.HOST_ROUTE
 
 
 class RouteChoice(NamedTuple):
@@ -170,6 +153,78 @@ def _dma(reason: str) -> RouteChoice:
     return RouteChoice(CoreRoute.pages(), reason)
 
 
+def _kernel_unavailable() -> str | None:
+    from .kernels import kernel_unavailable
+
+    return kernel_unavailable()
+
+
+def _kernel_options(
+    kernel_ctas: int, kernel_below: int | None, launch_bytes: int | None
+) -> tuple[int, int | None, int | None]:
+    """The kernel's options as ints, or the typed error naming the one out of its domain."""
+    return (
+        check_int("kernel_ctas", kernel_ctas, 1, (1 << 32) - 1),
+        check_int("kernel_below", kernel_below, 0, (1 << 64) - 1, optional=True),
+        check_int("kernel_launch_bytes", launch_bytes, 1, (1 << 64) - 1, optional=True),
+    )
+
+
+def _page_sizes(gpu_tables: Sequence[BlockTable]) -> list[int]:
+    return sorted({int(n) for t in gpu_tables for n in t.nbytes.tolist()})
+
+
+def _take(
+    direction: str,
+    path: str,
+    ranked: tuple[list[Candidate], list[str], tuple[str, str] | None],
+    load_kernel: LoadKernel | None,
+    device_index: int | None,
+    kernel_ctas: int,
+    launch_bytes: int | None,
+) -> RouteChoice:
+    """The first of the core's ranked candidates (:func:`blockswap._core.route_candidates`)
+    that can be built here: one that needs a kernel in the core is passed over where
+    ``load_kernel`` is None or cannot load it. Raises the core's refusal, or where nothing
+    could be built, a :class:`~blockswap.errors.ConfigError` naming why."""
+    choices, declined, refused = ranked
+    if refused is not None:
+        kind, why = refused
+        raise RouteUnavailableError(path, why) if kind == "unavailable" else ConfigError(why)
+    short = _SHORT.get(direction, direction)
+    for why in declined:
+        log.info("%s: %s", short, why)
+    passed = []
+    for plan, reason, below, need in choices:
+        kid = None
+        if need is not None:
+            if load_kernel is None:
+                continue
+            max_size, ctas, staged = need
+            kid, why = load_kernel(device_index, max_size, ctas, staged=staged)
+            if kid is None:
+                log.info("%s: passed over %s: %s", short, reason, why)
+                passed.append(why)
+                continue
+        if plan == "blocks":
+            return RouteChoice(CoreRoute.blocks(), reason)
+        if plan == "staged":
+            return RouteChoice(CoreRoute.staged(kid), reason)
+        if plan == "dma":
+            return _dma(reason)
+        if kid is not None:
+            return RouteChoice(
+                CoreRoute.pages(below, kernel=kid, launch_bytes=launch_bytes), reason
+            )
+        from .kernels import engine_launcher
+
+        launcher = engine_launcher(
+            max_ctas=kernel_ctas, block_bytes=KERNEL_BLOCK_BYTES, launch_bytes=launch_bytes
+        )
+        return RouteChoice(CoreRoute.pages(below, launcher=launcher), reason)
+    raise ConfigError(f"path={path!r} is not possible here: {'; '.join(passed)}")
+
+
 def choose_route(
     gpu_tables: Sequence[BlockTable],
     *,
@@ -180,7 +235,8 @@ def choose_route(
     below: int | None = None,
     launch_bytes: int | None = KERNEL_LAUNCH_BYTES,
 ) -> RouteChoice:
-    """Picks the copy path of one direction once, from the page sizes the handler will move.
+    """The page route of one direction, from the page sizes the handler will move (the core's
+    rule: :func:`blockswap._core.route_candidates`), its kernel launched from Python.
 
     ``"dma"``: copy engines only (no SM is taken from the model). ``"kernel"``: every page by
     the Triton copy kernel on at most ``kernel_ctas`` CTAs. ``"auto"``: pages below
@@ -193,111 +249,19 @@ def choose_route(
     (:func:`~blockswap.kernels.kernel_unavailable`: no GPU driver for Triton and no
     interpreter), ``"kernel"`` raises :class:`RouteUnavailableError` and ``"auto"`` is DMA.
     """
-    if direction not in KERNEL_BELOW:
-        raise ConfigError(f"direction must be 'h2d' or 'd2h', not {direction!r}")
-    check_int("kernel_launch_bytes", launch_bytes, 1, optional=True)
-    if path == "dma" or (path == "auto" and not on_cuda):
-        return _dma("dma" if path == "dma" else HOST_ROUTE)
-    default = KERNEL_BELOW[direction]
-    threshold = (1 << 62) if path == "kernel" else (default if below is None else below)
-    sizes = sorted({int(n) for t in gpu_tables for n in t.nbytes.tolist()})
-    if not any(n < threshold for n in sizes):
-        return _dma(f"dma: every page is >= {threshold} bytes")
-    from .kernels import engine_launcher, kernel_unavailable
-
-    why = kernel_unavailable()
-    if why is not None:
-        if path == "kernel":
-            raise RouteUnavailableError(path, why)
-        return _dma(f"dma: {why}")
-
-    launcher = engine_launcher(
-        max_ctas=kernel_ctas,
-        block_bytes=KERNEL_BLOCK_BYTES,
-        launch_bytes=None if launch_bytes is None else int(launch_bytes),
+    kernel_ctas, below, launch_bytes = _kernel_options(kernel_ctas, below, launch_bytes)
+    if path not in ("auto", "dma", "kernel"):
+        raise ConfigError(f"path must be 'auto', 'dma' or 'kernel' for a page route, not {path!r}")
+    ranked = route_candidates(
+        direction,
+        path,
+        on_cuda=on_cuda,
+        page_sizes=_page_sizes(gpu_tables),
+        kernel_below=below,
+        kernel_ctas=kernel_ctas,
+        kernel_unavailable=_kernel_unavailable,
     )
-    route = CoreRoute.pages(threshold, launcher=launcher)
-    if all(n < threshold for n in sizes):
-        return RouteChoice(route, f"kernel ({kernel_ctas} CTAs): pages {sizes} bytes")
-    return RouteChoice(route, f"hybrid: pages < {threshold} bytes by kernel, the rest by DMA")
-
-
-def block_route(
-    core: CoreEngine,
-    tables: Sequence[tuple[int, int]],
-    direction: Direction,
-    *,
-    insist: bool = False,
-) -> RouteChoice | None:
-    """The block route of a cache's KV-cache groups (``tables``: each group's ids in ``core`` of
-    its GPU table and its CPU table) in ``direction``, where the core takes it (see
-    ``BLOCK_MAX_COPIES`` and ``BLOCK_MIN_PAGE`` in ``rust/table/runs.rs``; ``insist``,
-    ``path="blocks"``: wherever the plan saves a copy); else None, with the core's reason
-    logged."""
-    pairs = [(g, c) if direction == "d2h" else (c, g) for g, c in tables]
-    taken, why = core.block_route(pairs, direction, insist)
-    if not taken:
-        log.info("%s: no block route: %s", _SHORT.get(direction, direction), why)
-        return None
-    return RouteChoice(CoreRoute.blocks(), why)
-
-
-def core_page_route(
-    route: RouteChoice,
-    gpu_tables: Sequence[BlockTable],
-    device_index: int | None,
-    kernel_ctas: int,
-    launch_bytes: int | None,
-    load_kernel: LoadKernel,
-) -> RouteChoice:
-    """``route`` (the kernel route, with a Python launcher) with its kernel launched by the
-    core instead: no Python and no GIL on the way, and the transfer issued from the lane's
-    own thread. ``route`` unchanged where the core cannot launch it."""
-    sizes = [int(n) for t in gpu_tables for n in t.nbytes.tolist()]
-    small = [n for n in sizes if n < route.kernel_below]
-    kid, why = load_kernel(device_index, max(small or sizes), kernel_ctas)
-    if kid is None:
-        log.info("the kernel route keeps its Python launcher: %s", why)
-        return route
-    core = CoreRoute.pages(route.kernel_below, kernel=kid, launch_bytes=launch_bytes)
-    return RouteChoice(core, f"{route.reason}, launched by the core")
-
-
-def staged_route(
-    core: CoreEngine,
-    cpu_tables: Sequence[int],
-    gpu_tables: Sequence[BlockTable],
-    device_index: int | None,
-    on_cuda: bool,
-    load_kernel: LoadKernel,
-    *,
-    insist: bool,
-) -> RouteChoice | None:
-    """The staged route where every group's CPU table (``cpu_tables``: their ids in ``core``)
-    is block-major with rows that fit a staging slot, and (on CUDA) the core can launch the copy
-    kernel; else None, or with ``insist`` (``path="staged"``) a ``ValueError`` naming why."""
-    slot = core.stage_bytes
-    row, refused = core.staged_route(list(cpu_tables))
-    why = refused or None
-    kernel = None
-    if why is None and on_cuda:
-        page = max(int(n) for t in gpu_tables for n in t.nbytes.tolist())
-        kernel, why = load_kernel(device_index, page, STAGED_CTAS, staged=True)
-        why = why or None
-    if why is not None:
-        if insist:
-            raise ConfigError(f"path='staged' is not possible here: {why}")
-        log.info("no staged route: %s", why)
-        return None
-    how = (
-        f"pages moved inside the GPU by the core's kernel on {STAGED_CTAS} CTAs"
-        if on_cuda
-        else HOST_ROUTE
-    )
-    return RouteChoice(
-        CoreRoute.staged(kernel),
-        f"staged: a copy per block row (up to {row} B) through a ring of 2 x {slot} B, {how}",
-    )
+    return _take(direction, path, ranked, None, None, kernel_ctas, launch_bytes)
 
 
 def choose_routes(
@@ -313,61 +277,44 @@ def choose_routes(
     kernel_ctas: int,
     kernel_below: int | None,
     launch_bytes: int | None,
+    directions: Sequence[Direction] = _DIRECTIONS,
 ) -> dict[str, RouteChoice]:
-    """The route of each direction of a handler (``{"d2h": ..., "h2d": ...}``), chosen once from
-    its caches' geometry: ``tables`` holds the ids in ``core`` of each group's (GPU table, CPU
-    table), ``block_major`` whether the CPU cache was allocated here block-major. See :class:`~blockswap.handler.CpuGpuHandlers` for
-    ``path`` and the kernel's options."""
-    routes = {
-        d: choose_route(
-            gpu_tables,
+    """The route of each of ``directions`` of a handler (``{"d2h": ..., "h2d": ...}``), chosen
+    once from its caches' geometry by the core's rule
+    (:func:`blockswap._core.route_candidates`): ``tables`` holds the ids in ``core`` of each
+    group's (GPU table, CPU table), ``block_major`` whether the CPU cache was allocated here
+    block-major. A kernel a route needs is loaded into the core once, by ``load_kernel``. See
+    :class:`~blockswap.handler.CpuGpuHandlers` for ``path`` and the kernel's options."""
+    kernel_ctas, kernel_below, launch_bytes = _kernel_options(
+        kernel_ctas, kernel_below, launch_bytes
+    )
+    loaded: dict[tuple[int, int, bool], tuple[int | None, str]] = {}
+
+    def load_once(
+        device_index: int | None, max_size: int, ctas: int, *, staged: bool = False
+    ) -> tuple[int | None, str]:
+        key = (max_size, ctas, staged)
+        if key not in loaded:
+            loaded[key] = load_kernel(device_index, max_size, ctas, staged=staged)
+        return loaded[key]
+
+    sizes = _page_sizes(gpu_tables)
+    routes: dict[str, RouteChoice] = {}
+    for d in directions:
+        ranked = route_candidates(
+            d,
+            path,
             on_cuda=on_cuda,
-            direction=d,
-            path="auto" if path in ("blocks", "staged") else path,
+            page_sizes=sizes,
+            block_major=block_major,
+            kernel_below=kernel_below,
             kernel_ctas=kernel_ctas,
-            below=kernel_below,
-            launch_bytes=launch_bytes,
+            kernel_unavailable=_kernel_unavailable,
+            engine=core,
+            tables=list(tables),
         )
-        for d in ("d2h", "h2d")
-    }
-    if path == "blocks" or (path == "auto" and block_major):
-        # The block plan, where the two sides' geometry gives one (see block_route). A CPU
-        # cache laid out as a mirror of the GPU (the caller's, or cpu_layout="mirror") keeps
-        # the page route by default: pitched copies into it measured 10-25 % slower below
-        # 32 KiB pages than into a block-major cache (H100, 2026-11-23).
-        for direction in _DIRECTIONS:
-            blk = block_route(core, tables, direction, insist=path == "blocks")
-            if blk is not None:
-                routes[direction] = blk
-    if path == "staged" or (
-        path == "auto" and block_major and any(r.plan != "blocks" for r in routes.values())
-    ):
-        staged = staged_route(
-            core,
-            [ct for _, ct in tables],
-            gpu_tables,
-            device_index,
-            on_cuda,
-            load_kernel,
-            insist=path == "staged",
-        )
-        if staged is not None:
-            for d, r in routes.items():
-                if r.plan != "blocks":
-                    routes[d] = staged
-    if on_cuda:
-        for d, r in routes.items():
-            if r.plan == "pages" and r.launcher is not None:
-                routes[d] = core_page_route(
-                    r, gpu_tables, device_index, kernel_ctas, launch_bytes, load_kernel
-                )
-    for d, r in routes.items():
-        log.info("%s route (path=%r): %s", _SHORT[d], path, r.reason)
-    if path == "blocks" and any(r.plan != "blocks" for r in routes.values()):
-        raise ConfigError(
-            "path='blocks' needs KV-cache groups whose pages lie at one pitch on both sides, "
-            f"in memory no other group shares; here: {routes['d2h'].reason}"
-        )
+        routes[d] = _take(d, path, ranked, load_once, device_index, kernel_ctas, launch_bytes)
+        log.info("%s route (path=%r): %s", _SHORT[d], path, routes[d].reason)
     return routes
 
 

@@ -128,3 +128,10 @@ pub(super) fn cuda_unpin(py: Python<'_>, ptr: u64, device: i32) -> PyResult<()> 
 pub(super) fn host_memory_available() -> Option<u64> {
     crate::hostmem::available_memory()
 }
+
+/// The staging slot a cache whose largest block row is `row` bytes gets by default (see
+/// `choice::stage_slot`).
+#[pyfunction]
+pub(super) fn stage_slot(row: u64) -> u64 {
+    crate::plan::choice::stage_slot(row)
+}

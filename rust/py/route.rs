@@ -6,9 +6,10 @@ use pyo3::prelude::*;
 use pyo3::types::PyBool;
 
 use super::{call_launcher, invalid};
+use crate::direction::Direction;
 use crate::engine;
 use crate::kernel::{KernelBatch, KernelLauncher, PageKernel};
-use crate::plan::Plan;
+use crate::plan::{choice, Plan};
 
 /// What moves the small pages of a page route.
 enum Kernel {
@@ -251,5 +252,106 @@ pub(super) fn launch_with(route: &PyRoute, batch: KernelBatch) -> Result<(), Str
     match route.python_launcher() {
         Some(l) => call_launcher(l, batch),
         None => Err("the route has no launcher".into()),
+    }
+}
+
+/// One ranked route as Python takes it: `(plan, reason, kernel_below, kernel)`, `plan` one of
+/// `"dma"`, `"kernel"`, `"blocks"`, `"staged"`, `kernel` the `(max_size, ctas, staged)` of the
+/// kernel to load into the core first (None: none, or for `"kernel"` the caller's launcher).
+type PyCandidate = (&'static str, String, u64, Option<(u64, u32, bool)>);
+
+/// The routes a handler's direction can take, best first ([`choice::candidates`]): `(candidates,
+/// declined, refused)`, `declined` the routes passed over with why, `refused` None or `(kind,
+/// why)` with `kind` `"unavailable"` (`path="kernel"` where the kernel cannot run) or
+/// `"refused"`. `tables` holds each group's (GPU table, CPU table) ids in `engine`, which the
+/// block and staged plans' rules read; `kernel_unavailable` is called (at most once, where the
+/// choice needs it) for why the copy kernel cannot run in this process.
+#[pyfunction]
+#[pyo3(signature = (
+    direction, path, *, on_cuda, page_sizes, block_major = false, kernel_below = None,
+    kernel_ctas = 16, kernel_unavailable = None, engine = None, tables = None
+))]
+#[allow(clippy::too_many_arguments, clippy::type_complexity)]
+pub(super) fn route_candidates(
+    py: Python<'_>,
+    direction: &str,
+    path: &str,
+    on_cuda: bool,
+    page_sizes: Vec<u64>,
+    block_major: bool,
+    kernel_below: Option<u64>,
+    kernel_ctas: u32,
+    kernel_unavailable: Option<&Bound<'_, PyAny>>,
+    engine: Option<PyRef<'_, super::PyEngine>>,
+    tables: Option<Vec<(u32, u32)>>,
+) -> PyResult<(
+    Vec<PyCandidate>,
+    Vec<String>,
+    Option<(&'static str, String)>,
+)> {
+    let dir = super::direction(direction)?;
+    let ask = choice::Ask {
+        path: choice::Path::parse(path).ok_or_else(|| {
+            invalid(format!(
+                "path must be one of {:?}, not {path:?}",
+                choice::Path::ALL.map(choice::Path::as_str)
+            ))
+        })?,
+        on_cuda,
+        block_major,
+        kernel_below,
+        kernel_ctas,
+    };
+    let engine = engine.as_deref().map(|e| &*e.engine);
+    let tables = tables.unwrap_or_default();
+    let no_engine = || "no engine to read the cache's tables from".to_string();
+    let block = |insist: bool| -> PyResult<Result<String, String>> {
+        let Some(e) = engine else {
+            return Ok(Err(no_engine()));
+        };
+        let pairs: Vec<(u32, u32)> = tables
+            .iter()
+            .map(|&(g, c)| {
+                if dir == Direction::DeviceToHost {
+                    (g, c)
+                } else {
+                    (c, g)
+                }
+            })
+            .collect();
+        Ok(py.detach(|| e.block_route(&pairs, dir, insist))?)
+    };
+    let staged = || -> PyResult<Result<(u64, u64), String>> {
+        let Some(e) = engine else {
+            return Ok(Err(no_engine()));
+        };
+        let host: Vec<u32> = tables.iter().map(|&(_, c)| c).collect();
+        let fit = py.detach(|| e.staged_route(&host))?;
+        Ok(fit.map(|row| (row, e.stage_bytes())))
+    };
+    let unavailable = || -> PyResult<Option<String>> {
+        kernel_unavailable.map_or(Ok(None), |f| f.call0()?.extract())
+    };
+    let ranked = choice::candidates(&ask, dir, &page_sizes, block, staged, unavailable)?;
+    Ok(match ranked {
+        Ok(r) => (
+            r.choices.into_iter().map(py_candidate).collect(),
+            r.declined,
+            None,
+        ),
+        Err(choice::Refusal::Unavailable(why)) => {
+            (Vec::new(), Vec::new(), Some(("unavailable", why)))
+        }
+        Err(choice::Refusal::Refused(why)) => (Vec::new(), Vec::new(), Some(("refused", why))),
+    })
+}
+
+fn py_candidate(c: choice::Choice) -> PyCandidate {
+    let need = |k: Option<choice::KernelNeed>| k.map(|k| (k.max_size, k.ctas, k.staged));
+    match c.candidate {
+        choice::Candidate::Dma => ("dma", c.reason, 0, None),
+        choice::Candidate::Kernel { below, load } => ("kernel", c.reason, below, need(load)),
+        choice::Candidate::Blocks => ("blocks", c.reason, 0, None),
+        choice::Candidate::Staged { load } => ("staged", c.reason, 0, need(load)),
     }
 }
