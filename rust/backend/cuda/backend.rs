@@ -456,11 +456,9 @@ impl Backend for CudaBackend {
         if l.timing_events.is_empty() {
             return None;
         }
+        // Both events were recorded for this (complete) transfer; the call never blocks.
         let (start, end) = &l.timing_events[(seq as usize) % l.timing_events.len()];
-        let mut ms = 0f32;
-        // SAFETY: both events were recorded for this (complete) transfer; the call never blocks.
-        let r = unsafe { sys::cuEventElapsedTime_v2(&raw mut ms, start.raw, end.raw) };
-        (r == sys::CUresult::CUDA_SUCCESS).then_some((f64::from(ms) * 1e6) as u64)
+        start.elapsed_ms(end).map(|ms| (f64::from(ms) * 1e6) as u64)
     }
 
     fn inject_failures(&self, count: u64) {

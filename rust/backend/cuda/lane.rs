@@ -2,14 +2,12 @@
 //! issuing thread (that thread's work is in `worker`).
 
 use std::collections::VecDeque;
-use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::{Condvar, Mutex, OnceLock};
 
 use cudarc::driver::sys;
 
-use super::driver::check;
-use super::resources::{Event, PinnedHost, Stream};
+use super::resources::{Counter, Event, PinnedHost, Stream};
 use super::stage::Stage;
 use crate::backend::{BackendError, Issue};
 use crate::plan::Plan;
@@ -43,8 +41,7 @@ pub(super) struct CudaLane {
     pub(super) stage: Mutex<Option<Stage>>,
     /// Mapped pinned u64 the stream writes completed sequence numbers into (write-value mode),
     /// inside the backend's `counters`.
-    pub(super) counter: *mut u64,
-    pub(super) counter_dev: sys::CUdeviceptr,
+    pub(super) counter: Counter,
     pub(super) submitted: AtomicU64,
     /// Highest sequence number known complete (event mode).
     pub(super) known: AtomicU64,
@@ -65,16 +62,11 @@ impl CudaLane {
         i: usize,
         stream: Option<u64>,
     ) -> Result<Self, BackendError> {
-        #[allow(clippy::cast_ptr_alignment)] // 64-byte slots of a page-aligned allocation
-        // SAFETY: inside the 4 * 64-byte allocation, 8-byte aligned.
-        let counter = unsafe { counters.as_ptr().add(i * 64) }.cast::<u64>();
-        let mut counter_dev = 0;
-        // SAFETY: `counter` lies in mapped pinned memory; the driver writes one device pointer.
-        check("cuMemHostGetDevicePointer", unsafe {
-            sys::cuMemHostGetDevicePointer_v2(&raw mut counter_dev, counter.cast::<c_void>(), 0)
-        })?;
+        let counter = Counter::new(counters, i)?;
         let stream = match stream {
-            Some(s) => Stream::borrowed(s, ctx),
+            // SAFETY: the caller's stream for this lane, which the caller keeps alive while the
+            // backend lives (`h2d_stream=` / `d2h_stream=`).
+            Some(s) => unsafe { Stream::borrowed(s, ctx) },
             None => Stream::create(ctx)?,
         };
         Ok(CudaLane {
@@ -89,7 +81,6 @@ impl CudaLane {
             stream,
             stage: Mutex::new(None),
             counter,
-            counter_dev,
             submitted: AtomicU64::new(0),
             known: AtomicU64::new(0),
             unmarked: AtomicBool::new(false),
@@ -100,13 +91,8 @@ impl CudaLane {
 
     /// Whether `cuStreamWriteValue64` works here: one write, then a synchronize.
     pub(super) fn probe_write_value(&self) -> bool {
-        // SAFETY: the counter is mapped pinned memory of the backend being built; the stream is
-        // ours or the caller's, valid for the backend's life.
-        unsafe {
-            sys::cuStreamWriteValue64_v2(self.stream.raw, self.counter_dev, 0, 0)
-                == sys::CUresult::CUDA_SUCCESS
-                && sys::cuStreamSynchronize(self.stream.raw) == sys::CUresult::CUDA_SUCCESS
-        }
+        let s = self.stream.handle();
+        s.write_value(&self.counter, 0).is_ok() && s.synchronize().is_ok()
     }
 }
 

@@ -1,8 +1,16 @@
 //! The driver resources, each freed by its own `Drop`: the primary context, streams, events,
-//! device and pinned host memory, host registrations, and the guard a bound context is undone by.
+//! device and pinned host memory, host registrations, and the guard a bound context is undone by;
+//! and the safe calls on them, cudarc's way (its `result` layer keeps raw handles behind `unsafe`,
+//! its types give the rest safe methods): [`StreamHandle`] (query, synchronize, wait for an
+//! event, write a [`Counter`]), [`Event::record`], [`Event::query`], [`Event::elapsed_ms`] and
+//! [`order`]. The lanes and the staged pipeline order their streams through these without
+//! `unsafe`; what stays `unsafe` outside this file is where a caller's handle enters
+//! ([`Stream::borrowed`], [`StreamHandle::caller`]) and the copies and launches, whose addresses
+//! their callers vouch for.
 
 use std::ffi::c_void;
 use std::ptr;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use cudarc::driver::result;
 use cudarc::driver::sys;
@@ -76,12 +84,112 @@ impl Stream {
     }
 
     /// The caller's stream, used as it is and never destroyed here.
-    pub(super) fn borrowed(raw: u64, ctx: sys::CUcontext) -> Self {
+    ///
+    /// # Safety
+    /// `raw` must be a stream of `ctx` (or 0, the legacy default stream) that outlives this
+    /// value: the caller's promise for a lane's stream (`h2d_stream=`, `d2h_stream=`).
+    pub(super) unsafe fn borrowed(raw: u64, ctx: sys::CUcontext) -> Self {
         Stream {
             raw: raw as sys::CUstream,
             ctx,
             owned: false,
         }
+    }
+
+    /// A handle to the stream for the driver calls on it, valid as long as the stream.
+    pub(super) fn handle(&self) -> StreamHandle {
+        StreamHandle(self.raw)
+    }
+}
+
+/// A stream the work goes on: a lane's or a stage's (which live as long as the backend and are
+/// never replaced), or a caller's a transfer waits for ([`StreamHandle::caller`]). The stream and
+/// event calls on it are safe: each takes handles only, and the driver answers a bad one with an
+/// error.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct StreamHandle(sys::CUstream);
+
+impl StreamHandle {
+    /// The caller's stream a transfer waits for (`wait_stream`).
+    ///
+    /// # Safety
+    /// `raw` must be a stream of the current context, or 0 (the legacy default stream), that
+    /// outlives the calls made with the handle.
+    pub(super) unsafe fn caller(raw: u64) -> Self {
+        StreamHandle(raw as sys::CUstream)
+    }
+
+    /// The raw handle, for the copies and launches whose addresses their callers vouch for.
+    pub(super) fn raw(self) -> sys::CUstream {
+        self.0
+    }
+
+    /// `cuStreamQuery`: `CUDA_SUCCESS` once the stream's work is done, `CUDA_ERROR_NOT_READY`
+    /// before, or the stream's error. Never blocks.
+    pub(super) fn query(self) -> sys::CUresult {
+        // SAFETY: a stream handle (see the type's docs); cuStreamQuery reads nothing else.
+        unsafe { sys::cuStreamQuery(self.0) }
+    }
+
+    /// `cuStreamSynchronize`: blocks until the stream's work is done.
+    pub(super) fn synchronize(self) -> Result<(), BackendError> {
+        // SAFETY: as in `query`.
+        check("cuStreamSynchronize", unsafe {
+            sys::cuStreamSynchronize(self.0)
+        })
+    }
+
+    /// `cuStreamWaitEvent`: work queued on the stream from now on waits for `event`'s last
+    /// record (at once where it was never recorded).
+    pub(super) fn wait(self, event: &Event) -> Result<(), BackendError> {
+        // SAFETY: a stream handle and a live event; the wait takes the event's state now.
+        check("cuStreamWaitEvent", unsafe {
+            sys::cuStreamWaitEvent(self.0, event.raw, 0)
+        })
+    }
+
+    /// `cuStreamWriteValue64`: writes `value` into `counter` once the work queued before it is
+    /// done, with the memory barrier (flags 0): the bytes copied before are visible first.
+    pub(super) fn write_value(self, counter: &Counter, value: u64) -> Result<(), BackendError> {
+        // SAFETY: `counter.dev` is the device address of mapped pinned memory the backend keeps
+        // until its streams are done (see `Counter`); the driver writes 8 bytes there.
+        check("cuStreamWriteValue64", unsafe {
+            sys::cuStreamWriteValue64_v2(self.0, counter.dev, value, 0)
+        })
+    }
+}
+
+/// A u64 in mapped pinned memory that a stream writes and the host reads: a lane's completion
+/// counter. Lives inside the backend's `PinnedHost`, which outlives every stream that writes it.
+#[derive(Debug)]
+pub(super) struct Counter {
+    host: ptr::NonNull<u64>,
+    dev: sys::CUdeviceptr,
+}
+
+impl Counter {
+    /// Counter `i` of `counters` (64-byte slots), with its device address.
+    pub(super) fn new(counters: &PinnedHost, i: usize) -> Result<Self, BackendError> {
+        assert!(
+            (i + 1) * 64 <= counters.len,
+            "counter {i} past the allocation"
+        );
+        #[allow(clippy::cast_ptr_alignment)] // 64-byte slots of a page-aligned allocation
+        // SAFETY: inside the allocation (checked above), 8-byte aligned.
+        let host = unsafe { counters.ptr.add(i * 64) }.cast::<u64>();
+        let mut dev = 0;
+        // SAFETY: `host` lies in mapped pinned memory; the driver writes one device pointer.
+        check("cuMemHostGetDevicePointer", unsafe {
+            sys::cuMemHostGetDevicePointer_v2(&raw mut dev, host.as_ptr().cast::<c_void>(), 0)
+        })?;
+        Ok(Counter { host, dev })
+    }
+
+    /// The last value written, read with Acquire: what the stream copied before it is visible.
+    pub(super) fn load(&self) -> u64 {
+        // SAFETY: 8-byte aligned mapped pinned memory that lives as long as the backend (see the
+        // type's docs); the device writes it only as a whole u64.
+        unsafe { AtomicU64::from_ptr(self.host.as_ptr()) }.load(Ordering::Acquire)
     }
 }
 
@@ -119,6 +227,31 @@ impl Event {
         let raw = result::event::create(flags).map_err(|e| driver_error("cuEventCreate", e))?;
         tally(1);
         Ok(Event { raw, ctx })
+    }
+
+    /// `cuEventRecord`: the event completes once the work queued on `stream` so far is done.
+    /// Re-recording is safe once the waits on the previous record are queued: a wait takes the
+    /// event's state at its call.
+    pub(super) fn record(&self, stream: StreamHandle) -> Result<(), BackendError> {
+        // SAFETY: a live event and a stream handle (see `StreamHandle`).
+        check("cuEventRecord", unsafe {
+            sys::cuEventRecord(self.raw, stream.raw())
+        })
+    }
+
+    /// `cuEventQuery`: `CUDA_SUCCESS` once the recorded work is done. Never blocks.
+    pub(super) fn query(&self) -> sys::CUresult {
+        // SAFETY: a live event.
+        unsafe { sys::cuEventQuery(self.raw) }
+    }
+
+    /// Milliseconds from `self` to `end`, both recorded with timing and complete; `None`
+    /// otherwise.
+    pub(super) fn elapsed_ms(&self, end: &Event) -> Option<f32> {
+        let mut ms = 0f32;
+        // SAFETY: two live events; the driver writes one float.
+        let r = unsafe { sys::cuEventElapsedTime_v2(&raw mut ms, self.raw, end.raw) };
+        (r == sys::CUresult::CUDA_SUCCESS).then_some(ms)
     }
 }
 
@@ -169,24 +302,18 @@ impl Drop for DeviceMem {
 /// `on` so far.
 pub(super) fn order(
     event: &Event,
-    on: sys::CUstream,
-    waiter: sys::CUstream,
+    on: StreamHandle,
+    waiter: StreamHandle,
 ) -> Result<(), BackendError> {
-    // SAFETY: valid event and streams of the current context. Re-recording an event is safe
-    // once a wait has been queued on it: the wait takes the event's state at the call.
-    check("cuEventRecord", unsafe {
-        sys::cuEventRecord(event.raw, on)
-    })?;
-    // SAFETY: as above.
-    check("cuStreamWaitEvent", unsafe {
-        sys::cuStreamWaitEvent(waiter, event.raw, 0)
-    })
+    event.record(on)?;
+    waiter.wait(event)
 }
 
 /// Page-locked, device-mapped, cached host memory from `cuMemHostAlloc`, zeroed; freed on drop.
 #[derive(Debug)]
 pub(super) struct PinnedHost {
     ptr: ptr::NonNull<u8>,
+    len: usize,
     ctx: sys::CUcontext,
 }
 
@@ -207,9 +334,10 @@ impl PinnedHost {
         // SAFETY: `len` bytes just allocated, not shared yet.
         unsafe { ptr::write_bytes(ptr.as_ptr(), 0, len) };
         tally(1);
-        Ok(PinnedHost { ptr, ctx })
+        Ok(PinnedHost { ptr, len, ctx })
     }
 
+    #[cfg(test)]
     pub(super) fn as_ptr(&self) -> *mut u8 {
         self.ptr.as_ptr()
     }

@@ -1,17 +1,16 @@
 //! [`Shared`]: the driver state a [`CudaBackend`](super::CudaBackend) shares with its issuing
 //! threads (context, lanes, counters, resolved entry points), and its teardown.
 
-use std::ffi::{c_void, CStr};
+use std::ffi::c_void;
 use std::mem::ManuallyDrop;
 use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::Mutex;
 use std::time::Instant;
 
 use cudarc::driver::result;
-use cudarc::driver::sys;
 
 use super::driver::{
-    check, driver_available, resolve, resolve_batch, resolve_batch3d, Batch3dFn, BatchFn,
+    driver_available, driver_error, resolve, resolve_batch, resolve_batch3d, Batch3dFn, BatchFn,
     ParamInfoFn,
 };
 use super::lane::CudaLane;
@@ -87,27 +86,13 @@ impl Shared {
             }
         }
         let driver_version = driver_available()?;
-        let mut device = 0;
-        // SAFETY: symbols checked by `driver_available`; cuDeviceGet writes one handle.
-        check("cuDeviceGet", unsafe {
-            sys::cuDeviceGet(&raw mut device, opts.device)
-        })?;
+        let device =
+            result::device::get(opts.device).map_err(|e| driver_error("cuDeviceGet", e))?;
         // From here on every resource is owned by a local: an early return drops them in reverse
         // order (lanes, counters, the binding, the context).
         let ctx = PrimaryCtx::retain(device)?;
         let _bound = bind(ctx.raw)?;
-        let mut name_buf = [0 as std::ffi::c_char; 256];
-        // SAFETY: writes at most 256 bytes, NUL-terminated.
-        let name = if unsafe { sys::cuDeviceGetName(name_buf.as_mut_ptr(), 256, device) }
-            == sys::CUresult::CUDA_SUCCESS
-        {
-            // SAFETY: NUL-terminated by the driver.
-            unsafe { CStr::from_ptr(name_buf.as_ptr()) }
-                .to_string_lossy()
-                .into_owned()
-        } else {
-            String::from("unknown")
-        };
+        let name = result::device::get_name(device).unwrap_or_else(|_| String::from("unknown"));
         let batch = match opts.copy_path {
             CopyPath::Loop => None,
             CopyPath::Auto => resolve_batch(driver_version),

@@ -7,7 +7,7 @@ use std::ptr;
 use cudarc::driver::sys;
 
 use super::driver::{check, MAX_KERNEL_PARAMS};
-use super::resources::order;
+use super::resources::{order, Event, StreamHandle};
 use super::shared::Shared;
 use super::stage::{EntryCopy, LoadedKernel, Stage};
 use crate::backend::{take_injected, BackendError};
@@ -42,7 +42,7 @@ impl Shared {
         lane: Direction,
         slab: &SlabInner,
         req: StagedRequest,
-        dep: Option<sys::CUevent>,
+        dep: Option<&Event>,
     ) -> Result<(), BackendError> {
         let l = self.lane(lane);
         let Some(kernel) = req
@@ -76,17 +76,13 @@ impl Shared {
         let first = req.first_block;
         let steps = req.steps(dst, size);
         let fail_at = take_injected(&self.fail_next).then_some(steps.len() / 2);
-        let kstream = st.stream.raw;
+        let (lstream, kstream) = (l.stream.handle(), st.stream.handle());
         let ctx = self.ctx.raw;
         let wait_dep = || {
+            // The event holds the caller's stream (CPU -> GPU kernels follow the lane's stream,
+            // which waits for it).
             match dep {
-                Some(ev) if !host_src => {
-                    // SAFETY: valid event and stream; the event holds the caller's stream (CPU
-                    // -> GPU kernels follow the lane's stream, which waits for it).
-                    check("cuStreamWaitEvent", unsafe {
-                        sys::cuStreamWaitEvent(kstream, ev, 0)
-                    })
-                }
+                Some(ev) if !host_src => kstream.wait(ev),
                 _ => Ok(()),
             }
         };
@@ -122,7 +118,7 @@ impl Shared {
                 // earlier transfers that read it come before this copy on the same stream; the
                 // struct is read during the call only.
                 check("cuMemcpy2DAsync", unsafe {
-                    sys::cuMemcpy2DAsync_v2(&raw const c, kstream)
+                    sys::cuMemcpy2DAsync_v2(&raw const c, kstream.raw())
                 })?;
                 [0, 1, 2].map(|c| copy.column(dev, c))
             } else {
@@ -176,30 +172,19 @@ impl Shared {
                 };
                 let (copy, ready, free) = (&st.src, &st.ready[slot_i], &st.free[slot_i]);
                 let rows_first = step.rows.start;
+                // A slot never recorded free is waited for at once.
                 if host_src {
-                    // SAFETY: valid event and stream; a never-recorded event is waited for at once.
-                    check("cuStreamWaitEvent", unsafe {
-                        sys::cuStreamWaitEvent(l.stream.raw, free.raw, 0)
-                    })?;
+                    lstream.wait(free)?;
                     self.copy_arrays(lane, copy, &st.dst, &st.size, rows_first)?;
-                    order(ready, l.stream.raw, kstream)?;
+                    order(ready, lstream, kstream)?;
                     launch()?;
-                    // SAFETY: valid event and stream.
-                    check("cuEventRecord", unsafe {
-                        sys::cuEventRecord(free.raw, kstream)
-                    })?;
+                    free.record(kstream)?;
                 } else {
-                    // SAFETY: as above.
-                    check("cuStreamWaitEvent", unsafe {
-                        sys::cuStreamWaitEvent(kstream, free.raw, 0)
-                    })?;
+                    kstream.wait(free)?;
                     launch()?;
-                    order(ready, kstream, l.stream.raw)?;
+                    order(ready, kstream, lstream)?;
                     self.copy_arrays(lane, copy, &st.dst, &st.size, rows_first)?;
-                    // SAFETY: valid event and stream.
-                    check("cuEventRecord", unsafe {
-                        sys::cuEventRecord(free.raw, l.stream.raw)
-                    })?;
+                    free.record(lstream)?;
                 }
             }
             Ok(())
@@ -214,32 +199,32 @@ impl Shared {
     /// the caller's, who expects the whole transfer on it. Any other marker goes on the lane's
     /// stream, after the kernel stream where a staged transfer or marker went there last.
     /// Where an ordering call fails, this waits for the kernel stream instead.
-    pub(super) fn marker_stream(&self, lane: Direction, staged: bool) -> sys::CUstream {
+    pub(super) fn marker_stream(&self, lane: Direction, staged: bool) -> StreamHandle {
         let l = self.lane(lane);
+        let lstream = l.stream.handle();
         let mut stage = l
             .stage
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         let Some(st) = stage.as_mut() else {
-            return l.stream.raw;
+            return lstream;
         };
-        let kstream = st.stream.raw;
+        let kstream = st.stream.handle();
         if staged
             && lane == Direction::HostToDevice
             && l.stream.owned
-            && order(&st.lane_done, l.stream.raw, kstream).is_ok()
+            && order(&st.lane_done, lstream, kstream).is_ok()
         {
             st.marker_on_kernels = true;
             return kstream;
         }
         if staged || st.marker_on_kernels {
-            if order(&st.join, kstream, l.stream.raw).is_err() {
-                // SAFETY: a valid stream; blocks until its work is done.
-                let _ = unsafe { sys::cuStreamSynchronize(kstream) };
+            if order(&st.join, kstream, lstream).is_err() {
+                let _ = kstream.synchronize();
             }
             st.marker_on_kernels = false;
         }
-        l.stream.raw
+        lstream
     }
 
     /// Launches `k` on `stream` over entries `[p0, p0 + n)` of a transfer whose columns (src,
@@ -249,7 +234,7 @@ impl Shared {
     /// written or read as they say.
     fn launch(
         k: &LoadedKernel,
-        stream: sys::CUstream,
+        stream: StreamHandle,
         cols: [u64; 3],
         (p0, n, split): (usize, u64, u64),
         staged: Option<StagedLaunch>,
@@ -300,7 +285,7 @@ impl Shared {
                 1,
                 1,
                 k.spec.shared,
-                stream,
+                stream.raw(),
                 ptrs.as_mut_ptr(),
                 ptr::null_mut(),
             )
@@ -312,7 +297,7 @@ impl Shared {
     /// launch, one launch after the other.
     pub(super) fn launch_pages(
         &self,
-        stream: sys::CUstream,
+        stream: StreamHandle,
         batch: KernelBatch,
         kernel: u32,
         launch_bytes: u64,

@@ -1,15 +1,15 @@
 //! A lane's work on the shared state: its issuing thread's loop, a job's copies and completion
 //! marker, the completion queries and the stream health checks.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 
 use cudarc::driver::sys;
 
-use super::driver::{check, error_name};
+use super::driver::error_name;
 use super::lane::{CudaLane, Job};
 use super::options::AccessOrder;
 use super::query::memory_type;
-use super::resources::Event;
+use super::resources::{Event, StreamHandle};
 use super::shared::Shared;
 use crate::backend::{AddElapsed, BackendError, Submitted};
 use crate::direction::Direction;
@@ -36,13 +36,10 @@ impl Shared {
                 .stage
                 .try_lock()
                 .ok()
-                .map(|st| st.as_ref().map(|st| st.stream.raw));
-            let idle = |s: sys::CUstream| {
-                // SAFETY: the stream is valid for the backend's life; cuStreamQuery never blocks.
-                (unsafe { sys::cuStreamQuery(s) }) == sys::CUresult::CUDA_SUCCESS
-            };
+                .map(|st| st.as_ref().map(|st| st.stream.handle()));
+            let idle = |s: StreamHandle| s.query() == sys::CUresult::CUDA_SUCCESS;
             // A stage held by a submission in progress is not idle.
-            return idle(l.stream.raw) && kernels.is_some_and(|k| k.is_none_or(idle));
+            return idle(l.stream.handle()) && kernels.is_some_and(|k| k.is_none_or(idle));
         }
         self.completed_seq(lane) >= l.accepted.load(Ordering::Acquire)
     }
@@ -88,10 +85,9 @@ impl Shared {
     pub(super) fn completed_seq(&self, lane: Direction) -> u64 {
         let l = self.lane(lane);
         if self.write_value {
-            // SAFETY: `counter` is 8-byte aligned mapped pinned memory that lives as long as the
-            // backend; the device writes it with the stream's memory barrier before the value.
-            // Acquire: the copies' bytes are read only after seeing their sequence number.
-            let written = unsafe { AtomicU64::from_ptr(l.counter) }.load(Ordering::Acquire);
+            // The device writes it with the stream's memory barrier before the value; read with
+            // Acquire, the copies' bytes are read only after seeing their sequence number.
+            let written = l.counter.load();
             // Acquire: pairs with the Release store in `issue_job`, after what it recorded in
             // the slab (a failure): a transfer is complete once its marker is both queued and
             // reached.
@@ -100,9 +96,8 @@ impl Shared {
         let submitted = l.submitted.load(Ordering::Acquire);
         let mut known = l.known.load(Ordering::Acquire);
         while known < submitted {
-            let ev = l.done_events[((known + 1) as usize) % l.done_events.len()].raw;
-            // SAFETY: valid event; cuEventQuery never blocks.
-            if unsafe { sys::cuEventQuery(ev) } != sys::CUresult::CUDA_SUCCESS {
+            let ev = &l.done_events[((known + 1) as usize) % l.done_events.len()];
+            if ev.query() != sys::CUresult::CUDA_SUCCESS {
                 break;
             }
             known += 1;
@@ -124,11 +119,9 @@ impl Shared {
             Some(ev) => ev,
             None => Event::create(self.ctx.raw, false)?,
         };
-        // SAFETY: `stream` is the caller's stream handle (0 is the legacy default stream, which
-        // may be recorded on); a bad handle comes back as an error, failing this transfer only.
-        let r = check("cuEventRecord", unsafe {
-            sys::cuEventRecord(ev.raw, stream as sys::CUstream)
-        });
+        // SAFETY: `stream` is the caller's stream handle (`wait_stream`: a stream of this
+        // device that outlives the submission, or 0, the legacy default stream).
+        let r = ev.record(unsafe { StreamHandle::caller(stream) });
         match r {
             Ok(()) => Ok(ev),
             Err(e) => {
@@ -219,19 +212,16 @@ impl Shared {
         // which needs the marker queued below (or, on a failed lane, `pending` back at 0).
         let slab = unsafe { job.slab.get() };
         let mut outcome = job.failed.map_or(Ok(()), Err);
+        let stream = l.stream.handle();
         if let Some(dep) = &job.dep {
-            // SAFETY: both handles valid; our stream waits for the caller's work at submission.
-            outcome = check("cuStreamWaitEvent", unsafe {
-                sys::cuStreamWaitEvent(l.stream.raw, dep.raw, 0)
-            });
+            // Our stream waits for the caller's work at submission.
+            outcome = stream.wait(dep);
         }
-        let timing = (!l.timing_events.is_empty()).then(|| {
-            let (start, end) = &l.timing_events[(seq as usize) % l.timing_events.len()];
-            (start.raw, end.raw)
-        });
+        let timing = (!l.timing_events.is_empty())
+            .then(|| &l.timing_events[(seq as usize) % l.timing_events.len()]);
         if let (Ok(()), Some((start, _))) = (&outcome, timing) {
-            // SAFETY: valid event and stream. A failed timing record only loses the timing.
-            let _ = unsafe { sys::cuEventRecord(start, l.stream.raw) };
+            // A failed timing record only loses the timing.
+            let _ = start.record(stream);
         }
         // Copies are issued only when the ordering they depend on is in place.
         let mut first = 0;
@@ -242,7 +232,7 @@ impl Shared {
             first = batch.len;
             outcome = match kernel {
                 PageKernel::Launcher(launch) => launch(KernelBatch {
-                    stream: l.stream.raw as u64,
+                    stream: stream.raw() as u64,
                     ..batch
                 })
                 .map_err(|reason| BackendError::CopyFailed {
@@ -252,12 +242,12 @@ impl Shared {
                 PageKernel::Loaded {
                     kernel,
                     launch_bytes,
-                } => self.launch_pages(l.stream.raw, batch, kernel, launch_bytes),
+                } => self.launch_pages(stream, batch, kernel, launch_bytes),
             };
         }
         if outcome.is_ok() && first < slab.len() {
             let _timed = AddElapsed::start(&self.driver_ns);
-            let dep = job.dep.as_ref().map(|e| e.raw);
+            let dep = job.dep.as_ref();
             outcome = match job.plan {
                 Plan::Staged(req) => self.issue_staged(lane, slab, req, dep),
                 Plan::Runs(()) => self.issue_pitched(lane, slab),
@@ -273,8 +263,7 @@ impl Shared {
         }
         let tail = self.marker_stream(lane, matches!(job.plan, Plan::Staged(_)));
         if let (Ok(()), Some((_, end))) = (&outcome, timing) {
-            // SAFETY: as above.
-            let _ = unsafe { sys::cuEventRecord(end, tail) };
+            let _ = end.record(tail);
         }
         if let Err(e) = &outcome {
             slab.set_failed(e.to_string());
@@ -311,19 +300,14 @@ impl Shared {
     }
 
     /// Queues the completion marker of `seq` on `stream` (see [`Self::marker_stream`]).
-    fn signal(&self, lane: Direction, seq: u64, stream: sys::CUstream) -> Result<(), BackendError> {
+    fn signal(&self, lane: Direction, seq: u64, stream: StreamHandle) -> Result<(), BackendError> {
         let l = self.lane(lane);
         if self.write_value {
-            // SAFETY: writes one u64 into our mapped pinned counter, after the preceding copies
-            // (flags 0 keeps the memory barrier: the copied bytes are visible before the value).
-            check("cuStreamWriteValue64", unsafe {
-                sys::cuStreamWriteValue64_v2(stream, l.counter_dev, seq, 0)
-            })
+            stream.write_value(&l.counter, seq)
         } else {
-            let ev = l.done_events[(seq as usize) % l.done_events.len()].raw;
-            // SAFETY: the event and stream are valid; re-recording a ring slot is safe because the
-            // engine never has more than half the ring in flight.
-            check("cuEventRecord", unsafe { sys::cuEventRecord(ev, stream) })
+            // Re-recording a ring slot is safe: the engine never has more than half the ring in
+            // flight.
+            l.done_events[(seq as usize) % l.done_events.len()].record(stream)
         }
     }
 
@@ -332,8 +316,7 @@ impl Shared {
         if l.error.get().is_some() {
             return;
         }
-        // SAFETY: the stream is valid for the backend's life; cuStreamQuery never blocks.
-        let r = unsafe { sys::cuStreamQuery(l.stream.raw) };
+        let r = l.stream.handle().query();
         if r != sys::CUresult::CUDA_SUCCESS && r != sys::CUresult::CUDA_ERROR_NOT_READY {
             let _ = l.error.set(BackendError::Driver {
                 call: "cuStreamQuery",
