@@ -144,7 +144,7 @@ pub fn kernel_split(spec: &KernelSpec, n: u64, max_size: u64) -> u64 {
 /// A value a kernel parameter takes at each launch (see [`KernelSpec`]). A page kernel (the
 /// kernel route) reads descriptors: `srcs`, `dsts`, `sizes`, `count`, `split`, `src_base`,
 /// `dst_base`. A staged kernel (the staged plan) reads block entries and a geometry (see
-/// [`crate::table::staged`]) and computes every page's two addresses: `ids`, `rings`, `bases`,
+/// `table/staged.rs`) and computes every page's two addresses: `ids`, `rings`, `bases`,
 /// `strides`, `offsets`, `count`, `segments`, `ring_base`, `ring_src`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum KernelParam {

@@ -154,7 +154,7 @@ impl SlabInner {
 /// slab is moved (into the lane's in-flight record) while the backend reads and writes the same
 /// `SlabInner` through a [`SlabRef`], and moving a `Box` would assert unique ownership of memory
 /// that handle still uses (undefined behaviour under Stacked and Tree Borrows; `cargo miri test`
-/// checks it). The `Box` is rebuilt only when the slab comes home ([`Slab::into_box`]); a slab
+/// checks it). The `Box` is rebuilt only when the slab comes home (`Slab::into_box`); a slab
 /// dropped instead of released (a panic unwinding past it) is leaked, since the device may still
 /// read it.
 #[derive(Debug)]

@@ -25,7 +25,7 @@ use super::{DescriptorError, Scratch};
 /// * **Packed keys**: where the destinations span less than 2^40 bytes and there are fewer than
 ///   2^24 of them, each range is packed into one `u64` key (offset from the lowest destination,
 ///   then its index), and the keys are put in order by a counting sort on their top bits into
-///   about one bucket per key, then a sort of each bucket (see [`radix_keys`]): linear for pages
+///   about one bucket per key, then a sort of each bucket (see `radix_keys`): linear for pages
 ///   scattered over a pool many times the batch, where the bucket strategy does not apply. For
 ///   10,000 pages out of a pool of 1,000,000 the whole `prepare` took 168 us where sorting all
 ///   the keys at once took 230 us (`cargo bench --bench submit`, "sparse shuffled dst",

@@ -63,7 +63,7 @@ pub enum TableError {
         second: (u64, u64),
         within: Overlap,
     },
-    /// Chunk ids that do not match the blocks on the other side (see [`chunk_blocks`]).
+    /// Chunk ids that do not match the blocks on the other side (see [`super::chunk_blocks`]).
     ChunkCount {
         name: String,
         other: String,

@@ -92,7 +92,7 @@ pub struct CudaOptions {
     pub device: i32,
     pub copy_path: CopyPath,
     /// Descriptors per driver call; larger transfers are split (one 51,828-descriptor batch has
-    /// been reported to crash a driver). Default [`DEFAULT_MAX_BATCH`].
+    /// been reported to crash a driver). Default `DEFAULT_MAX_BATCH` (64).
     pub max_batch: usize,
     /// Record timing events around each transfer, for device seconds in its result.
     pub timing: bool,
