@@ -470,11 +470,11 @@ impl Engine {
         let coalesce = self.config.coalesce;
         self.submit_with(
             job_id,
-            |_| Ok(batch.src.len()),
+            |_| Ok((batch.src.len(), ())),
             direction,
             wait_stream,
             Plan::Pages(kernel),
-            |state, cols| {
+            |state, cols, ()| {
                 let SubmitState {
                     regions, scratch, ..
                 } = state;
@@ -485,17 +485,18 @@ impl Engine {
     }
 
     /// The common part of every submission, under one hold of the submit lock: job id, in-flight
-    /// and size limits, a slab of `descriptors(state)` entries, `fill` (validate and write the
-    /// descriptors), the kernel split, the record, the backend. Timed into `submit_ns`, and
-    /// `fill` into `prepare_ns`.
-    fn submit_with(
+    /// and size limits, a slab of the entries `size(state)` counts, `fill` (validate and write
+    /// the descriptors, with what `size` worked out: both run under the same hold of the lock,
+    /// so the tables cannot change in between), the kernel split, the record, the backend. Timed
+    /// into `submit_ns`, and `fill` into `prepare_ns`.
+    fn submit_with<S>(
         &self,
         job_id: JobId,
-        descriptors: impl FnOnce(&SubmitState) -> Result<usize, EngineError>,
+        size: impl FnOnce(&SubmitState) -> Result<(usize, S), EngineError>,
         direction: Direction,
         wait_stream: Option<u64>,
         route: Route<'_>,
-        fill: impl FnOnce(&mut SubmitState, Columns<'_>) -> Result<Prepared, EngineError>,
+        fill: impl FnOnce(&mut SubmitState, Columns<'_>, S) -> Result<Prepared, EngineError>,
     ) -> Result<(), EngineError> {
         let _timed = AddElapsed::start(&self.submit_ns);
         let mut timing = self.latency.submission(direction);
@@ -524,7 +525,7 @@ impl Engine {
                 max: self.config.max_in_flight,
             });
         }
-        let descriptors = descriptors(&state)?;
+        let (descriptors, sizing) = size(&state)?;
         if descriptors > self.config.max_descriptors {
             return Err(DescriptorError::TooLarge {
                 len: descriptors,
@@ -536,7 +537,7 @@ impl Engine {
         let mut slab = self.pool.acquire(descriptors)?;
         let filled = {
             let _timed = AddElapsed::start(&self.prepare_ns);
-            fill(&mut state, slab.columns())
+            fill(&mut state, slab.columns(), sizing)
         };
         let prepared = match filled {
             Ok(p) => p,

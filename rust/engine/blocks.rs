@@ -9,8 +9,8 @@ use crate::plan::Plan;
 use crate::region::MemoryKind;
 use crate::table::STAGED_MIN_STEPS;
 use crate::table::{
-    block_route, block_runs, expand_groups_into, staged_fit, staged_row, BlockTable, Group, Run,
-    StagedExpansion, TableError, TableSpec, PITCHED_ENTRIES, STAGED_TABLE_EXTRA,
+    block_route, block_runs, expand_groups_into, staged_fit, staged_row, BlockTable, Expansion,
+    Group, Run, StagedExpansion, TableError, TableSpec, PITCHED_ENTRIES, STAGED_TABLE_EXTRA,
 };
 use crate::transfer::JobId;
 
@@ -287,79 +287,18 @@ impl Engine {
         wait_stream: Option<u64>,
         route: Route<'_>,
     ) -> Result<(), EngineError> {
-        let coalesce = self.config.coalesce;
-        let pitched = matches!(route, Plan::Runs(()));
-        let staged = matches!(route, Plan::Staged(_));
-        let slot = self.config.stage_bytes;
-        let host_src = direction == Direction::HostToDevice;
-        let staged_rows = std::cell::Cell::new(0usize);
-        let staged_bytes = std::cell::Cell::new(0u64);
-        // The plans are worked out once per submission, when the slab is sized, and handed to
-        // the fill: both run under one hold of the lock, so the tables cannot change in between.
-        let plans = std::cell::Cell::new(Vec::new());
+        let (coalesce, slot) = (self.config.coalesce, self.config.stage_bytes);
+        let shape = route.map(|_| (), |()| (), |_| ());
         self.submit_with(
             job_id,
             |state| {
                 let resolved = resolve_groups(&state.tables, groups, direction)?;
-                if staged {
-                    if !matches!(direction, Direction::HostToDevice | Direction::DeviceToHost) {
-                        let why = format!(
-                            "these tables have no staged plan: {direction} moves no host row"
-                        );
-                        return Err(no_plan(0, 1, why));
-                    }
-                    // Rows, block entries and geometries (see `crate::table::staged`).
-                    let (mut rows, mut entries, mut bytes) = (0usize, 0usize, 0u64);
-                    for (gi, g) in resolved.iter().enumerate() {
-                        let host = if host_src { g.src } else { g.dst };
-                        match staged_fit(host, slot) {
-                            Ok(row) => {
-                                bytes = bytes.saturating_add(row.saturating_mul(g.blocks() as u64));
-                            }
-                            Err(why) => {
-                                let why = format!("these tables have no staged plan: {why}");
-                                return Err(no_plan(gi, groups.len(), why));
-                            }
-                        }
-                        // A row and a block entry per block, and the group's geometry.
-                        rows = rows.saturating_add(g.blocks());
-                        entries = entries
-                            .saturating_add(g.blocks().saturating_mul(2))
-                            .saturating_add(g.src.segments() + STAGED_TABLE_EXTRA);
-                    }
-                    staged_rows.set(rows);
-                    staged_bytes.set(bytes);
-                    return Ok(entries);
-                }
-                if !pitched {
-                    // A descriptor per (segment, block) pair before coalescing.
-                    return Ok(resolved.iter().fold(0usize, |n, g| {
-                        n.saturating_add(g.src.segments().saturating_mul(g.blocks()))
-                    }));
-                }
-                let mut entries = 0usize;
-                let mut runs = Vec::with_capacity(resolved.len());
-                for (gi, g) in resolved.iter().enumerate() {
-                    let r = block_runs(g.src, g.dst).ok_or_else(|| {
-                        no_plan(
-                            gi,
-                            groups.len(),
-                            "these tables have no block plan (their pages differ in size): move \
-                             them page by page"
-                                .into(),
-                        )
-                    })?;
-                    entries = entries
-                        .saturating_add((PITCHED_ENTRIES * r.len()).saturating_mul(g.blocks()));
-                    runs.push(r);
-                }
-                plans.set(runs);
-                Ok(entries)
+                group_sizing(&resolved, shape, direction, slot)
             },
             direction,
             wait_stream,
             route,
-            |state, cols| {
+            |state, cols, sizing| {
                 let SubmitState {
                     tables,
                     scratch,
@@ -367,30 +306,106 @@ impl Engine {
                     ..
                 } = state;
                 let resolved = resolve_groups(tables, groups, direction)?;
-                let runs = plans.take();
-                let plan = if staged {
-                    // Rows of blocks that follow each other on the host cross PCIe as one copy
-                    // (the copy engines pay per copy: 4 KiB pages' rows of 320 KiB reached
-                    // 82-93 % of the link one copy each, one copy of the same bytes 94-98 %), up
-                    // to a slot, and to a quarter of the transfer, which keeps its steps.
-                    let merge = if coalesce {
-                        slot.min(staged_bytes.get() / STAGED_MIN_STEPS as u64)
-                    } else {
-                        0
-                    };
-                    Plan::Staged(StagedExpansion {
-                        rows: staged_rows.get(),
-                        host_src,
-                        merge,
-                    })
-                } else if pitched {
-                    Plan::Runs(&runs[..])
-                } else {
-                    Plan::Pages(coalesce)
-                };
+                let plan = expansion(&sizing, coalesce, slot, direction);
                 expand_groups_into(&resolved, plan, cols, scratch, chunk_ids)
                     .map_err(EngineError::from)
             },
         )
+    }
+}
+
+/// What sizing a group transfer's slab found out for its fill: nothing more for pages, each
+/// group's block plan, the staged plan's rows and host bytes.
+type Sizing = Plan<(), Vec<Vec<Run>>, StagedSize>;
+
+#[derive(Clone, Copy, Debug)]
+struct StagedSize {
+    rows: usize,
+    bytes: u64,
+}
+
+/// The slab entries of a group transfer on `shape`'s route, and what the fill needs from that
+/// count; refused where a group has no plan of that route.
+fn group_sizing(
+    resolved: &[Group<'_>],
+    shape: Plan<(), (), ()>,
+    direction: Direction,
+    slot: u64,
+) -> Result<(usize, Sizing), EngineError> {
+    let n = resolved.len();
+    match shape {
+        // A descriptor per (segment, block) pair before coalescing.
+        Plan::Pages(()) => Ok((
+            resolved.iter().fold(0usize, |n, g| {
+                n.saturating_add(g.src.segments().saturating_mul(g.blocks()))
+            }),
+            Plan::Pages(()),
+        )),
+        Plan::Runs(()) => {
+            let mut entries = 0usize;
+            let mut runs = Vec::with_capacity(n);
+            for (gi, g) in resolved.iter().enumerate() {
+                let r = block_runs(g.src, g.dst).ok_or_else(|| {
+                    no_plan(
+                        gi,
+                        n,
+                        "these tables have no block plan (their pages differ in size): move \
+                         them page by page"
+                            .into(),
+                    )
+                })?;
+                entries =
+                    entries.saturating_add((PITCHED_ENTRIES * r.len()).saturating_mul(g.blocks()));
+                runs.push(r);
+            }
+            Ok((entries, Plan::Runs(runs)))
+        }
+        Plan::Staged(()) => {
+            if !matches!(direction, Direction::HostToDevice | Direction::DeviceToHost) {
+                let why =
+                    format!("these tables have no staged plan: {direction} moves no host row");
+                return Err(no_plan(0, 1, why));
+            }
+            let host_src = direction == Direction::HostToDevice;
+            // Rows, block entries and geometries (see `crate::table::staged`).
+            let (mut rows, mut entries, mut bytes) = (0usize, 0usize, 0u64);
+            for (gi, g) in resolved.iter().enumerate() {
+                let host = if host_src { g.src } else { g.dst };
+                let row = staged_fit(host, slot).map_err(|why| {
+                    no_plan(gi, n, format!("these tables have no staged plan: {why}"))
+                })?;
+                bytes = bytes.saturating_add(row.saturating_mul(g.blocks() as u64));
+                // A row and a block entry per block, and the group's geometry.
+                rows = rows.saturating_add(g.blocks());
+                entries = entries
+                    .saturating_add(g.blocks().saturating_mul(2))
+                    .saturating_add(g.src.segments() + STAGED_TABLE_EXTRA);
+            }
+            Ok((entries, Plan::Staged(StagedSize { rows, bytes })))
+        }
+    }
+}
+
+/// The expansion a group transfer's fill writes, from its sizing.
+fn expansion(sizing: &Sizing, coalesce: bool, slot: u64, direction: Direction) -> Expansion<'_> {
+    match sizing {
+        Plan::Pages(()) => Plan::Pages(coalesce),
+        Plan::Runs(runs) => Plan::Runs(&runs[..]),
+        Plan::Staged(size) => {
+            // Rows of blocks that follow each other on the host cross PCIe as one copy (the
+            // copy engines pay per copy: 4 KiB pages' rows of 320 KiB reached 82-93 % of the
+            // link one copy each, one copy of the same bytes 94-98 %), up to a slot, and to a
+            // quarter of the transfer, which keeps its steps.
+            let merge = if coalesce {
+                slot.min(size.bytes / STAGED_MIN_STEPS as u64)
+            } else {
+                0
+            };
+            Plan::Staged(StagedExpansion {
+                rows: size.rows,
+                host_src: direction == Direction::HostToDevice,
+                merge,
+            })
+        }
     }
 }
