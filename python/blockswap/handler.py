@@ -589,7 +589,6 @@ class CpuGpuHandlers:
         gpu_tables = gpu_tables_of(gpu_groups, layouts, uniform=cpu_caches is None)
 
         # CPU cache: allocated here, or the caller's, checked against the GPU tensors.
-        self._owns_cpu = cpu_caches is None
         #: The block-major CPU cache, one ``(num_cpu_blocks * block_size_factor, pages, page
         #: elements)`` tensor per group (see :func:`~blockswap.layout.make_block_major_cpu_cache`),
         #: where it was allocated here block-major; ``cpu_caches`` are per-layer views into it.
