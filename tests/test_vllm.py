@@ -23,6 +23,7 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
     CanonicalKVCaches,
     CanonicalKVCacheTensor,
     CanonicalPageMapping,
+    CopyRun,
     GPULoadStoreSpec,
     TransferResult,
 )
@@ -201,12 +202,49 @@ def test_a_bad_spec_is_a_false_return_not_an_exception(
         w.shutdown()
 
 
-def test_canonical_layout_and_empty_caches_are_refused_by_name() -> None:
-    kv, _ = caches()
-    mapping = CanonicalPageMapping(192, 192, (), 1, 0, True)
-    kv.group_data_refs[0][0] = CanonicalKVCacheRef(0, 192, mapping)
-    with pytest.raises(ValueError, match="canonical_layout"):
-        BlockswapOffloadingWorker(kv, BPC, N_CHUNKS, backend="host")
+def test_references_with_canonical_mappings_keep_the_direct_layout() -> None:
+    """vLLM 0.33's connector gives every layer it can certify a ``CanonicalPageMapping``,
+    whatever layout was asked for (``derive_canonical_mappings`` in its offloading worker), and
+    its CPU worker reads them only for ``canonical_layout``: the worker moves the same bytes to
+    the same places with or without them."""
+    ids, chunks, starts = [[3, 9, 4], [7, 1], []], [2, 5], [1, 2, 0]
+    stores = []
+    for mapped in (False, True):
+        kv, ts = caches()
+        if mapped:
+            # Halves of each page swapped in a canonical page twice as large: where the mapping
+            # read, the bytes would land elsewhere.
+            for group in kv.group_data_refs:
+                for i, r in enumerate(group):
+                    half = r.page_size_bytes // 2
+                    runs = (CopyRun(0, 3 * half, half, 1, half, half),
+                            CopyRun(half, 0, half, 1, half, half))  # fmt: skip
+                    m = CanonicalPageMapping(4 * half, 2 * half, runs, 1, 0, True)
+                    group[i] = CanonicalKVCacheRef(r.tensor_idx, r.page_size_bytes, m)
+        w = BlockswapOffloadingWorker(kv, BPC, N_CHUNKS, backend="host")
+        try:
+            assert w.submit_store(1, spec_of(ids, starts), CPULoadStoreSpec(chunks)) is True
+            w.wait({1})
+            assert [r.success for r in w.get_finished()] == [True]
+            assert w.cpu_cache is not None
+            stores.append(w.cpu_cache.clone())
+            back = [[0, 2, 5], [6, 8], []]
+            for x in ts:
+                x.zero_()
+            assert w.submit_load(2, CPULoadStoreSpec(chunks), spec_of(back, starts)) is True
+            w.wait({2})
+            assert [r.success for r in w.get_finished()] == [True]
+            before = caches()[1]
+            for g, refs in enumerate(PAGES):
+                for tensor, page in refs:
+                    for src, dst in zip(ids[g], back[g]):
+                        assert torch.equal(ts[tensor][dst, :page], before[tensor][src, :page])
+        finally:
+            w.shutdown()
+    assert stores[1].any() and torch.equal(stores[0], stores[1])
+
+
+def test_empty_caches_are_refused_by_name() -> None:
     kv, _ = caches()
     with pytest.raises(ValueError, match="cpu_bytes_to_use"):
         BlockswapOffloadingWorker(kv, BPC, 0, backend="host")

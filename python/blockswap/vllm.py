@@ -150,15 +150,10 @@ class BlockswapOffloadingWorker(OffloadingWorker):
             )
         if not kv_caches.tensors:
             raise ConfigError("kv_caches holds no tensor")
+        # A reference's CanonicalPageMapping (vLLM 0.33 derives one for every layer it can
+        # certify, whatever the layout asked for) is read only by the canonical layout, which
+        # the specs refuse: here, as in vLLM's worker, the cache keeps the direct layout.
         refs = kv_caches.group_data_refs
-        for g, group in enumerate(refs):
-            for r in group:
-                if r.mapping is not None:
-                    raise ConfigError(
-                        f"KV-cache group {g} carries a CanonicalPageMapping: blockswap's worker "
-                        "does not support canonical_layout; remove it from "
-                        "kv_connector_extra_config"
-                    )
         rows: list[torch.Tensor] = []
         for i, ct in enumerate(kv_caches.tensors):
             t = ct.tensor
