@@ -70,7 +70,9 @@ def test_the_host_route_is_said_one_way_by_info_bench_and_the_handler() -> None:
     assert f"GPU->CPU (d2h): {HOST_ROUTE}" in readme
 
 
-def test_the_readme_says_canonical_layout_is_refused_when_the_spec_is_made() -> None:
+def test_the_readme_says_which_spec_takes_canonical_layout() -> None:
     readme = " ".join((ROOT / "README.md").read_text().split())
-    assert "`canonical_layout` is not supported yet (refused when the spec is made)" in readme
-    assert "when the worker is built" not in readme
+    assert (
+        "`BlockswapOffloadingSpec` refuses it when the spec is made, naming the tiering" in readme
+    )
+    assert "not supported yet" not in readme

@@ -46,9 +46,10 @@ direction, 1 to ``blockswap._core.MAX_IN_FLIGHT``) and ``blockswap_pin_piece_byt
 piece the CPU cache is page-locked in). All of them are checked when the spec is made, before
 the CPU cache is sized or allocated (:mod:`blockswap._vllm_config`): an unknown ``blockswap_*``
 key is refused with the list of known ones, a bad value with its key and the values it takes,
-as a :class:`~blockswap.errors.ConfigError`. Not supported, and refused when the spec is made
-with a message naming the option: ``canonical_layout`` (vLLM's parallelism-free CPU layout,
-``CanonicalPageMapping``).
+as a :class:`~blockswap.errors.ConfigError`. ``canonical_layout`` (vLLM's parallelism-free CPU
+layout, each rank's ``CanonicalPageMapping`` naming its fragments of the shared pages) is laid
+out by ``BlockswapTieringOffloadingSpec``, as vLLM 0.33's tiering spec lays it out;
+``BlockswapOffloadingSpec`` refuses it when the spec is made (vLLM's CPU spec ignores it).
 
 Importing this module needs vLLM; ``import blockswap`` never imports it.
 """
@@ -136,6 +137,7 @@ class BlockswapOffloadingWorker(OffloadingWorker):
         num_cpu_chunks: int,
         *,
         mmap_region: SharedOffloadRegion | None = None,
+        canonical_layout: bool = False,
         backend: BackendName = "auto",
         path: HandlerPath = "auto",
         pin_piece_bytes: int = DEFAULT_PIECE_BYTES,
@@ -151,9 +153,25 @@ class BlockswapOffloadingWorker(OffloadingWorker):
         if not kv_caches.tensors:
             raise ConfigError("kv_caches holds no tensor")
         # A reference's CanonicalPageMapping (vLLM 0.33 derives one for every layer it can
-        # certify, whatever the layout asked for) is read only by the canonical layout, which
-        # the specs refuse: here, as in vLLM's worker, the cache keeps the direct layout.
+        # certify, whatever the layout asked for) is read only by the canonical layout: without
+        # it, as in vLLM's worker, the cache keeps the direct layout.
         refs = kv_caches.group_data_refs
+        if canonical_layout:
+            if mmap_region is None:
+                raise ConfigError(
+                    "canonical_layout keeps the CPU tier in vLLM's shared offload region: the "
+                    "worker needs mmap_region"
+                )
+            for g, group in enumerate(refs):
+                for i, r in enumerate(group):
+                    if r.mapping is None:
+                        raise ConfigError(
+                            f"canonical_layout: reference {i} of KV-cache group {g} carries no "
+                            "CanonicalPageMapping (vLLM could not certify its layout: offload "
+                            "workers must be exactly the TP group, and packed / cross-layer KV "
+                            "layouts are not supported); remove canonical_layout from "
+                            "kv_connector_extra_config"
+                        )
         rows: list[torch.Tensor] = []
         for i, ct in enumerate(kv_caches.tensors):
             t = ct.tensor
@@ -210,8 +228,15 @@ class BlockswapOffloadingWorker(OffloadingWorker):
         cpu_groups: list[list[torch.Tensor]] = []
         #: vLLM group index -> its first handler group (None: a group without pages). With a
         #: shared region a group has ``blocks_per_chunk`` handler groups, one per sub-block
-        #: index in a chunk; otherwise one.
+        #: index in a chunk (times its writer classes, below); otherwise one.
         self._groups: list[int | None] = []
+        #: Per vLLM group, its writer classes: ``(num_writers, writer_index, bytes vLLM counts per
+        #: block)``, a handler group each per sub-block index. One class ``(1, 0, ...)`` outside
+        #: the canonical layout, where every rank stores every block it names.
+        self._classes: list[list[tuple[int, int, int]]] = []
+        #: The canonical layout (vLLM's ``canonical_layout``): pages parallelism-free in cells
+        #: shared by the ranks, each rank moving its fragments of them.
+        self.canonical_layout = bool(canonical_layout)
         handler_options = dict(options)
         if mmap_region is None:
             self._fanout = 1
@@ -220,15 +245,25 @@ class BlockswapOffloadingWorker(OffloadingWorker):
         else:
             self._fanout = f
             factor = 1
-            cpu_groups = self._region_cells(kv_caches, group_pages, on_cuda, index, pin_piece_bytes)
+            if canonical_layout:
+                gpu_groups, cpu_groups = self._canonical_cells(
+                    kv_caches, rows, on_cuda, index, pin_piece_bytes
+                )
+            else:
+                cpu_groups = self._region_cells(
+                    kv_caches, group_pages, on_cuda, index, pin_piece_bytes
+                )
             handler_options["host_pieces"] = self.region_pieces
-        for pages in group_pages:
-            if not pages:
-                self._groups.append(None)
-                continue
-            self._groups.append(len(gpu_groups))
-            for _ in range(self._fanout):
-                gpu_groups.append([rows[t][:, :p].unsqueeze(1) for t, p in pages.items()])
+        if not canonical_layout:
+            for g, pages in enumerate(group_pages):
+                if not pages:
+                    self._groups.append(None)
+                    self._classes.append([])
+                    continue
+                self._groups.append(len(gpu_groups))
+                self._classes.append([(1, 0, self._block_bytes[g])])
+                for _ in range(self._fanout):
+                    gpu_groups.append([rows[t][:, :p].unsqueeze(1) for t, p in pages.items()])
         self._single = len(gpu_groups) == 1
         if on_cuda:
             handler_options.setdefault("timing", True)  # transfer_time: the copies' GPU time
@@ -336,14 +371,8 @@ class BlockswapOffloadingWorker(OffloadingWorker):
         chunk's cell); the region page-locked on CUDA and cut into the pieces the engines
         register; per handler group ``(g, j)`` the ``j``-th page of each tensor of group ``g``,
         a ``(num_cpu_chunks, 1, page)`` view at the region's row stride."""
-        region = self.mmap_region
-        assert region is not None
+        region = self._region_chunks()
         f = self.blocks_per_chunk
-        if region.num_chunks != self.num_cpu_chunks:
-            raise ConfigError(
-                f"the shared offload region holds {region.num_chunks} chunks, the worker was "
-                f"given num_cpu_chunks={self.num_cpu_chunks}"
-            )
         need = sum(ct.page_size_bytes for ct in kv_caches.tensors) * f
         if need > region.cpu_page_size:
             raise ConfigError(
@@ -354,6 +383,33 @@ class BlockswapOffloadingWorker(OffloadingWorker):
         self.cpu_tensors = views = [
             region.create_next_worker_view(ct.page_size_bytes * f) for ct in kv_caches.tensors
         ]
+        self._register_region(on_cuda, index, pin_piece_bytes)
+        page_of = [ct.page_size_bytes for ct in kv_caches.tensors]
+        return [
+            [
+                views[t][:, j * page_of[t] : j * page_of[t] + p].unsqueeze(1)
+                for t, p in pages.items()
+            ]
+            for pages in group_pages
+            if pages
+            for j in range(f)
+        ]
+
+    def _region_chunks(self) -> SharedOffloadRegion:
+        region = self.mmap_region
+        assert region is not None
+        if region.num_chunks != self.num_cpu_chunks:
+            raise ConfigError(
+                f"the shared offload region holds {region.num_chunks} chunks, the worker was "
+                f"given num_cpu_chunks={self.num_cpu_chunks}"
+            )
+        return region
+
+    def _register_region(self, on_cuda: bool, index: int, pin_piece_bytes: int) -> None:
+        """The region cut into the pieces the engines register (whole rows: a page lies inside
+        one row, so no copy crosses a piece), page-locked on CUDA unless vLLM did it."""
+        region = self.mmap_region
+        assert region is not None
         row = region._row_stride
         # Pieces of whole rows: a page lies inside one cell, so no copy crosses a row.
         per_piece = max(pin_piece_bytes // row, 1) * row
@@ -365,16 +421,103 @@ class BlockswapOffloadingWorker(OffloadingWorker):
             # Portable registrations, in the primary context of the engines' device.
             self._region_pinned = _pin_region(self.region_pieces, index)
             self._pin_device = index
-        page_of = [ct.page_size_bytes for ct in kv_caches.tensors]
-        return [
-            [
-                views[t][:, j * page_of[t] : j * page_of[t] + p].unsqueeze(1)
-                for t, p in pages.items()
-            ]
-            for pages in group_pages
-            if pages
-            for j in range(f)
-        ]
+
+    def _canonical_cells(
+        self,
+        kv_caches: CanonicalKVCaches,
+        rows: list[torch.Tensor],
+        on_cuda: bool,
+        index: int,
+        pin_piece_bytes: int,
+    ) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
+        """The canonical layout on vLLM's region, as vLLM's worker lays it out: per tensor a
+        view of ``blocks_per_chunk`` canonical pages (the largest ``canonical_page_size_bytes``
+        of its references) from the start of each row, shared by every rank
+        (``create_next_canonical_view``). Per handler group ``(g, j, writer class)``, the GPU
+        and CPU sides of every fragment of the class's references (a tensor named twice: its
+        larger page), each fragment a ``(blocks, 1, fragment bytes)`` view: the core moves a
+        fragment per page of its table. Returns ``(GPU groups, CPU groups)``."""
+        region = self._region_chunks()
+        f = self.blocks_per_chunk
+        refs = kv_caches.group_data_refs
+        canon = [0] * len(rows)
+        for group in refs:
+            for r in group:
+                assert r.mapping is not None  # checked by the constructor
+                t = r.tensor_idx
+                canon[t] = max(canon[t], r.mapping.canonical_page_size_bytes)
+        if not all(canon):
+            t = canon.index(0)
+            raise ConfigError(f"canonical_layout: no reference names KV-cache tensor {t}")
+        need = sum(canon) * f
+        if need > region._row_stride:
+            raise ConfigError(
+                f"canonical_layout: the canonical pages take {need} bytes per chunk ({f} of "
+                f"each tensor's), but a row of the shared offload region holds "
+                f"{region._row_stride}"
+            )
+        self.cpu_tensors = views = [region.create_next_canonical_view(c * f) for c in canon]
+        self._register_region(on_cuda, index, pin_piece_bytes)
+        gpu_groups: list[list[torch.Tensor]] = []
+        cpu_groups: list[list[torch.Tensor]] = []
+        for g, group in enumerate(refs):
+            if not group:
+                self._groups.append(None)
+                self._classes.append([])
+                continue
+            # Per writer class, each tensor's reference (the larger page) and vLLM's count.
+            classes: dict[tuple[int, int], dict[int, Any]] = {}
+            counted: dict[tuple[int, int], int] = {}
+            for r in group:
+                m = r.mapping
+                key = (int(m.num_writers), int(m.writer_index))
+                if not 0 <= key[1] < key[0]:
+                    raise ConfigError(
+                        f"canonical_layout: group {g} names writer {key[1]} of {key[0]}"
+                    )
+                per = classes.setdefault(key, {})
+                cur = per.get(r.tensor_idx)
+                if cur is None or r.page_size_bytes > cur.page_size_bytes:
+                    per[r.tensor_idx] = r
+                counted[key] = counted.get(key, 0) + r.page_size_bytes
+            self._groups.append(len(gpu_groups))
+            self._classes.append([(nw, wi, counted[nw, wi]) for nw, wi in classes])
+            fragments = [self._fragments(g, per, rows, canon) for per in classes.values()]
+            for j in range(f):
+                for frags in fragments:
+                    gpu_groups.append(
+                        [rows[t][:, lo : lo + n].unsqueeze(1) for t, lo, _, n in frags]
+                    )
+                    cpu_groups.append([
+                        views[t][:, j * canon[t] + co : j * canon[t] + co + n].unsqueeze(1)
+                        for t, _, co, n in frags
+                    ])  # fmt: skip
+        return gpu_groups, cpu_groups
+
+    @staticmethod
+    def _fragments(
+        g: int, per_tensor: dict[int, Any], rows: list[torch.Tensor], canon: list[int]
+    ) -> list[tuple[int, int, int, int]]:
+        """``(tensor, local offset, canonical offset, bytes)`` of every fragment of the mappings'
+        runs, each checked to lie in its tensor's GPU row and canonical page."""
+        out = []
+        for t, r in per_tensor.items():
+            for run in r.mapping.runs:
+                n = int(run.fragment_size)
+                for i in range(int(run.num_fragments)):
+                    lo = int(run.local_offset) + i * int(run.local_stride)
+                    co = int(run.canonical_offset) + i * int(run.canonical_stride)
+                    if n <= 0 or lo < 0 or co < 0:
+                        raise ConfigError(f"canonical_layout: group {g} has a run {run}")
+                    if lo + n > rows[t].shape[1] or co + n > canon[t]:
+                        raise ConfigError(
+                            f"canonical_layout: group {g}'s run {run} reaches past tensor {t}'s "
+                            f"page ({rows[t].shape[1]} bytes) or canonical page ({canon[t]})"
+                        )
+                    out.append((t, lo, co, n))
+        if not out:
+            raise ConfigError(f"canonical_layout: group {g}'s mappings have no fragment")
+        return out
 
     @property
     def handlers(self) -> tuple[CpuGpuHandlers, CpuGpuHandlers]:
@@ -474,7 +617,7 @@ class BlockswapOffloadingWorker(OffloadingWorker):
     ) -> bool:
         try:
             cpu_spec = dst if gpu_spec is src else src
-            gpu_ids, cpu_ids, starts, size = self._split(gpu_spec, cpu_spec)
+            gpu_ids, cpu_ids, starts, size = self._split(gpu_spec, cpu_spec, lane == "store")
             jobs = self._lanes[lane]
             if not any(g.shape[0] for g in gpu_ids):
                 # No data to move: reported right after the jobs submitted before it in its lane.
@@ -496,14 +639,16 @@ class BlockswapOffloadingWorker(OffloadingWorker):
         return True
 
     def _split(
-        self, gpu_spec: GPULoadStoreSpec, cpu_spec: LoadStoreSpec
+        self, gpu_spec: GPULoadStoreSpec, cpu_spec: LoadStoreSpec, store: bool
     ) -> tuple[list[npt.NDArray[np.int64]], list[npt.NDArray[np.int64]], list[int] | None, int]:
         """vLLM's flat ids cut per KV-cache group: ``(GPU ids, CPU ids, first block indices,
         bytes vLLM counts)``, ids per handler group. A group takes ``ceil((skip + n) /
         blocks_per_chunk)`` chunks of the flat list (none for no block); the engine checks each
         group's count again. With a shared region the core maps each group's chunks to the
         sub-blocks its blocks use (``chunk_blocks``), and block ``i`` goes to handler group
-        ``(g, sub-block index)`` with its chunk id."""
+        ``(g, sub-block index, writer class)`` with its chunk id. A ``store`` of a class with
+        several writers keeps the blocks whose canonical page (``chunk * blocks_per_chunk +
+        sub-block index``) is this rank's turn (vLLM's ``CanonicalPageMapping.is_writer``)."""
         gpu = np.asarray(gpu_spec.block_ids, dtype=np.int64)
         chunks = np.asarray(getattr(cpu_spec, "block_ids", cpu_spec), dtype=np.int64)
         sizes: Sequence[int] = gpu_spec.group_sizes
@@ -530,25 +675,49 @@ class BlockswapOffloadingWorker(OffloadingWorker):
                     raise ConfigError(f"group {g} has no pages but the spec names {n} blocks")
                 continue
             ids, cs = gpu[o : o + n], chunks[c : c + m]
-            size += n * self._block_bytes[g]
             o, c = o + n, c + m
             if fan == 1:
-                out_gpu.append(ids)
-                out_cpu.append(cs)
-                out_start.append(start)
+                # The private cache (one class), or one block per chunk: page id = chunk id.
+                for nw, wi, nbytes in self._classes[g]:
+                    gk, ck = _writer_blocks(ids, cs, cs, nw, wi, store)
+                    out_gpu.append(gk)
+                    out_cpu.append(ck)
+                    out_start.append(start)
+                    size += gk.shape[0] * nbytes
                 continue
             # The chunk rule in the core: the sub-block (chunk * f + index) of each block.
             sub = chunk_blocks(cs, f, ids.shape[0], skip, self.num_cpu_chunks) if n else cs
             for j in range(fan):
                 first = (j - skip) % f  # the first block at sub-block index j of its chunk
-                out_gpu.append(ids[first::f])
-                out_cpu.append(sub[first::f] // f)
+                gj, cj = ids[first::f], sub[first::f] // f
+                for nw, wi, nbytes in self._classes[g]:
+                    gk, ck = _writer_blocks(gj, cj, cj * f + j, nw, wi, store)
+                    out_gpu.append(gk)
+                    out_cpu.append(ck)
+                    size += gk.shape[0] * nbytes
         if o != gpu.shape[0] or c != chunks.shape[0]:
             raise ConfigError(
                 f"the groups take {o} GPU blocks and {c} CPU chunks, the spec names "
                 f"{gpu.shape[0]} and {chunks.shape[0]}"
             )
         return out_gpu, out_cpu, (out_start if fan == 1 else None), size
+
+
+def _writer_blocks(
+    gpu: npt.NDArray[np.int64],
+    cpu: npt.NDArray[np.int64],
+    pages: npt.NDArray[np.int64],
+    num_writers: int,
+    writer_index: int,
+    store: bool,
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """The blocks a transfer moves for a writer class: on a store with several writers, those
+    whose canonical page id (``pages``) is this rank's turn (vLLM's ``is_writer``: ``page %
+    num_writers == writer_index``); every block otherwise (a load reads every page)."""
+    if not store or num_writers == 1:
+        return gpu, cpu
+    mine = pages % num_writers == writer_index
+    return gpu[mine], cpu[mine]
 
 
 #: Regions an engine could still copy into when its shutdown timed out: kept for the process.
@@ -594,11 +763,12 @@ def _worker_options(extra_config: dict[str, Any]) -> dict[str, Any]:
     return _vllm_config.worker_options(extra_config)
 
 
-def _init_spec(spec: Any, config: Any, base_init: Any) -> None:
-    """Both specs' construction: the config checked (:func:`_check_config`), vLLM's spec made
-    (``base_init``: its ``__init__``, bound), then the CPU tier it sized checked against the
-    host's available memory, before anything is allocated."""
-    _check_config(config)
+def _init_spec(spec: Any, config: Any, base_init: Any, *, canonical: bool) -> None:
+    """Both specs' construction: the config checked (:func:`_check_config`; ``canonical``:
+    whether the spec takes ``canonical_layout``), vLLM's spec made (``base_init``: its
+    ``__init__``, bound), then the CPU tier it sized checked against the host's available
+    memory, before anything is allocated."""
+    _check_config(config, canonical=canonical)
     base_init(config)
     _vllm_config.check_fits(
         spec.num_chunks * spec.cpu_page_size_per_worker,
@@ -607,16 +777,20 @@ def _init_spec(spec: Any, config: Any, base_init: Any) -> None:
     )
 
 
-def _check_config(config: Any) -> None:
+def _check_config(config: Any, *, canonical: bool) -> None:
     """What both specs do before vLLM sizes or blockswap allocates anything: blockswap's log
-    lines joined to vLLM's log, every ``blockswap_*`` key checked, ``canonical_layout`` refused."""
+    lines joined to vLLM's log, every ``blockswap_*`` key checked, ``canonical_layout`` refused
+    where the spec does not take it (the CPU spec: vLLM 0.33's own ignores it; the tiering spec
+    takes it, as vLLM's does)."""
     # blockswap's log lines in vLLM's log, in its format, at INFO.
     _vllm_logging.attach()
     _vllm_config.worker_options(config.extra_config)
-    if config.canonical_layout:
+    if config.canonical_layout and not canonical:
         raise ConfigError(
-            "blockswap's offloading worker does not support canonical_layout: remove it "
-            "from kv_connector_extra_config"
+            "canonical_layout is taken by BlockswapTieringOffloadingSpec (vLLM 0.33 lays the "
+            "canonical layout out in its tiering spec; its CPU spec ignores the option): set "
+            "spec_name to BlockswapTieringOffloadingSpec, or remove canonical_layout from "
+            "kv_connector_extra_config"
         )
 
 
@@ -634,7 +808,7 @@ def _spec_class() -> type:
         :class:`BlockswapOffloadingWorker` as its worker."""
 
         def __init__(self, config: OffloadingConfig) -> None:
-            _init_spec(self, config, super().__init__)
+            _init_spec(self, config, super().__init__, canonical=False)
 
         def create_worker(self, kv_caches: CanonicalKVCaches) -> BlockswapOffloadingWorker:
             # The region exactly as CPUOffloadingSpec.create_worker makes it.
@@ -673,10 +847,11 @@ def _tiering_spec_class() -> type:
         tier through the region) with :class:`BlockswapOffloadingWorker` as its worker."""
 
         def __init__(self, config: OffloadingConfig) -> None:
-            _init_spec(self, config, super().__init__)
+            _init_spec(self, config, super().__init__, canonical=True)
 
         def create_worker(self, kv_caches: CanonicalKVCaches) -> BlockswapOffloadingWorker:
-            # The region exactly as TieringOffloadingSpec.create_worker makes it.
+            # The region exactly as TieringOffloadingSpec.create_worker makes it, and the
+            # canonical layout's references certified by vLLM's own check.
             region = SharedOffloadRegion(
                 engine_id=self._engine_id,
                 num_chunks=self.num_chunks,
@@ -684,7 +859,14 @@ def _tiering_spec_class() -> type:
                 kv_bytes_per_chunk=self.kv_bytes_per_chunk,
                 cpu_page_size=self.cpu_page_size_per_worker,
             )
-            return _new_worker(self, kv_caches, region)
+            canonical = bool(self.config.canonical_layout)
+            if canonical:
+                try:
+                    self._validate_canonical_refs(kv_caches)
+                except Exception:
+                    region.cleanup()
+                    raise
+            return _new_worker(self, kv_caches, region, canonical_layout=canonical)
 
         def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
             return _get_worker(self, kv_caches)
@@ -694,7 +876,11 @@ def _tiering_spec_class() -> type:
 
 
 def _new_worker(
-    spec: Any, kv_caches: CanonicalKVCaches, region: SharedOffloadRegion | None
+    spec: Any,
+    kv_caches: CanonicalKVCaches,
+    region: SharedOffloadRegion | None,
+    *,
+    canonical_layout: bool = False,
 ) -> BlockswapOffloadingWorker:
     """The worker over ``region`` (released here if the worker cannot be built, as vLLM's
     ``create_worker`` does)."""
@@ -704,6 +890,7 @@ def _new_worker(
             spec.blocks_per_chunk,
             spec.num_chunks,
             mmap_region=region,
+            canonical_layout=canonical_layout,
             **_worker_options(spec.extra_config),
         )
     except Exception:
