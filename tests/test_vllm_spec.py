@@ -350,3 +350,127 @@ def test_tiering_manager_stores_cascades_evicts_and_promotes_through_blockswaps_
     finally:
         w.shutdown()
         manager.shutdown()
+
+
+# ---- two ranks of one host, each its own process, from vLLM's factory -------------------------
+
+
+def _factory_rank(
+    rank: int, engine_id: str, replicated: bool, device: str, barrier: Any, out: Any
+) -> None:
+    """Rank ``rank`` of a world of 2: ``BlockswapOffloadingSpec`` from vLLM's factory with the
+    same extra config as the other rank, on a platform where vLLM keeps the CPU tier in the
+    shared region (CUDA; stood in for on the CPU), its barrier across the two processes, the KV
+    cache on GPU ``rank`` with ``device="cuda"``. Stores and loads run on both ranks at once;
+    reports what it saw to the parent."""
+    try:
+        import os
+
+        from vllm.v1.kv_offload.cpu import spec as cpu_spec
+        from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+        from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+        if device == "cpu":
+            cpu_spec.current_platform.is_cuda_alike = lambda: True  # type: ignore[method-assign]
+            cpu_spec.current_platform.is_rocm = lambda: False  # type: ignore[method-assign]
+        else:
+            torch.cuda.set_device(rank)
+        cpu_spec._all_workers_barrier = lambda: barrier.wait(60)
+        cfg = offloading_config(
+            engine_id=engine_id, rank=rank, world_size=2, replicated_layout=replicated
+        )
+        spec = OffloadingSpecFactory.create_spec(cfg)
+        # Replicated (an MLA latent under TP): the same KV on both ranks; else each rank's own.
+        kv, ts = two_tensors(7 if replicated else rank)
+        if device == "cuda":
+            ts = [t.to(f"cuda:{rank}") for t in ts]
+            kv = CanonicalKVCaches([CanonicalKVCacheTensor(t, 256) for t in ts],
+                                   kv.group_data_refs)  # fmt: skip
+        before = [t.clone() for t in ts]
+        w = spec.get_worker(kv)
+        try:
+            region = w.mmap_region
+            assert isinstance(w, BlockswapOffloadingWorker) and region is not None
+            st = os.fstat(region.fd)  # type: ignore[arg-type]
+            chunks = CPULoadStoreSpec([0, 1, 2, 3])
+            barrier.wait(60)
+            # vLLM's connector stores from every rank, or with replicated_layout from rank 0.
+            if not replicated or rank == 0:
+                assert w.submit_store(1, GPULoadStoreSpec(list(range(8)), [8], [0]), chunks)
+                w.wait({1})
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                assert [(r.job_id, r.success) for r in w.get_finished()] == [(1, True)]
+            barrier.wait(60)
+            cells_ok = True
+            if not replicated:
+                # The other rank's cell of each row holds its bytes: [tensor 0's two pages |
+                # tensor 1's two pages] (vLLM's layout), written at the same time as ours.
+                _, theirs = two_tensors(1 - rank)
+                cell = region.cpu_page_size
+                raw = region.base_tensor.as_strided(
+                    (4, cell), (region._row_stride, 1), (1 - rank) * cell
+                )
+                for c in range(4):
+                    want = torch.cat([t[2 * c : 2 * c + 2].reshape(-1) for t in theirs])
+                    cells_ok &= torch.equal(raw[c], want)
+                del raw
+            for t in ts:
+                t.zero_()
+            back = GPULoadStoreSpec(list(range(8, 16)), [8], [0])
+            assert w.submit_load(2, chunks, back)
+            w.wait({2})
+            assert [(r.job_id, r.success) for r in w.get_finished()] == [(2, True)]
+            if device == "cuda":
+                torch.cuda.synchronize()
+            exact = all(torch.equal(t[8:], b[:8]) and not t[:8].any() for t, b in zip(ts, before))
+            out.put((rank, None, st.st_ino, region.total_size_bytes, exact, cells_ok))
+            barrier.wait(60)
+        finally:
+            w.shutdown()
+    except Exception as e:  # reported to the parent, which fails the test with it
+        out.put((rank, repr(e), 0, 0, False, False))
+        barrier.abort()
+
+
+TWO_GPUS = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs"
+)
+
+
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, TWO_GPUS])]
+)
+@pytest.mark.parametrize("replicated", [False, True], ids=["per-layer", "mla-replicated"])
+def test_two_ranks_from_vllms_factory_share_one_region(replicated: bool, device: str) -> None:
+    """Ranks 0 and 1 of one host, each in its own process (on its own GPU with ``cuda``), built
+    by vLLM's factory from the same ``kv_connector_extra_config``: one region file mapped by
+    both, stores and loads on both at once, byte-exact; each rank's cell holds its bytes, or
+    with ``replicated_layout`` one copy that both ranks load. On the CPU, the host backend's run
+    of the two-GPU test."""
+    import multiprocessing
+    import uuid
+
+    ctx = multiprocessing.get_context("spawn")
+    engine = str(uuid.uuid4())
+    barrier = ctx.Barrier(2)
+    out = ctx.Queue()
+    procs = [
+        ctx.Process(target=_factory_rank, args=(r, engine, replicated, device, barrier, out))
+        for r in (0, 1)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        results = sorted(out.get(timeout=180) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+    for rank, err, *_ in results:
+        assert err is None, f"rank {rank}: {err}"
+    (_, _, ino0, total0, exact0, cells0), (_, _, ino1, total1, exact1, cells1) = results
+    assert ino0 == ino1  # one file, mapped by both ranks
+    # 16 rows of 4 KiB: one 1 KiB cell per rank, or one for both (replicated).
+    assert total0 == total1 == 16 * 4096
+    assert exact0 and exact1 and cells0 and cells1
+    assert all(p.exitcode == 0 for p in procs)
