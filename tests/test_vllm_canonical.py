@@ -304,3 +304,79 @@ def test_the_tiering_spec_lays_out_the_canonical_layout_and_the_cpu_spec_names_i
         assert torch.equal(w.cpu_tensors[0][:2].reshape(2 * f, 256), gpu[: 2 * f])
     finally:
         w.shutdown()
+
+
+def _tp2_rank(rank: int, engine_id: str, barrier: Any, out: Any) -> None:
+    """Rank ``rank`` of TP=2 in its own process: ``BlockswapTieringOffloadingSpec`` from vLLM's
+    factory with ``canonical_layout``, two per-layer tensors of one head of two, each rank's
+    ``CanonicalPageMapping`` scattering its head into the shared canonical pages; stores on both
+    ranks at once, then every canonical page checked whole, then each rank's loads."""
+    try:
+        from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+        from test_vllm_spec import offloading_config
+
+        cfg = offloading_config(
+            canonical_layout=True, spec_name="BlockswapTieringOffloadingSpec",
+            engine_id=engine_id, rank=rank, world_size=2,
+        )  # fmt: skip
+        spec = OffloadingSpecFactory.create_spec(cfg)
+        gen = torch.Generator().manual_seed(3)  # the same truth in both processes
+        # Per tensor: (blocks, K/V, 2 tokens, 2 heads, 64 bytes); a rank holds one head.
+        full = [torch.randint(-128, 128, (16, 2, 2, 2, 64), dtype=torch.int8, generator=gen)
+                for _ in range(2)]  # fmt: skip
+        shards = [f[:, :, :, rank : rank + 1, :].reshape(16, 256).contiguous() for f in full]
+        k = CopyRun(0, rank * 64, 64, 2, 64, 128)
+        v = CopyRun(128, 256 + rank * 64, 64, 2, 64, 128)
+        m = CanonicalPageMapping(512, 256, (k, v), 1, 0, True)
+        kv = CanonicalKVCaches([CanonicalKVCacheTensor(s, 256) for s in shards],
+                               [[CanonicalKVCacheRef(0, 256, m), CanonicalKVCacheRef(1, 256, m)]])  # fmt: skip
+        before = [s.clone() for s in shards]
+        w = spec.get_worker(kv)
+        try:
+            assert isinstance(w, BlockswapOffloadingWorker) and w.canonical_layout
+            barrier.wait(60)
+            transfer(w, True, 1, 8)  # blocks 0-7 into chunks 0-3, both ranks at once
+            barrier.wait(60)
+            whole = all(
+                torch.equal(view[c], f[2 * c : 2 * c + 2].reshape(-1))
+                for view, f in zip(w.cpu_tensors, full)
+                for c in range(4)
+            )
+            for s in shards:
+                s.zero_()
+            transfer(w, False, 2, 8)
+            exact = all(
+                torch.equal(s[:8], b[:8]) and not s[8:].any() for s, b in zip(shards, before)
+            )
+            out.put((rank, None, whole, exact))
+            barrier.wait(60)
+        finally:
+            w.shutdown()
+    except Exception as e:  # reported to the parent, which fails the test with it
+        out.put((rank, repr(e), False, False))
+        barrier.abort()
+
+
+def test_two_tp_ranks_from_vllms_factory_assemble_canonical_pages() -> None:
+    """TP=2 in two processes, each built by vLLM's factory from the same
+    ``kv_connector_extra_config`` with ``canonical_layout``: both ranks' stores at once fill
+    every canonical page whole (each rank its head), and each rank loads its own back."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    engine = str(uuid.uuid4())
+    barrier = ctx.Barrier(2)
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_tp2_rank, args=(r, engine, barrier, out)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        results = sorted(out.get(timeout=180) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+    for rank, err, *_ in results:
+        assert err is None, f"rank {rank}: {err}"
+    assert all(whole and exact for _, _, whole, exact in results), results
+    assert all(p.exitcode == 0 for p in procs)
