@@ -114,6 +114,29 @@ def per_group(ids: list[list[int]], chunks: list[int], starts: list[int]) -> lis
     return out
 
 
+def two_ranks(target: Any, *args: Any, timeout: float = 180) -> list[tuple[Any, ...]]:
+    """Runs ``target(rank, *args, barrier, out)`` for ranks 0 and 1, each in a spawned process
+    sharing a two-party barrier; returns what each put on ``out`` (``(rank, error or None,
+    ...)``), sorted by rank, once both exited cleanly without an error."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    barrier = ctx.Barrier(2)
+    out = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r, *args, barrier, out)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        results = sorted(out.get(timeout=timeout) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+    for rank, err, *_ in results:
+        assert err is None, f"rank {rank}: {err}"
+    assert all(p.exitcode == 0 for p in procs)
+    return results
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @settings(
     max_examples=25,

@@ -362,21 +362,7 @@ def test_two_tp_ranks_from_vllms_factory_assemble_canonical_pages() -> None:
     """TP=2 in two processes, each built by vLLM's factory from the same
     ``kv_connector_extra_config`` with ``canonical_layout``: both ranks' stores at once fill
     every canonical page whole (each rank its head), and each rank loads its own back."""
-    import multiprocessing
+    from test_vllm import two_ranks
 
-    ctx = multiprocessing.get_context("spawn")
-    engine = str(uuid.uuid4())
-    barrier = ctx.Barrier(2)
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_tp2_rank, args=(r, engine, barrier, out)) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    try:
-        results = sorted(out.get(timeout=180) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-    for rank, err, *_ in results:
-        assert err is None, f"rank {rank}: {err}"
+    results = two_ranks(_tp2_rank, str(uuid.uuid4()))
     assert all(whole and exact for _, _, whole, exact in results), results
-    assert all(p.exitcode == 0 for p in procs)

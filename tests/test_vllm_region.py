@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import math
 import mmap
-import multiprocessing
 import os
 import uuid
 from typing import Any
@@ -43,7 +42,7 @@ from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
 from blockswap import _core
 from blockswap.vllm import BlockswapOffloadingWorker
-from test_vllm import CASES, model_caches, three_group_mapping
+from test_vllm import CASES, model_caches, three_group_mapping, two_ranks
 
 PAGE = mmap.PAGESIZE
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
@@ -459,20 +458,8 @@ def test_replicated_layout_two_processes_share_one_copy() -> None:
     """Ranks 0 and 1 (world size 2) in two processes with ``replicated_layout``: one region of
     one copy (``num_chunks`` rows of one cell, not two), the same file in both; each rank's
     stores are read back byte for byte by the other rank's loads."""
-    ctx = multiprocessing.get_context("spawn")
     engine = str(uuid.uuid4())
-    barrier = ctx.Barrier(2)
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_replicated_rank, args=(r, engine, barrier, out)) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    try:
-        results = sorted(out.get(timeout=120) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-    for rank, err, *_ in results:
-        assert err is None, f"rank {rank}: {err}"
+    results = two_ranks(_replicated_rank, engine, timeout=120)
     (_, _, ino0, size0, total0, exact0, clean0), (_, _, ino1, size1, total1, exact1, clean1) = (
         results
     )
@@ -480,7 +467,6 @@ def test_replicated_layout_two_processes_share_one_copy() -> None:
     assert total0 == total1 == 8 * cell  # one copy: a world of 2 without it holds 2 * 8 * cell
     assert size0 == size1 == total0 and ino0 == ino1  # one file, mapped by both ranks
     assert exact0 and exact1 and clean0 and clean1
-    assert all(p.exitcode == 0 for p in procs)
     assert not os.path.exists(f"/dev/shm/vllm_offload_{engine}.mmap")  # unlinked after the barrier
 
 

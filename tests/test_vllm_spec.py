@@ -448,29 +448,13 @@ def test_two_ranks_from_vllms_factory_share_one_region(replicated: bool, device:
     both, stores and loads on both at once, byte-exact; each rank's cell holds its bytes, or
     with ``replicated_layout`` one copy that both ranks load. On the CPU, the host backend's run
     of the two-GPU test."""
-    import multiprocessing
     import uuid
 
-    ctx = multiprocessing.get_context("spawn")
-    engine = str(uuid.uuid4())
-    barrier = ctx.Barrier(2)
-    out = ctx.Queue()
-    procs = [
-        ctx.Process(target=_factory_rank, args=(r, engine, replicated, device, barrier, out))
-        for r in (0, 1)
-    ]
-    for p in procs:
-        p.start()
-    try:
-        results = sorted(out.get(timeout=180) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-    for rank, err, *_ in results:
-        assert err is None, f"rank {rank}: {err}"
+    from test_vllm import two_ranks
+
+    results = two_ranks(_factory_rank, str(uuid.uuid4()), replicated, device)
     (_, _, ino0, total0, exact0, cells0), (_, _, ino1, total1, exact1, cells1) = results
     assert ino0 == ino1  # one file, mapped by both ranks
     # 16 rows of 4 KiB: one 1 KiB cell per rank, or one for both (replicated).
     assert total0 == total1 == 16 * 4096
     assert exact0 and exact1 and cells0 and cells1
-    assert all(p.exitcode == 0 for p in procs)
