@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from pathlib import Path
@@ -41,6 +42,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "cuda" in item.keywords and not HAS_CUDA:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _blockswap_logger_restored():
+    """Each test starts with the ``blockswap`` logger as the package leaves it: a test that makes
+    the vLLM plug-in's spec attaches it to vLLM's logging (``blockswap._vllm_logging.attach``,
+    which turns its propagation off), and the tests after it must still see its records."""
+    log = logging.getLogger("blockswap")
+    saved = (list(log.handlers), log.level, log.propagate)
+    yield
+    log.handlers[:], log.level, log.propagate = saved
 
 
 @pytest.fixture

@@ -20,6 +20,7 @@ repository), the worker-level cases and their assertions kept. What changed, and
 
 from __future__ import annotations
 
+import traceback
 import uuid
 from typing import Any
 
@@ -353,8 +354,8 @@ def _tp2_rank(rank: int, engine_id: str, barrier: Any, out: Any) -> None:
             barrier.wait(60)
         finally:
             w.shutdown()
-    except Exception as e:  # reported to the parent, which fails the test with it
-        out.put((rank, repr(e), False, False))
+    except Exception:  # reported to the parent, which fails the test with it
+        out.put((rank, traceback.format_exc(), False, False))
         barrier.abort()
 
 

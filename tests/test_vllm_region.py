@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 import mmap
 import os
+import traceback
 import uuid
 from typing import Any
 
@@ -449,8 +450,8 @@ def _replicated_rank(rank: int, engine: str, barrier: Any, out: Any) -> None:
             barrier.wait(60)
         finally:
             w.shutdown()
-    except Exception as e:  # reported to the parent, which fails the test with it
-        out.put((rank, repr(e), 0, 0, 0, False, False))
+    except Exception:  # reported to the parent, which fails the test with it
+        out.put((rank, traceback.format_exc(), 0, 0, 0, False, False))
         barrier.abort()
 
 

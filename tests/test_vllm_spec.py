@@ -5,6 +5,7 @@ pinned torch)."""
 
 from __future__ import annotations
 
+import traceback
 from typing import Any
 
 import pytest
@@ -370,10 +371,12 @@ def _factory_rank(
         from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
         from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
-        if device == "cpu":
+        # vLLM keeps the region where its platform is CUDA: stood in for where vLLM does not
+        # detect one (on the CPU; on a GPU where vLLM runs without its compiled parts and NVML).
+        if not cpu_spec.current_platform.is_cuda_alike():
             cpu_spec.current_platform.is_cuda_alike = lambda: True  # type: ignore[method-assign]
             cpu_spec.current_platform.is_rocm = lambda: False  # type: ignore[method-assign]
-        else:
+        if device == "cuda":
             torch.cuda.set_device(rank)
         cpu_spec._all_workers_barrier = lambda: barrier.wait(60)
         cfg = offloading_config(
@@ -428,8 +431,8 @@ def _factory_rank(
             barrier.wait(60)
         finally:
             w.shutdown()
-    except Exception as e:  # reported to the parent, which fails the test with it
-        out.put((rank, repr(e), 0, 0, False, False))
+    except Exception:  # reported to the parent, which fails the test with it
+        out.put((rank, traceback.format_exc(), 0, 0, False, False))
         barrier.abort()
 
 
