@@ -431,16 +431,17 @@ def test_routes_on_cuda_are_the_first_of_the_cores_ranking_that_builds():
     try:
         calls: list[tuple[int, int, bool]] = []
 
-        def routes(path="auto", refuse=(), **kw):
+        def routes(path="auto", refuse=(), handlers=h, **kw):
             def load(device, max_size, ctas, *, staged=False):
                 calls.append((max_size, ctas, staged))
                 return (None, "refused here") if staged in refuse else (7 if staged else 9, "")
 
             calls.clear()
-            options = dict(path=path, on_cuda=True, block_major=True, device_index=0,
-                           kernel_ctas=4, kernel_below=None, launch_bytes=1 << 20)  # fmt: skip
+            options = dict(path=path, on_cuda=True, device_index=0, kernel_ctas=4,
+                           kernel_below=None, launch_bytes=1 << 20)  # fmt: skip
             options.update(kw)
-            return choose_routes(h.engine._core, h._table_ids, h.gpu_tables, load, **options)
+            core, tables = handlers.engine._core, handlers._table_ids
+            return choose_routes(core, tables, handlers.gpu_tables, load, **options)
 
         # Layer tensors allocated one by one give no block plan: the staged plan, its kernel
         # loaded once for both directions.
@@ -464,9 +465,23 @@ def test_routes_on_cuda_are_the_first_of_the_cores_ranking_that_builds():
         # Both refused: the page kernel launched from Python.
         r = routes(refuse=(True, False))
         assert all(c.launcher is not None and c.kernel is None for c in r.values())
-        # A mirrored cache (block_major=False) is not offered the staged plan.
-        r = routes(block_major=False)
+        # A mirrored cache (a block's pages not one chunk of host memory) is not offered the
+        # staged plan.
+        mirror = CpuGpuHandlers(gpu, 8, layout="kv_split", backend="host", cpu_layout="mirror")
+        try:
+            r = routes(handlers=mirror)
+        finally:
+            mirror.shutdown()
         assert [c.kernel for c in r.values()] == [9, 9] and calls == [(32, 4, False)]
+        # A block-major cache given by the caller (as vLLM's offload region lays out a chunk of
+        # one block) is: the core reads it from the CPU tables, not from who allocated them.
+        given = CpuGpuHandlers([gpu], 8, layout="kv_split", backend="host", cpu_caches=h.cpu_caches)
+        try:
+            assert given.cpu_chunks is None
+            r = routes(handlers=given)
+        finally:
+            given.shutdown()
+        assert [c.plan for c in r.values()] == ["staged", "staged"]
         # Insisted on, the staged plan that cannot be built is a refusal naming why.
         with pytest.raises(ConfigError, match="path='staged' is not possible here: refused here"):
             routes("staged", refuse=(True,))

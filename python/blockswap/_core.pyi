@@ -304,7 +304,6 @@ def route_candidates(
     *,
     on_cuda: bool,
     page_sizes: Sequence[int],
-    block_major: bool = False,
     kernel_below: int | None = None,
     kernel_ctas: int = 16,
     kernel_unavailable: Callable[[], str | None] | None = None,

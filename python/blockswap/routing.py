@@ -272,7 +272,6 @@ def choose_routes(
     *,
     path: str,
     on_cuda: bool,
-    block_major: bool,
     device_index: int | None,
     kernel_ctas: int,
     kernel_below: int | None,
@@ -282,8 +281,8 @@ def choose_routes(
     """The route of each of ``directions`` of a handler (``{"d2h": ..., "h2d": ...}``), chosen
     once from its caches' geometry by the core's rule
     (:func:`blockswap._core.route_candidates`): ``tables`` holds the ids in ``core`` of each
-    group's (GPU table, CPU table), ``block_major`` whether the CPU cache was allocated here
-    block-major. A kernel a route needs is loaded into the core once, by ``load_kernel``. See
+    group's (GPU table, CPU table); the core reads from them whether the CPU cache is block-major.
+    A kernel a route needs is loaded into the core once, by ``load_kernel``. See
     :class:`~blockswap.handler.CpuGpuHandlers` for ``path`` and the kernel's options."""
     kernel_ctas, kernel_below, launch_bytes = _kernel_options(
         kernel_ctas, kernel_below, launch_bytes
@@ -306,7 +305,6 @@ def choose_routes(
             path,
             on_cuda=on_cuda,
             page_sizes=sizes,
-            block_major=block_major,
             kernel_below=kernel_below,
             kernel_ctas=kernel_ctas,
             kernel_unavailable=_kernel_unavailable,

@@ -14,6 +14,22 @@ use crate::table::{
 };
 use crate::transfer::JobId;
 
+/// Host table `id`, or why it is none.
+fn host_table(tables: &[Option<BlockTable>], id: u32) -> Result<&BlockTable, TableError> {
+    let t = tables
+        .get(id as usize)
+        .and_then(Option::as_ref)
+        .ok_or(TableError::Unknown(id))?;
+    if t.kind != MemoryKind::Host {
+        return Err(TableError::WrongKind {
+            table: id,
+            kind: t.kind,
+            needed: MemoryKind::Host,
+        });
+    }
+    Ok(t)
+}
+
 /// The two tables of a block-id transfer, checked against the memory kinds of `direction`.
 fn table_pair(
     tables: &[Option<BlockTable>],
@@ -200,25 +216,27 @@ impl Engine {
         let slot = self.config.stage_bytes;
         let mut largest = None;
         for &id in host_tables {
-            let t = state
-                .tables
-                .get(id as usize)
-                .and_then(Option::as_ref)
-                .ok_or(TableError::Unknown(id))?;
-            if t.kind != MemoryKind::Host {
-                return Err(TableError::WrongKind {
-                    table: id,
-                    kind: t.kind,
-                    needed: MemoryKind::Host,
-                }
-                .into());
-            }
-            match staged_fit(t, slot) {
+            match staged_fit(host_table(&state.tables, id)?, slot) {
                 Ok(row) => largest = largest.max(Some(row)),
                 Err(why) => return Ok(Err(why)),
             }
         }
         Ok(largest.ok_or_else(|| "no KV-cache group".to_string()))
+    }
+
+    /// Whether every one of `host_tables` is block-major, each block's pages (two or more) one
+    /// chunk inside one registered region ([`staged_row`]), whoever allocated the memory: the
+    /// layout on which the block and staged plans are taken by default (see
+    /// [`crate::plan::choice::Ask`]). A block of one page is no row to join: its copies are the
+    /// page route's. False for no table.
+    pub fn block_major(&self, host_tables: &[u32]) -> Result<bool, EngineError> {
+        let state = self.lock();
+        let mut all = !host_tables.is_empty();
+        for &id in host_tables {
+            let t = host_table(&state.tables, id)?;
+            all &= t.segments() > 1 && staged_row(t).is_some();
+        }
+        Ok(all)
     }
 
     /// The staging slot size of this engine (see [`super::EngineConfig::stage_bytes`]).

@@ -108,10 +108,12 @@ pub struct Ask {
     pub path: Path,
     /// The CUDA backend: a kernel can run, and the core can launch one it loaded.
     pub on_cuda: bool,
-    /// The CPU cache was allocated here block-major: the block and staged plans are taken by
-    /// default where the geometry gives them. A cache laid out as a mirror of the GPU keeps the
-    /// page route by default: pitched copies into it measured 10-25 % slower below 32 KiB pages
-    /// than into a block-major cache (H100, 2026-11-23).
+    /// The CPU cache is block-major, each block's pages one chunk of host memory (allocated here,
+    /// or given so, as vLLM's offload region lays out a chunk with one block:
+    /// [`crate::engine::Engine::block_major`]): the block and staged plans are taken by default
+    /// where the geometry gives them. A cache laid out as a mirror of the GPU keeps the page route
+    /// by default: pitched copies into it measured 10-25 % slower below 32 KiB pages than into a
+    /// block-major cache (H100, 2026-11-23).
     pub block_major: bool,
     /// The page size below which pages take the kernel (`None`: the direction's default,
     /// [`KERNEL_BELOW_H2D`] / [`KERNEL_BELOW_D2H`]).

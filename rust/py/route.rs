@@ -264,12 +264,13 @@ type PyCandidate = (&'static str, String, u64, Option<(u64, u32, bool)>);
 /// declined, refused)`, `declined` the routes passed over with why, `refused` None or `(kind,
 /// why)` with `kind` `"unavailable"` (`path="kernel"` where the kernel cannot run) or
 /// `"refused"`. `tables` holds each group's (GPU table, CPU table) ids in `engine`, which the
-/// block and staged plans' rules read; `kernel_unavailable` is called (at most once, where the
+/// block and staged plans' rules read, and whose CPU tables say whether the cache is block-major
+/// ([`crate::engine::Engine::block_major`]); `kernel_unavailable` is called (at most once, where the
 /// choice needs it) for why the copy kernel cannot run in this process.
 #[pyfunction]
 #[pyo3(signature = (
-    direction, path, *, on_cuda, page_sizes, block_major = false, kernel_below = None,
-    kernel_ctas = 16, kernel_unavailable = None, engine = None, tables = None
+    direction, path, *, on_cuda, page_sizes, kernel_below = None, kernel_ctas = 16,
+    kernel_unavailable = None, engine = None, tables = None
 ))]
 #[allow(clippy::too_many_arguments, clippy::type_complexity)]
 pub(super) fn route_candidates(
@@ -278,7 +279,6 @@ pub(super) fn route_candidates(
     path: &str,
     on_cuda: bool,
     page_sizes: Vec<u64>,
-    block_major: bool,
     kernel_below: Option<u64>,
     kernel_ctas: u32,
     kernel_unavailable: Option<&Bound<'_, PyAny>>,
@@ -290,6 +290,13 @@ pub(super) fn route_candidates(
     Option<(&'static str, String)>,
 )> {
     let dir = super::direction(direction)?;
+    let engine = engine.as_deref().map(|e| &*e.engine);
+    let tables = tables.unwrap_or_default();
+    let host: Vec<u32> = tables.iter().map(|&(_, c)| c).collect();
+    let block_major = match engine {
+        Some(e) => py.detach(|| e.block_major(&host))?,
+        None => false,
+    };
     let ask = choice::Ask {
         path: choice::Path::parse(path).ok_or_else(|| {
             invalid(format!(
@@ -302,8 +309,6 @@ pub(super) fn route_candidates(
         kernel_below,
         kernel_ctas,
     };
-    let engine = engine.as_deref().map(|e| &*e.engine);
-    let tables = tables.unwrap_or_default();
     let no_engine = || "no engine to read the cache's tables from".to_string();
     let block = |insist: bool| -> PyResult<Result<String, String>> {
         let Some(e) = engine else {
@@ -325,7 +330,6 @@ pub(super) fn route_candidates(
         let Some(e) = engine else {
             return Ok(Err(no_engine()));
         };
-        let host: Vec<u32> = tables.iter().map(|&(_, c)| c).collect();
         let fit = py.detach(|| e.staged_route(&host))?;
         Ok(fit.map(|row| (row, e.stage_bytes())))
     };
