@@ -1,7 +1,8 @@
 """Two GPUs at once, as vLLM's tensor parallelism runs them: one offloading worker per device,
 each in its own process, both moving at the same time.
 
-    python benches/bench_two_gpus.py [--model llama-3.1-70b-tp4] [--blocks 32] [--json out.json]
+    python benches/bench_two_gpus.py [--model llama-3.1-70b-tp4] [--blocks 32]
+                                     [--path auto|staged|kernel|dma|blocks] [--json out.json]
 
 Per device and per KV-cache layout (per-layer and cross-layer tensors, blocks_per_chunk 1),
 each direction: the worker's bandwidth alone (the other process idle) and together (both
@@ -49,7 +50,7 @@ def _turns(rank: int, barrier: Any, res: dict[str, Any], key: str, measure: Any)
 
 def _layout(
     rank: int, barrier: Any, res: dict[str, Any], m: Any, layout: str, n_gpu: int,
-    n_chunks: int, blocks: int, rng: np.random.Generator,
+    n_chunks: int, blocks: int, rng: np.random.Generator, path: str,
 ) -> None:  # fmt: skip
     import torch
     from vllm.v1.kv_offload.base import (
@@ -71,8 +72,9 @@ def _layout(
     for t in ts:
         t.random_(-128, 127)
     kv = CanonicalKVCaches([CanonicalKVCacheTensor(t, t.shape[1]) for t in ts], refs)
-    w = BlockswapOffloadingWorker(kv, 1, n_chunks, backend="cuda")
+    w = BlockswapOffloadingWorker(kv, 1, n_chunks, backend="cuda", path=path)
     nbytes = blocks * sum(r.page_size_bytes for r in refs[0])
+    res[f"{layout}_routes"] = {d: r.reason for d, r in w.handlers[0].routes.items()}
     job = 0
 
     def submit(d: str) -> int:
@@ -134,7 +136,7 @@ def worker(rank: int, args: argparse.Namespace, barrier: Any, out: Any) -> None:
         _turns(rank, barrier, res, f"ceiling_{d}", lambda d=d, one=one: ceiling(**one)[d])
     del copier, one
     for layout in ("per-layer", "cross-layer"):
-        _layout(rank, barrier, res, m, layout, n_gpu, n_chunks, blocks, rng)
+        _layout(rank, barrier, res, m, layout, n_gpu, n_chunks, blocks, rng, args.path)
         torch.cuda.empty_cache()
     out.put(res)
 
@@ -143,6 +145,7 @@ def main() -> int:
     ap = parser(__doc__)
     ap.add_argument("--model", default="llama-3.1-70b-tp4")
     ap.add_argument("--blocks", type=int, default=32)
+    ap.add_argument("--path", default="auto", help="the workers' copy path (default auto)")
     ap.add_argument(
         "--one-gpu",
         action="store_true",
@@ -167,7 +170,9 @@ def main() -> int:
         print("bench_two_gpus: a worker process failed", file=sys.stderr)
         return 1
     print(f"# {results[0]['gpu']} x2; model {args.model}, {args.blocks} random blocks, "
-          "8 queued, GB/s (% of that GPU alone)")  # fmt: skip
+          f"path={args.path}, 8 queued, GB/s (% of that GPU alone)")  # fmt: skip
+    for layout in ("per-layer", "cross-layer"):
+        print(f"# {layout} routes: {results[0][f'{layout}_routes']}")
     rows = []
     for what in ("ceiling", "per-layer", "cross-layer"):
         for d in ("h2d", "d2h"):
