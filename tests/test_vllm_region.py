@@ -364,6 +364,14 @@ def test_region_bytes_equal_vllms(
     ref_views = [ref.create_next_worker_view(t.page_size_bytes * bpc) for t in kv.tensors]
     w = BlockswapOffloadingWorker(kv, bpc, n_chunks, mmap_region=region, backend=backend_of(device))
     try:
+        # A chunk of one block is one row per block in its cell (every tensor's page, tensor
+        # after tensor): a per-layer cache moves rows (block or staged plan), not pages. More
+        # blocks per chunk, a cross-layer cache (a row of one page) or padded rows (the pad is
+        # not the worker's to write): the page route.
+        rows = bpc == 1 and not cross_layer and not pad
+        for d in ("d2h", "h2d"):
+            plan = w.handlers[0].routes[d].plan
+            assert plan in (("blocks", "staged") if rows else ("pages",)), (d, plan)
         for job in range(3):
             ids, chunks, starts = random_transfer(gen, groups, n_gpu, n_chunks, bpc, per)
             spec = GPULoadStoreSpec([b for g in ids for b in g], [len(g) for g in ids], starts)
