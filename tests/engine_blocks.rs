@@ -96,6 +96,62 @@ fn block_tables_move_blocks_by_id_and_pin_their_regions() {
     drop(engine);
 }
 
+#[test]
+fn a_host_cache_is_block_major_where_each_blocks_pages_are_one_chunk() {
+    // 16 blocks; host tables over one 4 KiB buffer: K and V of a block side by side (a row of
+    // 128 bytes at a 128-byte stride), mirrored (K of every block, then V), one page per block.
+    let mut b = Buffers {
+        src: vec![0; 4096],
+        dst: vec![0; 4096],
+    };
+    let (engine, _) = engine_with(&mut b, EngineConfig::default());
+    let s = b.src.as_ptr() as u64;
+    let host = |bases: Vec<u64>, strides: Vec<u64>, nbytes: Vec<u64>| {
+        engine
+            .register_table(
+                TableSpec::new(bases, strides, nbytes, 16, MemoryKind::Host).named("CPU", 1),
+            )
+            .unwrap()
+    };
+    let rows = host(vec![s, s + 64], vec![128, 128], vec![64, 64]);
+    let mirror = host(vec![s, s + 1024], vec![64, 64], vec![64, 64]);
+    let single = host(vec![s], vec![64], vec![64]);
+    let dev = engine
+        .register_table(
+            TableSpec::new(
+                vec![b.dst.as_ptr() as u64],
+                vec![64],
+                vec![64],
+                16,
+                MemoryKind::Device,
+            )
+            .named("GPU", 1),
+        )
+        .unwrap();
+    assert!(engine.block_major(&[rows]).unwrap());
+    assert!(!engine.block_major(&[mirror]).unwrap());
+    assert!(
+        !engine.block_major(&[rows, mirror]).unwrap(),
+        "every table, not one"
+    );
+    assert!(
+        !engine.block_major(&[single]).unwrap(),
+        "a row of one page is the page route's"
+    );
+    assert!(!engine.block_major(&[]).unwrap());
+    assert!(matches!(
+        engine.block_major(&[dev]),
+        Err(EngineError::Table(_))
+    ));
+    assert!(matches!(
+        engine.block_major(&[99]),
+        Err(EngineError::Table(_))
+    ));
+    // The staged plan's own rule agrees where it takes the cache.
+    assert_eq!(engine.staged_route(&[rows]).unwrap(), Ok(128));
+    assert!(engine.staged_route(&[mirror]).unwrap().is_err());
+}
+
 /// A KV-cache geometry for the block-plan tests: `layers` x `kv` pages of `page` bytes per block.
 /// The "GPU" side keeps each (layer, K/V) page array in its own span of `nblocks` pages (layer
 /// tensors one after another in one allocation, `gap` bytes between layers); the "CPU" side is
