@@ -1,7 +1,7 @@
 """The vLLM plug-in's worker against vLLM 0.33's own transfer paths, same GPU, same run.
 
     python benches/bench_vllm.py [--blocks 32] [--reps 15] [--models llama-3.1-8b,...]
-                                 [--json out.json]
+                                 [--cache region|private] [--json out.json]
 
 Needs a GPU, vLLM's Python sources on the path (``vllm/v1/kv_offload/cpu/swap_blocks_triton.py``
 is run from its source; vLLM's compiled ops are not needed) and cuda-bindings.
@@ -10,8 +10,10 @@ Per model of the benchmark catalogue (``blockswap_bench.models``), in vLLM's can
 int8 tensor per layer of ``(num_blocks, page)``, K and V of a block one page; or one cross-layer
 tensor whose page is every layer's), ``blocks_per_chunk`` 1 and 4, each direction:
 
-* ``blockswap``: :class:`blockswap.vllm.BlockswapOffloadingWorker` (its block-major CPU cache,
-  the route its handler picks), through ``submit_store`` / ``submit_load``;
+* ``blockswap``: :class:`blockswap.vllm.BlockswapOffloadingWorker` through ``submit_store`` /
+  ``submit_load``, the route its handler picks, its CPU cache in vLLM's ``SharedOffloadRegion``
+  laid out as ``CPUOffloadingSpec`` lays it out on CUDA (``--cache region``, the default: what a
+  vLLM user gets) or its own block-major cache (``--cache private``);
 * ``vllm dma``: what vLLM's ``CpuGpuOffloadingHandlers`` issues on its DMA path: one
   ``cuMemcpyBatchAsync`` over one descriptor per (layer, block) between the GPU tensors and a CPU
   cache that mirrors them (one pinned tensor per GPU tensor), here through cuda-bindings;
@@ -20,7 +22,8 @@ tensor whose page is every layer's), ``blocks_per_chunk`` 1 and 4, each directio
 
 A transfer moves ``--blocks`` random GPU blocks (per KV-cache group) to or from random CPU chunks.
 "isolated": GPU time of one transfer (blockswap: its ``transfer_time``, CUDA events around its
-copies; vLLM's paths: CUDA events around the call), median of ``--reps``; "8 queued": 8 transfers
+copies; vLLM's paths: CUDA events around the call), median of ``--reps``; blockswap's "wall": the
+same transfers' wall clock from ``submit_*`` to ``wait`` returning, median; "8 queued": 8 transfers
 back to back, bytes over wall time, best of 3. Percent of the link's ceiling measured in the same
 run (one 256 MiB pinned copy per direction, best of 5).
 """
@@ -33,6 +36,7 @@ import os
 import statistics
 import sys
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -182,13 +186,30 @@ def measure_vllm(
 
 
 def measure_worker(
-    case: Case, gpu_to_cpu: bool, blocks: int, reps: int, rng: np.random.Generator
+    case: Case, gpu_to_cpu: bool, blocks: int, reps: int, rng: np.random.Generator, cache: str
 ) -> tuple[dict[str, float], str]:
     from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
     from blockswap.vllm import BlockswapOffloadingWorker
 
-    w = BlockswapOffloadingWorker(case.kv, case.bpc, N_CHUNKS, backend="cuda")
+    region = None
+    if cache == "region":
+        from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+
+        # As CPUOffloadingSpec makes it on CUDA for one rank: a row per chunk, one cell of every
+        # tensor's bpc pages, rounded up to the region's alignment.
+        cell = sum(t.page_size_bytes for t in case.kv.tensors) * case.bpc
+        align = SharedOffloadRegion.BLOCK_SIZE_ALIGNMENT
+        region = SharedOffloadRegion(
+            engine_id=str(uuid.uuid4()),
+            num_chunks=N_CHUNKS,
+            rank=0,
+            kv_bytes_per_chunk=-(-cell // align) * align,
+            cpu_page_size=cell,
+        )
+    w = BlockswapOffloadingWorker(
+        case.kv, case.bpc, N_CHUNKS, mmap_region=region, backend="cuda"
+    )  # the worker owns the region from here, and releases it at shutdown
     job = 0
     try:
 
@@ -210,14 +231,18 @@ def measure_worker(
             return job
 
         host: list[float] = []
-        iso = []
+        iso, wall = [], []
         for i in range(reps + 3):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
             j = submit()
             w.wait({j})
+            t1 = time.perf_counter()
             (r,) = w.get_finished()
             assert r.success
             if i >= 3:
                 iso.append(r.transfer_time)
+                wall.append(t1 - t0)
         host_iso = host[3:]
         nbytes = case.nbytes(blocks)
         queued = []
@@ -231,6 +256,7 @@ def measure_worker(
         route = w.handlers[0].routes["d2h" if gpu_to_cpu else "h2d"].reason
         return {
             "isolated_gbps": nbytes / statistics.median(iso) / 1e9,
+            "wall_gbps": nbytes / statistics.median(wall) / 1e9,
             "queued_gbps": max(queued),
             "host_us": statistics.median(host_iso) * 1e6,
         }, route
@@ -242,6 +268,8 @@ def main() -> int:
     ap = parser(__doc__, reps=15)
     ap.add_argument("--blocks", type=int, default=32, help="GPU blocks per group per transfer")
     ap.add_argument("--models", default=",".join(m.key for m in MODELS))
+    ap.add_argument("--cache", choices=("region", "private"), default="region",
+                    help="the worker's CPU cache: vLLM's shared region (as on CUDA) or its own")  # fmt: skip
     args = ap.parse_args()
     if not need_cuda("bench_vllm"):
         return 1
@@ -251,9 +279,11 @@ def main() -> int:
     rng = np.random.default_rng(0)
     ceil = ceiling()
     print(f"# {torch.cuda.get_device_name()}; ceiling h2d {ceil['h2d']:.1f} GB/s, "
-          f"d2h {ceil['d2h']:.1f} GB/s; {args.blocks} random blocks per group")  # fmt: skip
+          f"d2h {ceil['d2h']:.1f} GB/s; {args.blocks} random blocks per group; blockswap's "
+          f"cache: {args.cache}; isolated/queued %, blockswap's wall clock isolated %")  # fmt: skip
     print(f"{'model':<20} {'tensors':<11} {'bpc':>3} {'page':>8} {'dir':>4} "
-          f"{'blockswap':>13} {'host us':>7} {'vllm dma':>13} {'vllm triton':>13}  route")  # fmt: skip
+          f"{'blockswap':>13} {'wall':>6} {'host us':>7} {'vllm dma':>13} {'vllm triton':>13}  "
+          "route")  # fmt: skip
     rows = []
     wanted = set(args.models.split(","))
     for m in (m for m in MODELS if m.key in wanted):
@@ -264,7 +294,9 @@ def main() -> int:
                 case = Case(m, cross_layer, bpc)
                 for gpu_to_cpu in (True, False):
                     d = "d2h" if gpu_to_cpu else "h2d"
-                    bs, route = measure_worker(case, gpu_to_cpu, args.blocks, args.reps, rng)
+                    bs, route = measure_worker(
+                        case, gpu_to_cpu, args.blocks, args.reps, rng, args.cache
+                    )
                     dma = measure_vllm(case, "dma", gpu_to_cpu, args.blocks, args.reps, rng)
                     tri = None
                     if not gpu_to_cpu and case.page < 28 * 1024 and case.page % 8 == 0:
@@ -277,6 +309,7 @@ def main() -> int:
                         "direction": d,
                         "ceiling_gbps": ceil[d],
                         "blockswap": bs,
+                        "blockswap_cache": args.cache,
                         "blockswap_route": route,
                         "vllm_dma": dma,
                         "vllm_triton": tri,
@@ -290,7 +323,8 @@ def main() -> int:
                         return f"{i:>5.1f}/{q:>5.1f} %"
 
                     print(f"{m.name[:20]:<20} {row['tensors']:<11} {bpc:>3} "
-                          f"{case.page // 1024:>6}Ki {d:>4} {pct(bs)} {bs['host_us']:>7.0f} "
+                          f"{case.page // 1024:>6}Ki {d:>4} {pct(bs)} "
+                          f"{100 * bs['wall_gbps'] / ceil[d]:>5.1f}% {bs['host_us']:>7.0f} "
                           f"{pct(dma)} {pct(tri)}  {route[:60]}")  # fmt: skip
                 del case
                 torch.cuda.empty_cache()
