@@ -508,7 +508,8 @@ class CpuGpuHandlers:
     direction, chosen here once (:func:`choose_route`; ``handlers.routes`` says what was chosen
     and why). ``kernel_launch_bytes`` bounds what one launch of the copy kernel moves, and so how
     long it holds its SMs from the model (:data:`KERNEL_LAUNCH_BYTES`; ``None``: one launch per
-    transfer, the most bandwidth). With a block-major CPU cache (the default), ``"auto"`` takes
+    transfer, the most bandwidth). With a block-major CPU cache (the default, or one given in
+    ``cpu_caches`` with each block's pages, two or more, in one chunk), ``"auto"`` takes
     the block plan where a block's GPU pages lie at one pitch and pages are at least
     ``blockswap._core.BLOCK_MIN_PAGE`` bytes, and the staged plan otherwise (``path="blocks"`` / ``"staged"``
     insist on one): each block's row through a device staging ring of two ``stage_bytes`` slots
