@@ -14,17 +14,21 @@ use crate::table::{
 };
 use crate::transfer::JobId;
 
-/// Host table `id`, or why it is none.
-fn host_table(tables: &[Option<BlockTable>], id: u32) -> Result<&BlockTable, TableError> {
+/// Table `id`, checked to describe memory of the kind `needed`.
+fn table_of(
+    tables: &[Option<BlockTable>],
+    id: u32,
+    needed: MemoryKind,
+) -> Result<&BlockTable, TableError> {
     let t = tables
         .get(id as usize)
         .and_then(Option::as_ref)
         .ok_or(TableError::Unknown(id))?;
-    if t.kind != MemoryKind::Host {
+    if t.kind != needed {
         return Err(TableError::WrongKind {
             table: id,
             kind: t.kind,
-            needed: MemoryKind::Host,
+            needed,
         });
     }
     Ok(t)
@@ -37,23 +41,9 @@ fn table_pair(
     dst: u32,
     direction: Direction,
 ) -> Result<(&BlockTable, &BlockTable), TableError> {
-    let get = |id: u32, needed| {
-        let t = tables
-            .get(id as usize)
-            .and_then(Option::as_ref)
-            .ok_or(TableError::Unknown(id))?;
-        if t.kind != needed {
-            return Err(TableError::WrongKind {
-                table: id,
-                kind: t.kind,
-                needed,
-            });
-        }
-        Ok(t)
-    };
     Ok((
-        get(src, direction.src_kind())?,
-        get(dst, direction.dst_kind())?,
+        table_of(tables, src, direction.src_kind())?,
+        table_of(tables, dst, direction.dst_kind())?,
     ))
 }
 
@@ -216,7 +206,7 @@ impl Engine {
         let slot = self.config.stage_bytes;
         let mut largest = None;
         for &id in host_tables {
-            match staged_fit(host_table(&state.tables, id)?, slot) {
+            match staged_fit(table_of(&state.tables, id, MemoryKind::Host)?, slot) {
                 Ok(row) => largest = largest.max(Some(row)),
                 Err(why) => return Ok(Err(why)),
             }
@@ -233,7 +223,7 @@ impl Engine {
         let state = self.lock();
         let mut all = !host_tables.is_empty();
         for &id in host_tables {
-            let t = host_table(&state.tables, id)?;
+            let t = table_of(&state.tables, id, MemoryKind::Host)?;
             all &= t.segments() > 1 && staged_row(t).is_some();
         }
         Ok(all)
