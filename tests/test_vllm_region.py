@@ -534,6 +534,59 @@ def test_a_region_in_pieces_moves_the_bytes_of_one_registered_whole(bpc: int) ->
         regions[2].cleanup()
 
 
+def test_pinning_the_region_reports_its_progress(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The region is page-locked in pieces of at most ``_REGION_PIN_STEP`` whatever
+    ``pin_piece_bytes`` allows, and a progress line (share done, bytes locked, rate) comes every
+    ``PROGRESS_SECONDS`` while the pieces are locked. The driver's call is stood in for by one
+    that takes its time (no GPU here); a failure undoes the pieces already locked."""
+    import time
+
+    from blockswap import hostmem
+    from blockswap import vllm as bv
+
+    n_gpu, n_chunks, page = 8, 12, 1024
+    t = torch.zeros((n_gpu, page), dtype=torch.int8)
+    kv = CanonicalKVCaches([CanonicalKVCacheTensor(t, page)], [[CanonicalKVCacheRef(0, page)]])
+    region = make_region(kv, 1, n_chunks)
+    row = region._row_stride
+    monkeypatch.setattr(bv, "_REGION_PIN_STEP", 4 * row)
+    w = BlockswapOffloadingWorker(kv, 1, n_chunks, mmap_region=region, backend="host")
+    try:
+        base = region.base_tensor.data_ptr()
+        assert w.region_pieces == [(base + k * 4 * row, 4 * row) for k in range(3)]
+        pinned: list[int] = []
+
+        def slow_pin(addr: int, n: int, device: int) -> None:
+            time.sleep(0.25)
+            pinned.append(addr)
+
+        monkeypatch.setattr(hostmem, "PROGRESS_SECONDS", 0.1)
+        monkeypatch.setattr(bv._core, "cuda_pin", slow_pin)
+        monkeypatch.setattr(bv._core, "cuda_unpin", lambda addr, device: pinned.remove(addr))
+        with caplog.at_level("INFO", logger="blockswap.hostmem"):
+            assert bv._pin_region(w.region_pieces, 0) == [a for a, _ in w.region_pieces]
+        lines = [r.getMessage() for r in caplog.records if r.name == "blockswap.hostmem"]
+        assert len(lines) >= 3, lines
+        total = hostmem.size_text(3 * 4 * row)
+        assert all(line.startswith(f"pinning {total} of host memory: ") for line in lines)
+        assert any(f"{hostmem.size_text(4 * row)} page-locked" in line for line in lines)
+
+        def failing_pin(addr: int, n: int, device: int) -> None:
+            if len(pinned) == 2:
+                raise bv.BlockswapError("out of memory")
+            pinned.append(addr)
+
+        pinned.clear()
+        monkeypatch.setattr(bv._core, "cuda_pin", failing_pin)
+        with pytest.raises(bv.BackendError, match=r"piece 2 of 3.*out of memory"):
+            bv._pin_region(w.region_pieces, 0)
+        assert pinned == []
+    finally:
+        w.shutdown()
+
+
 def test_the_worker_owns_the_region_once_built_and_releases_it_at_shutdown(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -92,7 +92,7 @@ except ModuleNotFoundError as e:
 from . import _core
 from ._core import BackendError, BlockswapError, chunk_blocks, chunk_count, chunk_skip
 from .handler import CpuGpuHandlers
-from .hostmem import DEFAULT_PIECE_BYTES, PinnedRows
+from .hostmem import DEFAULT_PIECE_BYTES, PinnedRows, PinProgress
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
@@ -411,8 +411,9 @@ class BlockswapOffloadingWorker(OffloadingWorker):
         region = self.mmap_region
         assert region is not None
         row = region._row_stride
-        # Pieces of whole rows: a page lies inside one cell, so no copy crosses a row.
-        per_piece = max(pin_piece_bytes // row, 1) * row
+        # Pieces of whole rows: a page lies inside one cell, so no copy crosses a row. At most
+        # _REGION_PIN_STEP each, so that pinning a large region reports its progress.
+        per_piece = max(min(pin_piece_bytes, _REGION_PIN_STEP) // row, 1) * row
         base, total = region.base_tensor.data_ptr(), region.total_size_bytes
         self.region_pieces = [
             (base + o, min(per_piece, total - o)) for o in range(0, total, per_piece)
@@ -727,25 +728,52 @@ _kept_regions: list[SharedOffloadRegion] = []
 _LANES = ("store", "load", "expedited")
 
 
+#: The largest piece of vLLM's shared region blockswap page-locks (and registers) at once: 32 GiB,
+#: a second or two of the driver's time on memory vLLM has faulted in (20-37 GiB/s measured,
+#: docs/benchmarks.md), so that a progress line comes every ``hostmem.PROGRESS_SECONDS``.
+_REGION_PIN_STEP = 32 << 30
+
+
+class _RegionPinCounts:
+    """What :class:`~blockswap.hostmem.PinProgress` reports while the region is page-locked:
+    ``(total, faulted, locked)`` bytes. The driver faults in whatever vLLM has not, piece by
+    piece as it locks, so both counts are the pieces done."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.done = 0
+
+    def get(self) -> tuple[int, int, int]:
+        return self.total, self.done, self.done
+
+
 def _pin_region(pieces: list[tuple[int, int]], device: int) -> list[int]:
     """Page-locks the whole region with the driver, piece by piece (every rank registers the
-    whole region: the engines' block tables span every row); returns the pieces' addresses for
+    whole region: the engines' block tables span every row), with a progress line every
+    ``hostmem.PROGRESS_SECONDS`` while it runs; returns the pieces' addresses for
     :func:`_unpin_region`. blockswap pins it itself rather than through vLLM's ``host_register``,
     which pins only where vLLM's platform says CUDA and reports a failure as a warning: the engine
     moves page-locked memory only, so a failure here is an error, with the driver's reason, after
     the pieces already pinned are undone."""
     done: list[int] = []
-    for addr, n in pieces:
-        try:
-            _core.cuda_pin(addr, n, device)
-        except BlockswapError as e:
-            _unpin_region(done, device)
-            raise BackendError(
-                f"could not page-lock the CPU offload region ({n / (1 << 30):.2f} GiB at "
-                f"{addr:#x}, piece {len(done)} of {len(pieces)}): {e}. blockswap's CUDA engine "
-                "moves page-locked memory only: lower cpu_bytes_to_use or raise the memlock limit"
-            ) from e
-        done.append(addr)
+    counts = _RegionPinCounts(sum(n for _, n in pieces))
+    progress = PinProgress(counts).start()
+    try:
+        for addr, n in pieces:
+            try:
+                _core.cuda_pin(addr, n, device)
+            except BlockswapError as e:
+                _unpin_region(done, device)
+                raise BackendError(
+                    f"could not page-lock the CPU offload region ({n / (1 << 30):.2f} GiB at "
+                    f"{addr:#x}, piece {len(done)} of {len(pieces)}): {e}. blockswap's CUDA "
+                    "engine moves page-locked memory only: lower cpu_bytes_to_use or raise the "
+                    "memlock limit"
+                ) from e
+            done.append(addr)
+            counts.done += n
+    finally:
+        progress.stop()
     return done
 
 
