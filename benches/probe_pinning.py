@@ -8,6 +8,12 @@ over the whole range, from one thread or from ``--threads`` threads each taking 
 page-locked with ``cuMemHostRegister`` (one call over the whole range, or one call per slice from
 that many threads at once). Without ``populate`` the register call faults the pages in itself.
 Prints seconds per phase and GiB/s over both; the mapping is unmapped between cases.
+
+Then the floor under the fill: one anonymous mapping filled from ``--threads`` threads (its
+pages touched for the first time), its pages handed back (``MADV_DONTNEED``) and filled again
+(the same threads; the kernel hands back memory this process just freed), then written over with
+``memset`` (pages already there): first touch against refill against the host's write bandwidth,
+all in the same run.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import torch
 from blockswap_bench.cli import parser
 from blockswap_bench.kvblocks import write_figures
 
+MADV_DONTNEED = 4
 MADV_HUGEPAGE = 14
 MADV_POPULATE_WRITE = 23  # Linux 5.14
 CU_MEMHOSTREGISTER_PORTABLE = 1
@@ -41,6 +48,7 @@ libc.mmap.argtypes = [
     ctypes.c_long,
 ]
 libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
 #: The CUDA driver, loaded by ``main`` (``--help`` works where there is none).
 cuda: Any = None
 
@@ -135,6 +143,75 @@ def one_case(
     }
 
 
+def fill_floor(size: int, threads: int) -> dict[str, Any]:
+    """First touch, refill after MADV_DONTNEED, and memset over pages already there, of one
+    anonymous mapping with huge pages, each from ``threads`` threads (see the module's doc)."""
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    addr = libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, flags, -1, 0)
+    if addr in (None, ctypes.c_void_p(-1).value):
+        raise RuntimeError(f"mmap failed: errno {ctypes.get_errno()}")
+    parts = slices(addr, size, threads)
+
+    def timed(fn: Callable[[int, int], int]) -> float:
+        def one(i: int) -> None:
+            if i < len(parts) and fn(*parts[i]):
+                raise OSError(ctypes.get_errno(), "madvise")
+
+        t0 = time.perf_counter()
+        parallel(threads, one)
+        return time.perf_counter() - t0
+
+    try:
+        libc.madvise(addr, size, MADV_HUGEPAGE)
+        first = timed(lambda a, n: libc.madvise(a, n, MADV_POPULATE_WRITE))
+        if libc.madvise(addr, size, MADV_DONTNEED):
+            raise OSError(ctypes.get_errno(), "madvise(MADV_DONTNEED)")
+        refill = timed(lambda a, n: libc.madvise(a, n, MADV_POPULATE_WRITE))
+        write = timed(lambda a, n: 0 if libc.memset(a, 1, n) else 1)
+    finally:
+        libc.munmap(addr, size)
+    gib = size / (1 << 30)
+    return {
+        "threads": threads,
+        "first_touch_gib_per_s": gib / first,
+        "refill_gib_per_s": gib / refill,
+        "memset_gib_per_s": gib / write,
+    }
+
+
+def vllm_region(size: int, cell: int) -> dict[str, Any] | None:
+    """vLLM's own region as ``CPUOffloadingSpec.create_worker`` makes it for one rank (cells of
+    ``cell`` bytes, its segments), then page-locked by blockswap's plug-in (``_pin_region``, in
+    its default pieces): the time a vLLM user waits for the CPU tier. None without vLLM."""
+    try:
+        from vllm.v1.kv_offload.cpu import spec as cpu_spec
+        from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+    except ImportError:
+        return None
+    from blockswap.vllm import _pin_region, _unpin_region
+
+    t0 = time.perf_counter()
+    region = SharedOffloadRegion(
+        engine_id=f"probe_pinning_{os.getpid()}",
+        num_chunks=size // cell,
+        rank=0,
+        kv_bytes_per_chunk=cell,
+        cpu_page_size=cell,
+        barrier=lambda: None,
+        num_segments=cpu_spec._REGION_SEGMENTS,
+    )
+    t1 = time.perf_counter()
+    try:
+        base, total = region.base_tensor.data_ptr(), region.total_size_bytes
+        pinned = _pin_region([(base, total)], torch.cuda.current_device())
+        t2 = time.perf_counter()
+        _unpin_region(pinned, torch.cuda.current_device())
+    finally:
+        region.cleanup()
+    gib = total / (1 << 30)
+    return {"cell": cell, "fill_s": t1 - t0, "register_s": t2 - t1, "gib_per_s": gib / (t2 - t0)}
+
+
 def read(path: str) -> str:
     try:
         with open(path) as f:
@@ -193,8 +270,29 @@ def main() -> None:
             f"{r['register_s']:7.2f} {r['gib_per_s']:7.1f}",
             flush=True,
         )
+    floors = []
+    for n in sorted({1, t}):
+        f = fill_floor(size, n)
+        floors.append(f)
+        print(
+            f"fill floor, {n} thread(s), anonymous, huge pages: first touch "
+            f"{f['first_touch_gib_per_s']:.1f} GiB/s, refill after MADV_DONTNEED "
+            f"{f['refill_gib_per_s']:.1f} GiB/s, memset over pages already there "
+            f"{f['memset_gib_per_s']:.1f} GiB/s",
+            flush=True,
+        )
+    region = vllm_region(size, 5 << 20)
+    if region is not None:
+        print(
+            f"vLLM's region (one rank, cells of 5 MiB, its segments): filled by vLLM in "
+            f"{region['fill_s']:.2f} s, page-locked by blockswap in {region['register_s']:.2f} s: "
+            f"{region['gib_per_s']:.1f} GiB/s",
+            flush=True,
+        )
     if a.json:
-        write_figures(a.json, "probe_pinning.py", None, rows, gib=a.gib)
+        write_figures(
+            a.json, "probe_pinning.py", None, rows, gib=a.gib, floors=floors, vllm_region=region
+        )
 
 
 if __name__ == "__main__":
