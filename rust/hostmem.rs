@@ -32,8 +32,11 @@ use crate::backend::BackendError;
 /// be this large.
 pub const REGISTRATION_LIMIT: u64 = 512 << 30;
 
-/// The largest piece by default: half of [`REGISTRATION_LIMIT`].
-pub const DEFAULT_PIECE_BYTES: u64 = 256 << 30;
+/// The largest piece by default (4 GiB): small enough that the pieces of a large buffer are
+/// page-locked while the next ones are faulted in ([`fill_and_pin`]), which made 16-32 GiB ready
+/// at 24-28 GiB/s against 13-16 GiB/s in one piece (H200 machine, `benches/probe_pinning.py`,
+/// docs/benchmarks.md); far below [`REGISTRATION_LIMIT`].
+pub const DEFAULT_PIECE_BYTES: u64 = 4 << 30;
 
 /// What a [`HostBuffer`] cannot do.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -138,9 +141,6 @@ pub fn plan_pieces(
         .collect())
 }
 
-/// How much a buffer with a pinner faults in before each progress update (1 GiB).
-pub const FAULT_STEP: usize = 1 << 30;
-
 /// How far [`HostBuffer::with_progress`] got, for another thread to report: of `total` bytes,
 /// how many are faulted in and how many page-locked (each counts up to `total`).
 #[derive(Debug, Default)]
@@ -151,6 +151,13 @@ pub struct AllocProgress {
 }
 
 impl AllocProgress {
+    /// Sets the bytes there are to do, and those already faulted in.
+    pub fn start(&self, total: u64, faulted: u64) {
+        // Relaxed: a progress report only.
+        self.total.store(total, Ordering::Relaxed);
+        self.faulted.store(faulted, Ordering::Relaxed);
+    }
+
     /// `(total, faulted, locked)` bytes now.
     #[must_use]
     pub fn get(&self) -> (u64, u64, u64) {
@@ -415,9 +422,10 @@ impl HostBuffer {
     }
 
     /// [`HostBuffer::new`], counting in `progress` what is done: with a pinner, the memory is
-    /// first faulted in [`FAULT_STEP`] at a time (the work `cuMemHostRegister` would otherwise
-    /// do inside one call per piece, minutes for a large cache), then page-locked piece by piece,
-    /// so another thread can report how far it got and how fast.
+    /// faulted in from [`fill_threads`] threads (the work `cuMemHostRegister` would otherwise do
+    /// inside one call per piece, minutes for a large cache) while the pieces are page-locked one
+    /// after the other as each is in ([`fill_and_pin`]), so another thread can report how far it
+    /// got and how fast.
     pub fn with_progress(
         rows: u64,
         row_bytes: u64,
@@ -458,25 +466,7 @@ impl HostBuffer {
             }
         }
         if let Some(progress) = progress {
-            progress.total.store(len as u64, Ordering::Relaxed);
-        }
-        if pinner.is_some() {
-            let page = os_page() as usize;
-            let mut at = 0;
-            while at < len {
-                let end = (at + FAULT_STEP).min(len);
-                for off in (at..end).step_by(page) {
-                    // SAFETY: inside the mapping just made (readable, writable, private); a zero
-                    // written over the zero an anonymous page starts with changes nothing but
-                    // makes the kernel fault the page in now.
-                    unsafe { ptr.as_ptr().add(off).write_volatile(0) };
-                }
-                at = end;
-                if let Some(progress) = progress {
-                    // Relaxed: a progress report only.
-                    progress.faulted.store(at as u64, Ordering::Relaxed);
-                }
-            }
+            progress.start(len as u64, 0);
         }
         let mut mapping = Mapping {
             ptr,
@@ -485,20 +475,35 @@ impl HostBuffer {
             pinner,
         };
         if let Some(pinner) = &mapping.pinner {
-            for i in 0..mapping.pieces.len() {
-                let (start, n, _) = mapping.pieces[i];
-                // SAFETY: inside the mapping, which stays mapped until the pieces are unpinned.
-                if let Err(e) = unsafe { pinner.pin(start, n) } {
-                    // SAFETY: never shared: nothing reaches the memory.
-                    unsafe { mapping.release() };
-                    let why = format!("piece {i} ({} at most) failed: {e}", gib(n));
-                    return Err(no_memory("page-lock", len as u64, &why).into());
-                }
-                mapping.pieces[i].2 = true;
-                if let Some(progress) = progress {
-                    // Relaxed: a progress report only.
-                    progress.locked.fetch_add(n, Ordering::Relaxed);
-                }
+            let pieces: Vec<(u64, u64)> = mapping.pieces.iter().map(|&(s, n, _)| (s, n)).collect();
+            // SAFETY: the mapping just made, private, anonymous (zeros) and written by nobody,
+            // stays mapped until the pieces are unpinned.
+            let filled = unsafe {
+                fill_and_pin(
+                    &[(addr, len as u64)],
+                    &pieces,
+                    Some(pinner.as_ref()),
+                    fill_threads(),
+                    Fallback::TouchZero,
+                    progress,
+                )
+            };
+            if let Err(FillError { piece, error }) = filled {
+                let why = match piece {
+                    Some(i) => {
+                        for p in &mut mapping.pieces[..i] {
+                            p.2 = true;
+                        }
+                        format!("piece {i} ({} at most) failed: {error}", gib(pieces[i].1))
+                    }
+                    None => error.to_string(),
+                };
+                // SAFETY: never shared: nothing reaches the memory.
+                unsafe { mapping.release() };
+                return Err(no_memory("page-lock", len as u64, &why).into());
+            }
+            for p in &mut mapping.pieces {
+                p.2 = true;
             }
         }
         let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
@@ -621,6 +626,9 @@ impl Drop for HostBuffer {
         unsafe { mapping.release() };
     }
 }
+
+mod fill;
+pub use fill::{fill_and_pin, fill_threads, Fallback, FillError, FILL_ITEM};
 
 #[cfg(test)]
 mod tests;

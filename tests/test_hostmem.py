@@ -37,8 +37,8 @@ def test_pieces_are_whole_rows_and_the_size_is_not_rounded(
     assert t.dtype == torch.int8 and t.shape == (10, PAGE) and t.data_ptr() == p.addr
     t[9, -1] = 5
     assert p.array[9, -1] == 5
-    # By default one piece, up to half of what one driver registration can take.
-    assert DEFAULT_PIECE_BYTES == 256 << 30 and REGISTRATION_LIMIT == 512 << 30
+    # By default one piece up to 4 GiB (far below what one driver registration can take).
+    assert DEFAULT_PIECE_BYTES == 4 << 30 and REGISTRATION_LIMIT == 512 << 30
     q = PinnedRows(3, 1000, backend="host", log_line=False)
     assert q.pieces == [(q.addr, 3000)]
     # Rows of 1,536 bytes end on a page every 8 rows: 16 rows per piece, not 19.

@@ -53,6 +53,7 @@ __all__ = [
     "cuda_pin",
     "cuda_status",
     "cuda_unpin",
+    "fill_and_pin",
     "host_memory_available",
     "launch_plan",
     "route_candidates",
@@ -285,6 +286,13 @@ def cuda_memory_kind(addr: int) -> MemoryKind | None: ...
 def cuda_device_pointer(addr: int) -> int | None: ...
 def cuda_memcpy(dst: int, src: int, nbytes: int) -> None: ...
 def cuda_pin(ptr: int, nbytes: int, device: int) -> None: ...
+def fill_and_pin(
+    ranges: list[tuple[int, int]],
+    pieces: list[tuple[int, int]],
+    device: int | None = None,
+    threads: int | None = None,
+    progress: AllocProgress | None = None,
+) -> None: ...
 def cuda_unpin(ptr: int, device: int) -> None: ...
 def launch_plan(
     n: int,

@@ -6,7 +6,8 @@ torch's pinned allocator rounds the request up to a power of two (a 40 GiB cache
 and the CUDA driver fails one registration of 512 GiB or more. :class:`PinnedRows` maps exactly
 ``rows * row_bytes`` bytes (one contiguous range, zeroed) and page-locks it with
 ``cuMemHostRegister`` in pieces: each a whole number of rows, at most ``piece_bytes``
-(:data:`DEFAULT_PIECE_BYTES`, half the driver's limit) and ending on an OS page.
+(:data:`DEFAULT_PIECE_BYTES`, 4 GiB) and ending on an OS page. The memory is faulted in from
+several threads while the pieces are page-locked one after the other as each is in.
 
 An :class:`~blockswap.Engine` registering memory of such a buffer registers one region per piece it
 covers: a block table may span the pieces, but no copy crosses from one into the next (a table
@@ -37,7 +38,8 @@ if TYPE_CHECKING:
 
 __all__ = ["DEFAULT_PIECE_BYTES", "REGISTRATION_LIMIT", "PinnedRows"]
 
-#: The largest piece by default (256 GiB): half of :data:`REGISTRATION_LIMIT`.
+#: The largest piece by default (4 GiB): a large buffer's pieces are page-locked while the next
+#: ones are faulted in (far below :data:`REGISTRATION_LIMIT`).
 DEFAULT_PIECE_BYTES: int = _core.DEFAULT_PIECE_BYTES
 
 #: One driver registration of this many bytes or more fails (512 GiB): no piece may be this large.

@@ -42,9 +42,9 @@ fn pieces_are_whole_rows_ending_on_pages() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("or more fails"), "{e}");
-    // A terabyte of 2 MiB rows: four pieces of 256 GiB by default, each under the limit.
+    // A terabyte of 2 MiB rows: 256 pieces of 4 GiB by default, each under the limit.
     let p = plan_pieces(1 << 19, 2 << 20, DEFAULT_PIECE_BYTES, 4096).unwrap();
-    assert_eq!(p.len(), 4);
+    assert_eq!(p.len(), 256);
     assert!(p.iter().all(|&(_, n)| n < REGISTRATION_LIMIT));
 }
 

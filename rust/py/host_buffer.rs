@@ -114,3 +114,68 @@ impl PyHostBuffer {
         py.detach(|| self.buf.unpin()).map_err(Into::into)
     }
 }
+
+/// Faults in `ranges` (`(address, bytes)` of mapped host memory, in address order) from
+/// `threads` threads (default: the host's cores, at most 16) and, with a `device`, page-locks
+/// `pieces` (in address order) in its primary context (portable), each as soon as it is in, while
+/// the threads go on (`hostmem::fill_and_pin`); `progress` counts both. Where the kernel cannot
+/// populate memory, the driver faults the pages in as it locks them. All or nothing: where a
+/// piece is refused, the pieces locked before it are unlocked and the error names it. The caller
+/// vouches that every range and piece stays mapped until each piece is unlocked (`cuda_unpin`).
+#[pyfunction]
+#[pyo3(signature = (ranges, pieces, device = None, threads = None, progress = None))]
+pub(super) fn fill_and_pin(
+    py: Python<'_>,
+    ranges: Vec<(u64, u64)>,
+    pieces: Vec<(u64, u64)>,
+    device: Option<i32>,
+    threads: Option<usize>,
+    progress: Option<&PyAllocProgress>,
+) -> PyResult<()> {
+    let progress = progress.map(|p| Arc::clone(&p.0));
+    let threads = threads.unwrap_or_else(hostmem::fill_threads);
+    py.detach(|| {
+        let pinner = device.map(cuda::HostPinner::new).transpose()?;
+        if let Some(p) = &progress {
+            // Bytes of the pieces beyond the ranges count as faulted in already (by whoever
+            // filled them: vLLM, another rank).
+            let filling: u64 = ranges.iter().map(|r| r.1).sum();
+            let total = filling.max(pieces.iter().map(|r| r.1).sum());
+            p.start(total, total - filling);
+        }
+        // SAFETY: the Python caller vouches for the ranges and pieces (documented above); the
+        // fill changes no byte.
+        let filled = unsafe {
+            hostmem::fill_and_pin(
+                &ranges,
+                &pieces,
+                pinner.as_ref().map(|p| p as &dyn Pinner),
+                threads,
+                hostmem::Fallback::Skip,
+                progress.as_deref(),
+            )
+        };
+        match (filled, &pinner) {
+            (Ok(()), _) => Ok(()),
+            (
+                Err(hostmem::FillError {
+                    piece: Some(k),
+                    error,
+                }),
+                Some(p),
+            ) => {
+                for &(start, _) in pieces[..k].iter().rev() {
+                    // SAFETY: locked above; nothing has been handed out yet.
+                    let _ = unsafe { Pinner::unpin(p, start) };
+                }
+                let (start, n) = pieces[k];
+                Err(crate::backend::BackendError::BadMemory(format!(
+                    "could not page-lock piece {k} of {} ({n} bytes at {start:#x}): {error}",
+                    pieces.len()
+                )))
+            }
+            (Err(e), _) => Err(e.error),
+        }
+    })
+    .map_err(|e| crate::engine::EngineError::Backend(e).into())
+}
