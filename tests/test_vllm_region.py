@@ -534,57 +534,107 @@ def test_a_region_in_pieces_moves_the_bytes_of_one_registered_whole(bpc: int) ->
         regions[2].cleanup()
 
 
-def test_pinning_the_region_reports_its_progress(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize("world", [1, 2])
+def test_the_worker_fills_its_slots_from_threads_as_it_pins_the_region(
+    monkeypatch: pytest.MonkeyPatch, world: int
 ) -> None:
-    """The region is page-locked in pieces of at most ``_REGION_PIN_STEP`` whatever
-    ``pin_piece_bytes`` allows, and a progress line (share done, bytes locked, rate) comes every
-    ``PROGRESS_SECONDS`` while the pieces are locked. The driver's call is stood in for by one
-    that takes its time (no GPU here); a failure undoes the pieces already locked."""
-    import time
+    """A region made by blockswap's specs (``_new_region``) leaves pre-faulting this rank's slots
+    to the worker, which fills exactly them (vLLM's ranges, joined) from several threads while it
+    locks the region in pieces (of at most ``pin_piece_bytes``); the bytes moved afterwards are
+    those of a region vLLM filled itself."""
+    from blockswap import vllm as bv
 
+    n_gpu, n_chunks, page = 8, 12, 4096
+    gen = torch.Generator().manual_seed(world)
+    t = torch.randint(-128, 128, (n_gpu, page), dtype=torch.int8, generator=gen)
+    kv = CanonicalKVCaches([CanonicalKVCacheTensor(t, page)], [[CanonicalKVCacheRef(0, page)]])
+    cell = page
+    kwargs = {
+        "num_chunks": n_chunks,
+        "rank": world - 1,
+        "kv_bytes_per_chunk": round_up(cell * world, SharedOffloadRegion.BLOCK_SIZE_ALIGNMENT),
+        "cpu_page_size": cell,
+    }
+    region = bv._new_region(engine_id=str(uuid.uuid4()), **kwargs)
+    vllms = SharedOffloadRegion(engine_id=str(uuid.uuid4()), **kwargs)
+    assert region._blockswap_fill_pending and not hasattr(vllms, "_blockswap_fill_pending")
+    base = region.base_tensor.data_ptr()
+    slots = [(base + o, n) for o, n in region.iter_worker_slot_ranges()]
+    row = region._row_stride
+    calls: list[tuple[Any, ...]] = []
+    real = bv._core.fill_and_pin
+
+    def spy(ranges: Any, pieces: Any, device: Any = None, **kw: Any) -> None:
+        calls.append((ranges, pieces, device))
+        real(ranges, pieces, device, **kw)
+
+    monkeypatch.setattr(bv._core, "fill_and_pin", spy)
+    workers = [
+        BlockswapOffloadingWorker(
+            kv, 1, n_chunks, mmap_region=r, backend="host", pin_piece_bytes=4 * row
+        )
+        for r in (region, vllms)
+    ]
+    try:
+        ((ranges, pieces, device),) = calls  # the region vLLM filled needs nothing
+        assert pieces == [] and device is None  # the host backend locks nothing
+        assert ranges == bv._merged(slots)
+        # One range where the rank's slots are the whole region, else one slot per chunk.
+        assert sum(n for _, n in ranges) == n_chunks * cell
+        assert len(ranges) == (1 if world == 1 else n_chunks)
+        assert not region._blockswap_fill_pending
+        assert workers[0].region_pieces == [(base + k * 4 * row, 4 * row) for k in range(3)]
+        ids = list(range(n_gpu))
+        spec = GPULoadStoreSpec(ids, (n_gpu,), (0,))
+        for w in workers:
+            assert w.submit_store(1, spec, CPULoadStoreSpec(list(range(n_gpu))))
+            wait_one(w, 1)
+        assert torch.equal(region.base_tensor, vllms.base_tensor) and region.base_tensor.any()
+    finally:
+        for w in workers:
+            w.shutdown()
+
+
+def test_pinning_the_region_counts_progress_and_fails_whole(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``_pin_region`` hands the core an ``AllocProgress`` that a ``PinProgress`` reports every
+    ``PROGRESS_SECONDS`` (here: the bytes filled, counted by the core), and a failure is one
+    error naming the region's size and the driver's reason."""
     from blockswap import hostmem
     from blockswap import vllm as bv
 
-    n_gpu, n_chunks, page = 8, 12, 1024
-    t = torch.zeros((n_gpu, page), dtype=torch.int8)
-    kv = CanonicalKVCaches([CanonicalKVCacheTensor(t, page)], [[CanonicalKVCacheRef(0, page)]])
-    region = make_region(kv, 1, n_chunks)
-    row = region._row_stride
-    monkeypatch.setattr(bv, "_REGION_PIN_STEP", 4 * row)
-    w = BlockswapOffloadingWorker(kv, 1, n_chunks, mmap_region=region, backend="host")
-    try:
-        base = region.base_tensor.data_ptr()
-        assert w.region_pieces == [(base + k * 4 * row, 4 * row) for k in range(3)]
-        pinned: list[int] = []
+    n = 8 << 20
+    buf = mmap.mmap(-1, n)
+    addr = ctypes_addr(buf)
+    seen: list[Any] = []
+    real = bv._core.fill_and_pin
 
-        def slow_pin(addr: int, n: int, device: int) -> None:
-            time.sleep(0.25)
-            pinned.append(addr)
+    def spy(ranges: Any, pieces: Any, device: Any = None, *, progress: Any) -> None:
+        seen.append(progress)
+        real(ranges, pieces, device, progress=progress)
 
-        monkeypatch.setattr(hostmem, "PROGRESS_SECONDS", 0.1)
-        monkeypatch.setattr(bv._core, "cuda_pin", slow_pin)
-        monkeypatch.setattr(bv._core, "cuda_unpin", lambda addr, device: pinned.remove(addr))
-        with caplog.at_level("INFO", logger="blockswap.hostmem"):
-            assert bv._pin_region(w.region_pieces, 0) == [a for a, _ in w.region_pieces]
-        lines = [r.getMessage() for r in caplog.records if r.name == "blockswap.hostmem"]
-        assert len(lines) >= 3, lines
-        total = hostmem.size_text(3 * 4 * row)
-        assert all(line.startswith(f"pinning {total} of host memory: ") for line in lines)
-        assert any(f"{hostmem.size_text(4 * row)} page-locked" in line for line in lines)
+    monkeypatch.setattr(bv._core, "fill_and_pin", spy)
+    assert bv._pin_region([], 0, [(addr, n)]) == []
+    (progress,) = seen
+    assert progress.get() == (n, n, 0)
+    line = hostmem.PinProgress(progress).line()
+    assert line.startswith(f"pinning {hostmem.size_text(n)} of host memory: 50% ")
+    assert f"{hostmem.size_text(n)} faulted in, 0 bytes page-locked" in line
 
-        def failing_pin(addr: int, n: int, device: int) -> None:
-            if len(pinned) == 2:
-                raise bv.BlockswapError("out of memory")
-            pinned.append(addr)
+    def refuse(ranges: Any, pieces: Any, device: Any = None, *, progress: Any) -> None:
+        raise bv.BlockswapError("could not page-lock piece 1 of 2: out of memory")
 
-        pinned.clear()
-        monkeypatch.setattr(bv._core, "cuda_pin", failing_pin)
-        with pytest.raises(bv.BackendError, match=r"piece 2 of 3.*out of memory"):
-            bv._pin_region(w.region_pieces, 0)
-        assert pinned == []
-    finally:
-        w.shutdown()
+    monkeypatch.setattr(bv._core, "fill_and_pin", refuse)
+    with pytest.raises(bv.BackendError, match=r"4\.00 GiB in 2 pieces.*piece 1 of 2: out of mem"):
+        bv._pin_region([(addr, 2 << 30), (addr + (2 << 30), 2 << 30)], 0)
+    buf.close()
+
+
+def ctypes_addr(buf: mmap.mmap) -> int:
+    import ctypes
+
+    return ctypes.addressof(ctypes.c_char.from_buffer(buf))
 
 
 def test_the_worker_owns_the_region_once_built_and_releases_it_at_shutdown(

@@ -26,7 +26,7 @@ page-locked in pieces of whole rows, each registered with the engines as a regio
 no copy crosses from one piece into the next. Where vLLM keeps no region, the CPU cache is
 blockswap's own and block-major: each GPU-sized sub-block of a CPU chunk holds the pages of every
 KV-cache tensor it stores back to back, exactly the bytes vLLM sized it to, page-locked in pieces
-of whole sub-blocks of at most 256 GiB (:mod:`blockswap.hostmem`); one log line gives its size,
+of whole sub-blocks of at most 4 GiB (:mod:`blockswap.hostmem`); one log line gives its size,
 pieces and time.
 
 vLLM's block mapping is kept exactly: a CPU chunk holds ``blocks_per_chunk`` GPU blocks; per
@@ -56,9 +56,10 @@ Importing this module needs vLLM; ``import blockswap`` never imports it.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -411,16 +412,22 @@ class BlockswapOffloadingWorker(OffloadingWorker):
         region = self.mmap_region
         assert region is not None
         row = region._row_stride
-        # Pieces of whole rows: a page lies inside one cell, so no copy crosses a row. At most
-        # _REGION_PIN_STEP each, so that pinning a large region reports its progress.
-        per_piece = max(min(pin_piece_bytes, _REGION_PIN_STEP) // row, 1) * row
+        # Pieces of whole rows: a page lies inside one cell, so no copy crosses a row.
+        per_piece = max(pin_piece_bytes // row, 1) * row
         base, total = region.base_tensor.data_ptr(), region.total_size_bytes
         self.region_pieces = [
             (base + o, min(per_piece, total - o)) for o in range(0, total, per_piece)
         ]
-        if on_cuda and not region.is_pinned:
+        # This rank's slots, where the region left pre-faulting them to the worker (see
+        # `_new_region`): filled from several threads while the pieces are locked.
+        fill: list[tuple[int, int]] = []
+        if getattr(region, "_blockswap_fill_pending", False):
+            region._blockswap_fill_pending = False
+            fill = _merged((base + o, n) for o, n in region.iter_worker_slot_ranges())
+        pin = on_cuda and not region.is_pinned
+        if fill or pin:
             # Portable registrations, in the primary context of the engines' device.
-            self._region_pinned = _pin_region(self.region_pieces, index)
+            self._region_pinned = _pin_region(self.region_pieces if pin else [], index, fill)
             self._pin_device = index
 
     def _canonical_cells(
@@ -728,53 +735,73 @@ _kept_regions: list[SharedOffloadRegion] = []
 _LANES = ("store", "load", "expedited")
 
 
-#: The largest piece of vLLM's shared region blockswap page-locks (and registers) at once: 32 GiB,
-#: a second or two of the driver's time on memory vLLM has faulted in (20-37 GiB/s measured,
-#: docs/benchmarks.md), so that a progress line comes every ``hostmem.PROGRESS_SECONDS``.
-_REGION_PIN_STEP = 32 << 30
-
-
-class _RegionPinCounts:
-    """What :class:`~blockswap.hostmem.PinProgress` reports while the region is page-locked:
-    ``(total, faulted, locked)`` bytes. The driver faults in whatever vLLM has not, piece by
-    piece as it locks, so both counts are the pieces done."""
-
-    def __init__(self, total: int) -> None:
-        self.total = total
-        self.done = 0
-
-    def get(self) -> tuple[int, int, int]:
-        return self.total, self.done, self.done
-
-
-def _pin_region(pieces: list[tuple[int, int]], device: int) -> list[int]:
-    """Page-locks the whole region with the driver, piece by piece (every rank registers the
-    whole region: the engines' block tables span every row), with a progress line every
-    ``hostmem.PROGRESS_SECONDS`` while it runs; returns the pieces' addresses for
-    :func:`_unpin_region`. blockswap pins it itself rather than through vLLM's ``host_register``,
-    which pins only where vLLM's platform says CUDA and reports a failure as a warning: the engine
-    moves page-locked memory only, so a failure here is an error, with the driver's reason, after
-    the pieces already pinned are undone."""
-    done: list[int] = []
-    counts = _RegionPinCounts(sum(n for _, n in pieces))
+def _pin_region(
+    pieces: list[tuple[int, int]], device: int, fill: Sequence[tuple[int, int]] = ()
+) -> list[int]:
+    """Faults in the ``fill`` ranges from several threads and page-locks the ``pieces`` with the
+    driver as each is in (every rank registers the whole region: the engines' block tables span
+    every row), with a progress line every ``hostmem.PROGRESS_SECONDS`` while it runs; returns
+    the pieces' addresses for :func:`_unpin_region`. blockswap pins it itself rather than through
+    vLLM's ``host_register``, which pins only where vLLM's platform says CUDA and reports a
+    failure as a warning: the engine moves page-locked memory only, so a failure here is an
+    error, with the driver's reason, and no piece stays locked."""
+    counts = _core.AllocProgress()
     progress = PinProgress(counts).start()
     try:
-        for addr, n in pieces:
-            try:
-                _core.cuda_pin(addr, n, device)
-            except BlockswapError as e:
-                _unpin_region(done, device)
-                raise BackendError(
-                    f"could not page-lock the CPU offload region ({n / (1 << 30):.2f} GiB at "
-                    f"{addr:#x}, piece {len(done)} of {len(pieces)}): {e}. blockswap's CUDA "
-                    "engine moves page-locked memory only: lower cpu_bytes_to_use or raise the "
-                    "memlock limit"
-                ) from e
-            done.append(addr)
-            counts.done += n
+        _core.fill_and_pin(list(fill), pieces, device if pieces else None, progress=counts)
+    except BlockswapError as e:
+        total = sum(n for _, n in pieces)
+        raise BackendError(
+            f"could not page-lock the CPU offload region ({total / (1 << 30):.2f} GiB in "
+            f"{len(pieces)} pieces): {e}. blockswap's CUDA engine moves page-locked memory only: "
+            "lower cpu_bytes_to_use or raise the memlock limit"
+        ) from e
     finally:
         progress.stop()
-    return done
+    return [a for a, _ in pieces]
+
+
+def _merged(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``(start, bytes)`` ranges in address order, overlapping or touching ones joined."""
+    out: list[tuple[int, int]] = []
+    for a, n in sorted(ranges):
+        if out and a <= out[-1][0] + out[-1][1]:
+            s, m = out[-1]
+            out[-1] = (s, max(m, a + n - s))
+        else:
+            out.append((a, n))
+    return out
+
+
+def _new_region(**kwargs: Any) -> SharedOffloadRegion:
+    """vLLM's ``SharedOffloadRegion`` made with ``kwargs`` exactly as vLLM makes it, except that
+    where vLLM pre-faults this rank's slots in the constructor (one ``MADV_POPULATE_WRITE`` per
+    chunk from one thread: 2.4 GiB/s on the H100 machine) the worker fills them from several
+    threads while it page-locks the region (13 GiB/s; ``_pin_region``). With ``populate_shard``
+    (replicated layout) vLLM's own shards and barrier stay as they are."""
+    return _deferred_region_class()(**kwargs)
+
+
+@functools.cache
+def _deferred_region_class() -> type:
+    from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+
+    class _DeferredFillRegion(SharedOffloadRegion):
+        # True while vLLM's constructor runs: its loop over this rank's slots finds none.
+        _blockswap_defer = True
+
+        def __init__(self, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            self._blockswap_defer = False
+            #: This rank's slots are still to be faulted in (by the worker).
+            self._blockswap_fill_pending = (
+                kwargs.get("populate_shard") is None and kwargs.get("rank") is not None
+            )
+
+        def iter_worker_slot_ranges(self) -> Iterator[tuple[int, int]]:
+            return iter(()) if self._blockswap_defer else super().iter_worker_slot_ranges()
+
+    return _DeferredFillRegion
 
 
 def _unpin_region(addresses: list[int], device: int) -> None:
@@ -827,7 +854,6 @@ def _spec_class() -> type:
     CPU spec module pulls in most of vLLM)."""
     from vllm.v1.kv_offload.config import OffloadingConfig
     from vllm.v1.kv_offload.cpu import spec as cpu_spec
-    from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
     from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
     class BlockswapOffloadingSpec(CPUOffloadingSpec):
@@ -844,7 +870,7 @@ def _spec_class() -> type:
             if self._uses_shared_region() and self.num_chunks > 0:
                 world_size = self.config.parallel.world_size
                 worker_index = self.config.parallel.rank
-                region = SharedOffloadRegion(
+                region = _new_region(
                     engine_id=self.config.engine_id,
                     num_chunks=self.num_chunks,
                     rank=0 if self.replicated_layout else worker_index,
@@ -866,7 +892,6 @@ def _spec_class() -> type:
 def _tiering_spec_class() -> type:
     """vLLM's ``TieringOffloadingSpec`` with blockswap's worker (built on first use)."""
     from vllm.v1.kv_offload.config import OffloadingConfig
-    from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
     from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
     class BlockswapTieringOffloadingSpec(TieringOffloadingSpec):
@@ -880,7 +905,7 @@ def _tiering_spec_class() -> type:
         def create_worker(self, kv_caches: CanonicalKVCaches) -> BlockswapOffloadingWorker:
             # The region exactly as TieringOffloadingSpec.create_worker makes it, and the
             # canonical layout's references certified by vLLM's own check.
-            region = SharedOffloadRegion(
+            region = _new_region(
                 engine_id=self._engine_id,
                 num_chunks=self.num_chunks,
                 rank=0 if self.replicated_layout else self.config.parallel.rank,
