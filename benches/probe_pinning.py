@@ -1,6 +1,7 @@
 """How fast can a CPU tier of tens of GiB be made page-locked? A probe, driver calls by ctypes.
 
-    python benches/probe_pinning.py [--gib 16] [--threads 16] [--json out.json]
+    python benches/probe_pinning.py [--gib 16] [--threads 16] [--parts cases,floor,rows,region]
+                                    [--json out.json]
 
 One mapping of ``--gib`` GiB per case, anonymous (blockswap's PinnedRows) or a file in /dev/shm
 mapped shared (vLLM's SharedOffloadRegion), filled with pages (``populate``: MADV_POPULATE_WRITE
@@ -167,49 +168,94 @@ def fill_floor(size: int, threads: int) -> dict[str, Any]:
         if libc.madvise(addr, size, MADV_DONTNEED):
             raise OSError(ctypes.get_errno(), "madvise(MADV_DONTNEED)")
         refill = timed(lambda a, n: libc.madvise(a, n, MADV_POPULATE_WRITE))
-        write = timed(lambda a, n: 0 if libc.memset(a, 1, n) else 1)
+        write = timed(lambda a, n: libc.memset(a, 1, n) and 0)
+    finally:
+        libc.munmap(addr, size)
+    # The same first touch by blockswap's fill (items of 64 MiB handed out to the threads).
+    from blockswap import _core
+
+    addr = libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, flags, -1, 0)
+    if addr in (None, ctypes.c_void_p(-1).value):
+        raise RuntimeError(f"mmap failed: errno {ctypes.get_errno()}")
+    try:
+        libc.madvise(addr, size, MADV_HUGEPAGE)
+        t0 = time.perf_counter()
+        _core.fill_and_pin([(addr, size)], [], None, threads)
+        items = time.perf_counter() - t0
     finally:
         libc.munmap(addr, size)
     gib = size / (1 << 30)
     return {
         "threads": threads,
+        "blockswap_fill_gib_per_s": gib / items,
         "first_touch_gib_per_s": gib / first,
         "refill_gib_per_s": gib / refill,
         "memset_gib_per_s": gib / write,
     }
 
 
-def vllm_region(size: int, cell: int) -> dict[str, Any] | None:
+def vllm_region(size: int, cell: int, piece: int | None) -> dict[str, Any] | None:
     """vLLM's own region as ``CPUOffloadingSpec.create_worker`` makes it for one rank (cells of
-    ``cell`` bytes, its segments), then page-locked by blockswap's plug-in (``_pin_region``, in
-    its default pieces): the time a vLLM user waits for the CPU tier. None without vLLM."""
+    ``cell`` bytes, its 32 segment files), made ready the way blockswap's plug-in does: with
+    ``piece`` None, filled by vLLM's constructor (one ``MADV_POPULATE_WRITE`` per cell, one
+    thread) then page-locked by ``_pin_region``; otherwise made by blockswap's spec
+    (``_new_region``: vLLM's loop left to the worker) and filled from several threads while
+    pieces of ``piece`` bytes are locked (``_pin_region`` with the rank's slots). The time a vLLM
+    user waits for the CPU tier. None without vLLM."""
     try:
         from vllm.v1.kv_offload.cpu import spec as cpu_spec
         from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+
+        from blockswap import vllm as bv
     except ImportError:
         return None
-    from blockswap.vllm import _pin_region, _unpin_region
 
+    kwargs = {
+        "engine_id": f"probe_pinning_{os.getpid()}",
+        "num_chunks": size // cell,
+        "rank": 0,
+        "kv_bytes_per_chunk": cell,
+        "cpu_page_size": cell,
+        "barrier": lambda: None,
+        "num_segments": cpu_spec._REGION_SEGMENTS,
+    }
     t0 = time.perf_counter()
-    region = SharedOffloadRegion(
-        engine_id=f"probe_pinning_{os.getpid()}",
-        num_chunks=size // cell,
-        rank=0,
-        kv_bytes_per_chunk=cell,
-        cpu_page_size=cell,
-        barrier=lambda: None,
-        num_segments=cpu_spec._REGION_SEGMENTS,
-    )
+    region = SharedOffloadRegion(**kwargs) if piece is None else bv._new_region(**kwargs)
     t1 = time.perf_counter()
+    device = torch.cuda.current_device()
     try:
         base, total = region.base_tensor.data_ptr(), region.total_size_bytes
-        pinned = _pin_region([(base, total)], torch.cuda.current_device())
+        step = piece or total
+        pieces = [(base + o, min(step, total - o)) for o in range(0, total, step)]
+        fill = []
+        if piece is not None:
+            fill = bv._merged((base + o, n) for o, n in region.iter_worker_slot_ranges())
+        pinned = bv._pin_region(pieces, device, fill)
         t2 = time.perf_counter()
-        _unpin_region(pinned, torch.cuda.current_device())
+        bv._unpin_region(pinned, device)
     finally:
         region.cleanup()
     gib = total / (1 << 30)
-    return {"cell": cell, "fill_s": t1 - t0, "register_s": t2 - t1, "gib_per_s": gib / (t2 - t0)}
+    return {
+        "cell": cell,
+        "piece": piece,
+        "construct_s": t1 - t0,
+        "fill_and_pin_s": t2 - t1,
+        "gib_per_s": gib / (t2 - t0),
+    }
+
+
+def pinned_rows(size: int, piece: int) -> dict[str, Any]:
+    """blockswap's ``PinnedRows`` of ``size`` bytes (rows of 2 MiB) in pieces of ``piece``: the
+    time its constructor takes (fill from threads, pieces locked as each is in)."""
+    from blockswap.hostmem import PinnedRows
+
+    t0 = time.perf_counter()
+    rows = PinnedRows(size >> 21, 2 << 20, piece_bytes=piece, backend="cuda", log_line=False)
+    t1 = time.perf_counter()
+    rows.unpin()
+    del rows
+    return {"piece": piece, "s": t1 - t0, "gib_per_s": size / (1 << 30) / (t1 - t0)}
 
 
 def read(path: str) -> str:
@@ -225,6 +271,8 @@ def main() -> None:
     ap = parser(__doc__)
     ap.add_argument("--gib", type=float, default=16)
     ap.add_argument("--threads", type=int, default=16)
+    ap.add_argument("--parts", default="cases,floor,rows,region",
+                    help="what to run: cases (mapping x fill x register), floor, rows, region")  # fmt: skip
     a = ap.parse_args()
     cuda = ctypes.CDLL("libcuda.so.1")
     torch.cuda.init()
@@ -258,7 +306,8 @@ def main() -> None:
     print(
         f"{'kind':5} {'huge':5} {'fill thr':>8} {'reg thr':>7} {'fill s':>7} {'reg s':>7} {'GiB/s':>7}"
     )
-    for kind, populate, register, huge in cases:
+    parts = set(a.parts.split(","))
+    for kind, populate, register, huge in cases if "cases" in parts else []:
         try:
             r = one_case(kind, size, populate, register, huge, ctx)
         except Exception as e:  # a case that cannot run here is reported, the rest go on
@@ -271,27 +320,52 @@ def main() -> None:
             flush=True,
         )
     floors = []
-    for n in sorted({1, t}):
+    for n in sorted({1, t}) if "floor" in parts else []:
         f = fill_floor(size, n)
         floors.append(f)
         print(
             f"fill floor, {n} thread(s), anonymous, huge pages: first touch "
             f"{f['first_touch_gib_per_s']:.1f} GiB/s, refill after MADV_DONTNEED "
             f"{f['refill_gib_per_s']:.1f} GiB/s, memset over pages already there "
-            f"{f['memset_gib_per_s']:.1f} GiB/s",
+            f"{f['memset_gib_per_s']:.1f} GiB/s; blockswap's fill (items of 64 MiB) "
+            f"{f['blockswap_fill_gib_per_s']:.1f} GiB/s",
             flush=True,
         )
-    region = vllm_region(size, 5 << 20)
-    if region is not None:
+    rows_figures = []
+    for piece in (256 << 30, 4 << 30, 1 << 30) if "rows" in parts else []:
+        r = pinned_rows(size, piece)
+        rows_figures.append(r)
         print(
-            f"vLLM's region (one rank, cells of 5 MiB, its segments): filled by vLLM in "
-            f"{region['fill_s']:.2f} s, page-locked by blockswap in {region['register_s']:.2f} s: "
-            f"{region['gib_per_s']:.1f} GiB/s",
+            f"PinnedRows, pieces of {piece >> 30} GiB: {r['s']:.2f} s, {r['gib_per_s']:.1f} GiB/s",
+            flush=True,
+        )
+    regions = []
+    for piece in (None, 32 << 30, 4 << 30, 2 << 30, 1 << 30) if "region" in parts else []:
+        region = vllm_region(size, 5 << 20, piece)
+        if region is None:
+            break
+        regions.append(region)
+        how = (
+            "vLLM fills, then blockswap locks"
+            if piece is None
+            else f"blockswap fills from threads, locking pieces of {piece >> 30} GiB"
+        )
+        print(
+            f"vLLM's region (one rank, cells of 5 MiB, its segments), {how}: made in "
+            f"{region['construct_s']:.2f} s, filled and locked in {region['fill_and_pin_s']:.2f} s:"
+            f" {region['gib_per_s']:.1f} GiB/s",
             flush=True,
         )
     if a.json:
         write_figures(
-            a.json, "probe_pinning.py", None, rows, gib=a.gib, floors=floors, vllm_region=region
+            a.json,
+            "probe_pinning.py",
+            None,
+            rows,
+            gib=a.gib,
+            floors=floors,
+            vllm_region=regions,
+            pinned_rows=rows_figures,
         )
 
 
