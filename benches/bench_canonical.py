@@ -1,7 +1,7 @@
 """vLLM's canonical layout through the plug-in, against vLLM's own canonical path, same GPU, same run.
 
     python benches/bench_canonical.py [--blocks 32] [--reps 9] [--tp 2] [--models ...]
-                                      [--json out.json]
+                                      [--option KEY=VALUE ...] [--json out.json]
 
 Needs a GPU, vLLM's Python sources on the path and cuda-bindings.
 
@@ -14,7 +14,8 @@ heads); the CPU tier in vLLM's shared region laid out canonically (``create_next
 ``blocks_per_chunk`` 1, each direction:
 
 * ``blockswap``: :class:`blockswap.vllm.BlockswapOffloadingWorker` with ``canonical_layout=True``
-  through ``submit_store`` / ``submit_load``, the route its handler picks;
+  through ``submit_store`` / ``submit_load``, the route its handler picks (``--option``: a handler
+  option, e.g. ``kernel_ctas=32``);
 * ``vllm dma``: what vLLM's canonical path (``_fill_canonical_ops``) issues: one
   ``cuMemcpyBatchAsync`` over one descriptor per fragment, here through cuda-bindings.
 
@@ -42,7 +43,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_dma import cuda_bindings_batch
 from bench_vllm import CPUSpec
-from blockswap_bench.cli import need_cuda, parser
+from blockswap_bench.cli import need_cuda, option, parser
 from blockswap_bench.common import cuda_time_on
 from blockswap_bench.kvblocks import ceiling, write_figures
 from blockswap_bench.models import MODELS, KVModel
@@ -185,14 +186,25 @@ def measure_vllm_or_none(
 
 
 def measure_worker(
-    case: Case, to_cpu: bool, blocks: int, reps: int, rng: np.random.Generator
+    case: Case,
+    to_cpu: bool,
+    blocks: int,
+    reps: int,
+    rng: np.random.Generator,
+    options: dict[str, Any],
 ) -> tuple[dict[str, float], str]:
     from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
     from blockswap.vllm import BlockswapOffloadingWorker
 
     w = BlockswapOffloadingWorker(
-        case.kv, 1, N_CHUNKS, mmap_region=case.region(), canonical_layout=True, backend="cuda"
+        case.kv,
+        1,
+        N_CHUNKS,
+        mmap_region=case.region(),
+        canonical_layout=True,
+        backend="cuda",
+        **options,
     )  # the worker owns the region from here, and releases it at shutdown
     job = 0
     try:
@@ -248,12 +260,15 @@ def main() -> int:
     ap.add_argument("--blocks", type=int, default=32, help="GPU blocks per group per transfer")
     ap.add_argument("--tp", type=int, default=2, help="tensor parallelism of the deployment")
     ap.add_argument("--models", default=",".join(m.key for m in MODELS if m.layout == "kv_split"))
+    ap.add_argument("--option", action="append", default=[], type=option, metavar="KEY=VALUE",
+                    help="a handler option for blockswap's worker (repeatable)")  # fmt: skip
     args = ap.parse_args()
     if not need_cuda("bench_canonical"):
         return 1
     if cuda_bindings_batch() is None:
         print("bench_canonical: needs cuda-bindings (vLLM's DMA path)", file=sys.stderr)
         return 1
+    options = dict(args.option)
     rng = np.random.default_rng(0)
     ceil = ceiling()
     print(f"# {torch.cuda.get_device_name()}; ceiling h2d {ceil['h2d']:.1f} GB/s, "
@@ -268,7 +283,7 @@ def main() -> int:
         frag = case.mapping.runs[0].fragment_size
         for to_cpu in (True, False):
             d = "d2h" if to_cpu else "h2d"
-            bs, route = measure_worker(case, to_cpu, args.blocks, args.reps, rng)
+            bs, route = measure_worker(case, to_cpu, args.blocks, args.reps, rng, options)
             dma = measure_vllm_or_none(case, to_cpu, args.blocks, args.reps, rng)
             rows.append({
                 "model": m.name, "tp": args.tp, "page_bytes": case.page, "fragment_bytes": frag,
@@ -287,7 +302,10 @@ def main() -> int:
         del case
         torch.cuda.empty_cache()
     if args.json:
-        write_figures(args.json, "bench_canonical.py", ceil, rows, blocks=args.blocks, tp=args.tp)
+        write_figures(
+            args.json, "bench_canonical.py", ceil, rows, blocks=args.blocks, tp=args.tp,
+            options=options,
+        )  # fmt: skip
     return 0
 
 
