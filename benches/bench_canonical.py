@@ -30,9 +30,7 @@ to back, bytes over wall time, best of 3. Percent of the link's ceiling measured
 from __future__ import annotations
 
 import os
-import statistics
 import sys
-import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -44,9 +42,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_dma import cuda_bindings_batch
 from bench_vllm import CPUSpec
 from blockswap_bench.cli import need_cuda, option, parser
-from blockswap_bench.common import cuda_time_on
 from blockswap_bench.kvblocks import ceiling, write_figures
 from blockswap_bench.models import MODELS, KVModel
+from blockswap_bench.plugin import time_calls, time_worker
 
 N_GPU = 256
 N_CHUNKS = 128
@@ -154,24 +152,12 @@ def measure_vllm(
             ids, chunks = case.spec(rng, blocks)
             return prepare(*case.descriptors(views, ids, chunks, to_cpu), False, stream)  # type: ignore[misc]
 
-        nbytes = case.nbytes(blocks)
-        iso = [cuda_time_on(stream, call()) for _ in range(reps + 3)][3:]
-        queued = []
-        for _ in range(3):
-            calls = [call() for _ in range(8)]
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            with torch.cuda.stream(stream):
-                for c in calls:
-                    c()
-            stream.synchronize()
-            queued.append(8 * nbytes / (time.perf_counter() - t0) / 1e9)
+        return time_calls(stream, call, case.nbytes(blocks), reps)
     finally:
         torch.cuda.synchronize()
         _core.cuda_unpin(base, torch.cuda.current_device())
         views.clear()
         region.cleanup()
-    return {"isolated_gbps": nbytes / statistics.median(iso) / 1e9, "queued_gbps": max(queued)}
 
 
 def measure_vllm_or_none(
@@ -224,33 +210,7 @@ def measure_worker(
             assert ok
             return job
 
-        iso, wall = [], []
-        for i in range(reps + 3):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            j = submit()
-            w.wait({j})
-            t1 = time.perf_counter()
-            (r,) = w.get_finished()
-            assert r.success and r.transfer_size == case.nbytes(blocks)
-            if i >= 3:
-                iso.append(r.transfer_time)
-                wall.append(t1 - t0)
-        nbytes = case.nbytes(blocks)
-        queued = []
-        for _ in range(3):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            jobs = {submit() for _ in range(8)}
-            w.wait(jobs)
-            queued.append(8 * nbytes / (time.perf_counter() - t0) / 1e9)
-            assert all(r.success for r in w.get_finished())
-        route = w.handlers[0].routes["d2h" if to_cpu else "h2d"].reason
-        return {
-            "isolated_gbps": nbytes / statistics.median(iso) / 1e9,
-            "wall_gbps": nbytes / statistics.median(wall) / 1e9,
-            "queued_gbps": max(queued),
-        }, route
+        return time_worker(w, submit, case.nbytes(blocks), reps, "d2h" if to_cpu else "h2d")
     finally:
         w.shutdown()
 

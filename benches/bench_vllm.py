@@ -46,9 +46,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_dma import cuda_bindings_batch
 from blockswap_bench.cli import need_cuda, parser
-from blockswap_bench.common import cuda_time_on
 from blockswap_bench.kvblocks import ceiling, write_figures
 from blockswap_bench.models import MODELS, KVModel
+from blockswap_bench.plugin import time_calls, time_worker
 
 N_GPU = 256
 N_CHUNKS = 128
@@ -170,19 +170,7 @@ def measure_vllm(
         chunk = min(1 << (int(z.max()) - 1).bit_length(), 8192)
         return lambda: tri["swap_blocks_batch"](ts, td, tz, bytes_per_chunk=chunk)
 
-    nbytes = case.nbytes(blocks)
-    iso = [cuda_time_on(stream, call()) for _ in range(reps + 3)][3:]
-    queued = []
-    for _ in range(3):
-        calls = [call() for _ in range(8)]
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        with torch.cuda.stream(stream):
-            for c in calls:
-                c()
-        stream.synchronize()
-        queued.append(8 * nbytes / (time.perf_counter() - t0) / 1e9)
-    return {"isolated_gbps": nbytes / statistics.median(iso) / 1e9, "queued_gbps": max(queued)}
+    return time_calls(stream, call, case.nbytes(blocks), reps)
 
 
 def measure_worker(
@@ -231,35 +219,11 @@ def measure_worker(
             return job
 
         host: list[float] = []
-        iso, wall = [], []
-        for i in range(reps + 3):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            j = submit()
-            w.wait({j})
-            t1 = time.perf_counter()
-            (r,) = w.get_finished()
-            assert r.success
-            if i >= 3:
-                iso.append(r.transfer_time)
-                wall.append(t1 - t0)
-        host_iso = host[3:]
-        nbytes = case.nbytes(blocks)
-        queued = []
-        for _ in range(3):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            jobs = {submit() for _ in range(8)}
-            w.wait(jobs)
-            queued.append(8 * nbytes / (time.perf_counter() - t0) / 1e9)
-            assert all(r.success for r in w.get_finished())
-        route = w.handlers[0].routes["d2h" if gpu_to_cpu else "h2d"].reason
-        return {
-            "isolated_gbps": nbytes / statistics.median(iso) / 1e9,
-            "wall_gbps": nbytes / statistics.median(wall) / 1e9,
-            "queued_gbps": max(queued),
-            "host_us": statistics.median(host_iso) * 1e6,
-        }, route
+        figures, route = time_worker(
+            w, submit, case.nbytes(blocks), reps, "d2h" if gpu_to_cpu else "h2d"
+        )
+        figures["host_us"] = statistics.median(host[3 : reps + 3]) * 1e6
+        return figures, route
     finally:
         w.shutdown()
 
