@@ -776,9 +776,9 @@ def _merged(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
 def _new_region(**kwargs: Any) -> SharedOffloadRegion:
     """vLLM's ``SharedOffloadRegion`` made with ``kwargs`` exactly as vLLM makes it, except that
     where vLLM pre-faults this rank's slots in the constructor (one ``MADV_POPULATE_WRITE`` per
-    chunk from one thread: 2.4 GiB/s on the H100 machine) the worker fills them from several
-    threads while it page-locks the region (13 GiB/s; ``_pin_region``). With ``populate_shard``
-    (replicated layout) vLLM's own shards and barrier stay as they are."""
+    chunk from one thread: a 48 GiB region took 20 s, H200 machine) the worker fills them from
+    several threads while it page-locks the region (``_pin_region``: 4.2 s, docs/benchmarks.md).
+    With ``populate_shard`` (replicated layout) vLLM's own shards and barrier stay as they are."""
     return _deferred_region_class()(**kwargs)
 
 

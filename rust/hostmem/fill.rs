@@ -1,13 +1,13 @@
 //! Faulting host memory in from several threads, and page-locking it piece by piece as soon as a
 //! piece is in: what makes a CPU tier of tens of GiB ready in seconds.
 //!
-//! Measured (H100 machine, 16 GiB, `benches/probe_pinning.py`, docs/benchmarks.md): the kernel
-//! hands out fresh anonymous huge pages at 6-8 GiB/s whatever the number of threads, but fills a
-//! /dev/shm region split over many files (vLLM's `SharedOffloadRegion`, 32 segment files) at 13
-//! GiB/s from 16 threads against 2.4 GiB/s from vLLM's one-thread loop; registering memory that
-//! is already there runs at 20-37 GiB/s. So the threads fill items of [`FILL_ITEM`] bytes in
-//! address order while the calling thread page-locks each piece once every item under its end is
-//! in: the registration of one piece overlaps the filling of the next.
+//! Measured (H200 machine, `benches/probe_pinning.py`, docs/benchmarks.md): one thread faults
+//! fresh anonymous huge pages in at 5-6 GiB/s, 16 threads taking 64 MiB items at 23.6 GiB/s;
+//! registering memory that is already there runs at 20-37 GiB/s. So the threads fill items of
+//! [`FILL_ITEM`] bytes while the calling thread page-locks each piece once every item under its
+//! end is in: the registration of one piece overlaps the filling of the next. `PinnedRows` in
+//! 4 GiB pieces was ready at 27-29 GiB/s, vLLM's region (32 files in /dev/shm) at 10-11.5 GiB/s
+//! against 2.2 GiB/s with vLLM's own one-thread fill.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex};
