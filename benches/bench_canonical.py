@@ -40,7 +40,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_dma import cuda_bindings_batch
-from bench_vllm import CPUSpec
 from blockswap_bench.cli import need_cuda, option, parser
 from blockswap_bench.kvblocks import ceiling, write_figures
 from blockswap_bench.models import MODELS, KVModel
@@ -179,8 +178,6 @@ def measure_worker(
     rng: np.random.Generator,
     options: dict[str, Any],
 ) -> tuple[dict[str, float], str]:
-    from vllm.v1.kv_offload.base import GPULoadStoreSpec
-
     from blockswap.vllm import BlockswapOffloadingWorker
 
     w = BlockswapOffloadingWorker(
@@ -192,25 +189,8 @@ def measure_worker(
         backend="cuda",
         **options,
     )  # the worker owns the region from here, and releases it at shutdown
-    job = 0
     try:
-
-        def submit() -> int:
-            nonlocal job
-            job += 1
-            ids, chunks = case.spec(rng, blocks)
-            gspec = GPULoadStoreSpec(
-                [b for g in ids for b in g], [len(g) for g in ids], [0] * len(ids)
-            )
-            ok = (
-                w.submit_store(job, gspec, CPUSpec(chunks))
-                if to_cpu
-                else w.submit_load(job, CPUSpec(chunks), gspec)
-            )
-            assert ok
-            return job
-
-        return time_worker(w, submit, case.nbytes(blocks), reps, "d2h" if to_cpu else "h2d")
+        return time_worker(w, lambda: case.spec(rng, blocks), to_cpu, case.nbytes(blocks), reps)
     finally:
         w.shutdown()
 

@@ -25,9 +25,9 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_vllm import CPUSpec
 from blockswap_bench.cli import parser
 from blockswap_bench.kvblocks import write_figures
+from blockswap_bench.plugin import CPUSpec
 
 
 def _bandwidth(issue: Any, wait: Any, nbytes: int) -> float:

@@ -33,9 +33,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
-import statistics
 import sys
-import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -52,14 +50,6 @@ from blockswap_bench.plugin import time_calls, time_worker
 
 N_GPU = 256
 N_CHUNKS = 128
-
-
-class CPUSpec:
-    """vLLM's ``CPULoadStoreSpec`` as the worker reads it: chunk ids in ``block_ids`` (its module,
-    ``vllm.v1.kv_offload.cpu.common``, imports most of vLLM)."""
-
-    def __init__(self, ids: Any) -> None:
-        self.block_ids = np.asarray(ids, dtype=np.int64)
 
 
 @functools.cache
@@ -176,8 +166,6 @@ def measure_vllm(
 def measure_worker(
     case: Case, gpu_to_cpu: bool, blocks: int, reps: int, rng: np.random.Generator, cache: str
 ) -> tuple[dict[str, float], str]:
-    from vllm.v1.kv_offload.base import GPULoadStoreSpec
-
     from blockswap.vllm import BlockswapOffloadingWorker
 
     region = None
@@ -198,32 +186,8 @@ def measure_worker(
     w = BlockswapOffloadingWorker(
         case.kv, case.bpc, N_CHUNKS, mmap_region=region, backend="cuda"
     )  # the worker owns the region from here, and releases it at shutdown
-    job = 0
     try:
-
-        def submit() -> int:
-            nonlocal job
-            job += 1
-            ids, chunks = case.spec(rng, blocks)
-            gspec = GPULoadStoreSpec(
-                [b for g in ids for b in g], [len(g) for g in ids], [0] * len(ids)
-            )
-            t0 = time.perf_counter()
-            ok = (
-                w.submit_store(job, gspec, CPUSpec(chunks))
-                if gpu_to_cpu
-                else w.submit_load(job, CPUSpec(chunks), gspec)
-            )
-            host.append(time.perf_counter() - t0)
-            assert ok
-            return job
-
-        host: list[float] = []
-        figures, route = time_worker(
-            w, submit, case.nbytes(blocks), reps, "d2h" if gpu_to_cpu else "h2d"
-        )
-        figures["host_us"] = statistics.median(host[3 : reps + 3]) * 1e6
-        return figures, route
+        return time_worker(w, lambda: case.spec(rng, blocks), gpu_to_cpu, case.nbytes(blocks), reps)
     finally:
         w.shutdown()
 

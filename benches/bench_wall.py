@@ -89,6 +89,7 @@ from blockswap_bench.kvblocks import (
     parser,
     write_figures,
 )
+from blockswap_bench.plugin import CPUSpec
 
 DEFAULT_PAGES = "4,8,16,32,64,256,1024,4096"
 QUICK_PAGES = {"cuda": "4,64,1024", "host": "4,64"}
@@ -207,13 +208,6 @@ class HandlerTarget(Target):
 
     def shutdown(self) -> None:
         self.h.shutdown()
-
-
-class CPUSpec:
-    """vLLM's ``CPULoadStoreSpec`` as the worker reads it: chunk ids in ``block_ids``."""
-
-    def __init__(self, ids: np.ndarray) -> None:
-        self.block_ids = ids
 
 
 class PluginTarget(Target):

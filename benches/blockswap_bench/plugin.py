@@ -16,13 +16,47 @@ from typing import Any
 from blockswap_bench.common import cuda_time_on
 
 
+class CPUSpec:
+    """vLLM's ``CPULoadStoreSpec`` as the worker reads it: chunk ids in ``block_ids`` (its module,
+    ``vllm.v1.kv_offload.cpu.common``, imports most of vLLM)."""
+
+    def __init__(self, ids: Any) -> None:
+        import numpy as np
+
+        self.block_ids = np.asarray(ids, dtype=np.int64)
+
+
 def time_worker(
-    w: Any, submit: Callable[[], int], nbytes: int, reps: int, direction: str
+    w: Any,
+    spec: Callable[[], tuple[list[list[int]], list[int]]],
+    to_cpu: bool,
+    nbytes: int,
+    reps: int,
 ) -> tuple[dict[str, float], str]:
-    """The worker's figures for transfers of ``nbytes`` that ``submit`` starts (it returns the
-    job id), and the route its first handler takes in ``direction`` (``"d2h"`` / ``"h2d"``).
-    Every result must succeed and count ``nbytes``."""
+    """The worker's figures for transfers of ``nbytes``, each of the GPU block ids per group and
+    the chunks ``spec()`` gives (first sub-block 0), stored (``to_cpu``) or loaded; its host time
+    per submit (median, µs); and the route its first handler takes that way. Every result must
+    succeed and count ``nbytes``."""
     import torch
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+    job = 0
+    host: list[float] = []
+
+    def submit() -> int:
+        nonlocal job
+        job += 1
+        ids, chunks = spec()
+        gspec = GPULoadStoreSpec([b for g in ids for b in g], [len(g) for g in ids], [0] * len(ids))
+        t0 = time.perf_counter()
+        ok = (
+            w.submit_store(job, gspec, CPUSpec(chunks))
+            if to_cpu
+            else w.submit_load(job, CPUSpec(chunks), gspec)
+        )
+        host.append(time.perf_counter() - t0)
+        assert ok
+        return job
 
     iso, wall = [], []
     for i in range(reps + 3):
@@ -36,6 +70,7 @@ def time_worker(
         if i >= 3:
             iso.append(r.transfer_time)
             wall.append(t1 - t0)
+    host_us = statistics.median(host[3:]) * 1e6
     queued = []
     for _ in range(3):
         torch.cuda.synchronize()
@@ -48,7 +83,8 @@ def time_worker(
         "isolated_gbps": nbytes / statistics.median(iso) / 1e9,
         "wall_gbps": nbytes / statistics.median(wall) / 1e9,
         "queued_gbps": max(queued),
-    }, w.handlers[0].routes[direction].reason
+        "host_us": host_us,
+    }, w.handlers[0].routes["d2h" if to_cpu else "h2d"].reason
 
 
 def time_calls(
