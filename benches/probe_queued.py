@@ -1,0 +1,177 @@
+"""Where "8 queued" through the vLLM plug-in goes below the link: 8 transfers back to back on the
+worker (vLLM's region, one block per chunk, per-layer tensors), beside 8 contiguous copies of the
+same bytes timed the same way (synchronize, issue, wait), at queue depths 8 and 32, and one run of
+8 under CUDA's profiling interface (``torch.profiler``): the time from the first submit to the
+first copy, the copy engine's busy share of the span, its gaps, and the time from the last copy to
+``wait`` returning.
+
+    python benches/probe_queued.py [--models llama-3.1-70b-tp4,qwen2.5-7b] [--reps 3]
+
+Printed, not saved. The profiler slows the host's driver calls: its run's rate is not the figure,
+its GPU durations and gaps are.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_vllm import N_CHUNKS, Case
+from blockswap_bench.cli import need_cuda, parser
+from blockswap_bench.kvblocks import ceiling
+from blockswap_bench.models import MODELS
+from blockswap_bench.plugin import CPUSpec
+
+
+def worker(case: Case) -> Any:
+    import uuid
+
+    from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+
+    from blockswap.vllm import BlockswapOffloadingWorker
+
+    cell = sum(t.page_size_bytes for t in case.kv.tensors) * case.bpc
+    align = SharedOffloadRegion.BLOCK_SIZE_ALIGNMENT
+    region = SharedOffloadRegion(
+        engine_id=str(uuid.uuid4()),
+        num_chunks=N_CHUNKS,
+        rank=0,
+        kv_bytes_per_chunk=-(-cell // align) * align,
+        cpu_page_size=cell,
+    )
+    return BlockswapOffloadingWorker(
+        case.kv, case.bpc, N_CHUNKS, mmap_region=region, backend="cuda"
+    )
+
+
+def main() -> int:
+    ap = parser(__doc__, json=False, reps=3)
+    ap.add_argument("--models", default="llama-3.1-70b-tp4,qwen2.5-7b")
+    ap.add_argument("--blocks", type=int, default=32)
+    args = ap.parse_args()
+    if not need_cuda("probe_queued"):
+        return 1
+    rng = np.random.default_rng(0)
+    ceil = ceiling()
+    print(f"# {torch.cuda.get_device_name()}; ceiling h2d {ceil['h2d']:.1f} GB/s, "
+          f"d2h {ceil['d2h']:.1f} GB/s")  # fmt: skip
+    wanted = set(args.models.split(","))
+    for m in (m for m in MODELS if m.key in wanted):
+        one_model(m, args.blocks, args.reps, ceil, rng)
+        torch.cuda.empty_cache()
+    return 0
+
+
+def one_model(m: Any, blocks: int, reps: int, ceil: dict[str, float], rng: Any) -> None:
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+    case = Case(m, False, 1)
+    nbytes = case.nbytes(blocks)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    w = worker(case)
+    job = 0
+    try:
+        for to_cpu in (True, False):
+            d = "d2h" if to_cpu else "h2d"
+            stream = torch.cuda.Stream()
+
+            def ref(n: int, to_cpu: bool = to_cpu, stream: Any = stream) -> float:
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                with torch.cuda.stream(stream):
+                    for _ in range(n):
+                        (host.copy_(dev, non_blocking=True) if to_cpu
+                         else dev.copy_(host, non_blocking=True))  # fmt: skip
+                stream.synchronize()
+                return n * nbytes / (time.perf_counter() - t0) / 1e9
+
+            def submit(to_cpu: bool = to_cpu) -> int:
+                nonlocal job
+                job += 1
+                ids, chunks = case.spec(rng, blocks)
+                g = GPULoadStoreSpec([b for x in ids for b in x], [len(x) for x in ids],
+                                     [0] * len(ids))  # fmt: skip
+                ok = (w.submit_store(job, g, CPUSpec(chunks)) if to_cpu
+                      else w.submit_load(job, CPUSpec(chunks), g))  # fmt: skip
+                assert ok
+                return job
+
+            def queued(n: int) -> float:
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                with record_function("submit"):
+                    jobs = {submit() for _ in range(n)}
+                with record_function("wait"):
+                    w.wait(jobs)
+                rate = n * nbytes / (time.perf_counter() - t0) / 1e9
+                assert all(r.success for r in w.get_finished())
+                return rate
+
+            for _ in range(3):
+                queued(8)
+                ref(8)
+            pct = {k: 0.0 for k in ("ref8", "ref32", "bs8", "bs32")}
+            for _ in range(reps):
+                pct["ref8"] = max(pct["ref8"], ref(8))
+                pct["ref32"] = max(pct["ref32"], ref(32))
+                pct["bs8"] = max(pct["bs8"], queued(8))
+                pct["bs32"] = max(pct["bs32"], queued(32))
+            print(f"{m.name[:20]:<20} {case.page // 1024:>3} KiB {d} {nbytes >> 20} MiB a "
+                  "transfer; % of the link: " + ", ".join(
+                      f"{k} {100 * v / ceil[d]:.1f}" for k, v in pct.items()))  # fmt: skip
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                queued(8)
+            with tempfile.TemporaryDirectory() as tmp:
+                path = os.path.join(tmp, "trace.json")
+                prof.export_chrome_trace(path)
+                with open(path) as f:
+                    events = json.load(f)["traceEvents"]
+            report(events, nbytes, to_cpu)
+    finally:
+        w.shutdown()
+
+
+def report(events: list[dict[str, Any]], nbytes: int, to_cpu: bool) -> None:
+    marks = {e["name"]: e for e in events if e.get("cat") == "user_annotation"}
+    t_submit, t_wait = marks["submit"], marks["wait"]
+    t0 = t_submit["ts"]
+    t_end = t_wait["ts"] + t_wait["dur"]
+    gpu = sorted(
+        (e for e in events if e.get("cat") in ("kernel", "gpu_memcpy") and "ts" in e),
+        key=lambda e: e["ts"],
+    )
+    want = "DtoH" if to_cpu else "HtoD"
+    pcie = [e for e in gpu if want in e["name"] and e.get("args", {}).get("bytes", 0) > 65536]
+    kern = [e for e in gpu if e.get("cat") == "kernel"]
+    first, last = gpu[0]["ts"], max(e["ts"] + e["dur"] for e in gpu)
+    busy = 0.0
+    gaps: list[float] = []
+    end = pcie[0]["ts"]
+    for e in pcie:
+        if e["ts"] > end:
+            gaps.append(e["ts"] - end)
+        busy += min(e["dur"], e["ts"] + e["dur"] - end) if e["ts"] < end else e["dur"]
+        end = max(end, e["ts"] + e["dur"])
+    span = end - pcie[0]["ts"]
+    pbytes = sum(e["args"]["bytes"] for e in pcie)
+    big = sorted(gaps, reverse=True)[:6]
+    print(f"    profiled: submit {t_submit['dur']:.0f} us, first GPU work at +{first - t0:.0f}, "
+          f"first row copy at +{pcie[0]['ts'] - t0:.0f}, rows busy {busy:.0f} of {span:.0f} us "
+          f"({pbytes / busy / 1e3:.1f} GB/s while busy, {len(pcie)} copies, {len(gaps)} gaps, "
+          f"largest {', '.join(f'{g:.0f}' for g in big)}), last GPU end +{last - t0:.0f}, "
+          f"wait returns +{t_end - t0:.0f} us; {len(kern)} kernels "
+          f"{sum(e['dur'] for e in kern):.0f} us; rows {pbytes} of {8 * nbytes} bytes")  # fmt: skip
+
+
+if __name__ == "__main__":
+    sys.exit(main())
