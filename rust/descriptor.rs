@@ -136,6 +136,8 @@ pub struct Prepared {
     /// Where a staged plan's block entries start in the slab (rows joined on the host leave
     /// room unused before it); 0 for every other plan.
     pub staged_blocks_at: usize,
+    /// A staged plan's block entries; 0 for every other plan.
+    pub staged_blocks: usize,
 }
 
 /// The output arrays of [`prepare_into`]: a slab's three columns.
@@ -227,6 +229,7 @@ pub fn prepare_into(
         alignment: 1u64 << pass.bits.trailing_zeros().min(4),
         staged_rows: 0,
         staged_blocks_at: 0,
+        staged_blocks: 0,
     })
 }
 

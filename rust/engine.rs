@@ -364,6 +364,7 @@ impl Engine {
             Plan::Staged(kernel) => Plan::Staged(StagedRequest {
                 rows: prepared.staged_rows,
                 first_block: prepared.staged_blocks_at,
+                blocks: prepared.staged_blocks,
                 slot_bytes: self.config.stage_bytes,
                 kernel,
             }),

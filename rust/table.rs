@@ -32,11 +32,12 @@ pub use runs::{
     block_route, block_runs, expand_runs_into, for_each_row, Run, BLOCK_MAX_COPIES, BLOCK_MIN_PAGE,
     MAX_PITCH, PITCHED_ENTRIES,
 };
-use staged::written_pages;
 pub use staged::{
-    expand_staged_into, staged_fit, staged_pages, staged_row, staged_steps, StagedCursor,
-    StagedRequest, StagedStep, STAGED_MIN_STEPS, STAGED_TABLE_EXTRA,
+    expand_staged_into, finish_cells, stage_cell_group, staged_cell, staged_cells, staged_fit,
+    staged_pages, staged_row, staged_steps, StagedCursor, StagedExpansion, StagedRequest,
+    StagedStep, STAGED_MIN_STEPS, STAGED_TABLE_EXTRA,
 };
+use staged::{finish_staged, written_pages};
 
 /// A block table as its caller describes it, before it is checked against registered memory
 /// (see [`TableSpec::build`]): `bases`, `strides` and `nbytes` per segment, `num_blocks` blocks of
@@ -615,6 +616,7 @@ pub fn expand_into(
         alignment,
         staged_rows: 0,
         staged_blocks_at: 0,
+        staged_blocks: 0,
     })
 }
 
@@ -622,16 +624,6 @@ pub fn expand_into(
 /// where the `bool` (coalesce) says and both addresses continue ([`expand_into`]); one plan of
 /// 2-D copies per group ([`expand_runs_into`]); or the staged plan ([`expand_staged_into`]).
 pub type Expansion<'a> = Plan<bool, &'a [Vec<Run>], StagedExpansion>;
-
-/// The staged plan's expansion of a transfer of `rows` blocks in all, the host side the source
-/// (`host_src`, CPU -> GPU) or the destination; rows of blocks that follow each other on the host
-/// joined up to `merge` bytes (0: never).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct StagedExpansion {
-    pub rows: usize,
-    pub host_src: bool,
-    pub merge: u64,
-}
 
 /// One KV-cache group of a block transfer (see [`expand_groups_into`]): its two tables and ids.
 ///
@@ -695,11 +687,17 @@ pub fn expand_groups_into(
         alignment: 16,
         staged_rows: 0,
         staged_blocks_at: 0,
+        staged_blocks: 0,
     };
     let mut used: Vec<(u64, u64)> = Vec::new();
     let mut shared = false;
     let mut cursor = match plan {
-        Plan::Staged(StagedExpansion { rows, merge, .. }) => StagedCursor::new(rows, merge),
+        Plan::Staged(StagedExpansion {
+            rows,
+            blocks,
+            merge,
+            ..
+        }) => StagedCursor::new(rows, blocks, merge),
         _ => StagedCursor::default(),
     };
     for (gi, g) in groups.iter().enumerate() {
@@ -766,9 +764,16 @@ pub fn expand_groups_into(
         let p = match plan {
             Plan::Pages(coalesce) => expand_into(pair, coalesce, cols, scratch),
             Plan::Runs(r) => expand_runs_into(pair, &r[gi], cols, scratch),
-            Plan::Staged(StagedExpansion { host_src, .. }) => {
-                expand_staged_into(pair, host_src, cols, &mut cursor, scratch)
-            }
+            Plan::Staged(StagedExpansion {
+                host_src,
+                cells: false,
+                ..
+            }) => expand_staged_into(pair, host_src, cols, &mut cursor, scratch),
+            Plan::Staged(StagedExpansion {
+                host_src,
+                cells: true,
+                ..
+            }) => stage_cell_group(pair, host_src, cols, &mut cursor, scratch),
         };
         let p = p.map_err(|e| {
             let e = match (e, skip) {
@@ -793,13 +798,13 @@ pub fn expand_groups_into(
     if total.len == 0 {
         return Err(TableError::Empty);
     }
-    if let Plan::Staged(StagedExpansion { rows, .. }) = plan {
-        // Rows, blocks from `rows` on, then the geometries: the slab's length counts all three.
-        // The caller sized the rows by the groups' block counts, which the checks above made
-        // exact; joined rows leave the end of that room unused.
-        assert!(cursor.row <= rows, "staged rows sized wrong");
-        total.len = cursor.table;
-        total.staged_blocks_at = rows;
+    if let Plan::Staged(expansion) = plan {
+        let cols = Columns {
+            src: &mut src[..],
+            dst: &mut dst[..],
+            size: &mut size[..],
+        };
+        finish_staged(groups, expansion, cols, &mut cursor, scratch, &mut total)?;
     }
     if shared {
         // Two groups' destination tables share memory: no geometry proves the groups' pages

@@ -501,20 +501,29 @@ def _i64(values: list[int]) -> torch.Tensor:
     return t if INTERPRET else t.pin_memory()
 
 
+@pytest.mark.parametrize("holes", [False, True], ids=["no-holes", "holes"])
 @pytest.mark.parametrize("ring_src", [True, False])
 @pytest.mark.parametrize(
     "pages", [[64, 64], [4096] * 6, [48, 16, 100, 4], [16384, 4096, 32]], ids=str
 )
 def test_staged_kernel_moves_the_pages_its_block_entries_name(
-    pages: list[int], ring_src: bool
+    pages: list[int], ring_src: bool, holes: bool
 ) -> None:
     """The staged kernel's pages (GPU page s of block b at ``bases[s] + b * strides[s]``, in
     the ring at ``ring_base + rings[i] + offsets[s]``) against a byte-by-byte reference, both
-    ways, with pages of any size and alignment and GPU segments at strides of their own."""
-    rng = random.Random(len(pages) * 2 + ring_src)
+    ways, with pages of any size and alignment and GPU segments at strides of their own; with
+    ``holes``, a segment of GPU base 0 after each page but the last (bytes of the row no page
+    owns, as the cell plan writes them), whose bytes nothing moves."""
+    rng = random.Random(len(pages) * 2 + ring_src + 4 * holes)
     num_blocks, n = 12, 7
-    row = sum(pages)
-    offsets = [sum(pages[:s]) for s in range(len(pages) + 1)]
+    # The row's segments: (page index, bytes); a hole has no page.
+    segs: list[tuple[int | None, int]] = []
+    for s, p in enumerate(pages):
+        segs.append((s, p))
+        if holes and s + 1 < len(pages):
+            segs.append((None, 16 * rng.randrange(1, 4) + rng.randrange(2)))
+    row = sum(n_ for _, n_ in segs)
+    offsets = [sum(n_ for _, n_ in segs[:k]) for k in range(len(segs) + 1)]
     # "GPU" segments: each its own region, its own stride (page padded by 0-3 x 16 bytes + 1).
     strides = [p + 16 * rng.randrange(4) + 1 for p in pages]
     seg_at, pos = [], 0
@@ -529,19 +538,22 @@ def test_staged_kernel_moves_the_pages_its_block_entries_name(
     rings = [row * k for k in rng.sample(range(n), n)]
     want_gpu, want_ring = gpu.numpy().copy(), ring.numpy().copy()
     for b, r in zip(gpu_ids, rings):
-        for s, p in enumerate(pages):
+        for k, (s, p) in enumerate(segs):
+            if s is None:
+                continue
             g = seg_at[s] + b * strides[s]
-            q = 32 + r + offsets[s]
+            q = 32 + r + offsets[k]
             if ring_src:
                 want_gpu[g : g + p] = want_ring[q : q + p]
             else:
                 want_ring[q : q + p] = want_gpu[g : g + p]
     ids_t, rings_t = _i64(gpu_ids), _i64(rings)
-    bases_t = _i64([gpu.data_ptr() + a for a in seg_at])
-    strides_t, offsets_t = _i64(strides), _i64(offsets)
+    bases_t = _i64([0 if s is None else gpu.data_ptr() + seg_at[s] for s, _ in segs])
+    strides_t = _i64([0 if s is None else strides[s] for s, _ in segs])
+    offsets_t = _i64(offsets)
     staged_mod.copy_staged_raw(
         ids_t.data_ptr(), rings_t.data_ptr(), bases_t.data_ptr(), strides_t.data_ptr(),
-        offsets_t.data_ptr(), n, len(pages), ring_base, ring_src,
+        offsets_t.data_ptr(), n, len(segs), ring_base, ring_src,
         max_size=max(pages), max_ctas=3,
     )  # fmt: skip
     if not INTERPRET:

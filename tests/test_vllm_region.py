@@ -364,11 +364,12 @@ def test_region_bytes_equal_vllms(
     ref_views = [ref.create_next_worker_view(t.page_size_bytes * bpc) for t in kv.tensors]
     w = BlockswapOffloadingWorker(kv, bpc, n_chunks, mmap_region=region, backend=backend_of(device))
     try:
-        # A chunk of one block is one row per block in its cell (every tensor's page, tensor
-        # after tensor): a per-layer cache moves rows (block or staged plan), not pages. More
-        # blocks per chunk, a cross-layer cache (a row of one page) or padded rows (the pad is
-        # not the worker's to write): the page route.
-        rows = bpc == 1 and not cross_layer and not pad
+        # A per-layer cache moves rows (block or staged plan), not pages: a chunk of one block
+        # is one row per block in its cell (every tensor's page, tensor after tensor); with more
+        # blocks per chunk, a block's pages lie in the cell with the other blocks' between them
+        # (the cell plan: a whole chunk one row). A cross-layer cache (a row of one page) or
+        # padded rows (the pad is no tensor's: a row per page): the page route.
+        rows = not cross_layer and not pad
         for d in ("d2h", "h2d"):
             plan = w.handlers[0].routes[d].plan
             assert plan in (("blocks", "staged") if rows else ("pages",)), (d, plan)

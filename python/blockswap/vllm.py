@@ -91,7 +91,14 @@ except ModuleNotFoundError as e:
     ) from e
 
 from . import _core
-from ._core import BackendError, BlockswapError, chunk_blocks, chunk_count, chunk_skip
+from ._core import (
+    BackendError,
+    BlockswapError,
+    chunk_blocks,
+    chunk_count,
+    chunk_skip,
+    stage_slot,
+)
 from .handler import CpuGpuHandlers
 from .hostmem import DEFAULT_PIECE_BYTES, PinnedRows, PinProgress
 
@@ -254,6 +261,10 @@ class BlockswapOffloadingWorker(OffloadingWorker):
                 cpu_groups = self._region_cells(
                     kv_caches, group_pages, on_cuda, index, pin_piece_bytes
                 )
+                # The staged plan moves a chunk's cell (every tensor's pages of its blocks) as
+                # one cluster: a slot holds one cell.
+                cell = sum(ct.page_size_bytes for ct in kv_caches.tensors) * f
+                handler_options.setdefault("stage_bytes", stage_slot(cell))
             handler_options["host_pieces"] = self.region_pieces
         if not canonical_layout:
             for g, pages in enumerate(group_pages):

@@ -482,6 +482,7 @@ mod blocks {
             alignment: 1 << bits.trailing_zeros().min(4),
             staged_rows: 0,
             staged_blocks_at: 0,
+            staged_blocks: 0,
         };
         Ok((prepared, runs.iter().map(|r| (r.0, r.1, r.2)).collect()))
     }

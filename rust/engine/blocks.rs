@@ -9,8 +9,9 @@ use crate::plan::Plan;
 use crate::region::MemoryKind;
 use crate::table::STAGED_MIN_STEPS;
 use crate::table::{
-    block_route, block_runs, expand_groups_into, staged_fit, staged_row, BlockTable, Expansion,
-    Group, Run, StagedExpansion, TableError, TableSpec, PITCHED_ENTRIES, STAGED_TABLE_EXTRA,
+    block_route, block_runs, expand_groups_into, staged_cell, staged_cells, staged_fit, staged_row,
+    BlockTable, Expansion, Group, Run, StagedExpansion, TableError, TableSpec, PITCHED_ENTRIES,
+    STAGED_TABLE_EXTRA,
 };
 use crate::transfer::JobId;
 
@@ -200,33 +201,50 @@ impl Engine {
 
     /// Whether a cache whose KV-cache groups have the host tables `host_tables` takes the staged
     /// plan with this engine's slots (see [`staged_fit`]): `Ok(the largest row)` or `Err(why
-    /// not)`.
+    /// not)`. Where blocks leave holes in their cells (the cell plan), the cells their blocks
+    /// share (the union of the spans of tables at one stride) must fit a slot too.
     pub fn staged_route(&self, host_tables: &[u32]) -> Result<Result<u64, String>, EngineError> {
         let state = self.lock();
         let slot = self.config.stage_bytes;
         let mut largest = None;
+        let mut tables = Vec::with_capacity(host_tables.len());
         for &id in host_tables {
-            match staged_fit(table_of(&state.tables, id, MemoryKind::Host)?, slot) {
+            let t = table_of(&state.tables, id, MemoryKind::Host)?;
+            match staged_fit(t, slot) {
                 Ok(row) => largest = largest.max(Some(row)),
                 Err(why) => return Ok(Err(why)),
             }
+            tables.push(t);
+        }
+        match staged_cells(&tables) {
+            Err(why) => return Ok(Err(why)),
+            Ok(Some(cell)) if cell > slot => {
+                return Ok(Err(format!(
+                    "a cell's blocks span {cell} bytes, more than a staging slot (stage_bytes = \
+                     {slot})"
+                )))
+            }
+            Ok(_) => {}
         }
         Ok(largest.ok_or_else(|| "no KV-cache group".to_string()))
     }
 
     /// Whether every one of `host_tables` is block-major, each block's pages (two or more) one
-    /// chunk inside one registered region ([`staged_row`]), whoever allocated the memory: the
-    /// layout on which the block and staged plans are taken by default (see
+    /// chunk inside one registered region, or cell-major, the pages in one cell of the table
+    /// with holes the other tables fill ([`staged_cell`], [`staged_cells`]), whoever allocated
+    /// the memory: the layout on which the block and staged plans are taken by default (see
     /// [`crate::plan::choice::Ask`]). A block of one page is no row to join: its copies are the
     /// page route's. False for no table.
     pub fn block_major(&self, host_tables: &[u32]) -> Result<bool, EngineError> {
         let state = self.lock();
         let mut all = !host_tables.is_empty();
+        let mut tables = Vec::with_capacity(host_tables.len());
         for &id in host_tables {
             let t = table_of(&state.tables, id, MemoryKind::Host)?;
-            all &= t.segments() > 1 && staged_row(t).is_some();
+            all &= t.segments() > 1 && staged_cell(t).is_some();
+            tables.push(t);
         }
-        Ok(all)
+        Ok(all && staged_cells(&tables).is_ok())
     }
 
     /// The staging slot size of this engine (see [`super::EngineConfig::stage_bytes`]).
@@ -329,7 +347,18 @@ type Sizing = Plan<(), Vec<Vec<Run>>, StagedSize>;
 #[derive(Clone, Copy, Debug)]
 struct StagedSize {
     rows: usize,
+    blocks: usize,
     bytes: u64,
+    cells: bool,
+}
+
+/// The host side of a group of a transfer between host and device.
+fn host_of<'a>(g: &Group<'a>, host_src: bool) -> &'a BlockTable {
+    if host_src {
+        g.src
+    } else {
+        g.dst
+    }
 }
 
 /// The slab entries of a group transfer on `shape`'s route, and what the fill needs from that
@@ -375,21 +404,35 @@ fn group_sizing(
                 return Err(no_plan(0, 1, why));
             }
             let host_src = direction == Direction::HostToDevice;
+            // The cell plan where a host table's blocks leave holes in their cells.
+            let cells = resolved
+                .iter()
+                .any(|g| staged_cell(host_of(g, host_src)).is_some_and(|(_, holes)| holes));
             // Rows, block entries and geometries (see `crate::table::staged`).
-            let (mut rows, mut entries, mut bytes) = (0usize, 0usize, 0u64);
+            let (mut rows, mut blocks, mut tables, mut bytes) = (0usize, 0usize, 0usize, 0u64);
             for (gi, g) in resolved.iter().enumerate() {
-                let host = if host_src { g.src } else { g.dst };
-                let row = staged_fit(host, slot).map_err(|why| {
+                let row = staged_fit(host_of(g, host_src), slot).map_err(|why| {
                     no_plan(gi, n, format!("these tables have no staged plan: {why}"))
                 })?;
                 bytes = bytes.saturating_add(row.saturating_mul(g.blocks() as u64));
-                // A row and a block entry per block, and the group's geometry.
-                rows = rows.saturating_add(g.blocks());
-                entries = entries
-                    .saturating_add(g.blocks().saturating_mul(2))
-                    .saturating_add(g.src.segments() + STAGED_TABLE_EXTRA);
+                // A row per block (the cell plan: per page) and a block entry per block, and
+                // the group's geometry (a hole at most between two segments).
+                let segments = g.src.segments();
+                let per_block = if cells { segments } else { 1 };
+                rows = rows.saturating_add(g.blocks().saturating_mul(per_block));
+                blocks = blocks.saturating_add(g.blocks());
+                tables = tables.saturating_add(2 * segments + STAGED_TABLE_EXTRA);
             }
-            Ok((entries, Plan::Staged(StagedSize { rows, bytes })))
+            let entries = rows.saturating_add(blocks).saturating_add(tables);
+            Ok((
+                entries,
+                Plan::Staged(StagedSize {
+                    rows,
+                    blocks,
+                    bytes,
+                    cells,
+                }),
+            ))
         }
     }
 }
@@ -411,8 +454,11 @@ fn expansion(sizing: &Sizing, coalesce: bool, slot: u64, direction: Direction) -
             };
             Plan::Staged(StagedExpansion {
                 rows: size.rows,
+                blocks: size.blocks,
                 host_src: direction == Direction::HostToDevice,
                 merge,
+                cells: size.cells,
+                slot,
             })
         }
     }

@@ -95,8 +95,11 @@ fn run(
         Kind::Runs => Plan::Runs(&runs[..]),
         Kind::Staged => Plan::Staged(StagedExpansion {
             rows,
+            blocks: rows,
             host_src,
             merge: 1 << 20,
+            cells: false,
+            slot: 1 << 20,
         }),
     };
     let len = 4096;

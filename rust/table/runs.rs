@@ -238,6 +238,7 @@ pub fn expand_runs_into(
         alignment,
         staged_rows: 0,
         staged_blocks_at: 0,
+        staged_blocks: 0,
     })
 }
 

@@ -6,10 +6,21 @@
 //!
 //! - `[0, rows)`: host rows `(row address, ring offset, bytes)`, rows of blocks that follow each
 //!   other on the host joined (the room past the last row used stays empty);
-//! - `[rows, 2 rows)`: one entry per block `(GPU block id, ring offset of its row, table at)`;
-//! - from `2 rows` on, one geometry per group, at `table at`: a header `(segments, 0, 0)`, then
-//!   per segment `s` `(GPU base, GPU stride, offset of the page in the row)`, then `(0, 0, row
-//!   bytes)`, so that page `s` is `offsets[s + 1] - offsets[s]` bytes.
+//! - `[rows, rows + blocks)`: one entry per block `(GPU block id, ring offset of its row, table
+//!   at)`;
+//! - after them, one geometry per group (groups with equal geometries share one), at `table at`:
+//!   a header `(segments, 0, 0)`, then per segment `s` `(GPU base, GPU stride, offset of the
+//!   page in the row)`, then `(0, 0, row bytes)`, so that page `s` is `offsets[s + 1] -
+//!   offsets[s]` bytes. A segment of GPU base 0 is a hole: bytes of the row no page of the block
+//!   owns, moved by no one.
+//!
+//! A host table whose block's pages lie in one cell of the table with holes between them
+//! ([`staged_cell`]: vLLM's offload region, where a chunk's cell holds each tensor's pages of
+//! several blocks side by side) takes the cell plan ([`stage_cell_group`], [`finish_cells`]):
+//! blocks whose spans overlap (the blocks of one cell) form a cluster, laid in the ring as it lies
+//! on the host, and the rows are exactly the bytes the cluster's pages cover, joined where they
+//! touch, so that a store writes no byte of a sub-block it does not own while a whole cell
+//! crosses `PCIe` as one copy. Steps never cut a cluster ([`staged_steps`]).
 //!
 //! Page `s` of a block is `GPU base[s] + id * GPU stride[s]` on the GPU and `ring offset +
 //! offset[s]` in the ring: [`staged_pages`] walks them (the host backend, the tests), and the
@@ -19,7 +30,7 @@
 
 use std::ops::Range;
 
-use super::{check_ids, check_written, BlockTable, Overlap, Pair, TableError};
+use super::{check_ids, check_written, BlockTable, Group, Overlap, Pair, TableError};
 use crate::descriptor::{Columns, Prepared, Scratch};
 
 /// Slab entries of one group's geometry beyond its segments: the header and the row's end.
@@ -31,40 +42,108 @@ pub const STAGED_TABLE_EXTRA: usize = 2;
 /// for any other layout.
 #[must_use]
 pub fn staged_row(t: &BlockTable) -> Option<u64> {
+    staged_cell(t).and_then(|(span, holes)| (!holes).then_some(span))
+}
+
+/// A block's span in a table the staged plan can take, and whether its pages leave holes in it:
+/// every segment at one stride, the pages of a block in table order without sharing a byte, the
+/// span inside one registered region; with holes, the span no longer than the stride (a block's
+/// pages lie in one cell of the table, as vLLM's offload region lays out a chunk's sub-blocks).
+/// `None` for any other layout.
+#[must_use]
+pub fn staged_cell(t: &BlockTable) -> Option<(u64, bool)> {
     let stride = t.strides[0];
     let mut end = t.bases[0];
+    let mut holes = false;
     for s in 0..t.segments() {
-        if t.bases[s] != end || t.strides[s] != stride {
+        if t.bases[s] < end || t.strides[s] != stride {
             return None;
         }
-        end = end.checked_add(t.nbytes[s])?;
+        holes |= t.bases[s] != end;
+        end = t.bases[s].checked_add(t.nbytes[s])?;
     }
-    (t.disjoint && t.run_in_one_region(0, t.segments() - 1)).then_some(end - t.bases[0])
+    let span = end - t.bases[0];
+    (t.disjoint && (!holes || span <= stride) && t.run_in_one_region(0, t.segments() - 1))
+        .then_some((span, holes))
 }
 
 /// A host table's row where the staged plan can take it with slots of `slot` bytes: the table
-/// block-major ([`staged_row`]) and its row no larger than a slot. Why not otherwise, as every
-/// refusal of the plan (a submission, the handler's choice of route) words it.
+/// block-major or cell-major ([`staged_cell`]) and a block's span no larger than a slot. Why not
+/// otherwise, as every refusal of the plan (a submission, the handler's choice of route) words it.
 pub fn staged_fit(host: &BlockTable, slot: u64) -> Result<u64, String> {
-    match staged_row(host) {
+    match staged_cell(host) {
         None => Err(
             "the host table is not block-major (a block's pages in one chunk inside one \
                      registered region)"
                 .into(),
         ),
-        Some(row) if row > slot => Err(format!(
+        Some((row, _)) if row > slot => Err(format!(
             "a block's row is {row} bytes, more than a staging slot (stage_bytes = {slot})"
         )),
-        Some(row) => Ok(row),
+        Some((row, _)) => Ok(row),
     }
 }
 
+/// Where a cache's host tables leave holes in their cells (see [`staged_cell`]): the bytes the
+/// cells hold for the cache, per stride, as the tables together cover them. `Ok(the largest
+/// cell's bytes)` (`None` without holes) where the tables of each stride tile their cells (the
+/// sub-blocks of a chunk of vLLM's offload region fill each other's holes, so a whole chunk
+/// crosses `PCIe` as one row), `Err(why not)` where bytes of a cell are no table's (another
+/// rank's pages, padding): those would leave a row per page, the page route's work.
+pub fn staged_cells(tables: &[&BlockTable]) -> Result<Option<u64>, String> {
+    let mut strides: Vec<u64> = tables
+        .iter()
+        .filter(|t| staged_cell(t).is_some_and(|(_, holes)| holes))
+        .map(|t| t.strides[0])
+        .collect();
+    strides.sort_unstable();
+    strides.dedup();
+    let mut largest = None;
+    for stride in strides {
+        let at = tables.iter().filter(|t| t.strides[0] == stride);
+        let lo = at.clone().map(|t| t.bases[0]).min().unwrap_or(0);
+        let mut pages: Vec<(u64, u64)> = at
+            .flat_map(|t| (0..t.segments()).map(|s| (t.bases[s] - lo, t.nbytes[s])))
+            .collect();
+        pages.sort_unstable();
+        let mut end = 0;
+        for (offset, bytes) in pages {
+            if offset > end {
+                return Err(format!(
+                    "bytes {end}..{offset} of a cell of the host tables are no KV-cache \
+                     tensor's (another rank's pages or padding)"
+                ));
+            }
+            end = end.max(offset + bytes);
+        }
+        largest = largest.max(Some(end));
+    }
+    Ok(largest)
+}
+
+/// The staged plan's expansion of a transfer: room for `rows` host rows and `blocks` block
+/// entries, the host side the source (`host_src`, CPU -> GPU) or the destination; rows of blocks
+/// that follow each other on the host joined up to `merge` bytes (0: never). `cells`: the cell
+/// plan (a host table's blocks leave holes in their cells, see [`staged_cell`]), whose
+/// clusters fit slots of `slot` bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StagedExpansion {
+    pub rows: usize,
+    pub blocks: usize,
+    pub host_src: bool,
+    pub merge: u64,
+    pub cells: bool,
+    pub slot: u64,
+}
+
 /// Where [`expand_staged_into`] writes next: rows from `row` (room for `rows` of them), blocks
-/// from `block`, geometries from `table`, ring offsets from `ring`. `merge`: the most bytes one
-/// row may grow to by joining the next block's row where it continues on the host (0: never).
+/// from `block` (room for `blocks` from `rows` on), geometries from `table`, ring offsets from
+/// `ring`. `merge`: the most bytes one row may grow to by joining the next block's row where it
+/// continues on the host (0: never).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct StagedCursor {
     pub rows: usize,
+    pub blocks: usize,
     pub row: usize,
     pub block: usize,
     pub table: usize,
@@ -73,14 +152,15 @@ pub struct StagedCursor {
 }
 
 impl StagedCursor {
-    /// A cursor at the start of a slab for `rows` blocks in all.
+    /// A cursor at the start of a slab with room for `rows` rows and `blocks` block entries.
     #[must_use]
-    pub fn new(rows: usize, merge: u64) -> Self {
+    pub fn new(rows: usize, blocks: usize, merge: u64) -> Self {
         StagedCursor {
             rows,
+            blocks,
             row: 0,
             block: rows,
-            table: 2 * rows,
+            table: rows + blocks,
             ring: 0,
             merge,
         }
@@ -128,7 +208,7 @@ pub fn expand_staged_into(
     let table = cursor.table;
     assert!(
         cursor.row + n <= cursor.rows
-            && cursor.block + n <= 2 * cursor.rows
+            && cursor.block + n <= cursor.rows + cursor.blocks
             && table + segments + STAGED_TABLE_EXTRA <= out.src.len(),
         "slab too small"
     );
@@ -187,7 +267,56 @@ pub fn expand_staged_into(
         alignment: 1u64 << (bitmask | max_size).trailing_zeros().min(4),
         staged_rows: r - first_row,
         staged_blocks_at: 0,
+        staged_blocks: 0,
     })
+}
+
+/// Completes a staged plan's slab once every group is written ([`expand_staged_into`] or
+/// [`stage_cell_group`]): the cell plan's rows ([`finish_cells`]) and, CPU -> GPU where a GPU
+/// table may share bytes between its pages, the check of what the kernel writes; then the
+/// slab's length and where its block entries are.
+pub(super) fn finish_staged(
+    groups: &[Group<'_>],
+    expansion: StagedExpansion,
+    out: Columns<'_>,
+    cursor: &mut StagedCursor,
+    scratch: &mut Scratch,
+    total: &mut Prepared,
+) -> Result<(), TableError> {
+    let StagedExpansion {
+        rows,
+        host_src,
+        cells,
+        slot,
+        ..
+    } = expansion;
+    if cells {
+        let first = groups.first();
+        let host = first.map_or("", |g| if host_src { &g.src.name } else { &g.dst.name });
+        let Columns { src, dst, size } = out;
+        let cols = Columns {
+            src: &mut src[..],
+            dst: &mut dst[..],
+            size: &mut size[..],
+        };
+        total.staged_rows = finish_cells(cols, cursor, host_src, slot, host, scratch)?;
+        let gpu_shared = groups
+            .iter()
+            .any(|g| !(if host_src { g.dst } else { g.src }).disjoint);
+        if host_src && gpu_shared {
+            let (addrs, sizes) = written_pages(src, dst, size, rows..cursor.block);
+            let name = first.map_or("", |g| g.dst.name.as_str());
+            check_written(name, &addrs, &sizes, Overlap::Pages, scratch)?;
+        }
+    }
+    // Rows, blocks from `rows` on, then the geometries: the slab's length counts all three.
+    // The caller sized the rows by the groups' block counts (the cell plan: their pages),
+    // which the checks above made exact; joined rows leave the end of that room unused.
+    assert!(cursor.row <= rows, "staged rows sized wrong");
+    total.len = cursor.table;
+    total.staged_blocks_at = rows;
+    total.staged_blocks = cursor.block - rows;
+    Ok(())
 }
 
 /// The pages of block entry `i` of a staged slab's columns (see the module's layout), in table
@@ -201,10 +330,218 @@ pub fn staged_pages<'a>(
 ) -> impl Iterator<Item = (u64, u64, u64)> + 'a {
     let (id, ring, table) = (src[i], dst[i], size[i] as usize);
     let segments = src[table] as usize;
-    (table + 1..table + 1 + segments).map(move |s| {
-        let gpu = src[s].wrapping_add(id.wrapping_mul(dst[s]));
-        (ring + size[s], gpu, size[s + 1] - size[s])
+    // Holes (GPU base 0) are bytes of the row no page owns.
+    (table + 1..table + 1 + segments)
+        .filter(move |&s| src[s] != 0)
+        .map(move |s| {
+            let gpu = src[s].wrapping_add(id.wrapping_mul(dst[s]));
+            (ring + size[s], gpu, size[s + 1] - size[s])
+        })
+}
+
+/// The ring bytes block entry `i` spans (its row, holes included): its geometry's last entry.
+fn block_span(src: &[u64], size: &[u64], i: usize) -> u64 {
+    let table = size[i] as usize;
+    size[table + 1 + src[table] as usize]
+}
+
+/// Writes one group of a transfer on the cell plan (see the module's documentation) at `cursor`:
+/// checks its ids as [`super::expand_into`] does, writes its geometry (holes as segments of GPU
+/// base 0) or reuses an equal one written before, and a block entry per block pair `(GPU block
+/// id, host address of its first page, table at)`. [`finish_cells`] turns the host addresses into
+/// ring offsets and writes the rows once every group is in. The host side must have a
+/// [`staged_cell`].
+pub fn stage_cell_group(
+    pair: Pair<'_>,
+    host_src: bool,
+    out: Columns<'_>,
+    cursor: &mut StagedCursor,
+    scratch: &mut Scratch,
+) -> Result<Prepared, TableError> {
+    check_ids(pair, scratch)?;
+    let Pair {
+        src,
+        src_ids,
+        dst,
+        dst_ids,
+    } = pair;
+    let (host, host_ids, gpu, gpu_ids) = if host_src {
+        (src, src_ids, dst, dst_ids)
+    } else {
+        (dst, dst_ids, src, src_ids)
+    };
+    let (span, _) = staged_cell(host).ok_or_else(|| {
+        TableError::BadChunking(
+            "the staged plan needs a host table whose blocks' pages lie in one cell".into(),
+        )
+    })?;
+    let segments = host.segments();
+    let holes = (1..segments)
+        .filter(|&s| host.bases[s] != host.bases[s - 1] + host.nbytes[s - 1])
+        .count();
+    let n = src_ids.len();
+    let table = cursor.table;
+    assert!(
+        cursor.block + n <= cursor.rows + cursor.blocks
+            && table + segments + holes + STAGED_TABLE_EXTRA <= out.src.len(),
+        "slab too small"
+    );
+    let mut bitmask = span;
+    let mut max_size = 0u64;
+    let mut at = table + 1;
+    for s in 0..segments {
+        let offset = host.bases[s] - host.bases[0];
+        if s > 0 {
+            let end = host.bases[s - 1] + host.nbytes[s - 1] - host.bases[0];
+            if end != offset {
+                (out.src[at], out.dst[at], out.size[at]) = (0, 0, end);
+                at += 1;
+            }
+        }
+        if gpu.bases[s] == 0 {
+            return Err(TableError::BadSegment {
+                segment: s,
+                reason: "a GPU page at address 0".into(),
+            });
+        }
+        bitmask |= gpu.bases[s] | gpu.strides[s] | host.nbytes[s] | offset;
+        max_size = max_size.max(host.nbytes[s]);
+        (out.src[at], out.dst[at], out.size[at]) = (gpu.bases[s], gpu.strides[s], offset);
+        at += 1;
+    }
+    (out.src[table], out.dst[table], out.size[table]) = ((at - table - 1) as u64, 0, 0);
+    (out.src[at], out.dst[at], out.size[at]) = (0, 0, span);
+    let len = at + 1 - table;
+    // Groups with equal geometries (the sub-blocks of one chunk, pages of one size) share one,
+    // so that a step's blocks launch the kernel once.
+    let first_table = cursor.rows + cursor.blocks;
+    let mut t = first_table;
+    let mut geometry = table;
+    while t < table {
+        let l = out.src[t] as usize + STAGED_TABLE_EXTRA;
+        if l == len
+            && out.src[t..t + l] == out.src[table..table + len]
+            && out.dst[t..t + l] == out.dst[table..table + len]
+            && out.size[t..t + l] == out.size[table..table + len]
+        {
+            geometry = t;
+            break;
+        }
+        t += l;
+    }
+    if geometry == table {
+        cursor.table = table + len;
+    }
+    for (&hi, &gi) in host_ids.iter().zip(gpu_ids) {
+        // In range by `check_ids`; the spans were proven not to overflow at registration.
+        let b = cursor.block;
+        (out.src[b], out.dst[b], out.size[b]) =
+            (gi, host.bases[0] + hi * host.strides[0], geometry as u64);
+        cursor.block += 1;
+    }
+    let page_bytes: u64 = host.nbytes.iter().sum();
+    Ok(Prepared {
+        len: n,
+        bytes: page_bytes * n as u64,
+        max_size,
+        alignment: 1u64 << (bitmask | max_size).trailing_zeros().min(4),
+        staged_rows: 0,
+        staged_blocks_at: 0,
+        staged_blocks: 0,
     })
+}
+
+/// Completes a cell plan's slab once [`stage_cell_group`] wrote every group: sorts the block
+/// entries by host address, joins blocks whose spans overlap into clusters laid in the ring one
+/// after the other, each as it lies on the host (no larger than `slot` bytes), sets each block
+/// entry's ring offset, and writes as rows exactly the bytes the clusters' pages cover, joined
+/// where they touch. On a store (`host_src` false) two pages that share a host byte are refused
+/// (`table`: the host table's name), on a load they are read once. Returns the rows written.
+pub fn finish_cells(
+    out: Columns<'_>,
+    cursor: &mut StagedCursor,
+    host_src: bool,
+    slot: u64,
+    table: &str,
+    scratch: &mut Scratch,
+) -> Result<usize, TableError> {
+    let Columns { src, dst, size } = out;
+    let blocks = cursor.rows..cursor.block;
+    let mut order: Vec<(u64, u64, u64)> =
+        blocks.clone().map(|i| (dst[i], size[i], src[i])).collect();
+    order.sort_unstable();
+    for (k, &(addr, table_at, id)) in order.iter().enumerate() {
+        let i = blocks.start + k;
+        (src[i], dst[i], size[i]) = (id, addr, table_at);
+    }
+    let pages = &mut scratch.pairs;
+    let (mut row, mut ring) = (0usize, 0u64);
+    let mut i = blocks.start;
+    while i < blocks.end {
+        // A cluster: the blocks from `i` whose spans overlap the cluster so far.
+        let start = dst[i];
+        let mut end = start + block_span(src, size, i);
+        let mut j = i + 1;
+        while j < blocks.end && dst[j] < end {
+            end = end.max(dst[j] + block_span(src, size, j));
+            j += 1;
+        }
+        if end - start > slot {
+            return Err(TableError::BadChunking(format!(
+                "the blocks of one cell span {} bytes, more than a staging slot (stage_bytes = \
+                 {slot})",
+                end - start
+            )));
+        }
+        pages.clear();
+        let geometry = size[i];
+        if size[i..j].iter().all(|&t| t == geometry) {
+            // One geometry (the sub-blocks of a chunk): page by page, each across the blocks,
+            // which is the host's order where the blocks' pages interleave as a cell's do.
+            let t = geometry as usize;
+            for s in (t + 1..t + 1 + src[t] as usize).filter(|&s| src[s] != 0) {
+                let (offset, bytes) = (size[s], size[s + 1] - size[s]);
+                pages.extend(dst[i..j].iter().map(|&host| (host + offset, bytes)));
+            }
+        } else {
+            for b in i..j {
+                // The entry's ring side still holds the host address of its first page.
+                pages.extend(staged_pages(src, dst, size, b).map(|(a, _, bytes)| (a, bytes)));
+            }
+        }
+        if !pages.is_sorted() {
+            pages.sort_unstable();
+        }
+        for d in &mut dst[i..j] {
+            *d = ring + (*d - start);
+        }
+        let mut k = 0;
+        while k < pages.len() {
+            let (addr, mut row_end) = (pages[k].0, pages[k].0 + pages[k].1);
+            k += 1;
+            while k < pages.len() && pages[k].0 <= row_end {
+                let (a, n) = pages[k];
+                if a < row_end && !host_src {
+                    return Err(TableError::OverlappingDestinations {
+                        table: table.to_string(),
+                        first: pages[k - 1],
+                        second: (a, n),
+                        within: Overlap::Groups,
+                    });
+                }
+                row_end = row_end.max(a + n);
+                k += 1;
+            }
+            assert!(row < cursor.rows, "slab too small");
+            (src[row], dst[row], size[row]) = (addr, ring + (addr - start), row_end - addr);
+            row += 1;
+        }
+        ring += end - start;
+        i = j;
+    }
+    cursor.row = row;
+    cursor.ring = ring;
+    Ok(row)
 }
 
 /// The GPU pages of block entries `blocks` of a staged slab, as `(addresses, bytes)`: what a
@@ -231,9 +568,11 @@ pub(super) fn written_pages(
 pub struct StagedRequest {
     /// The host rows, the slab's first entries.
     pub rows: usize,
-    /// Where the block entries start, and how many there are: the slab holds room for a row
-    /// per block first (rows joined on the host leave the end of it unused).
+    /// Where the block entries start: the slab holds room for rows first (rows joined on the
+    /// host leave the end of it unused).
     pub first_block: usize,
+    /// The block entries.
+    pub blocks: usize,
     /// Bytes of each of the two slots of a lane's ring; no row is larger.
     pub slot_bytes: u64,
     /// From [`crate::backend::Backend::load_kernel`], a [`crate::kernel::KernelKind::Staged`] kernel; `None` where the backend
@@ -242,17 +581,17 @@ pub struct StagedRequest {
 }
 
 impl StagedRequest {
-    /// The transfer's steps ([`staged_steps`]) from the slab's destination and size columns:
-    /// its rows' ring offsets and bytes, and its block entries' ring offsets.
+    /// The transfer's steps ([`staged_steps`]) from the slab's columns: its rows' ring offsets
+    /// and bytes, and its block entries' ring offsets and spans.
     #[must_use]
-    pub fn steps(&self, dst: &[u64], size: &[u64]) -> Vec<StagedStep> {
+    pub fn steps(&self, src: &[u64], dst: &[u64], size: &[u64]) -> Vec<StagedStep> {
         let (r, first) = (self.rows, self.first_block);
-        staged_steps(
-            &dst[..r],
-            &size[..r],
-            &dst[first..2 * first],
-            self.slot_bytes,
-        )
+        let blocks = first..first + self.blocks;
+        let ends: Vec<u64> = blocks
+            .clone()
+            .map(|i| dst[i] + block_span(src, size, i))
+            .collect();
+        staged_steps(&dst[..r], &size[..r], &dst[blocks], &ends, self.slot_bytes)
     }
 }
 
@@ -272,17 +611,29 @@ pub struct StagedStep {
 }
 
 /// Cuts a staged slab into steps (see [`StagedRequest`]): whole rows, at most `slot_bytes` and
-/// `ceil(rows / STAGED_MIN_STEPS)` rows each; a step's blocks are those whose ring offset lies in
-/// its rows. `block_ring`: the block entries' ring offsets. Rows and blocks come in ring order,
-/// as the table code writes them.
+/// `ceil(rows / STAGED_MIN_STEPS)` rows each, never between two rows a block spans (a cluster of
+/// the cell plan: its rows go in one step even past that count); a step's blocks are those whose
+/// ring offset lies in its rows. `block_ring`, `block_end`: the block entries' ring offsets and
+/// ends. Rows and blocks come in ring order, as the table code writes them.
 #[must_use]
 pub fn staged_steps(
     row_ring: &[u64],
     row_bytes: &[u64],
     block_ring: &[u64],
+    block_end: &[u64],
     slot_bytes: u64,
 ) -> Vec<StagedStep> {
     let rows = row_ring.len();
+    // Whether a step may end before row `e`: no block starting before it ends past its start.
+    let mut cut = vec![true; rows + 1];
+    let (mut p, mut reach) = (0usize, 0u64);
+    for (e, &at) in row_ring.iter().enumerate().skip(1) {
+        while p < block_ring.len() && block_ring[p] < at {
+            reach = reach.max(block_end[p]);
+            p += 1;
+        }
+        cut[e] = reach <= at;
+    }
     let per = rows.div_ceil(STAGED_MIN_STEPS).max(1);
     let mut steps = Vec::with_capacity(STAGED_MIN_STEPS + 1);
     let (mut r, mut p) = (0usize, 0usize);
@@ -293,7 +644,15 @@ pub fn staged_steps(
             end += 1;
         }
         // A row larger than a slot was refused before submission; never loop on one.
-        let end = end.max(r + 1);
+        let mut end = end.max(r + 1);
+        if !cut[end] {
+            // Back to the last cut in the step, else on to the cluster's end (a cluster fits a
+            // slot: refused before submission otherwise).
+            end = (r + 1..end)
+                .rev()
+                .find(|&e| cut[e])
+                .unwrap_or_else(|| (end..=rows).find(|&e| cut[e]).unwrap_or(rows));
+        }
         let ring_end = row_ring[end - 1] + row_bytes[end - 1];
         let first = p;
         while p < block_ring.len() && block_ring[p] < ring_end {

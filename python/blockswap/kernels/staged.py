@@ -37,19 +37,21 @@ def _load_pages(ids, rings, bases, strides, offsets, items, n_items, n_segs, rin
     """Pages of work items ``items`` [ROWS] of a staged step: (src, dst, size, part), zeros past
     the end. Item i is page ``i % n_segs`` of block ``i // n_segs``: on the GPU at ``bases[s] +
     ids[b] * strides[s]``, in the ring at ``ring_base + rings[b] + offsets[s]``, ``offsets[s + 1]
-    - offsets[s]`` bytes; the ring is the source where ``ring_src`` (CPU -> GPU)."""
+    - offsets[s]`` bytes (none where ``bases[s]`` is 0: a hole in the row); the ring is the
+    source where ``ring_src`` (CPU -> GPU)."""
     valid = items < n_items
     blk = items // n_segs
     seg = items - blk * n_segs
-    gpu = tl.load(bases + seg, mask=valid, other=0) + tl.load(
-        ids + blk, mask=valid, other=0
-    ) * tl.load(strides + seg, mask=valid, other=0)
+    base = tl.load(bases + seg, mask=valid, other=0)
+    gpu = base + tl.load(ids + blk, mask=valid, other=0) * tl.load(
+        strides + seg, mask=valid, other=0
+    )
     lo = tl.load(offsets + seg, mask=valid, other=0)
     hi = tl.load(offsets + seg + 1, mask=valid, other=0)
     ring = ring_base + tl.load(rings + blk, mask=valid, other=0) + lo
     src = tl.where(valid, tl.where(ring_src != 0, ring, gpu), 0)
     dst = tl.where(valid, tl.where(ring_src != 0, gpu, ring), 0)
-    return src, dst, hi - lo, tl.zeros_like(items)
+    return src, dst, tl.where(base != 0, hi - lo, 0), tl.zeros_like(items)
 
 
 @triton.jit(
@@ -79,7 +81,7 @@ def _copy_staged_kernel(
     ids_addr, rings_addr: int64 arrays [n_blocks]: each block's GPU block id, and the offset of
         its row in the ring (``ring_base`` added).
     bases_addr, strides_addr: int64 arrays [n_segs]: page s of GPU block b is at
-        ``bases[s] + b * strides[s]``.
+        ``bases[s] + b * strides[s]``; a base of 0 is a hole (row bytes no page owns).
     offsets_addr: int64 array [n_segs + 1]: page s lies at ``offsets[s]`` in a block's row and is
         ``offsets[s + 1] - offsets[s]`` bytes.
     ring_src: 1 where the ring is the source (CPU -> GPU), 0 where the GPU pages are.

@@ -74,7 +74,7 @@ impl Shared {
         let host_src = lane == Direction::HostToDevice;
         let (src, dst, size) = (slab.src(), slab.dst(), slab.size());
         let first = req.first_block;
-        let steps = req.steps(dst, size);
+        let steps = req.steps(src, dst, size);
         let fail_at = take_injected(&self.fail_next).then_some(steps.len() / 2);
         let (lstream, kstream) = (l.stream.handle(), st.stream.handle());
         let ctx = self.ctx.raw;

@@ -28,8 +28,11 @@ fn staged(host: &BlockTable, gpu: &BlockTable, ids: &[u64], merge: u64) -> Stage
     };
     let plan = Plan::Staged(StagedExpansion {
         rows: n,
+        blocks: n,
         host_src: true,
         merge,
+        cells: false,
+        slot: 1 << 20,
     });
     let mut bufs = [Vec::new(), Vec::new()];
     let p = expand_groups_into(&[group], plan, cols, &mut Scratch::default(), &mut bufs).unwrap();
@@ -129,7 +132,7 @@ fn a_slab_holds_a_word_per_block_and_one_geometry_per_group_not_a_descriptor_per
     );
     // The geometry, as the module says: a header, a segment each, the row's end.
     let (mut a, mut b, mut z) = (vec![0; 8], vec![0; 8], vec![0; 8]);
-    let mut cursor = StagedCursor::new(2, 0);
+    let mut cursor = StagedCursor::new(2, 2, 0);
     let cols = Columns {
         src: &mut a,
         dst: &mut b,
@@ -164,8 +167,9 @@ fn staged_steps_take_whole_rows_within_a_slot() {
     let rows: Vec<u64> = (0..10).map(|i| i * 96).collect();
     let bytes = vec![96u64; 10];
     let blocks: Vec<u64> = (0..30).map(|p| p * 32).collect();
+    let ends: Vec<u64> = blocks.iter().map(|b| b + 32).collect();
     for slot in [96u64, 100, 200, 288, 1 << 20] {
-        let steps = staged_steps(&rows, &bytes, &blocks, slot);
+        let steps = staged_steps(&rows, &bytes, &blocks, &ends, slot);
         // Every row and block once, in order; each step within a slot.
         let (mut r, mut p) = (0, 0);
         for s in &steps {
@@ -180,4 +184,146 @@ fn staged_steps_take_whole_rows_within_a_slot() {
         let per = (slot / 96).min(10usize.div_ceil(STAGED_MIN_STEPS) as u64);
         assert_eq!(steps.len(), 10usize.div_ceil(per as usize), "slot {slot}");
     }
+}
+
+/// Two tensors of 64-byte pages, two blocks per chunk, in cells of 256 bytes: group `j`'s host
+/// table holds each tensor's `j`-th page of a chunk (vLLM's offload region), holes between them;
+/// both groups share the GPU tensors.
+fn cells() -> (BlockTable, BlockTable, BlockTable) {
+    let mut r = RegionTable::default();
+    r.insert(0x10000, 0x10000, MemoryKind::Device).unwrap();
+    r.insert(0x40000, 0x1000, MemoryKind::Host).unwrap();
+    let host = |j: u64| {
+        BlockTable::new(
+            vec![0x40000 + 64 * j, 0x40080 + 64 * j],
+            vec![256, 256],
+            vec![64, 64],
+            4,
+            MemoryKind::Host,
+            &r,
+        )
+        .unwrap()
+        .named("CPU", 1)
+    };
+    let gpu = BlockTable::new(
+        vec![0x10000, 0x11000],
+        vec![64, 64],
+        vec![64, 64],
+        16,
+        MemoryKind::Device,
+        &r,
+    )
+    .unwrap();
+    (host(0), host(1), gpu)
+}
+
+/// A store of `groups` (host table, GPU ids, chunk ids) on the cell plan with slots of `slot`.
+fn store_cells(
+    groups: &[(&BlockTable, &[u64], &[u64])],
+    gpu: &BlockTable,
+    slot: u64,
+) -> Result<(Prepared, [Vec<u64>; 3]), TableError> {
+    let blocks: usize = groups.iter().map(|g| g.1.len()).sum();
+    let rows = 2 * blocks;
+    let len = rows + blocks + groups.len() * (2 * 2 + STAGED_TABLE_EXTRA);
+    let (mut a, mut b, mut z) = (vec![0; len], vec![0; len], vec![0; len]);
+    let gs: Vec<Group<'_>> = groups
+        .iter()
+        .map(|&(host, g, c)| Group {
+            src: gpu,
+            src_ids: g,
+            dst: host,
+            dst_ids: c,
+            chunks: None,
+        })
+        .collect();
+    let plan = Plan::Staged(StagedExpansion {
+        rows,
+        blocks,
+        host_src: false,
+        merge: 1 << 20,
+        cells: true,
+        slot,
+    });
+    let cols = Columns {
+        src: &mut a,
+        dst: &mut b,
+        size: &mut z,
+    };
+    let mut bufs = [Vec::new(), Vec::new()];
+    let p = expand_groups_into(&gs, plan, cols, &mut Scratch::default(), &mut bufs)?;
+    Ok((p, [a, b, z]))
+}
+
+#[test]
+fn a_cell_with_holes_is_staged_as_one_cluster_whose_rows_are_the_pages_owned() {
+    let (h0, h1, gpu) = cells();
+    assert_eq!(staged_cell(&h0), Some((192, true)));
+    assert_eq!(staged_row(&h0), None);
+    assert_eq!(staged_fit(&h1, 192), Ok(192));
+    // The two sub-blocks' tables fill each other's holes: a cell of 256 bytes; one alone does
+    // not (the other's pages are not its cache's).
+    assert_eq!(staged_cells(&[&h0, &h1]), Ok(Some(256)));
+    assert!(staged_cells(&[&h0]).unwrap_err().contains("bytes 64..128"));
+    assert_eq!(staged_cells(&[&gpu]), Ok(None));
+    // Chunk 2 whole (sub-block 0 from GPU block 3, sub-block 1 from block 4), chunk 0's
+    // sub-block 0 only (from block 5): its sub-block 1 is not this store's to write.
+    let (p, [a, b, z]) =
+        store_cells(&[(&h0, &[3, 5], &[2, 0]), (&h1, &[4], &[2])], &gpu, 256).unwrap();
+    let (n_rows, at) = (p.staged_rows, p.staged_blocks_at);
+    assert_eq!((at, p.staged_blocks, p.bytes), (6, 3, 3 * 128));
+    let rows: Vec<_> = (0..n_rows).map(|i| (a[i], b[i], z[i])).collect();
+    // Chunk 0 first (host order): its two pages, the hole between them kept in the ring; then
+    // chunk 2's whole cell as one row.
+    assert_eq!(
+        rows,
+        [(0x40000, 0, 64), (0x40080, 128, 64), (0x40200, 192, 256)]
+    );
+    // Block entries in ring order, one geometry for both groups: a page, a hole, a page.
+    assert_eq!(&a[at..at + 3], [5, 3, 4]);
+    assert_eq!(&b[at..at + 3], [0, 192, 256]);
+    assert!(z[at..at + 3].iter().all(|&t| t == z[at]));
+    assert_eq!(p.len, at + 3 + 3 + STAGED_TABLE_EXTRA);
+    let pages: Vec<_> = (at..at + 3)
+        .flat_map(|i| staged_pages(&a, &b, &z, i).collect::<Vec<_>>())
+        .collect();
+    let g = |t: u64, id: u64| 0x10000 + 0x1000 * t + 64 * id;
+    assert_eq!(
+        pages,
+        [
+            (0, g(0, 5), 64),
+            (128, g(1, 5), 64),
+            (192, g(0, 3), 64),
+            (320, g(1, 3), 64),
+            (256, g(0, 4), 64),
+            (384, g(1, 4), 64),
+        ]
+    );
+    // Every page's ring bytes lie where its host bytes lie in its cluster's rows.
+    for &(ring, _, n) in &pages {
+        assert!(rows.iter().any(|&(_, r, m)| r <= ring && ring + n <= r + m));
+    }
+    // The steps keep a cluster whole even one row at a time: chunk 0's two rows together.
+    let ends: Vec<u64> = (at..at + 3).map(|i| b[i] + 192).collect();
+    let steps = staged_steps(&b[..3], &z[..3], &b[at..at + 3], &ends, 256);
+    assert_eq!(
+        steps.iter().map(|s| s.rows.clone()).collect::<Vec<_>>(),
+        [0..2, 2..3]
+    );
+    assert_eq!(steps[1].blocks, 1..3);
+}
+
+#[test]
+fn the_cell_plan_refuses_a_store_writing_a_page_twice_and_a_cell_past_a_slot() {
+    let (h0, h1, gpu) = cells();
+    // Sub-block 0 of chunk 1 from two groups: the same host bytes written twice.
+    let e = store_cells(&[(&h0, &[1], &[1]), (&h0, &[2], &[1])], &gpu, 256).unwrap_err();
+    assert!(
+        matches!(e, TableError::OverlappingDestinations { .. }),
+        "{e}"
+    );
+    // A whole cell is 256 bytes: slots of 200 cannot hold it, one block's span (192) fits.
+    let e = store_cells(&[(&h0, &[1], &[1]), (&h1, &[2], &[1])], &gpu, 200).unwrap_err();
+    assert!(e.to_string().contains("more than a staging slot"), "{e}");
+    assert!(store_cells(&[(&h0, &[1], &[1])], &gpu, 200).is_ok());
 }
