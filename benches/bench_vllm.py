@@ -163,9 +163,9 @@ def measure_vllm(
     return time_calls(stream, call, case.nbytes(blocks), reps)
 
 
-def measure_worker(
-    case: Case, gpu_to_cpu: bool, blocks: int, reps: int, rng: np.random.Generator, cache: str
-) -> tuple[dict[str, float], str]:
+def make_worker(case: Case, cache: str) -> Any:
+    """The plug-in's worker on CUDA for ``case``, its CPU cache in vLLM's region laid out as
+    ``CPUOffloadingSpec`` lays it out for one rank (``cache="region"``) or its own."""
     from blockswap.vllm import BlockswapOffloadingWorker
 
     region = None
@@ -183,9 +183,16 @@ def measure_worker(
             kv_bytes_per_chunk=-(-cell // align) * align,
             cpu_page_size=cell,
         )
-    w = BlockswapOffloadingWorker(
+    # The worker owns the region from here, and releases it at shutdown.
+    return BlockswapOffloadingWorker(
         case.kv, case.bpc, N_CHUNKS, mmap_region=region, backend="cuda"
-    )  # the worker owns the region from here, and releases it at shutdown
+    )
+
+
+def measure_worker(
+    case: Case, gpu_to_cpu: bool, blocks: int, reps: int, rng: np.random.Generator, cache: str
+) -> tuple[dict[str, float], str]:
+    w = make_worker(case, cache)
     try:
         return time_worker(w, lambda: case.spec(rng, blocks), gpu_to_cpu, case.nbytes(blocks), reps)
     finally:

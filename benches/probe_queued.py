@@ -25,32 +25,11 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_vllm import N_CHUNKS, Case
+from bench_vllm import Case, make_worker
 from blockswap_bench.cli import need_cuda, parser
 from blockswap_bench.kvblocks import ceiling
 from blockswap_bench.models import MODELS
 from blockswap_bench.plugin import CPUSpec
-
-
-def worker(case: Case) -> Any:
-    import uuid
-
-    from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
-
-    from blockswap.vllm import BlockswapOffloadingWorker
-
-    cell = sum(t.page_size_bytes for t in case.kv.tensors) * case.bpc
-    align = SharedOffloadRegion.BLOCK_SIZE_ALIGNMENT
-    region = SharedOffloadRegion(
-        engine_id=str(uuid.uuid4()),
-        num_chunks=N_CHUNKS,
-        rank=0,
-        kv_bytes_per_chunk=-(-cell // align) * align,
-        cpu_page_size=cell,
-    )
-    return BlockswapOffloadingWorker(
-        case.kv, case.bpc, N_CHUNKS, mmap_region=region, backend="cuda"
-    )
 
 
 def main() -> int:
@@ -78,7 +57,7 @@ def one_model(m: Any, blocks: int, reps: int, ceil: dict[str, float], rng: Any) 
     nbytes = case.nbytes(blocks)
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    w = worker(case)
+    w = make_worker(case, "region")
     job = 0
     try:
         for to_cpu in (True, False):

@@ -167,6 +167,21 @@ impl StagedCursor {
     }
 }
 
+/// A pair's host side first: `(host table, its ids, GPU table, its ids)`.
+fn host_first(pair: Pair<'_>, host_src: bool) -> (&BlockTable, &[u64], &BlockTable, &[u64]) {
+    let Pair {
+        src,
+        src_ids,
+        dst,
+        dst_ids,
+    } = pair;
+    if host_src {
+        (src, src_ids, dst, dst_ids)
+    } else {
+        (dst, dst_ids, src, src_ids)
+    }
+}
+
 /// Checks block ids as [`super::expand_into`] does and writes the staged plan of one group at
 /// `cursor` (see the module's layout): its host rows, joined where they continue on the host,
 /// do not cross a cut and stay within `cursor.merge`; a block entry per block pair; the group's
@@ -187,24 +202,14 @@ pub fn expand_staged_into(
     scratch: &mut Scratch,
 ) -> Result<Prepared, TableError> {
     check_ids(pair, scratch)?;
-    let Pair {
-        src,
-        src_ids,
-        dst,
-        dst_ids,
-    } = pair;
-    let (host, host_ids, gpu, gpu_ids) = if host_src {
-        (src, src_ids, dst, dst_ids)
-    } else {
-        (dst, dst_ids, src, src_ids)
-    };
+    let (host, host_ids, gpu, gpu_ids) = host_first(pair, host_src);
     let row = staged_row(host).ok_or_else(|| {
         TableError::BadChunking(
             "the staged plan needs a block-major host table (a block's pages in one chunk)".into(),
         )
     })?;
     let segments = host.segments();
-    let n = src_ids.len();
+    let n = host_ids.len();
     let table = cursor.table;
     assert!(
         cursor.row + n <= cursor.rows
@@ -359,17 +364,7 @@ pub fn stage_cell_group(
     scratch: &mut Scratch,
 ) -> Result<Prepared, TableError> {
     check_ids(pair, scratch)?;
-    let Pair {
-        src,
-        src_ids,
-        dst,
-        dst_ids,
-    } = pair;
-    let (host, host_ids, gpu, gpu_ids) = if host_src {
-        (src, src_ids, dst, dst_ids)
-    } else {
-        (dst, dst_ids, src, src_ids)
-    };
+    let (host, host_ids, gpu, gpu_ids) = host_first(pair, host_src);
     let (span, _) = staged_cell(host).ok_or_else(|| {
         TableError::BadChunking(
             "the staged plan needs a host table whose blocks' pages lie in one cell".into(),
@@ -379,7 +374,7 @@ pub fn stage_cell_group(
     let holes = (1..segments)
         .filter(|&s| host.bases[s] != host.bases[s - 1] + host.nbytes[s - 1])
         .count();
-    let n = src_ids.len();
+    let n = host_ids.len();
     let table = cursor.table;
     assert!(
         cursor.block + n <= cursor.rows + cursor.blocks
