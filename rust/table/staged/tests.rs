@@ -2,6 +2,7 @@ use super::*;
 use crate::plan::Plan;
 use crate::region::{MemoryKind, RegionTable};
 use crate::table::{expand_groups_into, Group, StagedExpansion};
+use proptest::prelude::*;
 
 /// What [`staged`] reads back from a slab: the rows used, as `(address, ring offset, bytes)`,
 /// and every page, as `(ring offset, GPU address, bytes)`.
@@ -326,4 +327,126 @@ fn the_cell_plan_refuses_a_store_writing_a_page_twice_and_a_cell_past_a_slot() {
     let e = store_cells(&[(&h0, &[1], &[1]), (&h1, &[2], &[1])], &gpu, 200).unwrap_err();
     assert!(e.to_string().contains("more than a staging slot"), "{e}");
     assert!(store_cells(&[(&h0, &[1], &[1])], &gpu, 200).is_ok());
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(if cfg!(miri) { 2 } else { 128 }))]
+
+    /// The cell plan on random cells (tensors of their own page sizes, 1-4 sub-blocks a chunk,
+    /// padding at the row's end) and random stores or loads of some sub-blocks of some chunks:
+    /// the rows are exactly the host bytes of the pages moved; every page's ring bytes lie in a
+    /// row of the step that moves its block, at the offset of its host page in that row; steps
+    /// fit a slot.
+    #[test]
+    fn the_cell_plan_moves_exactly_the_pages_of_its_blocks(
+        f in 1u64..5,
+        pages in proptest::collection::vec((1u64..5).prop_map(|k| 16 * k), 1..5),
+        pad in 0u64..3,
+        picks in proptest::collection::vec(any::<bool>(), 24),
+        extra in 0u64..3,
+        store in any::<bool>(),
+    ) {
+        const CHUNKS: u64 = 6;
+        let cell: u64 = pages.iter().map(|p| f * p).sum();
+        let stride = cell + 16 * pad;
+        let mut r = RegionTable::default();
+        r.insert(0x100000, 0x100000, MemoryKind::Device).unwrap();
+        r.insert(0x40000, stride * CHUNKS, MemoryKind::Host).unwrap();
+        let offsets: Vec<u64> = (0..pages.len())
+            .map(|t| pages[..t].iter().map(|p| f * p).sum())
+            .collect();
+        let hosts: Vec<BlockTable> = (0..f)
+            .map(|j| {
+                let bases = (0..pages.len()).map(|t| 0x40000 + offsets[t] + j * pages[t]).collect();
+                BlockTable::new(bases, vec![stride; pages.len()], pages.clone(), CHUNKS,
+                                MemoryKind::Host, &r).unwrap()
+            })
+            .collect();
+        let gpu_base = |t: usize| 0x100000 + 0x8000 * t as u64;
+        let gpu = BlockTable::new((0..pages.len()).map(gpu_base).collect(), pages.clone(),
+                                  pages.clone(), 32, MemoryKind::Device, &r).unwrap();
+        // Sub-block j of chunk c moves when picked, to or from GPU block c * f + j.
+        let mut ids: Vec<(Vec<u64>, Vec<u64>)> = vec![(Vec::new(), Vec::new()); f as usize];
+        for c in 0..CHUNKS {
+            for j in 0..f {
+                if picks[(c * 4 + j) as usize % picks.len()] {
+                    ids[j as usize].0.push(c * f + j);
+                    ids[j as usize].1.push(c);
+                }
+            }
+        }
+        prop_assume!(ids.iter().any(|g| !g.0.is_empty()));
+        let groups: Vec<Group<'_>> = ids
+            .iter()
+            .zip(&hosts)
+            .map(|((g, c), host)| if store {
+                Group { src: &gpu, src_ids: g, dst: host, dst_ids: c, chunks: None }
+            } else {
+                Group { src: host, src_ids: c, dst: &gpu, dst_ids: g, chunks: None }
+            })
+            .collect();
+        let blocks: usize = ids.iter().map(|g| g.0.len()).sum();
+        let rows = blocks * pages.len();
+        let len = rows + blocks + f as usize * (2 * pages.len() + STAGED_TABLE_EXTRA);
+        let slot = cell + extra * cell / 2;
+        let (mut a, mut b, mut z) = (vec![0; len], vec![0; len], vec![0; len]);
+        let plan = Plan::Staged(StagedExpansion {
+            rows, blocks, host_src: !store, merge: 1 << 20, cells: true, slot,
+        });
+        let cols = Columns { src: &mut a, dst: &mut b, size: &mut z };
+        let p = expand_groups_into(&groups, plan, cols, &mut Scratch::default(),
+                                   &mut [Vec::new(), Vec::new()]).unwrap();
+        prop_assert_eq!(p.staged_blocks, blocks);
+        // The host page of every GPU page moved.
+        let mut want = std::collections::HashMap::new();
+        for (j, (g, c)) in ids.iter().enumerate() {
+            for (&id, &chunk) in g.iter().zip(c) {
+                for t in 0..pages.len() {
+                    let host = 0x40000 + chunk * stride + offsets[t] + j as u64 * pages[t];
+                    want.insert(gpu_base(t) + id * pages[t], (host, pages[t]));
+                }
+            }
+        }
+        let row_list: Vec<(u64, u64, u64)> = (0..p.staged_rows).map(|i| (a[i], b[i], z[i])).collect();
+        // Rows: exactly the host bytes of the pages, in no particular grouping.
+        let merge = |mut v: Vec<(u64, u64)>| {
+            v.sort_unstable();
+            let mut out: Vec<(u64, u64)> = Vec::new();
+            for (s, e) in v {
+                match out.last_mut() {
+                    Some(last) if s <= last.1 => last.1 = last.1.max(e),
+                    _ => out.push((s, e)),
+                }
+            }
+            out
+        };
+        let row_bytes: u64 = row_list.iter().map(|r| r.2).sum();
+        let page_bytes: u64 = want.values().map(|&(_, n)| n).sum();
+        prop_assert_eq!(row_bytes, page_bytes);
+        prop_assert_eq!(
+            merge(row_list.iter().map(|&(h, _, n)| (h, h + n)).collect()),
+            merge(want.values().map(|&(h, n)| (h, h + n)).collect())
+        );
+        let req = StagedRequest { rows: p.staged_rows, first_block: p.staged_blocks_at, blocks,
+                                  slot_bytes: slot, kernel: None };
+        let steps = req.steps(&a, &b, &z);
+        let mut seen = 0;
+        for step in &steps {
+            let (lo, last) = (b[step.rows.start], step.rows.end - 1);
+            prop_assert!(b[last] + z[last] - lo <= slot);
+            prop_assert_eq!(step.ring_start, lo);
+            seen += step.blocks.len();
+            for i in step.blocks.clone() {
+                for (ring, gpu_page, n) in staged_pages(&a, &b, &z, p.staged_blocks_at + i) {
+                    let row = row_list[step.rows.clone()]
+                        .iter()
+                        .find(|&&(_, r, m)| r <= ring && ring + n <= r + m);
+                    prop_assert!(row.is_some(), "page at ring {} outside its step's rows", ring);
+                    let &(h, r, _) = row.unwrap();
+                    prop_assert_eq!(Some(&(h + (ring - r), n)), want.get(&gpu_page));
+                }
+            }
+        }
+        prop_assert_eq!(seen, blocks);
+    }
 }
