@@ -443,7 +443,7 @@ proptest! {
                         .find(|&&(_, r, m)| r <= ring && ring + n <= r + m);
                     prop_assert!(row.is_some(), "page at ring {} outside its step's rows", ring);
                     let &(h, r, _) = row.unwrap();
-                    prop_assert_eq!(Some(&(h + (ring - r), n)), want.get(&gpu_page));
+                    prop_assert_eq!(want.get(&gpu_page).copied(), Some((h + (ring - r), n)));
                 }
             }
         }
