@@ -258,12 +258,11 @@ class BlockswapOffloadingWorker(OffloadingWorker):
                     kv_caches, rows, on_cuda, index, pin_piece_bytes
                 )
             else:
-                cpu_groups = self._region_cells(
+                cpu_groups, cell = self._region_cells(
                     kv_caches, group_pages, on_cuda, index, pin_piece_bytes
                 )
                 # The staged plan moves a chunk's cell (every tensor's pages of its blocks) as
                 # one cluster: a slot holds one cell.
-                cell = sum(ct.page_size_bytes for ct in kv_caches.tensors) * f
                 handler_options.setdefault("stage_bytes", stage_slot(cell))
             handler_options["host_pieces"] = self.region_pieces
         if not canonical_layout:
@@ -377,12 +376,13 @@ class BlockswapOffloadingWorker(OffloadingWorker):
         on_cuda: bool,
         index: int,
         pin_piece_bytes: int,
-    ) -> list[list[torch.Tensor]]:
+    ) -> tuple[list[list[torch.Tensor]], int]:
         """vLLM's views of the shared region, made as vLLM's worker makes them (one per KV-cache
         tensor, in order: ``blocks_per_chunk`` pages of the tensor's ``page_size_bytes`` in each
         chunk's cell); the region page-locked on CUDA and cut into the pieces the engines
-        register; per handler group ``(g, j)`` the ``j``-th page of each tensor of group ``g``,
-        a ``(num_cpu_chunks, 1, page)`` view at the region's row stride."""
+        register. Returns per handler group ``(g, j)`` the ``j``-th page of each tensor of group
+        ``g``, a ``(num_cpu_chunks, 1, page)`` view at the region's row stride, and the bytes of
+        this worker's cell of a chunk."""
         region = self._region_chunks()
         f = self.blocks_per_chunk
         need = sum(ct.page_size_bytes for ct in kv_caches.tensors) * f
@@ -405,7 +405,7 @@ class BlockswapOffloadingWorker(OffloadingWorker):
             for pages in group_pages
             if pages
             for j in range(f)
-        ]
+        ], need
 
     def _region_chunks(self) -> SharedOffloadRegion:
         region = self.mmap_region

@@ -211,7 +211,7 @@ impl Engine {
         for &id in host_tables {
             let t = table_of(&state.tables, id, MemoryKind::Host)?;
             match staged_fit(t, slot) {
-                Ok(row) => largest = largest.max(Some(row)),
+                Ok((row, _)) => largest = largest.max(Some(row)),
                 Err(why) => return Ok(Err(why)),
             }
             tables.push(t);
@@ -404,25 +404,24 @@ fn group_sizing(
                 return Err(no_plan(0, 1, why));
             }
             let host_src = direction == Direction::HostToDevice;
-            // The cell plan where a host table's blocks leave holes in their cells.
-            let cells = resolved
-                .iter()
-                .any(|g| staged_cell(host_of(g, host_src)).is_some_and(|(_, holes)| holes));
-            // Rows, block entries and geometries (see `crate::table::staged`).
-            let (mut rows, mut blocks, mut tables, mut bytes) = (0usize, 0usize, 0usize, 0u64);
+            // Rows, block entries and geometries (see `crate::table::staged`): a row per block,
+            // or with the cell plan (a host table's blocks leave holes in their cells) one per
+            // page; a block entry per block; a geometry per group (a hole at most between two
+            // segments).
+            let (mut page_rows, mut blocks, mut tables) = (0usize, 0usize, 0usize);
+            let (mut bytes, mut cells) = (0u64, false);
             for (gi, g) in resolved.iter().enumerate() {
-                let row = staged_fit(host_of(g, host_src), slot).map_err(|why| {
+                let (row, holes) = staged_fit(host_of(g, host_src), slot).map_err(|why| {
                     no_plan(gi, n, format!("these tables have no staged plan: {why}"))
                 })?;
+                cells |= holes;
                 bytes = bytes.saturating_add(row.saturating_mul(g.blocks() as u64));
-                // A row per block (the cell plan: per page) and a block entry per block, and
-                // the group's geometry (a hole at most between two segments).
                 let segments = g.src.segments();
-                let per_block = if cells { segments } else { 1 };
-                rows = rows.saturating_add(g.blocks().saturating_mul(per_block));
+                page_rows = page_rows.saturating_add(g.blocks().saturating_mul(segments));
                 blocks = blocks.saturating_add(g.blocks());
                 tables = tables.saturating_add(2 * segments + STAGED_TABLE_EXTRA);
             }
+            let rows = if cells { page_rows } else { blocks };
             let entries = rows.saturating_add(blocks).saturating_add(tables);
             Ok((
                 entries,

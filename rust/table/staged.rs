@@ -68,9 +68,10 @@ pub fn staged_cell(t: &BlockTable) -> Option<(u64, bool)> {
 }
 
 /// A host table's row where the staged plan can take it with slots of `slot` bytes: the table
-/// block-major or cell-major ([`staged_cell`]) and a block's span no larger than a slot. Why not
-/// otherwise, as every refusal of the plan (a submission, the handler's choice of route) words it.
-pub fn staged_fit(host: &BlockTable, slot: u64) -> Result<u64, String> {
+/// block-major or cell-major ([`staged_cell`]) and a block's span no larger than a slot, as
+/// `(span, holes)`. Why not otherwise, as every refusal of the plan (a submission, the handler's
+/// choice of route) words it.
+pub fn staged_fit(host: &BlockTable, slot: u64) -> Result<(u64, bool), String> {
     match staged_cell(host) {
         None => Err(
             "the host table is not block-major (a block's pages in one chunk inside one \
@@ -80,7 +81,7 @@ pub fn staged_fit(host: &BlockTable, slot: u64) -> Result<u64, String> {
         Some((row, _)) if row > slot => Err(format!(
             "a block's row is {row} bytes, more than a staging slot (stage_bytes = {slot})"
         )),
-        Some((row, _)) => Ok(row),
+        Some(fit) => Ok(fit),
     }
 }
 

@@ -261,7 +261,7 @@ fn a_cell_with_holes_is_staged_as_one_cluster_whose_rows_are_the_pages_owned() {
     let (h0, h1, gpu) = cells();
     assert_eq!(staged_cell(&h0), Some((192, true)));
     assert_eq!(staged_row(&h0), None);
-    assert_eq!(staged_fit(&h1, 192), Ok(192));
+    assert_eq!(staged_fit(&h1, 192), Ok((192, true)));
     // The two sub-blocks' tables fill each other's holes: a cell of 256 bytes; one alone does
     // not (the other's pages are not its cache's).
     assert_eq!(staged_cells(&[&h0, &h1]), Ok(Some(256)));
