@@ -229,8 +229,9 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// this is read by every poll.
     fn completed(&self, lane: Direction) -> u64;
 
-    /// Blocks, without spinning a core, until `completed(lane) >= seq` or `timeout` passes.
-    /// Returns whether the sequence number was reached.
+    /// Blocks until `completed(lane) >= seq` or `timeout` passes (polling, yielding the core
+    /// between polls, then sleeping once a wait grows long: the CUDA backend's `pause`). Returns
+    /// whether the sequence number was reached.
     fn wait(
         &self,
         lane: Direction,
