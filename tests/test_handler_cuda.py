@@ -215,6 +215,13 @@ def test_cuda_offload_waits_for_the_compute_stream(side_stream: bool) -> None:
     idx = torch.tensor(src, device="cuda")
     for t in gpu:
         t.view(torch.uint8).fill_(0x11)
+    # The compute's kernels once, on scratch memory: torch loads a kernel's module at its first
+    # launch, which waits for the device (the default stream's spin included) and would end the
+    # compute before the transfer is submitted.
+    warm = torch.randn(64, 64, device="cuda")
+    torch.tanh(warm @ warm)
+    torch.cuda._sleep(1)
+    torch.zeros_like(gpu[0]).view(torch.uint8).index_fill_(1, idx, 0x5A)
     torch.cuda.synchronize()
     h = CpuGpuHandlers(gpu, CPU_BLOCKS, layout="kv_split")
     stream = torch.cuda.Stream() if side_stream else torch.cuda.current_stream()
