@@ -431,9 +431,26 @@ mod tests {
     fn a_range_that_cannot_be_filled_fails_and_undoes_the_pieces_locked() {
         let page = super::super::os_page();
         let m = Map::new(16);
-        // The last four pages unmapped: the fill of the item over them fails.
-        // SAFETY: the tail of the mapping, nothing reaches it.
-        unsafe { libc::munmap((m.0 + 12 * page) as *mut libc::c_void, (4 * page) as usize) };
+        // The last four pages a shared mapping of an empty file: their fill fails (a write
+        // there is a bus error). Unmapped instead, the range could be handed to a mapping another
+        // test makes meanwhile, and filled.
+        let tail = m.0 + 12 * page;
+        // SAFETY: a new file descriptor, closed below; the mapping replaces the tail of `m`,
+        // which nothing reaches, and goes with it on drop.
+        unsafe {
+            let fd = libc::memfd_create(c"blockswap-empty".as_ptr(), 0);
+            assert!(fd >= 0, "memfd_create");
+            let p = libc::mmap(
+                tail as *mut libc::c_void,
+                (4 * page) as usize,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED | libc::MAP_FIXED,
+                fd,
+                0,
+            );
+            assert_eq!(p as u64, tail, "mmap over the tail");
+            libc::close(fd);
+        }
         let pieces: Vec<(u64, u64)> = (0..4).map(|k| (m.0 + k * 4 * page, 4 * page)).collect();
         let rec = Checker::default();
         // SAFETY: the mapped part is fresh; the fill of the rest fails before touching it.
