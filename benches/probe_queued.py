@@ -136,9 +136,18 @@ def report(events: list[dict[str, Any]], nbytes: int, to_cpu: bool) -> None:
     busy = 0.0
     gaps: list[float] = []
     end = pcie[0]["ts"]
-    for e in pcie:
+    wide: list[str] = []
+    for i, e in enumerate(pcie):
         if e["ts"] > end:
             gaps.append(e["ts"] - end)
+            if gaps[-1] > 15:
+                # What else ran on the GPU while the rows paused.
+                inside = [
+                    f"{g['name'][:24]} {g['dur']:.0f}"
+                    for g in gpu
+                    if g["ts"] < e["ts"] and g["ts"] + g["dur"] > end and g is not e
+                ]
+                wide.append(f"before copy {i} ({gaps[-1]:.0f} us): {'; '.join(inside) or '-'}")
         busy += min(e["dur"], e["ts"] + e["dur"] - end) if e["ts"] < end else e["dur"]
         end = max(end, e["ts"] + e["dur"])
     span = end - pcie[0]["ts"]
@@ -150,6 +159,8 @@ def report(events: list[dict[str, Any]], nbytes: int, to_cpu: bool) -> None:
           f"largest {', '.join(f'{g:.0f}' for g in big)}), last GPU end +{last - t0:.0f}, "
           f"wait returns +{t_end - t0:.0f} us; {len(kern)} kernels "
           f"{sum(e['dur'] for e in kern):.0f} us; rows {pbytes} of {8 * nbytes} bytes")  # fmt: skip
+    for w in wide:
+        print(f"      gap {w}")
 
 
 if __name__ == "__main__":

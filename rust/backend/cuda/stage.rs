@@ -1,5 +1,5 @@
 //! The staged plan's resources: the kernels loaded for it, each lane's stage (ring, kernel
-//! stream, events, device descriptor buffer) and the copy of a transfer's entries to the device.
+//! stream, events, device descriptor buffers) and the copy of a transfer's entries to the device.
 
 use cudarc::driver::sys;
 
@@ -42,12 +42,21 @@ pub(super) struct Stage {
     pub(super) marker_on_kernels: bool,
     /// Steps issued on the lane so far: the next takes slot `steps % 2`.
     pub(super) steps: u64,
-    /// Device memory the transfer's block entries and geometries are copied into before its
-    /// first kernel, so the kernels read them from HBM, not across the `PCIe` link the rows are crossing. One
-    /// per lane: the copy goes on the kernel stream, after every kernel of the lane's earlier
-    /// transfers.
-    pub(super) desc: Option<DeviceMem>,
-    pub(super) desc_bytes: usize,
+    /// Device memory the transfers' block entries and geometries are copied into before their
+    /// first kernel, so the kernels read them from HBM, not across the `PCIe` link the rows are
+    /// crossing. Two, taken in turn by the lane's transfers (`transfers % 2`): a CPU -> GPU
+    /// transfer copies its entries on the lane's stream, ahead of its rows (on the kernel stream
+    /// the copy would queue on the copy engine behind the rows the lane's stream issued
+    /// meanwhile, and hold the transfer's first kernel, then its third step's rows, for a whole
+    /// step), while the previous transfer's last kernels still read the other buffer.
+    pub(super) desc: [Option<DeviceMem>; 2],
+    pub(super) desc_bytes: [usize; 2],
+    /// Per descriptor buffer: recorded on the kernel stream after the last kernel of the
+    /// transfer that used it; the next transfer to fill it on the lane's stream waits for it.
+    pub(super) desc_free: [Event; 2],
+    /// Staged transfers issued on the lane so far: the next takes descriptor buffer
+    /// `transfers % 2`.
+    pub(super) transfers: u64,
     /// Descriptor buffers outgrown while kernels may still read them: freed with the stage.
     pub(super) retired: Vec<DeviceMem>,
     /// The step's row copies, handed to the batch call.
@@ -97,23 +106,24 @@ impl EntryCopy {
 }
 
 impl Stage {
-    /// A device buffer of at least `bytes` for the descriptors of the transfer being issued. A
+    /// Descriptor buffer `b` (0 or 1), at least `bytes` long, for the transfer being issued. A
     /// buffer outgrown is kept until the stage goes: an earlier transfer's kernel may still
     /// read it.
     pub(super) fn desc_buffer(
         &mut self,
         ctx: sys::CUcontext,
+        b: usize,
         bytes: usize,
     ) -> Result<u64, BackendError> {
-        if self.desc.is_none() || self.desc_bytes < bytes {
+        if self.desc[b].is_none() || self.desc_bytes[b] < bytes {
             let want = bytes.max(MIN_DESC_BYTES).next_power_of_two();
             let new = DeviceMem::alloc(ctx, want)?;
-            if let Some(old) = self.desc.replace(new) {
+            if let Some(old) = self.desc[b].replace(new) {
                 self.retired.push(old);
             }
-            self.desc_bytes = want;
+            self.desc_bytes[b] = want;
         }
-        Ok(self.desc.as_ref().expect("made above").ptr)
+        Ok(self.desc[b].as_ref().expect("made above").ptr)
     }
 
     pub(super) fn new(ctx: sys::CUcontext, slot: u64) -> Result<Self, BackendError> {
@@ -128,8 +138,10 @@ impl Stage {
             join: Event::create(ctx, false)?,
             marker_on_kernels: false,
             steps: 0,
-            desc: None,
-            desc_bytes: 0,
+            desc: [None, None],
+            desc_bytes: [0, 0],
+            desc_free: [Event::create(ctx, false)?, Event::create(ctx, false)?],
+            transfers: 0,
             retired: Vec::new(),
             src: Vec::new(),
             dst: Vec::new(),

@@ -33,7 +33,8 @@ impl Shared {
     /// slot into the GPU pages on the stage's stream; GPU -> CPU the kernel into the slot, then
     /// the rows out of it. Two slots: a step's copy across `PCIe` overlaps the previous step's
     /// kernel, also across transfers (the lane's stream never waits for a kernel of an earlier
-    /// transfer, only for its slot). The completion marker goes where
+    /// transfer, only for its slot, and CPU -> GPU for the descriptor buffer of the transfer
+    /// before the previous one). The completion marker goes where
     /// [`CudaBackend::marker_stream`] says: after every kernel issued, whatever failed, so a
     /// slab is never handed back while a kernel may read it. `dep`: an event holding the
     /// caller's stream, which the kernels gathering GPU pages wait for.
@@ -86,14 +87,25 @@ impl Shared {
                 _ => Ok(()),
             }
         };
+        // The transfer's descriptor buffer (see `Stage::desc`).
+        let b = (st.transfers % 2) as usize;
+        st.transfers += 1;
+        let uploads = src.len() > first;
         let issued = wait_dep().and_then(|()| {
-            // The block entries and geometries go to device memory in one copy, on the kernel
-            // stream after the earlier transfers' kernels; `cols[c] + 8 * i` is then where the
-            // kernels read entry i of column c.
-            let cols = if src.len() > first {
+            // The block entries and geometries go to device memory in one copy, CPU -> GPU on the
+            // lane's stream ahead of the rows (after the kernels that read the buffer last), else
+            // on the kernel stream after the earlier transfers' kernels; `cols[c] + 8 * i` is
+            // then where the kernels read entry i of column c.
+            let cols = if uploads {
                 let (n, cap) = (src.len() - first, slab.capacity());
                 let copy = EntryCopy::new(first, n, cap);
-                let dev = st.desc_buffer(ctx, copy.device_bytes())?;
+                let dev = st.desc_buffer(ctx, b, copy.device_bytes())?;
+                let upload = if host_src {
+                    lstream.wait(&st.desc_free[b])?;
+                    lstream
+                } else {
+                    kstream
+                };
                 let c = sys::CUDA_MEMCPY2D {
                     srcXInBytes: 0,
                     srcY: 0,
@@ -115,10 +127,11 @@ impl Shared {
                 // SAFETY: the three rows (entries `[first, first + n)` of each column) lie in the
                 // slab's pinned allocation, which outlives the copy (the lane's marker waits for
                 // the kernel stream); `dev` holds at least the three rows, and the kernels of
-                // earlier transfers that read it come before this copy on the same stream; the
-                // struct is read during the call only.
+                // earlier transfers that read it come before this copy (on the same stream, or
+                // before `desc_free[b]`, which `upload` waits for); the struct is read during the
+                // call only.
                 check("cuMemcpy2DAsync", unsafe {
-                    sys::cuMemcpy2DAsync_v2(&raw const c, kstream.raw())
+                    sys::cuMemcpy2DAsync_v2(&raw const c, upload.raw())
                 })?;
                 [0, 1, 2].map(|c| copy.column(dev, c))
             } else {
@@ -189,6 +202,11 @@ impl Shared {
             }
             Ok(())
         });
+        if uploads && st.desc_free[b].record(kstream).is_err() {
+            // The next transfer to fill the buffer could not wait for the kernels reading it:
+            // they end first.
+            let _ = kstream.synchronize();
+        }
         issued
     }
 
