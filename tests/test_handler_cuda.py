@@ -207,6 +207,53 @@ def test_cuda_partial_cpu_blocks_factor_4() -> None:
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("blocks", [1, 16], ids=["one-step", "four-steps"])
+@pytest.mark.parametrize(
+    "options", ISSUE_OPTIONS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items())
+)
+def test_cuda_a_staged_fault_fails_its_transfer_wherever_its_step_was_issued(
+    options: dict[str, object], blocks: int
+) -> None:
+    """A driver fault in a staged transfer's middle step (the test hook's null address), issued
+    on the caller's thread (a transfer of one step, ``idle_issue``) or by the lane's thread (the
+    third of four): that transfer is reported failed, the transfers before and after it move
+    every byte, both ways."""
+    model = Model("llama-3.1-70b-tp4", 80, 2, 128)
+    (gpu,) = cuda_cache(model)
+    h = CpuGpuHandlers(gpu, CPU_BLOCKS, layout="kv_split", path="staged", **options)
+    rng = np.random.default_rng(blocks)
+    layers = (0, len(gpu) - 1)
+    try:
+        cpu = rng.permutation(CPU_BLOCKS)[: 3 * blocks].reshape(3, blocks)
+        gpu_src = rng.permutation(GPU_BLOCKS)[: 3 * blocks].reshape(3, blocks)
+        gpu_dst = rng.permutation(GPU_BLOCKS)[: 3 * blocks].reshape(3, blocks)
+        # The loads may land on blocks the stores read: their bytes as they were.
+        before = [
+            [sel(gpu[i], "kv_split", gpu_src[k].tolist()).clone() for i in layers] for k in range(3)
+        ]
+        for handler, pairs in (
+            (h.gpu_to_cpu_handler, [(gpu_src[k], cpu[k]) for k in range(3)]),
+            (h.cpu_to_gpu_handler, [(cpu[k], gpu_dst[k]) for k in range(3)]),
+        ):
+            for k, pair in enumerate(pairs):
+                if k == 1:
+                    h.engine.inject_failures(1)
+                assert handler.transfer_async(100 * (handler is h.cpu_to_gpu_handler) + k, pair)
+                h.wait([100 * (handler is h.cpu_to_gpu_handler) + k])
+            done = {r.job_id % 100: r for r in h.get_finished()}
+            assert sorted(done) == [0, 1, 2]
+            assert done[0].success and done[2].success, (done[0].error, done[2].error)
+            assert not done[1].success
+        for k in (0, 2):
+            for i, want in zip(layers, before[k]):
+                got_cpu = sel(h.cpu_caches[0][i], "kv_split", cpu[k].tolist())
+                assert torch.equal(got_cpu, want.cpu()), (k, i)
+                assert torch.equal(sel(gpu[i], "kv_split", gpu_dst[k].tolist()), want), (k, i)
+    finally:
+        h.shutdown()
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("side_stream", [False, True], ids=["default-stream", "side-stream"])
 def test_cuda_offload_waits_for_the_compute_stream(side_stream: bool) -> None:
     m = Model("llama-3.1-8b", 8, 8, 128)

@@ -20,6 +20,7 @@ use super::stage::LoadedKernel;
 use crate::backend::{Backend, BackendError, BackendInfo, HostAlloc, SubmitRequest, Submitted};
 use crate::direction::Direction;
 use crate::kernel::KernelSpec;
+use crate::plan::Plan;
 use crate::region::MemoryKind;
 use crate::slab::SlabRef;
 
@@ -378,23 +379,33 @@ impl Backend for CudaBackend {
             plan: request.plan,
             dep,
             failed,
+            progress: None,
         };
-        let job = match job.into_owned() {
+        let mut job = match job.into_owned() {
             Ok(job) if l.stream.owned => job,
             // A Python launcher, or a stream the caller gave.
             other => return self.issue_on_caller(lane, other.unwrap_or_else(|job| job)),
         };
-        // Idle: every earlier transfer of the lane complete, so its thread holds no job
-        // (Acquire: pairs with the Release decrement in `work`). Transfers that follow busy ones
-        // still go to the thread, and their callers pay no driver call.
-        if self.opts.idle_issue
-            && l.pending.load(Ordering::Acquire) == 0
-            && self.completed_seq(lane) + 1 >= seq
-        {
-            // No other submit can queue a job before this returns (the engine's submit lock):
-            // the copies go in from here, in order.
-            l.accepted.store(seq, Ordering::Release);
-            return self.issue_job(lane, job);
+        // The lane's thread holds no job (Acquire: pairs with the Release decrement in `work`),
+        // and no other submit can queue one before this returns (the engine's submit lock): the
+        // copies issued from here go in in order.
+        if self.opts.idle_issue && l.pending.load(Ordering::Acquire) == 0 {
+            if matches!(job.plan, Plan::Staged(_)) {
+                // A staged transfer's start and first step: its copies start without the
+                // thread's wake-up in the way, which these driver calls and the first step's
+                // copy hide (the thread is woken first); the thread issues the rest.
+                self.start_worker(lane).map_err(fail)?;
+                self.nudge(lane);
+                l.accepted.store(seq, Ordering::Release);
+                let mut progress = self.job_head(lane, &job);
+                self.job_steps(lane, &job, &mut progress, 1);
+                job.progress = Some(progress);
+            } else if self.completed_seq(lane) + 1 >= seq {
+                // Every earlier transfer complete: the whole transfer here. Transfers that
+                // follow busy ones still go to the thread, and their callers pay no driver call.
+                l.accepted.store(seq, Ordering::Release);
+                return self.issue_job(lane, job);
+            }
         }
         self.start_worker(lane).map_err(fail)?;
         // Release: as above.

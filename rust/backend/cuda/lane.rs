@@ -9,6 +9,7 @@ use cudarc::driver::sys;
 
 use super::resources::{Counter, Event, PinnedHost, Stream};
 use super::stage::Stage;
+use super::staged::StagedRun;
 use crate::backend::{BackendError, Issue};
 use crate::plan::Plan;
 use crate::slab::SlabRef;
@@ -24,8 +25,11 @@ pub(super) struct CudaLane {
     pub(super) deps: Mutex<Vec<Event>>,
     /// Transfers handed to the lane's issuing thread, in order.
     pub(super) queue: Mutex<VecDeque<Job<'static>>>,
-    /// Signalled when a job is queued or the backend stops.
+    /// Signalled when a job is queued or the backend stops, or to wake the thread early.
     pub(super) work: Condvar,
+    /// Set (under the queue's lock) where `submit` wakes the thread before the job it is
+    /// issuing the start of is queued: the thread then polls for it a while before it sleeps.
+    pub(super) nudged: AtomicBool,
     /// Signalled when the issuing thread has nothing left (`pending` is 0).
     pub(super) drained: Condvar,
     /// Transfers accepted and not yet issued (or dropped, on a failed lane) by the issuing
@@ -75,6 +79,7 @@ impl CudaLane {
             deps: Mutex::new(Vec::new()),
             queue: Mutex::new(VecDeque::new()),
             work: Condvar::new(),
+            nudged: AtomicBool::new(false),
             drained: Condvar::new(),
             pending: AtomicU64::new(0),
             accepted: AtomicU64::new(0),
@@ -110,6 +115,16 @@ pub(super) struct Job<'a> {
     /// Why the transfer fails before any copy is issued (the caller's stream could not be
     /// recorded): only its completion marker goes in.
     pub(super) failed: Option<BackendError>,
+    /// What of it was issued on the caller's thread (its start and a staged transfer's first
+    /// step), where the lane's thread goes on from.
+    pub(super) progress: Option<Progress>,
+}
+
+/// How far a job's issuing got: what went wrong so far, and a staged transfer's steps.
+#[derive(Debug)]
+pub(super) struct Progress {
+    pub(super) outcome: Result<(), BackendError>,
+    pub(super) staged: Option<StagedRun>,
 }
 
 impl<'a> Job<'a> {
@@ -134,6 +149,7 @@ impl<'a> Job<'a> {
             plan,
             dep: self.dep,
             failed: self.failed,
+            progress: self.progress,
         })
     }
 }

@@ -14,7 +14,7 @@ use crate::backend::{take_injected, BackendError};
 use crate::direction::Direction;
 use crate::kernel::{kernel_split, KernelBatch, KernelKind, KernelParam};
 use crate::slab::SlabInner;
-use crate::table::StagedRequest;
+use crate::table::{StagedRequest, StagedStep};
 
 /// What a staged kernel's launch reads besides its block entries: the group's geometry at slab
 /// entry `table` (its header) with `segments` pages per block, the ring's offsets shifted by
@@ -27,24 +27,42 @@ struct StagedLaunch {
     ring_src: bool,
 }
 
+/// A staged transfer begun ([`Shared::staged_begin`]): its kernel, its steps and the next to
+/// issue, where the kernels find its block entries (`cols`, see `staged_begin`), and the
+/// descriptor buffer they are in (`None`: the slab's own columns, or no entries).
+#[derive(Debug)]
+pub(super) struct StagedRun {
+    kernel: LoadedKernel,
+    steps: Vec<StagedStep>,
+    next: usize,
+    fail_at: Option<usize>,
+    cols: [u64; 3],
+    desc: Option<usize>,
+}
+
 impl Shared {
-    /// Issues a staged transfer (see [`StagedRequest`]): per step, CPU -> GPU, the step's rows
-    /// copied into a ring slot on the lane's stream, then the kernel moving its pages from the
-    /// slot into the GPU pages on the stage's stream; GPU -> CPU the kernel into the slot, then
-    /// the rows out of it. Two slots: a step's copy across `PCIe` overlaps the previous step's
-    /// kernel, also across transfers (the lane's stream never waits for a kernel of an earlier
-    /// transfer, only for its slot, and CPU -> GPU for the descriptor buffer of the transfer
-    /// before the previous one). The completion marker goes where
-    /// [`CudaBackend::marker_stream`] says: after every kernel issued, whatever failed, so a
-    /// slab is never handed back while a kernel may read it. `dep`: an event holding the
-    /// caller's stream, which the kernels gathering GPU pages wait for.
-    pub(super) fn issue_staged(
+    /// Begins a staged transfer (see [`StagedRequest`]): its kernel and the lane's stage checked
+    /// (the stage made on the lane's first staged transfer), the wait for the caller's stream
+    /// GPU -> CPU, and the copy of its block entries to device memory. Its steps then go in by
+    /// [`Self::staged_steps`], as many calls as the issuer likes, and [`Self::staged_end`]
+    /// closes it; `Err` where nothing of it may run (then no step and no end).
+    ///
+    /// Per step, CPU -> GPU, the step's rows are copied into a ring slot on the lane's stream,
+    /// then the kernel moves its pages from the slot into the GPU pages on the stage's stream;
+    /// GPU -> CPU the kernel into the slot, then the rows out of it. Two slots: a step's copy
+    /// across `PCIe` overlaps the previous step's kernel, also across transfers (the lane's
+    /// stream never waits for a kernel of an earlier transfer, only for its slot, and CPU -> GPU
+    /// for the descriptor buffer of the transfer before the previous one). The completion marker
+    /// goes where [`CudaBackend::marker_stream`] says: after every kernel issued, whatever
+    /// failed, so a slab is never handed back while a kernel may read it. `dep`: an event holding
+    /// the caller's stream, which the kernels gathering GPU pages wait for.
+    pub(super) fn staged_begin(
         &self,
         lane: Direction,
         slab: &SlabInner,
         req: StagedRequest,
         dep: Option<&Event>,
-    ) -> Result<(), BackendError> {
+    ) -> Result<StagedRun, BackendError> {
         let l = self.lane(lane);
         let Some(kernel) = req
             .kernel
@@ -78,136 +96,179 @@ impl Shared {
         let steps = req.steps(src, dst, size);
         let fail_at = take_injected(&self.fail_next).then_some(steps.len() / 2);
         let (lstream, kstream) = (l.stream.handle(), st.stream.handle());
-        let ctx = self.ctx.raw;
-        let wait_dep = || {
-            // The event holds the caller's stream (CPU -> GPU kernels follow the lane's stream,
-            // which waits for it).
-            match dep {
-                Some(ev) if !host_src => kstream.wait(ev),
-                _ => Ok(()),
-            }
-        };
         // The transfer's descriptor buffer (see `Stage::desc`).
         let b = (st.transfers % 2) as usize;
         st.transfers += 1;
-        let uploads = src.len() > first;
-        let issued = wait_dep().and_then(|()| {
+        let mut run = StagedRun {
+            kernel,
+            steps,
+            next: 0,
+            fail_at,
+            cols: [0, 1, 2].map(|c| slab.column_addr(c)),
+            desc: None,
+        };
+        if let Some(ev) = dep.filter(|_| !host_src) {
+            // The event holds the caller's stream (CPU -> GPU kernels follow the lane's stream,
+            // which waits for it).
+            kstream.wait(ev)?;
+        }
+        if src.len() > first {
             // The block entries and geometries go to device memory in one copy, CPU -> GPU on the
             // lane's stream ahead of the rows (after the kernels that read the buffer last), else
             // on the kernel stream after the earlier transfers' kernels; `cols[c] + 8 * i` is
             // then where the kernels read entry i of column c.
-            let cols = if uploads {
-                let (n, cap) = (src.len() - first, slab.capacity());
-                let copy = EntryCopy::new(first, n, cap);
-                let dev = st.desc_buffer(ctx, b, copy.device_bytes())?;
-                let upload = if host_src {
-                    lstream.wait(&st.desc_free[b])?;
-                    lstream
-                } else {
-                    kstream
-                };
-                let c = sys::CUDA_MEMCPY2D {
-                    srcXInBytes: 0,
-                    srcY: 0,
-                    srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_UNIFIED,
-                    srcHost: std::ptr::null(),
-                    srcDevice: slab.column_addr(0) + copy.src_offset,
-                    srcArray: std::ptr::null_mut(),
-                    srcPitch: copy.src_pitch,
-                    dstXInBytes: 0,
-                    dstY: 0,
-                    dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_UNIFIED,
-                    dstHost: std::ptr::null_mut(),
-                    dstDevice: dev,
-                    dstArray: std::ptr::null_mut(),
-                    dstPitch: copy.width,
-                    WidthInBytes: copy.width,
-                    Height: 3,
-                };
-                // SAFETY: the three rows (entries `[first, first + n)` of each column) lie in the
-                // slab's pinned allocation, which outlives the copy (the lane's marker waits for
-                // the kernel stream); `dev` holds at least the three rows, and the kernels of
-                // earlier transfers that read it come before this copy (on the same stream, or
-                // before `desc_free[b]`, which `upload` waits for); the struct is read during the
-                // call only.
-                check("cuMemcpy2DAsync", unsafe {
-                    sys::cuMemcpy2DAsync_v2(&raw const c, upload.raw())
-                })?;
-                [0, 1, 2].map(|c| copy.column(dev, c))
+            let (n, cap) = (src.len() - first, slab.capacity());
+            let copy = EntryCopy::new(first, n, cap);
+            let dev = st.desc_buffer(self.ctx.raw, b, copy.device_bytes())?;
+            let upload = if host_src {
+                lstream.wait(&st.desc_free[b])?;
+                lstream
             } else {
-                [0, 1, 2].map(|c| slab.column_addr(c))
+                kstream
             };
-            for (k, step) in steps.iter().enumerate() {
-                let slot_i = (st.steps % 2) as usize;
-                st.steps += 1;
-                let slot_addr = st.ring.ptr + slot_i as u64 * st.slot;
-                // The slot's address minus the step's first ring offset: offsets become addresses.
-                let shift = slot_addr.wrapping_sub(step.ring_start);
-                st.src.clear();
-                st.dst.clear();
-                st.size.clear();
-                for i in step.rows.clone() {
-                    let at = dst[i].wrapping_add(shift);
-                    let (a, b) = if host_src { (src[i], at) } else { (at, src[i]) };
-                    st.src.push(a);
-                    st.dst.push(b);
-                    st.size.push(size[i]);
-                }
-                if Some(k) == fail_at {
-                    // The injected fault: a null address the driver refuses, as in
-                    // `issue_copies`.
-                    let mid = st.dst.len() / 2;
-                    st.dst[mid] = 0;
-                }
-                // The step's blocks, a launch for each run of blocks of one group (one
-                // geometry): the kernel computes every page's addresses from the block entries,
-                // read from the stage's device copy of the slab (not overwritten before the
-                // kernel ends: the next transfer's copy comes after it on the same stream); the
-                // ids were checked at submission, the slot is this lane's.
-                let blocks = (first + step.blocks.start)..(first + step.blocks.end);
-                let launch = || {
-                    let mut b = blocks.start;
-                    while b < blocks.end {
-                        let table = size[b];
-                        let end = (b..blocks.end)
-                            .find(|&i| size[i] != table)
-                            .unwrap_or(blocks.end);
-                        let at = StagedLaunch {
-                            table: table as usize,
-                            segments: src[table as usize],
-                            ring_base: shift,
-                            ring_src: host_src,
-                        };
-                        Self::launch(&kernel, kstream, cols, (b, (end - b) as u64, 1), Some(at))?;
-                        b = end;
-                    }
-                    Ok::<(), BackendError>(())
-                };
-                let (copy, ready, free) = (&st.src, &st.ready[slot_i], &st.free[slot_i]);
-                let rows_first = step.rows.start;
-                // A slot never recorded free is waited for at once.
-                if host_src {
-                    lstream.wait(free)?;
-                    self.copy_arrays(lane, copy, &st.dst, &st.size, rows_first)?;
-                    order(ready, lstream, kstream)?;
-                    launch()?;
-                    free.record(kstream)?;
-                } else {
-                    kstream.wait(free)?;
-                    launch()?;
-                    order(ready, kstream, lstream)?;
-                    self.copy_arrays(lane, copy, &st.dst, &st.size, rows_first)?;
-                    free.record(lstream)?;
-                }
+            // From here the kernels that read the buffer must be waited for before it is
+            // filled again, whatever fails.
+            run.desc = Some(b);
+            let c = sys::CUDA_MEMCPY2D {
+                srcXInBytes: 0,
+                srcY: 0,
+                srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_UNIFIED,
+                srcHost: std::ptr::null(),
+                srcDevice: slab.column_addr(0) + copy.src_offset,
+                srcArray: std::ptr::null_mut(),
+                srcPitch: copy.src_pitch,
+                dstXInBytes: 0,
+                dstY: 0,
+                dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_UNIFIED,
+                dstHost: std::ptr::null_mut(),
+                dstDevice: dev,
+                dstArray: std::ptr::null_mut(),
+                dstPitch: copy.width,
+                WidthInBytes: copy.width,
+                Height: 3,
+            };
+            // SAFETY: the three rows (entries `[first, first + n)` of each column) lie in the
+            // slab's pinned allocation, which outlives the copy (the lane's marker waits for
+            // the kernel stream); `dev` holds at least the three rows, and the kernels of
+            // earlier transfers that read it come before this copy (on the same stream, or
+            // before `desc_free[b]`, which `upload` waits for); the struct is read during the
+            // call only.
+            check("cuMemcpy2DAsync", unsafe {
+                sys::cuMemcpy2DAsync_v2(&raw const c, upload.raw())
+            })?;
+            run.cols = [0, 1, 2].map(|c| copy.column(dev, c));
+        }
+        Ok(run)
+    }
+
+    /// Issues the steps of `run` up to `until` (exclusive, at most all of them), after those
+    /// issued before.
+    pub(super) fn staged_steps(
+        &self,
+        lane: Direction,
+        slab: &SlabInner,
+        req: &StagedRequest,
+        run: &mut StagedRun,
+        until: usize,
+    ) -> Result<(), BackendError> {
+        let l = self.lane(lane);
+        let mut stage = l
+            .stage
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let st = stage.as_mut().expect("made by staged_begin");
+        let host_src = lane == Direction::HostToDevice;
+        let (src, dst, size) = (slab.src(), slab.dst(), slab.size());
+        let first = req.first_block;
+        let (lstream, kstream) = (l.stream.handle(), st.stream.handle());
+        let (kernel, cols) = (&run.kernel, run.cols);
+        let until = until.min(run.steps.len());
+        while run.next < until {
+            let k = run.next;
+            run.next += 1;
+            let step = &run.steps[k];
+            let slot_i = (st.steps % 2) as usize;
+            st.steps += 1;
+            let slot_addr = st.ring.ptr + slot_i as u64 * st.slot;
+            // The slot's address minus the step's first ring offset: offsets become addresses.
+            let shift = slot_addr.wrapping_sub(step.ring_start);
+            st.src.clear();
+            st.dst.clear();
+            st.size.clear();
+            for i in step.rows.clone() {
+                let at = dst[i].wrapping_add(shift);
+                let (a, b) = if host_src { (src[i], at) } else { (at, src[i]) };
+                st.src.push(a);
+                st.dst.push(b);
+                st.size.push(size[i]);
             }
-            Ok(())
-        });
-        if uploads && st.desc_free[b].record(kstream).is_err() {
+            if Some(k) == run.fail_at {
+                // The injected fault: a null address the driver refuses, as in
+                // `issue_copies`.
+                let mid = st.dst.len() / 2;
+                st.dst[mid] = 0;
+            }
+            // The step's blocks, a launch for each run of blocks of one group (one geometry):
+            // the kernel computes every page's addresses from the block entries, read from the
+            // stage's device copy of the slab (not overwritten before the kernel ends: see
+            // `Stage::desc`); the ids were checked at submission, the slot is this lane's.
+            let blocks = (first + step.blocks.start)..(first + step.blocks.end);
+            let launch = || {
+                let mut b = blocks.start;
+                while b < blocks.end {
+                    let table = size[b];
+                    let end = (b..blocks.end)
+                        .find(|&i| size[i] != table)
+                        .unwrap_or(blocks.end);
+                    let at = StagedLaunch {
+                        table: table as usize,
+                        segments: src[table as usize],
+                        ring_base: shift,
+                        ring_src: host_src,
+                    };
+                    Self::launch(kernel, kstream, cols, (b, (end - b) as u64, 1), Some(at))?;
+                    b = end;
+                }
+                Ok::<(), BackendError>(())
+            };
+            let (copy, ready, free) = (&st.src, &st.ready[slot_i], &st.free[slot_i]);
+            let rows_first = step.rows.start;
+            // A slot never recorded free is waited for at once.
+            if host_src {
+                lstream.wait(free)?;
+                self.copy_arrays(lane, copy, &st.dst, &st.size, rows_first)?;
+                order(ready, lstream, kstream)?;
+                launch()?;
+                free.record(kstream)?;
+            } else {
+                kstream.wait(free)?;
+                launch()?;
+                order(ready, kstream, lstream)?;
+                self.copy_arrays(lane, copy, &st.dst, &st.size, rows_first)?;
+                free.record(lstream)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Closes a staged transfer that began, whatever its steps did: its descriptor buffer may
+    /// be filled again once every kernel issued has run.
+    pub(super) fn staged_end(&self, lane: Direction, run: &StagedRun) {
+        let Some(b) = run.desc else {
+            return;
+        };
+        let l = self.lane(lane);
+        let stage = l
+            .stage
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let st = stage.as_ref().expect("made by staged_begin");
+        let kstream = st.stream.handle();
+        if st.desc_free[b].record(kstream).is_err() {
             // The next transfer to fill the buffer could not wait for the kernels reading it:
             // they end first.
             let _ = kstream.synchronize();
         }
-        issued
     }
 
     /// The stream the completion marker of a transfer goes on, ordered after all of the

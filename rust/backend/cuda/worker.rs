@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 use cudarc::driver::sys;
 
 use super::driver::error_name;
-use super::lane::{CudaLane, Job};
+use super::lane::{CudaLane, Job, Progress};
 use super::options::AccessOrder;
 use super::query::memory_type;
 use super::resources::{Event, StreamHandle};
@@ -16,7 +16,24 @@ use crate::direction::Direction;
 use crate::kernel::{KernelBatch, PageKernel};
 use crate::plan::Plan;
 
+/// How long a thread woken ahead of a job (see `CudaLane::nudged`) polls for it before it sleeps:
+/// longer than the caller's start of a staged transfer takes after an idle gap.
+const NUDGE_POLL: std::time::Duration = std::time::Duration::from_millis(1);
+
 impl Shared {
+    /// Wakes the lane's thread ahead of a job that `submit` is issuing the start of (the thread
+    /// holds no job): it wakes while the caller's driver calls run, and polls for the job.
+    pub(super) fn nudge(&self, lane: Direction) {
+        let l = self.lane(lane);
+        let _q = l
+            .queue
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        // Relaxed: read and written under the queue's lock.
+        l.nudged.store(true, Ordering::Relaxed);
+        l.work.notify_one();
+    }
+
     pub(super) fn lane(&self, d: Direction) -> &CudaLane {
         &self.lanes[d.lane()]
     }
@@ -169,6 +186,23 @@ impl Shared {
                     if self.stopping.load(Ordering::Acquire) {
                         return;
                     }
+                    // Relaxed: read and written under the queue's lock.
+                    if l.nudged.swap(false, Ordering::Relaxed) {
+                        // Woken ahead of a job: polled for (the lock let go in between) rather
+                        // than slept on, so the thread is awake when it comes.
+                        drop(q);
+                        let start = std::time::Instant::now();
+                        // Acquire: pairs with the increment in `submit`.
+                        while l.pending.load(Ordering::Acquire) == 0 && start.elapsed() < NUDGE_POLL
+                        {
+                            std::thread::yield_now();
+                        }
+                        q = l
+                            .queue
+                            .lock()
+                            .unwrap_or_else(std::sync::PoisonError::into_inner);
+                        continue;
+                    }
                     q = l
                         .work
                         .wait(q)
@@ -199,33 +233,43 @@ impl Shared {
 
     /// Issues one transfer on the lane's streams: the wait for the caller's stream, its copies
     /// (and kernels), then its completion marker, which goes in whatever happened to the copies,
-    /// so the lane stays ordered. The context is current. `Err` where the marker could not be
-    /// queued: the lane has failed.
+    /// so the lane stays ordered; a job whose first step the caller issued goes on from there.
+    /// The context is current. `Err` where the marker could not be queued: the lane has failed.
     pub(super) fn issue_job(
         &self,
         lane: Direction,
-        job: Job<'_>,
+        mut job: Job<'_>,
     ) -> Result<Submitted, BackendError> {
+        let mut progress = match job.progress.take() {
+            Some(p) => p,
+            None => self.job_head(lane, &job),
+        };
+        self.job_steps(lane, &job, &mut progress, usize::MAX);
+        self.job_tail(lane, job, progress)
+    }
+
+    /// The start of a job: the wait for the caller's stream, the timing event, and its copies
+    /// (and kernels), except a staged transfer's steps, which [`Self::job_steps`] issues.
+    pub(super) fn job_head(&self, lane: Direction, job: &Job<'_>) -> Progress {
         let l = self.lane(lane);
-        let seq = job.seq;
         // SAFETY: the engine keeps the slab in flight until completion of `seq` is observed,
-        // which needs the marker queued below (or, on a failed lane, `pending` back at 0).
+        // which needs the marker queued by `job_tail` (or, on a failed lane, `pending` back at
+        // 0).
         let slab = unsafe { job.slab.get() };
-        let mut outcome = job.failed.map_or(Ok(()), Err);
+        let mut outcome = job.failed.clone().map_or(Ok(()), Err);
         let stream = l.stream.handle();
         if let Some(dep) = &job.dep {
             // Our stream waits for the caller's work at submission.
             outcome = stream.wait(dep);
         }
-        let timing = (!l.timing_events.is_empty())
-            .then(|| &l.timing_events[(seq as usize) % l.timing_events.len()]);
-        if let (Ok(()), Some((start, _))) = (&outcome, timing) {
+        if let (Ok(()), Some((start, _))) = (&outcome, self.timing(lane, job.seq)) {
             // A failed timing record only loses the timing.
             let _ = start.record(stream);
         }
+        let mut staged = None;
         // Copies are issued only when the ordering they depend on is in place.
         let mut first = 0;
-        if let (Ok(()), Plan::Pages(Some((batch, kernel)))) = (&outcome, job.plan) {
+        if let (Ok(()), Plan::Pages(Some((batch, kernel)))) = (&outcome, &job.plan) {
             // The small descriptors first, by the copy kernel on this lane's stream; it reads them
             // from the slab in place. Then DMA for the rest, then the completion marker: one
             // submission, one completion.
@@ -233,7 +277,7 @@ impl Shared {
             outcome = match kernel {
                 PageKernel::Launcher(launch) => launch(KernelBatch {
                     stream: stream.raw() as u64,
-                    ..batch
+                    ..*batch
                 })
                 .map_err(|reason| BackendError::CopyFailed {
                     index: None,
@@ -242,17 +286,52 @@ impl Shared {
                 PageKernel::Loaded {
                     kernel,
                     launch_bytes,
-                } => self.launch_pages(stream, batch, kernel, launch_bytes),
+                } => self.launch_pages(stream, *batch, *kernel, *launch_bytes),
             };
         }
         if outcome.is_ok() && first < slab.len() {
             let _timed = AddElapsed::start(&self.driver_ns);
-            let dep = job.dep.as_ref();
-            outcome = match job.plan {
-                Plan::Staged(req) => self.issue_staged(lane, slab, req, dep),
+            outcome = match &job.plan {
+                Plan::Staged(req) => self
+                    .staged_begin(lane, slab, *req, job.dep.as_ref())
+                    .map(|run| staged = Some(run)),
                 Plan::Runs(()) => self.issue_pitched(lane, slab),
                 Plan::Pages(_) => self.issue_copies(lane, slab, first),
             };
+        }
+        Progress { outcome, staged }
+    }
+
+    /// A staged job's steps up to `until` (exclusive), after those issued before; nothing once
+    /// something of the job failed.
+    pub(super) fn job_steps(
+        &self,
+        lane: Direction,
+        job: &Job<'_>,
+        progress: &mut Progress,
+        until: usize,
+    ) {
+        if let (Ok(()), Some(run), Plan::Staged(req)) =
+            (&progress.outcome, &mut progress.staged, &job.plan)
+        {
+            let _timed = AddElapsed::start(&self.driver_ns);
+            // SAFETY: as in `job_head`.
+            let slab = unsafe { job.slab.get() };
+            progress.outcome = self.staged_steps(lane, slab, req, run, until);
+        }
+    }
+
+    /// The end of a job: the completion marker after everything issued for it.
+    fn job_tail(
+        &self,
+        lane: Direction,
+        job: Job<'_>,
+        progress: Progress,
+    ) -> Result<Submitted, BackendError> {
+        let l = self.lane(lane);
+        let seq = job.seq;
+        if let Some(run) = &progress.staged {
+            self.staged_end(lane, run);
         }
         if let Some(dep) = job.dep {
             // Every wait on it is queued: it may be recorded again.
@@ -261,12 +340,14 @@ impl Shared {
                 .unwrap_or_else(std::sync::PoisonError::into_inner)
                 .push(dep);
         }
+        let outcome = progress.outcome;
         let tail = self.marker_stream(lane, matches!(job.plan, Plan::Staged(_)));
-        if let (Ok(()), Some((_, end))) = (&outcome, timing) {
+        if let (Ok(()), Some((_, end))) = (&outcome, self.timing(lane, seq)) {
             let _ = end.record(tail);
         }
         if let Err(e) = &outcome {
-            slab.set_failed(e.to_string());
+            // SAFETY: as in `job_head`.
+            unsafe { job.slab.get() }.set_failed(e.to_string());
         }
         if let Err(e) = self.signal(lane, seq, tail) {
             // Release: pairs with the Acquire load in `lane_idle`.
@@ -281,6 +362,12 @@ impl Shared {
         } else {
             Submitted::CopyFailed
         })
+    }
+
+    /// The timing events of `seq` (timing on).
+    fn timing(&self, lane: Direction, seq: u64) -> Option<&(Event, Event)> {
+        let t = &self.lane(lane).timing_events;
+        (!t.is_empty()).then(|| &t[(seq as usize) % t.len()])
     }
 
     /// The lane's error, once its issuing thread holds no slab any more (before that, the
