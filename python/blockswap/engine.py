@@ -216,10 +216,11 @@ class Engine:
     launches among them, wait while one is in progress); ``timing`` (device time from events);
     ``completion`` (``"auto"``, ``"write_value"``, ``"event"``); ``h2d_order`` / ``d2h_order`` (source access
     order, ``"any"`` or ``"stream"``); ``h2d_stream`` / ``d2h_stream`` (a raw ``CUstream`` to use
-    instead of the engine's own); ``idle_issue`` (where every earlier transfer of a direction
-    is complete, :meth:`submit` issues the copies on the caller's thread rather than waking the
-    engine's thread for that direction: an isolated transfer starts sooner, and the caller pays
-    its driver calls; see docs/tuning.md).
+    instead of the engine's own); ``idle_issue`` (where the engine's thread for a direction
+    holds no transfer, :meth:`submit` issues a staged transfer's first step on the caller's
+    thread and wakes that thread for the rest, and, where every earlier transfer of the direction
+    is complete, any other transfer whole: an isolated transfer starts sooner, and the caller
+    pays those driver calls; see docs/tuning.md).
 
     Every address a transfer names must lie in memory registered with :meth:`register`,
     :meth:`pin` or :meth:`alloc_host`; anything else is refused before a copy is issued.

@@ -110,10 +110,11 @@ const MAX_SLEEP: Duration = Duration::from_micros(500);
 /// Between two polls of a wait that has waited `waited` so far (and may wait `left` more).
 /// For the first [`SPIN`] it polls again at once, handing the core to any other runnable thread
 /// in between (as CUDA's own synchronize does where the host has cores to spare): a transfer is
-/// seen done within about a microsecond of its marker. A sleeping poller is woken 60-110 µs late
-/// (a thread sleep or an interrupt-driven event wait, measured on an H200 host), 1-2 % of a
-/// step-sized batch of transfers. Past [`SPIN`], it sleeps 1 % of what it waited (at most
-/// [`MAX_SLEEP`]), which keeps a long wait's overshoot near 1 % and its core mostly free.
+/// seen done within about a microsecond of its marker. An interrupt-driven event wait returned
+/// 17-138 µs after a polling loop, a thread sleeping between polls up to 370 µs (an H200 host,
+/// `benches/probe_wake.py`): 1-5 % of a step's worth of transfers. Past [`SPIN`], it sleeps 1 %
+/// of what it waited (at most [`MAX_SLEEP`]), which keeps a long wait's overshoot near 1 % and
+/// its core mostly free.
 fn pause(waited: Duration, left: Option<Duration>) {
     if waited < SPIN {
         std::thread::yield_now();

@@ -104,10 +104,11 @@ pub struct CudaOptions {
     pub streams: [Option<u64>; 4],
     /// Transfers in flight per direction the event rings hold (the engine's `max_in_flight`).
     pub max_in_flight: usize,
-    /// Where a lane is idle (every earlier transfer complete), `submit` issues the transfer on
-    /// the caller's thread instead of waking the lane's thread: the caller pays the driver calls,
-    /// and the copies start without a thread's wake-up in the way. A transfer that follows a
-    /// busy one still goes to the lane's thread.
+    /// Where a lane's thread holds no transfer, `submit` issues the start of a staged transfer
+    /// (its first step) on the caller's thread and wakes the lane's thread for the rest, and,
+    /// where every earlier transfer is complete, any other transfer whole: the caller pays those
+    /// driver calls, and the copies start without a thread's wake-up in the way. A transfer that
+    /// follows a busy one still goes to the lane's thread.
     pub idle_issue: bool,
 }
 
