@@ -8,8 +8,7 @@ use std::sync::{Condvar, Mutex, OnceLock};
 use cudarc::driver::sys;
 
 use super::resources::{Counter, Event, PinnedHost, Stream};
-use super::stage::Stage;
-use super::staged::StagedRun;
+use super::stage::{Stage, StagedRun};
 use crate::backend::{BackendError, Issue};
 use crate::plan::Plan;
 use crate::slab::SlabRef;

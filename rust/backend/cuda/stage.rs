@@ -1,11 +1,13 @@
 //! The staged plan's resources: the kernels loaded for it, each lane's stage (ring, kernel
-//! stream, events, device descriptor buffers) and the copy of a transfer's entries to the device.
+//! stream, events, device descriptor buffers), the copy of a transfer's entries to the device and
+//! how far a staged transfer's issuing got.
 
 use cudarc::driver::sys;
 
 use super::resources::{DeviceMem, Event, Stream};
 use crate::backend::BackendError;
 use crate::kernel::{KernelKind, KernelSpec};
+use crate::table::StagedStep;
 
 /// A kernel the staged plan launches (see [`KernelSpec`]), checked against the driver's view of
 /// its parameters when loaded.
@@ -16,6 +18,19 @@ pub(super) struct LoadedKernel {
     pub(super) kind: KernelKind,
     /// Parameters of the kernel in all: those of `spec.params`, then null pointers.
     pub(super) total: usize,
+}
+
+/// A staged transfer begun (`Shared::staged_begin`): its kernel, its steps and the next to
+/// issue, where the kernels find its block entries (`cols`, see `staged_begin`), and the
+/// descriptor buffer they are in (`None`: the slab's own columns, or no entries).
+#[derive(Debug)]
+pub(super) struct StagedRun {
+    pub(super) kernel: LoadedKernel,
+    pub(super) steps: Vec<StagedStep>,
+    pub(super) next: usize,
+    pub(super) fail_at: Option<usize>,
+    pub(super) cols: [u64; 3],
+    pub(super) desc: Option<usize>,
 }
 
 /// One lane's staging resources, made on its first staged transfer: a ring of two slots in

@@ -9,12 +9,12 @@ use cudarc::driver::sys;
 use super::driver::{check, MAX_KERNEL_PARAMS};
 use super::resources::{order, Event, StreamHandle};
 use super::shared::Shared;
-use super::stage::{EntryCopy, LoadedKernel, Stage};
+use super::stage::{EntryCopy, LoadedKernel, Stage, StagedRun};
 use crate::backend::{take_injected, BackendError};
 use crate::direction::Direction;
 use crate::kernel::{kernel_split, KernelBatch, KernelKind, KernelParam};
 use crate::slab::SlabInner;
-use crate::table::{StagedRequest, StagedStep};
+use crate::table::StagedRequest;
 
 /// What a staged kernel's launch reads besides its block entries: the group's geometry at slab
 /// entry `table` (its header) with `segments` pages per block, the ring's offsets shifted by
@@ -25,19 +25,6 @@ struct StagedLaunch {
     segments: u64,
     ring_base: u64,
     ring_src: bool,
-}
-
-/// A staged transfer begun ([`Shared::staged_begin`]): its kernel, its steps and the next to
-/// issue, where the kernels find its block entries (`cols`, see `staged_begin`), and the
-/// descriptor buffer they are in (`None`: the slab's own columns, or no entries).
-#[derive(Debug)]
-pub(super) struct StagedRun {
-    kernel: LoadedKernel,
-    steps: Vec<StagedStep>,
-    next: usize,
-    fail_at: Option<usize>,
-    cols: [u64; 3],
-    desc: Option<usize>,
 }
 
 impl Shared {
