@@ -597,6 +597,12 @@ impl StagedRequest {
 /// link isolated, four 88-91 % (H100, `benches/probe_staged.py`, docs/benchmarks.md).
 pub const STAGED_MIN_STEPS: usize = 4;
 
+/// The first and the last step take at most `1 / STAGED_RAMP` of a full step's rows: the first
+/// step's kernel (GPU -> CPU: it fills the slot before any row crosses) and the last one's (CPU
+/// -> GPU: it empties the slot after the last row) overlap no copy, and a quarter step's
+/// kernel is a quarter as long.
+pub const STAGED_RAMP: usize = 4;
+
 /// One step of a staged transfer: slab rows `rows`, block entries `blocks` (counted from the
 /// first), and the ring offset of its first row (the slot's start).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -607,7 +613,8 @@ pub struct StagedStep {
 }
 
 /// Cuts a staged slab into steps (see [`StagedRequest`]): whole rows, at most `slot_bytes` and
-/// `ceil(rows / STAGED_MIN_STEPS)` rows each, never between two rows a block spans (a cluster of
+/// `ceil(rows / STAGED_MIN_STEPS)` rows each (the first and the last at most a
+/// [`STAGED_RAMP`]th of that), never between two rows a block spans (a cluster of
 /// the cell plan: its rows go in one step even past that count); a step's blocks are those whose
 /// ring offset lies in its rows. `block_ring`, `block_end`: the block entries' ring offsets and
 /// ends. Rows and blocks come in ring order, as the table code writes them.
@@ -631,12 +638,22 @@ pub fn staged_steps(
         cut[e] = reach <= at;
     }
     let per = rows.div_ceil(STAGED_MIN_STEPS).max(1);
-    let mut steps = Vec::with_capacity(STAGED_MIN_STEPS + 1);
+    let ramp = per.div_ceil(STAGED_RAMP);
+    let mut steps = Vec::with_capacity(STAGED_MIN_STEPS + 3);
     let (mut r, mut p) = (0usize, 0usize);
     while r < rows {
         let start = row_ring[r];
+        // The first step a ramp's rows; the others leave the last `ramp` rows to a step of
+        // their own.
+        let cap = if r == 0 {
+            ramp
+        } else if rows - r > ramp {
+            per.min(rows - r - ramp)
+        } else {
+            per
+        };
         let mut end = r;
-        while end < rows && end - r < per && row_ring[end] + row_bytes[end] - start <= slot_bytes {
+        while end < rows && end - r < cap && row_ring[end] + row_bytes[end] - start <= slot_bytes {
             end += 1;
         }
         // A row larger than a slot was refused before submission; never loop on one.

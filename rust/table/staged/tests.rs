@@ -181,10 +181,28 @@ fn staged_steps_take_whole_rows_within_a_slot() {
             (r, p) = (s.rows.end, s.blocks.end);
         }
         assert_eq!((r, p), (10, 30));
-        // At least STAGED_MIN_STEPS steps; no more than the slot forces.
-        let per = (slot / 96).min(10usize.div_ceil(STAGED_MIN_STEPS) as u64);
-        assert_eq!(steps.len(), 10usize.div_ceil(per as usize), "slot {slot}");
+        // Full steps of at most a quarter of the rows, fewer where the slot says; a ramp of
+        // a quarter of that (at least a row) first and last.
+        let per = (slot / 96).min(10usize.div_ceil(STAGED_MIN_STEPS) as u64) as usize;
+        let ramp = 10usize.div_ceil(STAGED_MIN_STEPS).div_ceil(STAGED_RAMP);
+        assert!(steps.iter().all(|s| s.rows.len() <= per), "slot {slot}");
+        assert!(steps[0].rows.len() <= ramp, "slot {slot}: {steps:?}");
+        assert!(
+            steps[steps.len() - 1].rows.len() <= ramp,
+            "slot {slot}: {steps:?}"
+        );
+        assert!(
+            steps.len() <= 10usize.div_ceil(per) + 2,
+            "slot {slot}: {steps:?}"
+        );
     }
+    // 32 rows: a ramp of 2 rows, full steps of 8, the rest, a ramp of 2.
+    let rows: Vec<u64> = (0..32).map(|i| i * 96).collect();
+    let blocks: Vec<u64> = (0..96).map(|p| p * 32).collect();
+    let ends: Vec<u64> = blocks.iter().map(|b| b + 32).collect();
+    let steps = staged_steps(&rows, &[96; 32], &blocks, &ends, 1 << 20);
+    let lens: Vec<usize> = steps.iter().map(|s| s.rows.len()).collect();
+    assert_eq!(lens, [2, 8, 8, 8, 4, 2]);
 }
 
 /// Two tensors of 64-byte pages, two blocks per chunk, in cells of 256 bytes: group `j`'s host
