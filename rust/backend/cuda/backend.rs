@@ -480,12 +480,8 @@ impl Backend for CudaBackend {
     }
 
     fn device_ns(&self, lane: Direction, seq: u64) -> Option<u64> {
-        let l = self.lane(lane);
-        if l.timing_events.is_empty() {
-            return None;
-        }
         // Both events were recorded for this (complete) transfer; the call never blocks.
-        let (start, end) = &l.timing_events[(seq as usize) % l.timing_events.len()];
+        let (start, end) = self.timing(lane, seq)?;
         start.elapsed_ms(end).map(|ms| (f64::from(ms) * 1e6) as u64)
     }
 

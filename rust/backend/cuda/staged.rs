@@ -113,9 +113,6 @@ impl Shared {
             } else {
                 kstream
             };
-            // From here the kernels that read the buffer must be waited for before it is
-            // filled again, whatever fails.
-            run.desc = Some(b);
             let c = sys::CUDA_MEMCPY2D {
                 srcXInBytes: 0,
                 srcY: 0,
@@ -144,6 +141,9 @@ impl Shared {
                 sys::cuMemcpy2DAsync_v2(&raw const c, upload.raw())
             })?;
             run.cols = [0, 1, 2].map(|c| copy.column(dev, c));
+            // The kernels that read the buffer are waited for before it is filled again
+            // (`staged_end`, whatever the steps do).
+            run.desc = Some(b);
         }
         Ok(run)
     }

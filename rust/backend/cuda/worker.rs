@@ -365,7 +365,7 @@ impl Shared {
     }
 
     /// The timing events of `seq` (timing on).
-    fn timing(&self, lane: Direction, seq: u64) -> Option<&(Event, Event)> {
+    pub(super) fn timing(&self, lane: Direction, seq: u64) -> Option<&(Event, Event)> {
         let t = &self.lane(lane).timing_events;
         (!t.is_empty()).then(|| &t[(seq as usize) % t.len()])
     }
