@@ -487,14 +487,17 @@ def test_the_event_ring_is_sized_by_the_clamped_max_in_flight():
     assert float(took) < 60
 
 
+@pytest.mark.parametrize("options", [{}, {"idle_issue": True}], ids=["lanes", "idle_issue"])
 @pytest.mark.parametrize("route", ["dma", "core_kernel", "staged"])
-def test_threads_submit_while_another_shuts_down(torch, route):
+def test_threads_submit_while_another_shuts_down(torch, route, options):
     """Two threads submit (onloads and offloads, which each direction's issuing thread puts on
     the device) while a third shuts the engine down: every transfer the engine accepted is
     reported exactly once and succeeds, its bytes in place (shutdown issues everything accepted
     before its deadline); a submission after the shutdown is refused. ``core_kernel``: block
     transfers whose pages the copy kernel moves, launched by the core from the issuing threads;
-    ``staged``: block transfers by the staged plan (rows through the ring, the staged kernel)."""
+    ``staged``: block transfers by the staged plan (rows through the ring, the staged kernel).
+    ``idle_issue``: a transfer that finds its direction's thread idle is started on the
+    submitting thread (a staged one's first step, the thread woken for the rest)."""
     import threading
 
     from blockswap.kernels import core_kernel
@@ -505,7 +508,7 @@ def test_threads_submit_while_another_shuts_down(torch, route):
     src = torch.randint(0, 256, (n * size,), dtype=torch.uint8, device="cuda")
     back = torch.zeros(n * size, dtype=torch.uint8).pin_memory()
     torch.cuda.synchronize()
-    eng = blockswap.Engine("cuda")
+    eng = blockswap.Engine("cuda", **options)
     for t in (host, dev, src, back):
         eng.register(t)
     kind = {id(host): "host", id(back): "host", id(dev): "device", id(src): "device"}

@@ -231,15 +231,15 @@ def test_cuda_a_staged_fault_fails_its_transfer_wherever_its_step_was_issued(
         before = [
             [sel(gpu[i], "kv_split", gpu_src[k].tolist()).clone() for i in layers] for k in range(3)
         ]
-        for handler, pairs in (
-            (h.gpu_to_cpu_handler, [(gpu_src[k], cpu[k]) for k in range(3)]),
-            (h.cpu_to_gpu_handler, [(cpu[k], gpu_dst[k]) for k in range(3)]),
+        for base, handler, pairs in (
+            (0, h.gpu_to_cpu_handler, [(gpu_src[k], cpu[k]) for k in range(3)]),
+            (100, h.cpu_to_gpu_handler, [(cpu[k], gpu_dst[k]) for k in range(3)]),
         ):
             for k, pair in enumerate(pairs):
                 if k == 1:
                     h.engine.inject_failures(1)
-                assert handler.transfer_async(100 * (handler is h.cpu_to_gpu_handler) + k, pair)
-                h.wait([100 * (handler is h.cpu_to_gpu_handler) + k])
+                assert handler.transfer_async(base + k, pair)
+                h.wait([base + k])
             done = {r.job_id % 100: r for r in h.get_finished()}
             assert sorted(done) == [0, 1, 2]
             assert done[0].success and done[2].success, (done[0].error, done[2].error)
