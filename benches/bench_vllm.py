@@ -24,7 +24,8 @@ A transfer moves ``--blocks`` random GPU blocks (per KV-cache group) to or from 
 "isolated": GPU time of one transfer (blockswap: its ``transfer_time``, CUDA events around its
 copies; vLLM's paths: CUDA events around the call), median of ``--reps``; blockswap's "wall": the
 same transfers' wall clock from ``submit_*`` to ``wait`` returning, median; "8 queued": 8 transfers
-back to back, bytes over wall time, best of 3. Percent of the link's ceiling measured in the same
+back to back, bytes over wall time, best of 3. vLLM's specs (blockswap) and descriptors (vLLM's
+paths) are built before the clock starts. Percent of the link's ceiling measured in the same
 run (one 256 MiB pinned copy per direction, best of 5).
 """
 

@@ -74,22 +74,27 @@ def one_model(m: Any, blocks: int, reps: int, ceil: dict[str, float], rng: Any) 
                 stream.synchronize()
                 return n * nbytes / (time.perf_counter() - t0) / 1e9
 
-            def submit(to_cpu: bool = to_cpu) -> int:
-                nonlocal job
-                job += 1
+            def make() -> tuple[Any, CPUSpec]:
                 ids, chunks = case.spec(rng, blocks)
                 g = GPULoadStoreSpec([b for x in ids for b in x], [len(x) for x in ids],
                                      [0] * len(ids))  # fmt: skip
-                ok = (w.submit_store(job, g, CPUSpec(chunks)) if to_cpu
-                      else w.submit_load(job, CPUSpec(chunks), g))  # fmt: skip
+                return g, CPUSpec(chunks)
+
+            def submit(specs: tuple[Any, CPUSpec], to_cpu: bool = to_cpu) -> int:
+                nonlocal job
+                job += 1
+                g, c = specs
+                ok = w.submit_store(job, g, c) if to_cpu else w.submit_load(job, c, g)
                 assert ok
                 return job
 
             def queued(n: int) -> float:
+                # The specs built first, as vLLM hands them in (bench_vllm times them alike).
+                specs = [make() for _ in range(n)]
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 with record_function("submit"):
-                    jobs = {submit() for _ in range(n)}
+                    jobs = {submit(s) for s in specs}
                 with record_function("wait"):
                     w.wait(jobs)
                 rate = n * nbytes / (time.perf_counter() - t0) / 1e9

@@ -3,7 +3,8 @@ that set them side by side (``bench_vllm.py``, ``bench_canonical.py``): "isolate
 transfer's GPU time (the worker's ``transfer_time``; CUDA events around a vLLM call), median of
 ``reps`` after three discarded; the worker's "wall" is the same transfers' wall clock from submit
 to ``wait`` returning, median; "8 queued" is 8 transfers back to back, bytes over wall time, best
-of 3.
+of 3. Each transfer's vLLM specs are built before its clock starts, as vLLM hands them in (and as
+each vLLM path's descriptors are built before its call).
 """
 
 from __future__ import annotations
@@ -43,26 +44,29 @@ def time_worker(
     job = 0
     host: list[float] = []
 
-    def submit() -> int:
-        nonlocal job
-        job += 1
+    def make() -> tuple[Any, CPUSpec]:
+        # vLLM hands the worker specs it built: building them is no part of a transfer's time,
+        # as preparing vLLM's own calls is none of theirs (``time_calls``).
         ids, chunks = spec()
         gspec = GPULoadStoreSpec([b for g in ids for b in g], [len(g) for g in ids], [0] * len(ids))
+        return gspec, CPUSpec(chunks)
+
+    def submit(specs: tuple[Any, CPUSpec]) -> int:
+        nonlocal job
+        job += 1
+        gspec, cspec = specs
         t0 = time.perf_counter()
-        ok = (
-            w.submit_store(job, gspec, CPUSpec(chunks))
-            if to_cpu
-            else w.submit_load(job, CPUSpec(chunks), gspec)
-        )
+        ok = w.submit_store(job, gspec, cspec) if to_cpu else w.submit_load(job, cspec, gspec)
         host.append(time.perf_counter() - t0)
         assert ok
         return job
 
     iso, wall = [], []
     for i in range(reps + 3):
+        one = make()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        j = submit()
+        j = submit(one)
         w.wait({j})
         t1 = time.perf_counter()
         (r,) = w.get_finished()
@@ -73,9 +77,10 @@ def time_worker(
     host_us = statistics.median(host[3:]) * 1e6
     queued = []
     for _ in range(3):
+        eight = [make() for _ in range(8)]
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        jobs = {submit() for _ in range(8)}
+        jobs = {submit(s) for s in eight}
         w.wait(jobs)
         queued.append(8 * nbytes / (time.perf_counter() - t0) / 1e9)
         assert all(r.success for r in w.get_finished())
