@@ -21,8 +21,9 @@ pub(super) struct LoadedKernel {
 }
 
 /// A staged transfer begun (`Shared::staged_begin`): its kernel, its steps and the next to
-/// issue, where the kernels find its block entries (`cols`, see `staged_begin`), and the
-/// descriptor buffer they are in (`None`: the slab's own columns, or no entries).
+/// issue, where the kernels find its block entries (`cols`, see `staged_begin`), the
+/// descriptor buffer they are in once their copy is queued (`None`: the slab's own columns, or
+/// no entries), and that copy while it waits for the first step's rows (CPU -> GPU).
 #[derive(Debug)]
 pub(super) struct StagedRun {
     pub(super) kernel: LoadedKernel,
@@ -31,6 +32,27 @@ pub(super) struct StagedRun {
     pub(super) fail_at: Option<usize>,
     pub(super) cols: [u64; 3],
     pub(super) desc: Option<usize>,
+    pub(super) upload: Option<EntryUpload>,
+    /// CPU -> GPU: the slot of the step whose rows went in and whose kernel has not.
+    pub(super) kernel_slot: Option<usize>,
+    pub(super) host_src: bool,
+}
+
+/// The ring slot the next step takes: the two in turn, across transfers.
+pub(super) fn take_slot(st: &mut Stage) -> usize {
+    let slot = (st.steps % 2) as usize;
+    st.steps += 1;
+    slot
+}
+
+/// The copy of a transfer's block entries into descriptor buffer `b` at `dev`, from the slab
+/// whose first column is at `col0`.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct EntryUpload {
+    pub(super) copy: EntryCopy,
+    pub(super) col0: u64,
+    pub(super) dev: u64,
+    pub(super) b: usize,
 }
 
 /// One lane's staging resources, made on its first staged transfer: a ring of two slots in
@@ -121,6 +143,12 @@ impl EntryCopy {
 }
 
 impl Stage {
+    /// Slot `slot`'s address minus `step`'s first ring offset: a row's ring offset plus this is
+    /// where it lies in the slot.
+    pub(super) fn shift(&self, slot: usize, step: &StagedStep) -> u64 {
+        (self.ring.ptr + slot as u64 * self.slot).wrapping_sub(step.ring_start)
+    }
+
     /// Descriptor buffer `b` (0 or 1), at least `bytes` long, for the transfer being issued. A
     /// buffer outgrown is kept until the stage goes: an earlier transfer's kernel may still
     /// read it.

@@ -9,7 +9,8 @@ use cudarc::driver::sys;
 use super::driver::{check, MAX_KERNEL_PARAMS};
 use super::resources::{order, Event, StreamHandle};
 use super::shared::Shared;
-use super::stage::{EntryCopy, LoadedKernel, Stage, StagedRun};
+use super::stage::take_slot;
+use super::stage::{EntryCopy, EntryUpload, LoadedKernel, Stage, StagedRun};
 use crate::backend::{take_injected, BackendError};
 use crate::direction::Direction;
 use crate::kernel::{kernel_split, KernelBatch, KernelKind, KernelParam};
@@ -82,7 +83,7 @@ impl Shared {
         let first = req.first_block;
         let steps = req.steps(src, dst, size);
         let fail_at = take_injected(&self.fail_next).then_some(steps.len() / 2);
-        let (lstream, kstream) = (l.stream.handle(), st.stream.handle());
+        let kstream = st.stream.handle();
         // The transfer's descriptor buffer (see `Stage::desc`).
         let b = (st.transfers % 2) as usize;
         st.transfers += 1;
@@ -93,6 +94,9 @@ impl Shared {
             fail_at,
             cols: [0, 1, 2].map(|c| slab.column_addr(c)),
             desc: None,
+            upload: None,
+            kernel_slot: None,
+            host_src,
         };
         if let Some(ev) = dep.filter(|_| !host_src) {
             // The event holds the caller's stream (CPU -> GPU kernels follow the lane's stream,
@@ -100,56 +104,36 @@ impl Shared {
             kstream.wait(ev)?;
         }
         if src.len() > first {
-            // The block entries and geometries go to device memory in one copy, CPU -> GPU on the
-            // lane's stream ahead of the rows (after the kernels that read the buffer last), else
-            // on the kernel stream after the earlier transfers' kernels; `cols[c] + 8 * i` is
-            // then where the kernels read entry i of column c.
+            // The block entries and geometries go to device memory in one copy (see
+            // `upload_entries`): GPU -> CPU now, on the kernel stream after the earlier
+            // transfers' kernels; CPU -> GPU on the lane's stream after the first step's rows
+            // (the first kernel needs both; the rows start as soon as they are issued).
             let (n, cap) = (src.len() - first, slab.capacity());
             let copy = EntryCopy::new(first, n, cap);
             let dev = st.desc_buffer(self.ctx.raw, b, copy.device_bytes())?;
-            let upload = if host_src {
-                lstream.wait(&st.desc_free[b])?;
-                lstream
-            } else {
-                kstream
-            };
-            let c = sys::CUDA_MEMCPY2D {
-                srcXInBytes: 0,
-                srcY: 0,
-                srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_UNIFIED,
-                srcHost: std::ptr::null(),
-                srcDevice: slab.column_addr(0) + copy.src_offset,
-                srcArray: std::ptr::null_mut(),
-                srcPitch: copy.src_pitch,
-                dstXInBytes: 0,
-                dstY: 0,
-                dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_UNIFIED,
-                dstHost: std::ptr::null_mut(),
-                dstDevice: dev,
-                dstArray: std::ptr::null_mut(),
-                dstPitch: copy.width,
-                WidthInBytes: copy.width,
-                Height: 3,
-            };
-            // SAFETY: the three rows (entries `[first, first + n)` of each column) lie in the
-            // slab's pinned allocation, which outlives the copy (the lane's marker waits for
-            // the kernel stream); `dev` holds at least the three rows, and the kernels of
-            // earlier transfers that read it come before this copy (on the same stream, or
-            // before `desc_free[b]`, which `upload` waits for); the struct is read during the
-            // call only.
-            check("cuMemcpy2DAsync", unsafe {
-                sys::cuMemcpy2DAsync_v2(&raw const c, upload.raw())
-            })?;
             run.cols = [0, 1, 2].map(|c| copy.column(dev, c));
-            // The kernels that read the buffer are waited for before it is filled again
-            // (`staged_end`, whatever the steps do).
-            run.desc = Some(b);
+            let upload = EntryUpload {
+                copy,
+                col0: slab.column_addr(0),
+                dev,
+                b,
+            };
+            if host_src {
+                run.upload = Some(upload);
+            } else {
+                Self::upload_entries(kstream, upload)?;
+                run.desc = Some(b);
+            }
         }
         Ok(run)
     }
 
     /// Issues the steps of `run` up to `until` (exclusive, at most all of them), after those
-    /// issued before.
+    /// issued before: GPU -> CPU step `k` is its kernel then its rows; CPU -> GPU it is its rows
+    /// then the kernel of step `k - 1`, and the steps end with the last step's kernel (one step
+    /// more than there are). CPU -> GPU, the next step's rows are queued before a step's kernel
+    /// is launched: a launch can hold the issuing thread for tens of microseconds (the first of
+    /// a burst), and the copy engine moves the next rows meanwhile instead of waiting for them.
     pub(super) fn staged_steps(
         &self,
         lane: Direction,
@@ -165,77 +149,168 @@ impl Shared {
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         let st = stage.as_mut().expect("made by staged_begin");
         let host_src = lane == Direction::HostToDevice;
-        let (src, dst, size) = (slab.src(), slab.dst(), slab.size());
-        let first = req.first_block;
-        let (lstream, kstream) = (l.stream.handle(), st.stream.handle());
-        let (kernel, cols) = (&run.kernel, run.cols);
-        let until = until.min(run.steps.len());
+        let n = run.steps.len();
+        let until = until.min(n + usize::from(host_src && n > 0));
         while run.next < until {
             let k = run.next;
             run.next += 1;
-            let step = &run.steps[k];
-            let slot_i = (st.steps % 2) as usize;
-            st.steps += 1;
-            let slot_addr = st.ring.ptr + slot_i as u64 * st.slot;
-            // The slot's address minus the step's first ring offset: offsets become addresses.
-            let shift = slot_addr.wrapping_sub(step.ring_start);
-            st.src.clear();
-            st.dst.clear();
-            st.size.clear();
-            for i in step.rows.clone() {
-                let at = dst[i].wrapping_add(shift);
-                let (a, b) = if host_src { (src[i], at) } else { (at, src[i]) };
-                st.src.push(a);
-                st.dst.push(b);
-                st.size.push(size[i]);
-            }
-            if Some(k) == run.fail_at {
-                // The injected fault: a null address the driver refuses, as in
-                // `issue_copies`.
-                let mid = st.dst.len() / 2;
-                st.dst[mid] = 0;
-            }
-            // The step's blocks, a launch for each run of blocks of one group (one geometry):
-            // the kernel computes every page's addresses from the block entries, read from the
-            // stage's device copy of the slab (not overwritten before the kernel ends: see
-            // `Stage::desc`); the ids were checked at submission, the slot is this lane's.
-            let blocks = (first + step.blocks.start)..(first + step.blocks.end);
-            let launch = || {
-                let mut b = blocks.start;
-                while b < blocks.end {
-                    let table = size[b];
-                    let end = (b..blocks.end)
-                        .find(|&i| size[i] != table)
-                        .unwrap_or(blocks.end);
-                    let at = StagedLaunch {
-                        table: table as usize,
-                        segments: src[table as usize],
-                        ring_base: shift,
-                        ring_src: host_src,
-                    };
-                    Self::launch(kernel, kstream, cols, (b, (end - b) as u64, 1), Some(at))?;
-                    b = end;
-                }
-                Ok::<(), BackendError>(())
-            };
-            let (copy, ready, free) = (&st.src, &st.ready[slot_i], &st.free[slot_i]);
-            let rows_first = step.rows.start;
-            // A slot never recorded free is waited for at once.
             if host_src {
-                lstream.wait(free)?;
-                self.copy_arrays(lane, copy, &st.dst, &st.size, rows_first)?;
-                order(ready, lstream, kstream)?;
-                launch()?;
-                free.record(kstream)?;
+                if k < n {
+                    let slot = take_slot(st);
+                    self.step_rows(lane, st, slab, run, k, slot)?;
+                    if let Some(upload) = run.upload.take() {
+                        let lstream = l.stream.handle();
+                        lstream.wait(&st.desc_free[upload.b])?;
+                        Self::upload_entries(lstream, upload)?;
+                        run.desc = Some(upload.b);
+                    }
+                    // The kernel stream waits for this only when the step's kernel goes in.
+                    st.ready[slot].record(l.stream.handle())?;
+                    if let Some(prev) = run.kernel_slot.replace(slot) {
+                        Self::step_kernel(st, slab, req, run, k - 1, prev)?;
+                    }
+                } else if let Some(prev) = run.kernel_slot.take() {
+                    Self::step_kernel(st, slab, req, run, k - 1, prev)?;
+                }
             } else {
-                kstream.wait(free)?;
-                launch()?;
-                order(ready, kstream, lstream)?;
-                self.copy_arrays(lane, copy, &st.dst, &st.size, rows_first)?;
-                free.record(lstream)?;
+                let slot = take_slot(st);
+                Self::step_kernel(st, slab, req, run, k, slot)?;
+                self.step_rows(lane, st, slab, run, k, slot)?;
             }
         }
         Ok(())
+    }
+
+    /// Step `k`'s rows across `PCIe` through ring slot `slot`, once the slot is free: CPU -> GPU
+    /// on the lane's stream into the slot (the caller records the slot ready), GPU -> CPU after
+    /// the step's kernel filled it, then the slot is free again.
+    fn step_rows(
+        &self,
+        lane: Direction,
+        st: &mut Stage,
+        slab: &SlabInner,
+        run: &StagedRun,
+        k: usize,
+        slot: usize,
+    ) -> Result<(), BackendError> {
+        let host_src = lane == Direction::HostToDevice;
+        let (src, dst, size) = (slab.src(), slab.dst(), slab.size());
+        let step = &run.steps[k];
+        let shift = st.shift(slot, step);
+        st.src.clear();
+        st.dst.clear();
+        st.size.clear();
+        for i in step.rows.clone() {
+            let at = dst[i].wrapping_add(shift);
+            let (a, b) = if host_src { (src[i], at) } else { (at, src[i]) };
+            st.src.push(a);
+            st.dst.push(b);
+            st.size.push(size[i]);
+        }
+        if Some(k) == run.fail_at {
+            // The injected fault: a null address the driver refuses, as in `issue_copies`.
+            let mid = st.dst.len() / 2;
+            st.dst[mid] = 0;
+        }
+        let lstream = self.lane(lane).stream.handle();
+        if host_src {
+            // A slot never recorded free is waited for at once.
+            lstream.wait(&st.free[slot])?;
+        } else {
+            lstream.wait(&st.ready[slot])?;
+        }
+        self.copy_arrays(lane, &st.src, &st.dst, &st.size, step.rows.start)?;
+        if !host_src {
+            st.free[slot].record(lstream)?;
+        }
+        Ok(())
+    }
+
+    /// Step `k`'s kernel on the stage's stream, one launch for each run of blocks of one group
+    /// (one geometry): CPU -> GPU after the step's rows (`ready[slot]`), then the slot is free
+    /// again; GPU -> CPU once the slot is free, then the slot is ready for the rows. The kernel
+    /// computes every page's addresses from the block entries, read from the stage's device copy
+    /// of the slab (not overwritten before the kernel ends: see `Stage::desc`); the ids were
+    /// checked at submission, the slot is this lane's.
+    fn step_kernel(
+        st: &Stage,
+        slab: &SlabInner,
+        req: &StagedRequest,
+        run: &StagedRun,
+        k: usize,
+        slot: usize,
+    ) -> Result<(), BackendError> {
+        let host_src = run.host_src;
+        let (src, size) = (slab.src(), slab.size());
+        let step = &run.steps[k];
+        let shift = st.shift(slot, step);
+        let kstream = st.stream.handle();
+        kstream.wait(if host_src {
+            &st.ready[slot]
+        } else {
+            &st.free[slot]
+        })?;
+        let first = req.first_block;
+        let blocks = (first + step.blocks.start)..(first + step.blocks.end);
+        let mut b = blocks.start;
+        while b < blocks.end {
+            let table = size[b];
+            let end = (b..blocks.end)
+                .find(|&i| size[i] != table)
+                .unwrap_or(blocks.end);
+            let at = StagedLaunch {
+                table: table as usize,
+                segments: src[table as usize],
+                ring_base: shift,
+                ring_src: host_src,
+            };
+            Self::launch(
+                &run.kernel,
+                kstream,
+                run.cols,
+                (b, (end - b) as u64, 1),
+                Some(at),
+            )?;
+            b = end;
+        }
+        if host_src {
+            st.free[slot].record(kstream)
+        } else {
+            st.ready[slot].record(kstream)
+        }
+    }
+
+    /// Queues the copy of a transfer's block entries into its descriptor buffer on `stream`,
+    /// which the caller has ordered after the kernels of the transfer that last read the buffer
+    /// (the kernel stream itself, or a stream that waited for `desc_free`). `cols[c] + 8 * i`
+    /// is then where the kernels read entry `i` of column `c`.
+    fn upload_entries(stream: StreamHandle, u: EntryUpload) -> Result<(), BackendError> {
+        let c = sys::CUDA_MEMCPY2D {
+            srcXInBytes: 0,
+            srcY: 0,
+            srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_UNIFIED,
+            srcHost: std::ptr::null(),
+            srcDevice: u.col0 + u.copy.src_offset,
+            srcArray: std::ptr::null_mut(),
+            srcPitch: u.copy.src_pitch,
+            dstXInBytes: 0,
+            dstY: 0,
+            dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_UNIFIED,
+            dstHost: std::ptr::null_mut(),
+            dstDevice: u.dev,
+            dstArray: std::ptr::null_mut(),
+            dstPitch: u.copy.width,
+            WidthInBytes: u.copy.width,
+            Height: 3,
+        };
+        // SAFETY: the three rows (entries `[first, first + n)` of each column) lie in the
+        // slab's pinned allocation, which outlives the copy (the lane's marker waits for the
+        // kernel stream); `u.dev` holds at least the three rows (`desc_buffer`), and the kernels
+        // of earlier transfers that read it come before this copy (the caller's promise, kept
+        // by both callers); the struct is read during the call only.
+        check("cuMemcpy2DAsync", unsafe {
+            sys::cuMemcpy2DAsync_v2(&raw const c, stream.raw())
+        })
     }
 
     /// Closes a staged transfer that began, whatever its steps did: its descriptor buffer may
