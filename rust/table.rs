@@ -35,7 +35,7 @@ pub use runs::{
 pub use staged::{
     expand_staged_into, finish_cells, stage_cell_group, staged_cell, staged_cells, staged_fit,
     staged_pages, staged_row, staged_steps, StagedCursor, StagedExpansion, StagedRequest,
-    StagedStep, STAGED_MIN_STEPS, STAGED_TABLE_EXTRA,
+    StagedStep, STAGED_MIN_STEPS, STAGED_RAMP, STAGED_TABLE_EXTRA,
 };
 use staged::{finish_staged, written_pages};
 

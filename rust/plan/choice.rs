@@ -32,7 +32,8 @@ pub const KERNEL_EVERY_PAGE: u64 = 1 << 62;
 
 /// CTAs of the staged plan's kernel, which moves pages between the staging ring and the GPU pages
 /// inside HBM: 32 reached 97-99 % of the link from 32 KiB pages where 132 gained nothing (H100,
-/// 2026-11-23, `benches/probe_staged.py`).
+/// 2026-11-23, `benches/probe_staged.py`). A transfer's kernel that overlaps no copy (CPU -> GPU
+/// its last, GPU -> CPU its first) runs on [`crate::table::STAGED_RAMP`] times as many.
 pub const STAGED_CTAS: u32 = 32;
 
 /// Bytes of a staging slot by default (two per direction, in device memory): 16 MiB steps reached

@@ -600,7 +600,9 @@ pub const STAGED_MIN_STEPS: usize = 4;
 /// The first and the last step take at most `1 / STAGED_RAMP` of a full step's rows: the first
 /// step's kernel (GPU -> CPU: it fills the slot before any row crosses) and the last one's (CPU
 /// -> GPU: it empties the slot after the last row) overlap no copy, and a quarter step's
-/// kernel is a quarter as long.
+/// kernel is a quarter as long. That kernel also runs on `STAGED_RAMP` times the kernel's CTAs
+/// (where a step is one large cell, the ramp cannot cut it: 4 blocks per chunk, 5 MiB cells, a
+/// 16 us kernel on 32 CTAs).
 pub const STAGED_RAMP: usize = 4;
 
 /// One step of a staged transfer: slab rows `rows`, block entries `blocks` (counted from the

@@ -15,17 +15,19 @@ use crate::backend::{take_injected, BackendError};
 use crate::direction::Direction;
 use crate::kernel::{kernel_split, KernelBatch, KernelKind, KernelParam};
 use crate::slab::SlabInner;
-use crate::table::StagedRequest;
+use crate::table::{StagedRequest, STAGED_RAMP};
 
 /// What a staged kernel's launch reads besides its block entries: the group's geometry at slab
 /// entry `table` (its header) with `segments` pages per block, the ring's offsets shifted by
-/// `ring_base`, the ring the pages' source (`ring_src`, CPU -> GPU) or destination.
+/// `ring_base`, the ring the pages' source (`ring_src`, CPU -> GPU) or destination; `wide`: on
+/// [`STAGED_RAMP`] times the kernel's CTAs (see [`Shared::step_kernel`]).
 #[derive(Clone, Copy, Debug)]
 struct StagedLaunch {
     table: usize,
     segments: u64,
     ring_base: u64,
     ring_src: bool,
+    wide: bool,
 }
 
 impl Shared {
@@ -250,6 +252,13 @@ impl Shared {
         } else {
             &st.free[slot]
         })?;
+        // The kernel no copy overlaps (CPU -> GPU the last, GPU -> CPU the first) runs wide: the
+        // transfer waits for all of it, and a ramp's step is as short on more CTAs.
+        let wide = if host_src {
+            k + 1 == run.steps.len()
+        } else {
+            k == 0
+        };
         let first = req.first_block;
         let blocks = (first + step.blocks.start)..(first + step.blocks.end);
         let mut b = blocks.start;
@@ -263,6 +272,7 @@ impl Shared {
                 segments: src[table as usize],
                 ring_base: shift,
                 ring_src: host_src,
+                wide,
             };
             Self::launch(
                 &run.kernel,
@@ -409,10 +419,13 @@ impl Shared {
         for (p, v) in ptrs.iter_mut().zip(vals.iter_mut()).take(k.total) {
             *p = std::ptr::from_mut::<u64>(v).cast();
         }
-        let grid = items
-            .div_ceil(u64::from(k.spec.rows))
-            .min(u64::from(k.spec.ctas))
-            .max(1) as u32;
+        let ctas = u64::from(k.spec.ctas)
+            * if staged.is_some_and(|g| g.wide) {
+                STAGED_RAMP as u64
+            } else {
+                1
+            };
+        let grid = items.div_ceil(u64::from(k.spec.rows)).min(ctas).max(1) as u32;
         // SAFETY: `function` was checked at load to take `total` 8-byte parameters, each read
         // from `vals` during the call; what the kernel reads and writes, the caller vouches for
         // (see above and the two callers: the staged plan's steps, `launch_pages`).
