@@ -7,7 +7,7 @@ mod route;
 
 use functions::{
     chunk_blocks, chunk_count, chunk_skip, cuda_device_pointer, cuda_memcpy, cuda_memory_kind,
-    cuda_pin, cuda_status, cuda_unpin, launch_plan, stage_slot,
+    cuda_pin, cuda_status, cuda_unpin, launch_plan, stage_slot, table_incompatibility,
 };
 use host_buffer::PyHostBuffer;
 use route::{launch_with, route_candidates, PyRoute};
@@ -785,6 +785,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(chunk_skip, m)?)?;
     m.add_function(wrap_pyfunction!(chunk_count, m)?)?;
     m.add_function(wrap_pyfunction!(launch_plan, m)?)?;
+    m.add_function(wrap_pyfunction!(table_incompatibility, m)?)?;
     m.add_function(wrap_pyfunction!(route_candidates, m)?)?;
     m.add("KERNEL_BELOW_H2D", choice::KERNEL_BELOW_H2D)?;
     m.add("KERNEL_BELOW_D2H", choice::KERNEL_BELOW_D2H)?;

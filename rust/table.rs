@@ -390,24 +390,29 @@ impl BlockTable {
     }
 
     fn compatible(&self, dst: &BlockTable) -> Result<(), TableError> {
-        if self.nbytes == dst.nbytes {
-            return Ok(());
-        }
-        let detail = match (0..self.segments().min(dst.segments()))
-            .find(|&s| self.nbytes[s] != dst.nbytes[s])
-        {
-            Some(s) => format!(
-                "; segment {s} has {} source bytes per page and {} destination bytes",
-                self.nbytes[s], dst.nbytes[s]
-            ),
-            None => String::new(),
-        };
-        Err(TableError::Incompatible {
-            src_segments: self.segments(),
-            dst_segments: dst.segments(),
-            detail,
-        })
+        compatibility(&self.nbytes, &dst.nbytes)
     }
+}
+
+/// Whether blocks of a table whose segments' pages are `src` bytes may be copied to one whose
+/// are `dst`: the same segment count and sizes, in order. The one rule, for a transfer's pair as
+/// for a CPU cache checked against its GPU cache (`_core.table_incompatibility`).
+pub fn compatibility(src: &[u64], dst: &[u64]) -> Result<(), TableError> {
+    if src == dst {
+        return Ok(());
+    }
+    let detail = match (0..src.len().min(dst.len())).find(|&s| src[s] != dst[s]) {
+        Some(s) => format!(
+            "; segment {s} has {} source bytes per page and {} destination bytes",
+            src[s], dst[s]
+        ),
+        None => String::new(),
+    };
+    Err(TableError::Incompatible {
+        src_segments: src.len(),
+        dst_segments: dst.len(),
+        detail,
+    })
 }
 
 /// The two sides of a block-id transfer: blocks `src_ids` of `src` to blocks `dst_ids` of `dst`.

@@ -58,6 +58,7 @@ __all__ = [
     "launch_plan",
     "route_candidates",
     "stage_slot",
+    "table_incompatibility",
 ]
 
 __version__: str
@@ -305,6 +306,9 @@ def chunk_skip(
     unit: int, blocks: int, block_index: int | None = None, store: bool = True
 ) -> int: ...
 def chunk_count(unit: int, blocks: int, skip: int) -> int: ...
+def table_incompatibility(
+    src_nbytes: npt.NDArray[np.int64], dst_nbytes: npt.NDArray[np.int64]
+) -> str | None: ...
 def stage_slot(row: int) -> int: ...
 def route_candidates(
     direction: str,

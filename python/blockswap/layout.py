@@ -47,7 +47,7 @@ except ModuleNotFoundError as e:
     _optional.missing(e, __name__)
 
 from ._checks import check_bool, check_int
-from ._core import InvalidTransferError, chunk_blocks, cuda_status
+from ._core import InvalidTransferError, chunk_blocks, cuda_status, table_incompatibility
 from .errors import ConfigError, ConfigTypeError, refuses_with_config_errors
 
 __all__ = [
@@ -356,19 +356,11 @@ class BlockTable:
         return self._key == other._key
 
     def check_compatible(self, other: BlockTable) -> None:
-        """Raise :class:`LayoutError` unless :meth:`is_compatible`."""
+        """Raise :class:`LayoutError` unless :meth:`is_compatible`, with the core's reason (this
+        table the source, ``other`` the destination)."""
         if self._key == other._key:
             return
-        if self.num_segments != other.num_segments:
-            raise LayoutError(
-                f"tables are incompatible: {self.num_segments} segments per block on one side, "
-                f"{other.num_segments} on the other"
-            )
-        bad = int(np.flatnonzero(self.nbytes != other.nbytes)[0])
-        raise LayoutError(
-            f"tables are incompatible: segment {bad} is {int(self.nbytes[bad])} B on one side "
-            f"and {int(other.nbytes[bad])} B on the other"
-        )
+        raise LayoutError(table_incompatibility(self.nbytes, other.nbytes))
 
 
 # --------------------------------------------------------------------------------------------

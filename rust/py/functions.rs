@@ -48,6 +48,20 @@ pub(super) fn chunk_count(unit: u64, blocks: u64, skip: u64) -> u64 {
     table::chunk_count(unit, blocks, skip)
 }
 
+/// Why blocks of a table whose segments' pages are `src_nbytes` bytes cannot be copied to one whose
+/// are `dst_nbytes` (`table::compatibility`), or `None` where they can.
+#[pyfunction]
+pub(super) fn table_incompatibility(
+    src_nbytes: PyReadonlyArray1<'_, i64>,
+    dst_nbytes: PyReadonlyArray1<'_, i64>,
+) -> PyResult<Option<String>> {
+    let src = copy_u64("src_nbytes", &src_nbytes)?;
+    let dst = copy_u64("dst_nbytes", &dst_nbytes)?;
+    Ok(table::compatibility(&src, &dst)
+        .err()
+        .map(|e| e.to_string()))
+}
+
 /// How one launch of the copy kernel covers `n` descriptors: `(grid, split, rows, row_bytes)`
 /// (see `kernel::launch_plan`), for the Python launcher as for the core's own launches.
 #[pyfunction]
