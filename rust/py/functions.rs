@@ -48,8 +48,8 @@ pub(super) fn chunk_count(unit: u64, blocks: u64, skip: u64) -> u64 {
     table::chunk_count(unit, blocks, skip)
 }
 
-/// Why blocks of a table whose segments' pages are `src_nbytes` bytes cannot be copied to one whose
-/// are `dst_nbytes` (`table::compatibility`), or `None` where they can.
+/// Why blocks of a table whose segments' pages are `src_nbytes` bytes cannot be copied to one
+/// whose are `dst_nbytes` (`table::compatibility`), or `None` where they can.
 #[pyfunction]
 pub(super) fn table_incompatibility(
     src_nbytes: PyReadonlyArray1<'_, i64>,

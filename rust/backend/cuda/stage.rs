@@ -35,7 +35,6 @@ pub(super) struct StagedRun {
     pub(super) upload: Option<EntryUpload>,
     /// CPU -> GPU: the slot of the step whose rows went in and whose kernel has not.
     pub(super) kernel_slot: Option<usize>,
-    pub(super) host_src: bool,
 }
 
 /// The ring slot the next step takes: the two in turn, across transfers.

@@ -9,8 +9,7 @@ use cudarc::driver::sys;
 use super::driver::{check, MAX_KERNEL_PARAMS};
 use super::resources::{order, Event, StreamHandle};
 use super::shared::Shared;
-use super::stage::take_slot;
-use super::stage::{EntryCopy, EntryUpload, LoadedKernel, Stage, StagedRun};
+use super::stage::{take_slot, EntryCopy, EntryUpload, LoadedKernel, Stage, StagedRun};
 use crate::backend::{take_injected, BackendError};
 use crate::direction::Direction;
 use crate::kernel::{kernel_split, KernelBatch, KernelKind, KernelParam};
@@ -98,7 +97,6 @@ impl Shared {
             desc: None,
             upload: None,
             kernel_slot: None,
-            host_src,
         };
         if let Some(ev) = dep.filter(|_| !host_src) {
             // The event holds the caller's stream (CPU -> GPU kernels follow the lane's stream,
@@ -151,6 +149,7 @@ impl Shared {
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         let st = stage.as_mut().expect("made by staged_begin");
         let host_src = lane == Direction::HostToDevice;
+        let lstream = l.stream.handle();
         let n = run.steps.len();
         let until = until.min(n + usize::from(host_src && n > 0));
         while run.next < until {
@@ -161,22 +160,21 @@ impl Shared {
                     let slot = take_slot(st);
                     self.step_rows(lane, st, slab, run, k, slot)?;
                     if let Some(upload) = run.upload.take() {
-                        let lstream = l.stream.handle();
                         lstream.wait(&st.desc_free[upload.b])?;
                         Self::upload_entries(lstream, upload)?;
                         run.desc = Some(upload.b);
                     }
                     // The kernel stream waits for this only when the step's kernel goes in.
-                    st.ready[slot].record(l.stream.handle())?;
+                    st.ready[slot].record(lstream)?;
                     if let Some(prev) = run.kernel_slot.replace(slot) {
-                        Self::step_kernel(st, slab, req, run, k - 1, prev)?;
+                        Self::step_kernel(lane, st, slab, req, run, k - 1, prev)?;
                     }
                 } else if let Some(prev) = run.kernel_slot.take() {
-                    Self::step_kernel(st, slab, req, run, k - 1, prev)?;
+                    Self::step_kernel(lane, st, slab, req, run, k - 1, prev)?;
                 }
             } else {
                 let slot = take_slot(st);
-                Self::step_kernel(st, slab, req, run, k, slot)?;
+                Self::step_kernel(lane, st, slab, req, run, k, slot)?;
                 self.step_rows(lane, st, slab, run, k, slot)?;
             }
         }
@@ -235,6 +233,7 @@ impl Shared {
     /// of the slab (not overwritten before the kernel ends: see `Stage::desc`); the ids were
     /// checked at submission, the slot is this lane's.
     fn step_kernel(
+        lane: Direction,
         st: &Stage,
         slab: &SlabInner,
         req: &StagedRequest,
@@ -242,7 +241,7 @@ impl Shared {
         k: usize,
         slot: usize,
     ) -> Result<(), BackendError> {
-        let host_src = run.host_src;
+        let host_src = lane == Direction::HostToDevice;
         let (src, size) = (slab.src(), slab.size());
         let step = &run.steps[k];
         let shift = st.shift(slot, step);
