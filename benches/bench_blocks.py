@@ -57,6 +57,7 @@ from blockswap_bench.kvblocks import (
     Copier,
     ceiling,
     cpu_block_ids,
+    link_header,
     parser,
     write_figures,
 )
@@ -173,9 +174,9 @@ def main() -> int:
     rng = np.random.default_rng(0)
     ceil = ceiling()
     rows = []
-    print(f"# {torch.cuda.get_device_name()}; ceiling h2d {ceil['h2d']:.1f} GB/s, "
-          f"d2h {ceil['d2h']:.1f} GB/s; {args.layers} layers x {args.blocks} random GPU blocks, "
-          f"{'/'.join(args.cpu_blocks)} CPU blocks; options {options}")  # fmt: skip
+    cpu = "/".join(args.cpu_blocks)
+    print(link_header(ceil, f"{args.layers} layers x {args.blocks} random GPU blocks, {cpu} CPU "
+                            f"blocks; options {options}"))  # fmt: skip
     print(f"{'page':>6} {'GPU layers':>10} {'CPU blks':>8} {'handler':>11} {'route':<34} "
           f"{'dir':>4} {'isol %':>7} {'8 q %':>6} {'1 copy':>6} {'rows':>6} {'host us':>8} "
           f"{'poll us':>8} {'busy us':>8} {'issue us':>8}")  # fmt: skip

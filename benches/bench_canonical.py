@@ -41,7 +41,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_dma import cuda_bindings_batch
 from blockswap_bench.cli import need_cuda, option, parser
-from blockswap_bench.kvblocks import ceiling, write_figures
+from blockswap_bench.kvblocks import ceiling, link_header, write_figures
 from blockswap_bench.models import MODELS, KVModel
 from blockswap_bench.plugin import time_calls, time_worker
 
@@ -211,9 +211,8 @@ def main() -> int:
     options = dict(args.option)
     rng = np.random.default_rng(0)
     ceil = ceiling()
-    print(f"# {torch.cuda.get_device_name()}; ceiling h2d {ceil['h2d']:.1f} GB/s, "
-          f"d2h {ceil['d2h']:.1f} GB/s; rank 0 of TP={args.tp}, {args.blocks} random blocks per "
-          "group; isolated/queued %, blockswap's wall clock isolated %")  # fmt: skip
+    print(link_header(ceil, f"rank 0 of TP={args.tp}, {args.blocks} random blocks per group; "
+                            "isolated/queued %, blockswap's wall clock isolated %"))  # fmt: skip
     print(f"{'model':<20} {'page':>7} {'frag':>6} {'dir':>4} {'blockswap':>13} {'wall':>6} "
           f"{'vllm dma':>13}  route")  # fmt: skip
     rows = []

@@ -45,7 +45,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_dma import cuda_bindings_batch
 from blockswap_bench.cli import need_cuda, parser
-from blockswap_bench.kvblocks import ceiling, write_figures
+from blockswap_bench.kvblocks import ceiling, link_header, write_figures
 from blockswap_bench.models import MODELS, KVModel
 from blockswap_bench.plugin import time_calls, time_worker
 
@@ -214,9 +214,9 @@ def main() -> int:
         return 1
     rng = np.random.default_rng(0)
     ceil = ceiling()
-    print(f"# {torch.cuda.get_device_name()}; ceiling h2d {ceil['h2d']:.1f} GB/s, "
-          f"d2h {ceil['d2h']:.1f} GB/s; {args.blocks} random blocks per group; blockswap's "
-          f"cache: {args.cache}; isolated/queued %, blockswap's wall clock isolated %")  # fmt: skip
+    print(link_header(ceil, f"{args.blocks} random blocks per group; blockswap's cache: "
+                            f"{args.cache}; isolated/queued %, blockswap's wall clock "
+                            "isolated %"))  # fmt: skip
     print(f"{'model':<20} {'tensors':<11} {'bpc':>3} {'page':>8} {'dir':>4} "
           f"{'blockswap':>13} {'wall':>6} {'host us':>7} {'vllm dma':>13} {'vllm triton':>13}  "
           "route")  # fmt: skip

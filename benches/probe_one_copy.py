@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_vllm import Case, make_worker
 from blockswap_bench.cli import need_cuda, parser
 from blockswap_bench.common import cuda_time_on
-from blockswap_bench.kvblocks import ceiling
+from blockswap_bench.kvblocks import ceiling, link_header
 from blockswap_bench.models import MODELS
 from blockswap_bench.plugin import time_worker
 
@@ -40,8 +40,7 @@ def main() -> int:
         return 1
     rng = np.random.default_rng(0)
     ceil = ceiling()
-    print(f"# {torch.cuda.get_device_name()}; ceiling h2d {ceil['h2d']:.1f} GB/s, "
-          f"d2h {ceil['d2h']:.1f} GB/s")  # fmt: skip
+    print(link_header(ceil))
     wanted = set(args.models.split(","))
     stream = torch.cuda.Stream()
     for m in (m for m in MODELS if m.key in wanted):

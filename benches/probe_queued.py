@@ -27,7 +27,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_vllm import Case, make_worker
 from blockswap_bench.cli import need_cuda, parser
-from blockswap_bench.kvblocks import ceiling
+from blockswap_bench.kvblocks import ceiling, link_header
 from blockswap_bench.models import MODELS
 from blockswap_bench.plugin import CPUSpec
 
@@ -41,8 +41,7 @@ def main() -> int:
         return 1
     rng = np.random.default_rng(0)
     ceil = ceiling()
-    print(f"# {torch.cuda.get_device_name()}; ceiling h2d {ceil['h2d']:.1f} GB/s, "
-          f"d2h {ceil['d2h']:.1f} GB/s")  # fmt: skip
+    print(link_header(ceil))
     wanted = set(args.models.split(","))
     for m in (m for m in MODELS if m.key in wanted):
         one_model(m, args.blocks, args.reps, ceil, rng)

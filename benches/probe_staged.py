@@ -41,7 +41,7 @@ import triton.language as tl
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from blockswap_bench.cli import need_cuda, parser
 from blockswap_bench.common import gated_gpu_seconds
-from blockswap_bench.kvblocks import ceiling, write_figures
+from blockswap_bench.kvblocks import ceiling, link_header, write_figures
 
 KiB = 1024
 CTAS = 32  # programs of the scatter / gather kernel (--ctas)
@@ -348,9 +348,8 @@ def main() -> int:
 
     rng = np.random.default_rng(0)
     ceil = ceiling()
-    print(f"# {torch.cuda.get_device_name()}; ceiling h2d {ceil['h2d']:.1f} GB/s, d2h "
-          f"{ceil['d2h']:.1f} GB/s; {args.layers} separate layer tensors x {args.blocks} "
-          f"random blocks, steps of {args.step_mib} MiB")  # fmt: skip
+    print(link_header(ceil, f"{args.layers} separate layer tensors x {args.blocks} random "
+                            f"blocks, steps of {args.step_mib} MiB"))  # fmt: skip
     rows: list[dict[str, Any]] = []
     a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
     b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")

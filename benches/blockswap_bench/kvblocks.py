@@ -151,6 +151,18 @@ def ceiling(
     }
 
 
+def link_header(ceil: dict[str, float], detail: str = "") -> str:
+    """The first line a script prints: the GPU and the link's ceiling each way (as
+    :func:`ceiling` gave it), then ``detail`` where given."""
+    import torch
+
+    line = (
+        f"# {torch.cuda.get_device_name()}; ceiling h2d {ceil['h2d']:.1f} GB/s, "
+        f"d2h {ceil['d2h']:.1f} GB/s"
+    )
+    return f"{line}; {detail}" if detail else line
+
+
 def bidir_ceiling(nbytes: int = LINK_BYTES, reps: int = 5) -> float:
     """The link's ceiling both ways at once, GB/s in all: one ``nbytes`` pinned copy each way,
     on two streams (the host backend: one after the other), wall clock from a synchronised
