@@ -229,6 +229,17 @@ impl Engine {
         Ok(())
     }
 
+    /// Announces a transfer about to be submitted on `direction`: the backend may wake the
+    /// thread that will issue it now, so that its wake-up overlaps the caller's preparing the
+    /// transfer ([`Backend::wake`]). Every submission announces itself; a caller with work of its
+    /// own before the submission (building block ids, say) calls this first. Never blocks on
+    /// copies; nothing happens on an engine that is shut down or inherited across `fork`.
+    pub fn wake(&self, direction: Direction) {
+        if self.check_usable().is_ok() {
+            self.backend.wake(direction);
+        }
+    }
+
     /// Validates, coalesces and issues one transfer under `job_id`; returns once the copies are
     /// enqueued. Its result comes from [`Engine::get_finished`].
     ///
@@ -293,6 +304,7 @@ impl Engine {
         let _timed = AddElapsed::start(&self.submit_ns);
         let mut timing = self.latency.submission(direction);
         self.check_usable()?;
+        self.backend.wake(direction);
         if let Some(e) = self.failed_lanes[direction.lane()].get() {
             return Err(e.clone().into());
         }

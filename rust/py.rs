@@ -216,9 +216,9 @@ impl PyEngine {
         max_descriptors = None, coalesce = true, shutdown_timeout = 60.0, copy_path = "auto",
         max_batch = None, timing = false, completion = "auto", h2d_order = "any",
         d2h_order = "stream", h2d_stream = None, d2h_stream = None,
-        stage_bytes = 16777216, idle_issue = false))]
-    // The Python signature's keyword arguments, one parameter each.
-    #[allow(clippy::too_many_arguments)]
+        stage_bytes = 16777216, idle_issue = false, early_wake = true))]
+    // The Python signature's keyword arguments, one parameter each (its flags among them).
+    #[allow(clippy::too_many_arguments, clippy::fn_params_excessive_bools)]
     fn new(
         py: Python<'_>,
         backend: &str,
@@ -238,6 +238,7 @@ impl PyEngine {
         d2h_stream: Option<u64>,
         stage_bytes: i128,
         idle_issue: bool,
+        early_wake: bool,
     ) -> PyResult<Self> {
         let config = EngineConfig::from_settings(
             max_in_flight,
@@ -275,6 +276,7 @@ impl PyEngine {
         opts.streams[Direction::DeviceToHost.lane()] = d2h_stream;
         opts.max_in_flight = config.max_in_flight;
         opts.idle_issue = idle_issue;
+        opts.early_wake = early_wake;
         let backend: Arc<dyn Backend> = if want_cuda {
             let b = py
                 .detach(|| CudaBackend::new(opts))
@@ -455,6 +457,14 @@ impl PyEngine {
             )
         })
         .map_err(Into::into)
+    }
+
+    /// Announces a transfer about to be submitted on `direction` (see `Engine::wake`).
+    fn wake(&self, py: Python<'_>, direction: &str) -> PyResult<()> {
+        let dir = self::direction(direction)?;
+        // Detached: the wake takes the lane's queue lock, which the lane's thread holds briefly.
+        py.detach(|| self.engine.wake(dir));
+        Ok(())
     }
 
     /// Issues one transfer of several KV-cache groups as one batch: `groups` holds one

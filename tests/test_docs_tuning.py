@@ -18,6 +18,7 @@ KNOBS = [
     "cpu_layout",
     "stage_bytes",
     "max_in_flight",
+    "early_wake",
     "idle_issue",
     "max_batch",
     "kernel_launch_bytes",

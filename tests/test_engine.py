@@ -164,6 +164,26 @@ def test_use_after_shutdown(rng):
         engine.register(np.zeros(8, dtype=np.uint8))
 
 
+def test_wake_is_a_hint_that_changes_no_transfer(rng):
+    """``Engine.wake`` announces a transfer: checked like a submission's direction, a no-op
+    after shutdown, and a transfer after any number of announcements (or none) is exact."""
+    engine = blockswap.Engine("host")
+    src, dst = registered_pair(engine, 1 * MiB, rng)
+    for _ in range(3):
+        engine.wake("h2d")
+    engine.wake("d2h")  # announced, never submitted
+    engine.submit(1, [src.ctypes.data], [dst.ctypes.data], [1 * MiB])
+    engine.wait([1])
+    assert [(r.job_id, r.success) for r in engine.get_finished()] == [(1, True)]
+    assert np.array_equal(dst, src)
+    with pytest.raises(InvalidTransferError, match="direction must be"):
+        engine.wake("up")
+    with pytest.raises(blockswap.ArgumentTypeError, match="direction must be"):
+        engine.wake(1)  # type: ignore[arg-type]
+    engine.shutdown()
+    engine.wake("h2d")  # nothing to wake: no error
+
+
 def test_injected_failure_is_reported_failed_and_later_jobs_unaffected(engine, rng):
     src, dst = registered_pair(engine, 1 * MiB, rng)
     s, d = src.ctypes.data, dst.ctypes.data

@@ -5,6 +5,7 @@ where there is no GPU."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from blockswap import ShutdownError
+from blockswap import InvalidTransferError, ShutdownError
 from blockswap.handler import CpuGpuHandlers
 from kv_helpers import F8, FACTORS, all_tensors, ref_store_subs
 
@@ -119,7 +120,7 @@ def test_cuda_model_roundtrip(model: Model, factor: int) -> None:
         h.shutdown()
 
 
-ISSUE_OPTIONS = [{"idle_issue": True}, {"idle_issue": False}]
+ISSUE_OPTIONS = [{"idle_issue": True}, {"idle_issue": False}, {"early_wake": False}]
 
 
 @pytest.mark.cuda
@@ -178,6 +179,40 @@ def test_cuda_transfers_issued_by_the_caller_or_the_lanes_thread(
             for k in range(burst):
                 for i, b in zip(layers, before[k]):
                     assert torch.equal(sel(gpu[i], "kv_split", dst[k].tolist()), b)
+    finally:
+        h.shutdown()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("early_wake", [True, False])
+def test_cuda_a_woken_thread_whose_transfer_is_refused_sleeps_and_takes_the_next(
+    early_wake: bool,
+) -> None:
+    """``transfer_async`` wakes its direction's thread before it builds the tables
+    (``early_wake``): where the transfer is then refused, the thread polls for a job that never
+    comes and sleeps again; transfers after a gap longer than that poll, and one right after a
+    refusal, run byte-exact."""
+    m = Model("llama-3.1-8b", 4, 8, 128)
+    (gpu,) = cuda_cache(m)
+    h = CpuGpuHandlers(gpu, CPU_BLOCKS, layout="kv_split", early_wake=early_wake)
+    try:
+        job = 0
+        for gap in (0.0, 0.005, 0.0):
+            for handler in (h.d2h, h.h2d):
+                with pytest.raises(InvalidTransferError):
+                    handler.transfer_async(1000 + job, ([GPU_BLOCKS + 5], [0]))
+            time.sleep(gap)
+            src, cpu, dst = [2 * job + 1, 2 * job], [job, job + 9], [40 + job, 50 + job]
+            job += 1
+            h.d2h.transfer_async(job, (src, cpu))
+            h.wait([job])
+            time.sleep(gap)
+            job += 1
+            h.h2d.transfer_async(job, (cpu, dst))
+            h.wait([job])
+            assert [r.success for r in h.get_finished()] == [True, True]
+            for t in gpu:
+                assert torch.equal(sel(t, "kv_split", dst), sel(t, "kv_split", src))
     finally:
         h.shutdown()
 

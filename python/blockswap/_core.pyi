@@ -150,6 +150,7 @@ class Engine:
         d2h_stream: int | None = None,
         stage_bytes: int = 16777216,
         idle_issue: bool = False,
+        early_wake: bool = True,
     ) -> Engine: ...
     def submit(
         self,
@@ -185,6 +186,7 @@ class Engine:
         kernel_below: int = 0,
         launcher: Callable[[int, int, int, int, int, int, int], object] | None = None,
     ) -> None: ...
+    def wake(self, direction: Direction) -> None: ...
     def submit_groups(
         self,
         job_id: int,

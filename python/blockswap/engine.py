@@ -220,7 +220,9 @@ class Engine:
     holds no transfer, :meth:`submit` issues a staged transfer's first step on the caller's
     thread and wakes that thread for the rest, and, where every earlier transfer of the direction
     is complete, any other transfer whole: an isolated transfer starts sooner, and the caller
-    pays those driver calls; see docs/tuning.md).
+    pays those driver calls; see docs/tuning.md); ``early_wake`` (on by default: a direction's
+    sleeping thread is woken when a handler starts building a transfer, not when the transfer is
+    queued, and polls for it a while; see docs/tuning.md).
 
     Every address a transfer names must lie in memory registered with :meth:`register`,
     :meth:`pin` or :meth:`alloc_host`; anything else is refused before a copy is issued.
@@ -251,6 +253,7 @@ class Engine:
         d2h_stream: int | None = None,
         stage_bytes: int = 16 << 20,
         idle_issue: bool = False,
+        early_wake: bool = True,
     ) -> None:
         self._core = _core.Engine(
             check_arg("backend", backend, _one_of(BackendName), _is_str),
@@ -276,6 +279,7 @@ class Engine:
             ),
             stage_bytes=check_int("stage_bytes", stage_bytes, *_I128, errors=_ERRORS),
             idle_issue=check_arg("idle_issue", idle_issue, "a bool", _is_bool),
+            early_wake=check_arg("early_wake", early_wake, "a bool", _is_bool),
         )
         self._kept: dict[int, Any] = {}
         # The hot paths bound straight to the core (no Python frame in between), shadowing the
@@ -352,6 +356,14 @@ class Engine:
             self._core.submit(job_id, *args, direction, wait_stream, kernel_below, launcher)
         except (OverflowError, TypeError) as e:
             raise _submit_argument_error(e, direction, wait_stream, kernel_below) from None
+
+    def wake(self, direction: Direction) -> None:
+        """Announces a transfer about to be submitted on ``direction``: with ``early_wake`` (the
+        default) the engine's sleeping thread for that direction wakes now, while the caller
+        builds the transfer, rather than when it is queued. Every submission announces itself;
+        call this first where building the descriptors takes a while. Does nothing on the host
+        backend or after :meth:`shutdown`; never waits for copies."""
+        self._core.wake(check_arg("direction", direction, _one_of(Direction), _is_str))
 
     def register_table(
         self,
@@ -692,6 +704,7 @@ _CUDA_ONLY = (
     "h2d_stream",
     "d2h_stream",
     "idle_issue",
+    "early_wake",
 )
 
 

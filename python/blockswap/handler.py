@@ -319,6 +319,7 @@ class SingleDirectionHandler:
         core = owner.engine._core
         # Hot paths bound straight to the core.
         self._submit_groups = core.submit_groups
+        self._wake = core.wake
         self.get_finished = _logging_poll(core.get_finished)
         self._core_wait = core.wait
         self._core_stats = core.stats
@@ -341,6 +342,14 @@ class SingleDirectionHandler:
         return self._d2h
 
     # ---- the hot path ----------------------------------------------------------------------
+
+    def wake(self) -> None:
+        """Announces a transfer about to be issued: the engine's thread for this direction, if
+        asleep, wakes now rather than when :meth:`transfer_async` queues the transfer
+        (``early_wake``, on by default; see :meth:`blockswap.Engine.wake`). ``transfer_async``
+        announces itself; a caller with work of its own before it (reading a scheduler's specs,
+        say) calls this first."""
+        self._wake(self.direction)
 
     def transfer_async(
         self,
@@ -378,6 +387,8 @@ class SingleDirectionHandler:
             raise ShutdownError("the offloading handlers are shut down")
         if type(job_id) is not int or not 0 <= job_id < _JOB_END:
             job_id = check_job_id(job_id)
+        # The engine's thread for this direction wakes while the tables below are built.
+        self._wake(self.direction)
         try:
             src, dst = _pair(spec, self.direction)
             groups = self._groups(src, dst, block_indices)

@@ -635,6 +635,7 @@ class BlockswapOffloadingWorker(OffloadingWorker):
         gpu_spec: GPULoadStoreSpec,
     ) -> bool:
         try:
+            handler.wake()  # the engine's thread wakes while the specs are read
             cpu_spec = dst if gpu_spec is src else src
             gpu_ids, cpu_ids, starts, size = self._split(gpu_spec, cpu_spec, lane == "store")
             jobs = self._lanes[lane]

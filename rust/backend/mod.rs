@@ -225,6 +225,11 @@ pub trait Backend: Send + Sync + fmt::Debug {
         request: SubmitRequest<'_>,
     ) -> Result<Submitted, BackendError>;
 
+    /// A hint that a transfer on `lane` is about to be submitted: a backend whose issuing thread
+    /// sleeps may wake it now, so that its wake-up overlaps the caller's preparing the transfer.
+    /// Never blocks on copies and never fails.
+    fn wake(&self, _lane: Direction) {}
+
     /// The highest sequence number of `lane` whose copies are done. Lock-free and never blocking:
     /// this is read by every poll.
     fn completed(&self, lane: Direction) -> u64;

@@ -420,6 +420,12 @@ impl Backend for CudaBackend {
         Ok(Submitted::Ok)
     }
 
+    fn wake(&self, lane: Direction) {
+        if self.opts.early_wake {
+            self.wake_ahead(lane);
+        }
+    }
+
     fn completed(&self, lane: Direction) -> u64 {
         self.completed_seq(lane)
     }

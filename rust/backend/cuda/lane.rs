@@ -29,6 +29,8 @@ pub(super) struct CudaLane {
     /// Set (under the queue's lock) where `submit` wakes the thread before the job it is
     /// issuing the start of is queued: the thread then polls for it a while before it sleeps.
     pub(super) nudged: AtomicBool,
+    /// Set (under the queue's lock) while the issuing thread sleeps on `work`.
+    pub(super) asleep: AtomicBool,
     /// Signalled when the issuing thread has nothing left (`pending` is 0).
     pub(super) drained: Condvar,
     /// Transfers accepted and not yet issued (or dropped, on a failed lane) by the issuing
@@ -79,6 +81,7 @@ impl CudaLane {
             queue: Mutex::new(VecDeque::new()),
             work: Condvar::new(),
             nudged: AtomicBool::new(false),
+            asleep: AtomicBool::new(false),
             drained: Condvar::new(),
             pending: AtomicU64::new(0),
             accepted: AtomicU64::new(0),

@@ -110,6 +110,13 @@ pub struct CudaOptions {
     /// driver calls, and the copies start without a thread's wake-up in the way. A transfer that
     /// follows a busy one still goes to the lane's thread.
     pub idle_issue: bool,
+    /// A lane's sleeping thread is woken when a transfer is announced ([`Backend::wake`]: the
+    /// handlers announce one before they build its tables) instead of when it is queued: the
+    /// thread's wake-up overlaps the caller's work, and the thread polls for the transfer (up
+    /// to a millisecond, yielding its core) rather than sleeping.
+    ///
+    /// [`Backend::wake`]: crate::backend::Backend::wake
+    pub early_wake: bool,
 }
 
 impl CudaOptions {
@@ -128,6 +135,7 @@ impl CudaOptions {
             streams: [None; 4],
             max_in_flight: 1024,
             idle_issue: false,
+            early_wake: true,
         }
     }
 }

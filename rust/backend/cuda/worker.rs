@@ -34,6 +34,18 @@ impl Shared {
         l.work.notify_one();
     }
 
+    /// Wakes the lane's thread where it sleeps with nothing to issue, ahead of a transfer the
+    /// caller is about to submit: the thread's wake-up (tens of µs after an idle gap) overlaps
+    /// the caller's preparing the transfer instead of following it. Woken, the thread polls
+    /// for the job (`NUDGE_POLL`) before it sleeps again.
+    pub(super) fn wake_ahead(&self, lane: Direction) {
+        let l = self.lane(lane);
+        // Relaxed: hints, read without the lock; a stale one costs one wake-up or misses one.
+        if l.asleep.load(Ordering::Relaxed) && !l.nudged.load(Ordering::Relaxed) {
+            self.nudge(lane);
+        }
+    }
+
     pub(super) fn lane(&self, d: Direction) -> &CudaLane {
         &self.lanes[d.lane()]
     }
@@ -203,10 +215,14 @@ impl Shared {
                             .unwrap_or_else(std::sync::PoisonError::into_inner);
                         continue;
                     }
+                    // Relaxed: read and written under the queue's lock (`wake_ahead` reads it
+                    // first without, as a hint).
+                    l.asleep.store(true, Ordering::Relaxed);
                     q = l
                         .work
                         .wait(q)
                         .unwrap_or_else(std::sync::PoisonError::into_inner);
+                    l.asleep.store(false, Ordering::Relaxed);
                 }
             };
             if l.error.get().is_none() {
