@@ -80,6 +80,46 @@ def test_handler_bad_spec_is_typed_and_transfers_around_it_are_unaffected(
         h.shutdown()
 
 
+# (id, block_indices for `ng` groups, message excerpt): Python lists take a fast path, anything
+# else numpy's; both give the same refusals.
+BLOCK_INDEX_CASES: list[tuple[str, Callable[[int], Any], str]] = [
+    ("negative", lambda ng: [-1] * ng, "block_indices must be >= 0, got -1"),
+    ("negative-array", lambda ng: np.full(ng, -3), "block_indices must be >= 0, got -3"),
+    ("float", lambda ng: [1.5] * ng, "block_indices must hold integers, got dtype float64"),
+    ("bool", lambda ng: [True] * ng, "block_indices must hold integers, got dtype bool"),
+    ("past-int64", lambda ng: [2**70] * ng, "block_indices must hold integers, got dtype object"),
+    ("uint64", lambda ng: [2**63] * ng, "block_indices hold block id 9223372036854775808"),
+    ("one-too-many", lambda ng: [0] * (ng + 1), "block_indices holds .* entries for"),
+    ("none-entry", lambda ng: [None] * ng, "block_indices must hold integers, got dtype object"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["tables", "two-groups"])
+@pytest.mark.parametrize(
+    ("starts", "match"), [c[1:] for c in BLOCK_INDEX_CASES], ids=[c[0] for c in BLOCK_INDEX_CASES]
+)
+def test_handler_bad_block_indices_are_typed_and_issue_nothing(
+    starts: Callable[[int], Any], match: str, grouped: bool
+) -> None:
+    sc = HandlerScene.make(1, grouped)
+    h = sc.h
+    ng = 2 if grouped else 1
+    try:
+        want = snapshot(sc.all_tensors())
+        with pytest.raises(InvalidTransferError, match=match):
+            h.d2h.transfer_async(BAD, sc.spec([0, 1], [0, 1]), block_indices=starts(ng))
+        # The same transfer with good indices (a list and a tuple) goes through.
+        h.d2h.transfer_async(BAD, sc.spec([0, 1], [0, 1]), block_indices=[0] * ng)
+        h.d2h.transfer_async(BEFORE, sc.spec([6], [6]), block_indices=tuple([0] * ng))
+        h.wait([BEFORE, BAD])
+        results = drain(h.get_finished, 2)
+        assert sorted((r.job_id, r.success) for r in results) == [(BEFORE, True), (BAD, True)]
+        sc.expect_stored(want, -1, ((0, 0), (1, 1), (6, 6)))
+        assert_storage(sc.all_tensors(), want)
+    finally:
+        h.shutdown()
+
+
 @pytest.mark.parametrize("grouped", [False, True], ids=["tables", "two-groups"])
 def test_handler_strided_block_ids_round_trip(grouped: bool) -> None:
     """Block ids given as strided views (``ids[::2]``, a stepped tensor) are valid input (they

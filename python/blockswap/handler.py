@@ -232,6 +232,10 @@ _I64_MAX = int(np.iinfo(np.int64).max)
 _JOB_END = 1 << 64
 
 
+#: Block ids and indices are int64 in the core; a Python int outside takes the checked path.
+_I64_LIMIT = 1 << 63
+
+
 def _pair(spec: Any, direction: str) -> tuple[Any, Any]:
     """``spec``'s two sides, or a ValueError naming the argument and the shape it must have."""
     sides = (
@@ -430,13 +434,19 @@ class SingleDirectionHandler:
                     f"block-id array per group, got {len(srcs)} and {len(dsts)}"
                 )
         if block_indices is not None:
-            starts = as_block_ids(block_indices, "block_indices")
-            if starts.shape[0] != ng:
+            # Python ints: vLLM passes a list, and numpy's reductions on a few entries cost more
+            # than the rest of the transfer's checks.
+            starts = block_indices
+            if type(starts) is not list or any(
+                type(v) is not int or not -_I64_LIMIT <= v < _I64_LIMIT for v in starts
+            ):
+                starts = as_block_ids(block_indices, "block_indices").tolist()
+            if len(starts) != ng:
                 raise ValueError(
-                    f"block_indices holds {starts.shape[0]} entries for {ng} KV-cache group(s)"
+                    f"block_indices holds {len(starts)} entries for {ng} KV-cache group(s)"
                 )
-            if ng and int(starts.min()) < 0:
-                raise ValueError(f"block_indices must be >= 0, got {int(starts.min())}")
+            if ng and min(starts) < 0:
+                raise ValueError(f"block_indices must be >= 0, got {min(starts)}")
         f = self._factor
         d2h = self._d2h
         out = []
@@ -444,7 +454,7 @@ class SingleDirectionHandler:
             where = f"group {g}: " if ng > 1 else ""
             s = as_block_ids(srcs[g], f"{where}{'GPU' if d2h else 'CPU'} block ids")
             d = as_block_ids(dsts[g], f"{where}{'CPU' if d2h else 'GPU'} block ids")
-            first = None if block_indices is None else int(starts[g])
+            first = None if block_indices is None else starts[g]
             skip = chunk_skip(f, (s if d2h else d).shape[0], first, d2h)
             gpu_table, cpu_table = self._tables[g]
             if d2h:
