@@ -1,0 +1,154 @@
+"""Where a submission's host time goes: ``transfer_async`` through the handler and the vLLM
+plug-in's ``submit_store`` / ``submit_load``, cut into the pieces each calls (the plug-in's
+``_split`` of vLLM's specs, the handler's ``_groups``, the caller's stream, the core's
+``submit_groups``), each timed by a wrapper around it. 80 layers x 32 random blocks per transfer,
+per-layer tensors (``bench_wall.py``'s ``separate`` and ``plugin`` layouts).
+
+    python benches/probe_submit.py [--pages 4,16] [--reps 25] [--sleep-ms 20] [--backend auto]
+
+Two ways of calling, as ``bench_wall.py`` times them: ``b2b``, 8 transfers submitted back to back
+(the later 7 of each round kept: the engine's thread is busy issuing the earlier ones) and
+``slept``, one transfer after the caller slept ``--sleep-ms`` (its caches and core gone cold).
+Printed, not saved: the median µs of each piece and of the whole call, per page size, layout,
+direction and way.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from blockswap_bench.cli import kib_list, parser
+
+QUEUED = 8
+
+
+class Pieces:
+    """Wrappers that time named methods of objects, undone by :meth:`undo`."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, list[int]] = {}
+        self._undo: list[tuple[Any, str, Any]] = []
+
+    def wrap(self, obj: Any, name: str, key: str) -> None:
+        f = getattr(obj, name)
+        self._undo.append((obj, name, obj.__dict__.get(name)))
+        times = self.times.setdefault(key, [])
+
+        def timed(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter_ns()
+            try:
+                return f(*a, **k)
+            finally:
+                times.append(time.perf_counter_ns() - t0)
+
+        setattr(obj, name, timed)
+
+    def mark(self) -> dict[str, int]:
+        return {k: len(v) for k, v in self.times.items()}
+
+    def drop_since(self, mark: dict[str, int]) -> None:
+        for k, v in self.times.items():
+            del v[mark.get(k, 0) :]
+
+    def undo(self) -> None:
+        for obj, name, orig in reversed(self._undo):
+            if orig is None:
+                del obj.__dict__[name]
+            else:
+                setattr(obj, name, orig)
+        self._undo.clear()
+
+
+def main() -> int:
+    ap = parser(__doc__, json=False, reps=25, reps_help="rounds per case", backend=True)
+    ap.add_argument("--pages", type=kib_list, default=[4, 16], help="page sizes in KiB")
+    ap.add_argument("--layers", type=int, default=80)
+    ap.add_argument("--blocks", type=int, default=32)
+    ap.add_argument("--sleep-ms", type=float, default=20.0)
+    args = ap.parse_args()
+
+    import numpy as np
+    import torch
+
+    from bench_wall import HandlerTarget, PluginTarget, layer_tensors, vllm_missing
+
+    cuda = args.backend == "cuda" or (args.backend == "auto" and torch.cuda.is_available())
+    backend = "cuda" if cuda else "host"
+    device = "cuda" if cuda else "cpu"
+    layouts = ["separate"] + (["plugin"] if vllm_missing() is None else [])
+    name = torch.cuda.get_device_name() if cuda else "host backend"
+    print(f"# {name}; {args.layers} layers x {args.blocks} random blocks; µs, median")
+    rng = np.random.default_rng(0)
+    n_gpu, n_cpu = 2 * args.blocks, args.blocks + 4
+    for kib in args.pages:
+        for layout in layouts:
+            kv = layer_tensors(layout, args.layers, n_gpu, kib * 1024, device)
+            opts: dict[str, Any] = {} if cuda else {"backend": "host"}
+            t: Any = (
+                PluginTarget("plugin", kv, n_cpu, backend, {})
+                if layout == "plugin"
+                else HandlerTarget("handler", kv, n_cpu, opts)
+            )
+            hs = t.w.handlers[0] if layout == "plugin" else t.h
+            try:
+                for d in ("d2h", "h2d"):
+                    for way in ("b2b", "slept"):
+                        line = measure(t, hs, d, way, args, rng, n_gpu, n_cpu, layout)
+                        print(f"{kib:5d} KiB  {layout:8s}  {d}  {way:5s}  {line}", flush=True)
+            finally:
+                t.shutdown()
+    return 0
+
+
+def measure(
+    t: Any, hs: Any, d: str, way: str, args: Any, rng: Any, n_gpu: int, n_cpu: int, layout: str
+) -> str:
+    """One case's pieces, timed over ``args.reps`` rounds after two discarded."""
+    p = Pieces()
+    hd = hs.d2h if d == "d2h" else hs.h2d
+    if layout == "plugin":
+        p.wrap(t.w, "_split", "split")
+        p.wrap(hd, "transfer_async", "handler")
+    p.wrap(hd, "_groups", "groups")
+    if hd._wait_stream is not None:
+        p.wrap(hd, "_wait_stream", "stream")
+    p.wrap(hd, "_submit_groups", "core")
+    total: list[int] = []
+    job = iter(range(1, 1 << 30))
+    try:
+        for rnd in range(args.reps + 2):
+            n = QUEUED if way == "b2b" else 1
+            calls: list[tuple[Callable[..., Any], tuple[Any, ...]]] = []
+            for _ in range(n):
+                g = rng.permutation(n_gpu)[: args.blocks]
+                c = rng.permutation(n_cpu)[: args.blocks]
+                calls.append(t.call(next(job), d, g, c))
+            if way == "slept":
+                time.sleep(args.sleep_ms / 1e3)
+            for k, (f, a) in enumerate(calls):
+                mark = p.mark()
+                t0 = time.perf_counter_ns()
+                f(*a)
+                took = time.perf_counter_ns() - t0
+                if rnd < 2 or (way == "b2b" and k == 0):
+                    p.drop_since(mark)  # warm-up rounds; a batch's first call finds the lane idle
+                else:
+                    total.append(took)
+            want = {a[0] for _, a in calls}
+            while want:
+                for r in t.poll():
+                    want.discard(t.result(r)[0])
+    finally:
+        p.undo()
+    parts = {**p.times, "total": total}
+    return "  ".join(f"{k} {statistics.median(v) / 1e3:6.1f}" for k, v in parts.items() if v)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
