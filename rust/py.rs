@@ -14,7 +14,7 @@ use route::{launch_with, route_candidates, PyRoute};
 
 use std::sync::Arc;
 
-use numpy::PyReadonlyArray1;
+use numpy::{PyArrayDescrMethods, PyReadonlyArray1, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::create_exception;
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
@@ -169,6 +169,43 @@ fn copy_u64(name: &str, a: &PyReadonlyArray1<'_, i64>) -> PyResult<Vec<u64>> {
         .map_err(|_| invalid(format!("{name} must be a contiguous array")))?;
     // Negative values become huge ones, which validation refuses by name.
     Ok(s.iter().map(|&v| v as u64).collect())
+}
+
+/// Block ids as a transfer names them: int64, or int32 as vLLM's specs hold them (taken as they
+/// are, with no conversion on the caller's thread).
+enum BlockIds<'py> {
+    I64(PyReadonlyArray1<'py, i64>),
+    I32(PyReadonlyArray1<'py, i32>),
+}
+
+impl<'a, 'py> FromPyObject<'a, 'py> for BlockIds<'py> {
+    type Error = PyErr;
+
+    /// The dtype is looked at first: a failed extraction builds (and a derived enum formats) an
+    /// error, which cost 19 µs a transfer where it was tried first on int32 ids.
+    fn extract(ob: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        if let Ok(a) = ob.cast::<PyUntypedArray>() {
+            if a.dtype().is_equiv_to(&numpy::dtype::<i32>(ob.py())) {
+                return Ok(BlockIds::I32(ob.extract()?));
+            }
+        }
+        Ok(BlockIds::I64(ob.extract()?))
+    }
+}
+
+impl BlockIds<'_> {
+    /// A copy, as [`copy_u64`]'s; a negative int32 id becomes a huge one, refused by name.
+    fn copy(&self, name: &str) -> PyResult<Vec<u64>> {
+        match self {
+            BlockIds::I64(a) => copy_u64(name, a),
+            BlockIds::I32(a) => Ok(a
+                .as_slice()
+                .map_err(|_| invalid(format!("{name} must be a contiguous array")))?
+                .iter()
+                .map(|&v| i64::from(v) as u64)
+                .collect()),
+        }
+    }
 }
 
 fn direction(s: &str) -> PyResult<Direction> {
@@ -468,9 +505,9 @@ impl PyEngine {
     }
 
     /// Issues one transfer of several KV-cache groups as one batch: `groups` holds one
-    /// `(src_table, src_ids, dst_table, dst_ids, chunks)` per group (int64 id arrays; `chunks`:
-    /// None, or the sub-blocks skipped in the first chunk where the side whose table has
-    /// `unit` > 1 is named by chunk ids). A group may be empty. `route`: how it moves (a
+    /// `(src_table, src_ids, dst_table, dst_ids, chunks)` per group (int64 or int32 id arrays;
+    /// `chunks`: None, or the sub-blocks skipped in the first chunk where the side whose table
+    /// has `unit` > 1 is named by chunk ids). A group may be empty. `route`: how it moves (a
     /// `Route`; None: a descriptor per page, by the copy engines).
     #[pyo3(signature = (job_id, groups, direction = "h2d", wait_stream = None, route = None))]
     // `groups` is the Python list of 5-tuples as pyo3 extracts it.
@@ -479,13 +516,7 @@ impl PyEngine {
         &self,
         py: Python<'_>,
         job_id: u64,
-        groups: Vec<(
-            u32,
-            PyReadonlyArray1<'_, i64>,
-            u32,
-            PyReadonlyArray1<'_, i64>,
-            Option<u64>,
-        )>,
+        groups: Vec<(u32, BlockIds<'_>, u32, BlockIds<'_>, Option<u64>)>,
         direction: &str,
         wait_stream: Option<u64>,
         route: Option<Py<PyRoute>>,
@@ -493,7 +524,7 @@ impl PyEngine {
         let dir = self::direction(direction)?;
         let mut ids = Vec::with_capacity(groups.len());
         for (_, src_ids, _, dst_ids, _) in &groups {
-            ids.push((copy_u64("src_ids", src_ids)?, copy_u64("dst_ids", dst_ids)?));
+            ids.push((src_ids.copy("src_ids")?, dst_ids.copy("dst_ids")?));
         }
         let gs: Vec<GroupIds<'_>> = groups
             .iter()

@@ -50,6 +50,9 @@ HANDLER_CASES: list[tuple[str, Callable[[], Any], str]] = [
     ("sparse-tensor", lambda: (Sparse.ids(), [2]), "cannot read ids from this tensor"),
     ("float-tensor", lambda: (torch.tensor([4.0], requires_grad=True), [2]), "torch dtype torch.float32"),
     ("cpu-duplicate", lambda: ([4, 5], [2, 2]), "CPU block id 2 is a destination more than once"),
+    # int32 ids (vLLM's) reach the core as they are: its checks are the same
+    ("int32-negative", lambda: (np.array([4, -2], dtype=np.int32), [2, 3]), "GPU block ids hold a negative block id"),
+    ("int32-max-cpu", lambda: ([4], np.array([2**31 - 1], dtype=np.int32)), "CPU block ids hold block id 2147483647"),
 ]  # fmt: skip
 
 

@@ -225,6 +225,43 @@ def test_a_bad_spec_is_a_false_return_not_an_exception(
         w.shutdown()
 
 
+@pytest.mark.parametrize("bpc", [1, 4])
+def test_one_group_bad_specs_are_refused_on_the_path_without_numpy(
+    bpc: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One KV-cache group, one writer: the worker cuts vLLM's specs without numpy (the ids go to
+    the engine as vLLM gave them, int32); the same specs are refused as on the general path, and
+    a good one after them moves its blocks."""
+    kv, ts = page_of_4_tensors(3, 24)
+    w = BlockswapOffloadingWorker(kv, bpc, N_CHUNKS, backend="host")
+    try:
+        assert w._plain is not None  # the path under test
+        n = 2 * bpc
+        cases: list[tuple[Any, Any, str]] = [
+            (GPULoadStoreSpec(list(range(n)), [n], [0]), CPULoadStoreSpec([0]), "CPU chunks"),
+            (GPULoadStoreSpec(list(range(n)), [n], [0]), CPULoadStoreSpec([0, 1, 2]), "CPU chunks"),
+            (GPULoadStoreSpec(list(range(n)), [n], [0]), CPULoadStoreSpec([0, N_CHUNKS]), "range"),
+            (GPULoadStoreSpec([0, 99], [2], [0]), CPULoadStoreSpec([0] * (1 + (bpc < 2))), "range"),
+            (GPULoadStoreSpec([0], [1, 0], [0, 0]), CPULoadStoreSpec([0]), "2 group sizes"),
+            (GPULoadStoreSpec([0], [1], [-1]), CPULoadStoreSpec([0]), "from block index -1"),
+        ]
+        for i, (gpu, cpu, why) in enumerate(cases):
+            caplog.clear()
+            assert w.submit_store(10 + i, gpu, cpu) is False, i
+            assert why in caplog.text, (i, caplog.text)
+        gpu = GPULoadStoreSpec(list(range(5, 5 + n)), [n], [0])
+        assert w.submit_store(30, gpu, CPULoadStoreSpec([3, 1])) is True
+        w.wait({30})
+        assert [(r.job_id, r.success) for r in w.get_finished()] == [(30, True)]
+        for t in range(4):
+            for k in range(n):
+                chunk, sub = (3, 1)[k // bpc], k % bpc
+                got = sub_block_of(w, 0, t, chunk * bpc + sub)
+                assert torch.equal(got, ts[t][5 + k]), (t, k)
+    finally:
+        w.shutdown()
+
+
 def test_references_with_canonical_mappings_keep_the_direct_layout() -> None:
     """vLLM 0.33's connector gives every layer it can certify a ``CanonicalPageMapping``,
     whatever layout was asked for (``derive_canonical_mappings`` in its offloading worker), and

@@ -190,7 +190,15 @@ class Engine:
     def submit_groups(
         self,
         job_id: int,
-        groups: Sequence[tuple[int, npt.NDArray[np.int64], int, npt.NDArray[np.int64], int | None]],
+        groups: Sequence[
+            tuple[
+                int,
+                npt.NDArray[np.int64] | npt.NDArray[np.int32],
+                int,
+                npt.NDArray[np.int64] | npt.NDArray[np.int32],
+                int | None,
+            ]
+        ],
         direction: Direction = "h2d",
         wait_stream: int | None = None,
         route: Route | None = None,

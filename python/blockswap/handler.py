@@ -122,7 +122,7 @@ from ._types import BackendName, CpuLayout, Direction, HandlerPath, LaneStats
 from .engine import Engine, check_job_id, check_job_ids
 from .errors import ConfigError, ConfigTypeError, refuses_with_config_errors
 from .hostmem import DEFAULT_PIECE_BYTES, PinnedRows
-from .layout import BlockTable, Layout, as_block_ids, expand_sub_blocks
+from .layout import BlockTable, Layout, SubmitIds, as_block_ids, expand_sub_blocks
 from .routing import (
     _DIRECTIONS,
     _SHORT,
@@ -419,9 +419,10 @@ class SingleDirectionHandler:
 
     def _groups(
         self, src: Any, dst: Any, block_indices: Any
-    ) -> list[tuple[int, npt.NDArray[np.int64], int, npt.NDArray[np.int64], int]]:
+    ) -> list[tuple[int, SubmitIds, int, SubmitIds, int]]:
         """The core's ``(source table, ids, destination table, ids, skip)`` per group: ids as
-        int64 arrays (CPU ones still block ids: the core maps them to sub-blocks)."""
+        int64 arrays, or int32 ones as given (CPU ones still block ids: the core maps them to
+        sub-blocks)."""
         ng = self._ngroups
         if ng == 1:
             srcs, dsts = [src], [dst]
@@ -452,8 +453,8 @@ class SingleDirectionHandler:
         out = []
         for g in range(ng):
             where = f"group {g}: " if ng > 1 else ""
-            s = as_block_ids(srcs[g], f"{where}{'GPU' if d2h else 'CPU'} block ids")
-            d = as_block_ids(dsts[g], f"{where}{'CPU' if d2h else 'GPU'} block ids")
+            s = as_block_ids(srcs[g], f"{where}{'GPU' if d2h else 'CPU'} block ids", int32=True)
+            d = as_block_ids(dsts[g], f"{where}{'CPU' if d2h else 'GPU'} block ids", int32=True)
             first = None if block_indices is None else starts[g]
             skip = chunk_skip(f, (s if d2h else d).shape[0], first, d2h)
             gpu_table, cpu_table = self._tables[g]

@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Union, cast
+from typing import Any, Literal, Union, cast, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -84,6 +84,7 @@ BlockIds = Union[npt.NDArray[np.integer], Sequence[int], torch.Tensor]
 integer CPU torch tensor."""
 
 _I64 = np.int64
+_I32 = np.int32
 _I64_MAX = np.iinfo(np.int64).max
 
 #: The CPU-cache makers refuse a bad count with a ConfigError (a ValueError), whatever its type.
@@ -368,12 +369,21 @@ class BlockTable:
 # --------------------------------------------------------------------------------------------
 
 
-def as_block_ids(x: Any, name: str) -> npt.NDArray[np.int64]:
+#: Block ids as the core's ``submit_groups`` takes them.
+SubmitIds = Union[npt.NDArray[np.int64], npt.NDArray[np.int32]]
+
+
+@overload
+def as_block_ids(x: Any, name: str, *, int32: Literal[False] = False) -> npt.NDArray[np.int64]: ...
+@overload
+def as_block_ids(x: Any, name: str, *, int32: Literal[True]) -> SubmitIds: ...
+def as_block_ids(x: Any, name: str, *, int32: bool = False) -> SubmitIds:
     """One side's block ids as a 1-D C-contiguous int64 array (no copy where it already is one),
     for the engine, which checks their range. Accepts integer numpy arrays, sequences of ints,
     integer CPU tensors and objects with ``block_ids`` (vLLM's ``BlockIDsLoadStoreSpec``).
     Raises ``TypeError`` for non-integers, ``ValueError`` for other than 1-D, ``IndexError`` for
-    unsigned ids beyond int64."""
+    unsigned ids beyond int64. ``int32``: an int32 array is returned as it is (the core's
+    ``submit_groups`` takes those too: vLLM's specs hold int32 ids)."""
     if type(x) is np.ndarray:
         a = x
     else:
@@ -389,7 +399,7 @@ def as_block_ids(x: Any, name: str) -> npt.NDArray[np.int64]:
             a = np.asarray(x)
             if a.size == 0 and a.dtype.kind not in "iu":
                 a = a.astype(_I64)
-    if a.dtype != _I64:
+    if a.dtype != _I64 and not (int32 and a.dtype == _I32):
         kind = a.dtype.kind
         if kind != "i" and kind != "u":
             raise TypeError(f"{name} must hold integers, got dtype {a.dtype}")
@@ -400,7 +410,7 @@ def as_block_ids(x: Any, name: str) -> npt.NDArray[np.int64]:
         raise ValueError(f"{name} must be 1-D, got shape {a.shape}")
     if not a.flags.c_contiguous:  # a strided view: the core reads ids in place
         a = np.ascontiguousarray(a)
-    return cast("npt.NDArray[np.int64]", a)
+    return cast("SubmitIds", a)
 
 
 def expand_sub_blocks(

@@ -276,6 +276,14 @@ class BlockswapOffloadingWorker(OffloadingWorker):
                 for _ in range(self._fanout):
                     gpu_groups.append([rows[t][:, :p].unsqueeze(1) for t, p in pages.items()])
         self._single = len(gpu_groups) == 1
+        #: Where one vLLM group maps to one handler group with one writer (no fan-out, every
+        #: rank storing every block it names): the bytes vLLM counts per block, for `_split`'s
+        #: path without numpy; None otherwise.
+        self._plain: int | None = None
+        if self._single and self._fanout == 1 and len(self._classes) == 1:
+            classes = self._classes[0]
+            if len(classes) == 1 and classes[0][0] == 1:
+                self._plain = classes[0][2]
         if on_cuda:
             handler_options.setdefault("timing", True)  # transfer_time: the copies' GPU time
 
@@ -668,9 +676,11 @@ class BlockswapOffloadingWorker(OffloadingWorker):
         sub-blocks its blocks use (``chunk_blocks``), and block ``i`` goes to handler group
         ``(g, sub-block index, writer class)`` with its chunk id. A ``store`` of a class with
         several writers keeps the blocks whose canonical page (``chunk * blocks_per_chunk +
-        sub-block index``) is this rank's turn (vLLM's ``CanonicalPageMapping.is_writer``)."""
-        gpu = np.asarray(gpu_spec.block_ids, dtype=np.int64)
-        chunks = np.asarray(getattr(cpu_spec, "block_ids", cpu_spec), dtype=np.int64)
+        sub-block index``) is this rank's turn (vLLM's ``CanonicalPageMapping.is_writer``).
+
+        One KV-cache group of one handler group and one writer (the usual case) takes a path
+        with no numpy call: the ids go to the handler as vLLM gave them, which converts them
+        once (each numpy call costs several µs on a thread back from a step's other work)."""
         sizes: Sequence[int] = gpu_spec.group_sizes
         starts: Sequence[int] = gpu_spec.block_indices
         if len(sizes) != len(self._groups) or len(starts) != len(self._groups):
@@ -679,6 +689,21 @@ class BlockswapOffloadingWorker(OffloadingWorker):
                 f"{len(self._groups)} KV-cache groups"
             )
         f = self.blocks_per_chunk
+        if self._plain is not None:
+            n, start = int(sizes[0]), int(starts[0])
+            if n < 0 or start < 0:
+                raise ConfigError(f"group 0: {n} blocks from block index {start}")
+            ids = np.asarray(gpu_spec.block_ids)  # vLLM's array as it is
+            cs = getattr(cpu_spec, "block_ids", cpu_spec)
+            m = chunk_count(f, n, chunk_skip(f, n, start))
+            if ids.shape[0] != n or len(cs) != m:
+                raise ConfigError(
+                    f"the groups take {n} GPU blocks and {m} CPU chunks, the spec names "
+                    f"{ids.shape[0]} and {len(cs)}"
+                )
+            return [ids], [cs], [start], n * self._plain
+        gpu = np.asarray(gpu_spec.block_ids, dtype=np.int64)
+        chunks = np.asarray(getattr(cpu_spec, "block_ids", cpu_spec), dtype=np.int64)
         fan = self._fanout
         out_gpu: list[npt.NDArray[np.int64]] = []
         out_cpu: list[npt.NDArray[np.int64]] = []
