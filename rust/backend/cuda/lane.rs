@@ -26,8 +26,9 @@ pub(super) struct CudaLane {
     pub(super) queue: Mutex<VecDeque<Job<'static>>>,
     /// Signalled when a job is queued or the backend stops, or to wake the thread early.
     pub(super) work: Condvar,
-    /// Set (under the queue's lock) where `submit` wakes the thread before the job it is
-    /// issuing the start of is queued: the thread then polls for it a while before it sleeps.
+    /// Set (under the queue's lock) where the thread is woken ahead of a job (`submit` issuing
+    /// a job's start on the caller, or `wake_ahead` for a transfer announced): the thread then
+    /// polls for it a while before it sleeps. `wake_ahead` reads it first without the lock.
     pub(super) nudged: AtomicBool,
     /// Set (under the queue's lock) while the issuing thread sleeps on `work`.
     pub(super) asleep: AtomicBool,
