@@ -56,23 +56,19 @@ HANDLER_CASES: list[tuple[str, Callable[[], Any], str]] = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("grouped", [False, True], ids=["tables", "two-groups"])
-@pytest.mark.parametrize(
-    ("spec", "match"), [c[1:] for c in HANDLER_CASES], ids=[c[0] for c in HANDLER_CASES]
-)
-def test_handler_bad_spec_is_typed_and_transfers_around_it_are_unaffected(
-    spec: Callable[[], Any], match: str, grouped: bool
+def refused_between_good_stores(
+    grouped: bool, refuse: Callable[[HandlerScene], None], indices: Any = None
 ) -> None:
+    """A store, ``refuse(scene)`` (which checks the refusal), then a store under the refused job
+    id (it was never live): both stores run and nothing else is written. ``indices``: the good
+    stores' ``block_indices``."""
     sc = HandlerScene.make(1, grouped)
     h = sc.h
     try:
         want = snapshot(sc.all_tensors())
-        h.d2h.transfer_async(BEFORE, sc.spec([0, 1], [0, 1]))
-        src, dst = spec()
-        with pytest.raises(InvalidTransferError, match=match) as e:
-            h.d2h.transfer_async(BAD, sc.spec(src, dst))
-        assert f"d2h job {BAD}" in str(e.value)
-        h.d2h.transfer_async(BAD, sc.spec([6], [6]))  # the refused id was never live
+        h.d2h.transfer_async(BEFORE, sc.spec([0, 1], [0, 1]), block_indices=indices)
+        refuse(sc)
+        h.d2h.transfer_async(BAD, sc.spec([6], [6]), block_indices=indices)
         h.wait([BEFORE, BAD])
         results = drain(h.get_finished, 2)
         assert sorted((r.job_id, r.success) for r in results) == [(BEFORE, True), (BAD, True)]
@@ -81,6 +77,22 @@ def test_handler_bad_spec_is_typed_and_transfers_around_it_are_unaffected(
         assert_storage(sc.all_tensors(), want)
     finally:
         h.shutdown()
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["tables", "two-groups"])
+@pytest.mark.parametrize(
+    ("spec", "match"), [c[1:] for c in HANDLER_CASES], ids=[c[0] for c in HANDLER_CASES]
+)
+def test_handler_bad_spec_is_typed_and_transfers_around_it_are_unaffected(
+    spec: Callable[[], Any], match: str, grouped: bool
+) -> None:
+    def refuse(sc: HandlerScene) -> None:
+        src, dst = spec()
+        with pytest.raises(InvalidTransferError, match=match) as e:
+            sc.h.d2h.transfer_async(BAD, sc.spec(src, dst))
+        assert f"d2h job {BAD}" in str(e.value)
+
+    refused_between_good_stores(grouped, refuse)
 
 
 # (id, block_indices for `ng` groups, message excerpt): Python lists take a fast path, anything
@@ -98,29 +110,20 @@ BLOCK_INDEX_CASES: list[tuple[str, Callable[[int], Any], str]] = [
 
 
 @pytest.mark.parametrize("grouped", [False, True], ids=["tables", "two-groups"])
+@pytest.mark.parametrize("good", [list, tuple])
 @pytest.mark.parametrize(
     ("starts", "match"), [c[1:] for c in BLOCK_INDEX_CASES], ids=[c[0] for c in BLOCK_INDEX_CASES]
 )
 def test_handler_bad_block_indices_are_typed_and_issue_nothing(
-    starts: Callable[[int], Any], match: str, grouped: bool
+    starts: Callable[[int], Any], match: str, good: type, grouped: bool
 ) -> None:
-    sc = HandlerScene.make(1, grouped)
-    h = sc.h
     ng = 2 if grouped else 1
-    try:
-        want = snapshot(sc.all_tensors())
+
+    def refuse(sc: HandlerScene) -> None:
         with pytest.raises(InvalidTransferError, match=match):
-            h.d2h.transfer_async(BAD, sc.spec([0, 1], [0, 1]), block_indices=starts(ng))
-        # The same transfer with good indices (a list and a tuple) goes through.
-        h.d2h.transfer_async(BAD, sc.spec([0, 1], [0, 1]), block_indices=[0] * ng)
-        h.d2h.transfer_async(BEFORE, sc.spec([6], [6]), block_indices=tuple([0] * ng))
-        h.wait([BEFORE, BAD])
-        results = drain(h.get_finished, 2)
-        assert sorted((r.job_id, r.success) for r in results) == [(BEFORE, True), (BAD, True)]
-        sc.expect_stored(want, -1, ((0, 0), (1, 1), (6, 6)))
-        assert_storage(sc.all_tensors(), want)
-    finally:
-        h.shutdown()
+            sc.h.d2h.transfer_async(BAD, sc.spec([0, 1], [0, 1]), block_indices=starts(ng))
+
+    refused_between_good_stores(grouped, refuse, good([0] * ng))
 
 
 @pytest.mark.parametrize("grouped", [False, True], ids=["tables", "two-groups"])
