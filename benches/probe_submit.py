@@ -5,10 +5,13 @@ plug-in's ``submit_store`` / ``submit_load``, cut into the pieces each calls (th
 per-layer tensors (``bench_wall.py``'s ``separate`` and ``plugin`` layouts).
 
     python benches/probe_submit.py [--pages 4,16] [--reps 25] [--sleep-ms 20] [--backend auto]
+                                   [--caller-stream default|side]
 
 Two ways of calling, as ``bench_wall.py`` times them: ``b2b``, 8 transfers submitted back to back
 (the later 7 of each round kept: the engine's thread is busy issuing the earlier ones) and
 ``slept``, one transfer after the caller slept ``--sleep-ms`` (its caches and core gone cold).
+``--caller-stream side``: the caller's current stream is one it made (``torch.cuda.Stream()``),
+not the default stream; transfers that wait for the caller's stream record their event there.
 Printed, not saved: the median µs of each piece and of the whole call, per page size, layout,
 direction and way.
 """
@@ -71,6 +74,7 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=80)
     ap.add_argument("--blocks", type=int, default=32)
     ap.add_argument("--sleep-ms", type=float, default=20.0)
+    ap.add_argument("--caller-stream", choices=("default", "side"), default="default")
     args = ap.parse_args()
 
     import numpy as np
@@ -86,6 +90,8 @@ def main() -> int:
     print(f"# {name}; {args.layers} layers x {args.blocks} random blocks; µs, median")
     rng = np.random.default_rng(0)
     n_gpu, n_cpu = 2 * args.blocks, args.blocks + 4
+    if cuda and args.caller_stream == "side":
+        torch.cuda.set_stream(torch.cuda.Stream())
     for kib in args.pages:
         for layout in layouts:
             kv = layer_tensors(layout, args.layers, n_gpu, kib * 1024, device)
@@ -115,6 +121,7 @@ def measure(
     if layout == "plugin":
         p.wrap(t.w, "_split", "split")
         p.wrap(hd, "transfer_async", "handler")
+    p.wrap(hd, "_wake", "wake")
     p.wrap(hd, "_groups", "groups")
     if hd._wait_stream is not None:
         p.wrap(hd, "_wait_stream", "stream")
