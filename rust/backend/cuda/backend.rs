@@ -412,11 +412,20 @@ impl Backend for CudaBackend {
         // Release: as above.
         l.accepted.store(seq, Ordering::Release);
         l.pending.fetch_add(1, Ordering::AcqRel);
-        l.queue
+        let mut q = l
+            .queue
             .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .push_back(job);
-        l.work.notify_one();
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        q.push_back(job);
+        // Relaxed: written under the queue's lock, held here. A thread not asleep on `work` (busy
+        // issuing, polling after a wake, or between two jobs) takes the lock and looks at the
+        // queue before it next waits, so only a sleeping one needs the notification, and its
+        // futex call is left out of every other submission.
+        let asleep = l.asleep.load(Ordering::Relaxed);
+        drop(q);
+        if asleep {
+            l.work.notify_one();
+        }
         Ok(Submitted::Ok)
     }
 
