@@ -436,12 +436,13 @@ class SingleDirectionHandler:
                 )
         if block_indices is not None:
             # Python ints: vLLM passes a list, and numpy's reductions on a few entries cost more
-            # than the rest of the transfer's checks.
-            starts = block_indices
+            # than the rest of the transfer's checks. A copy: what is checked is what is used,
+            # whatever another thread does to the caller's list meanwhile.
+            starts = block_indices.copy() if type(block_indices) is list else block_indices
             if type(starts) is not list or any(
                 type(v) is not int or not -_I64_LIMIT <= v < _I64_LIMIT for v in starts
             ):
-                starts = as_block_ids(block_indices, "block_indices").tolist()
+                starts = as_block_ids(starts, "block_indices").tolist()
             if len(starts) != ng:
                 raise ValueError(
                     f"block_indices holds {len(starts)} entries for {ng} KV-cache group(s)"
