@@ -158,17 +158,21 @@ impl From<TransferResult> for PyTransferResult {
     }
 }
 
-/// Copies an int64 array into owned memory as the u64 addresses, sizes or ids it carries.
+/// Copies an int64 (or int32) array into owned memory as the u64 addresses, sizes or ids it
+/// carries.
 ///
 /// The copy is what gets validated and used: the caller's array is not read again once the GIL
 /// is released, where another Python thread could write to it between the check and the use (a
 /// validated address or block id swapped for one that was never checked).
-fn copy_u64(name: &str, a: &PyReadonlyArray1<'_, i64>) -> PyResult<Vec<u64>> {
+fn copy_u64<T: numpy::Element + Copy + Into<i64>>(
+    name: &str,
+    a: &PyReadonlyArray1<'_, T>,
+) -> PyResult<Vec<u64>> {
     let s = a
         .as_slice()
         .map_err(|_| invalid(format!("{name} must be a contiguous array")))?;
     // Negative values become huge ones, which validation refuses by name.
-    Ok(s.iter().map(|&v| v as u64).collect())
+    Ok(s.iter().map(|&v| v.into() as u64).collect())
 }
 
 /// Block ids as a transfer names them: int64, or int32 as vLLM's specs hold them (taken as they
@@ -194,16 +198,11 @@ impl<'a, 'py> FromPyObject<'a, 'py> for BlockIds<'py> {
 }
 
 impl BlockIds<'_> {
-    /// A copy, as [`copy_u64`]'s; a negative int32 id becomes a huge one, refused by name.
+    /// The ids as [`copy_u64`] copies them.
     fn copy(&self, name: &str) -> PyResult<Vec<u64>> {
         match self {
             BlockIds::I64(a) => copy_u64(name, a),
-            BlockIds::I32(a) => Ok(a
-                .as_slice()
-                .map_err(|_| invalid(format!("{name} must be a contiguous array")))?
-                .iter()
-                .map(|&v| i64::from(v) as u64)
-                .collect()),
+            BlockIds::I32(a) => copy_u64(name, a),
         }
     }
 }
