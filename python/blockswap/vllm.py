@@ -690,17 +690,10 @@ class BlockswapOffloadingWorker(OffloadingWorker):
             )
         f = self.blocks_per_chunk
         if self._plain is not None:
-            n, start = int(sizes[0]), int(starts[0])
-            if n < 0 or start < 0:
-                raise ConfigError(f"group 0: {n} blocks from block index {start}")
+            n, start, _, m = _group_span(f, 0, sizes[0], starts[0])
             ids = np.asarray(gpu_spec.block_ids)  # vLLM's array as it is
             cs = getattr(cpu_spec, "block_ids", cpu_spec)
-            m = chunk_count(f, n, chunk_skip(f, n, start))
-            if ids.shape[0] != n or len(cs) != m:
-                raise ConfigError(
-                    f"the groups take {n} GPU blocks and {m} CPU chunks, the spec names "
-                    f"{ids.shape[0]} and {len(cs)}"
-                )
+            _check_taken(n, m, ids.shape[0], len(cs))
             return [ids], [cs], [start], n * self._plain
         gpu = np.asarray(gpu_spec.block_ids, dtype=np.int64)
         chunks = np.asarray(getattr(cpu_spec, "block_ids", cpu_spec), dtype=np.int64)
@@ -709,12 +702,8 @@ class BlockswapOffloadingWorker(OffloadingWorker):
         out_cpu: list[npt.NDArray[np.int64]] = []
         out_start: list[int] = []
         o = c = size = 0
-        for g, (n, start) in enumerate(zip(sizes, starts)):
-            n, start = int(n), int(start)
-            if n < 0 or start < 0:
-                raise ConfigError(f"group {g}: {n} blocks from block index {start}")
-            skip = chunk_skip(f, n, start)
-            m = chunk_count(f, n, skip)
+        for g, (n_g, start_g) in enumerate(zip(sizes, starts)):
+            n, start, skip, m = _group_span(f, g, n_g, start_g)
             if self._groups[g] is None:
                 if n:
                     raise ConfigError(f"group {g} has no pages but the spec names {n} blocks")
@@ -740,12 +729,27 @@ class BlockswapOffloadingWorker(OffloadingWorker):
                     out_gpu.append(gk)
                     out_cpu.append(ck)
                     size += gk.shape[0] * nbytes
-        if o != gpu.shape[0] or c != chunks.shape[0]:
-            raise ConfigError(
-                f"the groups take {o} GPU blocks and {c} CPU chunks, the spec names "
-                f"{gpu.shape[0]} and {chunks.shape[0]}"
-            )
+        _check_taken(o, c, gpu.shape[0], chunks.shape[0])
         return out_gpu, out_cpu, (out_start if fan == 1 else None), size
+
+
+def _group_span(f: int, g: int, n: Any, start: Any) -> tuple[int, int, int, int]:
+    """Group ``g``'s ``(blocks, first block index, sub-blocks skipped in its first chunk,
+    chunks)`` from vLLM's group size and block index, ``f`` blocks per chunk."""
+    n, start = int(n), int(start)
+    if n < 0 or start < 0:
+        raise ConfigError(f"group {g}: {n} blocks from block index {start}")
+    skip = chunk_skip(f, n, start)
+    return n, start, skip, chunk_count(f, n, skip)
+
+
+def _check_taken(blocks: int, chunks: int, named_blocks: int, named_chunks: int) -> None:
+    """The spec names as many GPU blocks and CPU chunks as its groups take, or a ConfigError."""
+    if blocks != named_blocks or chunks != named_chunks:
+        raise ConfigError(
+            f"the groups take {blocks} GPU blocks and {chunks} CPU chunks, the spec names "
+            f"{named_blocks} and {named_chunks}"
+        )
 
 
 def _writer_blocks(
