@@ -487,6 +487,62 @@ def test_the_event_ring_is_sized_by_the_clamped_max_in_flight():
     assert float(took) < 60
 
 
+@pytest.mark.parametrize("early_wake", [True, False])
+def test_threads_announce_and_submit_on_one_direction_as_its_thread_sleeps_and_wakes(
+    torch, early_wake
+):
+    """Four threads announce (``wake``) and submit onloads on one direction, with pauses around
+    the issuing thread's poll (1 ms) so that it is by turns asleep, polling after an announcement
+    and busy: an announcement without a transfer, two in a row, a transfer without one. The
+    thread is notified of a queued transfer only where it sleeps; a missed notification would
+    leave a transfer unissued, and its wait would time out. Every transfer completes, its bytes
+    in place, each reported once."""
+    import threading
+
+    nthreads, rounds, size = 4, 60, 64 * KiB
+    n = nthreads * rounds
+    host = torch.randint(0, 256, (n * size,), dtype=torch.uint8).pin_memory()
+    dev = torch.zeros(n * size, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    eng = blockswap.Engine("cuda", early_wake=early_wake)
+    eng.register(host)
+    eng.register(dev)
+    errors: list[BaseException] = []
+    go = threading.Barrier(nthreads)
+
+    def worker(t: int) -> None:
+        try:
+            rng = np.random.default_rng(t)
+            go.wait()
+            for i in range(rounds):
+                job = t * rounds + i
+                time.sleep(float(rng.choice([0.0, 0.0003, 0.0009, 0.0011, 0.002])))
+                for _ in range(int(rng.integers(0, 3))):
+                    eng.wake("h2d")
+                if rng.random() < 0.2:
+                    time.sleep(0.0015)  # announced, then past the poll before the transfer
+                off = job * size
+                eng.submit(job, [host.data_ptr() + off], [dev.data_ptr() + off], [size], "h2d")
+                if rng.random() < 0.5:
+                    eng.wait([job], timeout=30)
+        except BaseException as e:  # reported by the test below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(nthreads)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors[:3]
+    eng.wait(range(n), timeout=30)
+    results = eng.get_finished()
+    assert sorted(r.job_id for r in results) == list(range(n))
+    assert all(r.success for r in results)
+    torch.cuda.synchronize()
+    assert torch.equal(dev.cpu(), host)
+    eng.shutdown()
+
+
 @pytest.mark.parametrize("options", [{}, {"idle_issue": True}], ids=["lanes", "idle_issue"])
 @pytest.mark.parametrize("route", ["dma", "core_kernel", "staged"])
 def test_threads_submit_while_another_shuts_down(torch, route, options):
