@@ -65,8 +65,13 @@ impl fmt::Debug for PageKernel<'_> {
 
 /// Work items per CTA the copy kernel's slicing aims for.
 pub const ITEMS_PER_CTA: u64 = 4;
-/// The most descriptors one program of the copy kernel copies side by side (its `ROWS`).
-pub const MAX_ROWS: u64 = 16;
+/// The most descriptors one program of the copy kernel copies side by side (its `ROWS`): 64
+/// keeps a step's `block_bytes` in flight down to 512-byte pages (vLLM's canonical layout moves
+/// fragments of 512 B-2 KiB). At 16, 512-byte fragments kept a quarter of it: 32 KiB steps held
+/// 8 KiB, and the canonical layout's 512 B fragments reached 83 / 76 % of the link (GPU -> CPU /
+/// CPU -> GPU) against 87 / 79 % at 64 (H100, 2026-11-27, `python benches/bench_canonical.py`
+/// alternated twice; 1-2 KiB fragments unchanged).
+pub const MAX_ROWS: u64 = 64;
 /// Its `ROWS` where the descriptors' sizes are not known.
 pub const DEFAULT_ROWS: u64 = 4;
 
@@ -365,7 +370,7 @@ mod tests {
         );
         assert_eq!(
             launch_plan(10_000, 16, 16384, Some(16), None),
-            (16, 1, 16, 1024)
+            (16, 1, 64, 256)
         );
         assert_eq!(launch_plan(10_000, 16, 16384, None, None), (16, 1, 4, 4096));
         assert_eq!(

@@ -371,11 +371,12 @@ def test_plan():
     assert plan(10_000, 16, 16384, 65536, None) == (16, 1, 1, 16384)  # one job per step
     assert plan(10_000, 16, 16384, 4096, None) == (16, 1, 4, 4096)  # 4 small jobs per step
     assert plan(10_000, 16, 16384, 3000, None) == (16, 1, 4, 4096)
-    assert plan(10_000, 16, 16384, 16, None) == (16, 1, 16, 1024)  # at most 16 rows
+    assert plan(10_000, 16, 32768, 512, None) == (16, 1, 64, 512)  # 512 B: 32 KiB in flight
+    assert plan(10_000, 16, 16384, 16, None) == (16, 1, 64, 256)  # at most 64 rows
     assert plan(10_000, 16, 16384, None, None) == (16, 1, 4, 4096)  # sizes unknown
     assert plan(10, 16, 16384, 4096, None) == (3, 1, 4, 4096)
     assert plan(1, 16, 16384, 1 << 30, None) == (16, 64, 1, 16384)  # one big job: 64 slices
-    assert plan(1, 16, 16384, 100, None) == (1, 1, 16, 1024)  # one small job: one program
+    assert plan(1, 16, 16384, 100, None) == (1, 1, 64, 256)  # one small job: one program
     assert plan(1, 16, 16384, None, None) == (16, 256, 4, 4096)  # unknown: assume large
     assert plan(3, 1, 16, 10**6, None) == (1, 2, 1, 16)
     assert plan(100, 16, 16384, 1 << 20, 1 << 20) == (16, 64, 1, 16384)  # one big, 99 tiny

@@ -29,7 +29,7 @@ of a program moves a ``[ROWS, BLOCK_BYTES]`` tile -- one chunk of each of its RO
 so that ``ROWS * BLOCK_BYTES`` (``block_bytes``, 16 KiB by default) of loads are in flight
 per program even when the jobs are small: over PCIe that, not the number of programs, is
 what sets the bandwidth. ``ROWS`` is ``block_bytes / max_size`` rounded to a power of two
-(1..16; 4 when the sizes are unknown). ``SPLIT`` is 1 when there are enough jobs to keep
+(1..64; 4 when the sizes are unknown). ``SPLIT`` is 1 when there are enough jobs to keep
 every program busy (the usual KV-cache case: thousands of equal blocks) and grows when
 there are few large ones (one 1 GiB job is cut into ``4 * max_ctas`` slices). The
 descriptors of a program's next group are loaded before the current one is copied, so
