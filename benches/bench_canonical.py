@@ -17,7 +17,11 @@ heads); the CPU tier in vLLM's shared region laid out canonically (``create_next
   through ``submit_store`` / ``submit_load``, the route its handler picks (``--option``: a handler
   option, e.g. ``kernel_ctas=32``);
 * ``vllm dma``: what vLLM's canonical path (``_fill_canonical_ops``) issues: one
-  ``cuMemcpyBatchAsync`` over one descriptor per fragment, here through cuda-bindings.
+  ``cuMemcpyBatchAsync`` over one descriptor per fragment, here through cuda-bindings;
+* ``kernel alone``: the same descriptors by blockswap's copy kernel without the engine, one
+  launch on the worker's CTAs with the descriptors in device memory: what the SMs move these
+  fragments at (the route's own ceiling; the engine launches at most ``kernel_launch_bytes`` at
+  a time and its kernel reads the descriptors from pinned host memory).
 
 A transfer moves ``--blocks`` random GPU blocks (per KV-cache group) to or from random chunks; the
 bytes counted are the rank's fragments (vLLM's ``transfer_size``). "isolated": GPU time of one
@@ -40,6 +44,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_dma import cuda_bindings_batch
+from blockswap.routing import KERNEL_BLOCK_BYTES
 from blockswap_bench.cli import need_cuda, option, parser
 from blockswap_bench.kvblocks import ceiling, link_header, write_figures
 from blockswap_bench.models import MODELS, KVModel
@@ -134,9 +139,17 @@ class Case:
 
 
 def measure_vllm(
-    case: Case, to_cpu: bool, blocks: int, reps: int, rng: np.random.Generator
+    case: Case,
+    to_cpu: bool,
+    blocks: int,
+    reps: int,
+    rng: np.random.Generator,
+    kernel_ctas: int | None = None,
 ) -> dict[str, float]:
-    """vLLM's canonical DMA path over a canonical region of its own (pinned as vLLM pins it)."""
+    """vLLM's canonical DMA path over a canonical region of its own (pinned as vLLM pins it);
+    with ``kernel_ctas``, the same descriptors by blockswap's copy kernel alone instead, one
+    launch on that many CTAs, descriptors in device memory: what the SMs move these fragments
+    at with no engine around them (no launch boundary, no descriptor read over PCIe)."""
     region = case.region()
     views = [region.create_next_canonical_view(case.canonical_page) for _ in case.gpu]
     base, total = region.base_tensor.data_ptr(), region.total_size_bytes
@@ -144,7 +157,7 @@ def measure_vllm(
 
     _core.cuda_pin(base, total, torch.cuda.current_device())
     stream = torch.cuda.Stream()
-    prepare = cuda_bindings_batch()
+    prepare = cuda_bindings_batch() if kernel_ctas is None else kernel_alone(kernel_ctas)
     try:
 
         def call() -> Callable[[], None]:
@@ -157,6 +170,27 @@ def measure_vllm(
         _core.cuda_unpin(base, torch.cuda.current_device())
         views.clear()
         region.cleanup()
+
+
+def kernel_alone(ctas: int) -> Callable[..., Callable[[], None]]:
+    """``prepare(src, dst, sizes, _, stream)`` for :func:`time_calls`: the descriptors copied to
+    the device once, then one launch of the copy kernel over all of them (as the engine's
+    kernel route launches it: 32 KiB steps, the fragment size as ``max_size``)."""
+    from blockswap.kernels import copy_blocks
+
+    def prepare(
+        src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, _: bool, stream: Any
+    ) -> Callable[[], None]:
+        cols = [torch.from_numpy(a).to("cuda") for a in (src, dst, sizes)]
+        size = int(sizes.max())
+
+        def issue() -> None:
+            copy_blocks(*cols, max_ctas=ctas, block_bytes=KERNEL_BLOCK_BYTES, stream=stream,
+                        max_size=size, alignment=16, check_values=False)  # fmt: skip
+
+        return issue
+
+    return prepare
 
 
 def measure_vllm_or_none(
@@ -214,7 +248,7 @@ def main() -> int:
     print(link_header(ceil, f"rank 0 of TP={args.tp}, {args.blocks} random blocks per group; "
                             "isolated/queued %, blockswap's wall clock isolated %"))  # fmt: skip
     print(f"{'model':<20} {'page':>7} {'frag':>6} {'dir':>4} {'blockswap':>13} {'wall':>6} "
-          f"{'vllm dma':>13}  route")  # fmt: skip
+          f"{'kernel alone':>13} {'vllm dma':>13}  route")  # fmt: skip
     rows = []
     wanted = set(args.models.split(","))
     for m in (m for m in MODELS if m.key in wanted and m.layout == "kv_split"):
@@ -224,10 +258,13 @@ def main() -> int:
             d = "d2h" if to_cpu else "h2d"
             bs, route = measure_worker(case, to_cpu, args.blocks, args.reps, rng, options)
             dma = measure_vllm_or_none(case, to_cpu, args.blocks, args.reps, rng)
+            ctas = int(options.get("kernel_ctas", 16))
+            alone = measure_vllm(case, to_cpu, args.blocks, args.reps, rng, kernel_ctas=ctas)
             rows.append({
                 "model": m.name, "tp": args.tp, "page_bytes": case.page, "fragment_bytes": frag,
                 "direction": d, "ceiling_gbps": ceil[d], "blockswap": bs,
-                "blockswap_route": route, "vllm_dma": dma,
+                "blockswap_route": route, "vllm_dma": dma, "kernel_alone": alone,
+                "kernel_alone_ctas": ctas,
             })  # fmt: skip
 
             def pct(r: dict[str, float] | None, d: str = d) -> str:
@@ -237,7 +274,8 @@ def main() -> int:
                 return f"{i:>5.1f}/{q:>5.1f} %"
 
             print(f"{m.name[:20]:<20} {case.page // 1024:>5}Ki {frag:>6} {d:>4} {pct(bs)} "
-                  f"{100 * bs['wall_gbps'] / ceil[d]:>5.1f}% {pct(dma)}  {route[:60]}")  # fmt: skip
+                  f"{100 * bs['wall_gbps'] / ceil[d]:>5.1f}% {pct(alone)} {pct(dma)}  "
+                  f"{route[:50]}")  # fmt: skip
         del case
         torch.cuda.empty_cache()
     if args.json:
