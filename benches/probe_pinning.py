@@ -198,15 +198,15 @@ def vllm_region(size: int, cell: int, piece: int | None) -> dict[str, Any] | Non
     """vLLM's own region as ``CPUOffloadingSpec.create_worker`` makes it for one rank (cells of
     ``cell`` bytes, its 32 segment files), made ready the way blockswap's plug-in does: with
     ``piece`` None, filled by vLLM's constructor (one ``MADV_POPULATE_WRITE`` per cell, one
-    thread) then page-locked by ``_pin_region``; otherwise made by blockswap's spec
-    (``_new_region``: vLLM's loop left to the worker) and filled from several threads while
-    pieces of ``piece`` bytes are locked (``_pin_region`` with the rank's slots). The time a vLLM
+    thread) then page-locked by ``pin_region``; otherwise made by blockswap's spec
+    (``new_region``: vLLM's loop left to the worker) and filled from several threads while
+    pieces of ``piece`` bytes are locked (``pin_region`` with the rank's slots). The time a vLLM
     user waits for the CPU tier. None without vLLM."""
     try:
         from vllm.v1.kv_offload.cpu import spec as cpu_spec
         from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
-        from blockswap import vllm as bv
+        from blockswap import _vllm_region as vr
     except ImportError:
         return None
 
@@ -220,7 +220,7 @@ def vllm_region(size: int, cell: int, piece: int | None) -> dict[str, Any] | Non
         "num_segments": cpu_spec._REGION_SEGMENTS,
     }
     t0 = time.perf_counter()
-    region = SharedOffloadRegion(**kwargs) if piece is None else bv._new_region(**kwargs)
+    region = SharedOffloadRegion(**kwargs) if piece is None else vr.new_region(**kwargs)
     t1 = time.perf_counter()
     device = torch.cuda.current_device()
     try:
@@ -229,10 +229,10 @@ def vllm_region(size: int, cell: int, piece: int | None) -> dict[str, Any] | Non
         pieces = [(base + o, min(step, total - o)) for o in range(0, total, step)]
         fill = []
         if piece is not None:
-            fill = bv._merged((base + o, n) for o, n in region.iter_worker_slot_ranges())
-        pinned = bv._pin_region(pieces, device, fill)
+            fill = vr.merged((base + o, n) for o, n in region.iter_worker_slot_ranges())
+        pinned = vr.pin_region(pieces, device, fill)
         t2 = time.perf_counter()
-        bv._unpin_region(pinned, device)
+        vr.unpin_region(pinned, device)
     finally:
         region.cleanup()
     gib = total / (1 << 30)

@@ -1,4 +1,5 @@
-"""The Rust core's shape: no import circle between its modules, no source file over 900 lines.
+"""The code's shape: no import circle between the Rust core's modules, no source file (Rust or
+the Python package) over 900 lines.
 
 A module's dependencies are read from its ``use`` lines and the ``crate::`` paths in its code, as
 a reader (or a tool) sees them. A module and its ancestors are one unit (a child names its
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 RUST = Path(__file__).resolve().parent.parent / "rust"
+PYTHON = Path(__file__).resolve().parent.parent / "python" / "blockswap"
 MAX_LINES = 900
 
 Module = tuple[str, ...]
@@ -186,3 +188,11 @@ def test_no_import_circle_between_rust_modules():
 def test_no_rust_source_file_over_900_lines(path: Path):
     lines = len(path.read_text().splitlines())
     assert lines <= MAX_LINES, f"{path.relative_to(RUST)} has {lines} lines: split it by concern"
+
+
+@pytest.mark.parametrize(
+    "path", sorted(PYTHON.rglob("*.py")), ids=lambda p: str(p.relative_to(PYTHON))
+)
+def test_no_python_source_file_over_900_lines(path: Path):
+    lines = len(path.read_text().splitlines())
+    assert lines <= MAX_LINES, f"{path.relative_to(PYTHON)} has {lines} lines: split it by concern"

@@ -539,11 +539,11 @@ def test_a_region_in_pieces_moves_the_bytes_of_one_registered_whole(bpc: int) ->
 def test_the_worker_fills_its_slots_from_threads_as_it_pins_the_region(
     monkeypatch: pytest.MonkeyPatch, world: int
 ) -> None:
-    """A region made by blockswap's specs (``_new_region``) leaves pre-faulting this rank's slots
+    """A region made by blockswap's specs (``new_region``) leaves pre-faulting this rank's slots
     to the worker, which fills exactly them (vLLM's ranges, joined) from several threads while it
     locks the region in pieces (of at most ``pin_piece_bytes``); the bytes moved afterwards are
     those of a region vLLM filled itself."""
-    from blockswap import vllm as bv
+    from blockswap import _vllm_region as vr
 
     n_gpu, n_chunks, page = 8, 12, 4096
     gen = torch.Generator().manual_seed(world)
@@ -556,20 +556,20 @@ def test_the_worker_fills_its_slots_from_threads_as_it_pins_the_region(
         "kv_bytes_per_chunk": round_up(cell * world, SharedOffloadRegion.BLOCK_SIZE_ALIGNMENT),
         "cpu_page_size": cell,
     }
-    region = bv._new_region(engine_id=str(uuid.uuid4()), **kwargs)
+    region = vr.new_region(engine_id=str(uuid.uuid4()), **kwargs)
     vllms = SharedOffloadRegion(engine_id=str(uuid.uuid4()), **kwargs)
     assert region._blockswap_fill_pending and not hasattr(vllms, "_blockswap_fill_pending")
     base = region.base_tensor.data_ptr()
     slots = [(base + o, n) for o, n in region.iter_worker_slot_ranges()]
     row = region._row_stride
     calls: list[tuple[Any, ...]] = []
-    real = bv._core.fill_and_pin
+    real = vr._core.fill_and_pin
 
     def spy(ranges: Any, pieces: Any, device: Any = None, **kw: Any) -> None:
         calls.append((ranges, pieces, device))
         real(ranges, pieces, device, **kw)
 
-    monkeypatch.setattr(bv._core, "fill_and_pin", spy)
+    monkeypatch.setattr(vr._core, "fill_and_pin", spy)
     workers = [
         BlockswapOffloadingWorker(
             kv, 1, n_chunks, mmap_region=r, backend="host", pin_piece_bytes=4 * row
@@ -579,7 +579,7 @@ def test_the_worker_fills_its_slots_from_threads_as_it_pins_the_region(
     try:
         ((ranges, pieces, device),) = calls  # the region vLLM filled needs nothing
         assert pieces == [] and device is None  # the host backend locks nothing
-        assert ranges == bv._merged(slots)
+        assert ranges == vr.merged(slots)
         # One range where the rank's slots are the whole region, else one slot per chunk.
         assert sum(n for _, n in ranges) == n_chunks * cell
         assert len(ranges) == (1 if world == 1 else n_chunks)
@@ -599,24 +599,24 @@ def test_the_worker_fills_its_slots_from_threads_as_it_pins_the_region(
 def test_pinning_the_region_counts_progress_and_fails_whole(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """``_pin_region`` hands the core an ``AllocProgress`` that a ``PinProgress`` reports every
+    """``pin_region`` hands the core an ``AllocProgress`` that a ``PinProgress`` reports every
     ``PROGRESS_SECONDS`` (here: the bytes filled, counted by the core), and a failure is one
     error naming the region's size and the driver's reason."""
     from blockswap import hostmem
-    from blockswap import vllm as bv
+    from blockswap import _vllm_region as vr
 
     n = 8 << 20
     buf = mmap.mmap(-1, n)
     addr = ctypes_addr(buf)
     seen: list[Any] = []
-    real = bv._core.fill_and_pin
+    real = vr._core.fill_and_pin
 
     def spy(ranges: Any, pieces: Any, device: Any = None, *, progress: Any) -> None:
         seen.append(progress)
         real(ranges, pieces, device, progress=progress)
 
-    monkeypatch.setattr(bv._core, "fill_and_pin", spy)
-    assert bv._pin_region([], 0, [(addr, n)]) == []
+    monkeypatch.setattr(vr._core, "fill_and_pin", spy)
+    assert vr.pin_region([], 0, [(addr, n)]) == []
     (progress,) = seen
     assert progress.get() == (n, n, 0)
     line = hostmem.PinProgress(progress).line()
@@ -624,11 +624,11 @@ def test_pinning_the_region_counts_progress_and_fails_whole(
     assert f"{hostmem.size_text(n)} faulted in, 0 bytes page-locked" in line
 
     def refuse(ranges: Any, pieces: Any, device: Any = None, *, progress: Any) -> None:
-        raise bv.BlockswapError("could not page-lock piece 1 of 2: out of memory")
+        raise vr.BlockswapError("could not page-lock piece 1 of 2: out of memory")
 
-    monkeypatch.setattr(bv._core, "fill_and_pin", refuse)
-    with pytest.raises(bv.BackendError, match=r"4\.00 GiB in 2 pieces.*piece 1 of 2: out of mem"):
-        bv._pin_region([(addr, 2 << 30), (addr + (2 << 30), 2 << 30)], 0)
+    monkeypatch.setattr(vr._core, "fill_and_pin", refuse)
+    with pytest.raises(vr.BackendError, match=r"4\.00 GiB in 2 pieces.*piece 1 of 2: out of mem"):
+        vr.pin_region([(addr, 2 << 30), (addr + (2 << 30), 2 << 30)], 0)
     buf.close()
 
 

@@ -86,7 +86,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Callable, Protocol, Union
+from typing import Any, Callable
 
 import numpy as np
 import numpy.typing as npt
@@ -101,12 +101,18 @@ except ModuleNotFoundError as e:
 from ._checks import check_bool, check_choice, check_int
 from ._core import (
     BlockswapError,
-    InvalidTransferError,
-    Route,
     ShutdownError,
     TransferResult,
     chunk_skip,
     stage_slot,
+)
+from ._direction import (
+    BlockIds,
+    KVCaches,
+    SingleDirectionHandler,
+    TransferSpec,
+    _KeepDevice,
+    _logging_poll,
 )
 from ._kvcache import (
     allocate_cpu_cache,
@@ -119,13 +125,12 @@ from ._kvcache import (
     union_spans,
 )
 from ._types import BackendName, CpuLayout, Direction, HandlerPath, LaneStats
-from .engine import Engine, check_job_id, check_job_ids
+from .engine import Engine
 from .errors import ConfigError, ConfigTypeError, refuses_with_config_errors
 from .hostmem import DEFAULT_PIECE_BYTES, PinnedRows
-from .layout import BlockTable, Layout, SubmitIds, as_block_ids, expand_sub_blocks
+from .layout import BlockTable, Layout, expand_sub_blocks
 from .routing import (
     _DIRECTIONS,
-    _SHORT,
     KERNEL_BLOCK_BYTES,
     KERNEL_LAUNCH_BYTES,
     RouteChoice,
@@ -144,67 +149,9 @@ __all__ = [
     "store_sub_blocks",
 ]
 
-KVCaches = Union[
-    torch.Tensor,
-    Sequence[torch.Tensor],
-    Mapping[str, torch.Tensor],
-    Sequence[Sequence[torch.Tensor]],
-]
-"""KV-cache tensors of one device: one tensor, a list of per-layer tensors, a ``{layer name:
-tensor}`` dict (as vLLM holds them; values in order) -- all one KV-cache group -- or a sequence of
-groups, each a list of tensors (hybrid models)."""
-
-
-class HasBlockIds(Protocol):
-    """An object with a ``block_ids`` attribute (vLLM's ``BlockIDsLoadStoreSpec``)."""
-
-    @property
-    def block_ids(self) -> Any: ...
-
-
-BlockIds = Union[npt.NDArray[np.integer[Any]], Sequence[int], torch.Tensor, HasBlockIds]
-"""One side's block ids of one KV-cache group: a 1-D integer numpy array, a list of ints, a CPU
-integer tensor, or an object with a ``block_ids`` attribute (vLLM's ``BlockIDsLoadStoreSpec``)."""
-
-TransferSpec = Union[
-    tuple[BlockIds, BlockIds],
-    tuple[Sequence[BlockIds], Sequence[BlockIds]],
-    tuple[HasBlockIds, HasBlockIds],
-]
-"""``(source ids, destination ids)``: GPU then CPU block ids for GPU -> CPU, CPU then GPU for
-CPU -> GPU; with several KV-cache groups, each side a sequence with one :data:`BlockIds` per
-group."""
-
 #: Route choices, calibration results, descriptor-building fallbacks, the CPU cache's
 #: allocation and shutdowns that timed out (see :mod:`blockswap.engine`).
 log = logging.getLogger(__name__)
-
-
-# torch's current CUDA device (``cudaGetDevice``), and setting it back without creating a context.
-_get_device: Callable[[], int] = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
-
-
-def _maybe_exchange_device(index: int) -> None:
-    torch.cuda._maybe_exchange_device(index)
-
-
-class _KeepDevice:
-    """Keeps torch's current CUDA device across a call into the core, which makes the engine's
-    device current on the calling thread (cold paths; ``transfer_async`` inlines the same)."""
-
-    __slots__ = ("index", "prev")
-
-    def __init__(self, index: int | None) -> None:
-        self.index = index
-        self.prev = -1
-
-    def __enter__(self) -> None:
-        if self.index is not None:
-            self.prev = _get_device()
-
-    def __exit__(self, *exc: object) -> None:
-        if self.index is not None and self.prev != self.index:
-            _maybe_exchange_device(self.prev)
 
 
 # --------------------------------------------------------------------------------------------
@@ -226,265 +173,6 @@ def _stream_handle(s: Any, device_index: int | None, what: str) -> int:
             f"{what} is a stream of {dev}, but the KV cache is on cuda:{device_index}"
         )
     return int(handle)
-
-
-_I64_MAX = int(np.iinfo(np.int64).max)
-_JOB_END = 1 << 64
-
-
-#: Block ids and indices are int64 in the core; a Python int outside takes the checked path.
-_I64_LIMIT = 1 << 63
-
-
-def _pair(spec: Any, direction: str) -> tuple[Any, Any]:
-    """``spec``'s two sides, or a ValueError naming the argument and the shape it must have."""
-    sides = (
-        "(GPU block ids, CPU block ids)" if direction == "d2h" else "(CPU block ids, GPU block ids)"
-    )
-    try:
-        n = len(spec)
-    except TypeError:
-        n = -1
-    if n != 2 or isinstance(spec, (str, bytes)) or hasattr(spec, "shape"):
-        got = "None" if spec is None else f"a {type(spec).__name__}"
-        got += f" of {n} items" if n >= 0 else ""
-        if hasattr(spec, "shape"):
-            got = f"a {type(spec).__name__} of shape {tuple(spec.shape)}"
-        raise ValueError(f"spec must be a pair {sides}, not {got}")
-    src, dst = spec
-    return src, dst
-
-
-def _logging_poll(
-    poll: Callable[[], list[TransferResult]],
-) -> Callable[[], list[TransferResult]]:
-    """``poll`` (the engine's ``get_finished``) that also logs a warning for each failed transfer
-    it returns: a result is returned once, so a failure is logged once, and never silently
-    dropped by a caller that only counts results."""
-
-    def get_finished() -> list[TransferResult]:
-        results = poll()
-        for r in results:
-            if not r.success:
-                log.warning("transfer job %d failed: %s", r.job_id, r.error)
-        return results
-
-    return get_finished
-
-
-# --------------------------------------------------------------------------------------------
-# One direction
-# --------------------------------------------------------------------------------------------
-
-
-class SingleDirectionHandler:
-    """Moves KV-cache blocks in one direction: GPU -> CPU (``"d2h"``) or CPU -> GPU (``"h2d"``).
-
-    Made by :class:`CpuGpuHandlers`, never directly. vLLM's ``OffloadingHandler`` methods:
-    :meth:`transfer_async`, :meth:`get_finished`, :meth:`wait`, plus :meth:`stats` and
-    :meth:`shutdown`.
-
-    The two handlers of a :class:`CpuGpuHandlers` share one engine, so :meth:`get_finished` of
-    either returns every finished transfer of the pair, both directions, each exactly once over
-    all calls (vLLM's ``OffloadingWorker`` polls every handler and concatenates the lists, which
-    gives each result once). Job ids must be unique among transfers in flight in both directions
-    (a live job id is refused with :class:`~blockswap.InvalidTransferError`).
-    """
-
-    get_finished: Callable[[], list[TransferResult]]
-    """Results (:class:`~blockswap.TransferResult`: ``job_id``, ``success``, ``bytes``,
-    ``seconds``, ``error``) of the transfers of both directions finished since the last call.
-    Lock-free, never blocks: the engine's own poll, with a warning logged for each failed
-    transfer it returns."""
-
-    def __init__(
-        self,
-        owner: CpuGpuHandlers,
-        direction: str,
-        tables: list[tuple[int, int]],
-        wait_stream: Callable[[], int] | None,
-        device_index: int | None,
-        route: RouteChoice | None = None,
-    ) -> None:
-        if direction not in _SHORT:
-            raise ConfigError(f"direction must be 'd2h' or 'h2d', not {direction!r}")
-        self._owner = owner
-        self.direction: Direction = "d2h" if direction == "d2h" else "h2d"
-        self._d2h = direction == "d2h"
-        self._ngroups = len(tables)
-        self._factor = owner.block_size_factor
-        # (GPU table, CPU table) per group in the core, which maps CPU block ids to sub-blocks,
-        # checks every id and writes the copies.
-        self._tables = tables
-        self._wait_stream = wait_stream
-        self._device_index = device_index
-        self._use(route if route is not None else RouteChoice(Route.pages(), "dma"))
-        self._closed = False
-        core = owner.engine._core
-        # Hot paths bound straight to the core.
-        self._submit_groups = core.submit_groups
-        self._wake = core.wake
-        self.get_finished = _logging_poll(core.get_finished)
-        self._core_wait = core.wait
-        self._core_stats = core.stats
-
-    def __repr__(self) -> str:
-        return (
-            f"SingleDirectionHandler({self.direction}: {_SHORT[self.direction]}, "
-            f"groups={self._ngroups}, block_size_factor={self._factor}"
-            f"{', shut down' if self._closed else ''})"
-        )
-
-    def _use(self, route: RouteChoice) -> None:
-        """Takes ``route`` for the transfers from now on (construction, calibration)."""
-        #: The copy path of this direction (see :func:`choose_route`).
-        self.route = route
-        self._route = route.route
-
-    @property
-    def gpu_to_cpu(self) -> bool:
-        return self._d2h
-
-    # ---- the hot path ----------------------------------------------------------------------
-
-    def wake(self) -> None:
-        """Announces a transfer about to be issued: the engine's thread for this direction, if
-        asleep, wakes now rather than when :meth:`transfer_async` queues the transfer
-        (``early_wake``, on by default; see :meth:`blockswap.Engine.wake`). ``transfer_async``
-        announces itself; a caller with work of its own before it (reading a scheduler's specs,
-        say) calls this first."""
-        self._wake(self.direction)
-
-    def transfer_async(
-        self,
-        job_id: int,
-        spec: TransferSpec,
-        *,
-        block_indices: Sequence[int] | npt.NDArray[np.integer[Any]] | None = None,
-    ) -> bool:
-        """Issues the transfer ``spec`` under ``job_id`` and returns ``True`` at once (it never
-        waits on the GPU); its result comes from :meth:`get_finished`.
-
-        ``spec`` is ``(src_block_ids, dst_block_ids)``: GPU then CPU block ids for GPU -> CPU,
-        CPU then GPU block ids for CPU -> GPU, each a 1-D integer numpy array, list of ints,
-        CPU integer tensor or an object with a ``block_ids`` attribute (vLLM's
-        ``BlockIDsLoadStoreSpec``). With several KV-cache groups, each side is a sequence with one
-        such array per group (a group may be empty on both sides).
-
-        ``block_indices``: per group, the position of the group's first GPU block in its request
-        (vLLM's ``GPULoadStoreSpec.block_indices``); the transfer then starts ``block_indices[g] %
-        block_size_factor`` sub-blocks into the first CPU block, in both directions, and the
-        first and last CPU blocks may be partial. Without it, offloads start at the first CPU
-        block's start and onloads end at the last one's end (see the module's documentation).
-        ``n`` GPU blocks from sub-block ``skip`` take ``ceil((skip + n) / block_size_factor)``
-        CPU blocks. Source ids may repeat; destination ids may not.
-
-        Every refusal raises a :class:`~blockswap.BlockswapError` and issues nothing, leaving
-        earlier transfers unaffected: :class:`~blockswap.InvalidTransferError` for bad input
-        (non-integer, non-1-D, out-of-range or repeated destination block ids, a wrong number of
-        CPU blocks or groups, an empty transfer, a bad or live job id),
-        :class:`~blockswap.PoolExhaustedError` when too many transfers are in flight,
-        :class:`~blockswap.ShutdownError` after :meth:`shutdown`. It never returns ``False``
-        (vLLM's ``OffloadingWorker`` turns an exception into ``False``).
-        """
-        if self._closed:
-            raise ShutdownError("the offloading handlers are shut down")
-        if type(job_id) is not int or not 0 <= job_id < _JOB_END:
-            job_id = check_job_id(job_id)
-        # The engine's thread for this direction wakes while the tables below are built.
-        self._wake(self.direction)
-        try:
-            src, dst = _pair(spec, self.direction)
-            groups = self._groups(src, dst, block_indices)
-        except (IndexError, ValueError, TypeError) as e:
-            raise InvalidTransferError(f"{self.direction} job {job_id}: {e}") from e
-        ws = self._wait_stream
-        prev = None if self._device_index is None else _get_device()
-        try:
-            self._submit_groups(
-                job_id,
-                groups,
-                self.direction,
-                None if ws is None else ws(),
-                self._route,
-            )
-        except InvalidTransferError as e:
-            raise InvalidTransferError(f"{self.direction} job {job_id}: {e}") from e
-        finally:
-            # The core makes the engine's device current on this thread: give torch its current
-            # device back where it differs (a handler on cuda:1 called under cuda:0).
-            if prev is not None and prev != self._device_index:
-                _maybe_exchange_device(prev)
-        return True
-
-    def _groups(
-        self, src: Any, dst: Any, block_indices: Any
-    ) -> list[tuple[int, SubmitIds, int, SubmitIds, int]]:
-        """The core's ``(source table, ids, destination table, ids, skip)`` per group: ids as
-        int64 arrays, or int32 ones as given (CPU ones still block ids: the core maps them to
-        sub-blocks)."""
-        ng = self._ngroups
-        if ng == 1:
-            srcs, dsts = [src], [dst]
-        else:
-            srcs = list(getattr(src, "block_ids", src))
-            dsts = list(getattr(dst, "block_ids", dst))
-            if len(srcs) != ng or len(dsts) != ng:
-                raise ValueError(
-                    f"this cache has {ng} KV-cache groups: each side of the spec must hold one "
-                    f"block-id array per group, got {len(srcs)} and {len(dsts)}"
-                )
-        if block_indices is not None:
-            # Python ints: vLLM passes a list, and numpy's reductions on a few entries cost more
-            # than the rest of the transfer's checks. A copy: what is checked is what is used,
-            # whatever another thread does to the caller's list meanwhile.
-            starts = block_indices.copy() if type(block_indices) is list else block_indices
-            if type(starts) is not list or any(
-                type(v) is not int or not -_I64_LIMIT <= v < _I64_LIMIT for v in starts
-            ):
-                starts = as_block_ids(starts, "block_indices").tolist()
-            if len(starts) != ng:
-                raise ValueError(
-                    f"block_indices holds {len(starts)} entries for {ng} KV-cache group(s)"
-                )
-            if ng and min(starts) < 0:
-                raise ValueError(f"block_indices must be >= 0, got {min(starts)}")
-        f = self._factor
-        d2h = self._d2h
-        out = []
-        for g in range(ng):
-            where = f"group {g}: " if ng > 1 else ""
-            s = as_block_ids(srcs[g], f"{where}{'GPU' if d2h else 'CPU'} block ids", int32=True)
-            d = as_block_ids(dsts[g], f"{where}{'CPU' if d2h else 'GPU'} block ids", int32=True)
-            first = None if block_indices is None else starts[g]
-            skip = chunk_skip(f, (s if d2h else d).shape[0], first, d2h)
-            gpu_table, cpu_table = self._tables[g]
-            if d2h:
-                out.append((gpu_table, s, cpu_table, d, skip))
-            else:
-                out.append((cpu_table, s, gpu_table, d, skip))
-        return out
-
-    # ---- everything else ---------------------------------------------------------------------
-
-    def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> None:
-        """Blocks until the listed transfers (of either direction) finished; their results still
-        come from :meth:`get_finished`. Ids never submitted (or already reported) are not waited
-        for. Raises :class:`~blockswap.WaitTimeoutError` after ``timeout`` seconds."""
-        ids = check_job_ids(job_ids)
-        with _KeepDevice(self._device_index):
-            self._core_wait(ids, timeout)
-
-    def stats(self) -> LaneStats:
-        """This direction's totals over finished transfers: ``transfers``, ``failed``, ``bytes``,
-        ``seconds`` and ``gb_per_s`` (bytes / seconds / 1e9)."""
-        s: LaneStats = self._core_stats()[self.direction]
-        return s.copy()
-
-    def shutdown(self) -> None:
-        """Shuts down both directions (they share one engine): see
-        :meth:`CpuGpuHandlers.shutdown`."""
-        self._owner.shutdown()
 
 
 # --------------------------------------------------------------------------------------------

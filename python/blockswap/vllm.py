@@ -56,16 +56,16 @@ Importing this module needs vLLM; ``import blockswap`` never imports it.
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
 
 from . import _optional, _vllm_config, _vllm_logging
+from . import _vllm_region as _region
 from ._checks import check_int
 from ._types import BackendName, HandlerPath
 from .errors import ConfigError
@@ -90,17 +90,14 @@ except ModuleNotFoundError as e:
         name=e.name,
     ) from e
 
-from . import _core
 from ._core import (
-    BackendError,
-    BlockswapError,
     chunk_blocks,
     chunk_count,
     chunk_skip,
     stage_slot,
 )
 from .handler import CpuGpuHandlers
-from .hostmem import DEFAULT_PIECE_BYTES, PinnedRows, PinProgress
+from .hostmem import DEFAULT_PIECE_BYTES, PinnedRows
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
@@ -430,23 +427,13 @@ class BlockswapOffloadingWorker(OffloadingWorker):
         one row, so no copy crosses a piece), page-locked on CUDA unless vLLM did it."""
         region = self.mmap_region
         assert region is not None
-        row = region._row_stride
-        # Pieces of whole rows: a page lies inside one cell, so no copy crosses a row.
-        per_piece = max(pin_piece_bytes // row, 1) * row
-        base, total = region.base_tensor.data_ptr(), region.total_size_bytes
-        self.region_pieces = [
-            (base + o, min(per_piece, total - o)) for o in range(0, total, per_piece)
-        ]
-        # This rank's slots, where the region left pre-faulting them to the worker (see
-        # `_new_region`): filled from several threads while the pieces are locked.
-        fill: list[tuple[int, int]] = []
-        if getattr(region, "_blockswap_fill_pending", False):
-            region._blockswap_fill_pending = False
-            fill = _merged((base + o, n) for o, n in region.iter_worker_slot_ranges())
+        # This rank's slots, where the region left pre-faulting them to the worker: filled from
+        # several threads while the pieces are locked.
+        self.region_pieces, fill = _region.pieces_and_fill(region, pin_piece_bytes)
         pin = on_cuda and not region.is_pinned
         if fill or pin:
             # Portable registrations, in the primary context of the engines' device.
-            self._region_pinned = _pin_region(self.region_pieces if pin else [], index, fill)
+            self._region_pinned = _region.pin_region(self.region_pieces if pin else [], index, fill)
             self._pin_device = index
 
     def _canonical_cells(
@@ -509,7 +496,7 @@ class BlockswapOffloadingWorker(OffloadingWorker):
                 counted[key] = counted.get(key, 0) + r.page_size_bytes
             self._groups.append(len(gpu_groups))
             self._classes.append([(nw, wi, counted[nw, wi]) for nw, wi in classes])
-            fragments = [self._fragments(g, per, rows, canon) for per in classes.values()]
+            fragments = [_region.fragments(g, per, rows, canon) for per in classes.values()]
             for j in range(f):
                 for frags in fragments:
                     gpu_groups.append(
@@ -520,31 +507,6 @@ class BlockswapOffloadingWorker(OffloadingWorker):
                         for t, _, co, n in frags
                     ])  # fmt: skip
         return gpu_groups, cpu_groups
-
-    @staticmethod
-    def _fragments(
-        g: int, per_tensor: dict[int, Any], rows: list[torch.Tensor], canon: list[int]
-    ) -> list[tuple[int, int, int, int]]:
-        """``(tensor, local offset, canonical offset, bytes)`` of every fragment of the mappings'
-        runs, each checked to lie in its tensor's GPU row and canonical page."""
-        out = []
-        for t, r in per_tensor.items():
-            for run in r.mapping.runs:
-                n = int(run.fragment_size)
-                for i in range(int(run.num_fragments)):
-                    lo = int(run.local_offset) + i * int(run.local_stride)
-                    co = int(run.canonical_offset) + i * int(run.canonical_stride)
-                    if n <= 0 or lo < 0 or co < 0:
-                        raise ConfigError(f"canonical_layout: group {g} has a run {run}")
-                    if lo + n > rows[t].shape[1] or co + n > canon[t]:
-                        raise ConfigError(
-                            f"canonical_layout: group {g}'s run {run} reaches past tensor {t}'s "
-                            f"page ({rows[t].shape[1]} bytes) or canonical page ({canon[t]})"
-                        )
-                    out.append((t, lo, co, n))
-        if not out:
-            raise ConfigError(f"canonical_layout: group {g}'s mappings have no fragment")
-        return out
 
     @property
     def handlers(self) -> tuple[CpuGpuHandlers, CpuGpuHandlers]:
@@ -626,7 +588,7 @@ class BlockswapOffloadingWorker(OffloadingWorker):
         region, self.mmap_region = self.mmap_region, None
         # What this worker page-locked in the region, undone before the region goes (vLLM's
         # cleanup unpins only what vLLM pinned) or back to the caller.
-        _unpin_region(self._region_pinned, self._pin_device)
+        _region.unpin_region(self._region_pinned, self._pin_device)
         self._region_pinned = []
         if region is not None and release_region:
             region.cleanup()
@@ -713,7 +675,7 @@ class BlockswapOffloadingWorker(OffloadingWorker):
             if fan == 1:
                 # The private cache (one class), or one block per chunk: page id = chunk id.
                 for nw, wi, nbytes in self._classes[g]:
-                    gk, ck = _writer_blocks(ids, cs, cs, nw, wi, store)
+                    gk, ck = _region.writer_blocks(ids, cs, cs, nw, wi, store)
                     out_gpu.append(gk)
                     out_cpu.append(ck)
                     out_start.append(start)
@@ -725,7 +687,7 @@ class BlockswapOffloadingWorker(OffloadingWorker):
                 first = (j - skip) % f  # the first block at sub-block index j of its chunk
                 gj, cj = ids[first::f], sub[first::f] // f
                 for nw, wi, nbytes in self._classes[g]:
-                    gk, ck = _writer_blocks(gj, cj, cj * f + j, nw, wi, store)
+                    gk, ck = _region.writer_blocks(gj, cj, cj * f + j, nw, wi, store)
                     out_gpu.append(gk)
                     out_cpu.append(ck)
                     size += gk.shape[0] * nbytes
@@ -752,106 +714,11 @@ def _check_taken(blocks: int, chunks: int, named_blocks: int, named_chunks: int)
         )
 
 
-def _writer_blocks(
-    gpu: npt.NDArray[np.int64],
-    cpu: npt.NDArray[np.int64],
-    pages: npt.NDArray[np.int64],
-    num_writers: int,
-    writer_index: int,
-    store: bool,
-) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-    """The blocks a transfer moves for a writer class: on a store with several writers, those
-    whose canonical page id (``pages``) is this rank's turn (vLLM's ``is_writer``: ``page %
-    num_writers == writer_index``); every block otherwise (a load reads every page)."""
-    if not store or num_writers == 1:
-        return gpu, cpu
-    mine = pages % num_writers == writer_index
-    return gpu[mine], cpu[mine]
-
-
 #: Regions an engine could still copy into when its shutdown timed out: kept for the process.
 _kept_regions: list[SharedOffloadRegion] = []
 
 #: The lanes of a worker's transfers: each keeps its jobs in submission order.
 _LANES = ("store", "load", "expedited")
-
-
-def _pin_region(
-    pieces: list[tuple[int, int]], device: int, fill: Sequence[tuple[int, int]] = ()
-) -> list[int]:
-    """Faults in the ``fill`` ranges from several threads and page-locks the ``pieces`` with the
-    driver as each is in (every rank registers the whole region: the engines' block tables span
-    every row), with a progress line every ``hostmem.PROGRESS_SECONDS`` while it runs; returns
-    the pieces' addresses for :func:`_unpin_region`. blockswap pins it itself rather than through
-    vLLM's ``host_register``, which pins only where vLLM's platform says CUDA and reports a
-    failure as a warning: the engine moves page-locked memory only, so a failure here is an
-    error, with the driver's reason, and no piece stays locked."""
-    counts = _core.AllocProgress()
-    progress = PinProgress(counts).start()
-    try:
-        _core.fill_and_pin(list(fill), pieces, device if pieces else None, progress=counts)
-    except BlockswapError as e:
-        total = sum(n for _, n in pieces)
-        raise BackendError(
-            f"could not page-lock the CPU offload region ({total / (1 << 30):.2f} GiB in "
-            f"{len(pieces)} pieces): {e}. blockswap's CUDA engine moves page-locked memory only: "
-            "lower cpu_bytes_to_use or raise the memlock limit"
-        ) from e
-    finally:
-        progress.stop()
-    return [a for a, _ in pieces]
-
-
-def _merged(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
-    """``(start, bytes)`` ranges in address order, overlapping or touching ones joined."""
-    out: list[tuple[int, int]] = []
-    for a, n in sorted(ranges):
-        if out and a <= out[-1][0] + out[-1][1]:
-            s, m = out[-1]
-            out[-1] = (s, max(m, a + n - s))
-        else:
-            out.append((a, n))
-    return out
-
-
-def _new_region(**kwargs: Any) -> SharedOffloadRegion:
-    """vLLM's ``SharedOffloadRegion`` made with ``kwargs`` exactly as vLLM makes it, except that
-    where vLLM pre-faults this rank's slots in the constructor (one ``MADV_POPULATE_WRITE`` per
-    chunk from one thread: a 48 GiB region took 20 s, H200 machine) the worker fills them from
-    several threads while it page-locks the region (``_pin_region``: 4.2 s, docs/benchmarks.md).
-    With ``populate_shard`` (replicated layout) vLLM's own shards and barrier stay as they are."""
-    return _deferred_region_class()(**kwargs)
-
-
-@functools.cache
-def _deferred_region_class() -> type:
-    from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
-
-    class _DeferredFillRegion(SharedOffloadRegion):
-        # True while vLLM's constructor runs: its loop over this rank's slots finds none.
-        _blockswap_defer = True
-
-        def __init__(self, **kwargs: Any) -> None:
-            super().__init__(**kwargs)
-            self._blockswap_defer = False
-            #: This rank's slots are still to be faulted in (by the worker).
-            self._blockswap_fill_pending = (
-                kwargs.get("populate_shard") is None and kwargs.get("rank") is not None
-            )
-
-        def iter_worker_slot_ranges(self) -> Iterator[tuple[int, int]]:
-            return iter(()) if self._blockswap_defer else super().iter_worker_slot_ranges()
-
-    return _DeferredFillRegion
-
-
-def _unpin_region(addresses: list[int], device: int) -> None:
-    """Undoes :func:`_pin_region` (no copy reaches the region any more)."""
-    for addr in reversed(addresses):
-        try:
-            _core.cuda_unpin(addr, device)
-        except BlockswapError as e:  # nothing left to do but say so: the pages stay locked
-            log.warning("could not unpin the CPU offload region's piece at %#x: %s", addr, e)
 
 
 def _worker_options(extra_config: dict[str, Any]) -> dict[str, Any]:
@@ -911,7 +778,7 @@ def _spec_class() -> type:
             if self._uses_shared_region() and self.num_chunks > 0:
                 world_size = self.config.parallel.world_size
                 worker_index = self.config.parallel.rank
-                region = _new_region(
+                region = _region.new_region(
                     engine_id=self.config.engine_id,
                     num_chunks=self.num_chunks,
                     rank=0 if self.replicated_layout else worker_index,
@@ -946,7 +813,7 @@ def _tiering_spec_class() -> type:
         def create_worker(self, kv_caches: CanonicalKVCaches) -> BlockswapOffloadingWorker:
             # The region exactly as TieringOffloadingSpec.create_worker makes it, and the
             # canonical layout's references certified by vLLM's own check.
-            region = _new_region(
+            region = _region.new_region(
                 engine_id=self._engine_id,
                 num_chunks=self.num_chunks,
                 rank=0 if self.replicated_layout else self.config.parallel.rank,

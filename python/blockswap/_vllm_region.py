@@ -1,0 +1,166 @@
+"""vLLM's shared offload region as blockswap's vLLM worker (:mod:`blockswap.vllm`) uses it: made
+as vLLM makes it but with this rank's pre-faulting left to the worker, cut into the pieces the
+engines register, faulted in and page-locked from several threads, unlocked at the end; and the
+canonical layout's geometry in it (a mapping's fragments, the writers' turns).
+
+Importing this module needs vLLM only where a region is made."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+
+from . import _core
+from ._core import BackendError, BlockswapError
+from .errors import ConfigError
+from .hostmem import PinProgress
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+
+#: The worker's logger: what happens to its region is part of what the worker logs.
+log = logging.getLogger("blockswap.vllm")
+
+
+def pieces_and_fill(
+    region: SharedOffloadRegion, pin_piece_bytes: int
+) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """``region`` cut into the ``(address, bytes)`` pieces the engines register (whole rows of
+    at most ``pin_piece_bytes``, at least one row: a page lies inside one cell, so no copy
+    crosses a piece), and this rank's slots still to be faulted in, where the region left that
+    to the worker (:func:`new_region`; then no longer pending), joined into ranges."""
+    row = region._row_stride
+    per_piece = max(pin_piece_bytes // row, 1) * row
+    base, total = region.base_tensor.data_ptr(), region.total_size_bytes
+    pieces = [(base + o, min(per_piece, total - o)) for o in range(0, total, per_piece)]
+    fill: list[tuple[int, int]] = []
+    if getattr(region, "_blockswap_fill_pending", False):
+        region._blockswap_fill_pending = False
+        fill = merged((base + o, n) for o, n in region.iter_worker_slot_ranges())
+    return pieces, fill
+
+
+def pin_region(
+    pieces: list[tuple[int, int]], device: int, fill: Sequence[tuple[int, int]] = ()
+) -> list[int]:
+    """Faults in the ``fill`` ranges from several threads and page-locks the ``pieces`` with the
+    driver as each is in (every rank registers the whole region: the engines' block tables span
+    every row), with a progress line every ``hostmem.PROGRESS_SECONDS`` while it runs; returns
+    the pieces' addresses for :func:`unpin_region`. blockswap pins it itself rather than through
+    vLLM's ``host_register``, which pins only where vLLM's platform says CUDA and reports a
+    failure as a warning: the engine moves page-locked memory only, so a failure here is an
+    error, with the driver's reason, and no piece stays locked."""
+    counts = _core.AllocProgress()
+    progress = PinProgress(counts).start()
+    try:
+        _core.fill_and_pin(list(fill), pieces, device if pieces else None, progress=counts)
+    except BlockswapError as e:
+        total = sum(n for _, n in pieces)
+        raise BackendError(
+            f"could not page-lock the CPU offload region ({total / (1 << 30):.2f} GiB in "
+            f"{len(pieces)} pieces): {e}. blockswap's CUDA engine moves page-locked memory only: "
+            "lower cpu_bytes_to_use or raise the memlock limit"
+        ) from e
+    finally:
+        progress.stop()
+    return [a for a, _ in pieces]
+
+
+def merged(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``(start, bytes)`` ranges in address order, overlapping or touching ones joined."""
+    out: list[tuple[int, int]] = []
+    for a, n in sorted(ranges):
+        if out and a <= out[-1][0] + out[-1][1]:
+            s, m = out[-1]
+            out[-1] = (s, max(m, a + n - s))
+        else:
+            out.append((a, n))
+    return out
+
+
+def new_region(**kwargs: Any) -> SharedOffloadRegion:
+    """vLLM's ``SharedOffloadRegion`` made with ``kwargs`` exactly as vLLM makes it, except that
+    where vLLM pre-faults this rank's slots in the constructor (one ``MADV_POPULATE_WRITE`` per
+    chunk from one thread: a 48 GiB region took 20 s, H200 machine) the worker fills them from
+    several threads while it page-locks the region (``pin_region``: 4.2 s, docs/benchmarks.md).
+    With ``populate_shard`` (replicated layout) vLLM's own shards and barrier stay as they are."""
+    return _deferred_region_class()(**kwargs)
+
+
+@functools.cache
+def _deferred_region_class() -> type:
+    from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+
+    class _DeferredFillRegion(SharedOffloadRegion):
+        # True while vLLM's constructor runs: its loop over this rank's slots finds none.
+        _blockswap_defer = True
+
+        def __init__(self, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            self._blockswap_defer = False
+            #: This rank's slots are still to be faulted in (by the worker).
+            self._blockswap_fill_pending = (
+                kwargs.get("populate_shard") is None and kwargs.get("rank") is not None
+            )
+
+        def iter_worker_slot_ranges(self) -> Iterator[tuple[int, int]]:
+            return iter(()) if self._blockswap_defer else super().iter_worker_slot_ranges()
+
+    return _DeferredFillRegion
+
+
+def unpin_region(addresses: list[int], device: int) -> None:
+    """Undoes :func:`pin_region` (no copy reaches the region any more)."""
+    for addr in reversed(addresses):
+        try:
+            _core.cuda_unpin(addr, device)
+        except BlockswapError as e:  # nothing left to do but say so: the pages stay locked
+            log.warning("could not unpin the CPU offload region's piece at %#x: %s", addr, e)
+
+
+def fragments(
+    g: int, per_tensor: dict[int, Any], rows: list[torch.Tensor], canon: list[int]
+) -> list[tuple[int, int, int, int]]:
+    """``(tensor, local offset, canonical offset, bytes)`` of every fragment of the mappings'
+    runs, each checked to lie in its tensor's GPU row and canonical page."""
+    out = []
+    for t, r in per_tensor.items():
+        for run in r.mapping.runs:
+            n = int(run.fragment_size)
+            for i in range(int(run.num_fragments)):
+                lo = int(run.local_offset) + i * int(run.local_stride)
+                co = int(run.canonical_offset) + i * int(run.canonical_stride)
+                if n <= 0 or lo < 0 or co < 0:
+                    raise ConfigError(f"canonical_layout: group {g} has a run {run}")
+                if lo + n > rows[t].shape[1] or co + n > canon[t]:
+                    raise ConfigError(
+                        f"canonical_layout: group {g}'s run {run} reaches past tensor {t}'s "
+                        f"page ({rows[t].shape[1]} bytes) or canonical page ({canon[t]})"
+                    )
+                out.append((t, lo, co, n))
+    if not out:
+        raise ConfigError(f"canonical_layout: group {g}'s mappings have no fragment")
+    return out
+
+
+def writer_blocks(
+    gpu: npt.NDArray[np.int64],
+    cpu: npt.NDArray[np.int64],
+    pages: npt.NDArray[np.int64],
+    num_writers: int,
+    writer_index: int,
+    store: bool,
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """The blocks a transfer moves for a writer class: on a store with several writers, those
+    whose canonical page id (``pages``) is this rank's turn (vLLM's ``is_writer``: ``page %
+    num_writers == writer_index``); every block otherwise (a load reads every page)."""
+    if not store or num_writers == 1:
+        return gpu, cpu
+    mine = pages % num_writers == writer_index
+    return gpu[mine], cpu[mine]
