@@ -6,6 +6,7 @@ use cudarc::driver::sys;
 
 use super::resources::{DeviceMem, Event, Stream};
 use crate::backend::BackendError;
+use crate::direction::Direction;
 use crate::kernel::{KernelKind, KernelSpec};
 use crate::table::StagedStep;
 
@@ -35,6 +36,17 @@ pub(super) struct StagedRun {
     pub(super) upload: Option<EntryUpload>,
     /// CPU -> GPU: the slot of the step whose rows went in and whose kernel has not.
     pub(super) kernel_slot: Option<usize>,
+}
+
+impl StagedRun {
+    /// Every step of the run went in, and it had one: GPU -> CPU each step's kernel and rows,
+    /// CPU -> GPU each step's rows and kernel (one step more than there are: the last kernel).
+    pub(super) fn whole(&self, lane: Direction) -> bool {
+        let n = self.steps.len();
+        n > 0
+            && self.kernel_slot.is_none()
+            && self.next >= n + usize::from(lane == Direction::HostToDevice)
+    }
 }
 
 /// The ring slot the next step takes: the two in turn, across transfers.

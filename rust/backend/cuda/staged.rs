@@ -349,7 +349,15 @@ impl Shared {
     /// the caller's, who expects the whole transfer on it. Any other marker goes on the lane's
     /// stream, after the kernel stream where a staged transfer or marker went there last.
     /// Where an ordering call fails, this waits for the kernel stream instead.
-    pub(super) fn marker_stream(&self, lane: Direction, staged: bool) -> StreamHandle {
+    ///
+    /// `whole`: the staged transfer's every step went in (see [`StagedRun::whole`]). Its last
+    /// step already waited for all of its work on the other stream: CPU -> GPU the last kernel
+    /// for the slot's rows (the lane's stream runs in order, so for every row and the entries'
+    /// copy before them), GPU -> CPU the last rows for the slot's kernel (the kernel stream runs
+    /// in order). The marker then goes after it with no second wait between the streams, which
+    /// would order nothing the last step does not (alternated with the build before on an H100,
+    /// 2026-11-27: within the run-to-run spread, `benches/probe_one_copy.py`).
+    pub(super) fn marker_stream(&self, lane: Direction, staged: bool, whole: bool) -> StreamHandle {
         let l = self.lane(lane);
         let lstream = l.stream.handle();
         let mut stage = l
@@ -360,15 +368,18 @@ impl Shared {
             return lstream;
         };
         let kstream = st.stream.handle();
+        let host_src = lane == Direction::HostToDevice;
         if staged
-            && lane == Direction::HostToDevice
+            && host_src
             && l.stream.owned
-            && order(&st.lane_done, lstream, kstream).is_ok()
+            && (whole || order(&st.lane_done, lstream, kstream).is_ok())
         {
             st.marker_on_kernels = true;
             return kstream;
         }
-        if staged || st.marker_on_kernels {
+        // GPU -> CPU a whole staged transfer ends with rows on the lane's stream (see above).
+        let ends_here = staged && whole && !host_src;
+        if (staged && !ends_here) || st.marker_on_kernels {
             if order(&st.join, kstream, lstream).is_err() {
                 let _ = kstream.synchronize();
             }

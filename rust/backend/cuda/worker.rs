@@ -356,8 +356,10 @@ impl Shared {
                 .unwrap_or_else(std::sync::PoisonError::into_inner)
                 .push(dep);
         }
+        let whole =
+            progress.outcome.is_ok() && progress.staged.as_ref().is_some_and(|r| r.whole(lane));
         let outcome = progress.outcome;
-        let tail = self.marker_stream(lane, matches!(job.plan, Plan::Staged(_)));
+        let tail = self.marker_stream(lane, matches!(job.plan, Plan::Staged(_)), whole);
         if let (Ok(()), Some((_, end))) = (&outcome, self.timing(lane, seq)) {
             let _ = end.record(tail);
         }
