@@ -203,3 +203,54 @@ impl Stage {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(steps: usize, next: usize, kernel_slot: Option<usize>) -> StagedRun {
+        StagedRun {
+            kernel: LoadedKernel {
+                function: 0,
+                spec: KernelSpec {
+                    function: 0,
+                    threads: 128,
+                    shared: 0,
+                    params: Vec::new(),
+                    rows: 1,
+                    ctas: 16,
+                    row_bytes: 0,
+                },
+                kind: KernelKind::Staged,
+                total: 0,
+            },
+            steps: (0..steps)
+                .map(|i| StagedStep {
+                    rows: i..i + 1,
+                    blocks: i..i + 1,
+                    ring_start: 0,
+                })
+                .collect(),
+            next,
+            fail_at: None,
+            cols: [0; 3],
+            desc: None,
+            upload: None,
+            kernel_slot,
+        }
+    }
+
+    #[test]
+    fn a_run_is_whole_once_its_last_step_went_in_and_only_then() {
+        let (d2h, h2d) = (Direction::DeviceToHost, Direction::HostToDevice);
+        // GPU -> CPU: each step is its kernel then its rows; the last step's rows end it.
+        assert!(run(3, 3, None).whole(d2h));
+        assert!(!run(3, 2, None).whole(d2h));
+        // CPU -> GPU: one step more than there are, the last kernel; not before it went in.
+        assert!(!run(3, 3, Some(1)).whole(h2d));
+        assert!(run(3, 4, None).whole(h2d));
+        // A run with no step orders nothing: never whole.
+        assert!(!run(0, 0, None).whole(d2h));
+        assert!(!run(0, 1, None).whole(h2d));
+    }
+}
