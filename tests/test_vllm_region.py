@@ -602,8 +602,8 @@ def test_pinning_the_region_counts_progress_and_fails_whole(
     """``pin_region`` hands the core an ``AllocProgress`` that a ``PinProgress`` reports every
     ``PROGRESS_SECONDS`` (here: the bytes filled, counted by the core), and a failure is one
     error naming the region's size and the driver's reason."""
-    from blockswap import hostmem
     from blockswap import _vllm_region as vr
+    from blockswap import hostmem
 
     n = 8 << 20
     buf = mmap.mmap(-1, n)
