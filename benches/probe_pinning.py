@@ -224,12 +224,9 @@ def vllm_region(size: int, cell: int, piece: int | None) -> dict[str, Any] | Non
     t1 = time.perf_counter()
     device = torch.cuda.current_device()
     try:
-        base, total = region.base_tensor.data_ptr(), region.total_size_bytes
-        step = piece or total
-        pieces = [(base + o, min(step, total - o)) for o in range(0, total, step)]
-        fill = []
-        if piece is not None:
-            fill = vr.merged((base + o, n) for o, n in region.iter_worker_slot_ranges())
+        total = region.total_size_bytes
+        # The plug-in's pieces (whole rows) and, where the region left it, the rank's fill.
+        pieces, fill = vr.pieces_and_fill(region, piece or total)
         pinned = vr.pin_region(pieces, device, fill)
         t2 = time.perf_counter()
         vr.unpin_region(pinned, device)
