@@ -499,6 +499,8 @@ def test_threads_announce_and_submit_on_one_direction_as_its_thread_sleeps_and_w
     in place, each reported once."""
     import threading
 
+    from reliability_helpers import join_all
+
     nthreads, rounds, size = 4, 60, 64 * KiB
     n = nthreads * rounds
     host = torch.randint(0, 256, (n * size,), dtype=torch.uint8).pin_memory()
@@ -531,8 +533,7 @@ def test_threads_announce_and_submit_on_one_direction_as_its_thread_sleeps_and_w
     threads = [threading.Thread(target=worker, args=(t,)) for t in range(nthreads)]
     for th in threads:
         th.start()
-    for th in threads:
-        th.join()
+    join_all(threads)
     assert not errors, errors[:3]
     eng.wait(range(n), timeout=30)
     results = eng.get_finished()
