@@ -23,10 +23,12 @@ use crate::region::{MemoryKind, RegionTable};
 
 mod chunks;
 mod error;
+mod geometry;
 mod runs;
 mod staged;
 pub use chunks::{chunk_blocks, chunk_count, chunk_skip, map_chunks};
 pub use error::{Overlap, TableError};
+use geometry::{pages_disjoint, shared_segments};
 use runs::written_rows;
 pub use runs::{
     block_route, block_runs, expand_runs_into, for_each_row, Run, BLOCK_MAX_COPIES, BLOCK_MIN_PAGE,
@@ -127,56 +129,6 @@ pub struct BlockTable {
     cuts: Vec<u64>,
     /// `[lowest byte, end)` over every segment: tables whose spans are apart share no byte.
     span: (u64, u64),
-}
-
-/// Whether the segments interleave without sharing a byte: one block stride `T` for all, and
-/// every page inside one period `[b0, b0 + T)` from the lowest base `b0`, the pages' offsets in it
-/// pairwise disjoint. Page `(s, b)` is then `[b0 + b * T + off_s, + nbytes_s)`, so distinct pairs
-/// never share a byte: how a block-major cache (a block's pages in one chunk) is laid out.
-fn interleaved(bases: &[u64], strides: &[u64], nbytes: &[u64], num_blocks: u64) -> bool {
-    let t = strides[0];
-    if num_blocks > 1 && strides.iter().any(|&s| s != t) {
-        return false;
-    }
-    let b0 = *bases.iter().min().expect("at least one segment");
-    let mut offs: Vec<(u64, u64)> = bases
-        .iter()
-        .zip(nbytes)
-        .map(|(&b, &z)| (b - b0, z))
-        .collect();
-    offs.sort_unstable();
-    let in_period = num_blocks == 1 || offs.iter().all(|&(o, z)| o.saturating_add(z) <= t);
-    in_period && offs.windows(2).all(|w| w[0].0 + w[0].1 <= w[1].0)
-}
-
-/// Two segments (the lower first) whose pages of one block share bytes in every block: one
-/// block stride, and page ranges that overlap at block 0, as layers that view one tensor have.
-/// `None` where there are none; pages that overlap for some blocks only are found per transfer
-/// (see [`check_written`]).
-fn shared_segments(
-    bases: &[u64],
-    strides: &[u64],
-    nbytes: &[u64],
-    num_blocks: u64,
-) -> Option<(usize, usize)> {
-    // With one block, every page is at block 0: the strides do not matter.
-    let stride = |s: usize| if num_blocks > 1 { strides[s] } else { 0 };
-    let mut order: Vec<usize> = (0..bases.len()).collect();
-    order.sort_unstable_by_key(|&s| (stride(s), bases[s], s));
-    // Among segments of one stride in order of their bases, one overlaps an earlier one exactly
-    // when it starts before the furthest end so far (`reach`, and the segment that has it).
-    let mut reach: Option<(u64, u64, usize)> = None;
-    for &s in &order {
-        let end = bases[s] + nbytes[s];
-        match reach {
-            Some((t, far, r)) if t == stride(s) && bases[s] < far => {
-                return Some((r.min(s), r.max(s)))
-            }
-            Some((t, far, _)) if t == stride(s) && far >= end => {}
-            _ => reach = Some((stride(s), end, s)),
-        }
-    }
-    None
 }
 
 /// The first of `cuts` (sorted) strictly inside the range of `extent` bytes from `start + b *
@@ -288,9 +240,7 @@ impl BlockTable {
                 });
             }
         }
-        spans.sort_unstable();
-        let disjoint = spans.windows(2).all(|w| w[0].0 + w[0].1 <= w[1].0)
-            || interleaved(&bases, &strides, &nbytes, num_blocks);
+        let disjoint = pages_disjoint(&spans, &bases, &strides, &nbytes, num_blocks);
         let shared = if disjoint {
             None
         } else {

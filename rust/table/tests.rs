@@ -294,6 +294,48 @@ fn overlapping_segments_fall_back_to_a_full_check() {
     ));
 }
 
+#[test]
+fn fragments_of_several_tensors_are_proven_disjoint_tensor_by_tensor() {
+    let r = regions();
+    // Two layer tensors 4 KiB apart, each holding two 64-byte fragments of every 256-byte page
+    // (vLLM's canonical layout views a page's fragments as segments): the tensors' spans lie
+    // apart and the fragments of each interleave, so no transfer needs the sorted check.
+    let frags = |at: &[u64]| {
+        BlockTable::new(
+            at.to_vec(),
+            vec![256; at.len()],
+            vec![64; at.len()],
+            8,
+            MemoryKind::Device,
+            &r,
+        )
+        .unwrap()
+    };
+    let t = frags(&[0x10000, 0x10080, 0x11000, 0x11040]);
+    assert!(t.disjoint);
+    let h = BlockTable::new(
+        vec![0x40000, 0x40040, 0x40080, 0x400c0],
+        vec![256; 4],
+        vec![64; 4],
+        8,
+        MemoryKind::Host,
+        &r,
+    )
+    .unwrap();
+    assert!(expand(&h, &[0, 1], &t, &[2, 3]).is_ok());
+    // The second tensor's fragments overlap (32 bytes apart): the table is not proven
+    // disjoint, and a transfer writing them is refused.
+    let bad = frags(&[0x10000, 0x10080, 0x11000, 0x11020]);
+    assert!(!bad.disjoint);
+    assert!(matches!(
+        expand(&h, &[0], &bad, &[0]),
+        Err(TableError::OverlappingDestinations { .. })
+    ));
+    // A fragment past the page's stride in one tensor overlaps the next block's page.
+    let long = frags(&[0x10000, 0x10080, 0x11000, 0x110e0]);
+    assert!(!long.disjoint);
+}
+
 /// `layers` GPU layers of `page`-byte pages (8 blocks each, layer after layer in one
 /// allocation unless `split` cuts them) and a block-major CPU cache of the same pages.
 fn block_route_tables(page: u64, layers: u64, split: Option<u64>) -> (BlockTable, BlockTable) {

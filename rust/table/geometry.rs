@@ -1,0 +1,91 @@
+//! What a table's geometry proves about its pages, once, at registration: whether two distinct
+//! (segment, block) pages can share a byte (if not, unique destination ids prove a transfer's
+//! destinations disjoint without sorting them), and which segments share bytes in every block.
+
+/// Whether no two distinct (segment, block) pages share a byte, by the geometry alone. `spans`:
+/// each segment's `(first byte, length)` over all its blocks. The segments fall into clusters
+/// whose spans overlap (a tensor's segments), clusters lying apart from each other; the pages are
+/// disjoint where every cluster of more than one segment [`interleaved`]. This covers segments
+/// apart (a cluster each), a block-major cache (one cluster) and several tensors each holding
+/// several segments in every block (vLLM's canonical fragments: a cluster per layer tensor).
+pub(super) fn pages_disjoint(
+    spans: &[(u64, u64)],
+    bases: &[u64],
+    strides: &[u64],
+    nbytes: &[u64],
+    num_blocks: u64,
+) -> bool {
+    let mut order: Vec<usize> = (0..spans.len()).collect();
+    order.sort_unstable_by_key(|&s| spans[s]);
+    let mut cluster: Vec<usize> = Vec::new();
+    let mut reach = 0u64;
+    let mut rest = order.into_iter().peekable();
+    while let Some(s) = rest.next() {
+        if cluster.is_empty() {
+            reach = spans[s].0;
+        }
+        cluster.push(s);
+        reach = reach.max(spans[s].0 + spans[s].1);
+        // The cluster ends where the next span starts at or past the furthest end so far.
+        if rest.peek().is_none_or(|&n| spans[n].0 >= reach) {
+            if cluster.len() > 1 {
+                let pick = |v: &[u64]| cluster.iter().map(|&i| v[i]).collect::<Vec<u64>>();
+                if !interleaved(&pick(bases), &pick(strides), &pick(nbytes), num_blocks) {
+                    return false;
+                }
+            }
+            cluster.clear();
+        }
+    }
+    true
+}
+
+/// Whether the segments interleave without sharing a byte: one block stride `T` for all, and
+/// every page inside one period `[b0, b0 + T)` from the lowest base `b0`, the pages' offsets in it
+/// pairwise disjoint. Page `(s, b)` is then `[b0 + b * T + off_s, + nbytes_s)`, so distinct pairs
+/// never share a byte: how a block-major cache (a block's pages in one chunk) is laid out.
+fn interleaved(bases: &[u64], strides: &[u64], nbytes: &[u64], num_blocks: u64) -> bool {
+    let t = strides[0];
+    if num_blocks > 1 && strides.iter().any(|&s| s != t) {
+        return false;
+    }
+    let b0 = *bases.iter().min().expect("at least one segment");
+    let mut offs: Vec<(u64, u64)> = bases
+        .iter()
+        .zip(nbytes)
+        .map(|(&b, &z)| (b - b0, z))
+        .collect();
+    offs.sort_unstable();
+    let in_period = num_blocks == 1 || offs.iter().all(|&(o, z)| o.saturating_add(z) <= t);
+    in_period && offs.windows(2).all(|w| w[0].0 + w[0].1 <= w[1].0)
+}
+
+/// Two segments (the lower first) whose pages of one block share bytes in every block: one
+/// block stride, and page ranges that overlap at block 0, as layers that view one tensor have.
+/// `None` where there are none; pages that overlap for some blocks only are found per transfer
+/// (see [`check_written`]).
+pub(super) fn shared_segments(
+    bases: &[u64],
+    strides: &[u64],
+    nbytes: &[u64],
+    num_blocks: u64,
+) -> Option<(usize, usize)> {
+    // With one block, every page is at block 0: the strides do not matter.
+    let stride = |s: usize| if num_blocks > 1 { strides[s] } else { 0 };
+    let mut order: Vec<usize> = (0..bases.len()).collect();
+    order.sort_unstable_by_key(|&s| (stride(s), bases[s], s));
+    // Among segments of one stride in order of their bases, one overlaps an earlier one exactly
+    // when it starts before the furthest end so far (`reach`, and the segment that has it).
+    let mut reach: Option<(u64, u64, usize)> = None;
+    for &s in &order {
+        let end = bases[s] + nbytes[s];
+        match reach {
+            Some((t, far, r)) if t == stride(s) && bases[s] < far => {
+                return Some((r.min(s), r.max(s)))
+            }
+            Some((t, far, _)) if t == stride(s) && far >= end => {}
+            _ => reach = Some((stride(s), end, s)),
+        }
+    }
+    None
+}
