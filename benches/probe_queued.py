@@ -6,6 +6,13 @@ first copy, the copy engine's busy share of the span, its gaps, and the time fro
 ``wait`` returning.
 
     python benches/probe_queued.py [--models llama-3.1-70b-tp4,qwen2.5-7b] [--reps 3]
+                                   [--caller-stream default|side]
+
+A timeline without the profiler follows: when each submit returned and when each transfer's
+result was seen (``get_finished`` polled), from the first submit, median over ``--reps`` runs
+of 8. ``--caller-stream side``: the caller's current stream is one it made. The profiled run
+also lists each thread's CUDA calls of its first 400 us that the profiler sees (kernel launches
+by the engine's thread; the caller's synchronize).
 
 Printed, not saved. The profiler slows the host's driver calls: its run's rate is not the figure,
 its GPU durations and gaps are.
@@ -36,9 +43,12 @@ def main() -> int:
     ap = parser(__doc__, json=False, reps=3)
     ap.add_argument("--models", default="llama-3.1-70b-tp4,qwen2.5-7b")
     ap.add_argument("--blocks", type=int, default=32)
+    ap.add_argument("--caller-stream", choices=("default", "side"), default="default")
     args = ap.parse_args()
     if not need_cuda("probe_queued"):
         return 1
+    if args.caller_stream == "side":
+        torch.cuda.set_stream(torch.cuda.Stream())
     rng = np.random.default_rng(0)
     ceil = ceiling()
     print(link_header(ceil))
@@ -100,6 +110,21 @@ def one_model(m: Any, blocks: int, reps: int, ceil: dict[str, float], rng: Any) 
                 assert all(r.success for r in w.get_finished())
                 return rate
 
+            def queued_timeline(n: int) -> tuple[list[float], list[float]]:
+                specs = [make() for _ in range(n)]
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                back = []
+                for s in specs:
+                    submit(s)
+                    back.append(time.perf_counter() - t0)
+                seen: list[float] = []
+                while len(seen) < n:
+                    for r in w.get_finished():
+                        assert r.success
+                        seen.append(time.perf_counter() - t0)
+                return back, seen
+
             for _ in range(3):
                 queued(8)
                 ref(8)
@@ -112,6 +137,7 @@ def one_model(m: Any, blocks: int, reps: int, ceil: dict[str, float], rng: Any) 
             print(f"{m.name[:20]:<20} {case.page // 1024:>3} KiB {d} {nbytes >> 20} MiB a "
                   "transfer; % of the link: " + ", ".join(
                       f"{k} {100 * v / ceil[d]:.1f}" for k, v in pct.items()))  # fmt: skip
+            timeline(queued_timeline, reps, nbytes, ceil[d])
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 queued(8)
             with tempfile.TemporaryDirectory() as tmp:
@@ -122,6 +148,16 @@ def one_model(m: Any, blocks: int, reps: int, ceil: dict[str, float], rng: Any) 
             report(events, nbytes, to_cpu)
     finally:
         w.shutdown()
+
+
+def timeline(run: Any, reps: int, nbytes: int, link: float) -> None:
+    runs = [run(8) for _ in range(reps)]
+    back = np.median([r[0] for r in runs], axis=0) * 1e6
+    seen = np.median([r[1] for r in runs], axis=0) * 1e6
+    one = nbytes / link / 1e3  # us of one transfer at the link's ceiling
+    print(f"    timeline (us from the first submit; one transfer at the link {one:.0f}): "
+          f"submits returned {' '.join(f'{t:.0f}' for t in back)}; results seen "
+          f"{' '.join(f'{t:.0f}' for t in seen)}; apart {' '.join(f'{t:.0f}' for t in np.diff(seen))}")  # fmt: skip
 
 
 def report(events: list[dict[str, Any]], nbytes: int, to_cpu: bool) -> None:
@@ -165,6 +201,19 @@ def report(events: list[dict[str, Any]], nbytes: int, to_cpu: bool) -> None:
           f"{sum(e['dur'] for e in kern):.0f} us; rows {pbytes} of {8 * nbytes} bytes")  # fmt: skip
     for w in wide:
         print(f"      gap {w}")
+    # The driver calls of the first 400 us, thread by thread (the caller's and the engine's).
+    calls = sorted(
+        (e for e in events if e.get("cat") in ("cuda_driver", "cuda_runtime") and "ts" in e),
+        key=lambda e: e["ts"],
+    )
+    threads: dict[Any, list[str]] = {}
+    for e in calls:
+        if e["ts"] - t0 < 400:
+            threads.setdefault(e.get("tid"), []).append(
+                f"{e['name']} +{e['ts'] - t0:.0f}/{e['dur']:.0f}"
+            )
+    for tid, names in threads.items():
+        print(f"      thread {tid}: {'; '.join(names[:24])}")
 
 
 if __name__ == "__main__":
