@@ -98,6 +98,9 @@ struct SubmitState {
     parts: HashMap<u64, memory::Parts>,
     /// Block tables by id (a removed one leaves a hole that the next registration fills).
     tables: Vec<Option<BlockTable>>,
+    /// Pairs of registered tables (the lower id first) whose spans overlap but whose pages share
+    /// no byte whatever the blocks ([`BlockTable::apart_from`]), found at registration.
+    apart: std::collections::HashSet<(u32, u32)>,
     scratch: Scratch,
     /// Chunk ids expanded to table blocks, per side (see [`crate::table::expand_groups_into`]).
     chunk_ids: [Vec<u64>; 2],
@@ -174,6 +177,7 @@ impl Engine {
                 pinned: std::collections::HashSet::default(),
                 parts: HashMap::new(),
                 tables: Vec::new(),
+                apart: std::collections::HashSet::new(),
                 scratch: Scratch::default(),
                 chunk_ids: [Vec::new(), Vec::new()],
             }),

@@ -612,9 +612,10 @@ impl Group<'_> {
 /// group where there are several, and positions in chunk ids where a side has them.
 ///
 /// Destinations are proven disjoint within each group by its plan (see the module's rule);
-/// across groups by their tables' spans, or, where two groups' destination tables may share bytes
-/// (one tensor in two groups), by checking what the whole batch writes (pages, 2-D copies' rows
-/// or staged pages alike).
+/// across groups by `apart` (the caller found every two groups' destination tables
+/// [`BlockTable::apart_from`] each other) or their tables' spans, or, where two groups'
+/// destination tables may share bytes (one tensor in two groups), by checking what the whole
+/// batch writes (pages, 2-D copies' rows or staged pages alike).
 /// `out` must have room for every group's descriptors; `bufs` holds expanded chunk ids.
 pub fn expand_groups_into(
     groups: &[Group<'_>],
@@ -622,6 +623,7 @@ pub fn expand_groups_into(
     out: Columns<'_>,
     scratch: &mut Scratch,
     bufs: &mut [Vec<u64>; 2],
+    apart: bool,
 ) -> Result<Prepared, TableError> {
     let many = groups.len() > 1;
     let in_group = |group: usize, error: TableError| {
@@ -747,7 +749,7 @@ pub fn expand_groups_into(
         total.alignment = total.alignment.min(p.alignment);
         total.staged_rows += p.staged_rows;
         let (lo, hi) = g.dst.span;
-        shared |= used.iter().any(|&(a, b)| lo < b && a < hi);
+        shared |= !apart && used.iter().any(|&(a, b)| lo < b && a < hi);
         used.push(g.dst.span);
     }
     if total.len == 0 {

@@ -814,3 +814,87 @@ fn groups_move_as_one_transfer_with_chunk_ids_and_skips() {
     assert!(err.to_string().contains("empty"), "{err}");
     drop(engine);
 }
+
+#[test]
+fn groups_whose_layers_alternate_move_as_one_transfer_and_a_reused_id_is_checked_again() {
+    // Two KV-cache groups whose layers alternate in one GPU allocation (layers 0 and 2, layers 1
+    // and 3: 4 blocks of 128 bytes each), and CPU cells holding both groups' pages of a block:
+    // the groups' tables overlap by span but never share a byte, which registration finds.
+    let mut b = Buffers {
+        src: (0..2048u32).map(|i| (i * 11 % 255 + 1) as u8).collect(), // no zero byte
+        dst: vec![0; 2048],
+    };
+    let (engine, _) = engine_with(&mut b, EngineConfig::default());
+    let (h, d) = (b.src.as_ptr() as u64, b.dst.as_ptr() as u64);
+    let table = |bases: Vec<u64>, stride: u64, kind, name: &str| {
+        engine
+            .register_table(
+                TableSpec::new(bases, vec![stride; 2], vec![128; 2], 4, kind).named(name, 1),
+            )
+            .unwrap()
+    };
+    let gpu0 = table(vec![d, d + 1024], 128, MemoryKind::Device, "GPU");
+    let gpu1 = table(vec![d + 512, d + 1536], 128, MemoryKind::Device, "GPU");
+    let cpu0 = table(vec![h, h + 128], 512, MemoryKind::Host, "CPU");
+    let cpu1 = table(vec![h + 256, h + 384], 512, MemoryKind::Host, "CPU");
+    let shape = |name| match name {
+        "pages" => Plan::Pages(None),
+        "runs" => Plan::Runs(()),
+        _ => Plan::Staged(None),
+    };
+    let mut job = 0;
+    for name in ["pages", "runs", "staged"] {
+        b.dst.fill(0);
+        job += 1;
+        let load = [
+            GroupIds::blocks(cpu0, &[1, 2], gpu0, &[3, 0]),
+            GroupIds::blocks(cpu1, &[1, 3], gpu1, &[3, 1]),
+        ];
+        engine
+            .submit_groups(job, &load, Direction::HostToDevice, None, shape(name))
+            .unwrap();
+        assert!(finish(&engine, &[job])[0].success, "{name}");
+        // GPU page (layer base, block) <- CPU cell offset of the same layer in block `cb`.
+        let moved = [
+            (0usize, 3usize, 0usize, 1usize),
+            (1024, 3, 128, 1),
+            (0, 0, 0, 2),
+            (1024, 0, 128, 2),
+            (512, 3, 256, 1),
+            (1536, 3, 384, 1),
+            (512, 1, 256, 3),
+            (1536, 1, 384, 3),
+        ];
+        for (layer, gb, off, cb) in moved {
+            let (g, c) = (layer + gb * 128, cb * 512 + off);
+            assert_eq!(b.dst[g..g + 128], b.src[c..c + 128], "{name}: GPU byte {g}");
+        }
+        // Nothing else written.
+        assert_eq!(b.dst.iter().filter(|&&x| x != 0).count(), 8 * 128, "{name}");
+    }
+    // A table registered in group 1's freed id over group 0's pages is not apart from it: a
+    // transfer writing the same page from both groups is refused and writes nothing.
+    engine.unregister_table(gpu1).unwrap();
+    let over = table(vec![d, d + 1024], 128, MemoryKind::Device, "GPU");
+    assert_eq!(over, gpu1);
+    b.dst.fill(0);
+    let load = [
+        GroupIds::blocks(cpu0, &[1], gpu0, &[2]),
+        GroupIds::blocks(cpu1, &[3], over, &[2]),
+    ];
+    let e = engine
+        .submit_groups(
+            job + 1,
+            &load,
+            Direction::HostToDevice,
+            None,
+            Plan::Pages(None),
+        )
+        .unwrap_err();
+    assert!(
+        matches!(e, EngineError::Table(_)) && e.to_string().contains("overlap"),
+        "{e}"
+    );
+    assert!(b.dst.iter().all(|&x| x == 0));
+    drop(engine);
+}

@@ -140,6 +140,17 @@ impl Engine {
         if id == state.tables.len() {
             state.tables.push(None);
         }
+        // Which registered tables this one's pages never meet (see `SubmitState::apart`): a
+        // transfer into two groups' tables then needs no check across them.
+        let apart: Vec<(u32, u32)> = state
+            .tables
+            .iter()
+            .enumerate()
+            .filter_map(|(j, t)| Some((j, t.as_ref()?)))
+            .filter(|(_, t)| t.spans_overlap(&table) && t.apart_from(&table))
+            .map(|(j, _)| (j.min(id) as u32, j.max(id) as u32))
+            .collect();
+        state.apart.extend(apart);
         state.tables[id] = Some(table);
         Ok(id as u32)
     }
@@ -153,6 +164,7 @@ impl Engine {
         }
         self.check_idle(0)?;
         state.tables[id as usize] = None;
+        state.apart.retain(|&(a, b)| a != id && b != id);
         Ok(())
     }
 
@@ -327,17 +339,31 @@ impl Engine {
             |state, cols, sizing| {
                 let SubmitState {
                     tables,
+                    apart,
                     scratch,
                     chunk_ids,
                     ..
                 } = state;
                 let resolved = resolve_groups(tables, groups, direction)?;
                 let plan = expansion(&sizing, coalesce, slot, direction);
-                expand_groups_into(&resolved, plan, cols, scratch, chunk_ids)
+                let apart = groups_apart(groups, apart);
+                expand_groups_into(&resolved, plan, cols, scratch, chunk_ids, apart)
                     .map_err(EngineError::from)
             },
         )
     }
+}
+
+/// Whether every two groups' destination tables are distinct and registered as apart
+/// (`SubmitState::apart`); false for one group (nothing to prove) as for any pair that is not.
+fn groups_apart(groups: &[GroupIds<'_>], apart: &std::collections::HashSet<(u32, u32)>) -> bool {
+    groups.len() > 1
+        && groups.iter().enumerate().all(|(i, g)| {
+            groups[i + 1..].iter().all(|h| {
+                let (a, b) = (g.dst_table.min(h.dst_table), g.dst_table.max(h.dst_table));
+                a != b && apart.contains(&(a, b))
+            })
+        })
 }
 
 /// What sizing a group transfer's slab found out for its fill: nothing more for pages, each

@@ -1,6 +1,45 @@
 //! What a table's geometry proves about its pages, once, at registration: whether two distinct
 //! (segment, block) pages can share a byte (if not, unique destination ids prove a transfer's
-//! destinations disjoint without sorting them), and which segments share bytes in every block.
+//! destinations disjoint without sorting them), which segments share bytes in every block, and
+//! whether two tables' pages can share a byte whatever the ids.
+
+use super::BlockTable;
+
+impl BlockTable {
+    /// Whether the two tables' spans (`[lowest byte, end)` over every segment) share a byte.
+    #[must_use]
+    pub fn spans_overlap(&self, other: &BlockTable) -> bool {
+        let ((a, b), (c, d)) = (self.span, other.span);
+        a < d && c < b
+    }
+
+    /// Whether no page of this table shares a byte with a page of `other`, whatever the blocks:
+    /// their spans apart, or their segments together [`pages_disjoint`] (at the larger block
+    /// count, which only adds pages). Two KV-cache groups' tables whose layers alternate in
+    /// memory overlap by span and are apart by this rule; a transfer into both then needs no
+    /// check of what it writes across them.
+    #[must_use]
+    pub fn apart_from(&self, other: &BlockTable) -> bool {
+        if !self.spans_overlap(other) {
+            return true;
+        }
+        let cat = |x: &[u64], y: &[u64]| [x, y].concat();
+        let spans: Vec<(u64, u64)> = [self, other]
+            .iter()
+            .flat_map(|t| {
+                let last = t.num_blocks - 1;
+                (0..t.segments()).map(move |s| (t.bases[s], last * t.strides[s] + t.nbytes[s]))
+            })
+            .collect();
+        pages_disjoint(
+            &spans,
+            &cat(&self.bases, &other.bases),
+            &cat(&self.strides, &other.strides),
+            &cat(&self.nbytes, &other.nbytes),
+            self.num_blocks.max(other.num_blocks),
+        )
+    }
+}
 
 /// Whether no two distinct (segment, block) pages share a byte, by the geometry alone. `spans`:
 /// each segment's `(first byte, length)` over all its blocks. The segments fall into clusters

@@ -89,6 +89,7 @@ fn run(groups: &[Group<'_>]) -> Result<Vec<(u64, u64, u64)>, TableError> {
         },
         &mut Scratch::default(),
         &mut [Vec::new(), Vec::new()],
+        false,
     )?;
     Ok((0..p.len).map(|i| (a[i], b[i], z[i])).collect())
 }

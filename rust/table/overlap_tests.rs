@@ -110,7 +110,14 @@ fn run(
         size: &mut z,
     };
     let mut bufs = [Vec::new(), Vec::new()];
-    expand_groups_into(&groups, plan, cols, &mut Scratch::default(), &mut bufs)
+    expand_groups_into(
+        &groups,
+        plan,
+        cols,
+        &mut Scratch::default(),
+        &mut bufs,
+        false,
+    )
 }
 
 #[test]

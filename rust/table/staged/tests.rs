@@ -36,7 +36,15 @@ fn staged(host: &BlockTable, gpu: &BlockTable, ids: &[u64], merge: u64) -> Stage
         slot: 1 << 20,
     });
     let mut bufs = [Vec::new(), Vec::new()];
-    let p = expand_groups_into(&[group], plan, cols, &mut Scratch::default(), &mut bufs).unwrap();
+    let p = expand_groups_into(
+        &[group],
+        plan,
+        cols,
+        &mut Scratch::default(),
+        &mut bufs,
+        false,
+    )
+    .unwrap();
     assert_eq!((p.staged_blocks_at, p.len), (n, len));
     let rows = (0..p.staged_rows).map(|i| (a[i], b[i], z[i])).collect();
     let pages = (n..2 * n)
@@ -270,7 +278,7 @@ fn store_cells(
         size: &mut z,
     };
     let mut bufs = [Vec::new(), Vec::new()];
-    let p = expand_groups_into(&gs, plan, cols, &mut Scratch::default(), &mut bufs)?;
+    let p = expand_groups_into(&gs, plan, cols, &mut Scratch::default(), &mut bufs, false)?;
     Ok((p, [a, b, z]))
 }
 
@@ -413,7 +421,7 @@ proptest! {
         });
         let cols = Columns { src: &mut a, dst: &mut b, size: &mut z };
         let p = expand_groups_into(&groups, plan, cols, &mut Scratch::default(),
-                                   &mut [Vec::new(), Vec::new()]).unwrap();
+                                   &mut [Vec::new(), Vec::new()], false).unwrap();
         prop_assert_eq!(p.staged_blocks, blocks);
         // The host page of every GPU page moved.
         let mut want = std::collections::HashMap::new();
