@@ -346,7 +346,7 @@ impl Engine {
                 } = state;
                 let resolved = resolve_groups(tables, groups, direction)?;
                 let plan = expansion(&sizing, coalesce, slot, direction);
-                let apart = groups_apart(groups, apart);
+                let apart = groups_apart(groups, &resolved, apart);
                 expand_groups_into(&resolved, plan, cols, scratch, chunk_ids, apart)
                     .map_err(EngineError::from)
             },
@@ -354,16 +354,21 @@ impl Engine {
     }
 }
 
-/// Whether every two groups' destination tables are distinct and registered as apart
+/// Whether every two groups' destination tables (`resolved`, in the order of `groups`) are
+/// distinct and never share a byte: their spans apart, or registered as apart
 /// (`SubmitState::apart`); false for one group (nothing to prove) as for any pair that is not.
-fn groups_apart(groups: &[GroupIds<'_>], apart: &std::collections::HashSet<(u32, u32)>) -> bool {
-    groups.len() > 1
-        && groups.iter().enumerate().all(|(i, g)| {
-            groups[i + 1..].iter().all(|h| {
-                let (a, b) = (g.dst_table.min(h.dst_table), g.dst_table.max(h.dst_table));
-                a != b && apart.contains(&(a, b))
-            })
-        })
+fn groups_apart(
+    groups: &[GroupIds<'_>],
+    resolved: &[Group<'_>],
+    apart: &std::collections::HashSet<(u32, u32)>,
+) -> bool {
+    let pair_apart = |i: usize, j: usize| {
+        let (a, b) = (groups[i].dst_table, groups[j].dst_table);
+        a != b
+            && (!resolved[i].dst.spans_overlap(resolved[j].dst)
+                || apart.contains(&(a.min(b), a.max(b))))
+    };
+    groups.len() > 1 && (0..groups.len()).all(|i| (i + 1..groups.len()).all(|j| pair_apart(i, j)))
 }
 
 /// What sizing a group transfer's slab found out for its fill: nothing more for pages, each

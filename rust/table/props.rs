@@ -52,7 +52,10 @@ proptest! {
     ) {
         // Segments around one of three places (tensors) 512 or 1,024 bytes apart: their spans
         // may lie apart, touch or overlap, so tables fall into one to three clusters.
-        let bases: Vec<u64> = segs.iter().map(|s| 0x100000 + s.3 * (512 + 512 * (s.2 % 2)) + s.0).collect();
+        let bases: Vec<u64> = segs
+            .iter()
+            .map(|s| 0x100000 + s.3 * (512 + 512 * (s.2 % 2)) + s.0)
+            .collect();
         let nbytes: Vec<u64> = segs.iter().map(|s| s.1).collect();
         let strides: Vec<u64> = segs.iter().map(|s| stride + s.2 * (s.2 % 2)).collect();
         let Ok(t) = BlockTable::new(bases, strides, nbytes, nb, MemoryKind::Device, &regions())
