@@ -120,8 +120,17 @@ struct Parked {
 /// `kernel` and the rest by DMA; the 2-D copies of each table pair's block plan, copy engines
 /// only; or the staged plan, each block's host row across `PCIe` as one copy into or out of a
 /// device staging ring and its pages moved inside the GPU by the loaded kernel (see
-/// [`Engine::load_kernel`]; `None` on the host backend, which copies with memcpy).
-pub type Route<'a> = Plan<Option<(u64, PageKernel<'a>)>, (), Option<u32>>;
+/// [`StagedRoute`]).
+pub type Route<'a> = Plan<Option<(u64, PageKernel<'a>)>, (), StagedRoute>;
+
+/// The staged plan as the caller asks for it: its kernel (see [`Engine::load_kernel`]; `None` on
+/// the host backend, which copies with memcpy), and whether the kernel moves the host pages in
+/// place, with no row across `PCIe` by the copy engines ([`StagedRequest::direct`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StagedRoute {
+    pub kernel: Option<u32>,
+    pub direct: bool,
+}
 
 /// Moves batches of blocks over a backend. Shared between threads (`&self` everywhere).
 #[derive(Debug)]
@@ -377,12 +386,13 @@ impl Engine {
                 Plan::Pages((len > 0).then_some((batch, launch)))
             }
             Plan::Runs(()) => Plan::Runs(()),
-            Plan::Staged(kernel) => Plan::Staged(StagedRequest {
+            Plan::Staged(StagedRoute { kernel, direct }) => Plan::Staged(StagedRequest {
                 rows: prepared.staged_rows,
                 first_block: prepared.staged_blocks_at,
                 blocks: prepared.staged_blocks,
                 slot_bytes: self.config.stage_bytes,
                 kernel,
+                direct,
             }),
         };
         let request = SubmitRequest { wait_stream, plan };

@@ -5,7 +5,9 @@
 //! - [`Plan::Runs`]: each block as the 2-D copies of its table pair's block plan
 //!   ([`crate::table::block_runs`]), copy engines only;
 //! - [`Plan::Staged`]: each block's host row across `PCIe` as one copy through a device staging
-//!   ring, its pages moved inside the GPU by a kernel (`table/staged.rs`).
+//!   ring, its pages moved inside the GPU by a kernel (`table/staged.rs`); or, direct, the same
+//!   kernel on the host pages in place, no row and no ring
+//!   ([`crate::table::StagedRequest::direct`]).
 //!
 //! Each layer carries what it knows of the route in the variants' fields, and names its own form
 //! with an alias: the caller's choice ([`crate::engine::Route`]: which kernel, below which page

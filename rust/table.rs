@@ -35,9 +35,9 @@ pub use runs::{
     MAX_PITCH, PITCHED_ENTRIES,
 };
 pub use staged::{
-    expand_staged_into, finish_cells, stage_cell_group, staged_cell, staged_cells, staged_fit,
-    staged_pages, staged_row, staged_steps, StagedCursor, StagedExpansion, StagedRequest,
-    StagedStep, STAGED_MIN_STEPS, STAGED_RAMP, STAGED_TABLE_EXTRA,
+    direct_steps, expand_staged_into, finish_cells, stage_cell_group, staged_cell, staged_cells,
+    staged_fit, staged_pages, staged_row, staged_steps, StagedCursor, StagedExpansion,
+    StagedRequest, StagedStep, STAGED_MIN_STEPS, STAGED_RAMP, STAGED_TABLE_EXTRA,
 };
 use staged::{finish_staged, written_pages};
 
@@ -774,9 +774,12 @@ pub fn expand_groups_into(
             // CPU -> GPU: the bytes land in the GPU pages the kernel writes.
             Plan::Staged(StagedExpansion {
                 rows,
-                host_src: true,
+                host_src,
+                direct,
                 ..
-            }) => Some(written_pages(src, dst, size, rows..cursor.block)),
+            }) if host_src || direct => {
+                Some(written_pages(src, dst, size, rows..cursor.block, !host_src))
+            }
             Plan::Staged(_) | Plan::Pages(_) => None,
         };
         let (addrs, sizes) = match (&ranges, plan) {

@@ -3,7 +3,7 @@
 
 mod common;
 
-use blockswap::engine::{Engine, EngineConfig, EngineError, GroupIds};
+use blockswap::engine::{Engine, EngineConfig, EngineError, GroupIds, StagedRoute};
 use blockswap::plan::Plan;
 use blockswap::table::TableSpec;
 use blockswap::{Direction, MemoryKind};
@@ -343,12 +343,13 @@ proptest! {
 }
 
 /// Moves `pairs` of (GPU id, CPU id) GPU -> CPU into a block-major CPU side, then CPU -> GPU
-/// back into fresh GPU memory (CPU id -> GPU id), once page by page and once by the staged plan
-/// with `slot` bytes per staging slot; returns the CPU side and the GPU side written back.
+/// back into fresh GPU memory (CPU id -> GPU id), page by page (`staged` None) or by the staged
+/// plan `staged` (direct or not) with `slot` bytes per staging slot; returns the CPU side and the
+/// GPU side written back.
 fn staged_both_ways(
     g: &Geometry,
     pairs: &[(u64, u64)],
-    staged: bool,
+    staged: Option<StagedRoute>,
     slot: u64,
 ) -> (Vec<u8>, Vec<u8>) {
     let n = g.layers * g.kv;
@@ -389,13 +390,7 @@ fn staged_both_ways(
         .register_table(TableSpec::new(cb, cs, nbytes, nb, MemoryKind::Host).named("CPU", 1))
         .unwrap();
     let (gi, ci): (Vec<u64>, Vec<u64>) = pairs.iter().copied().unzip();
-    let shape = || {
-        if staged {
-            Plan::Staged(None)
-        } else {
-            Plan::Pages(None)
-        }
-    };
+    let shape = || staged.map_or(Plan::Pages(None), Plan::Staged);
     let groups = |st, si, dt, di| [GroupIds::blocks(st, si, dt, di)];
     engine
         .submit_groups(
@@ -438,7 +433,8 @@ proptest! {
     /// The staged plan writes exactly the bytes the page-by-page route writes, both ways, for any
     /// segment order and gaps between layers, with staging slots from one row (one block per
     /// step, the slots reused many times in a transfer) to many, and CPU blocks scattered or
-    /// one after the other (their rows then cross as joined copies).
+    /// one after the other (their rows then cross as joined copies); and so does the direct plan
+    /// (the kernel on the host pages in place, launches of at most a slot's span).
     #[test]
     #[cfg_attr(
         miri,
@@ -469,10 +465,15 @@ proptest! {
         let pairs: Vec<(u64, u64)> = (0..n).map(|i| (ids[i], cpu_ids[i])).collect();
         let row = (g.layers * g.kv * g.page) as u64;
         let slot = rows_per_slot * row + spare * 8;
-        let (cpu_pages, back_pages) = staged_both_ways(&g, &pairs, false, slot);
-        let (cpu_staged, back_staged) = staged_both_ways(&g, &pairs, true, slot);
-        prop_assert_eq!(cpu_pages, cpu_staged);
-        prop_assert_eq!(back_pages, back_staged);
+        let (cpu_pages, back_pages) = staged_both_ways(&g, &pairs, None, slot);
+        let staged = StagedRoute::default();
+        let (cpu_staged, back_staged) = staged_both_ways(&g, &pairs, Some(staged), slot);
+        prop_assert_eq!(&cpu_pages, &cpu_staged);
+        prop_assert_eq!(&back_pages, &back_staged);
+        let direct = StagedRoute { direct: true, ..staged };
+        let (cpu_direct, back_direct) = staged_both_ways(&g, &pairs, Some(direct), slot);
+        prop_assert_eq!(cpu_pages, cpu_direct);
+        prop_assert_eq!(back_pages, back_direct);
     }
 }
 
@@ -521,7 +522,7 @@ fn staged_plans_are_refused_where_they_cannot_run() {
             .register_table(TableSpec::new(cb, cs, nbytes, 4, MemoryKind::Host).named("CPU", 1))
             .unwrap()
     };
-    let staged = || Plan::Staged(None);
+    let staged = || Plan::Staged(StagedRoute::default());
     let submit = |job, cpu, dir| {
         let (gi, ci) = ([0u64, 1], [2u64, 3]);
         let groups = if dir == Direction::DeviceToHost {
@@ -581,6 +582,29 @@ fn staged_plans_are_refused_where_they_cannot_run() {
         .submit_groups(4, &groups, Direction::DeviceToHost, None, staged())
         .unwrap();
     assert!(finish(&engine, &[4])[0].success);
+    // The direct plan (no rows; launches of at most a slot's span: a block each here) both ways,
+    // an injected failure reported as the staged plan's is.
+    let direct = || {
+        Plan::Staged(StagedRoute {
+            kernel: None,
+            direct: true,
+        })
+    };
+    let back = [GroupIds::blocks(cpu, &[0, 1, 2, 3], gpu, &[3, 2, 1, 0])];
+    engine
+        .submit_groups(5, &groups, Direction::DeviceToHost, None, direct())
+        .unwrap();
+    engine
+        .submit_groups(6, &back, Direction::HostToDevice, None, direct())
+        .unwrap();
+    assert!(finish(&engine, &[5, 6]).iter().all(|r| r.success));
+    blockswap::Backend::inject_failures(&*host, 1);
+    engine
+        .submit_groups(7, &groups, Direction::DeviceToHost, None, direct())
+        .unwrap();
+    let r = finish(&engine, &[7]);
+    assert!(!r[0].success);
+    assert!(r[0].error.as_deref().unwrap_or("").contains("injected"));
 }
 
 #[test]
@@ -702,9 +726,16 @@ fn every_plan_refuses_loads_into_layers_that_share_a_tensor_and_stores_them() {
     let shape = |name| match name {
         "pages" => Plan::Pages(None),
         "runs" => Plan::Runs(()),
-        _ => Plan::Staged(None),
+        "direct" => Plan::Staged(StagedRoute {
+            kernel: None,
+            direct: true,
+        }),
+        _ => Plan::Staged(StagedRoute::default()),
     };
-    for (job, name) in (1u64..).step_by(2).zip(["pages", "runs", "staged"]) {
+    for (job, name) in (1u64..)
+        .step_by(2)
+        .zip(["pages", "runs", "staged", "direct"])
+    {
         // Stores read each shared page twice: both layers' CPU pages hold the tensor's page.
         let store = [GroupIds::blocks(gpu, &[2, 0], cpu, &[1, 3])];
         engine
@@ -840,14 +871,18 @@ fn groups_whose_layers_alternate_move_as_one_transfer_and_a_reused_id_is_checked
     let shape = |name| match name {
         "pages" => Plan::Pages(None),
         "runs" => Plan::Runs(()),
-        _ => Plan::Staged(None),
+        "direct" => Plan::Staged(StagedRoute {
+            kernel: None,
+            direct: true,
+        }),
+        _ => Plan::Staged(StagedRoute::default()),
     };
     let mut job = 0;
     // One plan under Miri (each costs minutes there; the others share the rule and the code).
     let plans: &[&str] = if cfg!(miri) {
         &["pages"]
     } else {
-        &["pages", "runs", "staged"]
+        &["pages", "runs", "staged", "direct"]
     };
     for &name in plans {
         b.dst.fill(0);

@@ -29,6 +29,9 @@ def test_each_route_says_what_it_is():
     assert Route.blocks().plan == "blocks" and Route.blocks().kernel is None
     assert Route.staged(7).plan == "staged" and Route.staged(7).kernel == 7
     assert Route.staged().kernel is None
+    direct = Route.staged(7, direct=True)
+    assert (direct.plan, direct.kernel) == ("direct", 7)
+    assert repr(direct) == "Route.staged(kernel=7, direct=True)"
     assert repr(Route.pages(64, kernel=1)) == "Route.pages(64, kernel=1, launch_bytes=None)"
     assert repr(Route.blocks()) == "Route.blocks()"
     assert repr(Route.staged(2)) == "Route.staged(kernel=2)"

@@ -125,6 +125,12 @@ class Ranks:
             region.cleanup()  # the caller's until the worker is built, as with vLLM's worker
             raise
         self.workers.append(w)
+        if device == "cuda":
+            # A rank's fragments take the direct plan (the staged kernel on the region in
+            # place); a whole canonical page (one rank) is a block's row: the staged plan.
+            want = {"direct"} if world > 1 and not replicated else {"direct", "staged"}
+            for h in w.handlers:
+                assert {r.plan for r in h.routes.values()} <= want, h.routes
         return w
 
     def close(self) -> None:

@@ -114,7 +114,8 @@ fn next_job(rx: &Receiver<Job>) -> Option<Job> {
 /// Runs a staged plan (see [`StagedRequest`]) with memcpy through `ring`, one slot: per step,
 /// CPU -> GPU the rows into the slot, then the pages out of it; GPU -> CPU the reverse. The
 /// same steps and offsets as the CUDA backend, so the plan's layout is exercised without a GPU.
-/// Stops at step `fail_at` (an injected failure), reporting it.
+/// A direct plan has no rows: its pages' ring side is their host address. Stops at step
+/// `fail_at` (an injected failure), reporting it.
 ///
 /// # Safety
 /// The slab's rows and pages lie in registered memory (checked at submission), destinations
@@ -131,7 +132,9 @@ unsafe fn run_staged(
     let (row_addr, row_ring, row_bytes) = (&src[..r], &dst[..r], &size[..r]);
     let steps = req.steps(src, dst, size);
     let fail_at = injected.then_some(steps.len() / 2);
-    ring.resize(ring.len().max(req.slot_bytes as usize), 0);
+    if !req.direct {
+        ring.resize(ring.len().max(req.slot_bytes as usize), 0);
+    }
     let base = ring.as_mut_ptr() as u64;
     for (k, step) in steps.iter().enumerate() {
         if Some(k) == fail_at {
@@ -139,8 +142,13 @@ unsafe fn run_staged(
             slab.set_failed(BackendError::Injected { index }.to_string());
             return;
         }
-        // The slot's address minus the step's first ring offset: offsets become addresses.
-        let shift = base.wrapping_sub(step.ring_start);
+        // The slot's address minus the step's first ring offset: offsets become addresses
+        // (a direct plan's are addresses already).
+        let shift = if req.direct {
+            0
+        } else {
+            base.wrapping_sub(step.ring_start)
+        };
         let rows = || {
             step.rows.clone().map(|i| {
                 let at = row_ring[i].wrapping_add(shift);
@@ -169,7 +177,8 @@ unsafe fn run_staged(
         };
         let copy = |(s, d, n): (u64, u64, u64)| {
             // SAFETY: host rows and GPU pages are registered memory (the caller's contract); ring
-            // addresses lie in the slot, whose rows fit it (`staged_steps` cuts at the slot).
+            // addresses lie in the slot, whose rows fit it (`staged_steps` cuts at the slot), or
+            // in a direct plan are the host table's pages, registered memory as well.
             unsafe { std::ptr::copy(s as *const u8, d as *mut u8, n as usize) }
         };
         if host_src {

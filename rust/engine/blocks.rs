@@ -216,6 +216,24 @@ impl Engine {
     /// not)`. Where blocks leave holes in their cells (the cell plan), the cells their blocks
     /// share (the union of the spans of tables at one stride) must fit a slot too.
     pub fn staged_route(&self, host_tables: &[u32]) -> Result<Result<u64, String>, EngineError> {
+        self.cells_route(host_tables, true)
+    }
+
+    /// Whether a cache whose KV-cache groups have the host tables `host_tables` takes the direct
+    /// plan ([`crate::table::StagedRequest::direct`]): each host table's blocks laid out in
+    /// chunks or cells no larger than a slot, as the staged plan needs ([`staged_fit`]), but
+    /// the cells need not be whole (holes are another rank's pages, as in vLLM's canonical
+    /// layout: no row crosses `PCIe`). `Ok(the largest block span)` or `Err(why not)`.
+    pub fn direct_route(&self, host_tables: &[u32]) -> Result<Result<u64, String>, EngineError> {
+        self.cells_route(host_tables, false)
+    }
+
+    /// [`Self::staged_route`], or without `whole` [`Self::direct_route`].
+    fn cells_route(
+        &self,
+        host_tables: &[u32],
+        whole: bool,
+    ) -> Result<Result<u64, String>, EngineError> {
         let state = self.lock();
         let slot = self.config.stage_bytes;
         let mut largest = None;
@@ -227,6 +245,9 @@ impl Engine {
                 Err(why) => return Ok(Err(why)),
             }
             tables.push(t);
+        }
+        if !whole {
+            return Ok(largest.ok_or_else(|| "no KV-cache group".to_string()));
         }
         match staged_cells(&tables) {
             Err(why) => return Ok(Err(why)),
@@ -326,7 +347,7 @@ impl Engine {
         route: Route<'_>,
     ) -> Result<(), EngineError> {
         let (coalesce, slot) = (self.config.coalesce, self.config.stage_bytes);
-        let shape = route.map(|_| (), |()| (), |_| ());
+        let shape = route.map(|_| (), |()| (), |s| s.direct);
         self.submit_with(
             job_id,
             |state| {
@@ -381,6 +402,7 @@ struct StagedSize {
     blocks: usize,
     bytes: u64,
     cells: bool,
+    direct: bool,
 }
 
 /// The host side of a group of a transfer between host and device.
@@ -396,7 +418,7 @@ fn host_of<'a>(g: &Group<'a>, host_src: bool) -> &'a BlockTable {
 /// count; refused where a group has no plan of that route.
 fn group_sizing(
     resolved: &[Group<'_>],
-    shape: Plan<(), (), ()>,
+    shape: Plan<(), (), bool>,
     direction: Direction,
     slot: u64,
 ) -> Result<(usize, Sizing), EngineError> {
@@ -428,7 +450,7 @@ fn group_sizing(
             }
             Ok((entries, Plan::Runs(runs)))
         }
-        Plan::Staged(()) => {
+        Plan::Staged(direct) => {
             if !matches!(direction, Direction::HostToDevice | Direction::DeviceToHost) {
                 let why =
                     format!("these tables have no staged plan: {direction} moves no host row");
@@ -452,7 +474,13 @@ fn group_sizing(
                 blocks = blocks.saturating_add(g.blocks());
                 tables = tables.saturating_add(2 * segments + STAGED_TABLE_EXTRA);
             }
-            let rows = if cells { page_rows } else { blocks };
+            // Direct: no row at all, the cell plan's entries whatever the holes.
+            cells |= direct;
+            let rows = match (direct, cells) {
+                (true, _) => 0,
+                (false, true) => page_rows,
+                (false, false) => blocks,
+            };
             let entries = rows.saturating_add(blocks).saturating_add(tables);
             Ok((
                 entries,
@@ -461,6 +489,7 @@ fn group_sizing(
                     blocks,
                     bytes,
                     cells,
+                    direct,
                 }),
             ))
         }
@@ -489,6 +518,7 @@ fn expansion(sizing: &Sizing, coalesce: bool, slot: u64, direction: Direction) -
                 merge,
                 cells: size.cells,
                 slot,
+                direct: size.direct,
             })
         }
     }

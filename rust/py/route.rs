@@ -25,7 +25,7 @@ enum Kernel {
 /// How a transfer moves: `Route.pages(...)`, `Route.blocks()` or `Route.staged(...)`.
 #[pyclass(name = "Route", module = "blockswap._core", frozen)]
 pub(super) struct PyRoute {
-    plan: Plan<Option<(u64, Kernel)>, (), Option<u32>>,
+    plan: Plan<Option<(u64, Kernel)>, (), engine::StagedRoute>,
 }
 
 /// `value` as an int in `[0, hi]`, or the package's typed error naming `name` (raised by the
@@ -136,21 +136,26 @@ impl PyRoute {
 
     /// The staged plan: each block's host row across `PCIe` as one copy into or out of a device
     /// staging ring, its pages moved inside the GPU by `kernel` (a staged kernel's id from
-    /// `Engine.load_kernel`; None on the host backend, which copies with memcpy).
+    /// `Engine.load_kernel`; None on the host backend, which copies with memcpy). With `direct`
+    /// the kernel moves the host pages in place instead, no row crossing by the copy engines.
     #[staticmethod]
-    #[pyo3(signature = (kernel = None))]
-    fn staged(kernel: Option<&Bound<'_, PyAny>>) -> PyResult<Self> {
+    #[pyo3(signature = (kernel = None, direct = false))]
+    fn staged(kernel: Option<&Bound<'_, PyAny>>, direct: bool) -> PyResult<Self> {
         let kernel = optional_int_arg(kernel, "kernel", u64::from(u32::MAX))?
             .map(|k| u32::try_from(k).expect("checked above"));
         Ok(PyRoute {
-            plan: Plan::Staged(kernel),
+            plan: Plan::Staged(engine::StagedRoute { kernel, direct }),
         })
     }
 
-    /// `"pages"`, `"blocks"` or `"staged"`.
+    /// `"pages"`, `"blocks"`, `"staged"` or `"direct"` (the staged plan's kernel on the host
+    /// pages in place).
     #[getter]
     fn plan(&self) -> &'static str {
-        self.plan.name()
+        match &self.plan {
+            Plan::Staged(s) if s.direct => "direct",
+            p => p.name(),
+        }
     }
 
     /// Pages below this many bytes go to the kernel (0: none; the page route only).
@@ -167,7 +172,7 @@ impl PyRoute {
     fn kernel(&self) -> Option<u32> {
         match &self.plan {
             Plan::Pages(Some((_, Kernel::Loaded { kernel, .. }))) => Some(*kernel),
-            Plan::Staged(kernel) => *kernel,
+            Plan::Staged(s) => s.kernel,
             _ => None,
         }
     }
@@ -207,9 +212,10 @@ impl PyRoute {
                 format!("Route.pages({below}, kernel={kernel}, launch_bytes={lb})")
             }
             Plan::Runs(()) => "Route.blocks()".into(),
-            Plan::Staged(k) => {
-                let k = k.map_or("None".into(), |k| k.to_string());
-                format!("Route.staged(kernel={k})")
+            Plan::Staged(s) => {
+                let k = s.kernel.map_or("None".into(), |k| k.to_string());
+                let direct = if s.direct { ", direct=True" } else { "" };
+                format!("Route.staged(kernel={k}{direct})")
             }
         }
     }
@@ -242,7 +248,7 @@ impl PyRoute {
                 Plan::Pages(Some((*below, k)))
             }
             Plan::Runs(()) => Plan::Runs(()),
-            Plan::Staged(kernel) => Plan::Staged(*kernel),
+            Plan::Staged(s) => Plan::Staged(*s),
         }
     }
 }
@@ -333,10 +339,23 @@ pub(super) fn route_candidates(
         let fit = py.detach(|| e.staged_route(&host))?;
         Ok(fit.map(|row| (row, e.stage_bytes())))
     };
+    let direct = || -> PyResult<Result<(u64, u64), String>> {
+        let Some(e) = engine else {
+            return Ok(Err(no_engine()));
+        };
+        let fit = py.detach(|| e.direct_route(&host))?;
+        Ok(fit.map(|span| (span, e.stage_bytes())))
+    };
     let unavailable = || -> PyResult<Option<String>> {
         kernel_unavailable.map_or(Ok(None), |f| f.call0()?.extract())
     };
-    let ranked = choice::candidates(&ask, dir, &page_sizes, block, staged, unavailable)?;
+    let rules = choice::Rules {
+        block,
+        staged,
+        direct,
+        unavailable,
+    };
+    let ranked = choice::candidates(&ask, dir, &page_sizes, rules)?;
     Ok(match ranked {
         Ok(r) => (
             r.choices.into_iter().map(py_candidate).collect(),
@@ -357,5 +376,6 @@ fn py_candidate(c: choice::Choice) -> PyCandidate {
         choice::Candidate::Kernel { below, load } => ("kernel", c.reason, below, need(load)),
         choice::Candidate::Blocks => ("blocks", c.reason, 0, None),
         choice::Candidate::Staged { load } => ("staged", c.reason, 0, need(load)),
+        choice::Candidate::Direct { load } => ("direct", c.reason, 0, need(Some(load))),
     }
 }

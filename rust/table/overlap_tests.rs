@@ -100,6 +100,7 @@ fn run(
             merge: 1 << 20,
             cells: false,
             slot: 1 << 20,
+            direct: false,
         }),
     };
     let len = 4096;

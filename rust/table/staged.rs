@@ -126,7 +126,8 @@ pub fn staged_cells(tables: &[&BlockTable]) -> Result<Option<u64>, String> {
 /// entries, the host side the source (`host_src`, CPU -> GPU) or the destination; rows of blocks
 /// that follow each other on the host joined up to `merge` bytes (0: never). `cells`: the cell
 /// plan (a host table's blocks leave holes in their cells, see [`staged_cell`]), whose
-/// clusters fit slots of `slot` bytes.
+/// clusters fit slots of `slot` bytes. `direct`: the kernel reads or writes the host pages in
+/// place (see [`StagedRequest::direct`]): the cell plan's block entries and geometries, no rows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct StagedExpansion {
     pub rows: usize,
@@ -135,6 +136,7 @@ pub struct StagedExpansion {
     pub merge: u64,
     pub cells: bool,
     pub slot: u64,
+    pub direct: bool,
 }
 
 /// Where [`expand_staged_into`] writes next: rows from `row` (room for `rows` of them), blocks
@@ -261,8 +263,13 @@ pub fn expand_staged_into(
     }
     cursor.row = r;
     if host_src && !gpu.disjoint {
-        let (addrs, sizes) =
-            written_pages(out.src, out.dst, out.size, cursor.block - n..cursor.block);
+        let (addrs, sizes) = written_pages(
+            out.src,
+            out.dst,
+            out.size,
+            cursor.block - n..cursor.block,
+            false,
+        );
         check_written(&gpu.name, &addrs, &sizes, Overlap::Pages, scratch)?;
     }
     Ok(Prepared {
@@ -294,6 +301,7 @@ pub(super) fn finish_staged(
         host_src,
         cells,
         slot,
+        direct,
         ..
     } = expansion;
     if cells {
@@ -305,12 +313,17 @@ pub(super) fn finish_staged(
             dst: &mut dst[..],
             size: &mut size[..],
         };
-        total.staged_rows = finish_cells(cols, cursor, host_src, slot, host, scratch)?;
+        total.staged_rows = if direct {
+            order_direct(cols, cursor);
+            0
+        } else {
+            finish_cells(cols, cursor, host_src, slot, host, scratch)?
+        };
         let gpu_shared = groups
             .iter()
             .any(|g| !(if host_src { g.dst } else { g.src }).disjoint);
         if host_src && gpu_shared {
-            let (addrs, sizes) = written_pages(src, dst, size, rows..cursor.block);
+            let (addrs, sizes) = written_pages(src, dst, size, rows..cursor.block, false);
             let name = first.map_or("", |g| g.dst.name.as_str());
             check_written(name, &addrs, &sizes, Overlap::Pages, scratch)?;
         }
@@ -540,17 +553,39 @@ pub fn finish_cells(
     Ok(row)
 }
 
-/// The GPU pages of block entries `blocks` of a staged slab, as `(addresses, bytes)`: what a
-/// CPU -> GPU transfer's kernel writes.
+/// Completes a direct plan's slab once [`stage_cell_group`] wrote every group: the block
+/// entries keep their host addresses and go in order of geometry, then host address, so that a
+/// launch takes a group's blocks together (a launch per run of one geometry: two groups whose
+/// pages alternate in the cells, as gpt-oss-120b's do, would otherwise alternate launch by
+/// launch). Nothing is checked here: a group's blocks are distinct (`check_ids`) and its host
+/// pages apart block by block ([`staged_cell`] holds only for a table whose pages are), and what
+/// two groups write is checked where their tables are not proven apart
+/// ([`super::expand_groups_into`]).
+fn order_direct(out: Columns<'_>, cursor: &StagedCursor) {
+    let Columns { src, dst, size } = out;
+    let blocks = cursor.rows..cursor.block;
+    let mut order: Vec<(u64, u64, u64)> =
+        blocks.clone().map(|i| (size[i], dst[i], src[i])).collect();
+    order.sort_unstable();
+    for (k, &(table_at, addr, id)) in order.iter().enumerate() {
+        let i = blocks.start + k;
+        (src[i], dst[i], size[i]) = (id, addr, table_at);
+    }
+}
+
+/// The pages of block entries `blocks` of a staged slab, as `(addresses, bytes)`: what a
+/// kernel writes, on the GPU (CPU -> GPU) or, with `ring` (a direct store, whose ring side holds
+/// host addresses), on the host.
 pub(super) fn written_pages(
     src: &[u64],
     dst: &[u64],
     size: &[u64],
     blocks: Range<usize>,
+    ring: bool,
 ) -> (Vec<u64>, Vec<u64>) {
     blocks
         .flat_map(|i| staged_pages(src, dst, size, i))
-        .map(|(_, gpu, bytes)| (gpu, bytes))
+        .map(|(r, gpu, bytes)| (if ring { r } else { gpu }, bytes))
         .unzip()
 }
 
@@ -574,6 +609,13 @@ pub struct StagedRequest {
     /// From [`crate::backend::Backend::load_kernel`], a [`crate::kernel::KernelKind::Staged`] kernel; `None` where the backend
     /// copies pages with memcpy.
     pub kernel: Option<u32>,
+    /// The direct plan: no rows and no ring. The block entries' ring side holds each block's host
+    /// address (the cell plan's entries before [`finish_cells`] places them in a ring), and the
+    /// kernel moves every page between the host and the GPU in place, reading its entries and
+    /// geometries from device memory: a canonical page's fragments, too small and too scattered
+    /// for the copy engines, then cross `PCIe` without a descriptor each. Steps are launches of
+    /// at most a slot's span of blocks ([`direct_steps`]).
+    pub direct: bool,
 }
 
 impl StagedRequest {
@@ -583,12 +625,44 @@ impl StagedRequest {
     pub fn steps(&self, src: &[u64], dst: &[u64], size: &[u64]) -> Vec<StagedStep> {
         let (r, first) = (self.rows, self.first_block);
         let blocks = first..first + self.blocks;
+        if self.direct {
+            let spans: Vec<u64> = blocks.map(|i| block_span(src, size, i)).collect();
+            return direct_steps(&spans, self.slot_bytes);
+        }
         let ends: Vec<u64> = blocks
             .clone()
             .map(|i| dst[i] + block_span(src, size, i))
             .collect();
         staged_steps(&dst[..r], &size[..r], &dst[blocks], &ends, self.slot_bytes)
     }
+}
+
+/// The launches of a direct transfer (see [`StagedRequest::direct`]) whose block entries span
+/// `spans` bytes each: consecutive blocks, at most `slot_bytes` of spans a launch (at least one
+/// block), so that a launch holds its SMs no longer than one step of the staged plan would.
+#[must_use]
+pub fn direct_steps(spans: &[u64], slot_bytes: u64) -> Vec<StagedStep> {
+    let mut steps = Vec::new();
+    let (mut start, mut bytes) = (0usize, 0u64);
+    for (b, &span) in spans.iter().enumerate() {
+        if b > start && bytes.saturating_add(span) > slot_bytes {
+            steps.push(StagedStep {
+                rows: 0..0,
+                blocks: start..b,
+                ring_start: 0,
+            });
+            (start, bytes) = (b, 0);
+        }
+        bytes = bytes.saturating_add(span);
+    }
+    if start < spans.len() {
+        steps.push(StagedStep {
+            rows: 0..0,
+            blocks: start..spans.len(),
+            ring_start: 0,
+        });
+    }
+    steps
 }
 
 /// A step is cut to at most `ceil(rows / STAGED_MIN_STEPS)` rows, so that a transfer of enough

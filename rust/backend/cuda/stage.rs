@@ -102,6 +102,10 @@ pub(super) struct Stage {
     /// Per descriptor buffer: recorded on the kernel stream after the last kernel of the
     /// transfer that used it; the next transfer to fill it on the lane's stream waits for it.
     pub(super) desc_free: [Event; 2],
+    /// Per descriptor buffer: its last transfer was direct, its kernels on the lane's stream
+    /// (`desc_free` recorded there), which a GPU -> CPU staged transfer filling it on the kernel
+    /// stream must wait for.
+    pub(super) desc_on_lane: [bool; 2],
     /// Staged transfers issued on the lane so far: the next takes descriptor buffer
     /// `transfers % 2`.
     pub(super) transfers: u64,
@@ -195,6 +199,7 @@ impl Stage {
             desc: [None, None],
             desc_bytes: [0, 0],
             desc_free: [Event::create(ctx, false)?, Event::create(ctx, false)?],
+            desc_on_lane: [false; 2],
             transfers: 0,
             retired: Vec::new(),
             src: Vec::new(),

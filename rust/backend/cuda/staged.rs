@@ -98,9 +98,9 @@ impl Shared {
             upload: None,
             kernel_slot: None,
         };
-        if let Some(ev) = dep.filter(|_| !host_src) {
-            // The event holds the caller's stream (CPU -> GPU kernels follow the lane's stream,
-            // which waits for it).
+        if let Some(ev) = dep.filter(|_| !host_src && !req.direct) {
+            // The event holds the caller's stream (CPU -> GPU kernels, and a direct transfer's,
+            // follow the lane's stream, which waits for it).
             kstream.wait(ev)?;
         }
         if src.len() > first {
@@ -118,12 +118,24 @@ impl Shared {
                 dev,
                 b,
             };
-            if host_src {
+            if req.direct {
+                // A direct transfer's kernels run on the lane's stream (see `direct_steps`):
+                // its entries go there, once the kernels that last read the buffer are done.
+                let lstream = l.stream.handle();
+                lstream.wait(&st.desc_free[b])?;
+                Self::upload_entries(lstream, upload)?;
+                run.desc = Some(b);
+            } else if host_src {
                 run.upload = Some(upload);
             } else {
+                if st.desc_on_lane[b] {
+                    // The buffer's last readers ran on the lane's stream (a direct transfer).
+                    kstream.wait(&st.desc_free[b])?;
+                }
                 Self::upload_entries(kstream, upload)?;
                 run.desc = Some(b);
             }
+            st.desc_on_lane[b] = req.direct;
         }
         Ok(run)
     }
@@ -151,6 +163,18 @@ impl Shared {
         let host_src = lane == Direction::HostToDevice;
         let lstream = l.stream.handle();
         let n = run.steps.len();
+        if req.direct {
+            while run.next < until.min(n) {
+                let k = run.next;
+                run.next += 1;
+                if Some(k) == run.fail_at {
+                    let index = req.first_block + run.steps[k].blocks.start;
+                    return Err(BackendError::Injected { index });
+                }
+                Self::direct_launches(lstream, slab, req, run, k, host_src)?;
+            }
+            return Ok(());
+        }
         let until = until.min(n + usize::from(host_src && n > 0));
         while run.next < until {
             let k = run.next;
@@ -289,6 +313,44 @@ impl Shared {
         }
     }
 
+    /// Step `k` of a direct transfer (see [`StagedRequest::direct`]) on the lane's stream: one
+    /// launch for each run of blocks of one geometry, the ring side of each page its host
+    /// address (no ring base), from the entries' device copy as in [`Self::step_kernel`]. The ids
+    /// were checked at submission, the host pages are the host table's (registered memory).
+    fn direct_launches(
+        stream: StreamHandle,
+        slab: &SlabInner,
+        req: &StagedRequest,
+        run: &StagedRun,
+        k: usize,
+        host_src: bool,
+    ) -> Result<(), BackendError> {
+        let (src, size) = (slab.src(), slab.size());
+        let step = &run.steps[k];
+        let first = req.first_block;
+        let (mut b, end) = (first + step.blocks.start, first + step.blocks.end);
+        while b < end {
+            let table = size[b];
+            let run_end = (b..end).find(|&i| size[i] != table).unwrap_or(end);
+            let at = StagedLaunch {
+                table: table as usize,
+                segments: src[table as usize],
+                ring_base: 0,
+                ring_src: host_src,
+                wide: false,
+            };
+            Self::launch(
+                &run.kernel,
+                stream,
+                run.cols,
+                (b, (run_end - b) as u64, 1),
+                Some(at),
+            )?;
+            b = run_end;
+        }
+        Ok(())
+    }
+
     /// Queues the copy of a transfer's block entries into its descriptor buffer on `stream`,
     /// which the caller has ordered after the kernels of the transfer that last read the buffer
     /// (the kernel stream itself, or a stream that waited for `desc_free`). `cols[c] + 8 * i`
@@ -334,11 +396,16 @@ impl Shared {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         let st = stage.as_ref().expect("made by staged_begin");
-        let kstream = st.stream.handle();
-        if st.desc_free[b].record(kstream).is_err() {
+        // A direct transfer's kernels ran on the lane's stream.
+        let stream = if st.desc_on_lane[b] {
+            l.stream.handle()
+        } else {
+            st.stream.handle()
+        };
+        if st.desc_free[b].record(stream).is_err() {
             // The next transfer to fill the buffer could not wait for the kernels reading it:
             // they end first.
-            let _ = kstream.synchronize();
+            let _ = stream.synchronize();
         }
     }
 

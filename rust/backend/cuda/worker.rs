@@ -359,7 +359,9 @@ impl Shared {
         let whole =
             progress.outcome.is_ok() && progress.staged.as_ref().is_some_and(|r| r.whole(lane));
         let outcome = progress.outcome;
-        let tail = self.marker_stream(lane, matches!(job.plan, Plan::Staged(_)), whole);
+        // A direct transfer ran on the lane's stream alone, as the page route does.
+        let staged = matches!(job.plan, Plan::Staged(r) if !r.direct);
+        let tail = self.marker_stream(lane, staged, whole);
         if let (Ok(()), Some((_, end))) = (&outcome, self.timing(lane, seq)) {
             let _ = end.record(tail);
         }

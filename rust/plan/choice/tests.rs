@@ -2,7 +2,7 @@ use std::cell::Cell;
 use std::convert::Infallible;
 
 use super::{
-    candidates, stage_slot, Ask, Candidate, KernelNeed, Path, Ranking, Refusal, HOST_ROUTE,
+    candidates, stage_slot, Ask, Candidate, KernelNeed, Path, Ranking, Refusal, Rules, HOST_ROUTE,
     KERNEL_BELOW_D2H, KERNEL_BELOW_H2D, KERNEL_EVERY_PAGE, STAGED_CTAS, STAGE_BYTES,
     STAGE_MAX_AUTO,
 };
@@ -26,8 +26,9 @@ fn ask(path: Path, on_cuda: bool) -> Ask {
 struct Probe {
     block: Result<String, String>,
     staged: Result<(u64, u64), String>,
+    direct: Result<(u64, u64), String>,
     unavailable: Option<String>,
-    asked: Cell<[u32; 3]>,
+    asked: Cell<[u32; 4]>,
 }
 
 impl Probe {
@@ -35,8 +36,9 @@ impl Probe {
         Probe {
             block: Err("pages not at one pitch".into()),
             staged: Err("not block-major".into()),
+            direct: Err("not in cells".into()),
             unavailable: None,
-            asked: Cell::new([0; 3]),
+            asked: Cell::new([0; 4]),
         }
     }
 
@@ -47,23 +49,25 @@ impl Probe {
     }
 
     fn run(&self, ask: &Ask, d: Direction, sizes: &[u64]) -> Result<Ranking, Refusal> {
-        let r: Result<_, Infallible> = candidates(
-            ask,
-            d,
-            sizes,
-            |_insist| {
+        let rules = Rules {
+            block: |_insist| {
                 self.count(0);
                 Ok(self.block.clone())
             },
-            || {
+            staged: || {
                 self.count(1);
                 Ok(self.staged.clone())
             },
-            || {
+            unavailable: || {
                 self.count(2);
                 Ok(self.unavailable.clone())
             },
-        );
+            direct: || {
+                self.count(3);
+                Ok(self.direct.clone())
+            },
+        };
+        let r: Result<_, Infallible> = candidates(ask, d, sizes, rules);
         let out = r.unwrap();
         assert!(
             self.asked.get().iter().all(|&n| n <= 1),
@@ -86,7 +90,7 @@ fn dma_and_the_host_backend_take_the_copy_engines_without_asking_the_kernel() {
     let r = p.run(&ask(Path::Auto, false), D2H, &[4 * KIB]).unwrap();
     assert_eq!(kinds(&r), [Candidate::Dma]);
     assert_eq!(r.choices[0].reason, HOST_ROUTE);
-    assert_eq!(p.asked.get(), [0, 0, 0]);
+    assert_eq!(p.asked.get(), [0, 0, 0, 0]);
 }
 
 #[test]
@@ -162,12 +166,12 @@ fn the_kernel_path_takes_every_page_or_is_refused_where_it_cannot_run() {
         }]
     );
     p.unavailable = Some("no driver".into());
-    p.asked.set([0; 3]);
+    p.asked.set([0; 4]);
     assert_eq!(
         p.run(&ask(Path::Kernel, true), H2D, &[4 * KIB]),
         Err(Refusal::Unavailable("no driver".into()))
     );
-    p.asked.set([0; 3]);
+    p.asked.set([0; 4]);
     let r = p.run(&ask(Path::Auto, true), H2D, &[4 * KIB]).unwrap();
     assert_eq!(kinds(&r), [Candidate::Dma]);
     assert_eq!(r.choices[0].reason, "dma: no driver");
@@ -186,7 +190,7 @@ fn an_insisted_plan_is_the_only_candidate_or_a_refusal_that_says_why() {
     assert_eq!(why, "path='staged' is not possible here: not block-major");
     p.block = Ok("one copy per block".into());
     p.staged = Ok((64 * KIB, STAGE_BYTES));
-    p.asked.set([0; 3]);
+    p.asked.set([0; 4]);
     let r = p.run(&ask(Path::Blocks, true), D2H, &[4 * KIB]).unwrap();
     assert_eq!(kinds(&r), [Candidate::Blocks]);
     assert_eq!(r.choices[0].reason, "one copy per block");
@@ -207,7 +211,7 @@ fn an_insisted_plan_is_the_only_candidate_or_a_refusal_that_says_why() {
         "staged: a copy per block row (up to {} B) through a ring of 2 x {STAGE_BYTES} B",
         64 * KIB
     )));
-    p.asked.set([0; 3]);
+    p.asked.set([0; 4]);
     let r = p.run(&ask(Path::Staged, false), D2H, &[4 * KIB]).unwrap();
     assert_eq!(kinds(&r), [Candidate::Staged { load: None }]);
     assert!(r.choices[0].reason.ends_with(HOST_ROUTE));
@@ -229,20 +233,78 @@ fn a_block_major_cache_ranks_blocks_then_staged_then_pages() {
     );
     assert_eq!(r.choices.len(), 3, "then the core's kernel and a launcher");
     p.block = Err("pages not at one pitch".into());
-    p.asked.set([0; 3]);
+    p.asked.set([0; 4]);
     let r = p.run(&a, H2D, &[4 * KIB]).unwrap();
     assert!(matches!(r.choices[0].candidate, Candidate::Staged { .. }));
     assert_eq!(r.declined, ["no block route: pages not at one pitch"]);
     p.staged = Err("rows larger than a slot".into());
-    p.asked.set([0; 3]);
+    p.asked.set([0; 4]);
     let r = p.run(&a, H2D, &[4 * KIB]).unwrap();
     assert!(matches!(r.choices[0].candidate, Candidate::Kernel { .. }));
-    assert_eq!(r.declined.len(), 2);
+    assert_eq!(r.declined.len(), 3, "{:?}", r.declined);
+    assert_eq!(r.declined[2], "no direct route: not in cells");
     // Not block-major: neither plan's rule is read.
     a.block_major = false;
-    p.asked.set([0; 3]);
+    p.asked.set([0; 4]);
     p.run(&a, H2D, &[4 * KIB]).unwrap();
     assert_eq!(&p.asked.get()[..2], [0, 0]);
+}
+
+#[test]
+fn pages_in_cells_all_for_the_kernel_take_the_direct_plan_first() {
+    let mut p = Probe::new();
+    p.direct = Ok((80 * KIB, STAGE_BYTES));
+    let a = ask(Path::Auto, true);
+    for d in [H2D, D2H] {
+        p.asked.set([0; 4]);
+        let r = p.run(&a, d, &[512, 1024]).unwrap();
+        let need = KernelNeed {
+            max_size: 1024,
+            ctas: 16,
+            staged: true,
+        };
+        assert_eq!(r.choices[0].candidate, Candidate::Direct { load: need });
+        assert!(
+            r.choices[0]
+                .reason
+                .starts_with("direct: pages moved in place"),
+            "{}",
+            r.choices[0].reason
+        );
+        // Then the page route's kernel, loaded by the core, and a launcher: what runs where the
+        // staged kernel does not load.
+        assert!(matches!(
+            kinds(&r)[1..],
+            [
+                Candidate::Kernel { load: Some(_), .. },
+                Candidate::Kernel { load: None, .. }
+            ]
+        ));
+        // `path="kernel"` keeps the page route it names.
+        p.asked.set([0; 4]);
+        let r = p.run(&ask(Path::Kernel, true), d, &[512]).unwrap();
+        assert!(matches!(r.choices[0].candidate, Candidate::Kernel { .. }));
+        assert_eq!(p.asked.get()[3], 0);
+    }
+    // Not where some pages go to DMA (hybrid), nor on the host backend, nor where the rule
+    // refuses (its reason among the declined).
+    p.asked.set([0; 4]);
+    let r = p.run(&a, H2D, &[4 * KIB, 1 << 20]).unwrap();
+    assert!(!kinds(&r)
+        .iter()
+        .any(|c| matches!(c, Candidate::Direct { .. })));
+    assert_eq!(
+        p.asked.get()[3],
+        0,
+        "the direct rule is not read for hybrid pages"
+    );
+    let r = p.run(&ask(Path::Auto, false), H2D, &[4 * KIB]).unwrap();
+    assert_eq!(kinds(&r), [Candidate::Dma]);
+    p.direct = Err("not in cells".into());
+    p.asked.set([0; 4]);
+    let r = p.run(&a, H2D, &[4 * KIB]).unwrap();
+    assert!(matches!(r.choices[0].candidate, Candidate::Kernel { .. }));
+    assert_eq!(r.declined, ["no direct route: not in cells"]);
 }
 
 #[test]

@@ -34,6 +34,7 @@ fn staged(host: &BlockTable, gpu: &BlockTable, ids: &[u64], merge: u64) -> Stage
         merge,
         cells: false,
         slot: 1 << 20,
+        direct: false,
     });
     let mut bufs = [Vec::new(), Vec::new()];
     let p = expand_groups_into(
@@ -248,10 +249,10 @@ fn cells() -> (BlockTable, BlockTable, BlockTable) {
 fn store_cells(
     groups: &[(&BlockTable, &[u64], &[u64])],
     gpu: &BlockTable,
-    slot: u64,
+    slot: Option<u64>,
 ) -> Result<(Prepared, [Vec<u64>; 3]), TableError> {
     let blocks: usize = groups.iter().map(|g| g.1.len()).sum();
-    let rows = 2 * blocks;
+    let rows = if slot.is_some() { 2 * blocks } else { 0 };
     let len = rows + blocks + groups.len() * (2 * 2 + STAGED_TABLE_EXTRA);
     let (mut a, mut b, mut z) = (vec![0; len], vec![0; len], vec![0; len]);
     let gs: Vec<Group<'_>> = groups
@@ -270,7 +271,8 @@ fn store_cells(
         host_src: false,
         merge: 1 << 20,
         cells: true,
-        slot,
+        slot: slot.unwrap_or(0),
+        direct: slot.is_none(),
     });
     let cols = Columns {
         src: &mut a,
@@ -295,8 +297,12 @@ fn a_cell_with_holes_is_staged_as_one_cluster_whose_rows_are_the_pages_owned() {
     assert_eq!(staged_cells(&[&gpu]), Ok(None));
     // Chunk 2 whole (sub-block 0 from GPU block 3, sub-block 1 from block 4), chunk 0's
     // sub-block 0 only (from block 5): its sub-block 1 is not this store's to write.
-    let (p, [a, b, z]) =
-        store_cells(&[(&h0, &[3, 5], &[2, 0]), (&h1, &[4], &[2])], &gpu, 256).unwrap();
+    let (p, [a, b, z]) = store_cells(
+        &[(&h0, &[3, 5], &[2, 0]), (&h1, &[4], &[2])],
+        &gpu,
+        Some(256),
+    )
+    .unwrap();
     let (n_rows, at) = (p.staged_rows, p.staged_blocks_at);
     assert_eq!((at, p.staged_blocks, p.bytes), (6, 3, 3 * 128));
     let rows: Vec<_> = (0..n_rows).map(|i| (a[i], b[i], z[i])).collect();
@@ -341,18 +347,26 @@ fn a_cell_with_holes_is_staged_as_one_cluster_whose_rows_are_the_pages_owned() {
 }
 
 #[test]
-fn the_cell_plan_refuses_a_store_writing_a_page_twice_and_a_cell_past_a_slot() {
+fn the_cell_plan_refuses_a_store_writing_a_page_twice_and_a_cell_past_a_slot_direct_or_not() {
     let (h0, h1, gpu) = cells();
     // Sub-block 0 of chunk 1 from two groups: the same host bytes written twice.
-    let e = store_cells(&[(&h0, &[1], &[1]), (&h0, &[2], &[1])], &gpu, 256).unwrap_err();
+    let e = store_cells(&[(&h0, &[1], &[1]), (&h0, &[2], &[1])], &gpu, Some(256)).unwrap_err();
     assert!(
         matches!(e, TableError::OverlappingDestinations { .. }),
         "{e}"
     );
     // A whole cell is 256 bytes: slots of 200 cannot hold it, one block's span (192) fits.
-    let e = store_cells(&[(&h0, &[1], &[1]), (&h1, &[2], &[1])], &gpu, 200).unwrap_err();
+    let e = store_cells(&[(&h0, &[1], &[1]), (&h1, &[2], &[1])], &gpu, Some(200)).unwrap_err();
     assert!(e.to_string().contains("more than a staging slot"), "{e}");
-    assert!(store_cells(&[(&h0, &[1], &[1])], &gpu, 200).is_ok());
+    assert!(store_cells(&[(&h0, &[1], &[1])], &gpu, Some(200)).is_ok());
+    // The direct plan refuses the same store, and has no slot to outgrow.
+    let e = store_cells(&[(&h0, &[1], &[1]), (&h0, &[2], &[1])], &gpu, None).unwrap_err();
+    assert!(
+        matches!(e, TableError::OverlappingDestinations { .. }),
+        "{e}"
+    );
+    let (p, _) = store_cells(&[(&h0, &[1], &[1]), (&h1, &[2], &[1])], &gpu, None).unwrap();
+    assert_eq!((p.staged_rows, p.staged_blocks), (0, 2));
 }
 
 proptest! {
@@ -362,9 +376,11 @@ proptest! {
     /// padding at the row's end) and random stores or loads of some sub-blocks of some chunks:
     /// the rows are exactly the host bytes of the pages moved; every page's ring bytes lie in a
     /// row of the step that moves its block, at the offset of its host page in that row; steps
-    /// fit a slot.
+    /// fit a slot. The direct plan on the same cells: no row, every page's ring side its host
+    /// page, each wanted page named once, launches of at most a slot's span (or one block).
     #[test]
     fn the_cell_plan_moves_exactly_the_pages_of_its_blocks(
+        direct in any::<bool>(),
         f in 1u64..5,
         pages in proptest::collection::vec((1u64..5).prop_map(|k| 16 * k), 1..5),
         pad in 0u64..3,
@@ -412,12 +428,12 @@ proptest! {
             })
             .collect();
         let blocks: usize = ids.iter().map(|g| g.0.len()).sum();
-        let rows = blocks * pages.len();
+        let rows = if direct { 0 } else { blocks * pages.len() };
         let len = rows + blocks + f as usize * (2 * pages.len() + STAGED_TABLE_EXTRA);
         let slot = cell + extra * cell / 2;
         let (mut a, mut b, mut z) = (vec![0; len], vec![0; len], vec![0; len]);
         let plan = Plan::Staged(StagedExpansion {
-            rows, blocks, host_src: !store, merge: 1 << 20, cells: true, slot,
+            rows, blocks, host_src: !store, merge: 1 << 20, cells: true, slot, direct,
         });
         let cols = Columns { src: &mut a, dst: &mut b, size: &mut z };
         let p = expand_groups_into(&groups, plan, cols, &mut Scratch::default(),
@@ -432,6 +448,31 @@ proptest! {
                     want.insert(gpu_base(t) + id * pages[t], (host, pages[t]));
                 }
             }
+        }
+        if direct {
+            prop_assert_eq!((p.staged_rows, p.staged_blocks_at), (0, 0));
+            let req = StagedRequest { rows: 0, first_block: 0, blocks, slot_bytes: slot,
+                                      kernel: None, direct: true };
+            let steps = req.steps(&a, &b, &z);
+            let mut named = std::collections::HashMap::new();
+            let mut next = 0;
+            for step in &steps {
+                prop_assert_eq!(step.blocks.start, next);
+                next = step.blocks.end;
+                let spans: u64 = step.blocks.clone().map(|i| {
+                    let t = z[i] as usize;
+                    z[t + 1 + a[t] as usize]
+                }).sum();
+                prop_assert!(step.blocks.len() == 1 || spans <= slot);
+                for i in step.blocks.clone() {
+                    for (host, gpu_page, n) in staged_pages(&a, &b, &z, i) {
+                        prop_assert!(named.insert(gpu_page, (host, n)).is_none());
+                    }
+                }
+            }
+            prop_assert_eq!(next, blocks);
+            prop_assert_eq!(named, want);
+            return Ok(());
         }
         let row_list: Vec<(u64, u64, u64)> = (0..p.staged_rows).map(|i| (a[i], b[i], z[i])).collect();
         // Rows: exactly the host bytes of the pages, in no particular grouping.
@@ -454,7 +495,7 @@ proptest! {
             merge(want.values().map(|&(h, n)| (h, h + n)).collect())
         );
         let req = StagedRequest { rows: p.staged_rows, first_block: p.staged_blocks_at, blocks,
-                                  slot_bytes: slot, kernel: None };
+                                  slot_bytes: slot, kernel: None, direct: false };
         let steps = req.steps(&a, &b, &z);
         let mut seen = 0;
         for step in &steps {
