@@ -476,13 +476,7 @@ pub fn finish_cells(
 ) -> Result<usize, TableError> {
     let Columns { src, dst, size } = out;
     let blocks = cursor.rows..cursor.block;
-    let mut order: Vec<(u64, u64, u64)> =
-        blocks.clone().map(|i| (dst[i], size[i], src[i])).collect();
-    order.sort_unstable();
-    for (k, &(addr, table_at, id)) in order.iter().enumerate() {
-        let i = blocks.start + k;
-        (src[i], dst[i], size[i]) = (id, addr, table_at);
-    }
+    sort_entries([src, dst, size], blocks.clone(), false);
     let pages = &mut scratch.pairs;
     let (mut row, mut ring) = (0usize, 0u64);
     let mut i = blocks.start;
@@ -563,12 +557,24 @@ pub fn finish_cells(
 /// ([`super::expand_groups_into`]).
 fn order_direct(out: Columns<'_>, cursor: &StagedCursor) {
     let Columns { src, dst, size } = out;
-    let blocks = cursor.rows..cursor.block;
-    let mut order: Vec<(u64, u64, u64)> =
-        blocks.clone().map(|i| (size[i], dst[i], src[i])).collect();
+    sort_entries([src, dst, size], cursor.rows..cursor.block, true);
+}
+
+/// Sorts block entries `blocks` (GPU id, host address or ring offset, geometry) by host address,
+/// or `by_geometry` by geometry first.
+fn sort_entries([src, dst, size]: [&mut [u64]; 3], blocks: Range<usize>, by_geometry: bool) {
+    let key = |i: usize| {
+        if by_geometry {
+            (size[i], dst[i], src[i])
+        } else {
+            (dst[i], size[i], src[i])
+        }
+    };
+    let mut order: Vec<(u64, u64, u64)> = blocks.clone().map(key).collect();
     order.sort_unstable();
-    for (k, &(table_at, addr, id)) in order.iter().enumerate() {
+    for (k, &(a, b, id)) in order.iter().enumerate() {
         let i = blocks.start + k;
+        let (addr, table_at) = if by_geometry { (b, a) } else { (a, b) };
         (src[i], dst[i], size[i]) = (id, addr, table_at);
     }
 }

@@ -171,7 +171,7 @@ impl Shared {
                     let index = req.first_block + run.steps[k].blocks.start;
                     return Err(BackendError::Injected { index });
                 }
-                Self::direct_launches(lstream, slab, req, run, k, host_src)?;
+                Self::launch_geometries(lstream, slab, req, run, k, (0, host_src, false))?;
             }
             return Ok(());
         }
@@ -266,7 +266,6 @@ impl Shared {
         slot: usize,
     ) -> Result<(), BackendError> {
         let host_src = lane == Direction::HostToDevice;
-        let (src, size) = (slab.src(), slab.size());
         let step = &run.steps[k];
         let shift = st.shift(slot, step);
         let kstream = st.stream.handle();
@@ -282,30 +281,7 @@ impl Shared {
         } else {
             k == 0
         };
-        let first = req.first_block;
-        let blocks = (first + step.blocks.start)..(first + step.blocks.end);
-        let mut b = blocks.start;
-        while b < blocks.end {
-            let table = size[b];
-            let end = (b..blocks.end)
-                .find(|&i| size[i] != table)
-                .unwrap_or(blocks.end);
-            let at = StagedLaunch {
-                table: table as usize,
-                segments: src[table as usize],
-                ring_base: shift,
-                ring_src: host_src,
-                wide,
-            };
-            Self::launch(
-                &run.kernel,
-                kstream,
-                run.cols,
-                (b, (end - b) as u64, 1),
-                Some(at),
-            )?;
-            b = end;
-        }
+        Self::launch_geometries(kstream, slab, req, run, k, (shift, host_src, wide))?;
         if host_src {
             st.free[slot].record(kstream)
         } else {
@@ -313,17 +289,19 @@ impl Shared {
         }
     }
 
-    /// Step `k` of a direct transfer (see [`StagedRequest::direct`]) on the lane's stream: one
-    /// launch for each run of blocks of one geometry, the ring side of each page its host
-    /// address (no ring base), from the entries' device copy as in [`Self::step_kernel`]. The ids
-    /// were checked at submission, the host pages are the host table's (registered memory).
-    fn direct_launches(
+    /// The kernel launches of step `k` of `run` on `stream`: one for each run of its blocks that
+    /// share a geometry (one group's, or equal ones), the ring's offsets shifted by `ring_base`
+    /// (0 for a direct transfer, whose ring side holds host addresses), the ring the pages'
+    /// source where `ring_src`, on more CTAs where `wide` (see [`StagedLaunch`]). The kernels
+    /// read the entries' device copy (`run.cols`); the ids were checked at submission, and the
+    /// ring side is this lane's slot or, direct, the host table's pages (registered memory).
+    fn launch_geometries(
         stream: StreamHandle,
         slab: &SlabInner,
         req: &StagedRequest,
         run: &StagedRun,
         k: usize,
-        host_src: bool,
+        (ring_base, ring_src, wide): (u64, bool, bool),
     ) -> Result<(), BackendError> {
         let (src, size) = (slab.src(), slab.size());
         let step = &run.steps[k];
@@ -335,9 +313,9 @@ impl Shared {
             let at = StagedLaunch {
                 table: table as usize,
                 segments: src[table as usize],
-                ring_base: 0,
-                ring_src: host_src,
-                wide: false,
+                ring_base,
+                ring_src,
+                wide,
             };
             Self::launch(
                 &run.kernel,
