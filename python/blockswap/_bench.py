@@ -308,7 +308,7 @@ def handler_route(h: Any, direction: str) -> Any:
 
 def route_choice(route: Any, page_bytes: int) -> str:
     """What ``route`` does with pages of ``page_bytes``: ``"memcpy"`` on the host backend, the
-    plan (``"blocks"``, ``"staged"``) where it is not per page, else ``"kernel"`` or ``"dma"``."""
+    plan (``"blocks"``, ``"staged"``, ``"direct"``) where it is not per page, else ``"kernel"`` or ``"dma"``."""
     if route is None:
         return "unknown"
     if str(route.reason).endswith(HOST_ROUTE):

@@ -4,7 +4,8 @@ routes on this machine and keeps the fastest.
 
 A :class:`RouteChoice` per direction: ``"pages"`` (a descriptor per page, those below a size by the
 Triton copy kernel), ``"blocks"`` (a few 2-D copies per block on the copy engines) or
-``"staged"`` (each block's host row as one copy through a device staging ring). Which one is the
+``"staged"`` (each block's host row as one copy through a device staging ring) or ``"direct"``
+(the staged plan's kernel on host pages in place: vLLM's canonical fragments). Which one is the
 core's rule (:func:`blockswap._core.route_candidates`, ``rust/plan/choice.rs``): it ranks the
 routes a direction can take, and :func:`choose_routes` takes the first it can build here (loading
 a copy kernel into the core where one needs it; Triton compiles it). Nothing here holds a
@@ -122,8 +123,8 @@ HOST_ROUTE: str = _core.HOST_ROUTE
 
 class RouteChoice(NamedTuple):
     """A direction's route and why it was chosen: ``route`` the core's
-    :class:`blockswap.Route` the handler submits with (``plan`` ``"pages"``, ``"blocks"`` or
-    ``"staged"``; its kernel, where it has one), ``reason`` what chose it."""
+    :class:`blockswap.Route` the handler submits with (``plan`` ``"pages"``, ``"blocks"``,
+    ``"staged"`` or ``"direct"``; its kernel, where it has one), ``reason`` what chose it."""
 
     route: CoreRoute
     reason: str
