@@ -297,11 +297,12 @@ where
     Ok(Ok(ranking))
 }
 
-/// The direct plan ahead of the page route's kernel where that kernel, loaded by the core, takes
-/// every page on CUDA by the rule's choice (`path="auto"`; `None` otherwise), if the direct plan's rule takes the cache (its host
-/// blocks laid out in chunks or cells): the same SMs on `PCIe`, no descriptor per page. Canonical fragments of 512 B-2 KiB, one launch each way,
-/// reached 92.8-95.2 % of the link this way against 87.3-93.5 % by descriptors in pinned memory
-/// (H100, 2026-11-27, `python benches/probe_direct.py`).
+/// The direct plan, ranked ahead of the page route's kernel where `path="auto"` on CUDA sends
+/// every page to that kernel (`None` otherwise), if the direct plan's rule takes the cache (its
+/// host blocks laid out in chunks or cells; `Some(Err(why not))` where it does not): the same
+/// SMs on `PCIe`, no descriptor per page. Canonical fragments of 512 B-2 KiB, one launch each
+/// way, reached 92.8-95.2 % of the link this way against 87.3-93.5 % by descriptors in pinned
+/// memory (H100, 2026-11-27, `python benches/probe_direct.py`).
 fn direct_choice<E>(
     ask: &Ask,
     sizes: &[u64],

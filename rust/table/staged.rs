@@ -314,7 +314,15 @@ pub(super) fn finish_staged(
             size: &mut size[..],
         };
         total.staged_rows = if direct {
-            order_direct(cols, cursor);
+            // The entries keep their host addresses and go in order of geometry, then host
+            // address, so that a launch takes a group's blocks together (a launch per run of one
+            // geometry: two groups whose pages alternate in the cells, as gpt-oss-120b's do,
+            // would otherwise alternate launch by launch). Nothing to check here: a group's
+            // blocks are distinct (`check_ids`), its host pages apart block by block
+            // (`staged_cell` holds only for a table whose pages are), and what two groups write
+            // is checked where their tables are not proven apart (`expand_groups_into`).
+            let Columns { src, dst, size } = cols;
+            sort_entries([src, dst, size], rows..cursor.block, true);
             0
         } else {
             finish_cells(cols, cursor, host_src, slot, host, scratch)?
@@ -545,19 +553,6 @@ pub fn finish_cells(
     cursor.row = row;
     cursor.ring = ring;
     Ok(row)
-}
-
-/// Completes a direct plan's slab once [`stage_cell_group`] wrote every group: the block
-/// entries keep their host addresses and go in order of geometry, then host address, so that a
-/// launch takes a group's blocks together (a launch per run of one geometry: two groups whose
-/// pages alternate in the cells, as gpt-oss-120b's do, would otherwise alternate launch by
-/// launch). Nothing is checked here: a group's blocks are distinct (`check_ids`) and its host
-/// pages apart block by block ([`staged_cell`] holds only for a table whose pages are), and what
-/// two groups write is checked where their tables are not proven apart
-/// ([`super::expand_groups_into`]).
-fn order_direct(out: Columns<'_>, cursor: &StagedCursor) {
-    let Columns { src, dst, size } = out;
-    sort_entries([src, dst, size], cursor.rows..cursor.block, true);
 }
 
 /// Sorts block entries `blocks` (GPU id, host address or ring offset, geometry) by host address,

@@ -119,7 +119,7 @@ impl Shared {
                 b,
             };
             if req.direct {
-                // A direct transfer's kernels run on the lane's stream (see `direct_steps`):
+                // A direct transfer's kernels run on the lane's stream (see `staged_steps`):
                 // its entries go there, once the kernels that last read the buffer are done.
                 let lstream = l.stream.handle();
                 lstream.wait(&st.desc_free[b])?;
