@@ -64,6 +64,13 @@ def test_a_route_names_an_argument_of_the_wrong_type(bad):
         Route.pages(bad)
 
 
+@pytest.mark.parametrize("bad", [1, "yes", 1.0])
+def test_a_staged_route_takes_direct_as_a_bool(bad):
+    with pytest.raises(ArgumentTypeError, match=r"^direct must be a bool, not "):
+        Route.staged(3, direct=bad)
+    assert Route.staged(3, direct=np.bool_(True)).plan == "direct"
+
+
 def test_routes_are_frozen():
     with pytest.raises(AttributeError):
         Route.blocks().plan = "pages"  # type: ignore[misc]

@@ -46,6 +46,19 @@ fn int_arg(value: &Bound<'_, PyAny>, name: &str, hi: u64, optional: bool) -> PyR
     Err(invalid(format!("{name} must be an int from 0 to {hi}")))
 }
 
+/// `value` as a bool (Python's, or numpy's), or the package's typed error naming `name`
+/// (raised by the Python layer's argument check, as [`int_arg`] does).
+fn bool_arg(value: &Bound<'_, PyAny>, name: &str) -> PyResult<bool> {
+    if !value.is_instance_of::<PyBool>() {
+        let engine = value.py().import("blockswap.engine")?;
+        let is_bool = engine.getattr("_is_bool")?;
+        engine
+            .getattr("check_arg")?
+            .call1((name, value, "a bool", is_bool))?;
+    }
+    value.is_truthy()
+}
+
 fn optional_int_arg(
     value: Option<&Bound<'_, PyAny>>,
     name: &str,
@@ -137,12 +150,17 @@ impl PyRoute {
     /// The staged plan: each block's host row across `PCIe` as one copy into or out of a device
     /// staging ring, its pages moved inside the GPU by `kernel` (a staged kernel's id from
     /// `Engine.load_kernel`; None on the host backend, which copies with memcpy). With `direct`
-    /// the kernel moves the host pages in place instead, no row crossing by the copy engines.
+    /// (a bool; None: false) the kernel moves the host pages in place instead, no row crossing
+    /// by the copy engines.
     #[staticmethod]
-    #[pyo3(signature = (kernel = None, direct = false))]
-    fn staged(kernel: Option<&Bound<'_, PyAny>>, direct: bool) -> PyResult<Self> {
+    #[pyo3(signature = (kernel = None, direct = None))]
+    fn staged(
+        kernel: Option<&Bound<'_, PyAny>>,
+        direct: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
         let kernel = optional_int_arg(kernel, "kernel", u64::from(u32::MAX))?
             .map(|k| u32::try_from(k).expect("checked above"));
+        let direct = direct.map_or(Ok(false), |d| bool_arg(d, "direct"))?;
         Ok(PyRoute {
             plan: Plan::Staged(engine::StagedRoute { kernel, direct }),
         })
