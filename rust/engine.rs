@@ -125,11 +125,14 @@ pub type Route<'a> = Plan<Option<(u64, PageKernel<'a>)>, (), StagedRoute>;
 
 /// The staged plan as the caller asks for it: its kernel (see [`Engine::load_kernel`]; `None` on
 /// the host backend, which copies with memcpy), and whether the kernel moves the host pages in
-/// place, with no row across `PCIe` by the copy engines ([`StagedRequest::direct`]).
+/// place, with no row across `PCIe` by the copy engines ([`StagedRequest::direct`]), and then
+/// the most page bytes one of its launches moves (`None`: a launch per run of one geometry; see
+/// [`StagedRequest::launch_bytes`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct StagedRoute {
     pub kernel: Option<u32>,
     pub direct: bool,
+    pub launch_bytes: Option<u64>,
 }
 
 /// Moves batches of blocks over a backend. Shared between threads (`&self` everywhere).
@@ -386,13 +389,18 @@ impl Engine {
                 Plan::Pages((len > 0).then_some((batch, launch)))
             }
             Plan::Runs(()) => Plan::Runs(()),
-            Plan::Staged(StagedRoute { kernel, direct }) => Plan::Staged(StagedRequest {
+            Plan::Staged(StagedRoute {
+                kernel,
+                direct,
+                launch_bytes,
+            }) => Plan::Staged(StagedRequest {
                 rows: prepared.staged_rows,
                 first_block: prepared.staged_blocks_at,
                 blocks: prepared.staged_blocks,
                 slot_bytes: self.config.stage_bytes,
                 kernel,
                 direct,
+                launch_bytes: launch_bytes.unwrap_or(u64::MAX),
             }),
         };
         let request = SubmitRequest { wait_stream, plan };

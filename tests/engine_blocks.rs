@@ -434,7 +434,7 @@ proptest! {
     /// segment order and gaps between layers, with staging slots from one row (one block per
     /// step, the slots reused many times in a transfer) to many, and CPU blocks scattered or
     /// one after the other (their rows then cross as joined copies); and so does the direct plan
-    /// (the kernel on the host pages in place, launches of at most a slot's span).
+    /// (the kernel on the host pages in place, launches of at most a slot's bytes of pages).
     #[test]
     #[cfg_attr(
         miri,
@@ -470,7 +470,7 @@ proptest! {
         let (cpu_staged, back_staged) = staged_both_ways(&g, &pairs, Some(staged), slot);
         prop_assert_eq!(&cpu_pages, &cpu_staged);
         prop_assert_eq!(&back_pages, &back_staged);
-        let direct = StagedRoute { direct: true, ..staged };
+        let direct = StagedRoute { direct: true, launch_bytes: Some(slot), ..staged };
         let (cpu_direct, back_direct) = staged_both_ways(&g, &pairs, Some(direct), slot);
         prop_assert_eq!(cpu_pages, cpu_direct);
         prop_assert_eq!(back_pages, back_direct);
@@ -582,12 +582,13 @@ fn staged_plans_are_refused_where_they_cannot_run() {
         .submit_groups(4, &groups, Direction::DeviceToHost, None, staged())
         .unwrap();
     assert!(finish(&engine, &[4])[0].success);
-    // The direct plan (no rows; launches of at most a slot's span: a block each here) both ways,
-    // an injected failure reported as the staged plan's is.
+    // The direct plan (no rows; launches of at least a block, one each here) both ways, an
+    // injected failure reported as the staged plan's is.
     let direct = || {
         Plan::Staged(StagedRoute {
-            kernel: None,
             direct: true,
+            launch_bytes: Some(1),
+            ..StagedRoute::default()
         })
     };
     let back = [GroupIds::blocks(cpu, &[0, 1, 2, 3], gpu, &[3, 2, 1, 0])];
@@ -727,8 +728,8 @@ fn every_plan_refuses_loads_into_layers_that_share_a_tensor_and_stores_them() {
         "pages" => Plan::Pages(None),
         "runs" => Plan::Runs(()),
         "direct" => Plan::Staged(StagedRoute {
-            kernel: None,
             direct: true,
+            ..StagedRoute::default()
         }),
         _ => Plan::Staged(StagedRoute::default()),
     };
@@ -872,8 +873,8 @@ fn groups_whose_layers_alternate_move_as_one_transfer_and_a_reused_id_is_checked
         "pages" => Plan::Pages(None),
         "runs" => Plan::Runs(()),
         "direct" => Plan::Staged(StagedRoute {
-            kernel: None,
             direct: true,
+            ..StagedRoute::default()
         }),
         _ => Plan::Staged(StagedRoute::default()),
     };

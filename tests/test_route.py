@@ -32,6 +32,10 @@ def test_each_route_says_what_it_is():
     direct = Route.staged(7, direct=True)
     assert (direct.plan, direct.kernel) == ("direct", 7)
     assert repr(direct) == "Route.staged(kernel=7, direct=True)"
+    assert direct.launch_bytes is None
+    bounded = Route.staged(7, direct=True, launch_bytes=8 << 20)
+    assert bounded.launch_bytes == 8 << 20
+    assert repr(bounded) == "Route.staged(kernel=7, direct=True, launch_bytes=8388608)"
     assert repr(Route.pages(64, kernel=1)) == "Route.pages(64, kernel=1, launch_bytes=None)"
     assert repr(Route.blocks()) == "Route.blocks()"
     assert repr(Route.staged(2)) == "Route.staged(kernel=2)"
@@ -47,6 +51,11 @@ def test_each_route_says_what_it_is():
         (lambda: Route.pages(launch_bytes=8), "needs a kernel"),
         (lambda: Route.pages(4096, launcher=5), "launcher must be a callable, not int"),
         (lambda: Route.pages(-1), r"kernel_below must be an int from 0 to 2\*\*64 - 1"),
+        (lambda: Route.staged(1, launch_bytes=8), "the staged plan's steps are its slots"),
+        (
+            lambda: Route.staged(1, direct=True, launch_bytes=-1),
+            r"launch_bytes must be an int from 0 to 2\*\*64 - 1, not -1",
+        ),
         (
             lambda: Route.staged(1 << 32),
             r"kernel must be an int from 0 to 2\*\*32 - 1, not 4294967296",

@@ -228,7 +228,8 @@ class CpuGpuHandlers:
     row up to :data:`~blockswap.routing.STAGE_MAX_AUTO`), its pages moved inside the GPU by the copy kernel the core launches.
     Where every page would go to the copy kernel on the GPU and the CPU cache lies in chunks or
     cells with holes (vLLM's canonical layout), ``"auto"`` takes the direct plan: the staged
-    plan's kernel moves each page between the GPU and host memory in place.
+    plan's kernel moves each page between the GPU and host memory in place, at most
+    ``kernel_launch_bytes`` of pages a launch as well.
     A path that cannot run in this process is refused here with
     :class:`~blockswap.routing.RouteUnavailableError` naming it and why (``"kernel"`` without a
     GPU, unless Triton's interpreter runs the kernel: ``TRITON_INTERPRET=1``); ``"auto"`` and

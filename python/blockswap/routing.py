@@ -209,8 +209,12 @@ def _take(
                 continue
         if plan == "blocks":
             return RouteChoice(CoreRoute.blocks(), reason)
-        if plan in ("staged", "direct"):
-            return RouteChoice(CoreRoute.staged(kid, direct=plan == "direct"), reason)
+        if plan == "staged":
+            return RouteChoice(CoreRoute.staged(kid), reason)
+        if plan == "direct":
+            return RouteChoice(
+                CoreRoute.staged(kid, direct=True, launch_bytes=launch_bytes), reason
+            )
         if plan == "dma":
             return _dma(reason)
         if kid is not None:

@@ -181,8 +181,8 @@ pub struct Ranking {
 /// The rules a choice reads, each asked at most once and only where the choice needs it, their
 /// errors (`E`) returned as they are: `block(insist)` the block plan's (`Ok(why)` or `Err(why
 /// not)`; `insist` for `path="blocks"`), `staged()` the staged plan's (`Ok((largest row, slot
-/// bytes))` or `Err(why not)`), `direct()` the direct plan's (`Ok((largest block span, slot
-/// bytes))` or `Err(why not)`), `unavailable()` why the copy kernel cannot run in this process
+/// bytes))` or `Err(why not)`), `direct()` the direct plan's (`Ok(largest block span)` or
+/// `Err(why not)`), `unavailable()` why the copy kernel cannot run in this process
 /// (`None` where it can).
 #[derive(Debug)]
 pub struct Rules<B, S, D, U> {
@@ -206,7 +206,7 @@ pub fn candidates<E, B, S, D, U>(
 where
     B: FnOnce(bool) -> Result<Result<String, String>, E>,
     S: FnOnce() -> Result<Result<(u64, u64), String>, E>,
-    D: FnOnce() -> Result<Result<(u64, u64), String>, E>,
+    D: FnOnce() -> Result<Result<u64, String>, E>,
     U: FnOnce() -> Result<Option<String>, E>,
 {
     let Rules {
@@ -307,7 +307,7 @@ fn direct_choice<E>(
     ask: &Ask,
     sizes: &[u64],
     pages: &[Choice],
-    direct: impl FnOnce() -> Result<Result<(u64, u64), String>, E>,
+    direct: impl FnOnce() -> Result<Result<u64, String>, E>,
 ) -> Result<Option<Result<Choice, String>>, E> {
     let Some(Choice {
         candidate: Candidate::Kernel {
@@ -323,7 +323,7 @@ fn direct_choice<E>(
     if ask.path != Path::Auto || !ask.on_cuda || sizes.iter().any(|&n| n >= *below) {
         return Ok(None);
     }
-    let (span, slot) = match direct()? {
+    let span = match direct()? {
         Ok(fit) => fit,
         Err(why) => return Ok(Some(Err(why))),
     };
@@ -337,7 +337,7 @@ fn direct_choice<E>(
         reason: format!(
             "direct: pages moved in place by the core's kernel on {} CTAs, addressed from \
              block entries and geometries in device memory (blocks of up to {span} B, launches \
-             of up to {slot} B)",
+             of up to kernel_launch_bytes of pages)",
             need.ctas
         ),
     })))

@@ -151,18 +151,31 @@ impl PyRoute {
     /// staging ring, its pages moved inside the GPU by `kernel` (a staged kernel's id from
     /// `Engine.load_kernel`; None on the host backend, which copies with memcpy). With `direct`
     /// (a bool; None: false) the kernel moves the host pages in place instead, no row crossing
-    /// by the copy engines.
+    /// by the copy engines, at most `launch_bytes` of pages a launch (None: a launch per run of
+    /// one geometry).
     #[staticmethod]
-    #[pyo3(signature = (kernel = None, direct = None))]
+    #[pyo3(signature = (kernel = None, direct = None, launch_bytes = None))]
     fn staged(
         kernel: Option<&Bound<'_, PyAny>>,
         direct: Option<&Bound<'_, PyAny>>,
+        launch_bytes: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let kernel = optional_int_arg(kernel, "kernel", u64::from(u32::MAX))?
             .map(|k| u32::try_from(k).expect("checked above"));
         let direct = direct.map_or(Ok(false), |d| bool_arg(d, "direct"))?;
+        let launch_bytes = optional_int_arg(launch_bytes, "launch_bytes", u64::MAX)?;
+        if launch_bytes.is_some() && !direct {
+            return Err(invalid(
+                "launch_bytes bounds the direct plan's launches (direct=True): the staged plan's \
+                 steps are its slots",
+            ));
+        }
         Ok(PyRoute {
-            plan: Plan::Staged(engine::StagedRoute { kernel, direct }),
+            plan: Plan::Staged(engine::StagedRoute {
+                kernel,
+                direct,
+                launch_bytes,
+            }),
         })
     }
 
@@ -195,11 +208,13 @@ impl PyRoute {
         }
     }
 
-    /// The most one launch of the core's page kernel moves (None: one launch per transfer).
+    /// The most one launch of the core's page kernel, or of the direct plan's kernel, moves
+    /// (None: one launch per transfer, or per run of one geometry).
     #[getter]
     fn launch_bytes(&self) -> Option<u64> {
         match &self.plan {
             Plan::Pages(Some((_, Kernel::Loaded { launch_bytes, .. }))) => *launch_bytes,
+            Plan::Staged(s) => s.launch_bytes,
             _ => None,
         }
     }
@@ -232,7 +247,11 @@ impl PyRoute {
             Plan::Runs(()) => "Route.blocks()".into(),
             Plan::Staged(s) => {
                 let k = s.kernel.map_or("None".into(), |k| k.to_string());
-                let direct = if s.direct { ", direct=True" } else { "" };
+                let direct = match (s.direct, s.launch_bytes) {
+                    (false, _) => String::new(),
+                    (true, None) => ", direct=True".into(),
+                    (true, Some(b)) => format!(", direct=True, launch_bytes={b}"),
+                };
                 format!("Route.staged(kernel={k}{direct})")
             }
         }
@@ -357,12 +376,11 @@ pub(super) fn route_candidates(
         let fit = py.detach(|| e.staged_route(&host))?;
         Ok(fit.map(|row| (row, e.stage_bytes())))
     };
-    let direct = || -> PyResult<Result<(u64, u64), String>> {
+    let direct = || -> PyResult<Result<u64, String>> {
         let Some(e) = engine else {
             return Ok(Err(no_engine()));
         };
-        let fit = py.detach(|| e.direct_route(&host))?;
-        Ok(fit.map(|span| (span, e.stage_bytes())))
+        Ok(py.detach(|| e.direct_route(&host))?)
     };
     let unavailable = || -> PyResult<Option<String>> {
         kernel_unavailable.map_or(Ok(None), |f| f.call0()?.extract())

@@ -614,9 +614,14 @@ pub struct StagedRequest {
     /// address (the cell plan's entries before [`finish_cells`] places them in a ring), and the
     /// kernel moves every page between the host and the GPU in place, reading its entries and
     /// geometries from device memory: a canonical page's fragments, too small and too scattered
-    /// for the copy engines, then cross `PCIe` without a descriptor each. Steps are launches of
-    /// at most a slot's span of blocks ([`direct_steps`]).
+    /// for the copy engines, then cross `PCIe` without a descriptor each. Steps are launches
+    /// ([`direct_steps`]).
     pub direct: bool,
+    /// The direct plan's most page bytes a launch moves (the other ranks' fragments between a
+    /// rank's, the holes of its geometry, not counted): a launch holds its SMs until it ends, and
+    /// each one more costs a refill of its pipeline (see `kernel_launch_bytes` in
+    /// docs/tuning.md). `u64::MAX`: a launch per run of blocks of one geometry.
+    pub launch_bytes: u64,
 }
 
 impl StagedRequest {
@@ -627,8 +632,20 @@ impl StagedRequest {
         let (r, first) = (self.rows, self.first_block);
         let blocks = first..first + self.blocks;
         if self.direct {
-            let spans: Vec<u64> = blocks.map(|i| block_span(src, size, i)).collect();
-            return direct_steps(&spans, self.slot_bytes);
+            // A block's page bytes are its geometry's; the entries are ordered by geometry, so
+            // the last geometry's sum is the one asked for again, mostly.
+            let mut last: Option<(u64, u64)> = None;
+            let moved: Vec<u64> = blocks
+                .map(|i| match last {
+                    Some((t, bytes)) if t == size[i] => bytes,
+                    _ => {
+                        let bytes = staged_pages(src, dst, size, i).map(|(_, _, n)| n).sum();
+                        last = Some((size[i], bytes));
+                        bytes
+                    }
+                })
+                .collect();
+            return direct_steps(&moved, self.launch_bytes);
         }
         let ends: Vec<u64> = blocks
             .clone()
@@ -638,15 +655,19 @@ impl StagedRequest {
     }
 }
 
-/// The launches of a direct transfer (see [`StagedRequest::direct`]) whose block entries span
-/// `spans` bytes each: consecutive blocks, at most `slot_bytes` of spans a launch (at least one
-/// block), so that a launch holds its SMs no longer than one step of the staged plan would.
+/// The launches of a direct transfer (see [`StagedRequest::direct`]) whose blocks move `moved`
+/// page bytes each: consecutive blocks, at most `launch_bytes` a launch (at least one block).
+/// Counting page bytes, not a block's span, keeps a launch as long whatever the holes: at TP=4
+/// a canonical cell is four times what rank 0 moves, and launches bounded by a 16 MiB span moved
+/// 4 MiB each, 3-6.5 points of the link CPU -> GPU below launches of 16 MiB of pages
+/// (Llama-3.1-8B and -70B, H100, 2026-11-27, `python benches/bench_canonical.py --tp 4`, the
+/// span bound at 16 and 64 MiB; docs/benchmarks.md).
 #[must_use]
-pub fn direct_steps(spans: &[u64], slot_bytes: u64) -> Vec<StagedStep> {
+pub fn direct_steps(moved: &[u64], launch_bytes: u64) -> Vec<StagedStep> {
     let mut steps = Vec::new();
     let (mut start, mut bytes) = (0usize, 0u64);
-    for (b, &span) in spans.iter().enumerate() {
-        if b > start && bytes.saturating_add(span) > slot_bytes {
+    for (b, &span) in moved.iter().enumerate() {
+        if b > start && bytes.saturating_add(span) > launch_bytes {
             steps.push(StagedStep {
                 rows: 0..0,
                 blocks: start..b,
@@ -656,10 +677,10 @@ pub fn direct_steps(spans: &[u64], slot_bytes: u64) -> Vec<StagedStep> {
         }
         bytes = bytes.saturating_add(span);
     }
-    if start < spans.len() {
+    if start < moved.len() {
         steps.push(StagedStep {
             rows: 0..0,
-            blocks: start..spans.len(),
+            blocks: start..moved.len(),
             ring_start: 0,
         });
     }

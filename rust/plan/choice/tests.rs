@@ -26,7 +26,7 @@ fn ask(path: Path, on_cuda: bool) -> Ask {
 struct Probe {
     block: Result<String, String>,
     staged: Result<(u64, u64), String>,
-    direct: Result<(u64, u64), String>,
+    direct: Result<u64, String>,
     unavailable: Option<String>,
     asked: Cell<[u32; 4]>,
 }
@@ -253,7 +253,7 @@ fn a_block_major_cache_ranks_blocks_then_staged_then_pages() {
 #[test]
 fn pages_in_cells_all_for_the_kernel_take_the_direct_plan_first() {
     let mut p = Probe::new();
-    p.direct = Ok((80 * KIB, STAGE_BYTES));
+    p.direct = Ok(80 * KIB);
     let a = ask(Path::Auto, true);
     for d in [H2D, D2H] {
         p.asked.set([0; 4]);

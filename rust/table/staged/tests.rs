@@ -452,18 +452,23 @@ proptest! {
         if direct {
             prop_assert_eq!((p.staged_rows, p.staged_blocks_at), (0, 0));
             let req = StagedRequest { rows: 0, first_block: 0, blocks, slot_bytes: slot,
-                                      kernel: None, direct: true };
+                                      kernel: None, direct: true, launch_bytes: slot };
             let steps = req.steps(&a, &b, &z);
             let mut named = std::collections::HashMap::new();
             let mut next = 0;
             for step in &steps {
                 prop_assert_eq!(step.blocks.start, next);
                 next = step.blocks.end;
-                let spans: u64 = step.blocks.clone().map(|i| {
-                    let t = z[i] as usize;
-                    z[t + 1 + a[t] as usize]
-                }).sum();
-                prop_assert!(step.blocks.len() == 1 || spans <= slot);
+                // Page bytes, holes not counted, at most launch_bytes a launch.
+                let moved: u64 = step.blocks.clone()
+                    .flat_map(|i| staged_pages(&a, &b, &z, i).map(|(_, _, n)| n))
+                    .sum();
+                prop_assert!(step.blocks.len() == 1 || moved <= slot);
+                // And no launch ends early: the next block would not have fitted.
+                if step.blocks.end < blocks {
+                    let next: u64 = staged_pages(&a, &b, &z, step.blocks.end).map(|(_, _, n)| n).sum();
+                    prop_assert!(moved + next > slot);
+                }
                 for i in step.blocks.clone() {
                     for (host, gpu_page, n) in staged_pages(&a, &b, &z, i) {
                         prop_assert!(named.insert(gpu_page, (host, n)).is_none());
@@ -495,7 +500,8 @@ proptest! {
             merge(want.values().map(|&(h, n)| (h, h + n)).collect())
         );
         let req = StagedRequest { rows: p.staged_rows, first_block: p.staged_blocks_at, blocks,
-                                  slot_bytes: slot, kernel: None, direct: false };
+                                  slot_bytes: slot, kernel: None, direct: false,
+                                  launch_bytes: u64::MAX };
         let steps = req.steps(&a, &b, &z);
         let mut seen = 0;
         for step in &steps {
