@@ -280,6 +280,14 @@ pub struct KernelSpec {
     /// Bytes one row moves per step (the kernel's `BLOCK_BYTES`): what a slice of a descriptor
     /// is made of where the kernel route splits descriptors ([`kernel_split`]); 0: never.
     pub row_bytes: u32,
+    /// The kernel lets the launch after it on its stream start once each of its programs is on
+    /// its last work, and waits at its end for the launch before it to end (programmatic
+    /// dependent launch, compute capability 9.0 on): the core then launches a direct transfer's
+    /// launches after its first with programmatic stream serialization, one launch's start
+    /// overlapping the tail of the one before. Each launch boundary of 8 MiB launches cost
+    /// CPU -> GPU 2.5-4 points of the link without it (H100, 2026-11-27,
+    /// `python benches/probe_direct.py`, docs/benchmarks.md).
+    pub chained: bool,
 }
 
 impl KernelSpec {
@@ -304,6 +312,7 @@ mod tests {
             rows,
             ctas,
             row_bytes,
+            chained: false,
         };
         for (n, max_size, ctas, rows, row_bytes, split) in [
             (2560, 4096, 16, 8, 4096, 1),
@@ -391,6 +400,7 @@ mod tests {
             rows: 1,
             ctas: 16,
             row_bytes: 16384,
+            chained: false,
         };
         assert_eq!(
             kernel_split(&spec, 1, 1 << 30),

@@ -551,9 +551,10 @@ impl PyEngine {
     /// context (Triton's compiled kernel), `threads` per CTA, `shared` bytes of dynamic shared
     /// memory, `params` the names of its leading parameters (`srcs`, `dsts`, `sizes`, `count`,
     /// `split`, `src_base`, `dst_base`; any after them are passed as null pointers), `rows`
-    /// descriptors per CTA step and `ctas` the most CTAs. Returns the kernel's id, or None on the
-    /// host backend (which copies with memcpy).
-    #[pyo3(signature = (function, threads, shared, params, rows, ctas, row_bytes = 0))]
+    /// descriptors per CTA step and `ctas` the most CTAs; `chained`: a staged kernel built for
+    /// programmatic dependent launch (see `KernelSpec::chained`). Returns the kernel's id, or
+    /// None on the host backend (which copies with memcpy).
+    #[pyo3(signature = (function, threads, shared, params, rows, ctas, row_bytes = 0, chained = false))]
     // The Python signature's keyword arguments, one parameter each.
     #[allow(clippy::too_many_arguments)]
     fn load_kernel(
@@ -566,6 +567,7 @@ impl PyEngine {
         rows: u32,
         ctas: u32,
         row_bytes: u32,
+        chained: bool,
     ) -> PyResult<Option<u32>> {
         let params = params
             .iter()
@@ -579,6 +581,7 @@ impl PyEngine {
             rows,
             ctas,
             row_bytes,
+            chained,
         };
         py.detach(|| self.engine.load_kernel(spec))
             .map_err(Into::into)

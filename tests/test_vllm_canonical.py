@@ -15,7 +15,8 @@ repository), the worker-level cases and their assertions kept. What changed, and
   ``_canonical_block_sizes``) are covered by what they compute: the bytes in the region, the
   writer rotation and the canonical page size a tensor's view gets.
 - Added: writer rotation through the worker (vLLM tests its page-id helper only), the
-  refusals, and the tiering spec built by vLLM's factory with ``canonical_layout``.
+  refusals, the tiering spec built by vLLM's factory with ``canonical_layout``, and a
+  cross-topology round trip in launches of one block each.
 """
 
 from __future__ import annotations
@@ -105,7 +106,14 @@ class Ranks:
         self.workers: list[BlockswapOffloadingWorker] = []
 
     def worker(
-        self, kv: CanonicalKVCaches, rank: int, world: int, device: str, *, replicated: bool = False
+        self,
+        kv: CanonicalKVCaches,
+        rank: int,
+        world: int,
+        device: str,
+        *,
+        replicated: bool = False,
+        **options: Any,
     ) -> BlockswapOffloadingWorker:
         row = SharedOffloadRegion.BLOCK_SIZE_ALIGNMENT
         assert row >= CANONICAL_PAGE * self.bpc
@@ -119,7 +127,7 @@ class Ranks:
         try:
             w = BlockswapOffloadingWorker(
                 kv, self.bpc, self.num_chunks, mmap_region=region, canonical_layout=True,
-                backend=backend_of(device),
+                backend=backend_of(device), **options,
             )  # fmt: skip
         except BaseException:
             region.cleanup()  # the caller's until the worker is built, as with vLLM's worker
@@ -216,6 +224,35 @@ def test_cross_topology_roundtrip(writer_tp: int, reader_tp: int, device: str) -
                 f"reader tp={reader_tp} rank={rank} bytes diverge from the tp={writer_tp} "
                 "writers' ground truth"
             )
+    finally:
+        ranks.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_round_trip_in_launches_of_one_block_each_moves_every_fragment(device: str) -> None:
+    """The direct plan with ``kernel_launch_bytes=1``: a launch per block, on the GPU each after
+    the first started while the one before it ends (chained launches); written at TP=4 and read
+    at TP=2, every reader's bytes are the writers' and no block of a reader is left out."""
+    torch.manual_seed(1)
+    num_blocks = 24
+    full_kv = torch.randint(-128, 128, (num_blocks, 2, BLOCK_TOKENS, TOTAL_HEADS, HEAD_BYTES),
+                            dtype=torch.int8)  # fmt: skip
+    ranks = Ranks(num_blocks)
+    try:
+        for rank in range(4):
+            gpu = head_shard(full_kv, 4, rank).to(device)
+            w = ranks.worker(caches_of(gpu, shard_mapping(4, rank)), rank, 4, device,
+                             kernel_launch_bytes=1)  # fmt: skip
+            if device == "cuda":
+                assert {r.launch_bytes for h in w.handlers for r in h.routes.values()} == {1}
+            transfer(w, True, 1, num_blocks)
+        for rank in range(2):
+            expected = head_shard(full_kv, 2, rank)
+            out = torch.full_like(expected, 7, device=device)
+            w = ranks.worker(caches_of(out, shard_mapping(2, rank)), rank, 2, device,
+                             kernel_launch_bytes=1)  # fmt: skip
+            transfer(w, False, 2, num_blocks)
+            assert torch.equal(out.cpu(), expected), rank
     finally:
         ranks.close()
 

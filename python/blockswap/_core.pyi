@@ -214,6 +214,7 @@ class Engine:
         rows: int,
         ctas: int,
         row_bytes: int = 0,
+        chained: bool = False,
     ) -> int | None: ...
     def staged_row(self, table: int) -> int | None: ...
     @property

@@ -545,6 +545,7 @@ class Engine:
             kernel["rows"],
             kernel["ctas"],
             kernel.get("row_bytes", 0),
+            kernel.get("chained", False),
         )
 
     def block_runs(

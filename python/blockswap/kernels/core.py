@@ -61,10 +61,14 @@ def core_kernel(
         if staged
         else (_copy_blocks_kernel, CORE_KERNEL_PARAMS)
     )
+    # The staged kernel chains its launches where the GPU has programmatic dependent launch.
+    chained = staged and torch.cuda.get_device_capability(device) >= (9, 0)
+    extra = {"CHAINED": True, "launch_pdl": True} if chained else {}
     with torch.cuda.device(device):
         kernel = fn.warmup(
             *([big] * len(params)),
             ALIGNED16=False, ROWS=rows, BLOCK_BYTES=row_bytes, num_warps=num_warps, grid=(1,),
+            **extra,
         )  # fmt: skip
         kernel._init_handles()
     meta = kernel.metadata
@@ -78,6 +82,7 @@ def core_kernel(
         "rows": rows,
         "ctas": max_ctas,
         "row_bytes": row_bytes,
+        "chained": chained,
         # Kept alive with the handler: the module holding the function stays loaded.
         "compiled": kernel,
     }

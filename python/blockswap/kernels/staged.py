@@ -26,6 +26,7 @@ from blockswap.kernels.copy import (
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ModuleNotFoundError as e:
     _optional.missing(e, "blockswap.kernels")
 
@@ -73,6 +74,7 @@ def _copy_staged_kernel(
     ALIGNED16: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_BYTES: tl.constexpr,
+    CHAINED: tl.constexpr = False,
 ):
     """The staged plan's HBM side: move every page of ``n_blocks`` blocks between a staging slot
     and the GPU pages, each page's addresses computed from its block's entry and the group's
@@ -86,6 +88,10 @@ def _copy_staged_kernel(
         ``offsets[s + 1] - offsets[s]`` bytes.
     ring_src: 1 where the ring is the source (CPU -> GPU), 0 where the GPU pages are.
     ALIGNED16, ROWS, BLOCK_BYTES: as ``_copy_blocks_kernel``; a page is never sliced.
+    CHAINED: built for programmatic dependent launch (compute capability 9.0 on): each program
+        lets the next launch on the stream start once it is on its last group of rows, and the
+        kernel ends only after the launch before it (the core launches a direct transfer's
+        launches after its first so; launched plainly, both are no-ops).
     grid: (G,) with G <= cdiv(n_blocks * n_segs, ROWS).
     """
     ids = ids_addr.to(tl.int64).to(tl.pointer_type(tl.int64))
@@ -104,6 +110,9 @@ def _copy_staged_kernel(
     )
     while group < n_groups:
         nxt = group + nprog
+        if CHAINED:  # noqa: SIM102 -- a constexpr test, compiled out unless CHAINED
+            if nxt >= n_groups:
+                gdc_launch_dependents()
         nsrc, ndst, nsize, npart = _load_pages(
             ids, rings, bases, strides, offsets, nxt * ROWS + rows, n_items, segs, ring_base,
             ring_src,
@@ -114,6 +123,8 @@ def _copy_staged_kernel(
         size = nsize
         part = npart
         group = nxt
+    if CHAINED:
+        gdc_wait()
 
 
 def copy_staged_raw(

@@ -225,6 +225,7 @@ mod tests {
                     rows: 1,
                     ctas: 16,
                     row_bytes: 0,
+                    chained: false,
                 },
                 kind: KernelKind::Staged,
                 total: 0,

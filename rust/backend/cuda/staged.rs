@@ -27,6 +27,9 @@ struct StagedLaunch {
     ring_base: u64,
     ring_src: bool,
     wide: bool,
+    /// After the launch before it on the stream, the same transfer's (see
+    /// [`crate::kernel::KernelSpec::chained`]).
+    chain: bool,
 }
 
 impl Shared {
@@ -316,6 +319,10 @@ impl Shared {
                 ring_base,
                 ring_src,
                 wide,
+                // A direct transfer's launches follow each other on the lane's stream, the
+                // first after its entries' upload (see `staged_begin`); their pages are
+                // pairwise disjoint (checked at submission).
+                chain: req.direct && b > first,
             };
             Self::launch(
                 &run.kernel,
@@ -481,6 +488,9 @@ impl Shared {
                 1
             };
         let grid = items.div_ceil(u64::from(k.spec.rows)).min(ctas).max(1) as u32;
+        if k.spec.chained && staged.is_some_and(|g| g.chain) {
+            return Self::launch_chained(k, stream, grid, &mut ptrs);
+        }
         // SAFETY: `function` was checked at load to take `total` 8-byte parameters, each read
         // from `vals` during the call; what the kernel reads and writes, the caller vouches for
         // (see above and the two callers: the staged plan's steps, `launch_pages`).
@@ -495,6 +505,47 @@ impl Shared {
                 1,
                 k.spec.shared,
                 stream.raw(),
+                ptrs.as_mut_ptr(),
+                ptr::null_mut(),
+            )
+        })
+    }
+
+    /// [`Self::launch`] with programmatic stream serialization: the launch may start before the
+    /// kernel before it on `stream` ends, once each of that kernel's programs has let it (a
+    /// [`crate::kernel::KernelSpec::chained`] kernel does on its last work), and waits at its
+    /// own end for that kernel, so that what follows on the stream still follows both.
+    fn launch_chained(
+        k: &LoadedKernel,
+        stream: StreamHandle,
+        grid: u32,
+        ptrs: &mut [*mut c_void; MAX_KERNEL_PARAMS],
+    ) -> Result<(), BackendError> {
+        let mut attr = sys::CUlaunchAttribute {
+            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+            pad: [0; 4],
+            value: sys::CUlaunchAttributeValue {
+                programmaticStreamSerializationAllowed: 1,
+            },
+        };
+        let config = sys::CUlaunchConfig {
+            gridDimX: grid,
+            gridDimY: 1,
+            gridDimZ: 1,
+            blockDimX: k.spec.threads,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: k.spec.shared,
+            hStream: stream.raw(),
+            attrs: &raw mut attr,
+            numAttrs: 1,
+        };
+        // SAFETY: as `launch`'s call (its parameters in `ptrs`, read during the call); `config`
+        // and its one attribute live across the call.
+        check("cuLaunchKernelEx", unsafe {
+            sys::cuLaunchKernelEx(
+                &raw const config,
+                k.function as sys::CUfunction,
                 ptrs.as_mut_ptr(),
                 ptr::null_mut(),
             )
