@@ -12,7 +12,15 @@ blocks and chunks, one launch of ``--ctas`` CTAs over the whole transfer. GPU ti
 events behind a spin gate (no host time in it), median of ``--reps``: one transfer ("isolated")
 and 8 back to back ("queued"), % of the link.
 
+Variants with a size ("8M", "16M", "32M") launch the direct kernel over that many bytes of
+the transfer at a time, as the engine's ``kernel_launch_bytes`` does; "2s" alternates two
+streams; "pdl" chains the launches as the engine does (the staged kernel built with ``CHAINED``,
+launched with programmatic dependent launch: each launch may start while the one before ends).
+With ``--gemm``, instead of bandwidth: how much a bf16 8192^3 GEMM on another stream slows
+beside continuous CPU->GPU transfers of each variant (the GEMM alone measured right before each).
+
     python benches/probe_direct.py [--models llama-3.1-70b-tp4,qwen2.5-7b] [--tp 2] [--reps 9]
+                                   [--variants "one copy,direct dev 8M,direct dev 8M pdl"] [--gemm]
 
 Printed, not saved.
 """
@@ -37,7 +45,8 @@ N_GPU = 256
 N_CHUNKS = 128
 QUEUED = 8
 VARIANTS = ("one copy", "desc host", "desc host 8M", "desc host 8M 2s", "desc dev", "direct host",
-            "direct dev", "direct dev 8M", "direct dev 8M 2s")  # fmt: skip
+            "direct dev", "direct dev 8M", "direct dev 8M 2s", "direct dev 8M pdl",
+            "direct dev 16M", "direct dev 32M")  # fmt: skip
 LAUNCH = 8 << 20  # the engine's kernel_launch_bytes
 
 
@@ -79,8 +88,9 @@ class Canonical:
     ) -> dict[str, Any]:
         import torch
 
+        from blockswap._core import launch_plan
         from blockswap.kernels import copy_blocks_raw
-        from blockswap.kernels.staged import copy_staged_raw
+        from blockswap.kernels.staged import _copy_staged_kernel, copy_staged_raw
 
         def cols(arrays: list[np.ndarray], device: str) -> list[torch.Tensor]:
             out = [torch.from_numpy(a) for a in arrays]
@@ -119,14 +129,24 @@ class Canonical:
                                         block_bytes=block_bytes)  # fmt: skip
 
             def direct(a: tuple[Any, ...] = (ids, rings, bases, strides, offsets),
-                       per: int = len(self.ids), lanes: int = 1) -> None:  # fmt: skip
+                       per: int = len(self.ids), lanes: int = 1, pdl: bool = False) -> None:  # fmt: skip
                 i0, r0, b, st, o = (t.data_ptr() for t in a)
                 for i in range(0, len(self.ids), per):
+                    n = min(per, len(self.ids) - i)
                     with torch.cuda.stream(next_stream(lanes)):
-                        copy_staged_raw(i0 + 8 * i, r0 + 8 * i, b, st, o,
-                                        min(per, len(self.ids) - i), len(self.bases), 0,
-                                        not to_cpu, max_size=self.frag, max_ctas=ctas,
-                                        block_bytes=block_bytes)  # fmt: skip
+                        if not pdl:
+                            copy_staged_raw(i0 + 8 * i, r0 + 8 * i, b, st, o, n,
+                                            len(self.bases), 0, not to_cpu, max_size=self.frag,
+                                            max_ctas=ctas, block_bytes=block_bytes)  # fmt: skip
+                            continue
+                        _, _, rows, row_bytes = launch_plan(1 << 20, ctas, block_bytes, self.frag)
+                        grid = max(1, min(ctas, -(-n * len(self.bases) // rows)))
+                        # The engine's chained launches: programmatic dependent launch.
+                        _copy_staged_kernel[(grid,)](i0 + 8 * i, r0 + 8 * i, b, st, o, n,
+                                                     len(self.bases), 0, int(not to_cpu),
+                                                     ALIGNED16=False, ROWS=rows,
+                                                     BLOCK_BYTES=row_bytes, CHAINED=True,
+                                                     num_warps=4, launch_pdl=True)  # fmt: skip
 
             out[f"desc {where}"], out[f"direct {where}"] = desc, direct
             per_block = max(1, LAUNCH // (self.nbytes // len(self.ids)))
@@ -137,6 +157,11 @@ class Canonical:
                 out[f"direct {where} 8M{tag}"] = functools.partial(
                     direct, per=per_block, lanes=lanes
                 )
+            out[f"direct {where} 8M pdl"] = functools.partial(direct, per=per_block, pdl=True)
+            for mib in (16, 32):
+                out[f"direct {where} {mib}M"] = functools.partial(
+                    direct, per=max(1, (mib << 20) // (self.nbytes // len(self.ids)))
+                )
         return out
 
 
@@ -146,7 +171,12 @@ def main() -> int:
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--blocks", type=int, default=32)
     ap.add_argument("--ctas", type=int, default=16)
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help="the variants to run, comma-separated (default: all)")  # fmt: skip
+    ap.add_argument("--gemm", action="store_true",
+                    help="instead: a bf16 8192^3 GEMM's slowdown beside CPU->GPU transfers")  # fmt: skip
     args = ap.parse_args()
+    variants = [v for v in VARIANTS if v in args.variants.split(",")]
     if not need_cuda("probe_direct"):
         return 1
     import torch
@@ -155,8 +185,8 @@ def main() -> int:
 
     ceil = ceiling()
     print(link_header(ceil, f"rank 0 of TP={args.tp}, {args.blocks} blocks, {args.ctas} CTAs"))
-    print(f"{'model':<20} {'dir':<4} {'MiB':>5} " + " ".join(f"{v:>15}" for v in VARIANTS))
-    print(f"{'':<20} {'':<4} {'':>5} " + " ".join(f"{'isol./queued':>15}" for _ in VARIANTS))
+    print(f"{'model':<20} {'dir':<4} {'MiB':>5} " + " ".join(f"{v:>17}" for v in variants))
+    print(f"{'':<20} {'':<4} {'':>5} " + " ".join(f"{'isol./queued':>17}" for _ in variants))
     rng = np.random.default_rng(0)
     keys = {m.key: m for m in MODELS}
     for key in args.models.split(","):
@@ -166,9 +196,15 @@ def main() -> int:
             streams = [torch.cuda.Stream(), torch.cuda.Stream()]
             stream = streams[0]
             fns = case.variants(to_cpu, streams, args.ctas, KERNEL_BLOCK_BYTES)
-            verify(case, fns, to_cpu, stream)
+            verify(case, fns, to_cpu, stream, variants)
+            if args.gemm:
+                if not to_cpu:
+                    slow = gemm_slowdown(fns, variants, stream, args.reps, case.nbytes)
+                    print(f"{key:<20} GEMM slowdown beside {d}: "
+                          + ", ".join(f"{v} {x:+.1f} %" for v, x in slow.items()), flush=True)  # fmt: skip
+                continue
             cells = []
-            for name in VARIANTS:
+            for name in variants:
                 fn = fns[name]
                 res = []
                 for count in (1, QUEUED):
@@ -182,18 +218,61 @@ def main() -> int:
                     ts = [gated_gpu_seconds(issue, streams) for _ in range(args.reps)]
                     gbps = count * case.nbytes / statistics.median(ts) / 1e9
                     res.append(100 * gbps / ceil[d])
-                cells.append(f"{res[0]:>7.1f}/{res[1]:<7.1f}")
+                cells.append(f"{res[0]:>8.1f}/{res[1]:<8.1f}")
             print(f"{key:<20} {d:<4} {case.nbytes / 2**20:>5.1f} " + " ".join(cells), flush=True)
     return 0
 
 
-def verify(case: Canonical, fns: dict[str, Any], to_cpu: bool, stream: Any) -> None:
+def gemm_slowdown(
+    fns: dict[str, Any], variants: list[str], stream: Any, reps: int, nbytes: int
+) -> dict[str, float]:
+    """Per variant, how much longer a bf16 8192^3 GEMM on a stream of its own takes (median of
+    ``reps``) while that variant's transfers, queued first to outlast the GEMMs, run on
+    ``stream``; % against the GEMM alone."""
+    import torch
+
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    compute = torch.cuda.Stream()
+
+    def gemm_ms() -> float:
+        times = []
+        with torch.cuda.stream(compute):
+            for _ in range(reps):
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                a @ b
+                e1.record()
+                times.append((e0, e1))
+        compute.synchronize()
+        return statistics.median(e0.elapsed_time(e1) for e0, e1 in times)
+
+    gemm_ms()  # warm
+    out = {}
+    for name in variants:
+        # The GEMM alone right before each variant: its clocks drift over a run.
+        alone = gemm_ms()
+        # Transfers enough to outlast the GEMMs at ~50 GB/s, with a margin.
+        count = max(8, int(2 * reps * alone * 1e-3 * 50e9 / nbytes))
+        torch.cuda.synchronize()
+        with torch.cuda.stream(stream):
+            for _ in range(count):
+                fns[name]()
+        beside = gemm_ms()
+        torch.cuda.synchronize()
+        out[name] = 100 * (beside / alone - 1)
+    return out
+
+
+def verify(
+    case: Canonical, fns: dict[str, Any], to_cpu: bool, stream: Any, variants: list[str]
+) -> None:
     """Each kernel variant moves exactly what the descriptors name (and nothing of the holes)."""
     import torch
 
     g, c = case.g, case.c
     frag = case.frag
-    for name in VARIANTS[1:]:
+    for name in (v for v in variants if v != "one copy"):
         for t in case.gpu:
             t.random_(-128, 127)
         case.host.random_(-128, 127)
