@@ -236,7 +236,6 @@ class BlockTable:
     num_blocks: int
     device: torch.device
     owners: tuple[torch.Tensor, ...] = field(default=(), repr=False)
-    _key: bytes = field(init=False, repr=False)  # pages per segment: compatibility
 
     def __post_init__(self) -> None:
         arrays = {}
@@ -264,7 +263,6 @@ class BlockTable:
         object.__setattr__(self, "num_blocks", num_blocks)
         object.__setattr__(self, "device", torch.device(self.device))
         object.__setattr__(self, "owners", tuple(self.owners))
-        object.__setattr__(self, "_key", arrays["nbytes"].tobytes())
 
     @classmethod
     @refuses_with_config_errors
@@ -353,15 +351,16 @@ class BlockTable:
         return np.stack([start[first], reach[last] - start[first]], axis=1)
 
     def is_compatible(self, other: BlockTable) -> bool:
-        """Whether blocks can be copied between the two tables (same segment count and sizes)."""
-        return self._key == other._key
+        """Whether blocks can be copied between the two tables (same segment count and sizes):
+        the core's rule (:func:`blockswap._core.table_incompatibility`)."""
+        return table_incompatibility(self.nbytes, other.nbytes) is None
 
     def check_compatible(self, other: BlockTable) -> None:
         """Raise :class:`LayoutError` unless :meth:`is_compatible`, with the core's reason (this
         table the source, ``other`` the destination)."""
-        if self._key == other._key:
-            return
-        raise LayoutError(table_incompatibility(self.nbytes, other.nbytes))
+        why = table_incompatibility(self.nbytes, other.nbytes)
+        if why is not None:
+            raise LayoutError(why)
 
 
 # --------------------------------------------------------------------------------------------
