@@ -306,26 +306,16 @@ def _check_cpu_group(
 
 
 def cpu_tables_of(
-    cpu_groups: Sequence[Sequence[torch.Tensor]],
-    layouts: Sequence[Layout],
-    gpu_tables: Sequence[BlockTable],
-    num_cpu_blocks: int,
-    factor: int,
+    cpu_groups: Sequence[Sequence[torch.Tensor]], layouts: Sequence[Layout]
 ) -> list[BlockTable]:
-    """The block table of each group of the CPU cache, checked against the GPU table of its
-    group: ``num_cpu_blocks * factor`` sub-blocks of the same pages."""
+    """The block table of each group of the CPU cache. Its pages are those of the GPU table of
+    its group, over ``num_cpu_blocks * block_size_factor`` sub-blocks: the cache was made here
+    from the GPU tensors, or :func:`given_cpu_cache` checked each tensor's dtype and shape
+    against them (and the core checks every transfer's pair of tables again)."""
     cpu_tables = []
     for g, (ts, lay) in enumerate(zip(cpu_groups, layouts)):
         try:
-            tab = BlockTable.from_tensors(ts, lay)
-            gpu_tables[g].check_compatible(tab)
+            cpu_tables.append(BlockTable.from_tensors(ts, lay))
         except (LayoutError, TypeError) as e:
             raise _named(e, f"cpu_caches group {g}") from e
-        if tab.num_blocks != num_cpu_blocks * factor:
-            raise LayoutError(
-                f"cpu_caches group {g} has {tab.num_blocks} blocks in its block dim; "
-                f"num_cpu_blocks={num_cpu_blocks} x block_size_factor={factor} needs "
-                f"{num_cpu_blocks * factor}"
-            )
-        cpu_tables.append(tab)
     return cpu_tables

@@ -329,7 +329,7 @@ class CpuGpuHandlers:
             cpu_groups = given_cpu_cache(
                 cpu_caches, gpu_groups, grouped, layouts, self.num_cpu_blocks, f, on_cuda
             )
-        cpu_tables = cpu_tables_of(cpu_groups, layouts, gpu_tables, self.num_cpu_blocks, f)
+        cpu_tables = cpu_tables_of(cpu_groups, layouts)
         if host_pieces is None:
             host_spans = union_spans(cpu_tables)
         elif cpu_caches is None:
