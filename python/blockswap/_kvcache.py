@@ -12,6 +12,8 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, cast
 
+import numpy as np
+
 from . import _optional
 
 try:
@@ -30,6 +32,7 @@ from .layout import (
     LayoutError,
     make_block_major_cpu_cache,
     make_cpu_cache_like,
+    merge_spans,
 )
 
 #: The handler's logger: the CPU cache's allocation is part of what a handler logs.
@@ -92,15 +95,9 @@ def check_group_uniform(ts: Sequence[torch.Tensor], g: int, name: str) -> None:
 def union_spans(tables: Iterable[BlockTable]) -> list[tuple[int, int]]:
     """Byte ranges covering every segment of every table, overlapping ranges merged (ranges that
     only touch are kept apart: they may be separate allocations)."""
-    spans = sorted((int(s), int(n)) for t in tables for s, n in t.spans().tolist())
-    out: list[list[int]] = []
-    for s, n in spans:
-        if out and s < out[-1][0] + out[-1][1]:
-            end = max(out[-1][0] + out[-1][1], s + n)
-            out[-1][1] = end - out[-1][0]
-        else:
-            out.append([s, n])
-    return [(s, n) for s, n in out]
+    spans = [t.spans() for t in tables]
+    merged = merge_spans(np.concatenate(spans) if spans else np.zeros((0, 2), dtype=np.int64))
+    return [(int(s), int(n)) for s, n in merged.tolist()]
 
 
 def layouts_of(layout: Any, ng: int) -> list[Layout]:

@@ -221,6 +221,21 @@ def _tensor_segments(index: int, t: torch.Tensor, bd: int) -> tuple[list[int], i
     return offsets, block_stride, nbytes, num_blocks
 
 
+def merge_spans(spans: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    """``(start, nbytes)`` rows (an int64 ``[R, 2]`` array) sorted by start, overlapping ranges
+    merged; ranges that only touch are kept apart (they may be separate allocations)."""
+    if spans.shape[0] == 0:
+        return np.zeros((0, 2), dtype=_I64)
+    order = np.argsort(spans[:, 0], kind="stable")
+    start = spans[order, 0]
+    reach = np.maximum.accumulate(start + spans[order, 1])
+    new = np.ones(start.shape[0], dtype=bool)
+    new[1:] = start[1:] >= reach[:-1]
+    first = np.flatnonzero(new)
+    last = np.append(first[1:], start.shape[0]) - 1
+    return np.stack([start[first], reach[last] - start[first]], axis=1)
+
+
 @dataclass(frozen=True, eq=False, repr=False)
 class BlockTable:
     """Segment table for one block-id space (one KV-cache group on one device).
@@ -340,15 +355,8 @@ class BlockTable:
         kept apart). Padding between pages lies inside a range. For registering memory."""
         if self.num_blocks == 0:
             return np.zeros((0, 2), dtype=_I64)
-        order = np.argsort(self.bases, kind="stable")
-        start = self.bases[order]
-        end = start + (self.num_blocks - 1) * self.strides[order] + self.nbytes[order]
-        reach = np.maximum.accumulate(end)
-        new = np.ones(start.shape[0], dtype=bool)
-        new[1:] = start[1:] >= reach[:-1]
-        first = np.flatnonzero(new)
-        last = np.append(first[1:], start.shape[0]) - 1
-        return np.stack([start[first], reach[last] - start[first]], axis=1)
+        reach = (self.num_blocks - 1) * self.strides + self.nbytes
+        return merge_spans(np.stack([self.bases, reach], axis=1))
 
     def is_compatible(self, other: BlockTable) -> bool:
         """Whether blocks can be copied between the two tables (same segment count and sizes):
