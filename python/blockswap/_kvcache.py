@@ -10,7 +10,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 
@@ -30,6 +30,7 @@ from .layout import (
     BlockTable,
     Layout,
     LayoutError,
+    check_layout,
     make_block_major_cpu_cache,
     make_cpu_cache_like,
     merge_spans,
@@ -112,11 +113,7 @@ def layouts_of(layout: Any, ng: int) -> list[Layout]:
         layouts = list(layout)
         if len(layouts) != ng:
             raise ConfigError(f"{len(layouts)} layouts given for {ng} KV-cache groups")
-    for lay in layouts:
-        if not isinstance(lay, str) or lay not in LAYOUTS:
-            kind = ConfigError if isinstance(lay, str) else ConfigTypeError
-            raise kind(f"unknown layout {lay!r:.80}; expected one of {sorted(LAYOUTS)}")
-    return cast("list[Layout]", layouts)
+    return [check_layout(lay) for lay in layouts]
 
 
 def device_of(

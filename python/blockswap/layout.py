@@ -102,13 +102,19 @@ class LayoutError(ConfigError):
 # --------------------------------------------------------------------------------------------
 
 
+def check_layout(layout: Any) -> Layout:
+    """``layout`` if it names a layout of :data:`LAYOUTS`, else the typed error saying so."""
+    if not isinstance(layout, str) or layout not in LAYOUTS:
+        kind = ConfigError if isinstance(layout, str) else ConfigTypeError
+        raise kind(f"unknown layout {layout!r:.80}; expected one of {sorted(LAYOUTS)}")
+    return cast("Layout", layout)
+
+
 def _resolve_block_dim(layout: str | None, block_dim: int | None) -> int:
     if layout is None and block_dim is None:
         raise ConfigError(f"give a layout (one of {sorted(LAYOUTS)}) or an explicit block_dim")
     if layout is not None:
-        if not isinstance(layout, str) or layout not in LAYOUTS:
-            kind = ConfigError if isinstance(layout, str) else ConfigTypeError
-            raise kind(f"unknown layout {layout!r:.80}; expected one of {sorted(LAYOUTS)}")
+        check_layout(layout)
         if block_dim is not None and (
             isinstance(block_dim, bool) or not isinstance(block_dim, (int, np.integer))
         ):
