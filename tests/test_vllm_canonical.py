@@ -257,6 +257,30 @@ def test_a_round_trip_in_launches_of_one_block_each_moves_every_fragment(device:
         ranks.close()
 
 
+@pytest.mark.parametrize("device", DEVICES[1:])
+def test_a_worker_whose_transfers_are_all_direct_holds_no_staging_ring(device: str) -> None:
+    """A rank's fragments take the direct plan both ways, which stages no row: its lanes make
+    no staging slots, however large ``stage_bytes`` (here 4 x 512 MiB if they did)."""
+    torch.manual_seed(2)
+    gpu = torch.randint(-128, 128, (4, 1024), dtype=torch.int8, device=device)
+    ranks = Ranks(4)
+    try:
+        torch.cuda.synchronize()
+        free = torch.cuda.mem_get_info()[0]
+        w = ranks.worker(caches_of(gpu, shard_mapping(2, 0)), 0, 2, device,
+                         stage_bytes=512 << 20)  # fmt: skip
+        transfer(w, True, 1, 4)
+        back = torch.zeros_like(gpu)
+        w2 = ranks.worker(caches_of(back, shard_mapping(2, 0)), 0, 2, device,
+                          stage_bytes=512 << 20)  # fmt: skip
+        transfer(w2, False, 2, 4)
+        assert torch.equal(back, gpu)
+        torch.cuda.synchronize()
+        assert free - torch.cuda.mem_get_info()[0] < 256 << 20
+    finally:
+        ranks.close()
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_ranks_holding_identical_bytes_take_turns_writing(device: str) -> None:
     """Two ranks holding the same page (an MLA latent under TP=2): rank ``w`` writes the

@@ -71,7 +71,10 @@ pub(super) struct EntryUpload {
 /// the events that hand each slot between the two.
 #[derive(Debug)]
 pub(super) struct Stage {
-    pub(super) ring: DeviceMem,
+    /// Made by the lane's first transfer that stages rows ([`Self::make_ring`]): a lane whose
+    /// transfers are all direct (vLLM's canonical layout) never holds the two slots' device
+    /// memory, 32-128 MiB a direction.
+    ring: Option<DeviceMem>,
     pub(super) slot: u64,
     pub(super) stream: Stream,
     /// Recorded on the lane's stream before a CPU -> GPU transfer's completion marker goes on
@@ -161,7 +164,17 @@ impl Stage {
     /// Slot `slot`'s address minus `step`'s first ring offset: a row's ring offset plus this is
     /// where it lies in the slot.
     pub(super) fn shift(&self, slot: usize, step: &StagedStep) -> u64 {
-        (self.ring.ptr + slot as u64 * self.slot).wrapping_sub(step.ring_start)
+        let ring = self.ring.as_ref().expect("made by staged_begin for a staged transfer");
+        (ring.ptr + slot as u64 * self.slot).wrapping_sub(step.ring_start)
+    }
+
+    /// The ring's two slots, made on the first call.
+    pub(super) fn make_ring(&mut self, ctx: sys::CUcontext) -> Result<(), BackendError> {
+        if self.ring.is_none() {
+            let bytes = usize::try_from(self.slot.saturating_mul(2)).unwrap_or(usize::MAX);
+            self.ring = Some(DeviceMem::alloc(ctx, bytes)?);
+        }
+        Ok(())
     }
 
     /// Descriptor buffer `b` (0 or 1), at least `bytes` long, for the transfer being issued. A
@@ -185,9 +198,8 @@ impl Stage {
     }
 
     pub(super) fn new(ctx: sys::CUcontext, slot: u64) -> Result<Self, BackendError> {
-        let bytes = usize::try_from(slot.saturating_mul(2)).unwrap_or(usize::MAX);
         Ok(Stage {
-            ring: DeviceMem::alloc(ctx, bytes)?,
+            ring: None,
             slot,
             stream: Stream::create(ctx)?,
             lane_done: Event::create(ctx, false)?,

@@ -82,6 +82,9 @@ impl Shared {
             *stage = Some(Stage::new(self.ctx.raw, req.slot_bytes)?);
         }
         let st = stage.as_mut().expect("made above");
+        if !req.direct {
+            st.make_ring(self.ctx.raw)?;
+        }
         let host_src = lane == Direction::HostToDevice;
         let (src, dst, size) = (slab.src(), slab.dst(), slab.size());
         let first = req.first_block;
