@@ -164,7 +164,10 @@ impl Stage {
     /// Slot `slot`'s address minus `step`'s first ring offset: a row's ring offset plus this is
     /// where it lies in the slot.
     pub(super) fn shift(&self, slot: usize, step: &StagedStep) -> u64 {
-        let ring = self.ring.as_ref().expect("made by staged_begin for a staged transfer");
+        let ring = self
+            .ring
+            .as_ref()
+            .expect("made by staged_begin for a staged transfer");
         (ring.ptr + slot as u64 * self.slot).wrapping_sub(step.ring_start)
     }
 
