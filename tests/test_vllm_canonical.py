@@ -197,6 +197,30 @@ def test_roundtrip_assembles_canonical_page_across_ranks(device: str) -> None:
         ranks.close()
 
 
+def roundtrip_across(
+    ranks: Ranks, writer_tp: int, reader_tp: int, num_blocks: int, device: str, **options: Any
+) -> None:
+    """``num_blocks`` blocks of random KV stored by ``writer_tp`` ranks and loaded by
+    ``reader_tp`` ranks, each reader's bytes checked against the writers' ground truth."""
+    full_kv = torch.randint(-128, 128, (num_blocks, 2, BLOCK_TOKENS, TOTAL_HEADS, HEAD_BYTES),
+                            dtype=torch.int8)  # fmt: skip
+    for rank in range(writer_tp):
+        gpu = head_shard(full_kv, writer_tp, rank).to(device)
+        w = ranks.worker(caches_of(gpu, shard_mapping(writer_tp, rank)), rank, writer_tp,
+                         device, **options)  # fmt: skip
+        transfer(w, True, 1, num_blocks)
+    for rank in range(reader_tp):
+        expected = head_shard(full_kv, reader_tp, rank)
+        out = torch.zeros_like(expected, device=device)
+        w = ranks.worker(caches_of(out, shard_mapping(reader_tp, rank)), rank, reader_tp,
+                         device, **options)  # fmt: skip
+        transfer(w, False, 2, num_blocks)
+        assert torch.equal(out.cpu(), expected), (
+            f"reader tp={reader_tp} rank={rank} bytes diverge from the tp={writer_tp} "
+            "writers' ground truth"
+        )
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(("writer_tp", "reader_tp"), [(2, 4), (4, 2), (2, 1), (4, 4)])
 def test_cross_topology_roundtrip(writer_tp: int, reader_tp: int, device: str) -> None:
@@ -204,26 +228,9 @@ def test_cross_topology_roundtrip(writer_tp: int, reader_tp: int, device: str) -
     shared canonical region, reader ranks gather their own shards, and every reader sees the
     writers' ground-truth bytes."""
     torch.manual_seed(0)
-    num_blocks = 3
-    full_kv = torch.randint(-128, 128, (num_blocks, 2, BLOCK_TOKENS, TOTAL_HEADS, HEAD_BYTES),
-                            dtype=torch.int8)  # fmt: skip
-    ranks = Ranks(num_blocks)
+    ranks = Ranks(3)
     try:
-        for rank in range(writer_tp):
-            gpu = head_shard(full_kv, writer_tp, rank).to(device)
-            w = ranks.worker(caches_of(gpu, shard_mapping(writer_tp, rank)), rank, writer_tp,
-                             device)  # fmt: skip
-            transfer(w, True, 1, num_blocks)
-        for rank in range(reader_tp):
-            expected = head_shard(full_kv, reader_tp, rank)
-            out = torch.zeros_like(expected, device=device)
-            w = ranks.worker(caches_of(out, shard_mapping(reader_tp, rank)), rank, reader_tp,
-                             device)  # fmt: skip
-            transfer(w, False, 2, num_blocks)
-            assert torch.equal(out.cpu(), expected), (
-                f"reader tp={reader_tp} rank={rank} bytes diverge from the tp={writer_tp} "
-                "writers' ground truth"
-            )
+        roundtrip_across(ranks, writer_tp, reader_tp, 3, device)
     finally:
         ranks.close()
 
@@ -232,27 +239,16 @@ def test_cross_topology_roundtrip(writer_tp: int, reader_tp: int, device: str) -
 def test_a_round_trip_in_launches_of_one_block_each_moves_every_fragment(device: str) -> None:
     """The direct plan with ``kernel_launch_bytes=1``: a launch per block, on the GPU each after
     the first started while the one before it ends (chained launches); written at TP=4 and read
-    at TP=2, every reader's bytes are the writers' and no block of a reader is left out."""
+    at TP=2 (every rank of both a worker whose routes carry the bound), every reader's bytes are
+    the writers'."""
     torch.manual_seed(1)
-    num_blocks = 24
-    full_kv = torch.randint(-128, 128, (num_blocks, 2, BLOCK_TOKENS, TOTAL_HEADS, HEAD_BYTES),
-                            dtype=torch.int8)  # fmt: skip
-    ranks = Ranks(num_blocks)
+    ranks = Ranks(24)
     try:
-        for rank in range(4):
-            gpu = head_shard(full_kv, 4, rank).to(device)
-            w = ranks.worker(caches_of(gpu, shard_mapping(4, rank)), rank, 4, device,
-                             kernel_launch_bytes=1)  # fmt: skip
-            if device == "cuda":
-                assert {r.launch_bytes for h in w.handlers for r in h.routes.values()} == {1}
-            transfer(w, True, 1, num_blocks)
-        for rank in range(2):
-            expected = head_shard(full_kv, 2, rank)
-            out = torch.full_like(expected, 7, device=device)
-            w = ranks.worker(caches_of(out, shard_mapping(2, rank)), rank, 2, device,
-                             kernel_launch_bytes=1)  # fmt: skip
-            transfer(w, False, 2, num_blocks)
-            assert torch.equal(out.cpu(), expected), rank
+        roundtrip_across(ranks, 4, 2, 24, device, kernel_launch_bytes=1)
+        if device == "cuda":
+            bounds = {r.launch_bytes for w in ranks.workers for h in w.handlers
+                      for r in h.routes.values()}  # fmt: skip
+            assert bounds == {1}, bounds
     finally:
         ranks.close()
 
