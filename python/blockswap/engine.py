@@ -489,7 +489,10 @@ class Engine:
         ``Route.staged(kernel)`` the staged plan (a host side that is block-major, see
         :meth:`staged_row`): each block's row crosses PCIe as one copy into or out of a device
         staging ring of two ``stage_bytes`` slots, and the staged kernel moves its pages
-        between the ring and the GPU pages."""
+        between the ring and the GPU pages; ``Route.staged(kernel, direct=True,
+        launch_bytes=n)`` the direct plan (a host side in chunks or cells): the staged kernel
+        moves every page between host memory and the GPU in place, at most ``n`` bytes of pages
+        a launch."""
         job_id = check_job_id(job_id)
         core_groups = []
         for g, group in enumerate(groups):
