@@ -377,7 +377,7 @@ proptest! {
     /// the rows are exactly the host bytes of the pages moved; every page's ring bytes lie in a
     /// row of the step that moves its block, at the offset of its host page in that row; steps
     /// fit a slot. The direct plan on the same cells: no row, every page's ring side its host
-    /// page, each wanted page named once, launches of at most a slot's span (or one block).
+    /// page, each wanted page named once, launches of at most `launch_bytes` of pages (or one block).
     #[test]
     fn the_cell_plan_moves_exactly_the_pages_of_its_blocks(
         direct in any::<bool>(),
