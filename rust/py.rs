@@ -554,7 +554,9 @@ impl PyEngine {
     /// descriptors per CTA step and `ctas` the most CTAs; `chained`: a staged kernel built for
     /// programmatic dependent launch (see `KernelSpec::chained`). Returns the kernel's id, or
     /// None on the host backend (which copies with memcpy).
-    #[pyo3(signature = (function, threads, shared, params, rows, ctas, row_bytes = 0, chained = false))]
+    #[pyo3(signature = (
+        function, threads, shared, params, rows, ctas, row_bytes = 0, chained = false
+    ))]
     // The Python signature's keyword arguments, one parameter each.
     #[allow(clippy::too_many_arguments)]
     fn load_kernel(

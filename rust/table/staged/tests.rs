@@ -377,7 +377,8 @@ proptest! {
     /// the rows are exactly the host bytes of the pages moved; every page's ring bytes lie in a
     /// row of the step that moves its block, at the offset of its host page in that row; steps
     /// fit a slot. The direct plan on the same cells: no row, every page's ring side its host
-    /// page, each wanted page named once, launches of at most `launch_bytes` of pages (or one block).
+    /// page, each wanted page named once, launches of at most `launch_bytes` of pages (or one
+    /// block).
     #[test]
     fn the_cell_plan_moves_exactly_the_pages_of_its_blocks(
         direct in any::<bool>(),
@@ -466,7 +467,9 @@ proptest! {
                 prop_assert!(step.blocks.len() == 1 || moved <= slot);
                 // And no launch ends early: the next block would not have fitted.
                 if step.blocks.end < blocks {
-                    let next: u64 = staged_pages(&a, &b, &z, step.blocks.end).map(|(_, _, n)| n).sum();
+                    let next: u64 = staged_pages(&a, &b, &z, step.blocks.end)
+                        .map(|(_, _, n)| n)
+                        .sum();
                     prop_assert!(moved + next > slot);
                 }
                 for i in step.blocks.clone() {
