@@ -9,10 +9,10 @@
 //! - `[rows, rows + blocks)`: one entry per block `(GPU block id, ring offset of its row, table
 //!   at)`;
 //! - after them, one geometry per group (groups with equal geometries share one), at `table at`:
-//!   a header `(segments, 0, 0)`, then per segment `s` `(GPU base, GPU stride, offset of the
-//!   page in the row)`, then `(0, 0, row bytes)`, so that page `s` is `offsets[s + 1] -
-//!   offsets[s]` bytes. A segment of GPU base 0 is a hole: bytes of the row no page of the block
-//!   owns, moved by no one.
+//!   a header `(segments, 0, bytes of a block's pages)`, then per segment `s` `(GPU base, GPU
+//!   stride, offset of the page in the row)`, then `(0, 0, row bytes)`, so that page `s` is
+//!   `offsets[s + 1] - offsets[s]` bytes. A segment of GPU base 0 is a hole: bytes of the row no
+//!   page of the block owns, moved by no one (not counted in the header's bytes).
 //!
 //! A host table whose block's pages lie in one cell of the table with holes between them
 //! ([`staged_cell`]: vLLM's offload region, where a chunk's cell holds each tensor's pages of
@@ -223,7 +223,8 @@ pub fn expand_staged_into(
     let mut bitmask = row;
     let mut max_size = 0u64;
     out.src[table] = segments as u64;
-    (out.dst[table], out.size[table]) = (0, 0);
+    // A block-major row is its pages, no hole between them.
+    (out.dst[table], out.size[table]) = (0, row);
     for s in 0..segments {
         let offset = host.bases[s] - host.bases[0];
         bitmask |= gpu.bases[s] | gpu.strides[s] | host.nbytes[s] | offset;
@@ -366,6 +367,11 @@ pub fn staged_pages<'a>(
         })
 }
 
+/// The bytes of block entry `i`'s pages (holes not counted): its geometry's header.
+fn block_bytes(size: &[u64], i: usize) -> u64 {
+    size[size[i] as usize]
+}
+
 /// The ring bytes block entry `i` spans (its row, holes included): its geometry's last entry.
 fn block_span(src: &[u64], size: &[u64], i: usize) -> u64 {
     let table = size[i] as usize;
@@ -426,7 +432,8 @@ pub fn stage_cell_group(
         (out.src[at], out.dst[at], out.size[at]) = (gpu.bases[s], gpu.strides[s], offset);
         at += 1;
     }
-    (out.src[table], out.dst[table], out.size[table]) = ((at - table - 1) as u64, 0, 0);
+    let page_bytes: u64 = host.nbytes.iter().sum();
+    (out.src[table], out.dst[table], out.size[table]) = ((at - table - 1) as u64, 0, page_bytes);
     (out.src[at], out.dst[at], out.size[at]) = (0, 0, span);
     let len = at + 1 - table;
     // Groups with equal geometries (the sub-blocks of one chunk, pages of one size) share one,
@@ -456,7 +463,6 @@ pub fn stage_cell_group(
             (gi, host.bases[0] + hi * host.strides[0], geometry as u64);
         cursor.block += 1;
     }
-    let page_bytes: u64 = host.nbytes.iter().sum();
     Ok(Prepared {
         len: n,
         bytes: page_bytes * n as u64,
@@ -632,19 +638,7 @@ impl StagedRequest {
         let (r, first) = (self.rows, self.first_block);
         let blocks = first..first + self.blocks;
         if self.direct {
-            // A block's page bytes are its geometry's; the entries are ordered by geometry, so
-            // the last geometry's sum is the one asked for again, mostly.
-            let mut last: Option<(u64, u64)> = None;
-            let moved: Vec<u64> = blocks
-                .map(|i| match last {
-                    Some((t, bytes)) if t == size[i] => bytes,
-                    _ => {
-                        let bytes = staged_pages(src, dst, size, i).map(|(_, _, n)| n).sum();
-                        last = Some((size[i], bytes));
-                        bytes
-                    }
-                })
-                .collect();
+            let moved: Vec<u64> = blocks.map(|i| block_bytes(size, i)).collect();
             return direct_steps(&moved, self.launch_bytes);
         }
         let ends: Vec<u64> = blocks
@@ -666,8 +660,8 @@ impl StagedRequest {
 pub fn direct_steps(moved: &[u64], launch_bytes: u64) -> Vec<StagedStep> {
     let mut steps = Vec::new();
     let (mut start, mut bytes) = (0usize, 0u64);
-    for (b, &span) in moved.iter().enumerate() {
-        if b > start && bytes.saturating_add(span) > launch_bytes {
+    for (b, &block) in moved.iter().enumerate() {
+        if b > start && bytes.saturating_add(block) > launch_bytes {
             steps.push(StagedStep {
                 rows: 0..0,
                 blocks: start..b,
@@ -675,7 +669,7 @@ pub fn direct_steps(moved: &[u64], launch_bytes: u64) -> Vec<StagedStep> {
             });
             (start, bytes) = (b, 0);
         }
-        bytes = bytes.saturating_add(span);
+        bytes = bytes.saturating_add(block);
     }
     if start < moved.len() {
         steps.push(StagedStep {

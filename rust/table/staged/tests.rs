@@ -167,7 +167,7 @@ fn a_slab_holds_a_word_per_block_and_one_geometry_per_group_not_a_descriptor_per
     assert_eq!(&z[2..4], [4, 4]);
     assert_eq!(&a[4..8], [2, 0x10000, 0x14000, 0]);
     assert_eq!(&b[4..8], [0, 256, 32, 0]);
-    assert_eq!(&z[4..8], [0, 0, 64, 96]);
+    assert_eq!(&z[4..8], [96, 0, 64, 96]);
     assert_eq!((cursor.row, cursor.block, cursor.table), (2, 4, 8));
 }
 
