@@ -1,7 +1,8 @@
 """Where a submission's host time goes: ``transfer_async`` through the handler and the vLLM
-plug-in's ``submit_store`` / ``submit_load``, cut into the pieces each calls (the plug-in's
-``_split`` of vLLM's specs, the handler's ``_groups``, the caller's stream, the core's
-``submit_groups``), each timed by a wrapper around it. 80 layers x 32 random blocks per transfer,
+plug-in's ``submit_store`` / ``submit_load``, cut into the pieces each calls (the plug-in's cut
+of vLLM's specs, ``_plain_group`` in the usual case and ``_split`` otherwise; the handler's
+``_groups``, which the plug-in's usual case does not call; the handler's ``_issue``, which holds
+the caller's stream and the core's ``submit_groups``), each timed by a wrapper around it. 80 layers x 32 random blocks per transfer,
 per-layer tensors (``bench_wall.py``'s ``separate`` and ``plugin`` layouts).
 
     python benches/probe_submit.py [--pages 4,16] [--reps 25] [--sleep-ms 20] [--backend auto]
@@ -119,8 +120,8 @@ def measure(
     p = Pieces()
     hd = hs.d2h if d == "d2h" else hs.h2d
     if layout == "plugin":
-        p.wrap(t.w, "_split", "split")
-        p.wrap(hd, "transfer_async", "handler")
+        p.wrap(t.w, "_plain_group" if t.w._plain is not None else "_split", "split")
+    p.wrap(hd, "_issue", "issue")
     p.wrap(hd, "_wake", "wake")
     p.wrap(hd, "_groups", "groups")
     if hd._wait_stream is not None:

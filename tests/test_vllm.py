@@ -226,16 +226,23 @@ def test_a_bad_spec_is_a_false_return_not_an_exception(
 
 
 @pytest.mark.parametrize("bpc", [1, 4])
-def test_one_group_bad_specs_are_refused_on_the_path_without_numpy(
-    bpc: int, caplog: pytest.LogCaptureFixture
+def test_one_group_bad_specs_are_refused_on_the_plain_path(
+    bpc: int, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """One KV-cache group, one writer: the worker cuts vLLM's specs without numpy (the ids go to
-    the engine as vLLM gave them, int32); the same specs are refused as on the general path, and
-    a good one after them moves its blocks."""
+    """One KV-cache group, one writer: the worker makes the core's one group from vLLM's specs
+    itself (the ids go to the engine as vLLM gave them, int32), not through the handler's
+    ``transfer_async``; the same specs are refused as on the general path, and a good one after
+    them moves its blocks."""
     kv, ts = page_of_4_tensors(3, 24)
     w = BlockswapOffloadingWorker(kv, bpc, N_CHUNKS, backend="host")
     try:
         assert w._plain is not None  # the path under test
+        for h in w.handlers[0].handlers:
+
+            def general(*args: Any, **kwargs: Any) -> bool:
+                raise AssertionError("the plain path reads vLLM's specs itself")
+
+            monkeypatch.setattr(h, "transfer_async", general)
         n = 2 * bpc
         cases: list[tuple[Any, Any, str]] = [
             (GPULoadStoreSpec(list(range(n)), [n], [0]), CPULoadStoreSpec([0]), "CPU chunks"),
@@ -258,6 +265,14 @@ def test_one_group_bad_specs_are_refused_on_the_path_without_numpy(
                 chunk, sub = (3, 1)[k // bpc], k % bpc
                 got = sub_block_of(w, 0, t, chunk * bpc + sub)
                 assert torch.equal(got, ts[t][5 + k]), (t, k)
+        # A spec naming no block: reported at once, nothing submitted.
+        assert w.submit_store(31, GPULoadStoreSpec([], [0], [0]), CPULoadStoreSpec([])) is True
+        assert [(r.job_id, r.success) for r in w.get_finished()] == [(31, True)]
+        # After shutdown the handler refuses, and the worker returns False.
+        w.shutdown()
+        caplog.clear()
+        assert w.submit_store(32, gpu, CPULoadStoreSpec([3, 1])) is False
+        assert "shut down" in caplog.text
     finally:
         w.shutdown()
 

@@ -276,6 +276,18 @@ class SingleDirectionHandler:
             groups = self._groups(src, dst, block_indices)
         except (IndexError, ValueError, TypeError) as e:
             raise InvalidTransferError(f"{self.direction} job {job_id}: {e}") from e
+        self._issue(job_id, groups)
+        return True
+
+    def _issue(self, job_id: int, groups: list[tuple[int, SubmitIds, int, SubmitIds, int]]) -> None:
+        """Hands the core's ``groups`` (see :meth:`_groups`) to the engine as job ``job_id``,
+        after the work on the caller's stream: :meth:`transfer_async` once it has read a spec,
+        and a caller that built the groups itself (the vLLM worker's one group, from vLLM's
+        spec; the core checks every id and chunk count either way)."""
+        if self._closed:
+            raise ShutdownError("the offloading handlers are shut down")
+        if type(job_id) is not int or not 0 <= job_id < _JOB_END:
+            job_id = check_job_id(job_id)
         ws = self._wait_stream
         prev = None if self._device_index is None else _get_device()
         try:
@@ -293,7 +305,12 @@ class SingleDirectionHandler:
             # device back where it differs (a handler on cuda:1 called under cuda:0).
             if prev is not None and prev != self._device_index:
                 _maybe_exchange_device(prev)
-        return True
+
+    def group_tables(self, g: int) -> tuple[int, int]:
+        """Group ``g``'s ``(source table, destination table)`` in the engine, as
+        :meth:`_issue`'s groups name them."""
+        gpu_table, cpu_table = self._tables[g]
+        return (gpu_table, cpu_table) if self._d2h else (cpu_table, gpu_table)
 
     def _groups(
         self, src: Any, dst: Any, block_indices: Any
