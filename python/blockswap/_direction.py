@@ -306,7 +306,7 @@ class SingleDirectionHandler:
             if prev is not None and prev != self._device_index:
                 _maybe_exchange_device(prev)
 
-    def group_tables(self, g: int) -> tuple[int, int]:
+    def _group_tables(self, g: int) -> tuple[int, int]:
         """Group ``g``'s ``(source table, destination table)`` in the engine, as
         :meth:`_issue`'s groups name them."""
         gpu_table, cpu_table = self._tables[g]

@@ -650,9 +650,10 @@ class BlockswapOffloadingWorker(OffloadingWorker):
         counts first, as the general path does, to name them.
 
         The handler's :meth:`~SingleDirectionHandler.transfer_async` would read the same ids
-        through a spec of any shape: on a thread back from a step's other work each Python call
-        costs several µs, and this path makes half of them (about 100 µs less per submission
-        after a 20 ms sleep on the development machine's host backend)."""
+        again, through a spec of any shape: on a thread back from a step's other work each
+        Python call costs several µs, and this path leaves out most of them (40-60 µs less per
+        submission after a 20 ms sleep on the development machine's host backend, 3-59 µs on an
+        H100: docs/benchmarks.md)."""
         sizes: Sequence[int] = gpu_spec.group_sizes
         starts: Sequence[int] = gpu_spec.block_indices
         if len(sizes) != 1 or len(starts) != 1:
@@ -664,7 +665,7 @@ class BlockswapOffloadingWorker(OffloadingWorker):
         gpu = as_block_ids(gpu_spec.block_ids, "GPU block ids", int32=True)
         cpu = as_block_ids(getattr(cpu_spec, "block_ids", cpu_spec), "CPU chunk ids", int32=True)
         _check_taken(n, m, gpu.shape[0], cpu.shape[0])
-        src, dst = handler.group_tables(0)
+        src, dst = handler._group_tables(0)
         if handler.gpu_to_cpu:
             return [(src, gpu, dst, cpu, skip)], n
         return [(src, cpu, dst, gpu, skip)], n
