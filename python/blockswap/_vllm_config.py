@@ -17,13 +17,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable, get_args
 
-from . import _core
+from . import _core, _vllm_logging
 from ._checks import check_choice, check_int
 from ._types import HandlerPath
 from .errors import ConfigError, ConfigTypeError
 from .hostmem import size_text
 
-__all__ = ["OPTIONS", "check_fits", "worker_options"]
+__all__ = ["OPTIONS", "check_config", "check_fits", "init_spec", "worker_options"]
 
 _WHERE = "in kv_connector_extra_config"
 
@@ -120,3 +120,34 @@ def check_fits(nbytes: int, extra_config: Mapping[str, Any], workers: int) -> No
         f"the host has {size_text(available)} available (MemAvailable): lower cpu_bytes_to_use "
         f"{_WHERE} (now {asked!r})"
     )
+
+
+def init_spec(spec: Any, config: Any, base_init: Any, *, canonical: bool) -> None:
+    """Both of blockswap's specs' construction: the config checked (:func:`check_config`;
+    ``canonical``: whether the spec takes ``canonical_layout``), vLLM's spec made (``base_init``:
+    its ``__init__``, bound), then the CPU tier it sized checked against the host's available
+    memory (:func:`check_fits`), before anything is allocated."""
+    check_config(config, canonical=canonical)
+    base_init(config)
+    check_fits(
+        spec.num_chunks * spec.cpu_page_size_per_worker,
+        config.extra_config,
+        config.parallel.world_size,
+    )
+
+
+def check_config(config: Any, *, canonical: bool) -> None:
+    """What both specs do before vLLM sizes or blockswap allocates anything: blockswap's log
+    lines joined to vLLM's log, every ``blockswap_*`` key checked, ``canonical_layout`` refused
+    where the spec does not take it (the CPU spec: vLLM 0.33's own ignores it; the tiering spec
+    takes it, as vLLM's does)."""
+    # blockswap's log lines in vLLM's log, in its format, at INFO.
+    _vllm_logging.attach()
+    worker_options(config.extra_config)
+    if config.canonical_layout and not canonical:
+        raise ConfigError(
+            "canonical_layout is taken by BlockswapTieringOffloadingSpec (vLLM 0.33 lays the "
+            "canonical layout out in its tiering spec; its CPU spec ignores the option): set "
+            "spec_name to BlockswapTieringOffloadingSpec, or remove canonical_layout from "
+            "kv_connector_extra_config"
+        )

@@ -64,7 +64,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from . import _optional, _vllm_config, _vllm_logging
+from . import _optional, _vllm_config
 from . import _vllm_region as _region
 from ._checks import check_int
 from ._types import BackendName, HandlerPath
@@ -754,42 +754,6 @@ _kept_regions: list[SharedOffloadRegion] = []
 _LANES = ("store", "load", "expedited")
 
 
-def _worker_options(extra_config: dict[str, Any]) -> dict[str, Any]:
-    """The worker's options from ``kv_connector_extra_config``, checked."""
-    return _vllm_config.worker_options(extra_config)
-
-
-def _init_spec(spec: Any, config: Any, base_init: Any, *, canonical: bool) -> None:
-    """Both specs' construction: the config checked (:func:`_check_config`; ``canonical``:
-    whether the spec takes ``canonical_layout``), vLLM's spec made (``base_init``: its
-    ``__init__``, bound), then the CPU tier it sized checked against the host's available
-    memory, before anything is allocated."""
-    _check_config(config, canonical=canonical)
-    base_init(config)
-    _vllm_config.check_fits(
-        spec.num_chunks * spec.cpu_page_size_per_worker,
-        config.extra_config,
-        config.parallel.world_size,
-    )
-
-
-def _check_config(config: Any, *, canonical: bool) -> None:
-    """What both specs do before vLLM sizes or blockswap allocates anything: blockswap's log
-    lines joined to vLLM's log, every ``blockswap_*`` key checked, ``canonical_layout`` refused
-    where the spec does not take it (the CPU spec: vLLM 0.33's own ignores it; the tiering spec
-    takes it, as vLLM's does)."""
-    # blockswap's log lines in vLLM's log, in its format, at INFO.
-    _vllm_logging.attach()
-    _vllm_config.worker_options(config.extra_config)
-    if config.canonical_layout and not canonical:
-        raise ConfigError(
-            "canonical_layout is taken by BlockswapTieringOffloadingSpec (vLLM 0.33 lays the "
-            "canonical layout out in its tiering spec; its CPU spec ignores the option): set "
-            "spec_name to BlockswapTieringOffloadingSpec, or remove canonical_layout from "
-            "kv_connector_extra_config"
-        )
-
-
 def _spec_class() -> type:
     """vLLM's ``CPUOffloadingSpec`` with blockswap's worker (built on first use: importing vLLM's
     CPU spec module pulls in most of vLLM)."""
@@ -803,7 +767,7 @@ def _spec_class() -> type:
         :class:`BlockswapOffloadingWorker` as its worker."""
 
         def __init__(self, config: OffloadingConfig) -> None:
-            _init_spec(self, config, super().__init__, canonical=False)
+            _vllm_config.init_spec(self, config, super().__init__, canonical=False)
 
         def create_worker(self, kv_caches: CanonicalKVCaches) -> BlockswapOffloadingWorker:
             # The region exactly as CPUOffloadingSpec.create_worker makes it.
@@ -841,7 +805,7 @@ def _tiering_spec_class() -> type:
         tier through the region) with :class:`BlockswapOffloadingWorker` as its worker."""
 
         def __init__(self, config: OffloadingConfig) -> None:
-            _init_spec(self, config, super().__init__, canonical=True)
+            _vllm_config.init_spec(self, config, super().__init__, canonical=True)
 
         def create_worker(self, kv_caches: CanonicalKVCaches) -> BlockswapOffloadingWorker:
             # The region exactly as TieringOffloadingSpec.create_worker makes it, and the
@@ -885,7 +849,7 @@ def _new_worker(
             spec.num_chunks,
             mmap_region=region,
             canonical_layout=canonical_layout,
-            **_worker_options(spec.extra_config),
+            **_vllm_config.worker_options(spec.extra_config),
         )
     except Exception:
         if region is not None:
