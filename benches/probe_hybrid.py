@@ -93,10 +93,10 @@ def probe(frag: int, args: Any, ceil: dict[str, float], streams: tuple[Any, Any]
         torch.cuda.synchronize()
         assert torch.equal(dev.cpu(), want), f"{name}: bytes differ"
         # A gate long enough for every 2-D copy to be queued behind it (a few µs each).
-        spin = 3_000_000 + (int(rows * share) // max(args.run, 1)) * 40_000 if args.run else 0
+        copies = -(-int(rows * share) // args.run) if args.run else 1
         times = [
             gated_gpu_seconds(functools.partial(issue, share), [sm_stream, ce_stream],
-                              spin_cycles=max(spin, 3_000_000))
+                              spin_cycles=3_000_000 + 40_000 * copies)
             for _ in range(args.reps)
         ]  # fmt: skip
         gbps = nbytes / statistics.median(times) / 1e9
