@@ -30,7 +30,7 @@ def main() -> None:
     rows = {}
     for mode in ("write_value", "event"):
         with blockswap.Engine("cuda", completion=mode) as eng:
-            core = eng._core
+            core = eng
             eng.register(host)
             eng.register(dev)
             assert mode.split("_")[0] in eng.info()["completion"].lower().replace(
@@ -42,7 +42,7 @@ def main() -> None:
             size = np.array([4096], dtype=np.int64)
             for j in range(args.reps):
                 t0 = time.perf_counter()
-                core.submit(j, src, dst, size, "h2d", None)
+                core.submit(j, src, dst, size, "h2d")
                 got = []
                 while not got:
                     p0 = time.perf_counter()

@@ -108,7 +108,7 @@ def _create(**kw: Any) -> Any:
 
 #: name -> (builder taking keyword overrides, the callable whose parameters are swept).
 CONSTRUCTORS: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
-    "Engine": (_engine, blockswap.Engine.__init__),
+    "Engine": (_engine, blockswap.Engine),
     "PinnedRows": (_pinned, PinnedRows.__init__),
     "CpuGpuHandlers": (_handlers, CpuGpuHandlers.__init__),
     "BlockTable.from_tensors": (_table, BlockTable.from_tensors),

@@ -95,11 +95,12 @@ SCRIPT = textwrap.dedent(
 
 
 def _bindings() -> list[str]:
-    """Every public method and property of the compiled engine: a binding added later is
-    tested here without anyone listing it."""
-    from blockswap import _core
+    """Every public method and property of the engine (the compiled core's, and the ones the
+    Python class adds over the core's private ``_register`` and the like): a binding added later
+    is tested here without anyone listing it."""
+    import blockswap
 
-    return sorted(name for name in dir(_core.Engine) if not name.startswith("_"))
+    return sorted(name for name in dir(blockswap.Engine) if not name.startswith("_"))
 
 
 CALLS = _bindings()

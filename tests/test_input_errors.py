@@ -201,7 +201,7 @@ def test_engine_options_are_keyword_parameters_with_the_core_defaults():
 
 def test_polling_methods_are_documented_on_the_class(engine):
     for name in ("get_finished", "stats", "info"):
-        assert inspect.getdoc(vars(Engine)[name]), name
+        assert inspect.getdoc(getattr(Engine, name)), name
     doc = inspect.getdoc(Engine) or ""
     assert "shutdown_timeout" in doc and "copy_path" in doc
 

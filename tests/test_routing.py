@@ -440,7 +440,7 @@ def test_routes_on_cuda_are_the_first_of_the_cores_ranking_that_builds():
             options = dict(path=path, on_cuda=True, device_index=0, kernel_ctas=4,
                            kernel_below=None, launch_bytes=1 << 20)  # fmt: skip
             options.update(kw)
-            core, tables = handlers.engine._core, handlers._table_ids
+            core, tables = handlers.engine, handlers._table_ids
             return choose_routes(core, tables, handlers.gpu_tables, load, **options)
 
         # Layer tensors allocated one by one give no block plan: the staged plan, its kernel

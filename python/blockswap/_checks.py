@@ -1,12 +1,11 @@
-"""The check of an int argument, one for the whole package, with one message:
-``"<name> must be an int >= 1, not 0"`` (``"... must be an int, not 2.0"`` for a value of another
-type). A caller may name the exceptions it raises (the engine's typed errors in
-:mod:`blockswap.engine`). The Rust core words its own range errors the same way
-(``"max_in_flight must be an int from 1 to 16384, not 0"``).
+"""The checks of an argument, one set for the whole package, worded one way: ``"<name> must be
+an int >= 1, not 0"`` (``"... must be an int, not 2.0"`` for a value of another type). The core
+words them (``rust/py/args.rs``), its own settings' as well as these, so that ints are refused in
+the same words everywhere (``"max_in_flight must be an int from 1 to 16384, not 0"``).
 
 By default a refused int is a :class:`~blockswap.errors.ConfigTypeError` or
 :class:`~blockswap.errors.ConfigError` (a ``TypeError`` / ``ValueError`` and a
-:class:`~blockswap.BlockswapError`).
+:class:`~blockswap.BlockswapError`); the engine's are :data:`ENGINE_ERRORS`.
 """
 
 from __future__ import annotations
@@ -16,12 +15,18 @@ from typing import Any, Literal, overload
 
 import numpy as np
 
+from . import _core
+from ._core import ArgumentTypeError, InvalidTransferError
 from .errors import ConfigError, ConfigTypeError
 
 Errors = tuple[type[Exception], type[Exception]]
 """The exception for a value that is not an int, and the one for an int out of range."""
 
 _DEFAULT_ERRORS: Errors = (ConfigTypeError, ConfigError)
+
+#: The engine's: an :class:`~blockswap.ArgumentTypeError` for a value of another type, an
+#: :class:`~blockswap.InvalidTransferError` for an int out of range.
+ENGINE_ERRORS: Errors = (ArgumentTypeError, InvalidTransferError)
 
 
 @overload
@@ -67,48 +72,14 @@ def check_int(
     ``numpy=False``; a bool is not) within ``[lo, hi]`` (either bound may be left out).
     Otherwise ``errors[0]`` for a value of another type, ``errors[1]`` for one out of range.
     ``optional``: None passes too (and is returned). ``what`` names the int in the message (``"a
-    raw CUstream int"``)."""
-    n = value
-    if type(value) is not int:
-        if value is None and optional:
-            return None
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer) if numpy else int):
-            alt = " or None" if optional else ""
-            raise errors[0](f"{name} must be {what}{alt}, not {_shown(value)}")
-        n = int(value)
-    if (lo is not None and n < lo) or (hi is not None and n > hi):
-        raise errors[1](f"{name} must be {what}{_range(lo, hi)}, not {_shown(value)}")
-    return n
+    raw CUstream int"``). The core's check (``rust/py/args.rs``), which words every int
+    argument of the package."""
+    if type(value) is int and (lo is None or value >= lo) and (hi is None or value <= hi):
+        return value
+    return _core.check_int(name, value, lo, hi, optional, numpy, what, errors[0], errors[1])
 
 
-def _range(lo: int | None, hi: int | None) -> str:
-    if lo is not None and hi is not None:
-        return f" from {_bound(lo)} to {_bound(hi)}"
-    if lo is not None:
-        return f" >= {_bound(lo)}"
-    if hi is not None:
-        return f" <= {_bound(hi)}"
-    return ""
-
-
-def _bound(n: int) -> str:
-    """``n``, where it is a power of two from 2**31 up (or one less, or its negative) as one:
-    ``2**64 - 1``, ``-2**127``."""
-    for k, rest in ((n, ""), (n + 1, " - 1")):
-        a = abs(k)
-        if a >= 1 << 31 and a & (a - 1) == 0:
-            return f"{'-' if k < 0 else ''}2**{a.bit_length() - 1}{rest}"
-    return str(n)
-
-
-def _shown(value: Any) -> str:
-    """A refused value: its repr where that is plain (``0``, ``2.0``, ``True``, ``np.int64(-1)``,
-    a short string such as ``'8'``), else its type (``a Tensor``)."""
-    if value is None or isinstance(value, (int, float, complex, np.generic)):
-        return repr(value)
-    if isinstance(value, (str, bytes)) and len(value) <= 40:
-        return repr(value)
-    return f"a {type(value).__name__}"
+_shown = _core.shown
 
 
 def check_bool(name: str, value: Any, errors: type[Exception] = ConfigTypeError) -> bool:

@@ -1,13 +1,12 @@
 """Type stubs of the compiled core (rust/py.rs). `make lint` checks them against the built
 extension with mypy.stubtest."""
 
-from collections.abc import Callable, Sequence
-from types import TracebackType
-from typing import ClassVar, Literal, final
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, ClassVar, Literal, final
 
 import numpy as np
 import numpy.typing as npt
-from typing_extensions import deprecated
+from typing_extensions import Self, disjoint_base
 
 from ._types import (
     AccessOrder,
@@ -33,6 +32,7 @@ __all__ = [
     "STAGE_BYTES",
     "STAGE_MAX_AUTO",
     "AllocProgress",
+    "ArgumentTypeError",
     "BackendError",
     "BlockswapError",
     "Engine",
@@ -44,6 +44,7 @@ __all__ = [
     "TransferResult",
     "WaitTimeoutError",
     "__version__",
+    "check_int",
     "chunk_blocks",
     "chunk_count",
     "chunk_skip",
@@ -57,6 +58,7 @@ __all__ = [
     "host_memory_available",
     "launch_plan",
     "route_candidates",
+    "shown",
     "stage_slot",
     "table_incompatibility",
 ]
@@ -82,11 +84,12 @@ class BlockswapError(Exception): ...
 class InvalidTransferError(BlockswapError): ...
 class PoolExhaustedError(BlockswapError): ...
 class BackendError(BlockswapError): ...
-
-@deprecated("never raised: no call can make a transfer take an edge it does not have")
 class ShutdownError(BlockswapError): ...
-
 class WaitTimeoutError(BlockswapError): ...
+
+class ArgumentTypeError(InvalidTransferError, TypeError):
+    """An argument of the wrong type: refused before anything was issued, like any
+    :class:`InvalidTransferError`, and a ``TypeError`` too, as Python's own are."""
 
 @final
 class TransferResult:
@@ -130,8 +133,11 @@ class Route:
     @property
     def launcher(self) -> Callable[[int, int, int, int, int, int, int], object] | None: ...
 
-@final
+@disjoint_base
 class Engine:
+    """Moves batches of ``(src, dst, size)`` blocks on a backend (see ``rust/py/engine.rs``,
+    and :class:`blockswap.Engine`, which adds registering Python objects)."""
+
     def __new__(
         cls,
         backend: BackendName = "auto",
@@ -153,23 +159,24 @@ class Engine:
         stage_bytes: int = 16777216,
         idle_issue: bool = False,
         early_wake: bool = True,
-    ) -> Engine: ...
+    ) -> Self: ...
     def submit(
         self,
         job_id: int,
-        src_ptrs: npt.NDArray[np.int64],
-        dst_ptrs: npt.NDArray[np.int64],
-        sizes: npt.NDArray[np.int64],
+        src_ptrs: npt.ArrayLike,
+        dst_ptrs: npt.ArrayLike,
+        sizes: npt.ArrayLike,
         direction: Direction = "h2d",
+        *,
         wait_stream: int | None = None,
         kernel_below: int = 0,
         launcher: Callable[[int, int, int, int, int, int, int], object] | None = None,
     ) -> None: ...
     def register_table(
         self,
-        bases: npt.NDArray[np.int64],
-        strides: npt.NDArray[np.int64],
-        nbytes: npt.NDArray[np.int64],
+        bases: npt.ArrayLike,
+        strides: npt.ArrayLike,
+        nbytes: npt.ArrayLike,
         num_blocks: int,
         kind: MemoryKind,
         name: str = "",
@@ -180,82 +187,64 @@ class Engine:
         self,
         job_id: int,
         src_table: int,
-        src_ids: npt.NDArray[np.int64],
+        src_ids: npt.ArrayLike,
         dst_table: int,
-        dst_ids: npt.NDArray[np.int64],
+        dst_ids: npt.ArrayLike,
         direction: Direction = "h2d",
+        *,
         wait_stream: int | None = None,
         kernel_below: int = 0,
         launcher: Callable[[int, int, int, int, int, int, int], object] | None = None,
+    ) -> None: ...
+    def submit_block_runs(
+        self,
+        job_id: int,
+        src_table: int,
+        src_ids: npt.ArrayLike,
+        dst_table: int,
+        dst_ids: npt.ArrayLike,
+        direction: Direction = "h2d",
+        *,
+        wait_stream: int | None = None,
     ) -> None: ...
     def wake(self, direction: Direction) -> None: ...
     def submit_groups(
         self,
         job_id: int,
-        groups: Sequence[
-            tuple[
-                int,
-                npt.NDArray[np.int64] | npt.NDArray[np.int32],
-                int,
-                npt.NDArray[np.int64] | npt.NDArray[np.int32],
-                int | None,
-            ]
-        ],
+        groups: Iterable[tuple[int, npt.ArrayLike, int, npt.ArrayLike, int | None]],
         direction: Direction = "h2d",
+        *,
         wait_stream: int | None = None,
         route: Route | None = None,
     ) -> None: ...
-    def load_kernel(
-        self,
-        function: int,
-        threads: int,
-        shared: int,
-        params: list[str],
-        rows: int,
-        ctas: int,
-        row_bytes: int = 0,
-        chained: bool = False,
-    ) -> int | None: ...
+    def load_kernel(self, kernel: Mapping[str, Any]) -> int | None: ...
     def staged_row(self, table: int) -> int | None: ...
     @property
     def stage_bytes(self) -> int: ...
-    def submit_block_runs(
-        self,
-        job_id: int,
-        src_table: int,
-        src_ids: npt.NDArray[np.int64],
-        dst_table: int,
-        dst_ids: npt.NDArray[np.int64],
-        direction: str = "h2d",
-        wait_stream: int | None = None,
-    ) -> None: ...
     def block_runs(
-        self, src_table: int, dst_table: int, direction: str = "h2d"
+        self, src_table: int, dst_table: int, direction: Direction = "h2d"
     ) -> list[tuple[int, int, int, int, int]] | None: ...
     def block_route(
-        self, pairs: list[tuple[int, int]], direction: str, insist: bool = False
+        self,
+        pairs: Iterable[tuple[int, int]],
+        direction: Direction = "h2d",
+        *,
+        insist: bool = False,
     ) -> tuple[bool, str]: ...
-    def staged_route(self, host_tables: list[int]) -> tuple[int | None, str]: ...
+    def staged_route(self, host_tables: Iterable[int]) -> tuple[int | None, str]: ...
     def get_finished(self) -> list[TransferResult]: ...
-    def wait(self, job_ids: list[int], timeout: float | None = None) -> None: ...
+    def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> None: ...
     def shutdown(self) -> None: ...
     @property
     def is_shut_down(self) -> bool: ...
-    def register(self, ptr: int, nbytes: int, kind: MemoryKind) -> None: ...
-    def pin(self, ptr: int, nbytes: int) -> None: ...
-    def unregister(self, ptr: int) -> None: ...
-    def alloc_host(self, nbytes: int) -> int: ...
-    def free_host(self, ptr: int) -> None: ...
+    def _register(self, ptr: int, nbytes: int, kind: MemoryKind) -> None: ...
+    def _pin(self, ptr: int, nbytes: int) -> None: ...
+    def _unregister(self, ptr: int) -> None: ...
+    def _alloc_host(self, nbytes: int) -> int: ...
+    def _free_host(self, ptr: int) -> None: ...
     def inject_failures(self, count: int) -> None: ...
     def stats(self) -> EngineStats: ...
     def info(self) -> EngineInfo: ...
-    def __enter__(self) -> Engine: ...
-    def __exit__(
-        self,
-        _ty: type[BaseException] | None,
-        _value: BaseException | None,
-        _tb: TracebackType | None,
-    ) -> None: ...
 
 @final
 class AllocProgress:
@@ -268,9 +257,9 @@ class HostBuffer:
         cls,
         rows: int,
         row_bytes: int,
-        piece_bytes: int = ...,
-        backend: BackendName = "auto",
-        device: int = 0,
+        piece_bytes: int | None = None,
+        backend: BackendName | None = None,
+        device: int | None = None,
         progress: AllocProgress | None = None,
     ) -> HostBuffer: ...
     @property
@@ -295,6 +284,18 @@ BLOCK_MAX_COPIES: int
 BLOCK_MIN_PAGE: int
 
 def cuda_status() -> tuple[bool, str]: ...
+def check_int(
+    name: str,
+    value: object,
+    lo: int | None,
+    hi: int | None,
+    optional: bool,
+    numpy: bool,
+    what: str,
+    wrong_type: type[Exception],
+    out_of_range: type[Exception],
+) -> int | None: ...
+def shown(value: object) -> str: ...
 def host_memory_available() -> int | None: ...
 def cuda_memory_kind(addr: int) -> MemoryKind | None: ...
 def cuda_device_pointer(addr: int) -> int | None: ...

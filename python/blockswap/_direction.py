@@ -19,6 +19,7 @@ try:
 except ModuleNotFoundError as e:
     _optional.missing(e, "blockswap.handler")
 
+from ._checks import ENGINE_ERRORS, check_int
 from ._core import (
     InvalidTransferError,
     Route,
@@ -27,7 +28,6 @@ from ._core import (
     chunk_skip,
 )
 from ._types import Direction, LaneStats
-from .engine import check_job_id, check_job_ids
 from .errors import ConfigError
 from .layout import SubmitIds, as_block_ids
 from .routing import _SHORT, RouteChoice
@@ -198,7 +198,7 @@ class SingleDirectionHandler:
         self._device_index = device_index
         self._use(route if route is not None else RouteChoice(Route.pages(), "dma"))
         self._closed = False
-        core = owner.engine._core
+        core = owner.engine
         # Hot paths bound straight to the core.
         self._submit_groups = core.submit_groups
         self._wake = core.wake
@@ -268,7 +268,7 @@ class SingleDirectionHandler:
         if self._closed:
             raise ShutdownError("the offloading handlers are shut down")
         if type(job_id) is not int or not 0 <= job_id < _JOB_END:
-            job_id = check_job_id(job_id)
+            job_id = check_int("job_id", job_id, 0, _JOB_END - 1, errors=ENGINE_ERRORS)
         # The engine's thread for this direction wakes while the tables below are built.
         self._wake(self.direction)
         try:
@@ -287,7 +287,7 @@ class SingleDirectionHandler:
         if self._closed:
             raise ShutdownError("the offloading handlers are shut down")
         if type(job_id) is not int or not 0 <= job_id < _JOB_END:
-            job_id = check_job_id(job_id)
+            job_id = check_int("job_id", job_id, 0, _JOB_END - 1, errors=ENGINE_ERRORS)
         ws = self._wait_stream
         prev = None if self._device_index is None else _get_device()
         try:
@@ -295,8 +295,8 @@ class SingleDirectionHandler:
                 job_id,
                 groups,
                 self.direction,
-                None if ws is None else ws(),
-                self._route,
+                wait_stream=None if ws is None else ws(),
+                route=self._route,
             )
         except InvalidTransferError as e:
             raise InvalidTransferError(f"{self.direction} job {job_id}: {e}") from e
@@ -366,9 +366,8 @@ class SingleDirectionHandler:
         """Blocks until the listed transfers (of either direction) finished; their results still
         come from :meth:`get_finished`. Ids never submitted (or already reported) are not waited
         for. Raises :class:`~blockswap.WaitTimeoutError` after ``timeout`` seconds."""
-        ids = check_job_ids(job_ids)
         with _KeepDevice(self._device_index):
-            self._core_wait(ids, timeout)
+            self._core_wait(job_ids, timeout)
 
     def stats(self) -> LaneStats:
         """This direction's totals over finished transfers: ``transfers``, ``failed``, ``bytes``,

@@ -378,7 +378,7 @@ class CpuGpuHandlers:
                 # Per group, the GPU and the CPU table in the core, which maps block ids to
                 # copies (see transfer_async); checked once against the memory registered above.
                 # The CPU table counts sub-blocks, block_size_factor to a CPU block.
-                core = self.engine._core
+                core = self.engine
                 self._table_ids: list[tuple[int, int]] = []
                 for gt, ct in zip(gpu_tables, cpu_tables):
                     self._table_ids.append(
@@ -425,7 +425,7 @@ class CpuGpuHandlers:
         # Path selection, once, here: which plan, and which descriptors a copy kernel moves.
         try:
             self.routes: dict[str, RouteChoice] = choose_routes(
-                self.engine._core,
+                self.engine,
                 tids,
                 gpu_tables,
                 self._load_kernel,
@@ -453,7 +453,7 @@ class CpuGpuHandlers:
             device_index,
             self.routes["h2d"],
         )
-        self.get_finished = _logging_poll(self.engine._core.get_finished)
+        self.get_finished = _logging_poll(self.engine.get_finished)
         #: Set by a :meth:`shutdown` that could not release the memory (transfers still in flight
         #: after ``shutdown_timeout``): it is kept alive, and so must be the caller's.
         self.memory_kept = False
@@ -548,7 +548,7 @@ class CpuGpuHandlers:
         rule gives it to this cache, else None (with why logged): a candidate for calibration."""
         try:
             return choose_routes(
-                self.engine._core,
+                self.engine,
                 self._table_ids,
                 self.gpu_tables,
                 self._load_kernel,
@@ -610,7 +610,7 @@ class CpuGpuHandlers:
                 for pair in self._table_ids:
                     for tid in pair:
                         try:
-                            self.engine._core.unregister_table(tid)
+                            self.engine.unregister_table(tid)
                         except BlockswapError as e:
                             failed.append(str(e))
                 self._table_ids = []

@@ -28,9 +28,8 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from . import _core
-from ._checks import check_bool, check_int
+from ._checks import check_bool
 from ._types import BackendName
-from .engine import _ERRORS, _I32, _U64_MAX, _one_of, check_arg
 from .errors import refuses_with_config_errors
 
 if TYPE_CHECKING:
@@ -141,16 +140,13 @@ class PinnedRows:
         device: int = 0,
         log_line: bool = True,
     ) -> None:
-        rows = check_int("rows", rows, 1, _U64_MAX, errors=_ERRORS)
-        row_bytes = check_int("row_bytes", row_bytes, 1, _U64_MAX, errors=_ERRORS)
-        piece_bytes = check_int("piece_bytes", piece_bytes, 1, _U64_MAX, errors=_ERRORS)
-        check_arg("backend", backend, _one_of(BackendName), lambda x: isinstance(x, str))
-        device = check_int("device", device, *_I32, errors=_ERRORS)
         check_bool("log_line", log_line)
         t0 = time.perf_counter()
         counts = _core.AllocProgress()
         report = PinProgress(counts).start() if backend != "host" else None
         try:
+            # The core checks every argument (an ArgumentTypeError or InvalidTransferError
+            # naming it).
             self._buf = _core.HostBuffer(rows, row_bytes, piece_bytes, backend, device, counts)
         finally:
             if report is not None:

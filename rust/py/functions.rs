@@ -3,7 +3,8 @@
 use numpy::{PyArray1, PyReadonlyArray1};
 use pyo3::prelude::*;
 
-use super::{copy_u64, cuda, table, EngineError, MemoryKind};
+use super::args::copy_u64;
+use super::{cuda, table, EngineError, MemoryKind};
 
 /// The sub-block ids a transfer of `blocks` blocks names by `chunk_ids` (chunks of `unit`
 /// sub-blocks, `num_chunks` of them: unbounded by default), starting `skip` sub-blocks into the

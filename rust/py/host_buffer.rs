@@ -6,6 +6,7 @@ use pyo3::prelude::*;
 
 use crate::hostmem::AllocProgress;
 
+use super::args::{self, IntArg};
 use super::{cuda, hostmem, invalid, HostBuffer, Pinner};
 
 /// Host memory of `rows` rows of `row_bytes` bytes, exactly that size, page-locked in pieces of
@@ -39,18 +40,32 @@ impl PyAllocProgress {
 #[pymethods]
 impl PyHostBuffer {
     #[new]
-    #[pyo3(signature = (rows, row_bytes, piece_bytes = hostmem::DEFAULT_PIECE_BYTES,
-        backend = "auto", device = 0, progress = None))]
+    /// `rows` of `row_bytes` host bytes in pieces of at most `piece_bytes`, page-locked on
+    /// `backend`'s device (each argument checked here, refused by name).
+    /// (None: `DEFAULT_PIECE_BYTES`, `"auto"`, device 0.)
+    #[pyo3(signature = (rows, row_bytes, piece_bytes = None, backend = None, device = None,
+        progress = None))]
     fn new(
         py: Python<'_>,
-        rows: u64,
-        row_bytes: u64,
-        piece_bytes: u64,
-        backend: &str,
-        device: i32,
+        rows: &Bound<'_, PyAny>,
+        row_bytes: &Bound<'_, PyAny>,
+        piece_bytes: Option<&Bound<'_, PyAny>>,
+        backend: Option<&Bound<'_, PyAny>>,
+        device: Option<&Bound<'_, PyAny>>,
         progress: Option<&PyAllocProgress>,
     ) -> PyResult<Self> {
-        let cuda = crate::backend::is_cuda(backend).map_err(invalid)?;
+        let positive = IntArg::within(1, args::U64_MAX);
+        let rows: u64 = args::int("rows", rows, positive)?;
+        let row_bytes: u64 = args::int("row_bytes", row_bytes, positive)?;
+        let piece_bytes: u64 = piece_bytes.map_or(Ok(hostmem::DEFAULT_PIECE_BYTES), |p| {
+            args::int("piece_bytes", p, positive)
+        })?;
+        let backend = backend.map_or(Ok("auto".to_owned()), |b| {
+            args::text("backend", b, "'auto', 'host' or 'cuda'")
+        })?;
+        let i32_range = IntArg::within(i32::MIN.into(), i32::MAX.into());
+        let device: i32 = device.map_or(Ok(0), |d| args::int("device", d, i32_range))?;
+        let cuda = crate::backend::is_cuda(&backend).map_err(invalid)?;
         let progress = progress.map(|p| Arc::clone(&p.0));
         let buf = py.detach(|| {
             let pinner: Option<Box<dyn Pinner>> = if cuda {

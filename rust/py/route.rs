@@ -3,8 +3,8 @@
 //! the choice of a route is the caller's.
 
 use pyo3::prelude::*;
-use pyo3::types::PyBool;
 
+use super::args::{self, IntArg};
 use super::{call_launcher, invalid};
 use crate::direction::Direction;
 use crate::engine;
@@ -28,46 +28,13 @@ pub(super) struct PyRoute {
     plan: Plan<Option<(u64, Kernel)>, (), engine::StagedRoute>,
 }
 
-/// `value` as an int in `[0, hi]`, or the package's typed error naming `name` (raised by the
-/// Python layer's argument check, the one place that words them).
-fn int_arg(value: &Bound<'_, PyAny>, name: &str, hi: u64, optional: bool) -> PyResult<u64> {
-    if !value.is_instance_of::<PyBool>() {
-        if let Ok(v) = value.extract::<u64>() {
-            if v <= hi {
-                return Ok(v);
-            }
-        }
-    }
-    let check = value
-        .py()
-        .import("blockswap.engine")?
-        .getattr("check_int_arg")?;
-    check.call1((name, value, hi, optional))?;
-    Err(invalid(format!("{name} must be an int from 0 to {hi}")))
-}
-
-/// `value` as a bool (Python's, or numpy's), or the package's typed error naming `name`
-/// (raised by the Python layer's argument check, as [`int_arg`] does).
-fn bool_arg(value: &Bound<'_, PyAny>, name: &str) -> PyResult<bool> {
-    if !value.is_instance_of::<PyBool>() {
-        let engine = value.py().import("blockswap.engine")?;
-        let is_bool = engine.getattr("_is_bool")?;
-        engine
-            .getattr("check_arg")?
-            .call1((name, value, "a bool", is_bool))?;
-    }
-    value.is_truthy()
-}
-
+/// An optional int argument in `[0, hi]` (None passes), or the typed error naming it.
 fn optional_int_arg(
     value: Option<&Bound<'_, PyAny>>,
     name: &str,
     hi: u64,
 ) -> PyResult<Option<u64>> {
-    match value {
-        Some(v) if !v.is_none() => int_arg(v, name, hi, true).map(Some),
-        _ => Ok(None),
-    }
+    args::opt_int(name, value, IntArg::within(0, i128::from(hi)))
 }
 
 #[pymethods]
@@ -162,7 +129,7 @@ impl PyRoute {
     ) -> PyResult<Self> {
         let kernel = optional_int_arg(kernel, "kernel", u64::from(u32::MAX))?
             .map(|k| u32::try_from(k).expect("checked above"));
-        let direct = direct.map_or(Ok(false), |d| bool_arg(d, "direct"))?;
+        let direct = direct.map_or(Ok(false), |d| args::flag("direct", d))?;
         let launch_bytes = optional_int_arg(launch_bytes, "launch_bytes", u64::MAX)?;
         if launch_bytes.is_some() && !direct {
             return Err(invalid(
