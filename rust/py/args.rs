@@ -356,6 +356,11 @@ pub(super) fn job_id(value: &Bound<'_, PyAny>) -> PyResult<u64> {
 /// validated address or block id swapped for one that was never checked). Negative values
 /// become huge ones, which validation refuses by name.
 pub(super) fn ids(name: &str, value: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
+    ids_named(|| name.to_owned(), value)
+}
+
+/// [`ids`], its name made only where it is needed (a value refused, or converted by numpy).
+pub(super) fn ids_named(name: impl Fn() -> String, value: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
     // The dtype is looked at first: a failed extraction builds an error, which cost 19 µs a
     // transfer where int64 was tried first on vLLM's int32 ids.
     if let Ok(a) = value.cast::<PyUntypedArray>() {
@@ -363,7 +368,10 @@ pub(super) fn ids(name: &str, value: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
             let dt = a.dtype();
             let py = value.py();
             if dt.is_equiv_to(&numpy::dtype::<i64>(py)) {
-                return copy_u64(name, &value.extract()?);
+                let a: PyReadonlyArray1<'_, i64> = value.extract()?;
+                if let Ok(s) = a.as_slice() {
+                    return Ok(s.iter().map(|&v| v as u64).collect());
+                }
             }
             if dt.is_equiv_to(&numpy::dtype::<i32>(py)) {
                 let a: PyReadonlyArray1<'_, i32> = value.extract()?;
@@ -371,7 +379,8 @@ pub(super) fn ids(name: &str, value: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
             }
         }
     }
-    copy_u64(name, &int64_array(name, value)?.extract()?)
+    let name = name();
+    copy_u64(&name, &int64_array(&name, value)?.extract()?)
 }
 
 /// An int64 array's values as the u64 addresses, sizes or ids they carry (see [`ids`]).

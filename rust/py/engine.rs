@@ -503,15 +503,19 @@ impl PyEngine {
                 return Err(shape());
             }
             let skip = t.get_item(4)?;
-            let skip: Option<u64> = args::opt_int(&format!("groups[{g}] skip"), Some(&skip), U64)?;
+            // The names are formatted only for a value refused: not on every submission.
+            let skip: Option<u64> = match skip.extract::<Option<u64>>() {
+                Ok(v) if !skip.is_instance_of::<pyo3::types::PyBool>() => v,
+                _ => args::opt_int(&format!("groups[{g}] skip"), Some(&skip), U64)?,
+            };
             tables.push((
                 args::table_id(&t.get_item(0)?)?,
                 args::table_id(&t.get_item(2)?)?,
                 skip,
             ));
             ids.push((
-                args::ids(&format!("groups[{g}] src_ids"), &t.get_item(1)?)?,
-                args::ids(&format!("groups[{g}] dst_ids"), &t.get_item(3)?)?,
+                args::ids_named(|| format!("groups[{g}] src_ids"), &t.get_item(1)?)?,
+                args::ids_named(|| format!("groups[{g}] dst_ids"), &t.get_item(3)?)?,
             ));
         }
         let (dir, wait_stream, _) = submission(&direction, wait_stream, &Given(None))?;
