@@ -28,6 +28,7 @@ mod runs;
 mod staged;
 pub use chunks::{chunk_blocks, chunk_count, chunk_skip, map_chunks};
 pub use error::{Overlap, TableError};
+pub use geometry::{merged_spans, segments_disjoint};
 use geometry::{pages_disjoint, shared_segments};
 use runs::written_rows;
 pub use runs::{

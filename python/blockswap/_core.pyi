@@ -58,9 +58,11 @@ __all__ = [
     "host_memory_available",
     "launch_plan",
     "route_candidates",
+    "segments_disjoint",
     "shown",
     "stage_slot",
     "table_incompatibility",
+    "table_spans",
 ]
 
 __version__: str
@@ -296,6 +298,14 @@ def check_int(
     out_of_range: type[Exception],
 ) -> int | None: ...
 def shown(value: object) -> str: ...
+def table_spans(
+    tables: Sequence[
+        tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64], int]
+    ],
+) -> list[tuple[int, int]]: ...
+def segments_disjoint(
+    offsets: Sequence[int], stride: int, nbytes: int, num_blocks: int
+) -> bool: ...
 def host_memory_available() -> int | None: ...
 def cuda_memory_kind(addr: int) -> MemoryKind | None: ...
 def cuda_device_pointer(addr: int) -> int | None: ...

@@ -12,8 +12,6 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
-
 from . import _optional
 
 try:
@@ -22,7 +20,7 @@ except ModuleNotFoundError as e:
     _optional.missing(e, __name__)
 
 from ._checks import check_choice
-from ._core import BlockswapError, cuda_status
+from ._core import BlockswapError, cuda_status, table_spans
 from .errors import ConfigError, ConfigTypeError
 from .hostmem import PinnedRows, size_text
 from .layout import (
@@ -33,7 +31,6 @@ from .layout import (
     check_layout,
     make_block_major_cpu_cache,
     make_cpu_cache_like,
-    merge_spans,
 )
 
 #: The handler's logger: the CPU cache's allocation is part of what a handler logs.
@@ -96,9 +93,7 @@ def check_group_uniform(ts: Sequence[torch.Tensor], g: int, name: str) -> None:
 def union_spans(tables: Iterable[BlockTable]) -> list[tuple[int, int]]:
     """Byte ranges covering every segment of every table, overlapping ranges merged (ranges that
     only touch are kept apart: they may be separate allocations)."""
-    spans = [t.spans() for t in tables]
-    merged = merge_spans(np.concatenate(spans) if spans else np.zeros((0, 2), dtype=np.int64))
-    return [(int(s), int(n)) for s, n in merged.tolist()]
+    return table_spans([(t.bases, t.strides, t.nbytes, t.num_blocks) for t in tables])
 
 
 def layouts_of(layout: Any, ng: int) -> list[Layout]:

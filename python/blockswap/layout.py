@@ -47,7 +47,14 @@ except ModuleNotFoundError as e:
     _optional.missing(e, __name__)
 
 from ._checks import check_bool, check_int
-from ._core import InvalidTransferError, chunk_blocks, cuda_status, table_incompatibility
+from ._core import (
+    InvalidTransferError,
+    chunk_blocks,
+    cuda_status,
+    segments_disjoint,
+    table_incompatibility,
+    table_spans,
+)
 from .errors import ConfigError, ConfigTypeError, refuses_with_config_errors
 
 __all__ = [
@@ -210,36 +217,13 @@ def _tensor_segments(index: int, t: torch.Tensor, bd: int) -> tuple[list[int], i
             raise LayoutError(f"{_describe(index, t)}: dim {d} (before the block dim) is empty")
         step = stride[d] * item
         offsets = [o + i * step for o in offsets for i in range(shape[d])]
-    if len(offsets) > 1:
-        srt = sorted(offsets)
-        gaps = [b - a for a, b in zip(srt, srt[1:])]
-        span = (num_blocks - 1) * block_stride + nbytes  # bytes one segment covers over blocks
-        # Either all segments of a block sit inside one block stride (K/V interleaved per
-        # block), or each segment's run over all blocks is clear of the next (K region, V region).
-        fits_in_stride = num_blocks <= 1 or srt[-1] - srt[0] + nbytes <= block_stride
-        interleaved = min(gaps) >= nbytes and fits_in_stride
-        separated = min(gaps) >= span
-        if not (interleaved or separated):
-            raise LayoutError(
-                f"{_describe(index, t)}: the segments of the dims before block dim {bd} overlap "
-                "each other or other blocks"
-            )
+    # The segments' pages, over every block, never share a byte (the core's rule).
+    if len(offsets) > 1 and not segments_disjoint(offsets, block_stride, nbytes, num_blocks):
+        raise LayoutError(
+            f"{_describe(index, t)}: the segments of the dims before block dim {bd} overlap "
+            "each other or other blocks"
+        )
     return offsets, block_stride, nbytes, num_blocks
-
-
-def merge_spans(spans: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
-    """``(start, nbytes)`` rows (an int64 ``[R, 2]`` array) sorted by start, overlapping ranges
-    merged; ranges that only touch are kept apart (they may be separate allocations)."""
-    if spans.shape[0] == 0:
-        return np.zeros((0, 2), dtype=_I64)
-    order = np.argsort(spans[:, 0], kind="stable")
-    start = spans[order, 0]
-    reach = np.maximum.accumulate(start + spans[order, 1])
-    new = np.ones(start.shape[0], dtype=bool)
-    new[1:] = start[1:] >= reach[:-1]
-    first = np.flatnonzero(new)
-    last = np.append(first[1:], start.shape[0]) - 1
-    return np.stack([start[first], reach[last] - start[first]], axis=1)
 
 
 @dataclass(frozen=True, eq=False, repr=False)
@@ -358,11 +342,10 @@ class BlockTable:
     def spans(self) -> npt.NDArray[np.int64]:
         """Byte ranges the segments of all blocks fall in, as an int64 ``[R, 2]`` array of
         ``(start, nbytes)`` rows, sorted, overlapping ranges merged (ranges that only touch are
-        kept apart). Padding between pages lies inside a range. For registering memory."""
-        if self.num_blocks == 0:
-            return np.zeros((0, 2), dtype=_I64)
-        reach = (self.num_blocks - 1) * self.strides + self.nbytes
-        return merge_spans(np.stack([self.bases, reach], axis=1))
+        kept apart). Padding between pages lies inside a range. For registering memory: the
+        core's rule (:func:`blockswap._core.table_spans`)."""
+        rows = table_spans([(self.bases, self.strides, self.nbytes, self.num_blocks)])
+        return np.array(rows, dtype=_I64).reshape(-1, 2)
 
     def is_compatible(self, other: BlockTable) -> bool:
         """Whether blocks can be copied between the two tables (same segment count and sizes):

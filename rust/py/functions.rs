@@ -63,6 +63,50 @@ pub(super) fn table_incompatibility(
         .map(|e| e.to_string()))
 }
 
+/// The byte ranges the pages of `tables` (each `(bases, strides, nbytes, num_blocks)`) fall in:
+/// `(start, length)` rows, sorted, overlapping ranges merged (`table::merged_spans`): what a
+/// handler registers.
+#[pyfunction]
+#[allow(clippy::type_complexity)] // the Python list of 4-tuples as pyo3 extracts it
+pub(super) fn table_spans(
+    tables: Vec<(
+        PyReadonlyArray1<'_, i64>,
+        PyReadonlyArray1<'_, i64>,
+        PyReadonlyArray1<'_, i64>,
+        u64,
+    )>,
+) -> PyResult<Vec<(u64, u64)>> {
+    let mut ranges = Vec::new();
+    for (bases, strides, nbytes, num_blocks) in &tables {
+        if *num_blocks == 0 {
+            continue;
+        }
+        let (b, st, n) = (
+            copy_u64("bases", bases)?,
+            copy_u64("strides", strides)?,
+            copy_u64("nbytes", nbytes)?,
+        );
+        let last = num_blocks - 1;
+        ranges
+            .extend((0..b.len()).map(|s| (b[s], last.saturating_mul(st[s]).saturating_add(n[s]))));
+    }
+    Ok(table::merged_spans(ranges))
+}
+
+/// Whether no two distinct pages of one tensor's segments (`bases` their block-0 offsets, one
+/// `stride` and `nbytes` for all) share a byte over `num_blocks` blocks
+/// (`table::segments_disjoint`).
+#[pyfunction]
+pub(super) fn segments_disjoint(
+    offsets: Vec<u64>,
+    stride: u64,
+    nbytes: u64,
+    num_blocks: u64,
+) -> bool {
+    let n = offsets.len();
+    table::segments_disjoint(&offsets, &vec![stride; n], &vec![nbytes; n], num_blocks)
+}
+
 /// How one launch of the copy kernel covers `n` descriptors: `(grid, split, rows, row_bytes)`
 /// (see `kernel::launch_plan`), for the Python launcher as for the core's own launches.
 #[pyfunction]

@@ -41,6 +41,50 @@ impl BlockTable {
     }
 }
 
+/// Whether no two distinct pages of the segments `(bases, strides, nbytes)` over `num_blocks`
+/// blocks share a byte (the rule a table's registration proves, for segments not yet
+/// registered: one tensor's, as the Python layer reads them from its shape and strides).
+#[must_use]
+pub fn segments_disjoint(bases: &[u64], strides: &[u64], nbytes: &[u64], num_blocks: u64) -> bool {
+    if bases.is_empty() {
+        return true;
+    }
+    let last = num_blocks.saturating_sub(1);
+    let spans: Vec<(u64, u64)> = (0..bases.len())
+        .map(|s| {
+            (
+                bases[s],
+                last.saturating_mul(strides[s]).saturating_add(nbytes[s]),
+            )
+        })
+        .collect();
+    pages_disjoint(&spans, bases, strides, nbytes, num_blocks.max(1))
+}
+
+/// The byte ranges `(start, length)` that `ranges` fall in: sorted by start, overlapping ranges
+/// merged, ranges that only touch kept apart (they may be separate allocations, registered one
+/// by one).
+#[must_use]
+pub fn merged_spans(mut ranges: Vec<(u64, u64)>) -> Vec<(u64, u64)> {
+    ranges.sort_unstable();
+    let mut out: Vec<(u64, u64)> = Vec::with_capacity(ranges.len());
+    let mut end = 0u64;
+    for (start, len) in ranges {
+        let reach = start.saturating_add(len);
+        match out.last_mut() {
+            Some(last) if start < end => {
+                end = end.max(reach);
+                last.1 = end - last.0;
+            }
+            _ => {
+                out.push((start, len));
+                end = reach;
+            }
+        }
+    }
+    out
+}
+
 /// Whether no two distinct (segment, block) pages share a byte, by the geometry alone. `spans`:
 /// each segment's `(first byte, length)` over all its blocks. The segments fall into clusters
 /// whose spans overlap (a tensor's segments), clusters lying apart from each other; the pages are

@@ -278,3 +278,35 @@ fn every_plan_checks_groups_that_write_one_tensor() {
         );
     }
 }
+
+#[test]
+fn spans_merge_where_they_overlap_and_stay_apart_where_they_touch() {
+    assert_eq!(merged_spans(vec![]), vec![]);
+    // Unsorted; one range inside another; two that touch; one past the end of the rest.
+    let got = merged_spans(vec![
+        (5000, 24),
+        (1000, 200),
+        (1100, 130),
+        (1230, 10),
+        (1050, 10),
+    ]);
+    assert_eq!(got, vec![(1000, 230), (1230, 10), (5000, 24)]);
+    assert_eq!(
+        merged_spans(vec![(0, 10), (5, 20), (20, 10)]),
+        vec![(0, 30)]
+    );
+}
+
+#[test]
+fn a_tensors_segments_are_disjoint_interleaved_or_apart_never_overlapping() {
+    // K and V of a block side by side in one stride (kv_fused), or in regions of their own
+    // (kv_split): disjoint.
+    assert!(segments_disjoint(&[0, 64], &[128, 128], &[64, 64], 10));
+    assert!(segments_disjoint(&[0, 1280], &[128, 128], &[128, 128], 10));
+    // A V region starting inside the K region's last block, or pages wider than the gap.
+    assert!(!segments_disjoint(&[0, 1200], &[128, 128], &[128, 128], 10));
+    assert!(!segments_disjoint(&[0, 64], &[128, 128], &[96, 96], 10));
+    // One block: only the pages of block 0 count.
+    assert!(segments_disjoint(&[0, 4096], &[1, 1], &[4096, 4096], 1));
+    assert!(segments_disjoint(&[], &[], &[], 3));
+}
