@@ -211,7 +211,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(launch_plan, m)?)?;
     m.add_function(wrap_pyfunction!(table_incompatibility, m)?)?;
     m.add_function(wrap_pyfunction!(functions::table_spans, m)?)?;
-    m.add_function(wrap_pyfunction!(functions::segments_disjoint, m)?)?;
+    m.add_function(wrap_pyfunction!(functions::tensor_segments, m)?)?;
     m.add_function(wrap_pyfunction!(route_candidates, m)?)?;
     m.add("KERNEL_BELOW_H2D", choice::KERNEL_BELOW_H2D)?;
     m.add("KERNEL_BELOW_D2H", choice::KERNEL_BELOW_D2H)?;

@@ -26,6 +26,7 @@ mod error;
 mod geometry;
 mod runs;
 mod staged;
+mod tensor;
 pub use chunks::{chunk_blocks, chunk_count, chunk_skip, map_chunks};
 pub use error::{Overlap, TableError};
 pub use geometry::{merged_spans, segments_disjoint};
@@ -41,6 +42,7 @@ pub use staged::{
     StagedRequest, StagedStep, STAGED_MIN_STEPS, STAGED_RAMP, STAGED_TABLE_EXTRA,
 };
 use staged::{finish_staged, written_pages};
+pub use tensor::{tensor_segments, TensorSegments};
 
 /// A block table as its caller describes it, before it is checked against registered memory
 /// (see [`TableSpec::build`]): `bases`, `strides` and `nbytes` per segment, `num_blocks` blocks of

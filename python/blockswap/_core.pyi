@@ -58,11 +58,11 @@ __all__ = [
     "host_memory_available",
     "launch_plan",
     "route_candidates",
-    "segments_disjoint",
     "shown",
     "stage_slot",
     "table_incompatibility",
     "table_spans",
+    "tensor_segments",
 ]
 
 __version__: str
@@ -303,9 +303,9 @@ def table_spans(
         tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64], int]
     ],
 ) -> list[tuple[int, int]]: ...
-def segments_disjoint(
-    offsets: Sequence[int], stride: int, nbytes: int, num_blocks: int
-) -> bool: ...
+def tensor_segments(
+    layout: str | None, shape: Sequence[int], stride: Sequence[int], item: int, block_dim: int
+) -> tuple[list[int], int, int, int, int] | str: ...
 def host_memory_available() -> int | None: ...
 def cuda_memory_kind(addr: int) -> MemoryKind | None: ...
 def cuda_device_pointer(addr: int) -> int | None: ...

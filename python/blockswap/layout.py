@@ -51,9 +51,9 @@ from ._core import (
     InvalidTransferError,
     chunk_blocks,
     cuda_status,
-    segments_disjoint,
     table_incompatibility,
     table_spans,
+    tensor_segments,
 )
 from .errors import ConfigError, ConfigTypeError, refuses_with_config_errors
 
@@ -155,75 +155,17 @@ def _describe(index: int, t: torch.Tensor) -> str:
     )
 
 
-def _check_layout_shape(index: int, t: torch.Tensor, layout: str | None) -> None:
-    shape = tuple(t.shape)
-    if layout == "kv_split" and (t.dim() < 3 or shape[0] != 2):
-        raise LayoutError(
-            f"{_describe(index, t)}: layout 'kv_split' expects [2, num_blocks, block_size, ...]"
-        )
-    if layout == "kv_fused" and (t.dim() < 3 or shape[1] != 2):
-        raise LayoutError(
-            f"{_describe(index, t)}: layout 'kv_fused' expects [num_blocks, 2, block_size, ...]"
-        )
-    if layout == "mla" and t.dim() != 3:
-        raise LayoutError(
-            f"{_describe(index, t)}: layout 'mla' expects [num_blocks, block_size, head_size]"
-        )
-    if layout == "cross_layer" and t.dim() < 2:
-        raise LayoutError(
-            f"{_describe(index, t)}: layout 'cross_layer' expects [num_blocks, num_layers, ...]"
-        )
-
-
-def _normalise_dim(index: int, t: torch.Tensor, block_dim: int) -> int:
-    nd = t.dim()
-    if not -nd <= block_dim < nd:
-        raise LayoutError(f"{_describe(index, t)}: block_dim {block_dim} out of range")
-    return block_dim % nd
-
-
-def _tensor_segments(index: int, t: torch.Tensor, bd: int) -> tuple[list[int], int, int, int]:
-    """Segments of one tensor: (byte offsets of the segments of block 0 from the tensor's data
-    pointer, block stride in bytes, page bytes per segment, num_blocks)."""
-    shape = tuple(t.shape)
-    stride = tuple(t.stride())
-    item = t.element_size()
-    num_blocks = shape[bd]
-
-    page_elems = math.prod(shape[bd + 1 :])
-    if page_elems == 0:
-        raise LayoutError(f"{_describe(index, t)}: the page (dims after block dim {bd}) is empty")
-    # The page (dims after the block dim) must cover one dense run of bytes, in any dim order.
-    expected = 1
-    for st, sz in sorted((stride[d], shape[d]) for d in range(bd + 1, len(shape)) if shape[d] > 1):
-        if st != expected:
-            raise LayoutError(
-                f"{_describe(index, t)}: the page (dims {bd + 1}..{len(shape) - 1}, after block "
-                f"dim {bd}) is not contiguous in memory, so one block's bytes are not one segment"
-            )
-        expected *= sz
-    nbytes = page_elems * item
-    block_stride = stride[bd] * item
-    if num_blocks > 1 and block_stride < nbytes:
-        raise LayoutError(
-            f"{_describe(index, t)}: block stride {block_stride} B is smaller than the page "
-            f"({nbytes} B), so blocks overlap"
-        )
-
-    # Dims before the block dim enumerate segments (row-major order).
-    offsets = [0]
-    for d in range(bd):
-        if shape[d] == 0:
-            raise LayoutError(f"{_describe(index, t)}: dim {d} (before the block dim) is empty")
-        step = stride[d] * item
-        offsets = [o + i * step for o in offsets for i in range(shape[d])]
-    # The segments' pages, over every block, never share a byte (the core's rule).
-    if len(offsets) > 1 and not segments_disjoint(offsets, block_stride, nbytes, num_blocks):
-        raise LayoutError(
-            f"{_describe(index, t)}: the segments of the dims before block dim {bd} overlap "
-            "each other or other blocks"
-        )
-    return offsets, block_stride, nbytes, num_blocks
+def _segments(
+    index: int, t: torch.Tensor, layout: str | None, block_dim: int
+) -> tuple[list[int], int, int, int, int]:
+    """One tensor's segments, the core's rule (:func:`blockswap._core.tensor_segments`): block
+    0's page of each (byte offsets from the data pointer), the block stride and page bytes, the
+    number of blocks and the block dim; else :class:`LayoutError` naming the tensor and why (a
+    shape that is not ``layout``'s, a page not dense in memory, pages sharing bytes)."""
+    got = tensor_segments(layout, list(t.shape), list(t.stride()), t.element_size(), block_dim)
+    if isinstance(got, str):
+        raise LayoutError(f"{_describe(index, t)}: {got}")
+    return got
 
 
 @dataclass(frozen=True, eq=False, repr=False)
@@ -301,9 +243,7 @@ class BlockTable:
                 raise LayoutError(f"{_describe(i, t)}: not on {device} like tensor 0")
             if t.device.type == "meta":
                 raise LayoutError(f"{_describe(i, t)}: meta tensors have no memory")
-            _check_layout_shape(i, t, layout)
-            bd = _normalise_dim(i, t, bd0)
-            offsets, bstride, nb, nblk = _tensor_segments(i, t, bd)
+            offsets, bstride, nb, nblk, _ = _segments(i, t, layout, bd0)
             if num_blocks is None:
                 num_blocks = nblk
             elif nblk != num_blocks:
@@ -525,7 +465,7 @@ def make_block_major_cpu_cache(
     segments = 0
     page_elems = None
     for i, (t, m) in enumerate(zip(ts, mirror_meta)):
-        bd = _normalise_dim(i, t, bd0)
+        bd = bd0 % t.dim()  # in range: the mirror above checked it
         outer = math.prod(m.shape[:bd])
         pe = math.prod(m.shape[bd + 1 :])
         if page_elems is None:
@@ -601,9 +541,7 @@ def make_cpu_cache_like(
     ts = _as_tensor_list(gpu_tensors)
     out = []
     for i, t in enumerate(ts):
-        _check_layout_shape(i, t, layout)
-        bd = _normalise_dim(i, t, bd0)
-        _tensor_segments(i, t, bd)
+        bd = _segments(i, t, layout, bd0)[4]
         shape = list(t.shape)
         shape[bd] = num_cpu_blocks * block_size_factor
         # Outermost first: by GPU stride, larger first; ties keep dim order.

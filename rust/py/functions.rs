@@ -93,18 +93,29 @@ pub(super) fn table_spans(
     Ok(table::merged_spans(ranges))
 }
 
-/// Whether no two distinct pages of one tensor's segments (`bases` their block-0 offsets, one
-/// `stride` and `nbytes` for all) share a byte over `num_blocks` blocks
-/// (`table::segments_disjoint`).
+/// A tensor's segments (`table::tensor_segments`): `(offsets, block stride, page bytes,
+/// blocks, block dim)`, or the reason it cannot be a table's, as a str.
 #[pyfunction]
-pub(super) fn segments_disjoint(
-    offsets: Vec<u64>,
-    stride: u64,
-    nbytes: u64,
-    num_blocks: u64,
-) -> bool {
-    let n = offsets.len();
-    table::segments_disjoint(&offsets, &vec![stride; n], &vec![nbytes; n], num_blocks)
+pub(super) fn tensor_segments<'py>(
+    py: Python<'py>,
+    layout: Option<&str>,
+    shape: Vec<u64>,
+    stride: Vec<u64>,
+    item: u64,
+    block_dim: i64,
+) -> PyResult<Bound<'py, PyAny>> {
+    match table::tensor_segments(layout, &shape, &stride, item, block_dim) {
+        Ok(s) => Ok((
+            s.offsets,
+            s.block_stride,
+            s.nbytes,
+            s.num_blocks,
+            s.block_dim,
+        )
+            .into_pyobject(py)?
+            .into_any()),
+        Err(why) => Ok(why.into_pyobject(py)?.into_any()),
+    }
 }
 
 /// How one launch of the copy kernel covers `n` descriptors: `(grid, split, rows, row_bytes)`

@@ -1,0 +1,156 @@
+//! A tensor's blocks as a table's segments: which bytes of a strided tensor (shape and strides
+//! in elements, as torch gives them) are one block's pages, for a named KV-cache layout or an
+//! explicit block dim. The Python layer reads shape and strides off its tensors and builds its
+//! tables from what this returns; every rule about them lives here.
+
+use super::segments_disjoint;
+
+/// One tensor's segments: block 0's page of each (byte offsets from the tensor's data, the dims
+/// before the block dim enumerated row-major), the block stride and page bytes they share, the
+/// number of blocks, and the block dim (made non-negative).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TensorSegments {
+    pub offsets: Vec<u64>,
+    pub block_stride: u64,
+    pub nbytes: u64,
+    pub num_blocks: u64,
+    pub block_dim: usize,
+}
+
+/// The shape a named layout expects, or why `shape` is not one.
+fn check_layout_shape(layout: &str, shape: &[u64]) -> Result<(), String> {
+    let nd = shape.len();
+    let (ok, expects) = match layout {
+        "kv_split" => (nd >= 3 && shape[0] == 2, "[2, num_blocks, block_size, ...]"),
+        "kv_fused" => (nd >= 3 && shape[1] == 2, "[num_blocks, 2, block_size, ...]"),
+        "mla" => (nd == 3, "[num_blocks, block_size, head_size]"),
+        "cross_layer" => (nd >= 2, "[num_blocks, num_layers, ...]"),
+        _ => (true, ""),
+    };
+    if ok {
+        Ok(())
+    } else {
+        Err(format!("layout '{layout}' expects {expects}"))
+    }
+}
+
+/// The segments of a tensor of `shape` and `stride` (in elements of `item` bytes), its blocks
+/// along `block_dim` (negative: from the end), in `layout`'s shape where one is named. Refused,
+/// with the reason, where a page (the dims after the block dim) is not one dense run of bytes in
+/// some dim order, where blocks or segments would share a byte, or where a dim is empty.
+pub fn tensor_segments(
+    layout: Option<&str>,
+    shape: &[u64],
+    stride: &[u64],
+    item: u64,
+    block_dim: i64,
+) -> Result<TensorSegments, String> {
+    if let Some(layout) = layout {
+        check_layout_shape(layout, shape)?;
+    }
+    let nd = i64::try_from(shape.len()).map_err(|_| "too many dims".to_owned())?;
+    if !(-nd..nd).contains(&block_dim) {
+        return Err(format!("block_dim {block_dim} out of range"));
+    }
+    // In range: non-negative once wrapped, and below the number of dims.
+    let bd = usize::try_from(block_dim.rem_euclid(nd)).expect("in range");
+    let page_elems: u64 = shape[bd + 1..].iter().product();
+    if page_elems == 0 {
+        return Err(format!("the page (dims after block dim {bd}) is empty"));
+    }
+    // The page must cover one dense run of bytes, in any dim order.
+    let mut dims: Vec<(u64, u64)> = (bd + 1..shape.len())
+        .filter(|&d| shape[d] > 1)
+        .map(|d| (stride[d], shape[d]))
+        .collect();
+    dims.sort_unstable();
+    let mut expected = 1u64;
+    for (st, sz) in dims {
+        if st != expected {
+            return Err(format!(
+                "the page (dims {}..{}, after block dim {bd}) is not contiguous in memory, so one \
+                 block's bytes are not one segment",
+                bd + 1,
+                shape.len() - 1
+            ));
+        }
+        expected = expected.saturating_mul(sz);
+    }
+    let nbytes = page_elems.saturating_mul(item);
+    let block_stride = stride[bd].saturating_mul(item);
+    let num_blocks = shape[bd];
+    if num_blocks > 1 && block_stride < nbytes {
+        return Err(format!(
+            "block stride {block_stride} B is smaller than the page ({nbytes} B), so blocks overlap"
+        ));
+    }
+    // The dims before the block dim enumerate segments, row-major.
+    let mut offsets = vec![0u64];
+    for d in 0..bd {
+        if shape[d] == 0 {
+            return Err(format!("dim {d} (before the block dim) is empty"));
+        }
+        let step = stride[d].saturating_mul(item);
+        offsets = offsets
+            .iter()
+            .flat_map(|&o| (0..shape[d]).map(move |i| o + i * step))
+            .collect();
+    }
+    let n = offsets.len();
+    if n > 1
+        && !segments_disjoint(
+            &offsets,
+            &vec![block_stride; n],
+            &vec![nbytes; n],
+            num_blocks,
+        )
+    {
+        return Err(format!(
+            "the segments of the dims before block dim {bd} overlap each other or other blocks"
+        ));
+    }
+    Ok(TensorSegments {
+        offsets,
+        block_stride,
+        nbytes,
+        num_blocks,
+        block_dim: bd,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kv_split_gives_a_k_and_a_v_segment_per_block() {
+        // [2, blocks=4, block_size=16, heads=2, head_dim=8] in f16, dense.
+        let shape = [2, 4, 16, 2, 8];
+        let stride = [4 * 256, 256, 16, 8, 1];
+        let s = tensor_segments(Some("kv_split"), &shape, &stride, 2, 1).unwrap();
+        assert_eq!(s.offsets, vec![0, 2048]);
+        assert_eq!(
+            (s.block_stride, s.nbytes, s.num_blocks, s.block_dim),
+            (512, 512, 4, 1)
+        );
+    }
+
+    #[test]
+    fn layouts_dims_and_overlaps_are_refused_with_the_reason() {
+        let why = |l, shape: &[u64], stride: &[u64], bd| {
+            tensor_segments(l, shape, stride, 2, bd).unwrap_err()
+        };
+        assert!(why(Some("kv_split"), &[3, 4, 16], &[64, 16, 1], 1).contains("expects [2,"));
+        assert!(why(Some("mla"), &[4, 16], &[16, 1], 0).contains("expects [num_blocks,"));
+        assert!(why(None, &[4, 16], &[16, 1], 2).contains("block_dim 2 out of range"));
+        assert!(why(None, &[4, 0], &[16, 1], 0).contains("is empty"));
+        // A page whose dims step over gaps, blocks closer than a page, K and V interleaved
+        // into each other's bytes.
+        assert!(why(None, &[4, 2, 8], &[32, 16, 1], 0).contains("not contiguous"));
+        assert!(why(None, &[4, 16], &[8, 1], 0).contains("blocks overlap"));
+        assert!(why(None, &[2, 4, 16], &[8, 32, 1], 1).contains("overlap each other"));
+        // A negative block dim counts from the end; padding between blocks is fine.
+        let s = tensor_segments(None, &[4, 16], &[32, 1], 2, -2).unwrap();
+        assert_eq!((s.block_stride, s.nbytes, s.block_dim), (64, 32, 0));
+    }
+}
