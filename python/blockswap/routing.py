@@ -254,26 +254,28 @@ def choose_route(
     (:func:`~blockswap.kernels.kernel_unavailable`: no GPU driver for Triton and no
     interpreter), ``"kernel"`` raises :class:`RouteUnavailableError` and ``"auto"`` is DMA.
     """
-    kernel_ctas, below, launch_bytes = _kernel_options(kernel_ctas, below, launch_bytes)
     if path not in ("auto", "dma", "kernel"):
         raise ConfigError(f"path must be 'auto', 'dma' or 'kernel' for a page route, not {path!r}")
-    ranked = route_candidates(
-        direction,
-        path,
+    return choose_routes(
+        None,
+        [],
+        gpu_tables,
+        None,
+        path=path,
         on_cuda=on_cuda,
-        page_sizes=_page_sizes(gpu_tables),
-        kernel_below=below,
+        device_index=None,
         kernel_ctas=kernel_ctas,
-        kernel_unavailable=_kernel_unavailable,
-    )
-    return _take(direction, path, ranked, None, None, kernel_ctas, launch_bytes)
+        kernel_below=below,
+        launch_bytes=launch_bytes,
+        directions=(direction,),
+    )[direction]
 
 
 def choose_routes(
-    core: CoreEngine,
+    core: CoreEngine | None,
     tables: Sequence[tuple[int, int]],
     gpu_tables: Sequence[BlockTable],
-    load_kernel: LoadKernel,
+    load_kernel: LoadKernel | None,
     *,
     path: str,
     on_cuda: bool,
@@ -281,13 +283,14 @@ def choose_routes(
     kernel_ctas: int,
     kernel_below: int | None,
     launch_bytes: int | None,
-    directions: Sequence[Direction] = _DIRECTIONS,
+    directions: Sequence[str] = _DIRECTIONS,
 ) -> dict[str, RouteChoice]:
     """The route of each of ``directions`` of a handler (``{"d2h": ..., "h2d": ...}``), chosen
     once from its caches' geometry by the core's rule
     (:func:`blockswap._core.route_candidates`): ``tables`` holds the ids in ``core`` of each
     group's (GPU table, CPU table); the core reads from them whether the CPU cache is block-major.
-    A kernel a route needs is loaded into the core once, by ``load_kernel``. See
+    A kernel a route needs is loaded into the core once, by ``load_kernel`` (None, with no
+    ``core``: a page route whose kernel Python launches, as :func:`choose_route` gives). See
     :class:`~blockswap.handler.CpuGpuHandlers` for ``path`` and the kernel's options."""
     kernel_ctas, kernel_below, launch_bytes = _kernel_options(
         kernel_ctas, kernel_below, launch_bytes
@@ -299,6 +302,7 @@ def choose_routes(
     ) -> tuple[int | None, str]:
         key = (max_size, ctas, staged)
         if key not in loaded:
+            assert load_kernel is not None
             loaded[key] = load_kernel(device_index, max_size, ctas, staged=staged)
         return loaded[key]
 
@@ -316,8 +320,9 @@ def choose_routes(
             engine=core,
             tables=list(tables),
         )
-        routes[d] = _take(d, path, ranked, load_once, device_index, kernel_ctas, launch_bytes)
-        log.info("%s route (path=%r): %s", _SHORT[d], path, routes[d].reason)
+        load = None if load_kernel is None else load_once
+        routes[d] = _take(d, path, ranked, load, device_index, kernel_ctas, launch_bytes)
+        log.info("%s route (path=%r): %s", _SHORT.get(d, d), path, routes[d].reason)
     return routes
 
 
