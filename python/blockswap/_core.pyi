@@ -215,7 +215,6 @@ class Engine:
         job_id: int,
         groups: Iterable[tuple[int, npt.ArrayLike, int, npt.ArrayLike, int | None]],
         direction: Direction = "h2d",
-        *,
         wait_stream: int | None = None,
         route: Route | None = None,
     ) -> None: ...

@@ -295,8 +295,8 @@ class SingleDirectionHandler:
                 job_id,
                 groups,
                 self.direction,
-                wait_stream=None if ws is None else ws(),
-                route=self._route,
+                None if ws is None else ws(),
+                self._route,
             )
         except InvalidTransferError as e:
             raise InvalidTransferError(f"{self.direction} job {job_id}: {e}") from e
