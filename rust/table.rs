@@ -29,7 +29,7 @@ mod staged;
 mod tensor;
 pub use chunks::{chunk_blocks, chunk_count, chunk_skip, map_chunks};
 pub use error::{Overlap, TableError};
-pub use geometry::{merged_spans, segments_disjoint};
+pub use geometry::{merged_spans, segment_spans, segments_disjoint};
 use geometry::{pages_disjoint, shared_segments};
 use runs::written_rows;
 pub use runs::{

@@ -22,7 +22,6 @@ from typing import Any
 import numpy as np
 
 from . import _core
-from ._checks import ENGINE_ERRORS, check_int
 from ._core import ArgumentTypeError, InvalidTransferError
 from ._types import BlockswapInfo, MemoryKind
 
@@ -32,8 +31,6 @@ log = logging.getLogger(__name__)
 
 #: Registered objects of engines collected after a shutdown that timed out (see Engine.__del__).
 _ABANDONED: list[Any] = []
-
-_U64_MAX = (1 << 64) - 1
 
 
 def _address_of(obj: Any, what: str = "register") -> tuple[int, int, MemoryKind]:
@@ -113,7 +110,7 @@ class Engine(_core.Engine):
         if _is_int(obj):
             if nbytes is None or kind is None:
                 raise InvalidTransferError("a raw address needs nbytes and kind")
-            ptr = check_int("ptr", obj, 0, _U64_MAX, errors=ENGINE_ERRORS)
+            ptr = obj  # checked by the core, as nbytes and kind are
         else:
             ptr, size, found_kind = _address_of(obj)
             nbytes = size if nbytes is None else nbytes
@@ -123,7 +120,7 @@ class Engine(_core.Engine):
         self._register(ptr, nbytes, kind)
         if not _is_int(obj):
             self._kept[ptr] = obj
-        return ptr
+        return int(ptr)
 
     def pin(self, obj: Any) -> int:
         """Page-locks an existing host array or CPU tensor (``cuMemHostRegister``) and registers

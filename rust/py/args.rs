@@ -396,7 +396,6 @@ pub(super) fn copy_u64(name: &str, a: &PyReadonlyArray1<'_, i64>) -> PyResult<Ve
 fn int64_array<'py>(name: &str, values: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
     let py = values.py();
     let np = py.import("numpy")?;
-    let invalid = |msg: String| InvalidTransferError::new_err(msg);
     let a = np.call_method1("asarray", (values,))?;
     let a = a
         .cast_into::<PyUntypedArray>()
@@ -453,7 +452,7 @@ fn int64_array<'py>(name: &str, values: &Bound<'py, PyAny>) -> PyResult<Bound<'p
     np.call_method1("ascontiguousarray", (a, int64))
 }
 
-/// The `(a, b)` pairs of an iterable argument, each an int as [`table_id`] takes it.
+/// The block table ids of an iterable argument, each as [`table_id`] takes it.
 pub(super) fn table_ids(value: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
     value.try_iter()?.map(|t| table_id(&t?)).collect()
 }

@@ -86,9 +86,7 @@ pub(super) fn table_spans(
             copy_u64("strides", strides)?,
             copy_u64("nbytes", nbytes)?,
         );
-        let last = num_blocks - 1;
-        ranges
-            .extend((0..b.len()).map(|s| (b[s], last.saturating_mul(st[s]).saturating_add(n[s]))));
+        ranges.extend(table::segment_spans(&b, &st, &n, *num_blocks));
     }
     Ok(table::merged_spans(ranges))
 }

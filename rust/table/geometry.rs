@@ -26,10 +26,7 @@ impl BlockTable {
         let cat = |x: &[u64], y: &[u64]| [x, y].concat();
         let spans: Vec<(u64, u64)> = [self, other]
             .iter()
-            .flat_map(|t| {
-                let last = t.num_blocks - 1;
-                (0..t.segments()).map(move |s| (t.bases[s], last * t.strides[s] + t.nbytes[s]))
-            })
+            .flat_map(|t| segment_spans(&t.bases, &t.strides, &t.nbytes, t.num_blocks))
             .collect();
         pages_disjoint(
             &spans,
@@ -49,16 +46,28 @@ pub fn segments_disjoint(bases: &[u64], strides: &[u64], nbytes: &[u64], num_blo
     if bases.is_empty() {
         return true;
     }
+    let spans = segment_spans(bases, strides, nbytes, num_blocks);
+    pages_disjoint(&spans, bases, strides, nbytes, num_blocks.max(1))
+}
+
+/// Each segment's `(first byte, length)` over all `num_blocks` blocks (over block 0 where there
+/// are none): `bases[s]` to the end of its last block's page.
+#[must_use]
+pub fn segment_spans(
+    bases: &[u64],
+    strides: &[u64],
+    nbytes: &[u64],
+    num_blocks: u64,
+) -> Vec<(u64, u64)> {
     let last = num_blocks.saturating_sub(1);
-    let spans: Vec<(u64, u64)> = (0..bases.len())
+    (0..bases.len())
         .map(|s| {
             (
                 bases[s],
                 last.saturating_mul(strides[s]).saturating_add(nbytes[s]),
             )
         })
-        .collect();
-    pages_disjoint(&spans, bases, strides, nbytes, num_blocks.max(1))
+        .collect()
 }
 
 /// The byte ranges `(start, length)` that `ranges` fall in: sorted by start, overlapping ranges
