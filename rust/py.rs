@@ -13,7 +13,7 @@ use functions::{
     cuda_pin, cuda_status, cuda_unpin, launch_plan, stage_slot, table_incompatibility,
 };
 use host_buffer::PyHostBuffer;
-use route::{route_candidates, PyRoute};
+use route::{choose_route, PyRoute};
 
 use pyo3::create_exception;
 use pyo3::exceptions::PyException;
@@ -212,7 +212,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(table_incompatibility, m)?)?;
     m.add_function(wrap_pyfunction!(functions::table_spans, m)?)?;
     m.add_function(wrap_pyfunction!(functions::tensor_segments, m)?)?;
-    m.add_function(wrap_pyfunction!(route_candidates, m)?)?;
+    m.add_function(wrap_pyfunction!(choose_route, m)?)?;
     m.add("KERNEL_BELOW_H2D", choice::KERNEL_BELOW_H2D)?;
     m.add("KERNEL_BELOW_D2H", choice::KERNEL_BELOW_D2H)?;
     m.add("STAGED_CTAS", choice::STAGED_CTAS)?;

@@ -492,6 +492,6 @@ def test_routes_on_cuda_are_the_first_of_the_cores_ranking_that_builds():
                 routes("blocks")
         else:
             assert [c.plan for c in routes("blocks").values()] == ["blocks", "blocks"]
-        assert routes("dma")["h2d"].route.plan == "pages" and not calls
+        assert routes("dma")["h2d"].plan == "pages" and not calls
     finally:
         h.shutdown()

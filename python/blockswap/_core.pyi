@@ -45,6 +45,7 @@ __all__ = [
     "WaitTimeoutError",
     "__version__",
     "check_int",
+    "choose_route",
     "chunk_blocks",
     "chunk_count",
     "chunk_skip",
@@ -57,7 +58,6 @@ __all__ = [
     "fill_and_pin",
     "host_memory_available",
     "launch_plan",
-    "route_candidates",
     "shown",
     "stage_slot",
     "table_incompatibility",
@@ -75,12 +75,6 @@ STAGED_CTAS: int
 STAGE_BYTES: int
 STAGE_MAX_AUTO: int
 HOST_ROUTE: str
-
-#: One ranked route of ``route_candidates``: ``(plan, reason, kernel_below, kernel)``, ``plan``
-#: ``"dma"``, ``"kernel"``, ``"blocks"`` or ``"staged"``, ``kernel`` the ``(max_size, ctas,
-#: staged)`` of a copy kernel to load into the core first (None: none; for ``"kernel"``, the
-#: caller's launcher).
-_Candidate = tuple[str, str, int, tuple[int, int, bool] | None]
 
 class BlockswapError(Exception): ...
 class InvalidTransferError(BlockswapError): ...
@@ -124,6 +118,9 @@ class Route:
     def staged(
         kernel: int | None = None, direct: bool | None = None, launch_bytes: int | None = None
     ) -> Route: ...
+    @property
+    def reason(self) -> str: ...
+    def with_reason(self, reason: str) -> Route: ...
     @property
     def plan(self) -> Literal["pages", "blocks", "staged", "direct"]: ...
     @property
@@ -333,18 +330,23 @@ def table_incompatibility(
     src_nbytes: npt.NDArray[np.int64], dst_nbytes: npt.NDArray[np.int64]
 ) -> str | None: ...
 def stage_slot(row: int) -> int: ...
-def route_candidates(
+def choose_route(
     direction: str,
     path: str,
     *,
     on_cuda: bool,
     page_sizes: Sequence[int],
+    errors: tuple[Callable[[str, str], BaseException], Callable[[str], BaseException]],
     kernel_below: int | None = None,
     kernel_ctas: int = 16,
+    launch_bytes: int | None = None,
     kernel_unavailable: Callable[[], str | None] | None = None,
     engine: Engine | None = None,
     tables: Sequence[tuple[int, int]] | None = None,
-) -> tuple[list[_Candidate], list[str], tuple[str, str] | None]: ...
+    load_kernel: Callable[[int, int, bool], tuple[int | None, str]] | None = None,
+    launcher: Callable[[], object] | None = None,
+    note: Callable[[str], object] | None = None,
+) -> Route: ...
 def chunk_blocks(
     chunk_ids: npt.NDArray[np.int64],
     unit: int,

@@ -30,7 +30,7 @@ from ._core import (
 from ._types import Direction, LaneStats
 from .errors import ConfigError
 from .layout import SubmitIds, as_block_ids
-from .routing import _SHORT, RouteChoice
+from .routing import _SHORT
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -182,7 +182,7 @@ class SingleDirectionHandler:
         tables: list[tuple[int, int]],
         wait_stream: Callable[[], int] | None,
         device_index: int | None,
-        route: RouteChoice | None = None,
+        route: Route | None = None,
     ) -> None:
         if direction not in _SHORT:
             raise ConfigError(f"direction must be 'd2h' or 'h2d', not {direction!r}")
@@ -196,7 +196,7 @@ class SingleDirectionHandler:
         self._tables = tables
         self._wait_stream = wait_stream
         self._device_index = device_index
-        self._use(route if route is not None else RouteChoice(Route.pages(), "dma"))
+        self._use(route if route is not None else Route.pages().with_reason("dma"))
         self._closed = False
         core = owner.engine
         # Hot paths bound straight to the core.
@@ -213,11 +213,10 @@ class SingleDirectionHandler:
             f"{', shut down' if self._closed else ''})"
         )
 
-    def _use(self, route: RouteChoice) -> None:
+    def _use(self, route: Route) -> None:
         """Takes ``route`` for the transfers from now on (construction, calibration)."""
         #: The copy path of this direction (see :func:`choose_route`).
         self.route = route
-        self._route = route.route
 
     @property
     def gpu_to_cpu(self) -> bool:
@@ -296,7 +295,7 @@ class SingleDirectionHandler:
                 groups,
                 self.direction,
                 None if ws is None else ws(),
-                self._route,
+                self.route,
             )
         except InvalidTransferError as e:
             raise InvalidTransferError(f"{self.direction} job {job_id}: {e}") from e

@@ -101,6 +101,7 @@ except ModuleNotFoundError as e:
 from ._checks import check_bool, check_choice, check_int
 from ._core import (
     BlockswapError,
+    Route,
     ShutdownError,
     TransferResult,
     chunk_skip,
@@ -133,7 +134,6 @@ from .routing import (
     _DIRECTIONS,
     KERNEL_BLOCK_BYTES,
     KERNEL_LAUNCH_BYTES,
-    RouteChoice,
     calibrate,
     choose_routes,
 )
@@ -424,7 +424,7 @@ class CpuGpuHandlers:
         self._kernels: list[dict[str, Any]] = []
         # Path selection, once, here: which plan, and which descriptors a copy kernel moves.
         try:
-            self.routes: dict[str, RouteChoice] = choose_routes(
+            self.routes: dict[str, Route] = choose_routes(
                 self.engine,
                 tids,
                 gpu_tables,
@@ -543,7 +543,7 @@ class CpuGpuHandlers:
         s = self.engine.stats()
         return {"d2h": s["d2h"].copy(), "h2d": s["h2d"].copy()}
 
-    def _insisted(self, path: str, direction: Direction, kernel_ctas: int) -> RouteChoice | None:
+    def _insisted(self, path: str, direction: Direction, kernel_ctas: int) -> Route | None:
         """The route ``path`` (``"blocks"`` or ``"staged"``) in ``direction`` where the core's
         rule gives it to this cache, else None (with why logged): a candidate for calibration."""
         try:

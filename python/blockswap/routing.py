@@ -2,36 +2,36 @@
 can take, built from the core's ranking of them, and the opt-in calibration that measures the
 routes on this machine and keeps the fastest.
 
-A :class:`RouteChoice` per direction: ``"pages"`` (a descriptor per page, those below a size by the
-Triton copy kernel), ``"blocks"`` (a few 2-D copies per block on the copy engines) or
-``"staged"`` (each block's host row as one copy through a device staging ring) or ``"direct"``
-(the staged plan's kernel on host pages in place: vLLM's canonical fragments). Which one is the
-core's rule (:func:`blockswap._core.route_candidates`, ``rust/plan/choice.rs``): it ranks the
-routes a direction can take, and :func:`choose_routes` takes the first it can build here (loading
-a copy kernel into the core where one needs it; Triton compiles it). Nothing here holds a
+A :class:`blockswap.Route` per direction, with its ``reason``: ``"pages"`` (a descriptor per
+page, those below a size by the Triton copy kernel), ``"blocks"`` (a few 2-D copies per block on
+the copy engines) or ``"staged"`` (each block's host row as one copy through a device staging
+ring) or ``"direct"`` (the staged plan's kernel on host pages in place: vLLM's canonical
+fragments). Which one is the core's rule and choice (:func:`blockswap._core.choose_route`,
+``rust/plan/choice.rs``): it ranks the routes a direction can take and takes the first it can
+build here, loading a copy kernel into the core where one needs it (Triton compiles it, here
+and in :mod:`blockswap.kernels`). Nothing here holds a
 handler: the handler passes its block tables, its engine's core and the function that loads the
 copy kernel into the core, and :func:`calibrate` drives its two direction handlers."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import statistics
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import numpy as np
 
 from . import _core
 from ._checks import check_int
-from ._core import BackendError, BlockswapError, TransferResult, route_candidates
-from ._core import Route as CoreRoute
+from ._core import BackendError, BlockswapError, Route, TransferResult
 from ._types import Direction
 from .errors import ConfigError
 
 if TYPE_CHECKING:
     from ._core import Engine as CoreEngine
-    from ._core import _Candidate as Candidate
     from .layout import BlockTable
 
 __all__ = [
@@ -44,7 +44,6 @@ __all__ = [
     "STAGE_MAX_AUTO",
     "DirectionHandler",
     "LoadKernel",
-    "RouteChoice",
     "RouteUnavailableError",
     "calibrate",
     "choose_route",
@@ -121,39 +120,6 @@ STAGE_MAX_AUTO: int = _core.STAGE_MAX_AUTO
 HOST_ROUTE: str = _core.HOST_ROUTE
 
 
-class RouteChoice(NamedTuple):
-    """A direction's route and why it was chosen: ``route`` the core's
-    :class:`blockswap.Route` the handler submits with (``plan`` ``"pages"``, ``"blocks"``,
-    ``"staged"`` or ``"direct"``; its kernel, where it has one), ``reason`` what chose it."""
-
-    route: CoreRoute
-    reason: str
-
-    @property
-    def plan(self) -> str:
-        return self.route.plan
-
-    @property
-    def kernel_below(self) -> int:
-        return self.route.kernel_below
-
-    @property
-    def launcher(self) -> Callable[[int, int, int, int, int, int, int], object] | None:
-        return self.route.launcher
-
-    @property
-    def kernel(self) -> int | None:
-        return self.route.kernel
-
-    @property
-    def launch_bytes(self) -> int | None:
-        return self.route.launch_bytes
-
-
-def _dma(reason: str) -> RouteChoice:
-    return RouteChoice(CoreRoute.pages(), reason)
-
-
 def _kernel_unavailable() -> str | None:
     from .kernels import kernel_unavailable
 
@@ -171,63 +137,17 @@ def _kernel_options(
     )
 
 
-def _page_sizes(gpu_tables: Sequence[BlockTable]) -> list[int]:
-    return sorted({int(n) for t in gpu_tables for n in t.nbytes.tolist()})
+def _launcher(kernel_ctas: int, launch_bytes: int | None) -> Callable[[], object]:
+    """The page kernel's Python launcher, made where a page route has no core to launch it."""
 
-
-def _take(
-    direction: str,
-    path: str,
-    ranked: tuple[list[Candidate], list[str], tuple[str, str] | None],
-    load_kernel: LoadKernel | None,
-    device_index: int | None,
-    kernel_ctas: int,
-    launch_bytes: int | None,
-) -> RouteChoice:
-    """The first of the core's ranked candidates (:func:`blockswap._core.route_candidates`)
-    that can be built here: one that needs a kernel in the core is passed over where
-    ``load_kernel`` is None or cannot load it. Raises the core's refusal, or where nothing
-    could be built, a :class:`~blockswap.errors.ConfigError` naming why."""
-    choices, declined, refused = ranked
-    if refused is not None:
-        kind, why = refused
-        raise RouteUnavailableError(path, why) if kind == "unavailable" else ConfigError(why)
-    short = _SHORT.get(direction, direction)
-    for why in declined:
-        log.info("%s: %s", short, why)
-    passed = []
-    for plan, reason, below, need in choices:
-        kid = None
-        if need is not None:
-            if load_kernel is None:
-                continue
-            max_size, ctas, staged = need
-            kid, why = load_kernel(device_index, max_size, ctas, staged=staged)
-            if kid is None:
-                log.info("%s: passed over %s: %s", short, reason, why)
-                passed.append(why)
-                continue
-        if plan == "blocks":
-            return RouteChoice(CoreRoute.blocks(), reason)
-        if plan == "staged":
-            return RouteChoice(CoreRoute.staged(kid), reason)
-        if plan == "direct":
-            return RouteChoice(
-                CoreRoute.staged(kid, direct=True, launch_bytes=launch_bytes), reason
-            )
-        if plan == "dma":
-            return _dma(reason)
-        if kid is not None:
-            return RouteChoice(
-                CoreRoute.pages(below, kernel=kid, launch_bytes=launch_bytes), reason
-            )
+    def make() -> object:
         from .kernels import engine_launcher
 
-        launcher = engine_launcher(
+        return engine_launcher(
             max_ctas=kernel_ctas, block_bytes=KERNEL_BLOCK_BYTES, launch_bytes=launch_bytes
         )
-        return RouteChoice(CoreRoute.pages(below, launcher=launcher), reason)
-    raise ConfigError(f"path={path!r} is not possible here: {'; '.join(passed)}")
+
+    return make
 
 
 def choose_route(
@@ -239,9 +159,9 @@ def choose_route(
     kernel_ctas: int = 16,
     below: int | None = None,
     launch_bytes: int | None = KERNEL_LAUNCH_BYTES,
-) -> RouteChoice:
+) -> Route:
     """The page route of one direction, from the page sizes the handler will move (the core's
-    rule: :func:`blockswap._core.route_candidates`), its kernel launched from Python.
+    rule: :func:`blockswap._core.choose_route`), its kernel launched from Python.
 
     ``"dma"``: copy engines only (no SM is taken from the model). ``"kernel"``: every page by
     the Triton copy kernel on at most ``kernel_ctas`` CTAs. ``"auto"``: pages below
@@ -284,10 +204,10 @@ def choose_routes(
     kernel_below: int | None,
     launch_bytes: int | None,
     directions: Sequence[str] = _DIRECTIONS,
-) -> dict[str, RouteChoice]:
+) -> dict[str, Route]:
     """The route of each of ``directions`` of a handler (``{"d2h": ..., "h2d": ...}``), chosen
     once from its caches' geometry by the core's rule
-    (:func:`blockswap._core.route_candidates`): ``tables`` holds the ids in ``core`` of each
+    (:func:`blockswap._core.choose_route`): ``tables`` holds the ids in ``core`` of each
     group's (GPU table, CPU table); the core reads from them whether the CPU cache is block-major.
     A kernel a route needs is loaded into the core once, by ``load_kernel`` (None, with no
     ``core``: a page route whose kernel Python launches, as :func:`choose_route` gives). See
@@ -295,34 +215,30 @@ def choose_routes(
     kernel_ctas, kernel_below, launch_bytes = _kernel_options(
         kernel_ctas, kernel_below, launch_bytes
     )
-    loaded: dict[tuple[int, int, bool], tuple[int | None, str]] = {}
-
-    def load_once(
-        device_index: int | None, max_size: int, ctas: int, *, staged: bool = False
-    ) -> tuple[int | None, str]:
-        key = (max_size, ctas, staged)
-        if key not in loaded:
-            assert load_kernel is not None
-            loaded[key] = load_kernel(device_index, max_size, ctas, staged=staged)
-        return loaded[key]
-
-    sizes = _page_sizes(gpu_tables)
-    routes: dict[str, RouteChoice] = {}
+    load = None
+    if load_kernel is not None:
+        load = functools.cache(lambda m, c, s: load_kernel(device_index, m, c, staged=s))
+    sizes = sorted({int(n) for t in gpu_tables for n in t.nbytes.tolist()})
+    routes: dict[str, Route] = {}
     for d in directions:
-        ranked = route_candidates(
+        short = _SHORT.get(d, d)
+        routes[d] = _core.choose_route(
             d,
             path,
             on_cuda=on_cuda,
             page_sizes=sizes,
+            errors=(RouteUnavailableError, ConfigError),
             kernel_below=kernel_below,
             kernel_ctas=kernel_ctas,
+            launch_bytes=launch_bytes,
             kernel_unavailable=_kernel_unavailable,
             engine=core,
             tables=list(tables),
+            load_kernel=load,
+            launcher=_launcher(kernel_ctas, launch_bytes),
+            note=functools.partial(log.info, "%s: %s", short),
         )
-        load = None if load_kernel is None else load_once
-        routes[d] = _take(d, path, ranked, load, device_index, kernel_ctas, launch_bytes)
-        log.info("%s route (path=%r): %s", _SHORT.get(d, d), path, routes[d].reason)
+        log.info("%s route (path=%r): %s", short, path, routes[d].reason)
     return routes
 
 
@@ -336,9 +252,9 @@ class DirectionHandler(Protocol):
     (:class:`~blockswap.handler.SingleDirectionHandler`)."""
 
     direction: Direction
-    route: RouteChoice
+    route: Route
 
-    def _use(self, route: RouteChoice) -> None: ...
+    def _use(self, route: Route) -> None: ...
 
     def transfer_async(self, job_id: int, spec: Any, *, block_indices: Any = None) -> bool: ...
 
@@ -347,7 +263,7 @@ class DirectionHandler(Protocol):
 
 def _seconds_per_transfer(
     h: DirectionHandler,
-    route: RouteChoice,
+    route: Route,
     spec: tuple[Any, Any],
     job: int,
     reps: int,
@@ -370,15 +286,15 @@ def _seconds_per_transfer(
 
 def calibrate(
     handlers: Sequence[DirectionHandler],
-    routes: dict[str, RouteChoice],
+    routes: dict[str, Route],
     gpu_table: BlockTable,
-    blocks: Mapping[str, RouteChoice | None],
+    blocks: Mapping[str, Route | None],
     *,
     num_cpu_blocks: int,
     block_size_factor: int,
     kernel: int | None,
     kernel_ctas: int,
-    staged: RouteChoice | None,
+    staged: Route | None,
     get_finished: Callable[[], list[TransferResult]],
     reps: int = 5,
 ) -> dict[str, dict[str, Any]]:
@@ -409,19 +325,19 @@ def calibrate(
     kernel_route = None
     why = None if kernel is not None else kernel_unavailable()
     if kernel is not None:
-        kernel_route = RouteChoice(CoreRoute.pages(every, kernel=kernel), "kernel: every page")
+        kernel_route = Route.pages(every, kernel=kernel).with_reason("kernel: every page")
     elif why is None:
         launcher = next(
             (r.launcher for r in routes.values() if r.launcher is not None), None
         ) or engine_launcher(max_ctas=kernel_ctas, block_bytes=KERNEL_BLOCK_BYTES)
-        kernel_route = RouteChoice(CoreRoute.pages(every, launcher=launcher), "kernel: every page")
+        kernel_route = Route.pages(every, launcher=launcher).with_reason("kernel: every page")
     else:
         log.info("calibration leaves the copy kernel out: %s", why)
     report: dict[str, dict[str, Any]] = {}
     job = (1 << 64) - 1
     d2h, h2d = handlers
     for h, spec in ((d2h, (gpu_ids, cpu_ids)), (h2d, (cpu_ids, gpu_ids))):
-        candidates = {"dma": _dma("dma: every page")}
+        candidates = {"dma": Route.pages().with_reason("dma: every page")}
         if kernel_route is not None:
             candidates["kernel"] = kernel_route
         block = blocks.get(h.direction)
@@ -435,7 +351,7 @@ def calibrate(
         }
         chosen = max(speeds, key=speeds.__getitem__)
         won = candidates[chosen]
-        h._use(won._replace(reason=f"calibrated: {chosen} ({won.reason})"))
+        h._use(won.with_reason(f"calibrated: {chosen} ({won.reason})"))
         routes[h.direction] = h.route
         report[h.direction] = {
             "blocks": n,

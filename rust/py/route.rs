@@ -1,6 +1,7 @@
 //! `Route`: how a transfer moves ([`crate::engine::Route`]), as one frozen Python object that
-//! `submit_groups` takes back. Its constructors check that the route is one the core can take;
-//! the choice of a route is the caller's.
+//! `submit_groups` takes back, and why it was chosen. Its constructors check that the route is
+//! one the core can take; `choose_route` picks a handler's by the core's rule
+//! ([`choice::candidates`]), loading a copy kernel through the caller where one needs it.
 
 use pyo3::prelude::*;
 
@@ -26,6 +27,8 @@ enum Kernel {
 #[pyclass(name = "Route", module = "blockswap._core", frozen)]
 pub(super) struct PyRoute {
     plan: Plan<Option<(u64, Kernel)>, (), engine::StagedRoute>,
+    /// What chose the route (empty for one built by its constructors).
+    reason: String,
 }
 
 /// An optional int argument in `[0, hi]` (None passes), or the typed error naming it.
@@ -100,18 +103,14 @@ impl PyRoute {
                 )))
             }
         };
-        Ok(PyRoute {
-            plan: Plan::Pages(pages),
-        })
+        Ok(PyRoute::new(Plan::Pages(pages)))
     }
 
     /// Each block as the 2-D copies of its table pair's block plan (`Engine.block_runs`), copy
     /// engines only; refused at submission where a pair has none.
     #[staticmethod]
     fn blocks() -> Self {
-        PyRoute {
-            plan: Plan::Runs(()),
-        }
+        PyRoute::new(Plan::Runs(()))
     }
 
     /// The staged plan: each block's host row across `PCIe` as one copy into or out of a device
@@ -137,13 +136,45 @@ impl PyRoute {
                  steps are its slots",
             ));
         }
-        Ok(PyRoute {
-            plan: Plan::Staged(engine::StagedRoute {
-                kernel,
-                direct,
-                launch_bytes,
-            }),
-        })
+        Ok(PyRoute::new(Plan::Staged(engine::StagedRoute {
+            kernel,
+            direct,
+            launch_bytes,
+        })))
+    }
+
+    /// What chose the route: the core's reason for a route [`choose_route`] chose, a
+    /// calibration's result, or as [`PyRoute::with_reason`] set it (empty for one built by the
+    /// constructors).
+    #[getter]
+    fn reason(&self) -> &str {
+        &self.reason
+    }
+
+    /// The same route with `reason` as what chose it.
+    fn with_reason(&self, py: Python<'_>, reason: String) -> Self {
+        let plan = match &self.plan {
+            Plan::Pages(None) => Plan::Pages(None),
+            Plan::Pages(Some((below, Kernel::Launcher(l)))) => {
+                Plan::Pages(Some((*below, Kernel::Launcher(l.clone_ref(py)))))
+            }
+            Plan::Pages(Some((
+                below,
+                Kernel::Loaded {
+                    kernel,
+                    launch_bytes,
+                },
+            ))) => Plan::Pages(Some((
+                *below,
+                Kernel::Loaded {
+                    kernel: *kernel,
+                    launch_bytes: *launch_bytes,
+                },
+            ))),
+            Plan::Runs(()) => Plan::Runs(()),
+            Plan::Staged(s) => Plan::Staged(*s),
+        };
+        PyRoute { plan, reason }
     }
 
     /// `"pages"`, `"blocks"`, `"staged"` or `"direct"` (the staged plan's kernel on the host
@@ -226,6 +257,13 @@ impl PyRoute {
 }
 
 impl PyRoute {
+    fn new(plan: Plan<Option<(u64, Kernel)>, (), engine::StagedRoute>) -> Self {
+        PyRoute {
+            plan,
+            reason: String::new(),
+        }
+    }
+
     /// The Python launcher, if the route has one: what [`PyRoute::core`]'s launcher calls.
     pub(super) fn python_launcher(&self) -> Option<&Py<PyAny>> {
         match &self.plan {
@@ -265,40 +303,43 @@ pub(super) fn launch_with(route: &PyRoute, batch: KernelBatch) -> Result<(), Str
     }
 }
 
-/// One ranked route as Python takes it: `(plan, reason, kernel_below, kernel)`, `plan` one of
-/// `"dma"`, `"kernel"`, `"blocks"`, `"staged"`, `kernel` the `(max_size, ctas, staged)` of the
-/// kernel to load into the core first (None: none, or for `"kernel"` the caller's launcher).
-type PyCandidate = (&'static str, String, u64, Option<(u64, u32, bool)>);
-
-/// The routes a handler's direction can take, best first ([`choice::candidates`]): `(candidates,
-/// declined, refused)`, `declined` the routes passed over with why, `refused` None or `(kind,
-/// why)` with `kind` `"unavailable"` (`path="kernel"` where the kernel cannot run) or
-/// `"refused"`. `tables` holds each group's (GPU table, CPU table) ids in `engine`, which the
-/// block and staged plans' rules read, and whose CPU tables say whether the cache is block-major
-/// ([`crate::engine::Engine::block_major`]); `kernel_unavailable` is called (at most once, where the
-/// choice needs it) for why the copy kernel cannot run in this process.
+/// The route of one direction of a handler: the first of the core's ranked candidates
+/// ([`choice::candidates`]) that can be built here, with its reason.
+///
+/// `tables` holds each group's (GPU table, CPU table) ids in `engine`, which the block and staged
+/// plans' rules read, and whose CPU tables say whether the cache is block-major
+/// ([`crate::engine::Engine::block_major`]). `kernel_unavailable()` says why the copy kernel
+/// cannot run in this process (called at most once, where the choice needs it). A candidate
+/// whose kernel the core launches is built with `load_kernel(max_size, ctas, staged)`'s
+/// `(kernel id, "")`, and passed over (with why) where it gives `(None, why not)` or is None; a
+/// page kernel with no core to launch it is `launcher()`'s. `note(line)` hears each route passed
+/// over and why. `errors` are the classes of a refusal: `(unavailable, refused)`, the first made
+/// as `unavailable(path, why)` (`path="kernel"` where the kernel cannot run), the second as
+/// `refused(message)` (a path the geometry gives no plan for, or none that could be built).
 #[pyfunction]
 #[pyo3(signature = (
-    direction, path, *, on_cuda, page_sizes, kernel_below = None, kernel_ctas = 16,
-    kernel_unavailable = None, engine = None, tables = None
+    direction, path, *, on_cuda, page_sizes, errors, kernel_below = None, kernel_ctas = 16,
+    launch_bytes = None, kernel_unavailable = None, engine = None, tables = None,
+    load_kernel = None, launcher = None, note = None
 ))]
-#[allow(clippy::too_many_arguments, clippy::type_complexity)]
-pub(super) fn route_candidates(
+#[allow(clippy::too_many_arguments, clippy::too_many_lines)]
+pub(super) fn choose_route(
     py: Python<'_>,
     direction: &str,
     path: &str,
     on_cuda: bool,
     page_sizes: Vec<u64>,
+    errors: (Bound<'_, PyAny>, Bound<'_, PyAny>),
     kernel_below: Option<u64>,
     kernel_ctas: u32,
+    launch_bytes: Option<u64>,
     kernel_unavailable: Option<&Bound<'_, PyAny>>,
     engine: Option<PyRef<'_, super::PyEngine>>,
     tables: Option<Vec<(u32, u32)>>,
-) -> PyResult<(
-    Vec<PyCandidate>,
-    Vec<String>,
-    Option<(&'static str, String)>,
-)> {
+    load_kernel: Option<&Bound<'_, PyAny>>,
+    launcher: Option<&Bound<'_, PyAny>>,
+    note: Option<&Bound<'_, PyAny>>,
+) -> PyResult<PyRoute> {
     let dir = super::direction(direction)?;
     let engine = engine.as_deref().map(|e| &*e.engine);
     let tables = tables.unwrap_or_default();
@@ -358,27 +399,69 @@ pub(super) fn route_candidates(
         direct,
         unavailable,
     };
-    let ranked = choice::candidates(&ask, dir, &page_sizes, rules)?;
-    Ok(match ranked {
-        Ok(r) => (
-            r.choices.into_iter().map(py_candidate).collect(),
-            r.declined,
-            None,
-        ),
+    let (unavailable_error, refused_error) = errors;
+    let refuse = |e: Bound<'_, PyAny>| PyErr::from_value(e);
+    let ranking = match choice::candidates(&ask, dir, &page_sizes, rules)? {
+        Ok(r) => r,
         Err(choice::Refusal::Unavailable(why)) => {
-            (Vec::new(), Vec::new(), Some(("unavailable", why)))
+            return Err(refuse(unavailable_error.call1((path, why))?))
         }
-        Err(choice::Refusal::Refused(why)) => (Vec::new(), Vec::new(), Some(("refused", why))),
-    })
-}
-
-fn py_candidate(c: choice::Choice) -> PyCandidate {
-    let need = |k: Option<choice::KernelNeed>| k.map(|k| (k.max_size, k.ctas, k.staged));
-    match c.candidate {
-        choice::Candidate::Dma => ("dma", c.reason, 0, None),
-        choice::Candidate::Kernel { below, load } => ("kernel", c.reason, below, need(load)),
-        choice::Candidate::Blocks => ("blocks", c.reason, 0, None),
-        choice::Candidate::Staged { load } => ("staged", c.reason, 0, need(load)),
-        choice::Candidate::Direct { load } => ("direct", c.reason, 0, need(Some(load))),
+        Err(choice::Refusal::Refused(why)) => return Err(refuse(refused_error.call1((why,))?)),
+    };
+    let say = |line: String| note.map_or(Ok(()), |n| n.call1((line,)).map(drop));
+    for why in ranking.declined {
+        say(why)?;
     }
+    let mut passed = Vec::new();
+    for c in ranking.choices {
+        let need = match c.candidate {
+            choice::Candidate::Kernel { load, .. } | choice::Candidate::Staged { load } => load,
+            choice::Candidate::Direct { load } => Some(load),
+            choice::Candidate::Dma | choice::Candidate::Blocks => None,
+        };
+        let mut kernel = None;
+        if let Some(k) = need {
+            let Some(load) = load_kernel else { continue };
+            let (id, why): (Option<u32>, String) =
+                load.call1((k.max_size, k.ctas, k.staged))?.extract()?;
+            if id.is_none() {
+                say(format!("passed over {}: {why}", c.reason))?;
+                passed.push(why);
+                continue;
+            }
+            kernel = id;
+        }
+        let staged = |direct: bool, launch_bytes: Option<u64>| {
+            Plan::Staged(engine::StagedRoute {
+                kernel,
+                direct,
+                launch_bytes,
+            })
+        };
+        let plan = match c.candidate {
+            choice::Candidate::Dma => Plan::Pages(None),
+            choice::Candidate::Blocks => Plan::Runs(()),
+            choice::Candidate::Staged { .. } => staged(false, None),
+            choice::Candidate::Direct { .. } => staged(true, launch_bytes),
+            choice::Candidate::Kernel { below, .. } => {
+                let k = match (kernel, launcher) {
+                    (Some(kernel), _) => Kernel::Loaded {
+                        kernel,
+                        launch_bytes,
+                    },
+                    (None, Some(make)) => Kernel::Launcher(make.call0()?.unbind()),
+                    (None, None) => continue,
+                };
+                Plan::Pages(Some((below, k)))
+            }
+        };
+        return Ok(PyRoute {
+            plan,
+            reason: c.reason,
+        });
+    }
+    Err(refuse(refused_error.call1((format!(
+        "path='{path}' is not possible here: {}",
+        passed.join("; ")
+    ),))?))
 }
