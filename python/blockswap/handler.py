@@ -125,15 +125,15 @@ from ._kvcache import (
     layouts_of,
     union_spans,
 )
-from ._types import BackendName, CpuLayout, Direction, HandlerPath, LaneStats
+from ._types import BackendName, CpuLayout, HandlerPath, LaneStats
 from .engine import Engine
 from .errors import ConfigError, ConfigTypeError, refuses_with_config_errors
 from .hostmem import DEFAULT_PIECE_BYTES, PinnedRows
 from .layout import BlockTable, Layout, expand_sub_blocks
 from .routing import (
-    _DIRECTIONS,
     KERNEL_BLOCK_BYTES,
     KERNEL_LAUNCH_BYTES,
+    RouteUnavailableError,
     calibrate,
     choose_routes,
 )
@@ -543,9 +543,9 @@ class CpuGpuHandlers:
         s = self.engine.stats()
         return {"d2h": s["d2h"].copy(), "h2d": s["h2d"].copy()}
 
-    def _insisted(self, path: str, direction: Direction, kernel_ctas: int) -> Route | None:
-        """The route ``path`` (``"blocks"`` or ``"staged"``) in ``direction`` where the core's
-        rule gives it to this cache, else None (with why logged): a candidate for calibration."""
+    def _insisted(self, path: str, direction: str, kernel_ctas: int) -> Route | None:
+        """The route ``path`` insists on in ``direction`` where the core's rule gives it to this
+        cache here, else None (with why logged): a candidate for calibration."""
         try:
             return choose_routes(
                 self.engine,
@@ -560,7 +560,7 @@ class CpuGpuHandlers:
                 launch_bytes=None,
                 directions=(direction,),
             )[direction]
-        except ConfigError as e:
+        except (ConfigError, RouteUnavailableError) as e:
             log.info("calibration leaves path=%r out: %s", path, e)
             return None
 
@@ -571,23 +571,13 @@ class CpuGpuHandlers:
         size class)."""
         if self.num_groups != 1:
             raise ConfigError("calibrate=True needs a single KV-cache group")
-        kid = None
-        if self.backend == "cuda":
-            kid, _ = self._load_kernel(
-                self._device_index, int(self.gpu_tables[0].nbytes.max()), kernel_ctas
-            )
-        staged = next((r for r in self.routes.values() if r.plan == "staged"), None)
-        staged = staged or self._insisted("staged", "d2h", kernel_ctas)
         return calibrate(
             self.handlers,
             self.routes,
+            lambda path, direction: self._insisted(path, direction, kernel_ctas),
             self.gpu_tables[0],
-            {d: self._insisted("blocks", d, kernel_ctas) for d in _DIRECTIONS},
             num_cpu_blocks=self.num_cpu_blocks,
             block_size_factor=self.block_size_factor,
-            kernel=kid,
-            kernel_ctas=kernel_ctas,
-            staged=staged,
             get_finished=self.get_finished,
             reps=reps,
         )

@@ -19,7 +19,7 @@ import functools
 import logging
 import statistics
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import numpy as np
@@ -284,17 +284,18 @@ def _seconds_per_transfer(
     return statistics.median(times[1:])
 
 
+#: The routes calibration measures, each as ``path=`` insists on it.
+CALIBRATED_PATHS: tuple[str, ...] = ("dma", "kernel", "blocks", "staged")
+
+
 def calibrate(
     handlers: Sequence[DirectionHandler],
     routes: dict[str, Route],
+    insist: Callable[[str, str], Route | None],
     gpu_table: BlockTable,
-    blocks: Mapping[str, Route | None],
     *,
     num_cpu_blocks: int,
     block_size_factor: int,
-    kernel: int | None,
-    kernel_ctas: int,
-    staged: Route | None,
     get_finished: Callable[[], list[TransferResult]],
     reps: int = 5,
 ) -> dict[str, dict[str, Any]]:
@@ -303,15 +304,12 @@ def calibrate(
     that won, which ``routes`` records. Returns per direction the blocks moved, the route chosen
     and each candidate's GB/s.
 
-    The candidates: per-page DMA, the copy kernel for every page (the core's ``kernel`` where
-    it loaded one, else launched from Python on ``kernel_ctas`` CTAs, where it can run here:
-    see :func:`~blockswap.kernels.kernel_unavailable`), and where the geometry gives them, the block plan (``blocks``, per direction) and the staged plan
-    (``staged``). Only routes that can run here are measured. Runs a
+    The candidates are :data:`CALIBRATED_PATHS`, each as ``insist(path, direction)`` builds it
+    (the core's choice for that ``path=``), or None where the cache cannot take it here (the
+    copy kernel where it cannot run, the block plan where the geometry gives none). Runs a
     GPU -> CPU transfer of up to 256 scattered blocks, then CPU -> GPU of the same blocks back
     into place, so the KV cache's bytes are unchanged.
     """
-    from .kernels import engine_launcher, kernel_unavailable
-
     f = block_size_factor
     num_gpu = gpu_table.num_blocks
     # Whole CPU blocks (the load then reads back exactly the sub-blocks the store wrote), and
@@ -321,30 +319,12 @@ def calibrate(
     gpu_ids = np.random.default_rng(0).permutation(num_gpu)[:n].astype(np.int64)
     cpu_ids = np.arange(-(-n // f), dtype=np.int64)
     nbytes = n * int(gpu_table.nbytes.sum())
-    every = 1 << 62
-    kernel_route = None
-    why = None if kernel is not None else kernel_unavailable()
-    if kernel is not None:
-        kernel_route = Route.pages(every, kernel=kernel).with_reason("kernel: every page")
-    elif why is None:
-        launcher = next(
-            (r.launcher for r in routes.values() if r.launcher is not None), None
-        ) or engine_launcher(max_ctas=kernel_ctas, block_bytes=KERNEL_BLOCK_BYTES)
-        kernel_route = Route.pages(every, launcher=launcher).with_reason("kernel: every page")
-    else:
-        log.info("calibration leaves the copy kernel out: %s", why)
     report: dict[str, dict[str, Any]] = {}
     job = (1 << 64) - 1
     d2h, h2d = handlers
     for h, spec in ((d2h, (gpu_ids, cpu_ids)), (h2d, (cpu_ids, gpu_ids))):
-        candidates = {"dma": Route.pages().with_reason("dma: every page")}
-        if kernel_route is not None:
-            candidates["kernel"] = kernel_route
-        block = blocks.get(h.direction)
-        if block is not None:
-            candidates["blocks"] = block
-        if staged is not None:
-            candidates["staged"] = staged
+        built = {path: insist(path, h.direction) for path in CALIBRATED_PATHS}
+        candidates = {path: r for path, r in built.items() if r is not None}
         speeds = {
             name: nbytes / _seconds_per_transfer(h, route, spec, job, reps, get_finished) / 1e9
             for name, route in candidates.items()
