@@ -212,6 +212,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(table_incompatibility, m)?)?;
     m.add_function(wrap_pyfunction!(functions::table_spans, m)?)?;
     m.add_function(wrap_pyfunction!(functions::tensor_segments, m)?)?;
+    m.add_function(wrap_pyfunction!(functions::mirror_geometry, m)?)?;
+    m.add_function(wrap_pyfunction!(functions::block_major_views, m)?)?;
     m.add_function(wrap_pyfunction!(choose_route, m)?)?;
     m.add("KERNEL_BELOW_H2D", choice::KERNEL_BELOW_H2D)?;
     m.add("KERNEL_BELOW_D2H", choice::KERNEL_BELOW_D2H)?;

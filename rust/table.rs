@@ -42,7 +42,7 @@ pub use staged::{
     StagedRequest, StagedStep, STAGED_MIN_STEPS, STAGED_RAMP, STAGED_TABLE_EXTRA,
 };
 use staged::{finish_staged, written_pages};
-pub use tensor::{tensor_segments, TensorSegments};
+pub use tensor::{block_major_views, mirror, tensor_segments, BlockMajor, Mirror, TensorSegments};
 
 /// A block table as its caller describes it, before it is checked against registered memory
 /// (see [`TableSpec::build`]): `bases`, `strides` and `nbytes` per segment, `num_blocks` blocks of

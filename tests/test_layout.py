@@ -676,3 +676,58 @@ def test_spans_cover_every_segment_of_every_block() -> None:
     assert overlapping.spans().tolist() == [[1000, 230], [5000, 24]]
     empty = BlockTable(bases=[0], strides=[8], nbytes=[8], num_blocks=0, device="cpu")
     assert empty.spans().shape == (0, 2)
+
+
+# --------------------------------------------------------------------------------------------
+# CPU caches: the block-major chunk and the mirror (the core's geometry rules)
+# --------------------------------------------------------------------------------------------
+
+
+def test_block_major_views_put_every_page_of_a_sub_block_in_one_chunk() -> None:
+    from blockswap.layout import make_block_major_cpu_cache
+
+    # kv_split layers (K and V a segment each) and a factor of 2: 6 sub-blocks.
+    gpu = [torch.zeros(2, 5, 4, 2, 8, dtype=torch.float16) for _ in range(3)]
+    chunks, views = make_block_major_cpu_cache(gpu, 3, layout="kv_split", block_size_factor=2)
+    assert tuple(chunks.shape) == (6, 6, 64) and chunks.dtype == torch.float16
+    assert [tuple(v.shape) for v in views] == [(2, 6, 4, 2, 8)] * 3
+    for layer, v in enumerate(views):
+        for kv in range(2):
+            for b in range(6):
+                v[kv, b] = 100 * layer + 10 * kv + b
+    for b in range(6):
+        for layer in range(3):
+            for kv in range(2):
+                page = chunks[b, 2 * layer + kv]
+                assert torch.all(page == 100 * layer + 10 * kv + b), (b, layer, kv)
+    # Tables over the views are those of the GPU tensors, block for block.
+    assert BlockTable.from_tensors(views, "kv_split").is_compatible(
+        BlockTable.from_tensors(gpu, "kv_split")
+    )
+
+
+@pytest.mark.parametrize(
+    "second",
+    [torch.zeros(2, 5, 4, 2, 4, dtype=torch.float16), torch.zeros(2, 5, 4, 2, 8)],
+    ids=["page-size", "dtype"],
+)
+def test_a_block_major_cache_needs_one_page_size_and_dtype(second: torch.Tensor) -> None:
+    from blockswap.layout import make_block_major_cpu_cache
+
+    first = torch.zeros(2, 5, 4, 2, 8, dtype=torch.float16)
+    with pytest.raises(LayoutError, match=r"tensor 1 .*one page size and dtype per group"):
+        make_block_major_cpu_cache([first, second], 2, layout="kv_split")
+
+
+def test_a_mirror_keeps_the_gpu_dim_order_without_padding() -> None:
+    from blockswap.layout import make_cpu_cache_like
+
+    # Blocks outermost in memory though dim 1, and padding between blocks on the GPU side.
+    store = torch.zeros(7, 2, 4, 8, dtype=torch.bfloat16)  # [blocks + 1, K/V, 4, 8]
+    gpu = store[:6].permute(1, 0, 2, 3)  # [2, 6, 4, 8], block stride 64 elements
+    (cpu,) = make_cpu_cache_like(gpu, 3, layout="kv_split", block_size_factor=3)
+    assert tuple(cpu.shape) == (2, 9, 4, 8) and cpu.stride() == (32, 64, 8, 1)
+    assert cpu.is_contiguous() is False and cpu.untyped_storage().nbytes() == 2 * 9 * 32 * 2
+    # Contiguous GPU tensors give contiguous mirrors.
+    (flat,) = make_cpu_cache_like(torch.zeros(2, 6, 4, 8), 2, layout="kv_split")
+    assert flat.is_contiguous() and tuple(flat.shape) == (2, 2, 4, 8)

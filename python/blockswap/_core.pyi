@@ -44,6 +44,7 @@ __all__ = [
     "TransferResult",
     "WaitTimeoutError",
     "__version__",
+    "block_major_views",
     "check_int",
     "choose_route",
     "chunk_blocks",
@@ -58,6 +59,7 @@ __all__ = [
     "fill_and_pin",
     "host_memory_available",
     "launch_plan",
+    "mirror_geometry",
     "shown",
     "stage_slot",
     "table_incompatibility",
@@ -330,6 +332,12 @@ def table_incompatibility(
     src_nbytes: npt.NDArray[np.int64], dst_nbytes: npt.NDArray[np.int64]
 ) -> str | None: ...
 def stage_slot(row: int) -> int: ...
+def mirror_geometry(
+    shape: Sequence[int], stride: Sequence[int], block_dim: int, blocks: int
+) -> tuple[list[int], list[int], int]: ...
+def block_major_views(
+    tensors: Sequence[tuple[Sequence[int], Sequence[int], int]],
+) -> tuple[int, int, list[tuple[list[int], int]]] | int: ...
 def choose_route(
     direction: str,
     path: str,

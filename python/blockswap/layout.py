@@ -49,8 +49,10 @@ except ModuleNotFoundError as e:
 from ._checks import check_bool, check_int
 from ._core import (
     InvalidTransferError,
+    block_major_views,
     chunk_blocks,
     cuda_status,
+    mirror_geometry,
     table_incompatibility,
     table_spans,
     tensor_segments,
@@ -457,40 +459,23 @@ def make_block_major_cpu_cache(
     ``num_cpu_blocks * block_size_factor`` rows of one sub-block each instead.
     """
     # The same checks, shapes and dim orders as the mirrored cache; only the strides differ.
-    mirror_meta = _cpu_like_meta(gpu_tensors, num_cpu_blocks, layout, block_dim, block_size_factor)
+    meta = _cpu_like_meta(gpu_tensors, num_cpu_blocks, layout, block_dim, block_size_factor)
     bd0 = _resolve_block_dim(layout, block_dim)
     ts = _as_tensor_list(gpu_tensors)
+    # The core's rule: each view's strides and offset in (sub-blocks, segments, page elements).
+    got = block_major_views([(list(m.shape), list(m.stride()), bd0 % m.dim()) for m in meta])
+    odd = [i for i, t in enumerate(ts) if t.dtype != ts[0].dtype]
+    if isinstance(got, int) or odd:
+        bad = min([got, *odd] if isinstance(got, int) else odd)
+        raise LayoutError(
+            f"{_describe(bad, ts[bad])}: a block-major cache needs one page size and dtype per group"
+        )
+    segments, page_elems, placed = got
     blocks = num_cpu_blocks * block_size_factor
-    plan = []
-    segments = 0
-    page_elems = None
-    for i, (t, m) in enumerate(zip(ts, mirror_meta)):
-        bd = bd0 % t.dim()  # in range: the mirror above checked it
-        outer = math.prod(m.shape[:bd])
-        pe = math.prod(m.shape[bd + 1 :])
-        if page_elems is None:
-            page_elems = pe
-        elif pe != page_elems or t.dtype != ts[0].dtype:
-            raise LayoutError(
-                f"{_describe(i, t)}: a block-major cache needs one page size and dtype per group"
-            )
-        plan.append((m, bd, segments))
-        segments += outer
-    assert page_elems is not None
-    item = ts[0].element_size()
-    rows = _cpu_rows(blocks, segments * page_elems * item, pin_memory, allocate_rows)
+    row_bytes = segments * page_elems * ts[0].element_size()
+    rows = _cpu_rows(blocks, row_bytes, pin_memory, allocate_rows)
     chunks = rows.view(ts[0].dtype).view(blocks, segments, page_elems)
-    views = []
-    for m, bd, first in plan:
-        strides = list(m.stride())
-        # Dims after the block dim: the page, dense as in the mirror. The block dim steps over a
-        # whole chunk; the dims before it enumerate segments, row-major, one page apart.
-        strides[bd] = segments * page_elems
-        acc = page_elems
-        for d in reversed(range(bd)):
-            strides[d] = acc
-            acc *= m.shape[d]
-        views.append(chunks.as_strided(m.shape, strides, first * page_elems))
+    views = [chunks.as_strided(m.shape, st, off) for m, (st, off) in zip(meta, placed)]
     return chunks, views
 
 
@@ -541,26 +526,13 @@ def make_cpu_cache_like(
     ts = _as_tensor_list(gpu_tensors)
     out = []
     for i, t in enumerate(ts):
+        # The core's rule: the GPU tensor's dim order, dense, and rows of whole pages.
         bd = _segments(i, t, layout, bd0)[4]
-        shape = list(t.shape)
-        shape[bd] = num_cpu_blocks * block_size_factor
-        # Outermost first: by GPU stride, larger first; ties keep dim order.
-        st = t.stride()
-        order = [k for _, k in sorted((-st[k], k) for k in range(t.dim()))]
-        strides = [0] * t.dim()
-        acc = 1
-        for k in reversed(order):
-            strides[k] = acc
-            acc *= max(shape[k], 1)
+        blocks = num_cpu_blocks * block_size_factor
+        shape, strides, row = mirror_geometry(list(t.shape), list(t.stride()), bd, blocks)
         if _device != "cpu":
             out.append(torch.empty_strided(shape, strides, dtype=t.dtype, device=_device))
             continue
-        # Rows of one page (dense in the mirror as on the GPU), or the whole tensor as one row
-        # where another dim steps inside a page.
-        numel = math.prod(shape)
-        page = math.prod(shape[bd + 1 :])
-        outer = [d for d in range(bd + 1) if shape[d] > 1]
-        row = page if page and all(strides[d] % page == 0 for d in outer) else max(numel, 1)
-        rows = _cpu_rows(numel // row, row * t.element_size(), pin_memory, allocate_rows)
+        rows = _cpu_rows(math.prod(shape) // row, row * t.element_size(), pin_memory, allocate_rows)
         out.append(rows.view(t.dtype).view(-1).as_strided(shape, strides))
     return out

@@ -4,7 +4,7 @@ use numpy::{PyArray1, PyReadonlyArray1};
 use pyo3::prelude::*;
 
 use super::args::copy_u64;
-use super::{cuda, table, EngineError, MemoryKind};
+use super::{cuda, invalid, table, EngineError, MemoryKind};
 
 /// The sub-block ids a transfer of `blocks` blocks names by `chunk_ids` (chunks of `unit`
 /// sub-blocks, `num_chunks` of them: unbounded by default), starting `skip` sub-blocks into the
@@ -113,6 +113,50 @@ pub(super) fn tensor_segments<'py>(
             .into_pyobject(py)?
             .into_any()),
         Err(why) => Ok(why.into_pyobject(py)?.into_any()),
+    }
+}
+
+/// The mirror of a tensor (`table::mirror`): `(shape, strides, row elements)` of a dense CPU
+/// tensor in the tensor's dim order with `blocks` blocks along `block_dim`.
+#[pyfunction]
+pub(super) fn mirror_geometry(
+    shape: Vec<u64>,
+    stride: Vec<u64>,
+    block_dim: usize,
+    blocks: u64,
+) -> PyResult<(Vec<u64>, Vec<u64>, u64)> {
+    if block_dim >= shape.len() || stride.len() != shape.len() {
+        return Err(invalid(format!(
+            "block_dim {block_dim} and {} strides for a shape of {} dims",
+            stride.len(),
+            shape.len()
+        )));
+    }
+    let m = table::mirror(&shape, &stride, block_dim, blocks);
+    Ok((m.shape, m.strides, m.row_elems))
+}
+
+/// A block-major cache's views (`table::block_major_views`): `(segments, page elements,
+/// [(strides, offset)])` for tensors given as `(shape, strides, block dim)`, or the index of the
+/// first tensor whose page size differs, as an int.
+#[pyfunction]
+pub(super) fn block_major_views(
+    py: Python<'_>,
+    tensors: Vec<(Vec<u64>, Vec<u64>, usize)>,
+) -> PyResult<Bound<'_, PyAny>> {
+    if tensors
+        .iter()
+        .any(|(shape, strides, bd)| *bd >= shape.len() || strides.len() != shape.len())
+    {
+        return Err(invalid(
+            "each tensor needs a block dim in range and a stride per dim",
+        ));
+    }
+    match table::block_major_views(&tensors) {
+        Ok(b) => Ok((b.segments, b.page_elems, b.views)
+            .into_pyobject(py)?
+            .into_any()),
+        Err(i) => Ok(i.into_pyobject(py)?.into_any()),
     }
 }
 

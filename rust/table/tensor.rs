@@ -118,6 +118,102 @@ pub fn tensor_segments(
     })
 }
 
+/// A CPU tensor laid out like a GPU tensor (a mirror): the GPU tensor's `shape` with `blocks`
+/// blocks along `block_dim`, and dense strides (in elements) in the GPU tensor's dim order in
+/// memory (by its `stride`, larger outermost, ties in dim order), so page bytes match one to one
+/// and no padding is kept; and the elements of one row of its memory: a page where every dim up
+/// to the block dim steps over whole pages (rows of whole pages can be pinned in pieces), else
+/// the whole tensor (at least one element).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Mirror {
+    pub shape: Vec<u64>,
+    pub strides: Vec<u64>,
+    pub row_elems: u64,
+}
+
+/// The mirror of a tensor of `shape` and `stride` (see [`Mirror`]); `block_dim` in range.
+#[must_use]
+pub fn mirror(shape: &[u64], stride: &[u64], block_dim: usize, blocks: u64) -> Mirror {
+    let mut shape = shape.to_vec();
+    shape[block_dim] = blocks;
+    let mut order: Vec<usize> = (0..shape.len()).collect();
+    order.sort_by_key(|&k| (std::cmp::Reverse(stride[k]), k));
+    let mut strides = vec![0; shape.len()];
+    let mut acc = 1u64;
+    for &k in order.iter().rev() {
+        strides[k] = acc;
+        acc = acc.saturating_mul(shape[k].max(1));
+    }
+    let numel: u64 = shape.iter().product();
+    let page: u64 = shape[block_dim + 1..].iter().product();
+    let whole_pages = (0..=block_dim)
+        .filter(|&d| shape[d] > 1)
+        .all(|d| strides[d].is_multiple_of(page.max(1)));
+    let row_elems = if page > 0 && whole_pages {
+        page
+    } else {
+        numel.max(1)
+    };
+    Mirror {
+        shape,
+        strides,
+        row_elems,
+    }
+}
+
+/// Views of one KV-cache group's block-major CPU cache: one `(blocks, segments, page)` array of
+/// elements in which every page of a sub-block (each tensor's segments in turn, the dims before
+/// each block dim row-major) lies in one chunk. Each of `tensors` (its mirror's shape and strides
+/// and its block dim) gets strides that keep its page dims as the mirror has them, step the block
+/// dim over a whole chunk and the dims before it over pages, and the offset of its first
+/// segment.
+///
+/// # Errors
+/// The index of the first tensor whose pages differ in size from the first's: they cannot share
+/// one cache.
+pub fn block_major_views(tensors: &[(Vec<u64>, Vec<u64>, usize)]) -> Result<BlockMajor, usize> {
+    let mut page = None;
+    let mut firsts = Vec::with_capacity(tensors.len());
+    let mut segments = 0u64;
+    for (i, (shape, _, bd)) in tensors.iter().enumerate() {
+        let pe: u64 = shape[bd + 1..].iter().product();
+        if *page.get_or_insert(pe) != pe {
+            return Err(i);
+        }
+        firsts.push(segments);
+        segments += shape[..*bd].iter().product::<u64>();
+    }
+    let page = page.unwrap_or(0);
+    let views = tensors
+        .iter()
+        .zip(firsts)
+        .map(|((shape, strides, bd), first)| {
+            let mut st = strides.clone();
+            st[*bd] = segments * page;
+            let mut acc = page;
+            for d in (0..*bd).rev() {
+                st[d] = acc;
+                acc *= shape[d];
+            }
+            (st, first * page)
+        })
+        .collect();
+    Ok(BlockMajor {
+        segments,
+        page_elems: page,
+        views,
+    })
+}
+
+/// A block-major cache's geometry ([`block_major_views`]): the segments of a sub-block, the
+/// elements of a page, and each tensor's view as `(strides, offset)` in elements.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BlockMajor {
+    pub segments: u64,
+    pub page_elems: u64,
+    pub views: Vec<(Vec<u64>, u64)>,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -152,5 +248,34 @@ mod tests {
         // A negative block dim counts from the end; padding between blocks is fine.
         let s = tensor_segments(None, &[4, 16], &[32, 1], 2, -2).unwrap();
         assert_eq!((s.block_stride, s.nbytes, s.block_dim), (64, 32, 0));
+    }
+
+    #[test]
+    fn a_mirror_keeps_the_dim_order_and_pins_in_pages() {
+        // kv_split [2, blocks=4, 16, 2, 8] with padding between blocks (stride 300 > 256).
+        let m = mirror(&[2, 4, 16, 2, 8], &[4 * 300, 300, 16, 8, 1], 1, 10);
+        assert_eq!(m.shape, vec![2, 10, 16, 2, 8]);
+        assert_eq!(m.strides, vec![2560, 256, 16, 8, 1]);
+        assert_eq!(m.row_elems, 256);
+        // Blocks outermost in memory though dim 1: the order follows the strides.
+        let m = mirror(&[2, 4, 8], &[8, 16, 1], 1, 3);
+        assert_eq!(m.strides, vec![8, 16, 1]);
+        assert_eq!(m.row_elems, 8);
+        // A dim before the block dim stepping inside a page: one row of the whole tensor.
+        let m = mirror(&[4, 2, 8], &[2, 8 * 4 * 2, 1], 0, 5);
+        assert_eq!(m.row_elems, 5 * 2 * 8);
+    }
+
+    #[test]
+    fn block_major_views_step_a_chunk_per_block() {
+        // Two kv_split layers [2, 6, 4, 8] (mirror strides): 2 segments each, pages of 32.
+        let t = (vec![2, 6, 4, 8], vec![6 * 32, 32, 8, 1], 1);
+        let b = block_major_views(&[t.clone(), t]).unwrap();
+        assert_eq!((b.segments, b.page_elems), (4, 32));
+        assert_eq!(b.views[0], (vec![32, 128, 8, 1], 0));
+        assert_eq!(b.views[1], (vec![32, 128, 8, 1], 64));
+        let mla = (vec![6, 4, 16], vec![64, 16, 1], 0);
+        let why = block_major_views(&[(vec![2, 6, 4, 8], vec![192, 32, 8, 1], 1), mla]);
+        assert_eq!(why.unwrap_err(), 1);
     }
 }
