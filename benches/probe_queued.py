@@ -1,6 +1,8 @@
 """Where "8 queued" through the vLLM plug-in goes below the link: 8 transfers back to back on the
 worker (vLLM's region, one block per chunk, per-layer tensors), beside 8 contiguous copies of the
-same bytes timed the same way (synchronize, issue, wait), at queue depths 8 and 32, and one run of
+same bytes timed the same way (synchronize, issue, wait), at queue depths 8 and 32, the same 8
+copies each after an event recorded on the caller's current stream (``ref8-caller``: the steps
+blockswap takes for a transfer that waits for the caller's stream, without it), and one run of
 8 under CUDA's profiling interface (``torch.profiler``): the time from the first submit to the
 first copy, the copy engine's busy share of the span, its gaps, and the time from the last copy to
 ``wait`` returning.
@@ -83,6 +85,32 @@ def one_model(m: Any, blocks: int, reps: int, ceil: dict[str, float], rng: Any) 
                 stream.synchronize()
                 return n * nbytes / (time.perf_counter() - t0) / 1e9
 
+            def ref_after(n: int, to_cpu: bool = to_cpu, stream: Any = stream) -> list[float]:
+                # The steps blockswap takes for each transfer, without it: an event recorded on
+                # the caller's current stream (vLLM's: the legacy default stream), the copy
+                # stream waiting for it, one copy of the transfer's bytes, an event after it;
+                # completions seen by polling the events. Seconds from the first submit.
+                caller = torch.cuda.current_stream()
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                done = []
+                for _ in range(n):
+                    before = torch.cuda.Event()
+                    before.record(caller)
+                    stream.wait_event(before)
+                    with torch.cuda.stream(stream):
+                        (host.copy_(dev, non_blocking=True) if to_cpu
+                         else dev.copy_(host, non_blocking=True))  # fmt: skip
+                    after = torch.cuda.Event()
+                    after.record(stream)
+                    done.append(after)
+                seen: list[float] = []
+                while done:
+                    if done[0].query():
+                        done.pop(0)
+                        seen.append(time.perf_counter() - t0)
+                return seen
+
             def make() -> tuple[Any, CPUSpec]:
                 ids, chunks = case.spec(rng, blocks)
                 g = GPULoadStoreSpec([b for x in ids for b in x], [len(x) for x in ids],
@@ -128,9 +156,10 @@ def one_model(m: Any, blocks: int, reps: int, ceil: dict[str, float], rng: Any) 
             for _ in range(3):
                 queued(8)
                 ref(8)
-            pct = {k: 0.0 for k in ("ref8", "ref32", "bs8", "bs32")}
+            pct = {k: 0.0 for k in ("ref8", "ref8-caller", "ref32", "bs8", "bs32")}
             for _ in range(reps):
                 pct["ref8"] = max(pct["ref8"], ref(8))
+                pct["ref8-caller"] = max(pct["ref8-caller"], 8 * nbytes / ref_after(8)[-1] / 1e9)
                 pct["ref32"] = max(pct["ref32"], ref(32))
                 pct["bs8"] = max(pct["bs8"], queued(8))
                 pct["bs32"] = max(pct["bs32"], queued(32))
@@ -138,6 +167,8 @@ def one_model(m: Any, blocks: int, reps: int, ceil: dict[str, float], rng: Any) 
                   "transfer; % of the link: " + ", ".join(
                       f"{k} {100 * v / ceil[d]:.1f}" for k, v in pct.items()))  # fmt: skip
             timeline(queued_timeline, reps, nbytes, ceil[d])
+            print("    the same steps without blockswap (ref8-caller):", end="")
+            timeline(lambda n: ([0.0] * n, ref_after(n)), reps, nbytes, ceil[d])
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 queued(8)
             with tempfile.TemporaryDirectory() as tmp:
