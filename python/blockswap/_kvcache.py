@@ -178,7 +178,6 @@ def allocate_cpu_cache(
     chunk of each group, or None for cpu_layout="mirror"; the per-layer tensors of each group)``.
     """
     t0 = time.perf_counter()
-    chunks = None
 
     def allocate(rows: int, row_bytes: int) -> torch.Tensor:
         buf = PinnedRows(
@@ -192,31 +191,15 @@ def allocate_cpu_cache(
         host_memory.append(buf)
         return buf.tensor()
 
+    block_major = cpu_layout == "block_major"
+    make = make_block_major_cpu_cache if block_major else make_cpu_cache_like
     with torch.cuda.device(device_index) if on_cuda else contextlib.nullcontext():
-        if cpu_layout == "block_major":
-            made = [
-                make_block_major_cpu_cache(
-                    ts,
-                    num_cpu_blocks,
-                    layout=lay,
-                    block_size_factor=factor,
-                    allocate_rows=allocate,
-                )
-                for ts, lay in zip(gpu_groups, layouts)
-            ]
-            chunks = [c for c, _ in made]
-            cpu_groups = [v for _, v in made]
-        else:
-            cpu_groups = [
-                make_cpu_cache_like(
-                    ts,
-                    num_cpu_blocks,
-                    layout=lay,
-                    block_size_factor=factor,
-                    allocate_rows=allocate,
-                )
-                for ts, lay in zip(gpu_groups, layouts)
-            ]
+        made: list[Any] = [
+            make(ts, num_cpu_blocks, layout=lay, block_size_factor=factor, allocate_rows=allocate)
+            for ts, lay in zip(gpu_groups, layouts)
+        ]
+    chunks = [c for c, _ in made] if block_major else None
+    cpu_groups = [v for _, v in made] if block_major else made
     pieces = sum(len(b.pieces) for b in host_memory)
     log.info(
         "CPU cache: %s of %s host memory in %d piece%s (%d allocation%s) for %d blocks in %.3f s",

@@ -216,24 +216,18 @@ class CpuGpuHandlers:
     out); ``torch.cuda.Stream`` objects (kept alive here) or raw ``CUstream`` ints.
 
     ``path``, ``kernel_ctas``, ``kernel_below``, ``kernel_launch_bytes``: the copy path per
-    direction, chosen here once (:func:`choose_route`; ``handlers.routes`` says what was chosen
-    and why). ``kernel_launch_bytes`` bounds what one launch of the copy kernel moves, and so how
-    long it holds its SMs from the model (:data:`KERNEL_LAUNCH_BYTES`; ``None``: one launch per
-    transfer, the most bandwidth). With a block-major CPU cache (the default, or one given in
-    ``cpu_caches`` with each block's pages, two or more, in one chunk), ``"auto"`` takes
-    the block plan where a block's GPU pages lie at one pitch and pages are at least
-    ``blockswap._core.BLOCK_MIN_PAGE`` bytes, and the staged plan otherwise (``path="blocks"`` / ``"staged"``
-    insist on one): each block's row through a device staging ring of two ``stage_bytes`` slots
-    (an engine option; by default :data:`~blockswap.routing.STAGE_BYTES`, grown to one block's
-    row up to :data:`~blockswap.routing.STAGE_MAX_AUTO`), its pages moved inside the GPU by the copy kernel the core launches.
-    Where every page would go to the copy kernel on the GPU and the CPU cache lies in chunks or
-    cells with holes (vLLM's canonical layout), ``"auto"`` takes the direct plan: the staged
-    plan's kernel moves each page between the GPU and host memory in place, at most
-    ``kernel_launch_bytes`` of pages a launch as well.
-    A path that cannot run in this process is refused here with
-    :class:`~blockswap.routing.RouteUnavailableError` naming it and why (``"kernel"`` without a
-    GPU, unless Triton's interpreter runs the kernel: ``TRITON_INTERPRET=1``); ``"auto"`` and
-    ``calibrate=True`` use and measure only the routes that can.
+    direction, chosen here once by the core's rule (``handlers.routes`` says what was chosen and
+    why): ``"auto"``, or one of ``"blocks"``, ``"staged"``, ``"dma"`` and ``"kernel"`` insisted
+    on; docs/tuning.md ("path", "The plans in detail") says which plan ``"auto"`` takes where,
+    and why. The staged plans move a block's row through a device staging ring of two
+    ``stage_bytes`` slots (an engine option; by default a block's row, within
+    :data:`~blockswap.routing.STAGE_BYTES` .. :data:`~blockswap.routing.STAGE_MAX_AUTO`).
+    ``kernel_launch_bytes`` bounds what one launch of a copy kernel moves, and so how long it
+    holds its SMs from the model (:data:`~blockswap.routing.KERNEL_LAUNCH_BYTES`; ``None``: one
+    launch per transfer, the most bandwidth). A path that cannot run in this process is refused
+    here with :class:`~blockswap.routing.RouteUnavailableError` naming it and why (``"kernel"``
+    without a GPU, unless Triton's interpreter runs the kernel: ``TRITON_INTERPRET=1``);
+    ``"auto"`` and ``calibrate=True`` use and measure only the routes that can.
 
     ``load_waits_for_compute``: CPU -> GPU transfers also wait for the work issued on the current
     torch stream before ``transfer_async`` (as GPU -> CPU ones always do): vLLM 0.33's rule, for

@@ -96,16 +96,10 @@ KERNEL_BELOW: dict[str, int] = {"h2d": _core.KERNEL_BELOW_H2D, "d2h": _core.KERN
 #: (16 KiB) suits device-side callers.
 KERNEL_BLOCK_BYTES = 32 * 1024
 
-#: The most one launch of the handler's copy kernel moves (``kernel_launch_bytes``). A launch
-#: holds the SMs of its CTAs until it ends, and a model kernel that wants every SM waits for
-#: them: cuBLAS's bf16 8192^3 GEMM on H100/H200 is one persistent CTA per SM using the whole
-#: register file, and one CTA of another long kernel slowed it by 14-18 % (H100), a copy launch
-#: per 128 MiB transfer on 16 CTAs by 15-18 %. Shorter launches bound that wait but each costs
-#: ~5 us of pipeline refill. Measured on an H200, 2026-11-21 (16 KiB x 8,192 onloads beside the
-#: GEMM, two runs; then isolated transfers, 4-64 KiB pages): GEMM slowdown / bandwidth lost
-#: against one launch (+15-21 %): 16 MiB +11-14 % / 0-2 points; 8 MiB +9-10 % / 0-4 points;
-#: 4 MiB +5-12 % / 1-9 points; 1 MiB +1 % / 10-25 points (docs/benchmarks.md, "Kernel
-#: launches and the model's SMs").
+#: The most one launch of the handler's copy kernel moves (``kernel_launch_bytes``): a launch
+#: holds the SMs of its CTAs until it ends, and a model kernel that wants every SM waits for them;
+#: shorter launches bound that wait, each at a pipeline refill's cost. The measurements that set
+#: it: docs/tuning.md, "kernel_launch_bytes".
 KERNEL_LAUNCH_BYTES = 8 * 1024 * 1024
 
 #: CTAs of the staged plan's kernel; the staging slot's default bytes, and the most a slot grows
