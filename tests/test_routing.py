@@ -191,8 +191,17 @@ def _tables(*page_bytes):
     ]
 
 
+def choose_route(tables, *, on_cuda, direction="h2d", path="auto", below=None):
+    """The route of one direction from page sizes alone (no engine: a page route)."""
+    from blockswap.routing import KERNEL_LAUNCH_BYTES, choose_routes
+
+    return choose_routes(None, [], tables, None, path=path, on_cuda=on_cuda, device_index=None,
+                         kernel_ctas=16, kernel_below=below, launch_bytes=KERNEL_LAUNCH_BYTES,
+                         directions=(direction,))[direction]  # fmt: skip
+
+
 def test_route_is_chosen_once_from_page_sizes():
-    from blockswap.routing import KERNEL_BELOW, choose_route
+    from blockswap.routing import KERNEL_BELOW
 
     small, large = _tables(8 * KiB), _tables(1 << 20)
     assert choose_route(small, on_cuda=False).launcher is None  # host backend: memcpy

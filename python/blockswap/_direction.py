@@ -27,10 +27,9 @@ from ._core import (
     TransferResult,
     chunk_skip,
 )
-from ._types import Direction, LaneStats
+from ._types import SHORT, Direction, LaneStats
 from .errors import ConfigError
 from .layout import SubmitIds, as_block_ids
-from .routing import _SHORT
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -184,7 +183,7 @@ class SingleDirectionHandler:
         device_index: int | None,
         route: Route | None = None,
     ) -> None:
-        if direction not in _SHORT:
+        if direction not in SHORT:
             raise ConfigError(f"direction must be 'd2h' or 'h2d', not {direction!r}")
         self._owner = owner
         self.direction: Direction = "d2h" if direction == "d2h" else "h2d"
@@ -208,14 +207,14 @@ class SingleDirectionHandler:
 
     def __repr__(self) -> str:
         return (
-            f"SingleDirectionHandler({self.direction}: {_SHORT[self.direction]}, "
+            f"SingleDirectionHandler({self.direction}: {SHORT[self.direction]}, "
             f"groups={self._ngroups}, block_size_factor={self._factor}"
             f"{', shut down' if self._closed else ''})"
         )
 
     def _use(self, route: Route) -> None:
         """Takes ``route`` for the transfers from now on (construction, calibration)."""
-        #: The copy path of this direction (see :func:`choose_route`).
+        #: The copy path of this direction (see :func:`~blockswap.routing.choose_routes`).
         self.route = route
 
     @property

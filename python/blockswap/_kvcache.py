@@ -93,7 +93,7 @@ def check_group_uniform(ts: Sequence[torch.Tensor], g: int, name: str) -> None:
 def union_spans(tables: Iterable[BlockTable]) -> list[tuple[int, int]]:
     """Byte ranges covering every segment of every table, overlapping ranges merged (ranges that
     only touch are kept apart: they may be separate allocations)."""
-    return table_spans([(t.bases, t.strides, t.nbytes, t.num_blocks) for t in tables])
+    return table_spans([t.geometry() for t in tables])
 
 
 def layouts_of(layout: Any, ng: int) -> list[Layout]:

@@ -15,6 +15,9 @@ Direction = Literal["h2d", "d2h", "h2h", "d2d"]
 """Where a transfer reads and writes: host to device, device to host, host to host, device to
 device."""
 
+SHORT: dict[str, str] = {"d2h": "GPU -> CPU", "h2d": "CPU -> GPU"}
+"""The KV-cache handlers' two directions, as their logs and reprs name them."""
+
 MemoryKind = Literal["host", "device"]
 """What registered memory is."""
 
@@ -27,7 +30,7 @@ CompletionMode = Literal["auto", "write_value", "event"]
 
 HandlerPath = Literal["auto", "blocks", "staged", "dma", "kernel"]
 """The copy path of :class:`~blockswap.handler.CpuGpuHandlers`: chosen per direction from the
-caches' geometry (``"auto"``), or insisted on (see :func:`~blockswap.routing.choose_route`)."""
+caches' geometry (``"auto"``), or insisted on (see :func:`~blockswap.routing.choose_routes`)."""
 
 CpuLayout = Literal["block_major", "mirror"]
 """The CPU cache :class:`~blockswap.handler.CpuGpuHandlers` allocates: block-major (a block's

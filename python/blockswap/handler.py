@@ -329,10 +329,10 @@ class CpuGpuHandlers:
         elif cpu_caches is None:
             raise ValueError("host_pieces describes a given CPU cache: pass cpu_caches too")
         else:
-            host_spans = [(int(a), int(n)) for a, n in host_pieces]
-            for a, n in host_spans:
-                check_int("host_pieces address", a, 0)
-                check_int("host_pieces bytes", n, 1)
+            host_spans = [
+                (check_int("host_pieces address", a, 0), check_int("host_pieces bytes", n, 1))
+                for a, n in host_pieces
+            ]
 
         # Streams and the engine.
         self._streams: list[Any] = []
@@ -361,30 +361,22 @@ class CpuGpuHandlers:
         self._device_index = device_index
         self._registered: list[int] = []
         with _KeepDevice(device_index):
-            self.engine = Engine("cuda" if on_cuda else "host", **options)
+            self.engine = core = Engine("cuda" if on_cuda else "host", **options)
             try:
-                for start, n in union_spans(gpu_tables):
-                    self.engine.register(start, n, "device")
-                    self._registered.append(start)
-                for start, n in host_spans:
-                    self.engine.register(start, n, "host")
-                    self._registered.append(start)
+                self._registered += [
+                    core.register(a, n, "device") for a, n in union_spans(gpu_tables)
+                ]
+                self._registered += [core.register(a, n, "host") for a, n in host_spans]
                 # Per group, the GPU and the CPU table in the core, which maps block ids to
                 # copies (see transfer_async); checked once against the memory registered above.
                 # The CPU table counts sub-blocks, block_size_factor to a CPU block.
-                core = self.engine
-                self._table_ids: list[tuple[int, int]] = []
-                for gt, ct in zip(gpu_tables, cpu_tables):
-                    self._table_ids.append(
-                        (
-                            core.register_table(
-                                gt.bases, gt.strides, gt.nbytes, gt.num_blocks, "device", "GPU", 1
-                            ),
-                            core.register_table(
-                                ct.bases, ct.strides, ct.nbytes, ct.num_blocks, "host", "CPU", f
-                            ),
-                        )
+                self._table_ids: list[tuple[int, int]] = [
+                    (
+                        core.register_table(*gt.geometry(), "device", "GPU", 1),
+                        core.register_table(*ct.geometry(), "host", "CPU", f),
                     )
+                    for gt, ct in zip(gpu_tables, cpu_tables)
+                ]
             except BaseException:
                 self.engine.shutdown()
                 raise
@@ -591,18 +583,14 @@ class CpuGpuHandlers:
             failed: list[str] = []
             with _KeepDevice(self._device_index):
                 self.engine.shutdown()  # waits for every transfer in flight
-                for pair in self._table_ids:
-                    for tid in pair:
-                        try:
-                            self.engine.unregister_table(tid)
-                        except BlockswapError as e:
-                            failed.append(str(e))
-                self._table_ids = []
-                for start in self._registered:
+                # The tables first: a region is refused while a table lies in it.
+                tables = [(self.engine.unregister_table, t) for p in self._table_ids for t in p]
+                for undo, what in tables + [(self.engine.unregister, a) for a in self._registered]:
                     try:
-                        self.engine.unregister(start)
+                        undo(what)
                     except BlockswapError as e:
                         failed.append(str(e))
+                self._table_ids = []
             if failed:
                 # Copies may still touch the memory (shutdown timed out): keep it alive rather
                 # than free memory a copy could write.

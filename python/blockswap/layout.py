@@ -281,12 +281,16 @@ class BlockTable:
         """Bytes one block holds over all segments (what one block's transfer moves)."""
         return int(self.nbytes.sum())
 
+    def geometry(self) -> tuple[Any, Any, Any, int]:
+        """``(bases, strides, nbytes, num_blocks)``, as the core takes a table."""
+        return self.bases, self.strides, self.nbytes, self.num_blocks
+
     def spans(self) -> npt.NDArray[np.int64]:
         """Byte ranges the segments of all blocks fall in, as an int64 ``[R, 2]`` array of
         ``(start, nbytes)`` rows, sorted, overlapping ranges merged (ranges that only touch are
         kept apart). Padding between pages lies inside a range. For registering memory: the
         core's rule (:func:`blockswap._core.table_spans`)."""
-        rows = table_spans([(self.bases, self.strides, self.nbytes, self.num_blocks)])
+        rows = table_spans([self.geometry()])
         return np.array(rows, dtype=_I64).reshape(-1, 2)
 
     def is_compatible(self, other: BlockTable) -> bool:

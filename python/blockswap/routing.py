@@ -19,7 +19,7 @@ import functools
 import logging
 import statistics
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import numpy as np
@@ -27,11 +27,12 @@ import numpy as np
 from . import _core
 from ._checks import check_int
 from ._core import BackendError, BlockswapError, Route, TransferResult
-from ._types import Direction
+from ._types import SHORT, Direction
 from .errors import ConfigError
 
 if TYPE_CHECKING:
     from ._core import Engine as CoreEngine
+    from ._direction import SingleDirectionHandler
     from .layout import BlockTable
 
 __all__ = [
@@ -42,15 +43,12 @@ __all__ = [
     "STAGED_CTAS",
     "STAGE_BYTES",
     "STAGE_MAX_AUTO",
-    "DirectionHandler",
     "LoadKernel",
     "RouteUnavailableError",
     "calibrate",
-    "choose_route",
     "choose_routes",
 ]
 
-_SHORT = {"d2h": "GPU -> CPU", "h2d": "CPU -> GPU"}
 _DIRECTIONS: tuple[Direction, Direction] = ("d2h", "h2d")
 
 #: The handler's logger: route choices and calibration results are part of what a handler logs
@@ -144,47 +142,6 @@ def _launcher(kernel_ctas: int, launch_bytes: int | None) -> Callable[[], object
     return make
 
 
-def choose_route(
-    gpu_tables: Sequence[BlockTable],
-    *,
-    on_cuda: bool,
-    direction: str = "h2d",
-    path: str = "auto",
-    kernel_ctas: int = 16,
-    below: int | None = None,
-    launch_bytes: int | None = KERNEL_LAUNCH_BYTES,
-) -> Route:
-    """The page route of one direction, from the page sizes the handler will move (the core's
-    rule: :func:`blockswap._core.choose_route`), its kernel launched from Python.
-
-    ``"dma"``: copy engines only (no SM is taken from the model). ``"kernel"``: every page by
-    the Triton copy kernel on at most ``kernel_ctas`` CTAs. ``"auto"``: pages below
-    ``below`` (default :data:`KERNEL_BELOW` of ``direction``) to the kernel and larger ones to
-    DMA, in the same transfer where a model mixes both (hybrid groups). On the host backend,
-    ``"auto"`` is DMA (memcpy): there is no GPU to run a kernel on. ``launch_bytes``: the most
-    one kernel launch moves (:data:`KERNEL_LAUNCH_BYTES`; ``None``: one launch per transfer).
-
-    Where the copy kernel cannot run in this process
-    (:func:`~blockswap.kernels.kernel_unavailable`: no GPU driver for Triton and no
-    interpreter), ``"kernel"`` raises :class:`RouteUnavailableError` and ``"auto"`` is DMA.
-    """
-    if path not in ("auto", "dma", "kernel"):
-        raise ConfigError(f"path must be 'auto', 'dma' or 'kernel' for a page route, not {path!r}")
-    return choose_routes(
-        None,
-        [],
-        gpu_tables,
-        None,
-        path=path,
-        on_cuda=on_cuda,
-        device_index=None,
-        kernel_ctas=kernel_ctas,
-        kernel_below=below,
-        launch_bytes=launch_bytes,
-        directions=(direction,),
-    )[direction]
-
-
 def choose_routes(
     core: CoreEngine | None,
     tables: Sequence[tuple[int, int]],
@@ -204,7 +161,7 @@ def choose_routes(
     (:func:`blockswap._core.choose_route`): ``tables`` holds the ids in ``core`` of each
     group's (GPU table, CPU table); the core reads from them whether the CPU cache is block-major.
     A kernel a route needs is loaded into the core once, by ``load_kernel`` (None, with no
-    ``core``: a page route whose kernel Python launches, as :func:`choose_route` gives). See
+    ``core``: a page route's kernel is launched from Python). See
     :class:`~blockswap.handler.CpuGpuHandlers` for ``path`` and the kernel's options."""
     kernel_ctas, kernel_below, launch_bytes = _kernel_options(
         kernel_ctas, kernel_below, launch_bytes
@@ -215,7 +172,7 @@ def choose_routes(
     sizes = sorted({int(n) for t in gpu_tables for n in t.nbytes.tolist()})
     routes: dict[str, Route] = {}
     for d in directions:
-        short = _SHORT.get(d, d)
+        short = SHORT.get(d, d)
         routes[d] = _core.choose_route(
             d,
             path,
@@ -241,22 +198,8 @@ def choose_routes(
 # --------------------------------------------------------------------------------------------
 
 
-class DirectionHandler(Protocol):
-    """What :func:`calibrate` uses of a handler of one direction
-    (:class:`~blockswap.handler.SingleDirectionHandler`)."""
-
-    direction: Direction
-    route: Route
-
-    def _use(self, route: Route) -> None: ...
-
-    def transfer_async(self, job_id: int, spec: Any, *, block_indices: Any = None) -> bool: ...
-
-    def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> None: ...
-
-
 def _seconds_per_transfer(
-    h: DirectionHandler,
+    h: SingleDirectionHandler,
     route: Route,
     spec: tuple[Any, Any],
     job: int,
@@ -283,7 +226,7 @@ CALIBRATED_PATHS: tuple[str, ...] = ("dma", "kernel", "blocks", "staged")
 
 
 def calibrate(
-    handlers: Sequence[DirectionHandler],
+    handlers: Sequence[SingleDirectionHandler],
     routes: dict[str, Route],
     insist: Callable[[str, str], Route | None],
     gpu_table: BlockTable,
@@ -334,7 +277,7 @@ def calibrate(
         }
         log.info(
             "calibration %s, %d blocks: %s: %s",
-            _SHORT[h.direction],
+            SHORT[h.direction],
             n,
             ", ".join(f"{k} {v:.2f} GB/s" for k, v in speeds.items()),
             chosen,
