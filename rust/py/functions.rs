@@ -3,7 +3,7 @@
 use numpy::{PyArray1, PyReadonlyArray1};
 use pyo3::prelude::*;
 
-use super::args::copy_u64;
+use super::args::{self, copy_u64};
 use super::{cuda, invalid, table, EngineError, MemoryKind};
 
 /// The sub-block ids a transfer of `blocks` blocks names by `chunk_ids` (chunks of `unit`
@@ -123,8 +123,15 @@ pub(super) fn mirror_geometry(
     shape: Vec<u64>,
     stride: Vec<u64>,
     block_dim: usize,
-    blocks: u64,
+    blocks: &Bound<'_, PyAny>,
 ) -> PyResult<(Vec<u64>, Vec<u64>, u64)> {
+    // A ValueError, as numbers a tensor cannot hold are where the Python layer builds one.
+    let blocks: u64 = blocks.extract().map_err(|_| {
+        pyo3::exceptions::PyValueError::new_err(format!(
+            "{} blocks: not a number of blocks a tensor can hold",
+            args::shown(blocks)
+        ))
+    })?;
     if block_dim >= shape.len() || stride.len() != shape.len() {
         return Err(invalid(format!(
             "block_dim {block_dim} and {} strides for a shape of {} dims",
