@@ -219,9 +219,9 @@ class CpuGpuHandlers:
     direction, chosen here once by the core's rule (``handlers.routes`` says what was chosen and
     why): ``"auto"``, or one of ``"blocks"``, ``"staged"``, ``"dma"`` and ``"kernel"`` insisted
     on; docs/tuning.md ("path", "The plans in detail") says which plan ``"auto"`` takes where,
-    and why. The staged plans move a block's row through a device staging ring of two
-    ``stage_bytes`` slots (an engine option; by default a block's row, within
-    :data:`~blockswap.routing.STAGE_BYTES` .. :data:`~blockswap.routing.STAGE_MAX_AUTO`).
+    and why. The staged plan moves a block's row through a device staging ring of two
+    ``stage_bytes`` slots (an engine option; by default :data:`~blockswap.routing.STAGE_BYTES`,
+    grown to one block's row up to :data:`~blockswap.routing.STAGE_MAX_AUTO`).
     ``kernel_launch_bytes`` bounds what one launch of a copy kernel moves, and so how long it
     holds its SMs from the model (:data:`~blockswap.routing.KERNEL_LAUNCH_BYTES`; ``None``: one
     launch per transfer, the most bandwidth). A path that cannot run in this process is refused

@@ -8,10 +8,10 @@ the copy engines) or ``"staged"`` (each block's host row as one copy through a d
 ring) or ``"direct"`` (the staged plan's kernel on host pages in place: vLLM's canonical
 fragments). Which one is the core's rule and choice (:func:`blockswap._core.choose_route`,
 ``rust/plan/choice.rs``): it ranks the routes a direction can take and takes the first it can
-build here, loading a copy kernel into the core where one needs it (Triton compiles it, here
-and in :mod:`blockswap.kernels`). Nothing here holds a
-handler: the handler passes its block tables, its engine's core and the function that loads the
-copy kernel into the core, and :func:`calibrate` drives its two direction handlers."""
+build here, loading a copy kernel into the core where one needs it (Triton compiles it, in
+:mod:`blockswap.kernels`). Nothing here holds a handler: the handler passes its block tables,
+its engine's core and the function that loads the copy kernel into the core, and
+:func:`calibrate` drives its two direction handlers."""
 
 from __future__ import annotations
 
