@@ -80,6 +80,22 @@ def test_a_staged_route_takes_direct_as_a_bool(bad):
     assert Route.staged(3, direct=np.bool_(True)).plan == "direct"
 
 
+@pytest.mark.parametrize(
+    "route",
+    [Route.pages(), Route.pages(4096, kernel=3, launch_bytes=1 << 20),
+     Route.pages(4096, launcher=_launcher), Route.blocks(), Route.staged(7),
+     Route.staged(7, direct=True, launch_bytes=8 << 20)],
+    ids=repr,
+)  # fmt: skip
+def test_a_route_carries_what_chose_it(route: Route) -> None:
+    assert route.reason == ""  # made by a constructor: nothing chose it
+    told = route.with_reason("calibrated: staged (the fastest here)")
+    assert told.reason == "calibrated: staged (the fastest here)" and route.reason == ""
+    got = ("plan", "kernel_below", "kernel", "launch_bytes", "launcher")
+    assert [getattr(told, a) for a in got] == [getattr(route, a) for a in got]
+    assert repr(told) == repr(route)
+
+
 def test_routes_are_frozen():
     with pytest.raises(AttributeError):
         Route.blocks().plan = "pages"  # type: ignore[misc]
