@@ -23,6 +23,21 @@ enum Kernel {
     },
 }
 
+impl Kernel {
+    fn clone_ref(&self, py: Python<'_>) -> Self {
+        match self {
+            Kernel::Launcher(l) => Kernel::Launcher(l.clone_ref(py)),
+            Kernel::Loaded {
+                kernel,
+                launch_bytes,
+            } => Kernel::Loaded {
+                kernel: *kernel,
+                launch_bytes: *launch_bytes,
+            },
+        }
+    }
+}
+
 /// How a transfer moves: `Route.pages(...)`, `Route.blocks()` or `Route.staged(...)`.
 #[pyclass(name = "Route", module = "blockswap._core", frozen)]
 pub(super) struct PyRoute {
@@ -154,23 +169,7 @@ impl PyRoute {
     /// The same route with `reason` as what chose it.
     fn with_reason(&self, py: Python<'_>, reason: String) -> Self {
         let plan = match &self.plan {
-            Plan::Pages(None) => Plan::Pages(None),
-            Plan::Pages(Some((below, Kernel::Launcher(l)))) => {
-                Plan::Pages(Some((*below, Kernel::Launcher(l.clone_ref(py)))))
-            }
-            Plan::Pages(Some((
-                below,
-                Kernel::Loaded {
-                    kernel,
-                    launch_bytes,
-                },
-            ))) => Plan::Pages(Some((
-                *below,
-                Kernel::Loaded {
-                    kernel: *kernel,
-                    launch_bytes: *launch_bytes,
-                },
-            ))),
+            Plan::Pages(p) => Plan::Pages(p.as_ref().map(|(below, k)| (*below, k.clone_ref(py)))),
             Plan::Runs(()) => Plan::Runs(()),
             Plan::Staged(s) => Plan::Staged(*s),
         };
