@@ -420,6 +420,9 @@ def test_cuda_calibration_reports_both_paths():
         print("calibration", report)
         for r in report.values():
             assert r["dma_gbps"] > 0 and r["kernel_gbps"] > 0
+        # Each kernel compiled and loaded into the engine once, for the routes and calibration
+        # alike: the staged plan's and the page kernel.
+        assert len(h._kernels) == 2, [(k["ctas"], k["row_bytes"]) for k in h._kernels]
         torch.cuda.synchronize()
         for t, b in zip(gpu, before):
             assert torch.equal(t, b)

@@ -83,6 +83,7 @@ calls leave torch's current device as they found it.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Iterable, Mapping, Sequence
@@ -359,11 +360,10 @@ class CpuGpuHandlers:
         if on_cuda:
             options["device"] = device_index
         self._device_index = device_index
-        self._registered: list[int] = []
         with _KeepDevice(device_index):
             self.engine = core = Engine("cuda" if on_cuda else "host", **options)
             try:
-                self._registered += [
+                self._registered: list[int] = [
                     core.register(a, n, "device") for a, n in union_spans(gpu_tables)
                 ]
                 self._registered += [core.register(a, n, "host") for a, n in host_spans]
@@ -406,15 +406,16 @@ class CpuGpuHandlers:
             "h2d": [self.engine.block_runs(ct, gt, "h2d") for gt, ct in tids],
         }
         #: The compiled copy kernels the core launches (staged plan, kernel route), kept loaded
-        #: while the engine may launch them.
+        #: while the engine may launch them; each loaded once, for the routes and calibration.
         self._kernels: list[dict[str, Any]] = []
+        self._load = functools.cache(self._load_kernel)
         # Path selection, once, here: which plan, and which descriptors a copy kernel moves.
         try:
             self.routes: dict[str, Route] = choose_routes(
                 self.engine,
                 tids,
                 gpu_tables,
-                self._load_kernel,
+                self._load,
                 path=path,
                 on_cuda=on_cuda,
                 device_index=device_index,
@@ -537,7 +538,7 @@ class CpuGpuHandlers:
                 self.engine,
                 self._table_ids,
                 self.gpu_tables,
-                self._load_kernel,
+                self._load,
                 path=path,
                 on_cuda=self.backend == "cuda",
                 device_index=self._device_index,
