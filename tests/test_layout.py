@@ -731,3 +731,17 @@ def test_a_mirror_keeps_the_gpu_dim_order_without_padding() -> None:
     # Contiguous GPU tensors give contiguous mirrors.
     (flat,) = make_cpu_cache_like(torch.zeros(2, 6, 4, 8), 2, layout="kv_split")
     assert flat.is_contiguous() and tuple(flat.shape) == (2, 2, 4, 8)
+
+
+def test_the_cores_cache_geometry_refuses_a_block_dim_it_cannot_index() -> None:
+    from blockswap import InvalidTransferError, _core
+
+    with pytest.raises(InvalidTransferError, match="block_dim 3 and 2 strides for a shape of 2"):
+        _core.mirror_geometry([2, 4], [4, 1], 3, 5)
+    with pytest.raises(InvalidTransferError, match="a block dim in range and a stride per dim"):
+        _core.block_major_views([([2, 4], [4, 1], 2)])
+    with pytest.raises(InvalidTransferError, match="a block dim in range and a stride per dim"):
+        _core.block_major_views([([2, 4], [4], 0)])
+    for blocks in (2**70, -1):
+        with pytest.raises(ValueError, match=rf"^{blocks} blocks: not a number of blocks a tensor"):
+            _core.mirror_geometry([2, 4], [4, 1], 0, blocks)
