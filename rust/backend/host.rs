@@ -130,7 +130,7 @@ unsafe fn run_staged(
     let (src, dst, size) = (slab.src(), slab.dst(), slab.size());
     let (r, first) = (req.rows, req.first_block);
     let (row_addr, row_ring, row_bytes) = (&src[..r], &dst[..r], &size[..r]);
-    let steps = req.steps(src, dst, size);
+    let steps = req.steps(src, dst, size, false);
     let fail_at = injected.then_some(steps.len() / 2);
     if !req.direct {
         ring.resize(ring.len().max(req.slot_bytes as usize), 0);

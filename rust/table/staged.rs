@@ -632,9 +632,10 @@ pub struct StagedRequest {
 
 impl StagedRequest {
     /// The transfer's steps ([`staged_steps`]) from the slab's columns: its rows' ring offsets
-    /// and bytes, and its block entries' ring offsets and spans.
+    /// and bytes, and its block entries' ring offsets and spans; `behind`: an earlier transfer
+    /// of the lane is still running (no ramps: see [`STAGED_RAMP`]).
     #[must_use]
-    pub fn steps(&self, src: &[u64], dst: &[u64], size: &[u64]) -> Vec<StagedStep> {
+    pub fn steps(&self, src: &[u64], dst: &[u64], size: &[u64], behind: bool) -> Vec<StagedStep> {
         let (r, first) = (self.rows, self.first_block);
         let blocks = first..first + self.blocks;
         if self.direct {
@@ -645,7 +646,14 @@ impl StagedRequest {
             .clone()
             .map(|i| dst[i] + block_span(src, size, i))
             .collect();
-        staged_steps(&dst[..r], &size[..r], &dst[blocks], &ends, self.slot_bytes)
+        staged_steps(
+            &dst[..r],
+            &size[..r],
+            &dst[blocks],
+            &ends,
+            self.slot_bytes,
+            behind,
+        )
     }
 }
 
@@ -693,6 +701,12 @@ pub const STAGED_MIN_STEPS: usize = 4;
 /// kernel is a quarter as long. That kernel also runs on `STAGED_RAMP` times the kernel's CTAs
 /// (where a step is one large cell, the ramp cannot cut it: 4 blocks per chunk, 5 MiB cells, a
 /// 16 us kernel on 32 CTAs).
+///
+/// A transfer issued while an earlier one of its lane still runs takes no ramp: its first
+/// kernel overlaps that transfer's last rows, its last one the next transfer's first, and each
+/// step's batch of rows costs the copy engine a start (5-8 µs of GPU time between batches).
+/// Queued 8 or 32 deep through the vLLM plug-in, the steady state rose 0.5-1.5 points of the
+/// link that way (H200, 2026-11-28, `benches/probe_queued.py`, docs/benchmarks.md).
 pub const STAGED_RAMP: usize = 4;
 
 /// One step of a staged transfer: slab rows `rows`, block entries `blocks` (counted from the
@@ -706,7 +720,8 @@ pub struct StagedStep {
 
 /// Cuts a staged slab into steps (see [`StagedRequest`]): whole rows, at most `slot_bytes` and
 /// `ceil(rows / STAGED_MIN_STEPS)` rows each (the first and the last at most a
-/// [`STAGED_RAMP`]th of that), never between two rows a block spans (a cluster of
+/// [`STAGED_RAMP`]th of that, unless the transfer is `behind` a running one of its lane), never
+/// between two rows a block spans (a cluster of
 /// the cell plan: its rows go in one step even past that count); a step's blocks are those whose
 /// ring offset lies in its rows. `block_ring`, `block_end`: the block entries' ring offsets and
 /// ends. Rows and blocks come in ring order, as the table code writes them.
@@ -717,6 +732,7 @@ pub fn staged_steps(
     block_ring: &[u64],
     block_end: &[u64],
     slot_bytes: u64,
+    behind: bool,
 ) -> Vec<StagedStep> {
     let rows = row_ring.len();
     // Whether a step may end before row `e`: no block starting before it ends past its start.
@@ -730,14 +746,16 @@ pub fn staged_steps(
         cut[e] = reach <= at;
     }
     let per = rows.div_ceil(STAGED_MIN_STEPS).max(1);
-    let ramp = per.div_ceil(STAGED_RAMP);
+    let ramp = if behind { 0 } else { per.div_ceil(STAGED_RAMP) };
     let mut steps = Vec::with_capacity(STAGED_MIN_STEPS + 3);
     let (mut r, mut p) = (0usize, 0usize);
     while r < rows {
         let start = row_ring[r];
         // The first step a ramp's rows; the others leave the last `ramp` rows to a step of
-        // their own.
-        let cap = if r == 0 {
+        // their own (behind a running transfer, no ramp: every step `per` rows).
+        let cap = if ramp == 0 {
+            per
+        } else if r == 0 {
             ramp
         } else if rows - r > ramp {
             per.min(rows - r - ramp)

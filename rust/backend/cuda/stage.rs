@@ -29,6 +29,8 @@ pub(super) struct LoadedKernel {
 pub(super) struct StagedRun {
     pub(super) kernel: LoadedKernel,
     pub(super) steps: Vec<StagedStep>,
+    /// Begun while an earlier transfer of the lane still ran (its steps have no ramp).
+    pub(super) behind: bool,
     pub(super) next: usize,
     pub(super) fail_at: Option<usize>,
     pub(super) cols: [u64; 3],
@@ -252,6 +254,7 @@ mod tests {
                     ring_start: 0,
                 })
                 .collect(),
+            behind: false,
             next,
             fail_at: None,
             cols: [0; 3],

@@ -47,13 +47,16 @@ impl Shared {
     /// for the descriptor buffer of the transfer before the previous one). The completion marker
     /// goes where [`CudaBackend::marker_stream`] says: after every kernel issued, whatever
     /// failed, so a slab is never handed back while a kernel may read it. `dep`: an event holding
-    /// the caller's stream, which the kernels gathering GPU pages wait for.
+    /// the caller's stream, which the kernels gathering GPU pages wait for. `behind`: an
+    /// earlier transfer of the lane is still running, which the first steps overlap (see
+    /// [`crate::table::STAGED_RAMP`]).
     pub(super) fn staged_begin(
         &self,
         lane: Direction,
         slab: &SlabInner,
         req: StagedRequest,
         dep: Option<&Event>,
+        behind: bool,
     ) -> Result<StagedRun, BackendError> {
         let l = self.lane(lane);
         let Some(kernel) = req
@@ -88,7 +91,7 @@ impl Shared {
         let host_src = lane == Direction::HostToDevice;
         let (src, dst, size) = (slab.src(), slab.dst(), slab.size());
         let first = req.first_block;
-        let steps = req.steps(src, dst, size);
+        let steps = req.steps(src, dst, size, behind);
         let fail_at = take_injected(&self.fail_next).then_some(steps.len() / 2);
         let kstream = st.stream.handle();
         // The transfer's descriptor buffer (see `Stage::desc`).
@@ -97,6 +100,7 @@ impl Shared {
         let mut run = StagedRun {
             kernel,
             steps,
+            behind,
             next: 0,
             fail_at,
             cols: [0, 1, 2].map(|c| slab.column_addr(c)),
@@ -280,12 +284,13 @@ impl Shared {
         } else {
             &st.free[slot]
         })?;
-        // The kernel no copy overlaps (CPU -> GPU the last, GPU -> CPU the first) runs wide: the
-        // transfer waits for all of it, and a ramp's step is as short on more CTAs.
+        // The kernel no copy overlaps (CPU -> GPU the last, GPU -> CPU the first unless an
+        // earlier transfer's rows still cross) runs wide: the transfer waits for all of it, and
+        // a ramp's step is as short on more CTAs.
         let wide = if host_src {
             k + 1 == run.steps.len()
         } else {
-            k == 0
+            k == 0 && !run.behind
         };
         Self::launch_geometries(kstream, slab, req, run, k, (shift, host_src, wide))?;
         if host_src {

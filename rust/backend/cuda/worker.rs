@@ -308,9 +308,13 @@ impl Shared {
         if outcome.is_ok() && first < slab.len() {
             let _timed = AddElapsed::start(&self.driver_ns);
             outcome = match &job.plan {
-                Plan::Staged(req) => self
-                    .staged_begin(lane, slab, *req, job.dep.as_ref())
-                    .map(|run| staged = Some(run)),
+                Plan::Staged(req) => {
+                    // An earlier transfer of the lane still on the GPU: this one's first steps
+                    // overlap its last ones.
+                    let behind = self.completed_seq(lane) + 1 < job.seq;
+                    self.staged_begin(lane, slab, *req, job.dep.as_ref(), behind)
+                        .map(|run| staged = Some(run))
+                }
                 Plan::Runs(()) => self.issue_pitched(lane, slab),
                 Plan::Pages(_) => self.issue_copies(lane, slab, first),
             };

@@ -179,7 +179,7 @@ fn staged_steps_take_whole_rows_within_a_slot() {
     let blocks: Vec<u64> = (0..30).map(|p| p * 32).collect();
     let ends: Vec<u64> = blocks.iter().map(|b| b + 32).collect();
     for slot in [96u64, 100, 200, 288, 1 << 20] {
-        let steps = staged_steps(&rows, &bytes, &blocks, &ends, slot);
+        let steps = staged_steps(&rows, &bytes, &blocks, &ends, slot, false);
         // Every row and block once, in order; each step within a slot.
         let (mut r, mut p) = (0, 0);
         for s in &steps {
@@ -209,9 +209,18 @@ fn staged_steps_take_whole_rows_within_a_slot() {
     let rows: Vec<u64> = (0..32).map(|i| i * 96).collect();
     let blocks: Vec<u64> = (0..96).map(|p| p * 32).collect();
     let ends: Vec<u64> = blocks.iter().map(|b| b + 32).collect();
-    let steps = staged_steps(&rows, &[96; 32], &blocks, &ends, 1 << 20);
+    let steps = staged_steps(&rows, &[96; 32], &blocks, &ends, 1 << 20, false);
     let lens: Vec<usize> = steps.iter().map(|s| s.rows.len()).collect();
     assert_eq!(lens, [2, 8, 8, 8, 4, 2]);
+    // Behind a running transfer: the same full steps, no ramp; a slot of 6 rows cuts them at 6.
+    let lens = |slot| -> Vec<usize> {
+        staged_steps(&rows, &[96; 32], &blocks, &ends, slot, true)
+            .iter()
+            .map(|s| s.rows.len())
+            .collect()
+    };
+    assert_eq!(lens(1 << 20), [8, 8, 8, 8]);
+    assert_eq!(lens(6 * 96), [6, 6, 6, 6, 6, 2]);
 }
 
 /// Two tensors of 64-byte pages, two blocks per chunk, in cells of 256 bytes: group `j`'s host
@@ -338,7 +347,7 @@ fn a_cell_with_holes_is_staged_as_one_cluster_whose_rows_are_the_pages_owned() {
     }
     // The steps keep a cluster whole even one row at a time: chunk 0's two rows together.
     let ends: Vec<u64> = (at..at + 3).map(|i| b[i] + 192).collect();
-    let steps = staged_steps(&b[..3], &z[..3], &b[at..at + 3], &ends, 256);
+    let steps = staged_steps(&b[..3], &z[..3], &b[at..at + 3], &ends, 256, false);
     assert_eq!(
         steps.iter().map(|s| s.rows.clone()).collect::<Vec<_>>(),
         [0..2, 2..3]
@@ -454,7 +463,7 @@ proptest! {
             prop_assert_eq!((p.staged_rows, p.staged_blocks_at), (0, 0));
             let req = StagedRequest { rows: 0, first_block: 0, blocks, slot_bytes: slot,
                                       kernel: None, direct: true, launch_bytes: slot };
-            let steps = req.steps(&a, &b, &z);
+            let steps = req.steps(&a, &b, &z, false);
             let mut named = std::collections::HashMap::new();
             let mut next = 0;
             for step in &steps {
@@ -505,7 +514,7 @@ proptest! {
         let req = StagedRequest { rows: p.staged_rows, first_block: p.staged_blocks_at, blocks,
                                   slot_bytes: slot, kernel: None, direct: false,
                                   launch_bytes: u64::MAX };
-        let steps = req.steps(&a, &b, &z);
+        let steps = req.steps(&a, &b, &z, false);
         let mut seen = 0;
         for step in &steps {
             let (lo, last) = (b[step.rows.start], step.rows.end - 1);
