@@ -7,6 +7,11 @@ blockswap takes for a transfer that waits for the caller's stream, without it), 
 first copy, the copy engine's busy share of the span, its gaps, and the time from the last copy to
 ``wait`` returning.
 
+"bs8" follows "ref32", 32 copies of another buffer; "bs8 wait" and "bs8 poll" follow 8 of
+blockswap's own transfers, waited for with ``wait`` or seen by polling ``get_finished`` (the two
+in turn). The first burst after other traffic pays for its start: 1-4 points of the link on an
+H200 (2026-11-28), whichever way it is waited for (docs/benchmarks.md).
+
     python benches/probe_queued.py [--models llama-3.1-70b-tp4,qwen2.5-7b] [--reps 3]
                                    [--caller-stream default|side]
 
@@ -138,6 +143,22 @@ def one_model(m: Any, blocks: int, reps: int, ceil: dict[str, float], rng: Any) 
                 assert all(r.success for r in w.get_finished())
                 return rate
 
+            def queued_by(n: int, how: str) -> float:
+                # As `queued`, the results waited for (`wait`) or seen by polling `get_finished`.
+                specs = [make() for _ in range(n)]
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                jobs = {submit(s) for s in specs}
+                seen = 0
+                if how == "wait":
+                    w.wait(jobs)
+                    seen = len([r for r in w.get_finished() if r.success])
+                while seen < n:
+                    for r in w.get_finished():
+                        assert r.success
+                        seen += 1
+                return n * nbytes / (time.perf_counter() - t0) / 1e9
+
             def queued_timeline(n: int) -> tuple[list[float], list[float]]:
                 specs = [make() for _ in range(n)]
                 torch.cuda.synchronize()
@@ -156,12 +177,19 @@ def one_model(m: Any, blocks: int, reps: int, ceil: dict[str, float], rng: Any) 
             for _ in range(3):
                 queued(8)
                 ref(8)
-            pct = {k: 0.0 for k in ("ref8", "ref8-caller", "ref32", "bs8", "bs32")}
-            for _ in range(reps):
+            # "bs8": 8 right after ref32's copies of another buffer, as the other rows are;
+            # "bs8 wait" / "bs8 poll": 8 after 8 of blockswap's, the two ways of waiting in
+            # turn (which goes first alternates).
+            hows = ["wait", "poll"]
+            pct = {k: 0.0 for k in ("ref8", "ref8-caller", "ref32", "bs8", "bs8 wait",
+                                    "bs8 poll", "bs32")}  # fmt: skip
+            for i in range(reps):
                 pct["ref8"] = max(pct["ref8"], ref(8))
                 pct["ref8-caller"] = max(pct["ref8-caller"], 8 * nbytes / ref_after(8)[-1] / 1e9)
                 pct["ref32"] = max(pct["ref32"], ref(32))
                 pct["bs8"] = max(pct["bs8"], queued(8))
+                for how in hows[i % 2 :] + hows[: i % 2]:
+                    pct[f"bs8 {how}"] = max(pct[f"bs8 {how}"], queued_by(8, how))
                 pct["bs32"] = max(pct["bs32"], queued(32))
             print(f"{m.name[:20]:<20} {case.page // 1024:>3} KiB {d} {nbytes >> 20} MiB a "
                   "transfer; % of the link: " + ", ".join(
