@@ -97,16 +97,24 @@ impl HostBackend {
 /// a short spin keeps back-to-back transfers off that path.
 const SPIN: Duration = Duration::from_micros(50);
 
-fn next_job(rx: &Receiver<Job>) -> Option<Job> {
+/// The next job, and whether it was already queued when the worker looked: it followed the
+/// job before it back to back, the host's counterpart of a transfer the CUDA backend issues
+/// while an earlier one of its lane still runs (a staged one then takes its steps without ramps,
+/// and the host backend takes the same steps).
+fn next_job(rx: &Receiver<Job>) -> Option<(Job, bool)> {
     let start = Instant::now();
+    let mut waiting = false;
     loop {
         match rx.try_recv() {
-            Ok(job) => return Some(job),
+            Ok(job) => return Some((job, !waiting)),
             Err(crossbeam_channel::TryRecvError::Disconnected) => return None,
             Err(crossbeam_channel::TryRecvError::Empty) if start.elapsed() < SPIN => {
+                waiting = true;
                 std::hint::spin_loop();
             }
-            Err(crossbeam_channel::TryRecvError::Empty) => return rx.recv().ok(),
+            Err(crossbeam_channel::TryRecvError::Empty) => {
+                return rx.recv().ok().map(|j| (j, false))
+            }
         }
     }
 }
@@ -115,7 +123,8 @@ fn next_job(rx: &Receiver<Job>) -> Option<Job> {
 /// CPU -> GPU the rows into the slot, then the pages out of it; GPU -> CPU the reverse. The
 /// same steps and offsets as the CUDA backend, so the plan's layout is exercised without a GPU.
 /// A direct plan has no rows: its pages' ring side is their host address. Stops at step
-/// `fail_at` (an injected failure), reporting it.
+/// `fail_at` (an injected failure), reporting it. `behind`: the job followed another back to
+/// back (see [`next_job`]).
 ///
 /// # Safety
 /// The slab's rows and pages lie in registered memory (checked at submission), destinations
@@ -126,11 +135,12 @@ unsafe fn run_staged(
     host_src: bool,
     ring: &mut Vec<u8>,
     injected: bool,
+    behind: bool,
 ) {
     let (src, dst, size) = (slab.src(), slab.dst(), slab.size());
     let (r, first) = (req.rows, req.first_block);
     let (row_addr, row_ring, row_bytes) = (&src[..r], &dst[..r], &size[..r]);
-    let steps = req.steps(src, dst, size, false);
+    let steps = req.steps(src, dst, size, behind);
     let fail_at = injected.then_some(steps.len() / 2);
     if !req.direct {
         ring.resize(ring.len().max(req.slot_bytes as usize), 0);
@@ -193,7 +203,9 @@ unsafe fn run_staged(
 
 fn worker_loop(rx: Receiver<Job>, shared: std::sync::Arc<Shared>) {
     let mut ring = Vec::new();
-    while let Some(job) = next_job(&rx) {
+    let mut after_one = false;
+    while let Some((job, queued)) = next_job(&rx) {
+        let behind = std::mem::replace(&mut after_one, true) && queued;
         // SAFETY: the engine keeps the slab in flight until it observes `completed >= job.seq`,
         // which only happens after the store below.
         let slab = unsafe { job.slab.get() };
@@ -212,7 +224,7 @@ fn worker_loop(rx: Receiver<Job>, shared: std::sync::Arc<Shared>) {
                 let host_src = job.lane == Direction::HostToDevice;
                 // SAFETY: the slab was checked at submission (see `run_staged`); this worker is the
                 // only writer of its transfers' destinations.
-                unsafe { run_staged(slab, req, host_src, &mut ring, injected) };
+                unsafe { run_staged(slab, req, host_src, &mut ring, injected, behind) };
             }
             Plan::Runs(()) => {
                 let ops = src.len() / crate::table::PITCHED_ENTRIES;

@@ -178,8 +178,11 @@ fn staged_steps_take_whole_rows_within_a_slot() {
     let bytes = vec![96u64; 10];
     let blocks: Vec<u64> = (0..30).map(|p| p * 32).collect();
     let ends: Vec<u64> = blocks.iter().map(|b| b + 32).collect();
-    for slot in [96u64, 100, 200, 288, 1 << 20] {
-        let steps = staged_steps(&rows, &bytes, &blocks, &ends, slot, false);
+    for (slot, behind) in [96u64, 100, 200, 288, 1 << 20]
+        .into_iter()
+        .flat_map(|s| [(s, false), (s, true)])
+    {
+        let steps = staged_steps(&rows, &bytes, &blocks, &ends, slot, behind);
         // Every row and block once, in order; each step within a slot.
         let (mut r, mut p) = (0, 0);
         for s in &steps {
@@ -191,19 +194,23 @@ fn staged_steps_take_whole_rows_within_a_slot() {
         }
         assert_eq!((r, p), (10, 30));
         // Full steps of at most a quarter of the rows, fewer where the slot says; a ramp of
-        // a quarter of that (at least a row) first and last.
+        // a quarter of that (at least a row) first and last, none behind a running transfer.
         let per = (slot / 96).min(10usize.div_ceil(STAGED_MIN_STEPS) as u64) as usize;
         let ramp = 10usize.div_ceil(STAGED_MIN_STEPS).div_ceil(STAGED_RAMP);
         assert!(steps.iter().all(|s| s.rows.len() <= per), "slot {slot}");
-        assert!(steps[0].rows.len() <= ramp, "slot {slot}: {steps:?}");
-        assert!(
-            steps[steps.len() - 1].rows.len() <= ramp,
-            "slot {slot}: {steps:?}"
-        );
-        assert!(
-            steps.len() <= 10usize.div_ceil(per) + 2,
-            "slot {slot}: {steps:?}"
-        );
+        if behind {
+            assert_eq!(steps.len(), 10usize.div_ceil(per), "slot {slot}: {steps:?}");
+        } else {
+            assert!(steps[0].rows.len() <= ramp, "slot {slot}: {steps:?}");
+            assert!(
+                steps[steps.len() - 1].rows.len() <= ramp,
+                "slot {slot}: {steps:?}"
+            );
+            assert!(
+                steps.len() <= 10usize.div_ceil(per) + 2,
+                "slot {slot}: {steps:?}"
+            );
+        }
     }
     // 32 rows: a ramp of 2 rows, full steps of 8, the rest, a ramp of 2.
     let rows: Vec<u64> = (0..32).map(|i| i * 96).collect();
@@ -514,24 +521,26 @@ proptest! {
         let req = StagedRequest { rows: p.staged_rows, first_block: p.staged_blocks_at, blocks,
                                   slot_bytes: slot, kernel: None, direct: false,
                                   launch_bytes: u64::MAX };
-        let steps = req.steps(&a, &b, &z, false);
-        let mut seen = 0;
-        for step in &steps {
-            let (lo, last) = (b[step.rows.start], step.rows.end - 1);
-            prop_assert!(b[last] + z[last] - lo <= slot);
-            prop_assert_eq!(step.ring_start, lo);
-            seen += step.blocks.len();
-            for i in step.blocks.clone() {
-                for (ring, gpu_page, n) in staged_pages(&a, &b, &z, p.staged_blocks_at + i) {
-                    let row = row_list[step.rows.clone()]
-                        .iter()
-                        .find(|&&(_, r, m)| r <= ring && ring + n <= r + m);
-                    prop_assert!(row.is_some(), "page at ring {} outside its step's rows", ring);
-                    let &(h, r, _) = row.unwrap();
-                    prop_assert_eq!(want.get(&gpu_page).copied(), Some((h + (ring - r), n)));
+        for behind in [false, true] {
+            let steps = req.steps(&a, &b, &z, behind);
+            let mut seen = 0;
+            for step in &steps {
+                let (lo, last) = (b[step.rows.start], step.rows.end - 1);
+                prop_assert!(b[last] + z[last] - lo <= slot);
+                prop_assert_eq!(step.ring_start, lo);
+                seen += step.blocks.len();
+                for i in step.blocks.clone() {
+                    for (ring, gpu_page, n) in staged_pages(&a, &b, &z, p.staged_blocks_at + i) {
+                        let row = row_list[step.rows.clone()]
+                            .iter()
+                            .find(|&&(_, r, m)| r <= ring && ring + n <= r + m);
+                        prop_assert!(row.is_some(), "page at ring {} outside its step", ring);
+                        let &(h, r, _) = row.unwrap();
+                        prop_assert_eq!(want.get(&gpu_page).copied(), Some((h + (ring - r), n)));
+                    }
                 }
             }
+            prop_assert_eq!(seen, blocks);
         }
-        prop_assert_eq!(seen, blocks);
     }
 }
