@@ -387,22 +387,43 @@ fn staged_both_ways(
     };
     let (cb, cs) = cpu_g.cpu(b.src.as_ptr() as u64);
     let cpu = engine
-        .register_table(TableSpec::new(cb, cs, nbytes, nb, MemoryKind::Host).named("CPU", 1))
+        .register_table(
+            TableSpec::new(cb, cs, nbytes.clone(), nb, MemoryKind::Host).named("CPU", 1),
+        )
+        .unwrap();
+    // A second CPU side the same transfer goes to, queued right behind the first: the host
+    // backend then takes the steps a transfer issued behind a running one takes (no ramps).
+    let mut again = vec![0u8; b.src.len()];
+    // SAFETY: `again` outlives the engine (dropped below, before it) and is not resized.
+    unsafe {
+        engine
+            .register(
+                again.as_mut_ptr() as u64,
+                again.len() as u64,
+                MemoryKind::Host,
+            )
+            .unwrap();
+    }
+    let (ab, as_) = cpu_g.cpu(again.as_ptr() as u64);
+    let again_t = engine
+        .register_table(TableSpec::new(ab, as_, nbytes, nb, MemoryKind::Host).named("CPU", 1))
         .unwrap();
     let (gi, ci): (Vec<u64>, Vec<u64>) = pairs.iter().copied().unzip();
     let shape = || staged.map_or(Plan::Pages(None), Plan::Staged);
     let groups = |st, si, dt, di| [GroupIds::blocks(st, si, dt, di)];
-    engine
-        .submit_groups(
-            1,
-            &groups(gpu, &gi, cpu, &ci),
-            Direction::DeviceToHost,
-            None,
-            shape(),
-        )
-        .unwrap();
-    let r = finish(&engine, &[1]);
-    assert!(r[0].success, "{:?}", r[0]);
+    for (job, to) in [(1, cpu), (3, again_t)] {
+        engine
+            .submit_groups(
+                job,
+                &groups(gpu, &gi, to, &ci),
+                Direction::DeviceToHost,
+                None,
+                shape(),
+            )
+            .unwrap();
+    }
+    let r = finish(&engine, &[1, 3]);
+    assert!(r.iter().all(|r| r.success), "{r:?}");
     engine
         .submit_groups(
             2,
@@ -416,6 +437,10 @@ fn staged_both_ways(
     assert!(r[0].success, "{:?}", r[0]);
     assert_eq!(r[0].bytes as usize, pairs.len() * n * g.page);
     drop(engine);
+    assert!(
+        again == b.src,
+        "the transfer queued behind the first wrote other bytes"
+    );
     // Every moved page came back to where it started.
     let (gb, _) = g.gpu(0);
     for &(id, _) in pairs {
