@@ -231,19 +231,15 @@ fn geometry() -> impl Strategy<Value = Geometry> {
         )
 }
 
-/// Registers `buf` with `engine` as device memory.
+/// Registers `buf` with `engine` as memory of `kind`.
 ///
 /// # Safety
 /// `buf` outlives the engine and is not resized while it lives.
-unsafe fn register_device(engine: &Engine, buf: &mut [u8]) {
+unsafe fn register_as(engine: &Engine, buf: &mut [u8], kind: MemoryKind) {
     // SAFETY: the caller's guarantee.
     unsafe {
         engine
-            .register(
-                buf.as_mut_ptr() as u64,
-                buf.len() as u64,
-                MemoryKind::Device,
-            )
+            .register(buf.as_mut_ptr() as u64, buf.len() as u64, kind)
             .unwrap();
     }
 }
@@ -260,7 +256,7 @@ fn both_ways(g: &Geometry, pairs: &[(u64, u64)], runs: bool) -> (Vec<u8>, Vec<u8
     let mut back = vec![0u8; g.gpu_bytes()];
     let (engine, _) = engine_with(&mut b, EngineConfig::default());
     // SAFETY: `back` outlives the engine (dropped below, before it).
-    unsafe { register_device(&engine, &mut back) };
+    unsafe { register_as(&engine, &mut back, MemoryKind::Device) };
     let nb = g.nblocks as u64;
     let nbytes = vec![g.page as u64; g.layers * g.kv];
     let (gb, gs) = g.gpu(b.src.as_ptr() as u64);
@@ -366,7 +362,7 @@ fn staged_both_ways(
     };
     let (engine, _) = engine_with(&mut b, config);
     // SAFETY: `back` outlives the engine (dropped below, before it).
-    unsafe { register_device(&engine, &mut back) };
+    unsafe { register_as(&engine, &mut back, MemoryKind::Device) };
     let nb = g.nblocks as u64;
     let nbytes = vec![g.page as u64; n];
     let (gb, gs) = g.gpu(b.dst.as_ptr() as u64);
@@ -395,15 +391,7 @@ fn staged_both_ways(
     // backend then takes the steps a transfer issued behind a running one takes (no ramps).
     let mut again = vec![0u8; b.src.len()];
     // SAFETY: `again` outlives the engine (dropped below, before it) and is not resized.
-    unsafe {
-        engine
-            .register(
-                again.as_mut_ptr() as u64,
-                again.len() as u64,
-                MemoryKind::Host,
-            )
-            .unwrap();
-    }
+    unsafe { register_as(&engine, &mut again, MemoryKind::Host) };
     let (ab, as_) = cpu_g.cpu(again.as_ptr() as u64);
     let again_t = engine
         .register_table(TableSpec::new(ab, as_, nbytes, nb, MemoryKind::Host).named("CPU", 1))
