@@ -143,22 +143,6 @@ def one_model(m: Any, blocks: int, reps: int, ceil: dict[str, float], rng: Any) 
                 assert all(r.success for r in w.get_finished())
                 return rate
 
-            def queued_by(n: int, how: str) -> float:
-                # As `queued`, the results waited for (`wait`) or seen by polling `get_finished`.
-                specs = [make() for _ in range(n)]
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                jobs = {submit(s) for s in specs}
-                seen = 0
-                if how == "wait":
-                    w.wait(jobs)
-                    seen = len([r for r in w.get_finished() if r.success])
-                while seen < n:
-                    for r in w.get_finished():
-                        assert r.success
-                        seen += 1
-                return n * nbytes / (time.perf_counter() - t0) / 1e9
-
             def queued_timeline(n: int) -> tuple[list[float], list[float]]:
                 specs = [make() for _ in range(n)]
                 torch.cuda.synchronize()
@@ -189,7 +173,10 @@ def one_model(m: Any, blocks: int, reps: int, ceil: dict[str, float], rng: Any) 
                 pct["ref32"] = max(pct["ref32"], ref(32))
                 pct["bs8"] = max(pct["bs8"], queued(8))
                 for how in hows[i % 2 :] + hows[: i % 2]:
-                    pct[f"bs8 {how}"] = max(pct[f"bs8 {how}"], queued_by(8, how))
+                    rate = (
+                        queued(8) if how == "wait" else 8 * nbytes / queued_timeline(8)[1][-1] / 1e9
+                    )
+                    pct[f"bs8 {how}"] = max(pct[f"bs8 {how}"], rate)
                 pct["bs32"] = max(pct["bs32"], queued(32))
             print(f"{m.name[:20]:<20} {case.page // 1024:>3} KiB {d} {nbytes >> 20} MiB a "
                   "transfer; % of the link: " + ", ".join(
