@@ -401,7 +401,7 @@ impl Backend for CudaBackend {
                 let mut progress = self.job_head(lane, &job);
                 self.job_steps(lane, &job, &mut progress, 1);
                 job.progress = Some(progress);
-            } else if self.completed_seq(lane) + 1 >= seq {
+            } else if !self.earlier_running(lane, seq) {
                 // Every earlier transfer complete: the whole transfer here. Transfers that
                 // follow busy ones still go to the thread, and their callers pay no driver call.
                 l.accepted.store(seq, Ordering::Release);

@@ -110,6 +110,12 @@ impl Shared {
         };
         a
     }
+    /// Whether a transfer of `lane` issued before the one numbered `seq` is not yet known
+    /// complete: that one follows it on the GPU rather than starting an idle lane.
+    pub(super) fn earlier_running(&self, lane: Direction, seq: u64) -> bool {
+        self.completed_seq(lane) + 1 < seq
+    }
+
     /// The highest sequence number of `lane` known complete.
     pub(super) fn completed_seq(&self, lane: Direction) -> u64 {
         let l = self.lane(lane);
@@ -311,7 +317,7 @@ impl Shared {
                 Plan::Staged(req) => {
                     // An earlier transfer of the lane still on the GPU: this one's first steps
                     // overlap its last ones.
-                    let behind = self.completed_seq(lane) + 1 < job.seq;
+                    let behind = self.earlier_running(lane, job.seq);
                     self.staged_begin(lane, slab, *req, job.dep.as_ref(), behind)
                         .map(|run| staged = Some(run))
                 }
