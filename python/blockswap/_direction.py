@@ -277,7 +277,9 @@ class SingleDirectionHandler:
         self._issue(job_id, groups)
         return True
 
-    def _issue(self, job_id: int, groups: list[tuple[int, SubmitIds, int, SubmitIds, int]]) -> None:
+    def _issue(
+        self, job_id: int, groups: Sequence[tuple[int, npt.ArrayLike, int, npt.ArrayLike, int]]
+    ) -> None:
         """Hands the core's ``groups`` (see :meth:`_groups`) to the engine as job ``job_id``,
         after the work on the caller's stream: :meth:`transfer_async` once it has read a spec,
         and a caller that built the groups itself (the vLLM worker's one group, from vLLM's

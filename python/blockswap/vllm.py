@@ -98,7 +98,6 @@ from ._core import (
 )
 from .handler import CpuGpuHandlers
 from .hostmem import DEFAULT_PIECE_BYTES, PinnedRows
-from .layout import SubmitIds, as_block_ids
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
@@ -641,19 +640,18 @@ class BlockswapOffloadingWorker(OffloadingWorker):
 
     def _plain_group(
         self, handler: Any, gpu_spec: GPULoadStoreSpec, cpu_spec: LoadStoreSpec
-    ) -> tuple[list[tuple[int, SubmitIds, int, SubmitIds, int]], int]:
+    ) -> tuple[list[tuple[int, npt.ArrayLike, int, npt.ArrayLike, int]], int]:
         """The usual case (``_plain``: one KV-cache group, one handler group, one writer) as
         the core's one group for ``handler`` (:meth:`SingleDirectionHandler._issue`), and the
-        blocks it moves: vLLM's ids converted once, as given where they are int32 or int64
-        arrays, the sub-blocks skipped in the first chunk from vLLM's block index. The core
-        checks every id and that the chunks are as many as the blocks take; this checks the
-        counts first, as the general path does, to name them.
+        blocks it moves: vLLM's ids as vLLM gave them (the core reads int32 and int64 arrays in
+        place, converts anything else and checks every id), the sub-blocks skipped in the first
+        chunk from vLLM's block index. This checks the counts first, as the general path does,
+        to name them.
 
         The handler's :meth:`~SingleDirectionHandler.transfer_async` would read the same ids
         again, through a spec of any shape: on a thread back from a step's other work each
-        Python call costs several µs, and this path leaves out most of them (40-60 µs less per
-        submission after a 20 ms sleep on the development machine's host backend, 3-59 µs on an
-        H100: docs/benchmarks.md)."""
+        Python call costs several µs, and this path leaves out all but three (docs/benchmarks.md:
+        the plug-in's usual case)."""
         sizes: Sequence[int] = gpu_spec.group_sizes
         starts: Sequence[int] = gpu_spec.block_indices
         if len(sizes) != 1 or len(starts) != 1:
@@ -661,10 +659,16 @@ class BlockswapOffloadingWorker(OffloadingWorker):
                 f"the spec has {len(sizes)} group sizes and {len(starts)} block indices for "
                 "1 KV-cache group"
             )
-        n, _, skip, m = _group_span(self.blocks_per_chunk, 0, sizes[0], starts[0])
-        gpu = as_block_ids(gpu_spec.block_ids, "GPU block ids", int32=True)
-        cpu = as_block_ids(getattr(cpu_spec, "block_ids", cpu_spec), "CPU chunk ids", int32=True)
-        _check_taken(n, m, gpu.shape[0], cpu.shape[0])
+        f = self.blocks_per_chunk
+        gpu = gpu_spec.block_ids
+        cpu = getattr(cpu_spec, "block_ids", cpu_spec)
+        n, start = len(gpu), starts[0]
+        if n != sizes[0] or start < 0:  # named by the general path's rule
+            n_, _, _, m = _group_span(f, 0, sizes[0], start)
+            _check_taken(n_, m, n, len(cpu))
+        skip = chunk_skip(f, n, start)
+        if len(cpu) != chunk_count(f, n, skip):
+            _check_taken(n, chunk_count(f, n, skip), n, len(cpu))
         src, dst = handler._group_tables(0)
         if handler.gpu_to_cpu:
             return [(src, gpu, dst, cpu, skip)], n
