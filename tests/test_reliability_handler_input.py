@@ -36,19 +36,24 @@ class Sparse:
 # (id, GPU -> CPU spec (GPU ids, CPU ids), message excerpt); the handler's own table of bad
 # specs (test_handler_validation.py::test_bad_transfer_raises_typed_error_and_issues_nothing) is not repeated.
 HANDLER_CASES: list[tuple[str, Callable[[], Any], str]] = [
-    ("nan", lambda: ([math.nan], [2]), "GPU block ids must hold integers, got dtype float64"),
-    ("float-list", lambda: ([4.0], [2]), "must hold integers, got dtype float64"),
-    ("none-element", lambda: ([4, None], [2, 3]), "must hold integers, got dtype object"),
-    ("none-side", lambda: (None, [2]), "must hold integers, got dtype object"),
-    ("int-past-int64", lambda: ([2**70], [2]), "must hold integers, got dtype object"),
+    ("nan", lambda: ([math.nan], [2]), "GPU block ids must hold integers, not float64"),
+    ("float-list", lambda: ([4.0], [2]), "must hold integers, not float64"),
+    # 1-D arrays go to the core as given: its words, its name for the side
+    ("float-array", lambda: (np.array([4.0]), [2]), "GPU block ids must hold integers, not float64"),
+    ("bool-array-cpu", lambda: ([4], np.array([True])), "CPU block ids must hold integers, not bool"),
+    ("uint64-array", lambda: (np.array([2**63], dtype=np.uint64), [2]), r"GPU block ids holds values past 2\*\*63 - 1"),
+    ("strided-array", lambda: (np.arange(8)[::2], np.array([2, 3, 4, 2**40])), "CPU block ids hold block id 1099511627776"),
+    ("none-element", lambda: ([4, None], [2, 3]), "must hold integers, not object"),
+    ("none-side", lambda: (None, [2]), "must hold integers, not object"),
+    ("int-past-int64", lambda: ([2**70], [2]), "must hold integers, not object"),
     ("int64-max-cpu", lambda: ([4], [2**63 - 1]), "CPU block ids hold block id 9223372036854775807"),
     ("int64-min-cpu", lambda: ([4], [-(2**63)]), "CPU block ids hold a negative block id"),
-    ("strings", lambda: (["4"], [2]), "must hold integers, got dtype <U1"),
-    ("scalar", lambda: (4, 2), "must be 1-D, got shape ()"),
-    ("generator", lambda: ((i for i in [4]), [2]), "must hold integers, got dtype object"),
+    ("strings", lambda: (["4"], [2]), "must hold integers, not <U1"),
+    ("scalar", lambda: (4, 2), "must be one-dimensional, not of shape ()"),
+    ("generator", lambda: ((i for i in [4]), [2]), "must hold integers, not object"),
     ("meta-tensor", lambda: (torch.tensor([4], device="meta"), [2]), "cannot read ids from this tensor"),
     ("sparse-tensor", lambda: (Sparse.ids(), [2]), "cannot read ids from this tensor"),
-    ("float-tensor", lambda: (torch.tensor([4.0], requires_grad=True), [2]), "torch dtype torch.float32"),
+    ("float-tensor", lambda: (torch.tensor([4.0], requires_grad=True), [2]), "must hold integers, not torch.float32"),
     ("cpu-duplicate", lambda: ([4, 5], [2, 2]), "CPU block id 2 is a destination more than once"),
     # int32 ids (vLLM's) reach the core as they are: its checks are the same
     ("int32-negative", lambda: (np.array([4, -2], dtype=np.int32), [2, 3]), "GPU block ids hold a negative block id"),
@@ -100,12 +105,12 @@ def test_handler_bad_spec_is_typed_and_transfers_around_it_are_unaffected(
 BLOCK_INDEX_CASES: list[tuple[str, Callable[[int], Any], str]] = [
     ("negative", lambda ng: [-1] * ng, "block_indices must be >= 0, got -1"),
     ("negative-array", lambda ng: np.full(ng, -3), "block_indices must be >= 0, got -3"),
-    ("float", lambda ng: [1.5] * ng, "block_indices must hold integers, got dtype float64"),
-    ("bool", lambda ng: [True] * ng, "block_indices must hold integers, got dtype bool"),
-    ("past-int64", lambda ng: [2**70] * ng, "block_indices must hold integers, got dtype object"),
-    ("uint64", lambda ng: [2**63] * ng, "block_indices hold block id 9223372036854775808"),
+    ("float", lambda ng: [1.5] * ng, "block_indices must hold integers, not float64"),
+    ("bool", lambda ng: [True] * ng, "block_indices must hold integers, not bool"),
+    ("past-int64", lambda ng: [2**70] * ng, "block_indices must hold integers, not object"),
+    ("uint64", lambda ng: [2**63] * ng, r"block_indices holds values past 2\*\*63 - 1"),
     ("one-too-many", lambda ng: [0] * (ng + 1), "block_indices holds .* entries for"),
-    ("none-entry", lambda ng: [None] * ng, "block_indices must hold integers, got dtype object"),
+    ("none-entry", lambda ng: [None] * ng, "block_indices must hold integers, not object"),
 ]  # fmt: skip
 
 

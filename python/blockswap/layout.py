@@ -332,7 +332,7 @@ def as_block_ids(x: Any, name: str, *, int32: bool = False) -> SubmitIds:
         x = getattr(x, "block_ids", x)
         if isinstance(x, torch.Tensor):
             if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
-                raise TypeError(f"{name} must hold integers, got torch dtype {x.dtype}")
+                raise TypeError(f"{name} must hold integers, not {x.dtype}")
             try:
                 a = x.detach().cpu().numpy()
             except (RuntimeError, TypeError) as e:  # meta, sparse, nested tensors
@@ -344,12 +344,12 @@ def as_block_ids(x: Any, name: str, *, int32: bool = False) -> SubmitIds:
     if a.dtype != _I64 and not (int32 and a.dtype == _I32):
         kind = a.dtype.kind
         if kind != "i" and kind != "u":
-            raise TypeError(f"{name} must hold integers, got dtype {a.dtype}")
+            raise TypeError(f"{name} must hold integers, not {a.dtype}")
         if kind == "u" and a.size and int(a.max()) > _I64_MAX:
-            raise IndexError(f"{name} hold block id {int(a.max())}, out of range")
+            raise IndexError(f"{name} holds values past 2**63 - 1")
         a = a.astype(_I64)
     if a.ndim != 1:
-        raise ValueError(f"{name} must be 1-D, got shape {a.shape}")
+        raise ValueError(f"{name} must be one-dimensional, not of shape {a.shape}")
     if not a.flags.c_contiguous:  # a strided view: the core reads ids in place
         a = np.ascontiguousarray(a)
     return cast("SubmitIds", a)

@@ -27,6 +27,7 @@ use crate::direction::Direction;
 use crate::engine::{self, Engine, EngineConfig, EngineError, GroupIds};
 use crate::kernel::{KernelBatch, KernelLauncher, KernelParam, KernelSpec, PageKernel};
 use crate::plan::Plan;
+use crate::region::MemoryKind;
 use crate::table;
 
 /// Moves batches of ``(src, dst, size)`` blocks on a backend.
@@ -490,10 +491,24 @@ impl PyEngine {
         route: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let job_id = args::job_id(job_id)?;
+        let (dir, wait_stream, _) = submission(&direction, wait_stream, &Given(None))?;
+        let groups = groups.try_iter()?.collect::<PyResult<Vec<_>>>()?;
+        // Ids refused before their tables are looked up are named as the tables name theirs.
+        let side = |kind: MemoryKind, g: usize| {
+            let where_ = if groups.len() > 1 {
+                format!("group {g}: ")
+            } else {
+                String::new()
+            };
+            let side = match kind {
+                MemoryKind::Host => "CPU",
+                MemoryKind::Device => "GPU",
+            };
+            format!("{where_}{side} block ids")
+        };
         let mut tables = Vec::new();
         let mut ids = Vec::new();
-        for (g, group) in groups.try_iter()?.enumerate() {
-            let group = group?;
+        for (g, group) in groups.iter().enumerate() {
             let shape = || {
                 invalid(format!(
                     "groups[{g}] must be (src_table, src_ids, dst_table, dst_ids, skip)"
@@ -515,11 +530,10 @@ impl PyEngine {
                 skip,
             ));
             ids.push((
-                args::ids_named(|| format!("groups[{g}] src_ids"), &t.get_item(1)?)?,
-                args::ids_named(|| format!("groups[{g}] dst_ids"), &t.get_item(3)?)?,
+                args::ids_named(|| side(dir.src_kind(), g), &t.get_item(1)?)?,
+                args::ids_named(|| side(dir.dst_kind(), g), &t.get_item(3)?)?,
             ));
         }
-        let (dir, wait_stream, _) = submission(&direction, wait_stream, &Given(None))?;
         let route = match route {
             Some(r) if !r.is_none() => Some(r.cast::<PyRoute>().map_err(|_| {
                 args::wrong_type(
