@@ -38,7 +38,11 @@ Per page size, layout, CPU block order, direction and variant:
   calls); ``slept us``, after the caller slept ``--sleep-ms`` (median); ``numpy us``, numpy
   computing the same transfer's per-page addresses (``bases + ids * strides`` for every layer,
   both sides, and the sizes: what a per-page DMA path computes) after the same sleep (median;
-  ``numpy_b2b_us`` in the JSON: warm); ``ratio`` = slept / numpy.
+  ``numpy_b2b_us`` in the JSON: warm); ``ratio`` = slept / numpy; ``steps us``, after another
+  such sleep, the steps any engine issuing off the caller's thread takes, without blockswap: the
+  same addresses, one event recorded on the caller's stream through the driver (CUDA) and a
+  token handed to a thread asleep on a queue (``blockswap_bench.hostfloor.Steps``); its
+  ``ratio`` = slept / steps.
 
 The link's ceiling: one 256 MiB pinned copy per direction (best of 5), measured at the start, the
 middle (before the page size x layout group where about half the run's time, as estimated, has
@@ -80,6 +84,7 @@ from blockswap._types import BackendName
 from blockswap.handler import CpuGpuHandlers
 from blockswap_bench.cli import choices, option
 from blockswap_bench.common import Progress, run_metadata
+from blockswap_bench.hostfloor import Addresses, Steps
 from blockswap_bench.kvblocks import (
     DIRECTIONS,
     LINK_BYTES,
@@ -109,7 +114,7 @@ ROW_FIELDS = (
     "gpu_gbps", "gpu_pct_link",
     "idle_wall_us", "idle_pct_link",
     "async_polled_us", "async_b2b_us", "async_slept_us", "numpy_slept_us", "numpy_b2b_us",
-    "slept_ratio", "samples", "error",
+    "slept_ratio", "steps_slept_us", "steps_ratio", "samples", "error",
 )  # fmt: skip
 
 
@@ -252,35 +257,6 @@ def vllm_missing() -> str | None:
     except Exception as e:  # ImportError, or vLLM failing to import on this host
         return f"{type(e).__name__}: {e}"
     return None
-
-
-# ---- the numpy reference ----------------------------------------------------------------------
-
-
-class Addresses:
-    """numpy computing a transfer's per-page addresses, as a per-page DMA path would: per layer,
-    ``bases + ids * strides`` on both sides, and the sizes, into arrays allocated once."""
-
-    def __init__(self, tables: tuple[Any, Any], n: int) -> None:
-        gpu, cpu = tables
-        self.side = {
-            "gpu": (gpu.bases[:, None].copy(), gpu.strides[:, None].copy()),
-            "cpu": (cpu.bases[:, None].copy(), cpu.strides[:, None].copy()),
-        }
-        layers = gpu.bases.shape[0]
-        self.nbytes = gpu.nbytes[:, None].copy()
-        self.src = np.empty((layers, n), dtype=np.int64)
-        self.dst = np.empty((layers, n), dtype=np.int64)
-        self.sizes = np.empty((layers, n), dtype=np.int64)
-
-    def __call__(self, d: str, g: np.ndarray, c: np.ndarray) -> None:
-        (sb, ss), sid = (self.side["gpu"], g) if d == "d2h" else (self.side["cpu"], c)
-        (db, ds), did = (self.side["cpu"], c) if d == "d2h" else (self.side["gpu"], g)
-        np.multiply(sid, ss, out=self.src)
-        np.add(self.src, sb, out=self.src)
-        np.multiply(did, ds, out=self.dst)
-        np.add(self.dst, db, out=self.dst)
-        self.sizes[...] = self.nbytes
 
 
 # ---- measuring --------------------------------------------------------------------------------
@@ -435,20 +411,29 @@ def measure(
         for t in rotated(alive, i):
             guarded(t, queued, t)
     addresses = Addresses(targets[0].tables, blocks)
+    steps = Steps(addresses, copier.cuda)
     numpy_slept: list[float] = []
     numpy_b2b: list[float] = []
-    for i in range(n_slept):
-        g, c = spec()
-        for t in rotated(alive, i):
-            guarded(t, slept, t, g, c)
-        time.sleep(sleep_s)
-        t0 = time.perf_counter()
-        addresses(d, g, c)
-        numpy_slept.append(time.perf_counter() - t0)
-        for _ in range(3):
+    steps_slept: list[float] = []
+    try:
+        for i in range(n_slept):
+            g, c = spec()
+            for t in rotated(alive, i):
+                guarded(t, slept, t, g, c)
+            time.sleep(sleep_s)
             t0 = time.perf_counter()
             addresses(d, g, c)
-            numpy_b2b.append(time.perf_counter() - t0)
+            numpy_slept.append(time.perf_counter() - t0)
+            for _ in range(3):
+                t0 = time.perf_counter()
+                addresses(d, g, c)
+                numpy_b2b.append(time.perf_counter() - t0)
+            time.sleep(sleep_s)
+            t0 = time.perf_counter()
+            steps(d, g, c)
+            steps_slept.append(time.perf_counter() - t0)
+    finally:
+        steps.close()
     copy_s = median_or_none(copies)
     for t in targets:
         if t.name in out:
@@ -467,6 +452,7 @@ def measure(
             "async_slept_s": median_or_none(s["slept"]),
             "numpy_slept_s": median_or_none(numpy_slept),
             "numpy_b2b_s": median_or_none(numpy_b2b),
+            "steps_slept_s": median_or_none(steps_slept),
             "samples": {
                 "isolated_wall_s": s["wall"],
                 "one_copy_wall_s": copies,
@@ -475,6 +461,7 @@ def measure(
                 "queued_gbps": s["queued"],
                 "async_slept_s": s["slept"],
                 "numpy_slept_s": numpy_slept,
+                "steps_slept_s": steps_slept,
             },
         }
     return out
@@ -516,6 +503,12 @@ def figures(row: dict[str, Any], m: dict[str, Any], gpu_time: bool) -> None:
             if m["async_slept_s"] and m["numpy_slept_s"]
             else None
         ),
+        steps_slept_us=us(m["steps_slept_s"]),
+        steps_ratio=(
+            m["async_slept_s"] / m["steps_slept_s"]
+            if m["async_slept_s"] and m["steps_slept_s"]
+            else None
+        ),
         samples=m["samples"],
         error=None,
     )
@@ -540,7 +533,8 @@ def percent(row: dict[str, Any], ceil: dict[str, float]) -> None:
 HEAD = (
     f"{'page':>6} {'layout':<9} {'cpu':<8} {'variant':<10} {'dir':<4} {'iso %':>6} "
     f"{'/1copy':>6} {'1copy %':>7} {'8q %':>6} {'GPU %':>6} {'idle %':>6} {'iso us':>9} "
-    f"{'1copy us':>9} {'b2b us':>7} {'slept us':>8} {'numpy us':>8} {'ratio':>5}  route"
+    f"{'1copy us':>9} {'b2b us':>7} {'slept us':>8} {'numpy us':>8} {'ratio':>5} "
+    f"{'steps us':>8} {'ratio':>5}  route"
 )
 
 
@@ -558,7 +552,8 @@ def line(row: dict[str, Any]) -> str:
         f"{f(row['gpu_pct_link'], 6)} {f(row['idle_pct_link'], 6)} "
         f"{f(row['isolated_wall_us'], 9)} {f(row['one_copy_wall_us'], 9)} "
         f"{f(row['async_b2b_us'], 7)} {f(row['async_slept_us'], 8)} "
-        f"{f(row['numpy_slept_us'], 8)} {f(row['slept_ratio'], 5, 2)}  "
+        f"{f(row['numpy_slept_us'], 8)} {f(row['slept_ratio'], 5, 2)} "
+        f"{f(row['steps_slept_us'], 8)} {f(row['steps_ratio'], 5, 2)}  "
         f"{row['route'].split(' (')[0][:60]}"
     )
 
