@@ -15,7 +15,8 @@ Two ways of calling, as ``bench_wall.py`` times them: ``b2b``, 8 transfers submi
 ``--caller-stream side``: the caller's current stream is one it made (``torch.cuda.Stream()``),
 not the default stream; transfers that wait for the caller's stream record their event there.
 Printed, not saved: the median µs of each piece and of the whole call, per page size, layout,
-direction and way.
+direction and way; and per page size and direction a ``floor`` line, the host steps of a
+transfer without blockswap after the same sleep (see :func:`floor`).
 """
 
 from __future__ import annotations
@@ -109,6 +110,9 @@ def main() -> int:
                     for way in ("b2b", "slept"):
                         line = measure(t, hs, d, way, args, rng, n_gpu, n_cpu, layout)
                         print(f"{kib:5d} KiB  {layout:8s}  {d}  {way:5s}  {line}", flush=True)
+                    if layout == "separate":
+                        line = floor(t.tables, d, args, rng, n_gpu, n_cpu, cuda)
+                        print(f"{kib:5d} KiB  {'floor':8s}  {d}  slept  {line}", flush=True)
             finally:
                 t.shutdown()
     return 0
@@ -157,6 +161,38 @@ def measure(
         p.undo()
     parts = {**p.times, "total": total}
     return "  ".join(f"{k} {statistics.median(v) / 1e3:6.1f}" for k, v in parts.items() if v)
+
+
+def floor(tables: Any, d: str, args: Any, rng: Any, n_gpu: int, n_cpu: int, cuda: bool) -> str:
+    """The host steps of a transfer without blockswap (``bench_wall.py``'s ``steps us``), each
+    after its own sleep: numpy's page addresses (``numpy``), ``cuEventRecord`` on the caller's
+    stream (``event``, CUDA only), a token to a thread asleep on a queue (``handoff``), and the
+    three in a row (``steps``); medians over ``args.reps`` rounds after two discarded."""
+    from blockswap_bench.hostfloor import Addresses, Steps
+
+    addresses = Addresses(tables, args.blocks)
+    steps = Steps(addresses, cuda)
+    parts: dict[str, Callable[[Any, Any], None]] = {
+        "numpy": lambda g, c: addresses(d, g, c),
+        **({"event": lambda g, c: steps.record()} if cuda else {}),
+        "handoff": lambda g, c: steps.hand_off(),
+        "steps": lambda g, c: steps(d, g, c),
+    }
+    times: dict[str, list[int]] = {k: [] for k in parts}
+    try:
+        for rnd in range(args.reps + 2):
+            for k, f in parts.items():
+                g = rng.permutation(n_gpu)[: args.blocks]
+                c = rng.permutation(n_cpu)[: args.blocks]
+                time.sleep(args.sleep_ms / 1e3)
+                t0 = time.perf_counter_ns()
+                f(g, c)
+                took = time.perf_counter_ns() - t0
+                if rnd >= 2:
+                    times[k].append(took)
+    finally:
+        steps.close()
+    return "  ".join(f"{k} {statistics.median(v) / 1e3:6.1f}" for k, v in times.items())
 
 
 if __name__ == "__main__":

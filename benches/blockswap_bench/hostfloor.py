@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import queue
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -53,7 +54,8 @@ class Steps:
 
     def __init__(self, addresses: Addresses, cuda: bool) -> None:
         self.addresses = addresses
-        self._record: Any = None
+        #: ``cuEventRecord`` on the caller's current stream (nothing on the host backend).
+        self.record: Callable[[], None] = lambda: None
         if cuda:
             import torch
 
@@ -72,7 +74,7 @@ class Steps:
                 if record(handle, stream(index)) != 0:
                     raise RuntimeError("cuEventRecord failed")
 
-            self._record = on_caller
+            self.record = on_caller
         self._queue: queue.SimpleQueue[int | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._drain, name="steps-floor", daemon=True)
         self._thread.start()
@@ -81,10 +83,13 @@ class Steps:
         while self._queue.get() is not None:
             pass
 
+    def hand_off(self) -> None:
+        """A token to the thread asleep on the queue."""
+        self._queue.put(0)
+
     def __call__(self, d: str, g: np.ndarray, c: np.ndarray) -> None:
         self.addresses(d, g, c)
-        if self._record is not None:
-            self._record()
+        self.record()
         self._queue.put(0)
 
     def close(self) -> None:
