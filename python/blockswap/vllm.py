@@ -650,8 +650,9 @@ class BlockswapOffloadingWorker(OffloadingWorker):
 
         The handler's :meth:`~SingleDirectionHandler.transfer_async` would read the same ids
         again, through a spec of any shape: on a thread back from a step's other work each
-        Python call costs several µs, and this path leaves out all but three (docs/benchmarks.md:
-        the plug-in's usual case)."""
+        Python call costs several µs, and this path makes two small ones into the core
+        (``chunk_skip``, ``chunk_count``) and no other (docs/benchmarks.md: the plug-in's usual
+        case; a submission's ids read once, in the core)."""
         sizes: Sequence[int] = gpu_spec.group_sizes
         starts: Sequence[int] = gpu_spec.block_indices
         if len(sizes) != 1 or len(starts) != 1:
@@ -663,12 +664,13 @@ class BlockswapOffloadingWorker(OffloadingWorker):
         gpu = gpu_spec.block_ids
         cpu = getattr(cpu_spec, "block_ids", cpu_spec)
         n, start = len(gpu), starts[0]
-        if n != sizes[0] or start < 0:  # named by the general path's rule
+        if n != sizes[0] or start < 0:  # a spec at odds with itself: the general path's words
             n_, _, _, m = _group_span(f, 0, sizes[0], start)
             _check_taken(n_, m, n, len(cpu))
         skip = chunk_skip(f, n, start)
-        if len(cpu) != chunk_count(f, n, skip):
-            _check_taken(n, chunk_count(f, n, skip), n, len(cpu))
+        m = chunk_count(f, n, skip)
+        if len(cpu) != m:
+            _check_taken(n, m, n, len(cpu))
         src, dst = handler._group_tables(0)
         if handler.gpu_to_cpu:
             return [(src, gpu, dst, cpu, skip)], n

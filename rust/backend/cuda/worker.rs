@@ -110,6 +110,7 @@ impl Shared {
         };
         a
     }
+
     /// Whether a transfer of `lane` issued before the one numbered `seq` is not yet known
     /// complete: that one follows it on the GPU rather than starting an idle lane.
     pub(super) fn earlier_running(&self, lane: Direction, seq: u64) -> bool {
