@@ -203,18 +203,22 @@ def _roundtrip_on_gpu(
     factor: int,
     seed: int,
     pieces: int,
-    adjacent: bool = False,
+    cpu_order: str = "random",
 ) -> None:
     """Moves 32 random GPU blocks to random CPU blocks (``adjacent``: CPU blocks one after the
-    other, from a random first one) and back to 32 other GPU blocks, each way as ``pieces``
-    queued transfers, and checks every result, the bytes reported and the pages."""
+    other, from a random first one; ``reversed``: the same from the last one down, as vLLM's
+    CPU manager hands a request chunks freed by one eviction) and back to 32 other GPU blocks,
+    each way as ``pieces`` queued transfers, and checks every result, the bytes reported and
+    the pages."""
     rng = np.random.default_rng(seed)
     perm = rng.permutation(64)
     n = 32
     src, dst = perm[:n], perm[n:]
-    if adjacent:
+    if cpu_order != "random":
         first = int(rng.integers(0, 32 - n // factor + 1))
         cpu = np.arange(first, first + n // factor)
+        if cpu_order == "reversed":
+            cpu = cpu[::-1].copy()
     else:
         cpu = rng.permutation(32)[: n // factor]
     before = [torch.stack([p for p in page_of(t, layout, int(b))]) for t in gpu for b in src]
@@ -295,19 +299,38 @@ def test_cuda_block_plan_roundtrip(layout: str, factor: int) -> None:
         h.shutdown()
 
 
+@pytest.mark.parametrize("cpu_order", ["random", "adjacent", "reversed"])
+@pytest.mark.parametrize("factor", FACTORS)
+def test_staged_roundtrip_in_any_cpu_order_on_the_host_backend(factor: int, cpu_order: str) -> None:
+    """The staged plan both ways on the host backend, byte-exact, with slots of 3 rows (steps
+    within a transfer, four queued): adjacent CPU blocks in either order take their rows in
+    host order, joined, and every page still goes to its own block."""
+    gpu = [t.clone() for t in one_allocation("kv_split", 80, 64, device="cpu")]
+    row = 80 * sum(p.numel() for p in page_of(gpu[0], "kv_split", 0))
+    h = CpuGpuHandlers(
+        gpu, 32, layout="kv_split", block_size_factor=factor, path="staged",
+        stage_bytes=3 * row, backend="host",
+    )  # fmt: skip
+    try:
+        assert h.routes["d2h"].plan == h.routes["h2d"].plan == "staged"
+        _roundtrip_on_gpu(h, gpu, "kv_split", factor, 5 + factor, 4, cpu_order)
+    finally:
+        h.shutdown()
+
+
 @pytest.mark.cuda
-@pytest.mark.parametrize("adjacent", [False, True])
+@pytest.mark.parametrize("cpu_order", ["random", "adjacent", "reversed"])
 @pytest.mark.parametrize("slot_rows", [None, 3])
 @pytest.mark.parametrize("separate", [False, True])
 @pytest.mark.parametrize("factor", FACTORS)
 @pytest.mark.parametrize("layout", sorted(ONE_ALLOCATION))
 def test_cuda_staged_roundtrip(
-    layout: str, factor: int, separate: bool, slot_rows: int | None, adjacent: bool
+    layout: str, factor: int, separate: bool, slot_rows: int | None, cpu_order: str
 ) -> None:
     """On the GPU: the staged plan both ways, byte-exact, 80 layers one allocation or each its
     own; with slots of 3 rows a transfer of 8 blocks takes 3 steps and four queued transfers
     cycle the two slots many times (more blocks in flight than the ring holds); with adjacent
-    CPU blocks their rows cross PCIe joined."""
+    CPU blocks, in either order, their rows cross PCIe joined."""
     gpu = one_allocation(layout, 80, 64, device="cuda")
     if separate:
         gpu = [t.clone() for t in gpu]
@@ -319,7 +342,7 @@ def test_cuda_staged_roundtrip(
     try:
         assert h.backend == "cuda" and h.routes["d2h"].plan == h.routes["h2d"].plan == "staged"
         assert h.routes["h2d"].kernel is not None
-        _roundtrip_on_gpu(h, gpu, layout, factor, 11 + factor, 4, adjacent)
+        _roundtrip_on_gpu(h, gpu, layout, factor, 11 + factor, 4, cpu_order)
     finally:
         h.shutdown()
 

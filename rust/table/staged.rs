@@ -237,7 +237,18 @@ pub fn expand_staged_into(
     cursor.table = end + 1;
     let first_row = cursor.row;
     let mut r = first_row;
-    for (&hi, &gi) in host_ids.iter().zip(gpu_ids) {
+    // Blocks in host order where rows may join: ids that name adjacent host blocks in any order
+    // (vLLM's CPU manager hands a request's reused chunks back last freed first) cross PCIe as
+    // one copy, as the cell plan's do (`finish_cells`). Each block entry carries its own ring
+    // offset, so the order changes which rows go together, never where a byte goes.
+    let mut order = std::mem::take(&mut scratch.pairs);
+    order.clear();
+    order.extend(host_ids.iter().copied().zip(gpu_ids.iter().copied()));
+    if cursor.merge > 0 {
+        // Stable, and linear on ids already in either order.
+        order.sort_by_key(|&(hi, _)| hi);
+    }
+    for &(hi, gi) in &order {
         // In range by `check_ids`; the spans were proven not to overflow at registration.
         let at = cursor.ring;
         let addr = host.bases[0] + hi * host.strides[0];
@@ -262,6 +273,7 @@ pub fn expand_staged_into(
         cursor.block += 1;
         cursor.ring += row;
     }
+    scratch.pairs = order;
     cursor.row = r;
     if host_src && !gpu.disjoint {
         let (addrs, sizes) = written_pages(

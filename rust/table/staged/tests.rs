@@ -81,29 +81,49 @@ fn staged_rows_that_continue_on_the_host_join_within_a_piece_and_a_cap() {
     )
     .unwrap();
     let row = |b: u64| 0x40000 + 128 * b;
-    // Blocks 1, 2, 3 then 4, 5 and 0: one row for 1-3 (a seam at block 4's start), one for
-    // 4-5, one for 0; ring offsets one after the other.
-    let (rows, pages) = staged(&host, &gpu, &[1, 2, 3, 4, 5, 0], 1 << 20);
-    assert_eq!(
-        rows,
-        [(row(1), 0, 384), (row(4), 384, 256), (row(0), 640, 128)]
-    );
-    // Pages as without joining: ring offsets per block, GPU pages of blocks 0..6, K then V.
-    let (_, unjoined) = staged(&host, &gpu, &[1, 2, 3, 4, 5, 0], 0);
-    assert_eq!(pages, unjoined);
-    assert_eq!(pages.len(), 12);
-    assert_eq!(pages[0], (0, 0x10000, 64));
-    assert_eq!(pages[1], (64, 0x18000, 64));
-    assert_eq!(pages[2], (128, 0x10000 + 64, 64));
-    assert_eq!(pages[11], (5 * 128 + 64, 0x18000 + 5 * 64, 64));
+    // Blocks 1, 2, 3 then 4, 5 and 0, taken in host order: one row for 0-3 (a seam at block
+    // 4's start), one for 4-5; ring offsets one after the other.
+    let ids = [1, 2, 3, 4, 5, 0];
+    let (rows, pages) = staged(&host, &gpu, &ids, 1 << 20);
+    assert_eq!(rows, [(row(0), 0, 512), (row(4), 512, 256)]);
+    // Every GPU page reads the host bytes it would without joining, in the order given: GPU
+    // block k takes host block ids[k], K then V.
+    let (unjoined_rows, unjoined) = staged(&host, &gpu, &ids, 0);
+    let mut joined = host_pages(&rows, &pages);
+    let mut given = host_pages(&unjoined_rows, &unjoined);
+    assert_eq!(given[0], (row(1), 0x10000, 64));
+    assert_eq!(given[1], (row(1) + 64, 0x18000, 64));
+    assert_eq!(given[11], (row(0) + 64, 0x18000 + 5 * 64, 64));
+    joined.sort_unstable();
+    given.sort_unstable();
+    assert_eq!((joined.len(), joined), (12, given));
     // A cap of 256 bytes: two rows at most joined.
     let (rows, _) = staged(&host, &gpu, &[0, 1, 2, 3], 256);
     assert_eq!(rows, [(row(0), 0, 256), (row(2), 256, 256)]);
-    // Not joined: out of order, or no merging asked for.
+    // Adjacent blocks in any order join (vLLM hands a request's reused chunks back in reverse);
+    // with no merging asked for, nothing joins and the order is the one given.
     let (rows, _) = staged(&host, &gpu, &[3, 2, 1], 1 << 20);
-    assert_eq!(rows.len(), 3);
-    let (rows, _) = staged(&host, &gpu, &[0, 1, 2], 0);
-    assert_eq!(rows.len(), 3);
+    assert_eq!(rows, [(row(1), 0, 384)]);
+    let (rows, _) = staged(&host, &gpu, &[2, 0, 1], 0);
+    assert_eq!(
+        rows,
+        [(row(2), 0, 128), (row(0), 128, 128), (row(1), 256, 128)]
+    );
+}
+
+/// Each page of [`staged`] as `(host address, GPU address, bytes)`: its ring offset read
+/// through the row that put those bytes in the ring.
+fn host_pages(rows: &[(u64, u64, u64)], pages: &[(u64, u64, u64)]) -> Vec<(u64, u64, u64)> {
+    pages
+        .iter()
+        .map(|&(ring, gpu, bytes)| {
+            let &(addr, at, _) = rows
+                .iter()
+                .find(|&&(_, at, len)| at <= ring && ring + bytes <= at + len)
+                .expect("a row holds every page");
+            (addr + ring - at, gpu, bytes)
+        })
+        .collect()
 }
 
 #[test]
