@@ -2,13 +2,14 @@
 
     python benches/bench_blocks.py [--pages 4,16,64,256,1024] [--layers 80] [--blocks 32]
                                    [--reps 20] [--handlers auto,staged] [--option KEY=VALUE]
-                                   [--cpu-blocks random,adjacent] [--json out.json]
+                                   [--cpu-blocks random,adjacent,reversed] [--json out.json]
 
 A KV cache of ``--layers`` layer tensors, one page of P bytes per block per layer (the page a
 serving engine moves per layer), 64 GPU blocks; a transfer moves ``--blocks`` random GPU blocks
 to (or from) random CPU blocks, no two consecutive ones adjacent (``--cpu-blocks adjacent``: CPU
 blocks one after the other, as a fresh cache hands them out; their rows then cross PCIe joined;
-``random,adjacent``: both, one row each). GPU layer tensors either views
+``reversed``: the same from the last one down, as vLLM's CPU manager hands a request the chunks
+one eviction freed, joined too; ``random,adjacent``: both, one row each). GPU layer tensors either views
 of one allocation ("one alloc") or allocated one by one ("separate"). Handlers per case:
 
 * ``auto``: the default CpuGpuHandlers (block-major CPU cache; the route ``path="auto"`` picks);

@@ -2,7 +2,7 @@
 ``get_finished``, per page size, beside one copy of the same bytes and the link.
 
     python benches/bench_wall.py [--pages 4,8,16,32,64,256,1024,4096] [--layers 80] [--blocks 32]
-                                 [--reps 15] [--cpu-blocks random,adjacent]
+                                 [--reps 15] [--cpu-blocks random,adjacent,reversed]
                                  [--layouts separate,one-alloc,plugin] [--option KEY=VALUE ...]
                                  [--variants NAME:KEY=VALUE,... ...] [--sleep-ms 20]
                                  [--backend auto|cuda|host] [--quick] [--max-s 540]
@@ -10,8 +10,10 @@
 
 A KV cache of ``--layers`` layer tensors, one page of P bytes per block per layer, 2 x
 ``--blocks`` GPU blocks; a transfer moves ``--blocks`` random GPU blocks to or from ``--blocks``
-CPU blocks (out of ``--blocks`` + 4), in two orders: ``random`` (no two consecutive CPU ids
-adjacent) and ``adjacent`` (one after the other, as a fresh cache hands them out). Layouts:
+CPU blocks (out of ``--blocks`` + 4), in the orders asked for: ``random`` (no two consecutive CPU
+ids adjacent), ``adjacent`` (one after the other, as a fresh cache hands them out) and
+``reversed`` (adjacent from the last one down, as vLLM's CPU manager hands a request the chunks
+one eviction freed). Layouts:
 ``separate`` (per-layer tensors allocated one by one, vLLM's default), ``one-alloc`` (the layer
 tensors views of one allocation), both through the default handler
 (``blockswap.handler.CpuGpuHandlers(layers, num_cpu_blocks, layout="mla")``, its block-major CPU

@@ -39,8 +39,9 @@ LINK_BYTES = 256 << 20
 DIRECTIONS = ("h2d", "d2h")
 
 #: CPU block orders: ``random`` (no two consecutive ids adjacent), ``adjacent`` (one after the
-#: other, as a fresh cache hands them out).
-ORDERS = ("random", "adjacent")
+#: other, as a fresh cache hands them out), ``reversed`` (adjacent from the last one down, as
+#: vLLM's CPU manager hands a request the chunks one eviction freed).
+ORDERS = ("random", "adjacent", "reversed")
 
 #: Options of the engine (the rest of ``--option`` goes to the handlers only).
 ENGINE_OPTIONS = set(inspect.signature(Engine).parameters) - {"backend"}
@@ -238,13 +239,15 @@ class Ceilings:
 
 def cpu_block_ids(rng: np.random.Generator, n: int, num_cpu_blocks: int, order: str) -> np.ndarray:
     """``n`` distinct CPU block ids out of ``num_cpu_blocks``: ``adjacent``, one after the other
-    from a random first; ``random``, in random order with no two consecutive ids adjacent in
-    memory (``|c[i + 1] - c[i]| != 1``: no rows that could be joined)."""
+    from a random first; ``reversed``, the same from the last one down; ``random``, in random
+    order with no two consecutive ids adjacent in memory (``|c[i + 1] - c[i]| != 1``: no rows
+    that could be joined)."""
     if n > num_cpu_blocks:
         raise ValueError(f"{n} CPU blocks do not fit in {num_cpu_blocks}")
-    if order == "adjacent":
+    if order in ("adjacent", "reversed"):
         first = int(rng.integers(0, num_cpu_blocks - n + 1))
-        return np.arange(first, first + n, dtype=np.int64)
+        ids = np.arange(first, first + n, dtype=np.int64)
+        return ids if order == "adjacent" else ids[::-1].copy()
     if order != "random":
         raise ValueError(f"CPU block order must be one of {ORDERS}, not {order!r}")
     for _ in range(10_000):
