@@ -393,12 +393,12 @@ def test_submit_groups_refuses_malformed_groups_by_name() -> None:
         with pytest.raises(blockswap.InvalidTransferError, match="skip"):
             eng.submit_groups(1, [(cpu, [0], gpu, [0], -1)], "h2d")
         # Ids refused before their tables are read are named by the memory their side is in.
-        with pytest.raises(blockswap.InvalidTransferError, match="^CPU block ids must hold integ"):
+        with pytest.raises(blockswap.InvalidTransferError, match=r"^CPU block ids must hold integ"):
             eng.submit_groups(1, [(cpu, [0.5], gpu, [0], 0)], "h2d")
-        with pytest.raises(blockswap.InvalidTransferError, match="^GPU block ids must be one-dim"):
+        with pytest.raises(blockswap.InvalidTransferError, match=r"^GPU block ids must be one-dim"):
             eng.submit_groups(1, [(gpu, np.zeros((1, 1), np.int64), cpu, [0], 0)], "d2h")
         two = [(cpu, [0], gpu, [0], 0), (cpu, [1], gpu, np.array([1.0]), 0)]
-        with pytest.raises(blockswap.InvalidTransferError, match="^group 1: GPU block ids must"):
+        with pytest.raises(blockswap.InvalidTransferError, match=r"^group 1: GPU block ids must"):
             eng.submit_groups(1, two, "h2d")
         with pytest.raises(blockswap.InvalidTransferError, match=r"= 1 CPU block ids .* got 2"):
             eng.submit_groups(1, [(cpu, [0, 1], gpu, [0, 1], 0)], "h2d")
