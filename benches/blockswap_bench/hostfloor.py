@@ -2,7 +2,7 @@
 ``transfer_async`` against after the caller slept.
 
 * :class:`Addresses`: numpy computing a transfer's per-page addresses, as a per-page DMA path
-  would (the issue's reference: ``numpy us``).
+  would (``numpy us``, the reference of the host-time target).
 * :class:`Steps`: the steps any engine that copies off the caller's thread takes for a transfer,
   done as cheaply as Python can: the addresses as above, one event recorded on the caller's
   current stream through the driver (the transfer must start after the caller's work; on CUDA
@@ -90,7 +90,7 @@ class Steps:
     def __call__(self, d: str, g: np.ndarray, c: np.ndarray) -> None:
         self.addresses(d, g, c)
         self.record()
-        self._queue.put(0)
+        self._queue.put(0)  # not through hand_off: a Python call fewer
 
     def close(self) -> None:
         self._queue.put(None)
