@@ -42,7 +42,7 @@ use crate::table;
 /// - ``pool_bytes``: byte cap of the descriptor slab pool (at least 6,144: one slab);
 /// - ``max_descriptors``: descriptors one transfer may carry (1 to 2**20, the default);
 /// - ``coalesce``: merge descriptors whose source and destination both continue the previous one,
-///   and join the staged plan's rows of blocks adjacent on the host, in any order;
+///   and join the staged plan's rows of blocks adjacent on the host, their ids counting up or down;
 /// - ``shutdown_timeout``: seconds :meth:`shutdown` waits for transfers in flight before failing
 ///   them (``math.inf``: as long as they take);
 /// - ``stage_bytes``: bytes of each of a direction's two staging slots (the staged plan).

@@ -185,6 +185,20 @@ fn host_first(pair: Pair<'_>, host_src: bool) -> (&BlockTable, &[u64], &BlockTab
     }
 }
 
+/// Reverses, in place, each run of `(host id, GPU id)` pairs whose host ids count down one by one
+/// (`9, 8, 7`), so that every such run counts up.
+fn reverse_descents(pairs: &mut [(u64, u64)]) {
+    let mut i = 0;
+    while i < pairs.len() {
+        let mut j = i;
+        while j + 1 < pairs.len() && pairs[j].0.checked_sub(1) == Some(pairs[j + 1].0) {
+            j += 1;
+        }
+        pairs[i..=j].reverse();
+        i = j + 1;
+    }
+}
+
 /// Checks block ids as [`super::expand_into`] does and writes the staged plan of one group at
 /// `cursor` (see the module's layout): its host rows, joined where they continue on the host,
 /// do not cross a cut and stay within `cursor.merge`; a block entry per block pair; the group's
@@ -237,16 +251,16 @@ pub fn expand_staged_into(
     cursor.table = end + 1;
     let first_row = cursor.row;
     let mut r = first_row;
-    // Blocks in host order where rows may join: ids that name adjacent host blocks in any order
-    // (vLLM's CPU manager hands a request's reused chunks back last freed first) cross PCIe as
-    // one copy, as the cell plan's do (`finish_cells`). Each block entry carries its own ring
-    // offset, so the order changes which rows go together, never where a byte goes.
+    // Where rows may join, ids that count down one by one (vLLM's CPU manager hands a request
+    // the chunks one eviction freed last freed first) are taken in host order, so their rows
+    // cross PCIe as one copy as those of ids counting up do. Each block entry carries its own
+    // ring offset, so the order changes which rows go together, never where a byte goes. In
+    // one pass: sorting the ids would join any adjacent ones, but costs 28 µs at 2,560 ids.
     let mut order = std::mem::take(&mut scratch.pairs);
     order.clear();
     order.extend(host_ids.iter().copied().zip(gpu_ids.iter().copied()));
     if cursor.merge > 0 {
-        // Stable, and linear on ids already in either order.
-        order.sort_by_key(|&(hi, _)| hi);
+        reverse_descents(&mut order);
     }
     for &(hi, gi) in &order {
         // In range by `check_ids`; the spans were proven not to overflow at registration.

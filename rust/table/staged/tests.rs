@@ -81,11 +81,14 @@ fn staged_rows_that_continue_on_the_host_join_within_a_piece_and_a_cap() {
     )
     .unwrap();
     let row = |b: u64| 0x40000 + 128 * b;
-    // Blocks 1, 2, 3 then 4, 5 and 0, taken in host order: one row for 0-3 (a seam at block
-    // 4's start), one for 4-5; ring offsets one after the other.
+    // Blocks 1, 2, 3 then 4, 5 and 0: one row for 1-3 (a seam at block 4's start), one for
+    // 4-5, one for 0; ring offsets one after the other.
     let ids = [1, 2, 3, 4, 5, 0];
     let (rows, pages) = staged(&host, &gpu, &ids, 1 << 20);
-    assert_eq!(rows, [(row(0), 0, 512), (row(4), 512, 256)]);
+    assert_eq!(
+        rows,
+        [(row(1), 0, 384), (row(4), 384, 256), (row(0), 640, 128)]
+    );
     // Every GPU page reads the host bytes it would without joining, in the order given: GPU
     // block k takes host block ids[k], K then V.
     let (unjoined_rows, unjoined) = staged(&host, &gpu, &ids, 0);
@@ -100,15 +103,50 @@ fn staged_rows_that_continue_on_the_host_join_within_a_piece_and_a_cap() {
     // A cap of 256 bytes: two rows at most joined.
     let (rows, _) = staged(&host, &gpu, &[0, 1, 2, 3], 256);
     assert_eq!(rows, [(row(0), 0, 256), (row(2), 256, 256)]);
-    // Adjacent blocks in any order join (vLLM hands a request's reused chunks back in reverse);
-    // with no merging asked for, nothing joins and the order is the one given.
-    let (rows, _) = staged(&host, &gpu, &[3, 2, 1], 1 << 20);
-    assert_eq!(rows, [(row(1), 0, 384)]);
-    let (rows, _) = staged(&host, &gpu, &[2, 0, 1], 0);
+    // Ids counting down join as those counting up do (vLLM hands a request the chunks one
+    // eviction freed in reverse), run by run, and their pages still go to their own blocks;
+    // adjacent ids apart in the list do not join; with no merging asked for, nothing joins.
+    let ids = [3, 2, 1, 7, 6, 0];
+    let (rows, pages) = staged(&host, &gpu, &ids, 1 << 20);
     assert_eq!(
         rows,
-        [(row(2), 0, 128), (row(0), 128, 128), (row(1), 256, 128)]
+        [(row(1), 0, 384), (row(6), 384, 256), (row(0), 640, 128)]
     );
+    let (unjoined_rows, unjoined) = staged(&host, &gpu, &ids, 0);
+    let mut joined = host_pages(&rows, &pages);
+    let mut given = host_pages(&unjoined_rows, &unjoined);
+    joined.sort_unstable();
+    given.sort_unstable();
+    assert_eq!(joined, given);
+    let (rows, _) = staged(&host, &gpu, &[0, 2, 1], 1 << 20);
+    assert_eq!(rows, [(row(0), 0, 384)]); // 2, 1 taken as 1, 2: after 0
+    let (rows, _) = staged(&host, &gpu, &[1, 5, 2], 1 << 20);
+    assert_eq!(rows.len(), 3);
+    let (rows, _) = staged(&host, &gpu, &[2, 1, 0], 0);
+    assert_eq!(
+        rows,
+        [(row(2), 0, 128), (row(1), 128, 128), (row(0), 256, 128)]
+    );
+}
+
+#[test]
+fn descending_runs_are_reversed_in_place_and_nothing_else_moves() {
+    let ids = |p: &[(u64, u64)]| p.iter().map(|&(h, _)| h).collect::<Vec<_>>();
+    let mut p: Vec<(u64, u64)> = [5, 4, 3, 9, 1, 2, 8, 7, 0]
+        .iter()
+        .enumerate()
+        .map(|(i, &h)| (h, i as u64))
+        .collect();
+    reverse_descents(&mut p);
+    assert_eq!(ids(&p), [3, 4, 5, 9, 1, 2, 7, 8, 0]);
+    // Each GPU id stays with its host id.
+    assert_eq!(p[0], (3, 2));
+    assert_eq!(p[6], (7, 7));
+    let mut empty: [(u64, u64); 0] = [];
+    reverse_descents(&mut empty);
+    let mut zero = [(0, 0), (u64::MAX, 1)];
+    reverse_descents(&mut zero);
+    assert_eq!(zero, [(0, 0), (u64::MAX, 1)]);
 }
 
 /// Each page of [`staged`] as `(host address, GPU address, bytes)`: its ring offset read
