@@ -91,15 +91,11 @@ fn staged_rows_that_continue_on_the_host_join_within_a_piece_and_a_cap() {
     );
     // Every GPU page reads the host bytes it would without joining, in the order given: GPU
     // block k takes host block ids[k], K then V.
-    let (unjoined_rows, unjoined) = staged(&host, &gpu, &ids, 0);
-    let mut joined = host_pages(&rows, &pages);
-    let mut given = host_pages(&unjoined_rows, &unjoined);
+    let given = same_pages_unjoined(&host, &gpu, &ids, &rows, &pages);
+    assert_eq!(given.len(), 12);
     assert_eq!(given[0], (row(1), 0x10000, 64));
     assert_eq!(given[1], (row(1) + 64, 0x18000, 64));
     assert_eq!(given[11], (row(0) + 64, 0x18000 + 5 * 64, 64));
-    joined.sort_unstable();
-    given.sort_unstable();
-    assert_eq!((joined.len(), joined), (12, given));
     // A cap of 256 bytes: two rows at most joined.
     let (rows, _) = staged(&host, &gpu, &[0, 1, 2, 3], 256);
     assert_eq!(rows, [(row(0), 0, 256), (row(2), 256, 256)]);
@@ -112,12 +108,7 @@ fn staged_rows_that_continue_on_the_host_join_within_a_piece_and_a_cap() {
         rows,
         [(row(1), 0, 384), (row(6), 384, 256), (row(0), 640, 128)]
     );
-    let (unjoined_rows, unjoined) = staged(&host, &gpu, &ids, 0);
-    let mut joined = host_pages(&rows, &pages);
-    let mut given = host_pages(&unjoined_rows, &unjoined);
-    joined.sort_unstable();
-    given.sort_unstable();
-    assert_eq!(joined, given);
+    same_pages_unjoined(&host, &gpu, &ids, &rows, &pages);
     let (rows, _) = staged(&host, &gpu, &[0, 2, 1], 1 << 20);
     assert_eq!(rows, [(row(0), 0, 384)]); // 2, 1 taken as 1, 2: after 0
     let (rows, _) = staged(&host, &gpu, &[1, 5, 2], 1 << 20);
@@ -147,6 +138,26 @@ fn descending_runs_are_reversed_in_place_and_nothing_else_moves() {
     let mut zero = [(0, 0), (u64::MAX, 1)];
     reverse_descents(&mut zero);
     assert_eq!(zero, [(0, 0), (u64::MAX, 1)]);
+}
+
+/// Checks that the pages of `ids` staged with joined `rows` read the same host bytes into the
+/// same GPU bytes as with no row joined, and returns the latter's pages in the order given, as
+/// [`host_pages`] names them.
+fn same_pages_unjoined(
+    host: &BlockTable,
+    gpu: &BlockTable,
+    ids: &[u64],
+    rows: &[(u64, u64, u64)],
+    pages: &[(u64, u64, u64)],
+) -> Vec<(u64, u64, u64)> {
+    let (unjoined_rows, unjoined) = staged(host, gpu, ids, 0);
+    let given = host_pages(&unjoined_rows, &unjoined);
+    let mut joined = host_pages(rows, pages);
+    let mut sorted = given.clone();
+    joined.sort_unstable();
+    sorted.sort_unstable();
+    assert_eq!(joined, sorted);
+    given
 }
 
 /// Each page of [`staged`] as `(host address, GPU address, bytes)`: its ring offset read
