@@ -43,7 +43,7 @@ from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
 from blockswap import _core
 from blockswap.vllm import BlockswapOffloadingWorker
-from test_vllm import CASES, model_caches, three_group_mapping, two_ranks
+from test_vllm import CASES, model_caches, page_of_4_tensors, three_group_mapping, two_ranks
 
 PAGE = mmap.PAGESIZE
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
@@ -364,6 +364,8 @@ def test_region_bytes_equal_vllms(
     ref_views = [ref.create_next_worker_view(t.page_size_bytes * bpc) for t in kv.tensors]
     w = BlockswapOffloadingWorker(kv, bpc, n_chunks, mmap_region=region, backend=backend_of(device))
     try:
+        # One KV-cache group: the worker cuts vLLM's specs itself (`_plain_group`).
+        assert (w._plain is not None) == (groups == 1)
         # A per-layer cache moves rows (block or staged plan), not pages: a chunk of one block
         # is one row per block in its cell (every tensor's page, tensor after tensor); with more
         # blocks per chunk, a block's pages lie in the cell with the other blocks' between them
@@ -405,6 +407,81 @@ def test_region_bytes_equal_vllms(
                     assert not got[b, p:].any()
                 else:
                     assert not got[b].any(), (name, b)
+        assert torch.equal(region.base_tensor, ref.base_tensor)  # a load writes no host byte
+    finally:
+        del ref_views
+        w.shutdown()
+        ref.cleanup()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bpc", [1, 3, 4])
+def test_one_group_on_a_region_takes_the_plain_path(
+    bpc: int, device: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One KV-cache group, one writer, vLLM's region: the worker cuts vLLM's specs into the
+    core's groups itself (one per sub-block index of a chunk), not through the handler's
+    ``transfer_async``. Bad specs are refused with the general path's words; stores with partial
+    first and last chunks leave the region as vLLM's worker would (a reference written by torch
+    indexing on vLLM's own views, every other byte as it was), and a load brings the pages
+    back."""
+    n_gpu, n_chunks = 24, 8
+    kv, ts = page_of_4_tensors(bpc, n_gpu, page=512, device=device)
+    region = make_region(kv, bpc, n_chunks, world=2, rank=1)
+    ref = make_region(kv, bpc, n_chunks, world=2, rank=1)
+    fill = torch.randint(-128, 128, (region.total_size_bytes,), dtype=torch.int8)
+    region.base_tensor.copy_(fill)
+    ref.base_tensor.copy_(fill)
+    ref_views = [ref.create_next_worker_view(t.page_size_bytes * bpc) for t in kv.tensors]
+    w = BlockswapOffloadingWorker(kv, bpc, n_chunks, mmap_region=region, backend=backend_of(device))
+    try:
+        assert w._plain is not None  # the path under test
+        for h in w.handlers[0].handlers:
+
+            def general(*args: Any, **kwargs: Any) -> bool:
+                raise AssertionError("the plain path reads vLLM's specs itself")
+
+            monkeypatch.setattr(h, "transfer_async", general)
+        n = 2 * bpc
+        ids = list(range(n))
+        cases: list[tuple[Any, Any, str]] = [
+            (GPULoadStoreSpec(ids, [n], [0]), CPULoadStoreSpec([0]), "CPU chunks"),
+            (GPULoadStoreSpec(ids, [n], [0]), CPULoadStoreSpec([0, 1, 2]), "CPU chunks"),
+            (GPULoadStoreSpec(ids, [n], [0]), CPULoadStoreSpec([0, n_chunks]), "range"),
+            (GPULoadStoreSpec([0, 99], [2], [0]), CPULoadStoreSpec([0] * (1 + (bpc < 2))), "range"),
+            (GPULoadStoreSpec([0], [1, 0], [0, 0]), CPULoadStoreSpec([0]), "2 group sizes"),
+            (GPULoadStoreSpec([0], [1], [-1]), CPULoadStoreSpec([0]), "from block index -1"),
+        ]
+        for i, (gpu, cpu, why) in enumerate(cases):
+            caplog.clear()
+            assert w.submit_store(10 + i, gpu, cpu) is False, i
+            assert why in caplog.text, (i, caplog.text)
+        # Stores from every first sub-block, so that each index of a chunk leads in turn.
+        gen = torch.Generator().manual_seed(bpc)
+        for job, start in enumerate(range(bpc + 1)):
+            blocks = torch.randperm(n_gpu, generator=gen)[:5].tolist()
+            m = math.ceil((start % bpc + len(blocks)) / bpc)
+            chunks = torch.randperm(n_chunks, generator=gen)[:m].tolist()
+            spec = GPULoadStoreSpec(blocks, [len(blocks)], [start])
+            assert w.submit_store(30 + job, spec, CPULoadStoreSpec(chunks)) is True
+            wait_one(w, 30 + job)
+            vllm_store(ref_views, kv, bpc, [blocks], [chunks], [start])
+            assert torch.equal(region.base_tensor, ref.base_tensor), start
+        # The last store loaded back into other blocks of a cleared cache.
+        others = [b for b in range(n_gpu) if b not in blocks][: len(blocks)]
+        before = [t.clone() for t in ts]
+        for t in ts:
+            t.zero_()
+        spec = GPULoadStoreSpec(others, [len(others)], [start])
+        assert w.submit_load(50, CPULoadStoreSpec(chunks), spec) is True
+        wait_one(w, 50)
+        for t, b0 in zip(ts, before):
+            got, want = t.cpu(), b0.cpu()
+            for b in range(n_gpu):
+                if b in others:
+                    assert torch.equal(got[b], want[blocks[others.index(b)]]), b
+                else:
+                    assert not got[b].any(), b
         assert torch.equal(region.base_tensor, ref.base_tensor)  # a load writes no host byte
     finally:
         del ref_views

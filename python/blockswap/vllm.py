@@ -273,11 +273,12 @@ class BlockswapOffloadingWorker(OffloadingWorker):
                 for _ in range(self._fanout):
                     gpu_groups.append([rows[t][:, :p].unsqueeze(1) for t, p in pages.items()])
         self._single = len(gpu_groups) == 1
-        #: Where one vLLM group maps to one handler group with one writer (no fan-out, every
-        #: rank storing every block it names): the bytes vLLM counts per block, for the path of
+        #: Where vLLM has one group and one writer class of one writer (every rank storing
+        #: every block it names), mapped to one handler group, or with a shared region to one
+        #: per sub-block index of a chunk: the bytes vLLM counts per block, for the path of
         #: `_plain_group`; None otherwise.
         self._plain: int | None = None
-        if self._single and self._fanout == 1 and len(self._classes) == 1:
+        if len(self._classes) == 1:
             classes = self._classes[0]
             if len(classes) == 1 and classes[0][0] == 1:
                 self._plain = classes[0][2]
@@ -641,12 +642,19 @@ class BlockswapOffloadingWorker(OffloadingWorker):
     def _plain_group(
         self, handler: Any, gpu_spec: GPULoadStoreSpec, cpu_spec: LoadStoreSpec
     ) -> tuple[list[tuple[int, npt.ArrayLike, int, npt.ArrayLike, int]], int]:
-        """The usual case (``_plain``: one KV-cache group, one handler group, one writer) as
-        the core's one group for ``handler`` (:meth:`SingleDirectionHandler._issue`), and the
-        blocks it moves: vLLM's ids as vLLM gave them (the core reads int32 and int64 arrays in
-        place, converts anything else and checks every id), the sub-blocks skipped in the first
-        chunk from vLLM's block index. This checks the counts first, as the general path does,
-        to name them.
+        """The usual case (``_plain``: one KV-cache group, one writer) as the core's groups for
+        ``handler`` (:meth:`SingleDirectionHandler._issue`), and the blocks they move: vLLM's
+        ids as vLLM gave them (the core reads int32 and int64 arrays in place, converts
+        anything else and checks every id), the sub-blocks skipped in the first chunk from
+        vLLM's block index. This checks the counts first, as the general path does, to name
+        them.
+
+        One group, unless a shared region holds ``blocks_per_chunk`` > 1 blocks a chunk: then
+        handler group ``j`` holds sub-block index ``j`` of every chunk (its pages in every
+        cell), and block ``i``, at index ``(skip + i) % f`` of chunk ``(skip + i) // f``, goes
+        to it with that chunk's id: strided views of vLLM's arrays, as :meth:`_split` cuts
+        them through the core's ``chunk_blocks`` (the core checks the chunk ids against the
+        region's rows).
 
         The handler's :meth:`~SingleDirectionHandler.transfer_async` would read the same ids
         again, through a spec of any shape: on a thread back from a step's other work each
@@ -671,10 +679,21 @@ class BlockswapOffloadingWorker(OffloadingWorker):
         m = chunk_count(f, n, skip)
         if len(cpu) != m:
             _check_taken(n, m, n, len(cpu))
-        src, dst = handler._group_tables(0)
-        if handler.gpu_to_cpu:
-            return [(src, gpu, dst, cpu, skip)], n
-        return [(src, cpu, dst, gpu, skip)], n
+        d2h = handler.gpu_to_cpu
+        if self._fanout == 1:
+            src, dst = handler._group_tables(0)
+            return [(src, gpu, dst, cpu, skip) if d2h else (src, cpu, dst, gpu, skip)], n
+        gpu, cpu = np.asarray(gpu), np.asarray(cpu)
+        groups: list[tuple[int, npt.ArrayLike, int, npt.ArrayLike, int]] = []
+        for j in range(f):
+            first = (j - skip) % f  # the first block at sub-block index j of its chunk
+            g = gpu[first::f]
+            if g.shape[0]:
+                c0 = (skip + first) // f
+                c = cpu[c0 : c0 + g.shape[0]]
+                src, dst = handler._group_tables(j)
+                groups.append((src, g, dst, c, 0) if d2h else (src, c, dst, g, 0))
+        return groups, n
 
     def _split(
         self, gpu_spec: GPULoadStoreSpec, cpu_spec: LoadStoreSpec, store: bool
