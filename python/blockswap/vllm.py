@@ -273,15 +273,14 @@ class BlockswapOffloadingWorker(OffloadingWorker):
                 for _ in range(self._fanout):
                     gpu_groups.append([rows[t][:, :p].unsqueeze(1) for t, p in pages.items()])
         self._single = len(gpu_groups) == 1
-        #: Where vLLM has one group and one writer class of one writer (every rank storing
-        #: every block it names), mapped to one handler group, or with a shared region to one
-        #: per sub-block index of a chunk: the bytes vLLM counts per block, for the path of
-        #: `_plain_group`; None otherwise.
-        self._plain: int | None = None
-        if len(self._classes) == 1:
-            classes = self._classes[0]
-            if len(classes) == 1 and classes[0][0] == 1:
-                self._plain = classes[0][2]
+        #: Where each vLLM group with pages has one writer class of one writer (every rank
+        #: storing every block it names), mapped to one handler group, or with a shared region
+        #: to one per sub-block index of a chunk: per vLLM group, the bytes vLLM counts per
+        #: block (0 for a group without pages), for the path of `_plain_groups`; None
+        #: otherwise.
+        self._plain: list[int] | None = None
+        if all(len(c) == 1 and c[0][0] == 1 for c in self._classes if c):
+            self._plain = [c[0][2] if c else 0 for c in self._classes]
         if on_cuda:
             handler_options.setdefault("timing", True)  # transfer_time: the copies' GPU time
 
@@ -610,8 +609,7 @@ class BlockswapOffloadingWorker(OffloadingWorker):
             cpu_spec = dst if gpu_spec is src else src
             jobs = self._lanes[lane]
             if self._plain is not None:
-                groups, n = self._plain_group(handler, gpu_spec, cpu_spec)
-                size = n * self._plain
+                groups, n, size = self._plain_groups(handler, gpu_spec, cpu_spec)
             else:
                 gpu_ids, cpu_ids, starts, size = self._split(gpu_spec, cpu_spec, lane == "store")
                 n = sum(g.shape[0] for g in gpu_ids)
@@ -639,61 +637,72 @@ class BlockswapOffloadingWorker(OffloadingWorker):
         self._sizes[job_id] = size
         return True
 
-    def _plain_group(
+    def _plain_groups(
         self, handler: Any, gpu_spec: GPULoadStoreSpec, cpu_spec: LoadStoreSpec
-    ) -> tuple[list[tuple[int, npt.ArrayLike, int, npt.ArrayLike, int]], int]:
-        """The usual case (``_plain``: one KV-cache group, one writer) as the core's groups for
-        ``handler`` (:meth:`SingleDirectionHandler._issue`), and the blocks they move: vLLM's
-        ids as vLLM gave them (the core reads int32 and int64 arrays in place, converts
-        anything else and checks every id), the sub-blocks skipped in the first chunk from
-        vLLM's block index. This checks the counts first, as the general path does, to name
-        them.
+    ) -> tuple[list[tuple[int, npt.ArrayLike, int, npt.ArrayLike, int]], int, int]:
+        """The usual case (``_plain``: one writer per group) as the core's groups for
+        ``handler`` (:meth:`SingleDirectionHandler._issue`), the blocks they move and the bytes
+        vLLM counts: vLLM's ids as vLLM gave them, cut per group (the core reads int32 and
+        int64 arrays in place, converts anything else and checks every id), the sub-blocks
+        skipped in a group's first chunk from vLLM's block index. The counts are checked as the
+        general path checks them, to name them.
 
-        One group, unless a shared region holds ``blocks_per_chunk`` > 1 blocks a chunk: then
-        handler group ``j`` holds sub-block index ``j`` of every chunk (its pages in every
-        cell), and block ``i``, at index ``(skip + i) % f`` of chunk ``(skip + i) // f``, goes
-        to it with that chunk's id: strided views of vLLM's arrays, as :meth:`_split` cuts
-        them through the core's ``chunk_blocks`` (the core checks the chunk ids against the
-        region's rows).
+        A group is one handler group, unless a shared region holds ``blocks_per_chunk`` > 1
+        blocks a chunk: then handler group ``j`` of it holds sub-block index ``j`` of every
+        chunk (its pages in every cell), and block ``i``, at index ``(skip + i) % f`` of chunk
+        ``(skip + i) // f``, goes to it with that chunk's id: strided views of vLLM's arrays,
+        as :meth:`_split` cuts them through the core's ``chunk_blocks`` (the core checks the
+        chunk ids against the region's rows).
 
         The handler's :meth:`~SingleDirectionHandler.transfer_async` would read the same ids
         again, through a spec of any shape: on a thread back from a step's other work each
-        Python call costs several µs, and this path makes two small ones into the core
-        (``chunk_skip``, ``chunk_count``) and no other (docs/benchmarks.md: the plug-in's usual
-        case; a submission's ids read once, in the core)."""
+        Python call costs several µs, and this path makes two small ones into the core per
+        group (``chunk_skip``, ``chunk_count``) and no other (docs/benchmarks.md: the plug-in's
+        usual case; a submission's ids read once, in the core)."""
         sizes: Sequence[int] = gpu_spec.group_sizes
         starts: Sequence[int] = gpu_spec.block_indices
-        if len(sizes) != 1 or len(starts) != 1:
+        plain = self._plain
+        assert plain is not None  # the caller's test
+        if len(sizes) != len(plain) or len(starts) != len(plain):
             raise ConfigError(
                 f"the spec has {len(sizes)} group sizes and {len(starts)} block indices for "
-                "1 KV-cache group"
+                f"{len(plain)} KV-cache groups"
             )
-        f = self.blocks_per_chunk
+        f, fan, d2h = self.blocks_per_chunk, self._fanout, handler.gpu_to_cpu
         gpu = gpu_spec.block_ids
         cpu = getattr(cpu_spec, "block_ids", cpu_spec)
-        n, start = len(gpu), starts[0]
-        if n != sizes[0] or start < 0:  # a spec at odds with itself: the general path's words
-            n_, _, _, m = _group_span(f, 0, sizes[0], start)
-            _check_taken(n_, m, n, len(cpu))
-        skip = chunk_skip(f, n, start)
-        m = chunk_count(f, n, skip)
-        if len(cpu) != m:
-            _check_taken(n, m, n, len(cpu))
-        d2h = handler.gpu_to_cpu
-        if self._fanout == 1:
-            src, dst = handler._group_tables(0)
-            return [(src, gpu, dst, cpu, skip) if d2h else (src, cpu, dst, gpu, skip)], n
-        gpu, cpu = np.asarray(gpu), np.asarray(cpu)
         groups: list[tuple[int, npt.ArrayLike, int, npt.ArrayLike, int]] = []
-        for j in range(f):
-            first = (j - skip) % f  # the first block at sub-block index j of its chunk
-            g = gpu[first::f]
-            if g.shape[0]:
-                c0 = (skip + first) // f
-                c = cpu[c0 : c0 + g.shape[0]]
-                src, dst = handler._group_tables(j)
-                groups.append((src, g, dst, c, 0) if d2h else (src, c, dst, g, 0))
-        return groups, n
+        if len(plain) == 1 and fan == 1:
+            # One group: vLLM's arrays whole, no slice.
+            n, _, skip, m = _group_span(f, 0, sizes[0], starts[0])
+            _check_taken(n, m, len(gpu), len(cpu))
+            src, dst = handler._group_tables(0)
+            groups.append((src, gpu, dst, cpu, skip) if d2h else (src, cpu, dst, gpu, skip))
+            return groups, n, n * plain[0]
+        if fan > 1:
+            gpu, cpu = np.asarray(gpu), np.asarray(cpu)
+        o = c = size = 0
+        for g, (n_g, start_g) in enumerate(zip(sizes, starts)):
+            n, _, skip, m = _group_span(f, g, n_g, start_g)
+            base = self._groups[g]
+            if base is None:
+                if n:
+                    raise ConfigError(f"group {g} has no pages but the spec names {n} blocks")
+                continue
+            ids, cs = gpu[o : o + n], cpu[c : c + m]
+            o, c, size = o + n, c + m, size + n * plain[g]
+            for j in range(fan):
+                first = (j - skip) % f if fan > 1 else 0
+                gj = ids[first::f] if fan > 1 else ids
+                k = len(gj)
+                if k:
+                    c0 = (skip + first) // f if fan > 1 else 0
+                    cj = cs[c0 : c0 + k] if fan > 1 else cs
+                    sk = skip if fan == 1 else 0
+                    src, dst = handler._group_tables(base + j)
+                    groups.append((src, gj, dst, cj, sk) if d2h else (src, cj, dst, gj, sk))
+        _check_taken(o, c, len(gpu), len(cpu))
+        return groups, o, size
 
     def _split(
         self, gpu_spec: GPULoadStoreSpec, cpu_spec: LoadStoreSpec, store: bool
@@ -706,7 +715,7 @@ class BlockswapOffloadingWorker(OffloadingWorker):
         ``(g, sub-block index, writer class)`` with its chunk id. A ``store`` of a class with
         several writers keeps the blocks whose canonical page (``chunk * blocks_per_chunk +
         sub-block index``) is this rank's turn (vLLM's ``CanonicalPageMapping.is_writer``).
-        The usual case takes :meth:`_plain_group` instead."""
+        The usual case takes :meth:`_plain_groups` instead."""
         sizes: Sequence[int] = gpu_spec.group_sizes
         starts: Sequence[int] = gpu_spec.block_indices
         if len(sizes) != len(self._groups) or len(starts) != len(self._groups):
