@@ -18,7 +18,12 @@ tensor whose page is every layer's), ``blocks_per_chunk`` 1 and 4, each directio
   ``cuMemcpyBatchAsync`` over one descriptor per (layer, block) between the GPU tensors and a CPU
   cache that mirrors them (one pinned tensor per GPU tensor), here through cuda-bindings;
 * ``vllm triton`` (CPU->GPU only, pages under 28 KiB, as vLLM picks it): vLLM's own Triton copy
-  kernel (``_swap_blocks_kernel``, 12 CTAs) over the same descriptors.
+  kernel (``_swap_blocks_kernel``, 12 CTAs) over the same descriptors;
+* ``rows``: the floor of any plan with these random chunks, timed as vLLM's paths are: one copy
+  per chunk of every byte the transfer moves in it (a row of the chunk's ``bpc`` pages of every
+  tensor, contiguous as in vLLM's region cell; here in one pinned buffer of such rows) to or
+  from one contiguous device buffer, one ``cuMemcpyBatchAsync``: the fewest copies across
+  ``PCIe`` the chunks allow, and no page placed on the GPU.
 
 A transfer moves ``--blocks`` random GPU blocks (per KV-cache group) to or from random CPU chunks.
 "isolated": GPU time of one transfer (blockswap: its ``transfer_time``, CUDA events around its
@@ -102,11 +107,14 @@ class Case:
         self.page = self.gpu[0].shape[1]
         self.kv = CanonicalKVCaches([CanonicalKVCacheTensor(t, self.page) for t in self.gpu], refs)
         self.refs = refs
-        # vLLM's own CPU cache (pinned, a mirror of the GPU tensors).
-        self.cpu = [
-            torch.zeros((N_CHUNKS, self.page * bpc), dtype=torch.int8, pin_memory=True)
-            for _ in self.gpu
-        ]
+        # vLLM's own CPU cache (pinned, a mirror of the GPU tensors), in one buffer that the
+        # rows floor reads as N_CHUNKS rows of every tensor's bpc pages.
+        self.host = torch.zeros(
+            (len(self.gpu), N_CHUNKS, self.page * bpc), dtype=torch.int8, pin_memory=True
+        )
+        self.cpu = list(self.host)
+        self.row = len(self.gpu) * self.page * bpc
+        self.dev_rows: torch.Tensor | None = None
 
     def spec(self, rng: np.random.Generator, blocks: int) -> tuple[list[list[int]], list[int]]:
         """Per group ``blocks`` random GPU blocks, and the chunks they take (first index 0)."""
@@ -117,6 +125,19 @@ class Case:
 
     def nbytes(self, blocks: int) -> int:
         return blocks * sum(r.page_size_bytes for g in self.refs for r in g)
+
+    def rows(
+        self, chunks: list[int], gpu_to_cpu: bool
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The rows floor's descriptors (see the module): a chunk's row each, to or from
+        consecutive rows of one device buffer."""
+        n = len(chunks)
+        if self.dev_rows is None or self.dev_rows.numel() < n * self.row:
+            self.dev_rows = torch.empty(n * self.row, dtype=torch.int8, device="cuda")
+        host = self.host.data_ptr() + np.asarray(chunks, dtype=np.int64) * self.row
+        dev = self.dev_rows.data_ptr() + np.arange(n, dtype=np.int64) * self.row
+        size = np.full(n, self.row, dtype=np.int64)
+        return (dev, host, size) if gpu_to_cpu else (host, dev, size)
 
     def descriptors(
         self, ids: list[list[int]], chunks: list[int], gpu_to_cpu: bool
@@ -147,13 +168,16 @@ class Case:
 def measure_vllm(
     case: Case, path: str, gpu_to_cpu: bool, blocks: int, reps: int, rng: np.random.Generator
 ) -> dict[str, float]:
-    """vLLM's DMA path (cuda-bindings' cuMemcpyBatchAsync) or its Triton kernel."""
+    """vLLM's DMA path (cuda-bindings' cuMemcpyBatchAsync), its Triton kernel or the rows
+    floor (``path``: ``dma``, ``triton``, ``rows``)."""
     stream = torch.cuda.Stream()
     prepare = cuda_bindings_batch()
     tri = vllm_triton() if path == "triton" else None
 
     def call(gpu_to_cpu: bool = gpu_to_cpu) -> Callable[[], None]:
         ids, chunks = case.spec(rng, blocks)
+        if path == "rows":
+            return prepare(*case.rows(chunks, gpu_to_cpu), False, stream)  # type: ignore[misc]
         s, d, z = case.descriptors(ids, chunks, gpu_to_cpu)
         if tri is None:
             return prepare(s, d, z, False, stream)  # type: ignore[misc]
@@ -218,8 +242,8 @@ def main() -> int:
                             f"{args.cache}; isolated/queued %, blockswap's wall clock "
                             "isolated %"))  # fmt: skip
     print(f"{'model':<20} {'tensors':<11} {'bpc':>3} {'page':>8} {'dir':>4} "
-          f"{'blockswap':>13} {'wall':>6} {'host us':>7} {'vllm dma':>13} {'vllm triton':>13}  "
-          "route")  # fmt: skip
+          f"{'blockswap':>13} {'wall':>6} {'host us':>7} {'rows':>13} {'vllm dma':>13} "
+          f"{'vllm triton':>13}  route")  # fmt: skip
     rows = []
     wanted = set(args.models.split(","))
     for m in (m for m in MODELS if m.key in wanted):
@@ -233,6 +257,7 @@ def main() -> int:
                     bs, route = measure_worker(
                         case, gpu_to_cpu, args.blocks, args.reps, rng, args.cache
                     )
+                    floor = measure_vllm(case, "rows", gpu_to_cpu, args.blocks, args.reps, rng)
                     dma = measure_vllm(case, "dma", gpu_to_cpu, args.blocks, args.reps, rng)
                     tri = None
                     if not gpu_to_cpu and case.page < 28 * 1024 and case.page % 8 == 0:
@@ -247,6 +272,7 @@ def main() -> int:
                         "blockswap": bs,
                         "blockswap_cache": args.cache,
                         "blockswap_route": route,
+                        "rows_floor": floor,
                         "vllm_dma": dma,
                         "vllm_triton": tri,
                     }
@@ -261,7 +287,7 @@ def main() -> int:
                     print(f"{m.name[:20]:<20} {row['tensors']:<11} {bpc:>3} "
                           f"{case.page // 1024:>6}Ki {d:>4} {pct(bs)} "
                           f"{100 * bs['wall_gbps'] / ceil[d]:>5.1f}% {bs['host_us']:>7.0f} "
-                          f"{pct(dma)} {pct(tri)}  {route[:60]}")  # fmt: skip
+                          f"{pct(floor)} {pct(dma)} {pct(tri)}  {route[:60]}")  # fmt: skip
                 del case
                 torch.cuda.empty_cache()
     if args.json:
