@@ -58,16 +58,13 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
-
-import numpy as np
-import numpy.typing as npt
 
 from . import _optional, _vllm_config
 from . import _vllm_region as _region
 from ._checks import check_int
 from ._types import BackendName, HandlerPath
+from ._vllm_specs import GroupMap
 from .errors import ConfigError
 
 try:
@@ -90,12 +87,7 @@ except ModuleNotFoundError as e:
         name=e.name,
     ) from e
 
-from ._core import (
-    chunk_blocks,
-    chunk_count,
-    chunk_skip,
-    stage_slot,
-)
+from ._core import stage_slot
 from .handler import CpuGpuHandlers
 from .hostmem import DEFAULT_PIECE_BYTES, PinnedRows
 
@@ -273,14 +265,11 @@ class BlockswapOffloadingWorker(OffloadingWorker):
                 for _ in range(self._fanout):
                     gpu_groups.append([rows[t][:, :p].unsqueeze(1) for t, p in pages.items()])
         self._single = len(gpu_groups) == 1
-        #: Where each vLLM group with pages has one writer class of one writer (every rank
-        #: storing every block it names), mapped to one handler group, or with a shared region
-        #: to one per sub-block index of a chunk: per vLLM group, the bytes vLLM counts per
-        #: block (0 for a group without pages), for the path of `_plain_groups`; None
-        #: otherwise.
-        self._plain: list[int] | None = None
-        if all(len(c) == 1 and c[0][0] == 1 for c in self._classes if c):
-            self._plain = [c[0][2] if c else 0 for c in self._classes]
+        #: How vLLM's groups map to the handlers' groups, and the cut of its specs.
+        self._map = GroupMap(self._groups, self._classes, self._fanout, f, self.num_cpu_chunks)
+        #: Per vLLM group the bytes vLLM counts per block where every group has one writer
+        #: (the usual case, `GroupMap.plain_groups`); None otherwise.
+        self._plain = self._map.plain
         if on_cuda:
             handler_options.setdefault("timing", True)  # transfer_time: the copies' GPU time
 
@@ -609,9 +598,11 @@ class BlockswapOffloadingWorker(OffloadingWorker):
             cpu_spec = dst if gpu_spec is src else src
             jobs = self._lanes[lane]
             if self._plain is not None:
-                groups, n, size = self._plain_groups(handler, gpu_spec, cpu_spec)
+                groups, n, size = self._map.plain_groups(handler, gpu_spec, cpu_spec)
             else:
-                gpu_ids, cpu_ids, starts, size = self._split(gpu_spec, cpu_spec, lane == "store")
+                gpu_ids, cpu_ids, starts, size = self._map.split(
+                    gpu_spec, cpu_spec, lane == "store"
+                )
                 n = sum(g.shape[0] for g in gpu_ids)
             if not n:
                 # No data to move: reported right after the jobs submitted before it in its lane.
@@ -636,149 +627,6 @@ class BlockswapOffloadingWorker(OffloadingWorker):
         self._lane_of[job_id] = lane
         self._sizes[job_id] = size
         return True
-
-    def _plain_groups(
-        self, handler: Any, gpu_spec: GPULoadStoreSpec, cpu_spec: LoadStoreSpec
-    ) -> tuple[list[tuple[int, npt.ArrayLike, int, npt.ArrayLike, int]], int, int]:
-        """The usual case (``_plain``: one writer per group) as the core's groups for
-        ``handler`` (:meth:`SingleDirectionHandler._issue`), the blocks they move and the bytes
-        vLLM counts: vLLM's ids as vLLM gave them, cut per group (the core reads int32 and
-        int64 arrays in place, converts anything else and checks every id), the sub-blocks
-        skipped in a group's first chunk from vLLM's block index. The counts are checked as the
-        general path checks them, to name them.
-
-        A group is one handler group, unless a shared region holds ``blocks_per_chunk`` > 1
-        blocks a chunk: then handler group ``j`` of it holds sub-block index ``j`` of every
-        chunk (its pages in every cell), and block ``i``, at index ``(skip + i) % f`` of chunk
-        ``(skip + i) // f``, goes to it with that chunk's id: strided views of vLLM's arrays,
-        as :meth:`_split` cuts them through the core's ``chunk_blocks`` (the core checks the
-        chunk ids against the region's rows).
-
-        The handler's :meth:`~SingleDirectionHandler.transfer_async` would read the same ids
-        again, through a spec of any shape: on a thread back from a step's other work each
-        Python call costs several µs, and this path makes two small ones into the core per
-        group (``chunk_skip``, ``chunk_count``) and no other (docs/benchmarks.md: the plug-in's
-        usual case; a submission's ids read once, in the core)."""
-        sizes: Sequence[int] = gpu_spec.group_sizes
-        starts: Sequence[int] = gpu_spec.block_indices
-        plain = self._plain
-        assert plain is not None  # the caller's test
-        if len(sizes) != len(plain) or len(starts) != len(plain):
-            raise ConfigError(
-                f"the spec has {len(sizes)} group sizes and {len(starts)} block indices for "
-                f"{len(plain)} KV-cache groups"
-            )
-        f, fan, d2h = self.blocks_per_chunk, self._fanout, handler.gpu_to_cpu
-        gpu = gpu_spec.block_ids
-        cpu = getattr(cpu_spec, "block_ids", cpu_spec)
-        groups: list[tuple[int, npt.ArrayLike, int, npt.ArrayLike, int]] = []
-        if len(plain) == 1 and fan == 1:
-            # One group: vLLM's arrays whole, no slice.
-            n, _, skip, m = _group_span(f, 0, sizes[0], starts[0])
-            _check_taken(n, m, len(gpu), len(cpu))
-            src, dst = handler._group_tables(0)
-            groups.append((src, gpu, dst, cpu, skip) if d2h else (src, cpu, dst, gpu, skip))
-            return groups, n, n * plain[0]
-        if fan > 1:
-            gpu, cpu = np.asarray(gpu), np.asarray(cpu)
-        o = c = size = 0
-        for g, (n_g, start_g) in enumerate(zip(sizes, starts)):
-            n, _, skip, m = _group_span(f, g, n_g, start_g)
-            base = self._groups[g]
-            if base is None:
-                if n:
-                    raise ConfigError(f"group {g} has no pages but the spec names {n} blocks")
-                continue
-            ids, cs = gpu[o : o + n], cpu[c : c + m]
-            o, c, size = o + n, c + m, size + n * plain[g]
-            for j in range(fan):
-                first = (j - skip) % f if fan > 1 else 0
-                gj = ids[first::f] if fan > 1 else ids
-                k = len(gj)
-                if k:
-                    c0 = (skip + first) // f if fan > 1 else 0
-                    cj = cs[c0 : c0 + k] if fan > 1 else cs
-                    sk = skip if fan == 1 else 0
-                    src, dst = handler._group_tables(base + j)
-                    groups.append((src, gj, dst, cj, sk) if d2h else (src, cj, dst, gj, sk))
-        _check_taken(o, c, len(gpu), len(cpu))
-        return groups, o, size
-
-    def _split(
-        self, gpu_spec: GPULoadStoreSpec, cpu_spec: LoadStoreSpec, store: bool
-    ) -> tuple[list[npt.NDArray[np.int64]], list[npt.NDArray[np.int64]], list[int] | None, int]:
-        """vLLM's flat ids cut per KV-cache group: ``(GPU ids, CPU ids, first block indices,
-        bytes vLLM counts)``, ids per handler group. A group takes ``ceil((skip + n) /
-        blocks_per_chunk)`` chunks of the flat list (none for no block); the engine checks each
-        group's count again. With a shared region the core maps each group's chunks to the
-        sub-blocks its blocks use (``chunk_blocks``), and block ``i`` goes to handler group
-        ``(g, sub-block index, writer class)`` with its chunk id. A ``store`` of a class with
-        several writers keeps the blocks whose canonical page (``chunk * blocks_per_chunk +
-        sub-block index``) is this rank's turn (vLLM's ``CanonicalPageMapping.is_writer``).
-        The usual case takes :meth:`_plain_groups` instead."""
-        sizes: Sequence[int] = gpu_spec.group_sizes
-        starts: Sequence[int] = gpu_spec.block_indices
-        if len(sizes) != len(self._groups) or len(starts) != len(self._groups):
-            raise ConfigError(
-                f"the spec has {len(sizes)} group sizes and {len(starts)} block indices for "
-                f"{len(self._groups)} KV-cache groups"
-            )
-        f = self.blocks_per_chunk
-        gpu = np.asarray(gpu_spec.block_ids, dtype=np.int64)
-        chunks = np.asarray(getattr(cpu_spec, "block_ids", cpu_spec), dtype=np.int64)
-        fan = self._fanout
-        out_gpu: list[npt.NDArray[np.int64]] = []
-        out_cpu: list[npt.NDArray[np.int64]] = []
-        out_start: list[int] = []
-        o = c = size = 0
-        for g, (n_g, start_g) in enumerate(zip(sizes, starts)):
-            n, start, skip, m = _group_span(f, g, n_g, start_g)
-            if self._groups[g] is None:
-                if n:
-                    raise ConfigError(f"group {g} has no pages but the spec names {n} blocks")
-                continue
-            ids, cs = gpu[o : o + n], chunks[c : c + m]
-            o, c = o + n, c + m
-            if fan == 1:
-                # The private cache (one class), or one block per chunk: page id = chunk id.
-                for nw, wi, nbytes in self._classes[g]:
-                    gk, ck = _region.writer_blocks(ids, cs, cs, nw, wi, store)
-                    out_gpu.append(gk)
-                    out_cpu.append(ck)
-                    out_start.append(start)
-                    size += gk.shape[0] * nbytes
-                continue
-            # The chunk rule in the core: the sub-block (chunk * f + index) of each block.
-            sub = chunk_blocks(cs, f, ids.shape[0], skip, self.num_cpu_chunks) if n else cs
-            for j in range(fan):
-                first = (j - skip) % f  # the first block at sub-block index j of its chunk
-                gj, cj = ids[first::f], sub[first::f] // f
-                for nw, wi, nbytes in self._classes[g]:
-                    gk, ck = _region.writer_blocks(gj, cj, cj * f + j, nw, wi, store)
-                    out_gpu.append(gk)
-                    out_cpu.append(ck)
-                    size += gk.shape[0] * nbytes
-        _check_taken(o, c, gpu.shape[0], chunks.shape[0])
-        return out_gpu, out_cpu, (out_start if fan == 1 else None), size
-
-
-def _group_span(f: int, g: int, n: Any, start: Any) -> tuple[int, int, int, int]:
-    """Group ``g``'s ``(blocks, first block index, sub-blocks skipped in its first chunk,
-    chunks)`` from vLLM's group size and block index, ``f`` blocks per chunk."""
-    n, start = int(n), int(start)
-    if n < 0 or start < 0:
-        raise ConfigError(f"group {g}: {n} blocks from block index {start}")
-    skip = chunk_skip(f, n, start)
-    return n, start, skip, chunk_count(f, n, skip)
-
-
-def _check_taken(blocks: int, chunks: int, named_blocks: int, named_chunks: int) -> None:
-    """The spec names as many GPU blocks and CPU chunks as its groups take, or a ConfigError."""
-    if blocks != named_blocks or chunks != named_chunks:
-        raise ConfigError(
-            f"the groups take {blocks} GPU blocks and {chunks} CPU chunks, the spec names "
-            f"{named_blocks} and {named_chunks}"
-        )
 
 
 #: Regions an engine could still copy into when its shutdown timed out: kept for the process.
