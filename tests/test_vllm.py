@@ -225,6 +225,39 @@ def test_a_bad_spec_is_a_false_return_not_an_exception(
         w.shutdown()
 
 
+def refuses_bad_specs_on_the_plain_path(
+    w: BlockswapOffloadingWorker,
+    bpc: int,
+    n_chunks: int,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``w`` (one KV-cache group of 24 GPU blocks, ``bpc`` blocks a chunk, ``n_chunks`` chunks)
+    takes the plain path, its handlers' ``transfer_async`` never called from here on, and
+    refuses bad specs there with the general path's words."""
+    assert w._plain is not None  # the path under test
+    for h in w.handlers[0].handlers:
+
+        def general(*args: Any, **kwargs: Any) -> bool:
+            raise AssertionError("the plain path reads vLLM's specs itself")
+
+        monkeypatch.setattr(h, "transfer_async", general)
+    n = 2 * bpc
+    ids = list(range(n))
+    cases: list[tuple[Any, Any, str]] = [
+        (GPULoadStoreSpec(ids, [n], [0]), CPULoadStoreSpec([0]), "CPU chunks"),
+        (GPULoadStoreSpec(ids, [n], [0]), CPULoadStoreSpec([0, 1, 2]), "CPU chunks"),
+        (GPULoadStoreSpec(ids, [n], [0]), CPULoadStoreSpec([0, n_chunks]), "range"),
+        (GPULoadStoreSpec([0, 99], [2], [0]), CPULoadStoreSpec([0] * (1 + (bpc < 2))), "range"),
+        (GPULoadStoreSpec([0], [1, 0], [0, 0]), CPULoadStoreSpec([0]), "2 group sizes"),
+        (GPULoadStoreSpec([0], [1], [-1]), CPULoadStoreSpec([0]), "from block index -1"),
+    ]
+    for i, (gpu, cpu, why) in enumerate(cases):
+        caplog.clear()
+        assert w.submit_store(10 + i, gpu, cpu) is False, i
+        assert why in caplog.text, (i, caplog.text)
+
+
 @pytest.mark.parametrize("bpc", [1, 4])
 def test_one_group_bad_specs_are_refused_on_the_plain_path(
     bpc: int, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
@@ -236,26 +269,8 @@ def test_one_group_bad_specs_are_refused_on_the_plain_path(
     kv, ts = page_of_4_tensors(3, 24)
     w = BlockswapOffloadingWorker(kv, bpc, N_CHUNKS, backend="host")
     try:
-        assert w._plain is not None  # the path under test
-        for h in w.handlers[0].handlers:
-
-            def general(*args: Any, **kwargs: Any) -> bool:
-                raise AssertionError("the plain path reads vLLM's specs itself")
-
-            monkeypatch.setattr(h, "transfer_async", general)
+        refuses_bad_specs_on_the_plain_path(w, bpc, N_CHUNKS, caplog, monkeypatch)
         n = 2 * bpc
-        cases: list[tuple[Any, Any, str]] = [
-            (GPULoadStoreSpec(list(range(n)), [n], [0]), CPULoadStoreSpec([0]), "CPU chunks"),
-            (GPULoadStoreSpec(list(range(n)), [n], [0]), CPULoadStoreSpec([0, 1, 2]), "CPU chunks"),
-            (GPULoadStoreSpec(list(range(n)), [n], [0]), CPULoadStoreSpec([0, N_CHUNKS]), "range"),
-            (GPULoadStoreSpec([0, 99], [2], [0]), CPULoadStoreSpec([0] * (1 + (bpc < 2))), "range"),
-            (GPULoadStoreSpec([0], [1, 0], [0, 0]), CPULoadStoreSpec([0]), "2 group sizes"),
-            (GPULoadStoreSpec([0], [1], [-1]), CPULoadStoreSpec([0]), "from block index -1"),
-        ]
-        for i, (gpu, cpu, why) in enumerate(cases):
-            caplog.clear()
-            assert w.submit_store(10 + i, gpu, cpu) is False, i
-            assert why in caplog.text, (i, caplog.text)
         gpu = GPULoadStoreSpec(list(range(5, 5 + n)), [n], [0])
         assert w.submit_store(30, gpu, CPULoadStoreSpec([3, 1])) is True
         w.wait({30})

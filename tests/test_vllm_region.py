@@ -43,7 +43,14 @@ from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
 from blockswap import _core
 from blockswap.vllm import BlockswapOffloadingWorker
-from test_vllm import CASES, model_caches, page_of_4_tensors, three_group_mapping, two_ranks
+from test_vllm import (
+    CASES,
+    model_caches,
+    page_of_4_tensors,
+    refuses_bad_specs_on_the_plain_path,
+    three_group_mapping,
+    two_ranks,
+)
 
 PAGE = mmap.PAGESIZE
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
@@ -435,27 +442,7 @@ def test_one_group_on_a_region_takes_the_plain_path(
     ref_views = [ref.create_next_worker_view(t.page_size_bytes * bpc) for t in kv.tensors]
     w = BlockswapOffloadingWorker(kv, bpc, n_chunks, mmap_region=region, backend=backend_of(device))
     try:
-        assert w._plain is not None  # the path under test
-        for h in w.handlers[0].handlers:
-
-            def general(*args: Any, **kwargs: Any) -> bool:
-                raise AssertionError("the plain path reads vLLM's specs itself")
-
-            monkeypatch.setattr(h, "transfer_async", general)
-        n = 2 * bpc
-        ids = list(range(n))
-        cases: list[tuple[Any, Any, str]] = [
-            (GPULoadStoreSpec(ids, [n], [0]), CPULoadStoreSpec([0]), "CPU chunks"),
-            (GPULoadStoreSpec(ids, [n], [0]), CPULoadStoreSpec([0, 1, 2]), "CPU chunks"),
-            (GPULoadStoreSpec(ids, [n], [0]), CPULoadStoreSpec([0, n_chunks]), "range"),
-            (GPULoadStoreSpec([0, 99], [2], [0]), CPULoadStoreSpec([0] * (1 + (bpc < 2))), "range"),
-            (GPULoadStoreSpec([0], [1, 0], [0, 0]), CPULoadStoreSpec([0]), "2 group sizes"),
-            (GPULoadStoreSpec([0], [1], [-1]), CPULoadStoreSpec([0]), "from block index -1"),
-        ]
-        for i, (gpu, cpu, why) in enumerate(cases):
-            caplog.clear()
-            assert w.submit_store(10 + i, gpu, cpu) is False, i
-            assert why in caplog.text, (i, caplog.text)
+        refuses_bad_specs_on_the_plain_path(w, bpc, n_chunks, caplog, monkeypatch)
         # Stores from every first sub-block, so that each index of a chunk leads in turn.
         gen = torch.Generator().manual_seed(bpc)
         for job, start in enumerate(range(bpc + 1)):
