@@ -235,7 +235,7 @@ def refuses_bad_specs_on_the_plain_path(
     """``w`` (one KV-cache group of 24 GPU blocks, ``bpc`` blocks a chunk, ``n_chunks`` chunks)
     takes the plain path, its handlers' ``transfer_async`` never called from here on, and
     refuses bad specs there with the general path's words."""
-    assert w._plain is not None  # the path under test
+    assert w._map.plain is not None  # the path under test
     for h in w.handlers[0].handlers:
 
         def general(*args: Any, **kwargs: Any) -> bool:

@@ -372,7 +372,7 @@ def test_region_bytes_equal_vllms(
     w = BlockswapOffloadingWorker(kv, bpc, n_chunks, mmap_region=region, backend=backend_of(device))
     try:
         # One writer per group: the worker cuts vLLM's specs itself (`GroupMap.plain_groups`).
-        assert w._plain is not None
+        assert w._map.plain is not None
         # A per-layer cache moves rows (block or staged plan), not pages: a chunk of one block
         # is one row per block in its cell (every tensor's page, tensor after tensor); with more
         # blocks per chunk, a block's pages lie in the cell with the other blocks' between them

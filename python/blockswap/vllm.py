@@ -265,11 +265,9 @@ class BlockswapOffloadingWorker(OffloadingWorker):
                 for _ in range(self._fanout):
                     gpu_groups.append([rows[t][:, :p].unsqueeze(1) for t, p in pages.items()])
         self._single = len(gpu_groups) == 1
-        #: How vLLM's groups map to the handlers' groups, and the cut of its specs.
+        #: How vLLM's groups map to the handlers' groups, and the cut of its specs (the usual
+        #: case, every group with one writer, where `GroupMap.plain` is not None).
         self._map = GroupMap(self._groups, self._classes, self._fanout, f, self.num_cpu_chunks)
-        #: Per vLLM group the bytes vLLM counts per block where every group has one writer
-        #: (the usual case, `GroupMap.plain_groups`); None otherwise.
-        self._plain = self._map.plain
         if on_cuda:
             handler_options.setdefault("timing", True)  # transfer_time: the copies' GPU time
 
@@ -597,7 +595,7 @@ class BlockswapOffloadingWorker(OffloadingWorker):
             handler.wake()  # the engine's thread wakes while the specs are read
             cpu_spec = dst if gpu_spec is src else src
             jobs = self._lanes[lane]
-            if self._plain is not None:
+            if self._map.plain is not None:
                 groups, n, size = self._map.plain_groups(handler, gpu_spec, cpu_spec)
             else:
                 gpu_ids, cpu_ids, starts, size = self._map.split(
@@ -611,7 +609,7 @@ class BlockswapOffloadingWorker(OffloadingWorker):
                 else:
                     self._empty.append(VllmTransferResult(job_id, True, 0, 0.0))
                 return True
-            if self._plain is not None:
+            if self._map.plain is not None:
                 handler._issue(job_id, groups)
             else:
                 sides: tuple[Any, Any] = (
