@@ -1,6 +1,6 @@
 """Where a submission's host time goes: ``transfer_async`` through the handler and the vLLM
 plug-in's ``submit_store`` / ``submit_load``, cut into the pieces each calls (the plug-in's cut
-of vLLM's specs, ``_plain_group`` in the usual case and ``_split`` otherwise; the handler's
+of vLLM's specs, ``GroupMap.plain_groups`` in the usual case and ``GroupMap.split`` otherwise; the handler's
 ``_groups``, which the plug-in's usual case does not call; the handler's ``_issue``, which holds
 the caller's stream and the core's ``submit_groups``), each timed by a wrapper around it. 80
 layers x 32 random blocks per transfer, per-layer tensors (``bench_wall.py``'s ``separate`` and
@@ -35,7 +35,8 @@ QUEUED = 8
 
 
 class Pieces:
-    """Wrappers that time named methods of objects, undone by :meth:`undo`."""
+    """Wrappers that time named methods of objects, undone by :meth:`undo`; set in the object's
+    ``__dict__``, so a frozen dataclass's methods (the plug-in's ``GroupMap``) are wrapped too."""
 
     def __init__(self) -> None:
         self.times: dict[str, list[int]] = {}
@@ -53,7 +54,7 @@ class Pieces:
             finally:
                 times.append(time.perf_counter_ns() - t0)
 
-        setattr(obj, name, timed)
+        obj.__dict__[name] = timed
 
     def mark(self) -> dict[str, int]:
         return {k: len(v) for k, v in self.times.items()}
@@ -67,7 +68,7 @@ class Pieces:
             if orig is None:
                 del obj.__dict__[name]
             else:
-                setattr(obj, name, orig)
+                obj.__dict__[name] = orig
         self._undo.clear()
 
 
@@ -125,7 +126,8 @@ def measure(
     p = Pieces()
     hd = hs.d2h if d == "d2h" else hs.h2d
     if layout == "plugin":
-        p.wrap(t.w, "_plain_group" if t.w._plain is not None else "_split", "split")
+        m = t.w._map
+        p.wrap(m, "plain_groups" if m.plain is not None else "split", "split")
     p.wrap(hd, "_issue", "issue")
     p.wrap(hd, "_wake", "wake")
     p.wrap(hd, "_groups", "groups")
