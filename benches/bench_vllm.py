@@ -1,19 +1,21 @@
 """The vLLM plug-in's worker against vLLM 0.33's own transfer paths, same GPU, same run.
 
     python benches/bench_vllm.py [--blocks 32] [--reps 15] [--models llama-3.1-8b,...]
-                                 [--cache region|private] [--json out.json]
+                                 [--bpc 1,4] [--cache region|private] [--option KEY=VALUE ...]
+                                 [--json out.json]
 
 Needs a GPU, vLLM's Python sources on the path (``vllm/v1/kv_offload/cpu/swap_blocks_triton.py``
 is run from its source; vLLM's compiled ops are not needed) and cuda-bindings.
 
 Per model of the benchmark catalogue (``blockswap_bench.models``), in vLLM's canonical form (one
 int8 tensor per layer of ``(num_blocks, page)``, K and V of a block one page; or one cross-layer
-tensor whose page is every layer's), ``blocks_per_chunk`` 1 and 4, each direction:
+tensor whose page is every layer's), ``blocks_per_chunk`` 1 and 4 (``--bpc``), each direction:
 
 * ``blockswap``: :class:`blockswap.vllm.BlockswapOffloadingWorker` through ``submit_store`` /
   ``submit_load``, the route its handler picks, its CPU cache in vLLM's ``SharedOffloadRegion``
   laid out as ``CPUOffloadingSpec`` lays it out on CUDA (``--cache region``, the default: what a
-  vLLM user gets) or its own block-major cache (``--cache private``);
+  vLLM user gets) or its own block-major cache (``--cache private``); ``--option``: a handler
+  option for it (repeatable, as vLLM's ``kv_connector_extra_config`` would pass one);
 * ``vllm dma``: what vLLM's ``CpuGpuOffloadingHandlers`` issues on its DMA path: one
   ``cuMemcpyBatchAsync`` over one descriptor per (layer, block) between the GPU tensors and a CPU
   cache that mirrors them (one pinned tensor per GPU tensor), here through cuda-bindings;
@@ -49,7 +51,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_dma import cuda_bindings_batch
-from blockswap_bench.cli import need_cuda, parser
+from blockswap_bench.cli import int_list, need_cuda, option, parser
 from blockswap_bench.kvblocks import ceiling, link_header, write_figures
 from blockswap_bench.models import MODELS, KVModel
 from blockswap_bench.plugin import time_calls, time_worker
@@ -188,9 +190,10 @@ def measure_vllm(
     return time_calls(stream, call, case.nbytes(blocks), reps)
 
 
-def make_worker(case: Case, cache: str) -> Any:
+def make_worker(case: Case, cache: str, **options: Any) -> Any:
     """The plug-in's worker on CUDA for ``case``, its CPU cache in vLLM's region laid out as
-    ``CPUOffloadingSpec`` lays it out for one rank (``cache="region"``) or its own."""
+    ``CPUOffloadingSpec`` lays it out for one rank (``cache="region"``) or its own; ``options``
+    go to its handlers."""
     from blockswap.vllm import BlockswapOffloadingWorker
 
     region = None
@@ -210,14 +213,20 @@ def make_worker(case: Case, cache: str) -> Any:
         )
     # The worker owns the region from here, and releases it at shutdown.
     return BlockswapOffloadingWorker(
-        case.kv, case.bpc, N_CHUNKS, mmap_region=region, backend="cuda"
+        case.kv, case.bpc, N_CHUNKS, mmap_region=region, backend="cuda", **options
     )
 
 
 def measure_worker(
-    case: Case, gpu_to_cpu: bool, blocks: int, reps: int, rng: np.random.Generator, cache: str
+    case: Case,
+    gpu_to_cpu: bool,
+    blocks: int,
+    reps: int,
+    rng: np.random.Generator,
+    cache: str,
+    options: dict[str, Any],
 ) -> tuple[dict[str, float], str]:
-    w = make_worker(case, cache)
+    w = make_worker(case, cache, **options)
     try:
         return time_worker(w, lambda: case.spec(rng, blocks), gpu_to_cpu, case.nbytes(blocks), reps)
     finally:
@@ -230,17 +239,21 @@ def main() -> int:
     ap.add_argument("--models", default=",".join(m.key for m in MODELS))
     ap.add_argument("--cache", choices=("region", "private"), default="region",
                     help="the worker's CPU cache: vLLM's shared region (as on CUDA) or its own")  # fmt: skip
+    ap.add_argument("--bpc", type=int_list, default=[1, 4], help="blocks per chunk (1,4)")
+    ap.add_argument("--option", action="append", default=[], type=option, metavar="KEY=VALUE",
+                    help="a handler option for blockswap's worker (repeatable)")  # fmt: skip
     args = ap.parse_args()
     if not need_cuda("bench_vllm"):
         return 1
     if cuda_bindings_batch() is None:
         print("bench_vllm: needs cuda-bindings (vLLM's DMA path)", file=sys.stderr)
         return 1
+    options = dict(args.option)
     rng = np.random.default_rng(0)
     ceil = ceiling()
     print(link_header(ceil, f"{args.blocks} random blocks per group; blockswap's cache: "
-                            f"{args.cache}; isolated/queued %, blockswap's wall clock "
-                            "isolated %"))  # fmt: skip
+                            f"{args.cache}{f', options {options}' if options else ''}; "
+                            "isolated/queued %, blockswap's wall clock isolated %"))  # fmt: skip
     print(f"{'model':<20} {'tensors':<11} {'bpc':>3} {'page':>8} {'dir':>4} "
           f"{'blockswap':>13} {'wall':>6} {'host us':>7} {'rows':>13} {'vllm dma':>13} "
           f"{'vllm triton':>13}  route")  # fmt: skip
@@ -250,12 +263,12 @@ def main() -> int:
         for cross_layer in (False, True):
             if cross_layer and m.groups > 1:
                 continue  # a hybrid model's groups cannot share one cross-layer tensor
-            for bpc in (1, 4):
+            for bpc in args.bpc:
                 case = Case(m, cross_layer, bpc)
                 for gpu_to_cpu in (True, False):
                     d = "d2h" if gpu_to_cpu else "h2d"
                     bs, route = measure_worker(
-                        case, gpu_to_cpu, args.blocks, args.reps, rng, args.cache
+                        case, gpu_to_cpu, args.blocks, args.reps, rng, args.cache, options
                     )
                     floor = measure_vllm(case, "rows", gpu_to_cpu, args.blocks, args.reps, rng)
                     dma = measure_vllm(case, "dma", gpu_to_cpu, args.blocks, args.reps, rng)
@@ -271,6 +284,7 @@ def main() -> int:
                         "ceiling_gbps": ceil[d],
                         "blockswap": bs,
                         "blockswap_cache": args.cache,
+                        "blockswap_options": options,
                         "blockswap_route": route,
                         "rows_floor": floor,
                         "vllm_dma": dma,
