@@ -54,7 +54,7 @@ def probe(
         groups = hd._groups(c, g, None)
         t1 = time.perf_counter()
         job += 1
-        hd._submit_groups(job, groups, "h2d", None, hd._route)
+        hd._submit_groups(job, groups, "h2d", None, hd.route)
         t2 = time.perf_counter()
         poll()
         return t1 - t0, t2 - t1

@@ -54,7 +54,7 @@ def main() -> int:
                     groups = hd._groups(*spec, None)
                     ws = hd._wait_stream() if hd._wait_stream else None
                     t1 = time.perf_counter()
-                    hd._submit_groups(i + 1, groups, hd.direction, ws, hd._route)
+                    hd._submit_groups(i + 1, groups, hd.direction, ws, hd.route)
                     t2 = time.perf_counter()
                     poll(h)
                     py_s.append(t1 - t0)
