@@ -1,7 +1,8 @@
-"""benches/probe_submit.py end to end on the host backend (a small cache): every piece it wraps
-is still there to wrap, and each case prints its pieces and the whole call. The wrappers name
-private methods of the handler and the plug-in, so a rename there breaks the probe; this is what
-says so. Figures are checked for sanity, never for speed."""
+"""The probes that call private methods of the handler and the plug-in, end to end: a rename there
+breaks them, and this is what says so. ``probe_submit.py`` on the host backend (a small cache):
+every piece it wraps is still there to wrap, and each case prints its pieces and the whole call;
+``probe_host_cold.py`` and ``probe_host_time.py`` (CUDA only) run to their end. Figures are
+checked for sanity, never for speed."""
 
 from __future__ import annotations
 
@@ -9,9 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from bench_wall import vllm_missing
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benches" / "probe_submit.py"
+BENCHES = Path(__file__).resolve().parents[1] / "benches"
+SCRIPT = BENCHES / "probe_submit.py"
 ARGS = ["--backend", "host", "--pages", "4", "--layers", "8", "--blocks", "4", "--reps", "3"]
 
 
@@ -37,3 +41,16 @@ def test_probe_submit_runs_on_the_host_backend() -> None:
                 assert pieces["core"] <= pieces["issue"] <= pieces["total"], row
     floors = [r for r in lines if r[2] == "floor"]
     assert len(floors) == 2, lines
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(
+    "script, args",
+    [("probe_host_cold.py", ["--rounds", "1"]), ("probe_host_time.py", ["--pages", "4"])],
+)
+def test_host_time_probes_run_cuda(script: str, args: list[str]) -> None:
+    p = subprocess.run(
+        [sys.executable, str(BENCHES / script), *args], capture_output=True, text=True, timeout=300
+    )
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "core submit" in p.stdout, p.stdout[-3000:]
