@@ -63,7 +63,8 @@ BAD = [
         ConfigError,
         [
             "'blockswap_max_inflight'",
-            "blockswap_path, blockswap_max_in_flight, blockswap_pin_piece_bytes",
+            "blockswap_path, blockswap_max_in_flight, blockswap_pin_piece_bytes, "
+            "blockswap_idle_issue",
         ],
     ),
     ({"blockswap_pth": "dma", "blockswap_zz": 1}, ConfigError, ["'blockswap_pth', 'blockswap_zz'"]),
@@ -79,6 +80,11 @@ BAD = [
         ["blockswap_path must be 'auto', 'blocks', 'staged', 'dma' or 'kernel', not 'fast'"],
     ),
     ({"blockswap_pin_piece_bytes": -4096}, ConfigError, ["blockswap_pin_piece_bytes"]),
+    (
+        {"blockswap_idle_issue": "yes"},
+        ConfigTypeError,
+        ["blockswap_idle_issue must be a bool, not 'yes'"],
+    ),
     ({"cpu_bytes_to_use": None}, ConfigError, ["cpu_bytes_to_use", "must be set"]),
     ({"cpu_bytes_to_use": "64GiB"}, ConfigTypeError, ["cpu_bytes_to_use", "number of bytes"]),
     ({"cpu_bytes_to_use": 0}, ConfigError, ["cpu_bytes_to_use must be at least 1 byte"]),
@@ -101,13 +107,16 @@ def test_vllms_factory_refuses_a_bad_config_before_any_allocation(
 
 def test_a_good_config_passes_and_sets_the_workers_options(allocations: list[str]) -> None:
     spec = OffloadingSpecFactory.create_spec(
-        config_with(blockswap_path="staged", blockswap_pin_piece_bytes=1 << 20)
+        config_with(
+            blockswap_path="staged", blockswap_pin_piece_bytes=1 << 20, blockswap_idle_issue=True
+        )
     )
     assert allocations == ["vLLM sized the cache"]
     assert worker_options(spec.extra_config) == {
         "path": "staged",
         "max_in_flight": 8,
         "pin_piece_bytes": 1 << 20,
+        "idle_issue": True,
     }
     # vLLM's own keys pass untouched.
     assert worker_options({"cpu_bytes_to_use": 1.5e9, "eviction_policy": "arc"}) == {}

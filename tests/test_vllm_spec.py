@@ -113,6 +113,35 @@ def test_vllms_factory_builds_the_spec_and_its_worker_by_name() -> None:
         OffloadingSpecFactory.create_spec(offloading_config(canonical_layout=True))
 
 
+@pytest.mark.filterwarnings("ignore:this engine runs on the host backend")
+def test_a_blockswap_key_reaches_the_engines_of_vllms_worker(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``blockswap_idle_issue`` in ``kv_connector_extra_config`` is an option of the engine of
+    every handler the worker vLLM's factory builds makes (main and expedited); without the key,
+    none is set."""
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+    import blockswap.handler as handler_module
+
+    made: list[dict[str, Any]] = []
+    engine = handler_module.Engine
+
+    def recording(backend: str, **options: Any) -> Any:
+        made.append(options)
+        return engine(backend, **options)
+
+    monkeypatch.setattr(handler_module, "Engine", recording)
+    for extra, want in (({"blockswap_idle_issue": True}, [True, True]), ({}, [None, None])):
+        made.clear()
+        spec = OffloadingSpecFactory.create_spec(offloading_config(**extra))
+        w = spec.get_worker(two_tensors(3)[0])
+        try:
+            assert [o.get("idle_issue") for o in made] == want, made
+        finally:
+            w.shutdown()
+
+
 def two_tensors(seed: int) -> tuple[CanonicalKVCaches, list[torch.Tensor]]:
     gen = torch.Generator().manual_seed(seed)
     ts = [torch.randint(-128, 128, (16, 256), dtype=torch.int8, generator=gen) for _ in range(2)]

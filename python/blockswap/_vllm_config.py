@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, get_args
 
 from . import _core, _vllm_logging
-from ._checks import check_choice, check_int
+from ._checks import check_bool, check_choice, check_int
 from ._types import HandlerPath
 from .errors import ConfigError, ConfigTypeError
 from .hostmem import size_text
@@ -42,6 +42,10 @@ def _path(key: str, value: Any) -> Any:
     return check_choice(key, value, get_args(HandlerPath))
 
 
+def _bool(key: str, value: Any) -> Any:
+    return check_bool(key, value)
+
+
 def _int(lo: int, hi: int) -> Callable[[str, Any], Any]:
     def check(key: str, value: Any) -> Any:
         return check_int(key, value, lo, hi, numpy=False)
@@ -60,6 +64,7 @@ OPTIONS: dict[str, Option] = {
         f"an int from 1 to {_core.REGISTRATION_LIMIT - 1}",
         _int(1, _core.REGISTRATION_LIMIT - 1),
     ),
+    "blockswap_idle_issue": Option("idle_issue", "true or false", _bool),
 }
 
 
