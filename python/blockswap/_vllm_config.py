@@ -42,10 +42,6 @@ def _path(key: str, value: Any) -> Any:
     return check_choice(key, value, get_args(HandlerPath))
 
 
-def _bool(key: str, value: Any) -> Any:
-    return check_bool(key, value)
-
-
 def _int(lo: int, hi: int) -> Callable[[str, Any], Any]:
     def check(key: str, value: Any) -> Any:
         return check_int(key, value, lo, hi, numpy=False)
@@ -64,7 +60,7 @@ OPTIONS: dict[str, Option] = {
         f"an int from 1 to {_core.REGISTRATION_LIMIT - 1}",
         _int(1, _core.REGISTRATION_LIMIT - 1),
     ),
-    "blockswap_idle_issue": Option("idle_issue", "true or false", _bool),
+    "blockswap_idle_issue": Option("idle_issue", "true or false", check_bool),
 }
 
 
