@@ -1,10 +1,10 @@
 """Where a submission's host time goes: ``transfer_async`` through the handler and the vLLM
 plug-in's ``submit_store`` / ``submit_load``, cut into the pieces each calls (the plug-in's cut
-of vLLM's specs, ``GroupMap.plain_groups`` in the usual case and ``GroupMap.split`` otherwise; the handler's
-``_groups``, which the plug-in's usual case does not call; the handler's ``_issue``, which holds
-the caller's stream and the core's ``submit_groups``), each timed by a wrapper around it. 80
-layers x 32 random blocks per transfer, per-layer tensors (``bench_wall.py``'s ``separate`` and
-``plugin`` layouts).
+of vLLM's specs, ``GroupMap.plain_groups`` in the usual case and ``GroupMap.split`` otherwise;
+the handler's ``_groups``, which the plug-in's usual case does not call; the handler's
+``_issue``, which holds the caller's stream and the core's ``submit_groups``), each timed by a
+wrapper around it. 80 layers x 32 random blocks per transfer, per-layer tensors
+(``bench_wall.py``'s ``separate`` and ``plugin`` layouts).
 
     python benches/probe_submit.py [--pages 4,16] [--reps 25] [--sleep-ms 20] [--backend auto]
                                    [--caller-stream default|side]
