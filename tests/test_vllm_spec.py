@@ -83,12 +83,7 @@ def test_vllms_factory_builds_the_spec_and_its_worker_by_name() -> None:
     assert type(spec).__name__ == "BlockswapOffloadingSpec"
     assert isinstance(spec, CPUOffloadingSpec)
     assert spec.get_manager() is not None  # the scheduler side is vLLM's own
-    gen = torch.Generator().manual_seed(7)
-    ts = [torch.randint(-128, 128, (16, 256), dtype=torch.int8, generator=gen) for _ in range(2)]
-    kv = CanonicalKVCaches(
-        [CanonicalKVCacheTensor(t, 256) for t in ts],
-        [[CanonicalKVCacheRef(0, 256), CanonicalKVCacheRef(1, 256)]],
-    )
+    kv, ts = two_tensors(7)
     w = spec.get_worker(kv)
     try:
         assert isinstance(w, BlockswapOffloadingWorker)
