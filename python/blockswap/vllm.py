@@ -525,7 +525,15 @@ class BlockswapOffloadingWorker(OffloadingWorker):
 
     def get_finished(self) -> list[VllmTransferResult]:
         out, self._empty = self._empty, []
-        for h in (self._main, self._expedited):
+        lanes = self._lanes
+        for h, busy in (
+            (self._main, lanes["store"] or lanes["load"]),
+            (self._expedited, lanes["expedited"]),
+        ):
+            if not busy:
+                # Nothing of this handler's in flight: nothing to report, and vLLM polls every
+                # step (a call into the core costs a thread back from other work µs).
+                continue
             # A failed job is logged once, by the handler that reports it.
             for r in h.get_finished():
                 size = self._sizes.pop(r.job_id, r.bytes)
@@ -542,9 +550,18 @@ class BlockswapOffloadingWorker(OffloadingWorker):
         return out
 
     def wait(self, job_ids: set[int]) -> None:
-        ids = list(job_ids)
-        self._main.wait(ids)
-        self._expedited.wait(ids)
+        """Blocks until the listed jobs in flight finished (ids never submitted, already
+        reported or with nothing to move are not waited for); their results still come from
+        :meth:`get_finished`. Only the handlers holding them are waited on: vLLM waits for its
+        expedited loads before the step that needs them, and for flushed stores, and a wait on
+        the other handler would come after them."""
+        lane_of = self._lane_of
+        main = [j for j in job_ids if lane_of.get(j, "expedited") != "expedited"]
+        expedited = [j for j in job_ids if lane_of.get(j) == "expedited"]
+        if main:
+            self._main.wait(main)
+        if expedited:
+            self._expedited.wait(expedited)
 
     def shutdown(self) -> None:
         """Drains both engines (every accepted transfer runs), then frees the CPU cache: a private
