@@ -63,8 +63,11 @@ BAD = [
         ConfigError,
         [
             "'blockswap_max_inflight'",
-            "blockswap_path, blockswap_max_in_flight, blockswap_pin_piece_bytes, "
-            "blockswap_idle_issue",
+            # Each known key with what it takes.
+            "the known ones are blockswap_path ('auto', 'blocks', 'staged', 'dma' or 'kernel'); "
+            f"blockswap_max_in_flight (an int from 1 to {_core.MAX_IN_FLIGHT}); "
+            f"blockswap_pin_piece_bytes (an int from 1 to {_core.REGISTRATION_LIMIT - 1}); "
+            "blockswap_idle_issue (true or false)",
         ],
     ),
     ({"blockswap_pth": "dma", "blockswap_zz": 1}, ConfigError, ["'blockswap_pth', 'blockswap_zz'"]),

@@ -4,9 +4,9 @@ allocated.
 vLLM hands every offloading backend the whole ``kv_connector_extra_config`` and reads its own keys
 from it (``spec_name``, ``cpu_bytes_to_use``, ``eviction_policy``, ...); blockswap's keys start
 with ``blockswap_``. :func:`worker_options` checks them all when the spec is made: an unknown
-``blockswap_*`` key (a misspelling) is refused with the list of known ones, and a bad value with
-the key's name and the values it takes, as a :class:`~blockswap.errors.ConfigError` (or
-:class:`~blockswap.errors.ConfigTypeError`), before vLLM sizes or blockswap allocates the CPU
+``blockswap_*`` key (a misspelling) is refused with the known ones and what each takes, and a bad
+value with the key's name and the values it takes, as a :class:`~blockswap.errors.ConfigError`
+(or :class:`~blockswap.errors.ConfigTypeError`), before vLLM sizes or blockswap allocates the CPU
 cache. :func:`check_fits` then refuses a cache larger than the host's available memory, naming
 ``cpu_bytes_to_use``.
 """
@@ -30,12 +30,19 @@ _WHERE = "in kv_connector_extra_config"
 
 @dataclass(frozen=True)
 class Option:
-    """A ``kv_connector_extra_config`` key: the worker's keyword it sets, what it takes (for the
-    error and the docs) and its check, which returns the value the worker gets."""
+    """A ``kv_connector_extra_config`` key: the worker's keyword it sets, what it takes (listed
+    with each key when an unknown one is refused) and its check, which returns the value the
+    worker gets."""
 
     param: str
     takes: str
     check: Callable[[str, Any], Any]
+
+
+def _one_of(values: tuple[str, ...]) -> str:
+    """``'a', 'b' or 'c'``."""
+    shown = [repr(v) for v in values]
+    return ", ".join(shown[:-1]) + " or " + shown[-1] if len(shown) > 1 else shown[0]
 
 
 def _path(key: str, value: Any) -> Any:
@@ -51,7 +58,7 @@ def _int(lo: int, hi: int) -> Callable[[str, Any], Any]:
 
 #: The keys this backend reads, in the order the docs list them.
 OPTIONS: dict[str, Option] = {
-    "blockswap_path": Option("path", " or ".join(repr(p) for p in get_args(HandlerPath)), _path),
+    "blockswap_path": Option("path", _one_of(get_args(HandlerPath)), _path),
     "blockswap_max_in_flight": Option(
         "max_in_flight", f"an int from 1 to {_core.MAX_IN_FLIGHT}", _int(1, _core.MAX_IN_FLIGHT)
     ),
@@ -78,7 +85,7 @@ def worker_options(extra_config: Mapping[str, Any]) -> dict[str, Any]:
         raise ConfigError(
             f"unknown blockswap option{'s' if len(unknown) > 1 else ''} "
             f"{', '.join(map(repr, unknown))} {_WHERE}; the known ones are "
-            f"{', '.join(OPTIONS)}"
+            + "; ".join(f"{k} ({o.takes})" for k, o in OPTIONS.items())
         )
     out: dict[str, Any] = {}
     for key, opt in OPTIONS.items():
