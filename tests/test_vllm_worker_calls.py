@@ -16,8 +16,8 @@ from test_vllm import BPC, N_CHUNKS, CPULoadStoreSpec, caches, spec_of
 
 
 def recorded(handlers: Any, calls: list[tuple[str, Any]], name: str) -> None:
-    """Records every ``wait`` and ``get_finished`` of ``handlers`` in ``calls`` as ``(name
-    method, ids)``, calling through."""
+    """Records every ``wait`` and ``get_finished`` of ``handlers`` in ``calls``, calling
+    through: ``("<name> wait", the ids)`` and ``("<name> poll", None)``."""
     wait, poll = handlers.wait, handlers.get_finished
 
     def waited(ids: Any, timeout: float | None = None) -> None:

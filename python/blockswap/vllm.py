@@ -531,8 +531,8 @@ class BlockswapOffloadingWorker(OffloadingWorker):
             (self._expedited, lanes["expedited"]),
         ):
             if not busy:
-                # Nothing of this handler's in flight: nothing to report, and vLLM polls every
-                # step (a call into the core costs a thread back from other work µs).
+                # Nothing of this handler's in flight, so nothing to report: vLLM polls every
+                # step, and each call into the core costs the caller's thread.
                 continue
             # A failed job is logged once, by the handler that reports it.
             for r in h.get_finished():
@@ -555,9 +555,9 @@ class BlockswapOffloadingWorker(OffloadingWorker):
         :meth:`get_finished`. Only the handlers holding them are waited on: vLLM waits for its
         expedited loads before the step that needs them, and for flushed stores, and a wait on
         the other handler would come after them."""
-        lane_of = self._lane_of
-        main = [j for j in job_ids if lane_of.get(j, "expedited") != "expedited"]
-        expedited = [j for j in job_ids if lane_of.get(j) == "expedited"]
+        lanes = [(j, self._lane_of.get(j)) for j in job_ids]
+        main = [j for j, lane in lanes if lane == "store" or lane == "load"]
+        expedited = [j for j, lane in lanes if lane == "expedited"]
         if main:
             self._main.wait(main)
         if expedited:
