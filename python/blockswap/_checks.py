@@ -91,13 +91,18 @@ def check_bool(name: str, value: Any, errors: type[Exception] = ConfigTypeError)
     return bool(value)
 
 
+def choice_text(choices: Sequence[str]) -> str:
+    """``'a', 'b' or 'c'``: what :func:`check_choice` says a value must be."""
+    names = [repr(c) for c in choices]
+    return ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else names[0]
+
+
 def check_choice(name: str, value: Any, choices: Sequence[str]) -> str:
     """``value`` of argument ``name`` if it is one of the strings ``choices``, else a
     :class:`~blockswap.errors.ConfigError` (a :class:`~blockswap.errors.ConfigTypeError` for a
     value that is not a str) saying ``"<name> must be 'a', 'b' or 'c', not <value>"``."""
     if isinstance(value, str) and value in choices:
         return value
-    names = [repr(c) for c in choices]
-    one_of = ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else names[0]
+    one_of = choice_text(choices)
     kind = ConfigError if isinstance(value, str) else ConfigTypeError
     raise kind(f"{name} must be {one_of}, not {_shown(value)}")

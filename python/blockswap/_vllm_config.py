@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, get_args
 
 from . import _core, _vllm_logging
-from ._checks import check_bool, check_choice, check_int
+from ._checks import check_bool, check_choice, check_int, choice_text
 from ._types import HandlerPath
 from .errors import ConfigError, ConfigTypeError
 from .hostmem import size_text
@@ -39,12 +39,6 @@ class Option:
     check: Callable[[str, Any], Any]
 
 
-def _one_of(values: tuple[str, ...]) -> str:
-    """``'a', 'b' or 'c'``."""
-    shown = [repr(v) for v in values]
-    return ", ".join(shown[:-1]) + " or " + shown[-1] if len(shown) > 1 else shown[0]
-
-
 def _path(key: str, value: Any) -> Any:
     return check_choice(key, value, get_args(HandlerPath))
 
@@ -58,7 +52,7 @@ def _int(lo: int, hi: int) -> Callable[[str, Any], Any]:
 
 #: The keys this backend reads, in the order the docs list them.
 OPTIONS: dict[str, Option] = {
-    "blockswap_path": Option("path", _one_of(get_args(HandlerPath)), _path),
+    "blockswap_path": Option("path", choice_text(get_args(HandlerPath)), _path),
     "blockswap_max_in_flight": Option(
         "max_in_flight", f"an int from 1 to {_core.MAX_IN_FLIGHT}", _int(1, _core.MAX_IN_FLIGHT)
     ),
