@@ -366,11 +366,12 @@ impl Backend for CudaBackend {
             e
         };
         let _ctx = self.make_current().map_err(fail)?;
-        // The caller's stream as it is now: recorded here, waited for when the job is issued.
+        // The caller's stream as it is now: recorded here, waited for when the job is issued
+        // (nothing to wait for where its work is all done).
         let (dep, failed) = match request.wait_stream {
             None => (None, None),
             Some(s) => match self.record_dep(lane, s) {
-                Ok(ev) => (Some(ev), None),
+                Ok(ev) => (ev, None),
                 Err(e) => (None, Some(e)),
             },
         };

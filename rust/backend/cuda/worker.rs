@@ -143,8 +143,21 @@ impl Shared {
         known
     }
 
-    /// An event of the lane's pool (made if the pool is empty) recorded on the caller's stream.
-    pub(super) fn record_dep(&self, lane: Direction, stream: u64) -> Result<Event, BackendError> {
+    /// What a transfer waits for on the caller's stream: nothing where the stream has no work
+    /// left (`cuStreamQuery`: the work a transfer must follow is the work there now, all of it
+    /// done), else an event of the lane's pool (made if the pool is empty) recorded there.
+    pub(super) fn record_dep(
+        &self,
+        lane: Direction,
+        stream: u64,
+    ) -> Result<Option<Event>, BackendError> {
+        // SAFETY: `stream` is the caller's stream handle (`wait_stream`: a stream of this
+        // device that outlives the submission, or 0, the legacy default stream).
+        let caller = unsafe { StreamHandle::caller(stream) };
+        // Any other answer (not ready, or the stream's error) records the event, as before.
+        if caller.query() == sys::CUresult::CUDA_SUCCESS {
+            return Ok(None);
+        }
         let l = self.lane(lane);
         let pooled = l
             .deps
@@ -155,11 +168,8 @@ impl Shared {
             Some(ev) => ev,
             None => Event::create(self.ctx.raw, false)?,
         };
-        // SAFETY: `stream` is the caller's stream handle (`wait_stream`: a stream of this
-        // device that outlives the submission, or 0, the legacy default stream).
-        let r = ev.record(unsafe { StreamHandle::caller(stream) });
-        match r {
-            Ok(()) => Ok(ev),
+        match ev.record(caller) {
+            Ok(()) => Ok(Some(ev)),
             Err(e) => {
                 l.deps
                     .lock()
