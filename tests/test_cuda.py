@@ -150,6 +150,32 @@ def test_d2h_waits_for_the_compute_stream(torch):
         assert not outcomes[False], "without it the copy races the kernel (the test can tell)"
 
 
+def test_a_transfer_follows_the_callers_work_queued_before_it_only(torch):
+    """``wait_stream`` orders a transfer after the work on the caller's stream at submission: a
+    stream whose work is done holds it back not at all (the core then records nothing there), and
+    work queued after the submission does not either; work still queued does (above)."""
+    n = 4 * MiB
+    src = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda")
+    caller = torch.cuda.Stream()
+    with blockswap.Engine("cuda") as eng:
+        eng.register(src)
+        out = eng.alloc_host(n)
+        with torch.cuda.stream(caller):
+            src.add_(1)  # done before the submission: the transfer copies what it wrote
+        caller.synchronize()
+        want = src.cpu().numpy()
+        eng.submit(
+            1, [src.data_ptr()], [out.ctypes.data], [n], "d2h", wait_stream=caller.cuda_stream
+        )
+        with torch.cuda.stream(caller):
+            torch.cuda._sleep(1_000_000_000)  # about half a second, queued after the submission
+        eng.wait([1])
+        assert eng.get_finished()[0].success
+        assert not caller.query(), "the transfer waited for work queued after it"
+        assert np.array_equal(out, want)
+        caller.synchronize()
+
+
 def test_unpinned_host_memory_is_refused(torch):
     with blockswap.Engine("cuda") as eng:
         pageable = np.zeros(MiB, dtype=np.uint8)
