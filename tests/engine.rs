@@ -28,7 +28,7 @@ fn scattered_blocks_arrive_with_matching_checksums() {
             .collect(),
         dst: vec![0; 2 * n * block],
     };
-    let (engine, _) = engine_with(&mut b, EngineConfig::default());
+    let (engine, _) = engine_with(&mut b, common::config());
     // A fixed permutation of source and destination blocks.
     let src_ids: Vec<usize> = (0..n).map(|i| (i * 769) % (2 * n)).collect();
     let dst_ids: Vec<usize> = (0..n).map(|i| (i * 1543 + 11) % (2 * n)).collect();
@@ -69,7 +69,7 @@ fn failure_is_reported_once_and_the_lane_goes_on() {
         src: vec![1; 1 << 20],
         dst: vec![0; 1 << 20],
     };
-    let (engine, _host) = engine_with(&mut b, EngineConfig::default());
+    let (engine, _host) = engine_with(&mut b, common::config());
     let (s, d) = (b.src.as_ptr() as u64, b.dst.as_ptr() as u64);
     engine.inject_failures(1);
     engine
@@ -126,7 +126,7 @@ fn a_shutdown_past_its_timeout_says_so_in_stats() {
     };
     let config = EngineConfig {
         shutdown_timeout: Duration::ZERO,
-        ..EngineConfig::default()
+        ..common::config()
     };
     let (engine, _host) = engine_with(&mut b, config);
     let (s, d) = (b.src.as_ptr() as u64, b.dst.as_ptr() as u64);
@@ -138,7 +138,7 @@ fn a_shutdown_past_its_timeout_says_so_in_stats() {
     assert!(engine.stats().shutdown_timed_out);
     drop(engine);
 
-    let (engine, _host) = engine_with(&mut b, EngineConfig::default());
+    let (engine, _host) = engine_with(&mut b, common::config());
     engine
         .submit(1, &[s], &[d], &[4096], Direction::HostToDevice, None)
         .unwrap();
@@ -310,7 +310,7 @@ fn a_transfer_accepted_during_shutdown_runs() {
             src: vec![7; 1 << 16],
             dst: vec![0; 1 << 16],
         };
-        let (engine, _) = engine_with(&mut b, EngineConfig::default());
+        let (engine, _) = engine_with(&mut b, common::config());
         let (src, dst) = (b.src.as_ptr() as u64, b.dst.as_mut_ptr() as u64);
         let accepted: Vec<Vec<u64>> = std::thread::scope(|s| {
             let submitters: Vec<_> = (0..2u64)
@@ -381,7 +381,7 @@ fn an_idle_engine_accepts_what_a_fresh_one_would() {
     let config = EngineConfig {
         pool_bytes: 16384,
         coalesce: false,
-        ..EngineConfig::default()
+        ..common::config()
     };
     let (engine, _) = engine_with(&mut b, config);
     let (src, dst) = (b.src.as_ptr() as u64, b.dst.as_mut_ptr() as u64);

@@ -17,7 +17,7 @@ fn block_tables_move_blocks_by_id_and_pin_their_regions() {
         src: (0..4096u32).map(|i| (i * 13 + 5) as u8).collect(),
         dst: vec![0; 4096],
     };
-    let (engine, _) = engine_with(&mut b, EngineConfig::default());
+    let (engine, _) = engine_with(&mut b, common::config());
     let (s, d) = (b.src.as_ptr() as u64, b.dst.as_ptr() as u64);
     let host = engine
         .register_table(
@@ -104,7 +104,7 @@ fn a_host_cache_is_block_major_where_each_blocks_pages_are_one_chunk() {
         src: vec![0; 4096],
         dst: vec![0; 4096],
     };
-    let (engine, _) = engine_with(&mut b, EngineConfig::default());
+    let (engine, _) = engine_with(&mut b, common::config());
     let s = b.src.as_ptr() as u64;
     let host = |bases: Vec<u64>, strides: Vec<u64>, nbytes: Vec<u64>| {
         engine
@@ -254,7 +254,7 @@ fn both_ways(g: &Geometry, pairs: &[(u64, u64)], runs: bool) -> (Vec<u8>, Vec<u8
         dst: vec![0; g.gpu_bytes().max(g.layers * g.kv * g.nblocks * g.page)],
     };
     let mut back = vec![0u8; g.gpu_bytes()];
-    let (engine, _) = engine_with(&mut b, EngineConfig::default());
+    let (engine, _) = engine_with(&mut b, common::config());
     // SAFETY: `back` outlives the engine (dropped below, before it).
     unsafe { register_as(&engine, &mut back, MemoryKind::Device) };
     let nb = g.nblocks as u64;
@@ -358,7 +358,7 @@ fn staged_both_ways(
     let mut back = vec![0u8; g.gpu_bytes()];
     let config = EngineConfig {
         stage_bytes: slot,
-        ..EngineConfig::default()
+        ..common::config()
     };
     let (engine, _) = engine_with(&mut b, config);
     // SAFETY: `back` outlives the engine (dropped below, before it).
@@ -507,7 +507,7 @@ fn staged_plans_are_refused_where_they_cannot_run() {
     };
     let config = EngineConfig {
         stage_bytes: 128,
-        ..EngineConfig::default()
+        ..common::config()
     };
     let (engine, host) = engine_with(&mut b, config);
     let nbytes = vec![64u64; 4];
@@ -564,7 +564,7 @@ fn staged_plans_are_refused_where_they_cannot_run() {
         &mut b,
         EngineConfig {
             stage_bytes: 256,
-            ..EngineConfig::default()
+            ..common::config()
         },
     );
     let (gb, gs) = g.gpu(b.dst.as_ptr() as u64);
@@ -628,7 +628,7 @@ fn block_plans_are_refused_where_a_table_pair_has_none() {
         src: vec![1; 4096],
         dst: vec![0; 4096],
     };
-    let (engine, _) = engine_with(&mut b, EngineConfig::default());
+    let (engine, _) = engine_with(&mut b, common::config());
     let (s, d) = (b.src.as_ptr() as u64, b.dst.as_ptr() as u64);
     let src = engine
         .register_table(TableSpec::new(
@@ -710,7 +710,7 @@ fn every_plan_refuses_loads_into_layers_that_share_a_tensor_and_stores_them() {
         src: vec![0; 4096],
         dst: (0..4096u32).map(|i| (i * 7 + 3) as u8).collect(),
     };
-    let (engine, _) = engine_with(&mut b, EngineConfig::default());
+    let (engine, _) = engine_with(&mut b, common::config());
     let (c, g) = (b.src.as_ptr() as u64, b.dst.as_ptr() as u64);
     let gpu = engine
         .register_table(
@@ -790,7 +790,7 @@ fn groups_move_as_one_transfer_with_chunk_ids_and_skips() {
         src: vec![0; 2048],
         dst: (0..2048).map(|i| (i % 251) as u8).collect(),
     };
-    let (engine, _) = engine_with(&mut b, EngineConfig::default());
+    let (engine, _) = engine_with(&mut b, common::config());
     let (h, d) = (b.src.as_ptr() as u64, b.dst.as_ptr() as u64);
     let table = |base, page: u64, blocks, kind, name: &str, unit| {
         engine
@@ -869,7 +869,7 @@ fn groups_whose_layers_alternate_move_as_one_transfer_and_a_reused_id_is_checked
         src: (0..2048u32).map(|i| (i * 11 % 255 + 1) as u8).collect(), // no zero byte
         dst: vec![0; 2048],
     };
-    let (engine, _) = engine_with(&mut b, EngineConfig::default());
+    let (engine, _) = engine_with(&mut b, common::config());
     let (h, d) = (b.src.as_ptr() as u64, b.dst.as_ptr() as u64);
     let table = |bases: Vec<u64>, stride: u64, kind, name: &str| {
         engine

@@ -111,8 +111,9 @@ fn setup(fail_seq: u64, shutdown_timeout: Duration) -> Setup {
     let backend = Arc::new(Holding::new(fail_seq));
     let config = EngineConfig {
         shutdown_timeout,
-        // Small rings: Miri builds every slot of them.
+        // Small rings and a small pool: Miri builds every slot of them.
         max_in_flight: 16,
+        pool_bytes: 16 << 20,
         ..EngineConfig::default()
     };
     let engine = Engine::new(backend.clone(), config);

@@ -26,7 +26,9 @@ use crate::table::staged_pages;
 
 /// Alignment of host allocations: a page, like page-locked allocations on CUDA.
 const HOST_ALIGN: usize = 4096;
-/// Jobs the worker queue holds; the engine never has more in flight than this.
+/// The most jobs the worker's queue is ever handed: four lanes of [`Backend::max_in_flight`]
+/// each. The queue itself grows as jobs come (an unbounded channel), so a backend costs no
+/// memory for the jobs it may never get.
 pub const QUEUE_DEPTH: usize = 1 << 16;
 
 struct Job {
@@ -76,7 +78,7 @@ impl HostBackend {
     #[must_use]
     pub fn new() -> Self {
         let shared = std::sync::Arc::new(Shared::default());
-        let (tx, rx) = crossbeam_channel::bounded::<Job>(QUEUE_DEPTH);
+        let (tx, rx) = crossbeam_channel::unbounded::<Job>();
         let worker_shared = shared.clone();
         let worker = std::thread::Builder::new()
             .name("blockswap-host".into())
@@ -352,20 +354,15 @@ impl Backend for HostBackend {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         let tx = sender.as_ref().ok_or(BackendError::ShutDown)?;
-        tx.try_send(Job {
+        // An unbounded channel never blocks a send; it fails only once the worker is gone.
+        tx.send(Job {
             lane,
             seq,
             slab,
             first,
             plan: request.plan.map(|_| (), |()| (), |s| s),
         })
-        .map_err(|e| match e {
-            crossbeam_channel::TrySendError::Full(_) => BackendError::CopyFailed {
-                index: None,
-                reason: "host worker queue full".into(),
-            },
-            crossbeam_channel::TrySendError::Disconnected(_) => BackendError::ShutDown,
-        })?;
+        .map_err(|_| BackendError::ShutDown)?;
         Ok(Submitted::Ok)
     }
 

@@ -9,6 +9,22 @@ use blockswap::backend::host::HostBackend;
 use blockswap::engine::{Engine, EngineConfig};
 use blockswap::{MemoryKind, TransferResult};
 
+/// The engine's default settings; under Miri with a 16 MiB descriptor pool and 64 transfers in
+/// flight a direction. Miri builds every slot of the pool's free lists and the completion rings
+/// one at a time: at the defaults (256 MiB, 1,024) that took most of each engine test's time
+/// there, and no test here holds more than a few slabs or transfers at once.
+pub fn config() -> EngineConfig {
+    if cfg!(miri) {
+        EngineConfig {
+            max_in_flight: 64,
+            pool_bytes: 16 << 20,
+            ..EngineConfig::default()
+        }
+    } else {
+        EngineConfig::default()
+    }
+}
+
 pub struct Buffers {
     pub src: Vec<u8>,
     pub dst: Vec<u8>,
