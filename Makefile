@@ -95,10 +95,11 @@ clean:
 # tests over the host backend (the fault-injecting backend's after the modules, the engine's own
 # in a run of their own, each run under MIRI_TIMEOUT), under Stacked Borrows, then the pool and
 # lane under Tree Borrows.
-# Property tests run 2 cases and loops are shortened there (Miri is ~1000x slower); MIRI_TIMEOUT
-# bounds each run (the engine tests' run took 1,500 s and more on CI's 2 cores once every plan
-# checked what it writes; the whole of CI stays under an hour at this bound). The engine tests run without isolation: proptest looks for its regression files.
-MIRI_TIMEOUT ?= 2700
+# Property tests run 1-2 cases and loops are shortened there (Miri is ~1000x slower), and the
+# engine tests build a small pool and small rings (`tests/common`); MIRI_TIMEOUT bounds each run
+# (each took 330-390 s side by side on the 2-core development machine, the whole step 384 s).
+# The engine tests run without isolation: proptest looks for its regression files.
+MIRI_TIMEOUT ?= 1500
 # The three runs are independent single-threaded interpreters: after one build they run side by
 # side (each into its own log, printed in order), which halves the step on a 2-core machine.
 miri:

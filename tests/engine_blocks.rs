@@ -449,11 +449,6 @@ proptest! {
     /// one after the other (their rows then cross as joined copies); and so does the direct plan
     /// (the kernel on the host pages in place, launches of at most a slot's bytes of pages).
     #[test]
-    #[cfg_attr(
-        miri,
-        ignore = "ran past Miri's time limit on CI's 2 cores (not understood yet, as with the \
-                  shared-tensor test); cargo test runs it"
-    )]
     fn staged_plans_copy_what_pages_copy(
         g in geometry(),
         seed in any::<u64>(),
@@ -698,11 +693,6 @@ fn block_plans_are_refused_where_a_table_pair_has_none() {
 }
 
 #[test]
-#[cfg_attr(
-    miri,
-    ignore = "ran for over 15 minutes under Miri without finishing (not understood yet); \
-              cargo test runs it"
-)]
 fn every_plan_refuses_loads_into_layers_that_share_a_tensor_and_stores_them() {
     // Two layers of K and V pages (64 bytes, 4 blocks) viewing one GPU tensor (KV sharing), and
     // a block-major CPU cache of their 4 pages a block.
