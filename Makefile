@@ -97,7 +97,7 @@ clean:
 # lane under Tree Borrows.
 # Property tests run 1-2 cases and loops are shortened there (Miri is ~1000x slower), and the
 # engine tests build a small pool and small rings (`tests/common`); MIRI_TIMEOUT bounds each run
-# (each took 330-390 s side by side on the 2-core development machine, the whole step 384 s).
+# (each took 290-332 s side by side on the 2-core development machine, the whole step 333 s).
 # The engine tests run without isolation: proptest looks for its regression files.
 MIRI_TIMEOUT ?= 1500
 # The three runs are independent single-threaded interpreters: after one build they run side by
