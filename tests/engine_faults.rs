@@ -1,6 +1,10 @@
 //! A backend that fails while it still holds earlier transfers: their slabs stay out of the pool
 //! until the backend completes past them, and shutdown does not call a failed lane a timeout.
 
+// Only `config` is used here.
+#[allow(dead_code)]
+mod common;
+
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -111,10 +115,9 @@ fn setup(fail_seq: u64, shutdown_timeout: Duration) -> Setup {
     let backend = Arc::new(Holding::new(fail_seq));
     let config = EngineConfig {
         shutdown_timeout,
-        // Small rings and a small pool: Miri builds every slot of them.
+        // Small rings: Miri builds every slot of them (and of the pool, which `config` sizes).
         max_in_flight: 16,
-        pool_bytes: 16 << 20,
-        ..EngineConfig::default()
+        ..common::config()
     };
     let engine = Engine::new(backend.clone(), config);
     let (src, mut dst) = (vec![1u8; 1 << 16], vec![0u8; 1 << 16]);

@@ -1,6 +1,6 @@
-//! Helpers shared by the engine integration tests (`tests/engine.rs`, `tests/engine_blocks.rs`):
-//! an engine over the host backend with a "host" and a "device" buffer registered, and waiting
-//! for results.
+//! Helpers shared by the engine integration tests (`tests/engine.rs`, `tests/engine_blocks.rs`;
+//! `tests/engine_faults.rs` takes `config`): an engine over the host backend with a "host" and a
+//! "device" buffer registered, and waiting for results.
 
 use std::sync::Arc;
 use std::time::Duration;
