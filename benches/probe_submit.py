@@ -9,9 +9,14 @@ wrapper around it. 80 layers x 32 random blocks per transfer, per-layer tensors
     python benches/probe_submit.py [--pages 4,16] [--reps 25] [--sleep-ms 20] [--backend auto]
                                    [--caller-stream default|side]
 
-Two ways of calling, as ``bench_wall.py`` times them: ``b2b``, 8 transfers submitted back to back
-(the later 7 of each round kept: the engine's thread is busy issuing the earlier ones) and
-``slept``, one transfer after the caller slept ``--sleep-ms`` (its caches and core gone cold).
+Three ways of calling, as ``bench_wall.py`` times them (``--ways``, default ``b2b,slept``):
+``b2b``, 8 transfers submitted back to back (the later 7 of each round kept: the engine's thread
+is busy issuing the earlier ones); ``slept``, one transfer after the caller slept ``--sleep-ms``
+(its caches and core gone cold); ``alone``, one transfer right after the previous one was seen
+done and one contiguous copy of the same bytes timed (``bench_wall.py``'s isolated transfer),
+with ``wall`` (from the call to the result seen in ``get_finished``), ``gpu`` (the transfer's
+GPU time) and ``rest`` (``wall`` less ``gpu`` and the whole call: the hand-off to the engine's
+thread, its calls before the transfer's first GPU work, the completion seen) beside the pieces.
 ``--caller-stream side``: the caller's current stream is one it made (``torch.cuda.Stream()``),
 not the default stream; transfers that wait for the caller's stream record their event there.
 Printed, not saved: the median µs of each piece and of the whole call, per page size, layout,
@@ -29,9 +34,10 @@ from collections.abc import Callable
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from blockswap_bench.cli import kib_list, parser
+from blockswap_bench.cli import choices, kib_list, parser
 
 QUEUED = 8
+WAYS = ("b2b", "slept", "alone")
 
 
 class Pieces:
@@ -79,6 +85,8 @@ def main() -> int:
     ap.add_argument("--blocks", type=int, default=32)
     ap.add_argument("--sleep-ms", type=float, default=20.0)
     ap.add_argument("--caller-stream", choices=("default", "side"), default="default")
+    ap.add_argument("--ways", type=choices(WAYS), default=["b2b", "slept"],
+                    help="b2b, slept, alone (comma list; default b2b,slept)")  # fmt: skip
     args = ap.parse_args()
 
     import numpy as np
@@ -108,8 +116,8 @@ def main() -> int:
             hs = t.w.handlers[0] if layout == "plugin" else t.h
             try:
                 for d in ("d2h", "h2d"):
-                    for way in ("b2b", "slept"):
-                        line = measure(t, hs, d, way, args, rng, n_gpu, n_cpu, layout)
+                    for way in args.ways:
+                        line = measure(t, hs, d, way, args, rng, n_gpu, n_cpu, layout, kib)
                         print(f"{kib:5d} KiB  {layout:8s}  {d}  {way:5s}  {line}", flush=True)
                     if layout == "separate":
                         line = floor(t.tables, d, args, rng, n_gpu, n_cpu, cuda)
@@ -120,7 +128,16 @@ def main() -> int:
 
 
 def measure(
-    t: Any, hs: Any, d: str, way: str, args: Any, rng: Any, n_gpu: int, n_cpu: int, layout: str
+    t: Any,
+    hs: Any,
+    d: str,
+    way: str,
+    args: Any,
+    rng: Any,
+    n_gpu: int,
+    n_cpu: int,
+    layout: str,
+    kib: int,
 ) -> str:
     """One case's pieces, timed over ``args.reps`` rounds after two discarded."""
     p = Pieces()
@@ -135,6 +152,12 @@ def measure(
         p.wrap(hd, "_wait_stream", "stream")
     p.wrap(hd, "_submit_groups", "core")
     total: list[int] = []
+    ends: dict[str, list[float]] = {"wall": [], "gpu": [], "rest": []}
+    copier = None
+    if way == "alone":
+        from blockswap_bench.kvblocks import Copier
+
+        copier = Copier(args.layers * args.blocks * kib * 1024)
     job = iter(range(1, 1 << 30))
     try:
         for rnd in range(args.reps + 2):
@@ -146,6 +169,8 @@ def measure(
                 calls.append(t.call(next(job), d, g, c))
             if way == "slept":
                 time.sleep(args.sleep_ms / 1e3)
+            elif copier is not None:
+                copier.seconds(d, copier.nbytes)
             for k, (f, a) in enumerate(calls):
                 mark = p.mark()
                 t0 = time.perf_counter_ns()
@@ -158,10 +183,16 @@ def measure(
             want = {a[0] for _, a in calls}
             while want:
                 for r in t.poll():
-                    want.discard(t.result(r)[0])
+                    job_id, _, secs, _ = t.result(r)
+                    want.discard(job_id)
+                    if copier is not None and rnd >= 2:
+                        wall = (time.perf_counter_ns() - t0) / 1e9
+                        ends["wall"].append(wall)
+                        ends["gpu"].append(secs)
+                        ends["rest"].append(wall - secs - took / 1e9)
     finally:
         p.undo()
-    parts = {**p.times, "total": total}
+    parts = {**p.times, "total": total, **{k: [x * 1e9 for x in v] for k, v in ends.items()}}
     return "  ".join(f"{k} {statistics.median(v) / 1e3:6.1f}" for k, v in parts.items() if v)
 
 

@@ -1,8 +1,9 @@
 """The probes that call private methods of the handler and the plug-in, end to end: a rename there
 breaks them, and this is what says so. ``probe_submit.py`` on the host backend (a small cache):
-every piece it wraps is still there to wrap, and each case prints its pieces and the whole call;
-``probe_host_cold.py`` and ``probe_host_time.py`` (CUDA only) run to their end. Figures are
-checked for sanity, never for speed."""
+every piece it wraps is still there to wrap, and each case prints its pieces and the whole call
+(and, called ``alone``, the wall clock to the result and the transfer's own time);
+``probe_host_cold.py``, ``probe_host_time.py`` and ``probe_step_gaps.py --isolated`` (CUDA only)
+run to their end. Figures are checked for sanity, never for speed."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ ARGS = ["--backend", "host", "--pages", "4", "--layers", "8", "--blocks", "4", "
 
 def test_probe_submit_runs_on_the_host_backend() -> None:
     p = subprocess.run(
-        [sys.executable, str(SCRIPT), *ARGS, "--sleep-ms", "1"],
+        [sys.executable, str(SCRIPT), *ARGS, "--sleep-ms", "1", "--ways", "b2b,slept,alone"],
         capture_output=True,
         text=True,
         timeout=300,
@@ -31,14 +32,19 @@ def test_probe_submit_runs_on_the_host_backend() -> None:
     layouts = ["separate"] + (["plugin"] if vllm_missing() is None else [])
     for layout in layouts:
         for d in ("d2h", "h2d"):
-            for way in ("b2b", "slept"):
+            for way in ("b2b", "slept", "alone"):
                 (row,) = [r for r in lines if r[2:5] == [layout, d, way]]
                 pieces = dict(zip(row[5::2], map(float, row[6::2])))
                 want = {"issue", "core", "total"} | ({"split"} if layout == "plugin" else set())
-                assert want <= set(pieces), (layout, d, way, row)
+                ends = {"wall", "gpu", "rest"}
+                assert want | (ends if way == "alone" else set()) <= set(pieces), (way, row)
+                rest = pieces.pop("rest", None)  # a difference: of either sign
                 assert all(v > 0 for v in pieces.values()), row
-                # The pieces are nested in the whole call.
+                # The pieces are nested in the whole call, the whole call in the wall clock.
                 assert pieces["core"] <= pieces["issue"] <= pieces["total"], row
+                if way == "alone":
+                    assert pieces["total"] < pieces["wall"], row
+                    assert rest is not None and rest < pieces["wall"], row
     floors = [r for r in lines if r[2] == "floor"]
     assert len(floors) == 2, lines
 
@@ -54,3 +60,25 @@ def test_host_time_probes_run_cuda(script: str, args: list[str]) -> None:
     )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "core submit" in p.stdout, p.stdout[-3000:]
+
+
+@pytest.mark.cuda
+def test_step_gaps_isolated_runs_cuda() -> None:
+    """``probe_step_gaps.py --isolated``: a line per direction and step count, one copy's time and
+    the two variants' share of it."""
+    args = ["--isolated", "--mib", "4", "--row-kib", "256", "--steps", "1,2", "--reps", "3"]
+    p = subprocess.run(
+        [sys.executable, str(BENCHES / "probe_step_gaps.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = [line.split() for line in p.stdout.splitlines() if line[:3] in ("d2h", "h2d")]
+    assert sorted((r[0], r[1]) for r in rows) == [
+        ("d2h", "1"), ("d2h", "2"), ("h2d", "1"), ("h2d", "2")
+    ], p.stdout  # fmt: skip
+    for r in rows:
+        copy_us, *pcts = r[3], *r[4:]
+        assert float(copy_us) > 0, r
+        assert len(pcts) == 3 and all(0 < float(x.rstrip("%")) < 1000 for x in pcts), r
