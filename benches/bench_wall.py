@@ -34,8 +34,10 @@ Per page size, layout, CPU block order, direction and variant:
 * ``GPU %``: the engine's GPU time of the isolated transfers (its timing events), % of the link: a
   diagnostic (``n/a`` on the host backend, or with timing off);
 * ``idle %``: the wall clock of a transfer submitted after the caller slept ``--sleep-ms``, % of the
-  link (what an idle gap adds); ``first_wall_us`` in the JSON: the case's first transfer (a
-  warm-up, not in the medians);
+  link (what an idle gap adds); the ``/1copy`` after it: as % of one contiguous pinned copy of the
+  same bytes timed the same way after the same sleep (``one_copy_idle_us`` in the JSON: its
+  median); ``first_wall_us`` in the JSON: the case's first transfer (a warm-up, not in the
+  medians);
 * host time of ``transfer_async``: ``b2b us``, back to back (median of the queued batches' later
   calls); ``slept us``, after the caller slept ``--sleep-ms`` (median); ``numpy us``, numpy
   computing the same transfer's per-page addresses (``bases + ids * strides`` for every layer,
@@ -114,7 +116,7 @@ ROW_FIELDS = (
     "one_copy_wall_us", "one_copy_gbps", "one_copy_pct_link", "isolated_pct_one_copy",
     "queued_gbps", "queued_pct_link",
     "gpu_gbps", "gpu_pct_link",
-    "idle_wall_us", "idle_pct_link",
+    "idle_wall_us", "idle_pct_link", "one_copy_idle_us", "idle_pct_one_copy",
     "async_polled_us", "async_b2b_us", "async_slept_us", "numpy_slept_us", "numpy_b2b_us",
     "slept_ratio", "steps_slept_us", "steps_ratio", "samples", "error",
 )  # fmt: skip
@@ -143,7 +145,7 @@ class Reps:
         iso = clamp(self.iso_budget_s / ((variants + 1) * est_s), min(self.min_reps, self.reps),
                     self.reps)  # fmt: skip
         queued = clamp(self.queued_budget_s / (variants * QUEUED * est_s), 1, self.queued)
-        slept = clamp(self.slept_budget_s / (variants * (est_s + sleep_s) + sleep_s),
+        slept = clamp(self.slept_budget_s / self.slept_round(est_s, variants, sleep_s),
                       min(self.min_slept, self.slept), self.slept)  # fmt: skip
         return iso, queued, slept
 
@@ -154,8 +156,14 @@ class Reps:
         return (
             (self.warmup * variants + 1 + iso * (variants + 1)) * est_s
             + queued * variants * QUEUED * est_s
-            + slept * (variants * (est_s + sleep_s) + sleep_s)
+            + slept * self.slept_round(est_s, variants, sleep_s)
         )
+
+    @staticmethod
+    def slept_round(est_s: float, variants: int, sleep_s: float) -> float:
+        """One round after sleeps: a transfer per variant and one copy, each after a sleep, and
+        the two host floors after theirs."""
+        return (variants + 1) * (est_s + sleep_s) + 2 * sleep_s
 
 
 QUICK = Reps(reps=5, min_reps=3, queued=1, slept=3, min_slept=3, warmup=1,
@@ -415,6 +423,7 @@ def measure(
     addresses = Addresses(targets[0].tables, blocks)
     steps = Steps(addresses, copier.cuda)
     numpy_slept: list[float] = []
+    copies_slept: list[float] = []
     numpy_b2b: list[float] = []
     steps_slept: list[float] = []
     try:
@@ -434,6 +443,8 @@ def measure(
             t0 = time.perf_counter()
             steps(d, g, c)
             steps_slept.append(time.perf_counter() - t0)
+            time.sleep(sleep_s)
+            copies_slept.append(copier.seconds(d, nbytes))
     finally:
         steps.close()
     copy_s = median_or_none(copies)
@@ -449,6 +460,7 @@ def measure(
             "queued_gbps": max(s["queued"]),
             "gpu_s": median_or_none(s["gpu"]),
             "idle_s": median_or_none(s["idle"]),
+            "one_copy_idle_s": median_or_none(copies_slept),
             "async_polled_s": median_or_none(s["polled"]),
             "async_b2b_s": median_or_none(s["b2b"]),
             "async_slept_s": median_or_none(s["slept"]),
@@ -460,6 +472,7 @@ def measure(
                 "one_copy_wall_s": copies,
                 "gpu_s": s["gpu"],
                 "idle_wall_s": s["idle"],
+                "one_copy_idle_wall_s": copies_slept,
                 "queued_gbps": s["queued"],
                 "async_slept_s": s["slept"],
                 "numpy_slept_s": numpy_slept,
@@ -495,6 +508,12 @@ def figures(row: dict[str, Any], m: dict[str, Any], gpu_time: bool) -> None:
         queued_gbps=m["queued_gbps"],
         gpu_gbps=gbps(m["gpu_s"]) if gpu_time else None,
         idle_wall_us=us(m["idle_s"]),
+        one_copy_idle_us=us(m["one_copy_idle_s"]),
+        idle_pct_one_copy=(
+            100 * m["one_copy_idle_s"] / m["idle_s"]
+            if m["idle_s"] and m["one_copy_idle_s"]
+            else None
+        ),
         async_polled_us=us(m["async_polled_s"]),
         async_b2b_us=us(m["async_b2b_s"]),
         async_slept_us=us(m["async_slept_s"]),
@@ -534,7 +553,8 @@ def percent(row: dict[str, Any], ceil: dict[str, float]) -> None:
 
 HEAD = (
     f"{'page':>6} {'layout':<9} {'cpu':<8} {'variant':<10} {'dir':<4} {'iso %':>6} "
-    f"{'/1copy':>6} {'1copy %':>7} {'8q %':>6} {'GPU %':>6} {'idle %':>6} {'iso us':>9} "
+    f"{'/1copy':>6} {'1copy %':>7} {'8q %':>6} {'GPU %':>6} {'idle %':>6} {'/1copy':>6} "
+    f"{'iso us':>9} "
     f"{'1copy us':>9} {'b2b us':>7} {'slept us':>8} {'numpy us':>8} {'ratio':>5} "
     f"{'steps us':>8} {'ratio':>5}  route"
 )
@@ -552,6 +572,7 @@ def line(row: dict[str, Any]) -> str:
         f"{lead} {f(row['isolated_pct_link'], 6)} {f(row['isolated_pct_one_copy'], 6)} "
         f"{f(row['one_copy_pct_link'], 7)} {f(row['queued_pct_link'], 6)} "
         f"{f(row['gpu_pct_link'], 6)} {f(row['idle_pct_link'], 6)} "
+        f"{f(row['idle_pct_one_copy'], 6)} "
         f"{f(row['isolated_wall_us'], 9)} {f(row['one_copy_wall_us'], 9)} "
         f"{f(row['async_b2b_us'], 7)} {f(row['async_slept_us'], 8)} "
         f"{f(row['numpy_slept_us'], 8)} {f(row['slept_ratio'], 5, 2)} "

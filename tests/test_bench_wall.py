@@ -90,6 +90,8 @@ def test_measured_rows_carry_every_field(
             "isolated_pct_one_copy",
             "queued_pct_link",
             "idle_pct_link",
+            "one_copy_idle_us",
+            "idle_pct_one_copy",
             "async_b2b_us",
             "async_slept_us",
             "numpy_slept_us",
@@ -103,6 +105,9 @@ def test_measured_rows_carry_every_field(
             r["isolated_pct_link"], 100 * r["isolated_wall_gbps"] / r["ceiling_gbps"]
         )
         assert len(r["samples"]["isolated_wall_s"]) == r["reps"]["isolated"] >= 3
+        # One copy after each round's sleep, beside the transfers after theirs.
+        assert len(r["samples"]["one_copy_idle_wall_s"]) == r["reps"]["slept"] >= 3
+        assert len(r["samples"]["idle_wall_s"]) == r["reps"]["slept"]
         assert r["route"]
 
 
