@@ -5,28 +5,17 @@ speed."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benches" / "bench_vllm.py"
+from bench_helpers import run_with_json
 
 
 @pytest.mark.cuda
 def test_bench_vllm_takes_the_best_ceiling_of_its_start_and_end_cuda(tmp_path: Path) -> None:
-    out = tmp_path / "vllm.json"
-    p = subprocess.run(
-        [sys.executable, str(SCRIPT), "--models", "qwen2.5-7b", "--bpc", "1", "--reps", "2",
-         "--json", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )  # fmt: skip
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    saved = json.loads(out.read_text())
+    args = ["--models", "qwen2.5-7b", "--bpc", "1", "--reps", "2"]
+    p, saved = run_with_json("bench_vllm.py", args, tmp_path / "vllm.json")
     assert [m["when"] for m in saved["ceilings"]] == ["start", "end"]
     for d in ("h2d", "d2h"):
         best = max(m[d] for m in saved["ceilings"])

@@ -5,18 +5,16 @@ speed."""
 
 from __future__ import annotations
 
-import json
 import math
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from bench_helpers import run_with_json
 from bench_wall import DIRECTIONS, LAYOUTS, ROW_FIELDS, vllm_missing
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benches" / "bench_wall.py"
 ARGS = ["--quick", "--backend", "host", "--layers", "8", "--blocks", "4"]
 VARIANTS = ["--variants", "twin:", "bad:no_such_option=1"]
 
@@ -24,14 +22,7 @@ VARIANTS = ["--variants", "twin:", "bad:no_such_option=1"]
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], dict]:
     out = tmp_path_factory.mktemp("wall") / "wall.json"
-    p = subprocess.run(
-        [sys.executable, str(SCRIPT), *ARGS, *VARIANTS, "--json", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    return p, json.loads(out.read_text())
+    return run_with_json("bench_wall.py", [*ARGS, *VARIANTS], out, timeout=300)
 
 
 def _positive(x: Any) -> bool:
@@ -123,16 +114,8 @@ def test_a_variant_that_cannot_be_built_is_reported(
 
 @pytest.mark.cuda
 def test_on_cuda_every_row_has_the_gpu_time_too(tmp_path: Path) -> None:
-    out = tmp_path / "wall.json"
-    p = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--backend", "cuda", "--layers", "8",
-         "--blocks", "4", "--pages", "4,64", "--json", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )  # fmt: skip
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    saved = json.loads(out.read_text())
+    args = ["--quick", "--backend", "cuda", "--layers", "8", "--blocks", "4", "--pages", "4,64"]
+    _, saved = run_with_json("bench_wall.py", args, tmp_path / "wall.json")
     assert saved["backend"] == "cuda" and saved["gpu"] != "none (host backend)"
     assert saved["config"]["gpu_time"] is True
     assert saved["rows"]
