@@ -93,6 +93,7 @@ def main() -> int:
     import torch
 
     from bench_wall import HandlerTarget, PluginTarget, layer_tensors, vllm_missing
+    from blockswap_bench.kvblocks import Copier
 
     cuda = args.backend == "cuda" or (args.backend == "auto" and torch.cuda.is_available())
     backend = "cuda" if cuda else "host"
@@ -105,6 +106,8 @@ def main() -> int:
     if cuda and args.caller_stream == "side":
         torch.cuda.set_stream(torch.cuda.Stream())
     for kib in args.pages:
+        # ``alone``'s one copy of the same bytes before each call: one pinned pair per page size.
+        copier = Copier(args.layers * args.blocks * kib * 1024) if "alone" in args.ways else None
         for layout in layouts:
             kv = layer_tensors(layout, args.layers, n_gpu, kib * 1024, device)
             opts: dict[str, Any] = {} if cuda else {"backend": "host"}
@@ -117,7 +120,8 @@ def main() -> int:
             try:
                 for d in ("d2h", "h2d"):
                     for way in args.ways:
-                        line = measure(t, hs, d, way, args, rng, n_gpu, n_cpu, layout, kib)
+                        one_copy = copier if way == "alone" else None
+                        line = measure(t, hs, d, way, args, rng, n_gpu, n_cpu, layout, one_copy)
                         print(f"{kib:5d} KiB  {layout:8s}  {d}  {way:5s}  {line}", flush=True)
                     if layout == "separate":
                         line = floor(t.tables, d, args, rng, n_gpu, n_cpu, cuda)
@@ -137,9 +141,10 @@ def measure(
     n_gpu: int,
     n_cpu: int,
     layout: str,
-    kib: int,
+    copier: Any,
 ) -> str:
-    """One case's pieces, timed over ``args.reps`` rounds after two discarded."""
+    """One case's pieces, timed over ``args.reps`` rounds after two discarded; ``copier`` (a
+    ``Copier`` of the transfer's bytes, ``alone`` only): one copy timed before each call."""
     p = Pieces()
     hd = hs.d2h if d == "d2h" else hs.h2d
     if layout == "plugin":
@@ -153,11 +158,6 @@ def measure(
     p.wrap(hd, "_submit_groups", "core")
     total: list[int] = []
     ends: dict[str, list[float]] = {"wall": [], "gpu": [], "rest": []}
-    copier = None
-    if way == "alone":
-        from blockswap_bench.kvblocks import Copier
-
-        copier = Copier(args.layers * args.blocks * kib * 1024)
     job = iter(range(1, 1 << 30))
     try:
         for rnd in range(args.reps + 2):
