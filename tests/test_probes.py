@@ -2,32 +2,21 @@
 breaks them, and this is what says so. ``probe_submit.py`` on the host backend (a small cache):
 every piece it wraps is still there to wrap, and each case prints its pieces and the whole call
 (and, called ``alone``, the wall clock to the result and the transfer's own time);
-``probe_host_cold.py``, ``probe_host_time.py`` and ``probe_step_gaps.py --isolated`` (CUDA only)
+``probe_host_cold.py``, ``probe_host_time.py`` and ``probe_step_gaps.py`` (both modes; CUDA only)
 run to their end. Figures are checked for sanity, never for speed."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
+from bench_helpers import run_script
 from bench_wall import vllm_missing
 
-BENCHES = Path(__file__).resolve().parents[1] / "benches"
-SCRIPT = BENCHES / "probe_submit.py"
 ARGS = ["--backend", "host", "--pages", "4", "--layers", "8", "--blocks", "4", "--reps", "3"]
 
 
 def test_probe_submit_runs_on_the_host_backend() -> None:
-    p = subprocess.run(
-        [sys.executable, str(SCRIPT), *ARGS, "--sleep-ms", "1", "--ways", "b2b,slept,alone"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    p = run_script("probe_submit.py", [*ARGS, "--sleep-ms", "1", "--ways", "b2b,slept,alone"])
     lines = [line.split() for line in p.stdout.splitlines() if "KiB" in line]
     layouts = ["separate"] + (["plugin"] if vllm_missing() is None else [])
     for layout in layouts:
@@ -55,10 +44,7 @@ def test_probe_submit_runs_on_the_host_backend() -> None:
     [("probe_host_cold.py", ["--rounds", "1"]), ("probe_host_time.py", ["--pages", "4"])],
 )
 def test_host_time_probes_run_cuda(script: str, args: list[str]) -> None:
-    p = subprocess.run(
-        [sys.executable, str(BENCHES / script), *args], capture_output=True, text=True, timeout=300
-    )
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    p = run_script(script, args)
     assert "core submit" in p.stdout, p.stdout[-3000:]
 
 
@@ -68,14 +54,7 @@ def test_step_gaps_runs_cuda(isolated: bool) -> None:
     """``probe_step_gaps.py``: a line per direction and step count; ``--isolated``, one copy's time
     and the two variants' share of it, else every variant's share of the link."""
     args = ["--mib", "4", "--row-kib", "256", "--steps", "1,2", "--reps", "3"]
-    p = subprocess.run(
-        [sys.executable, str(BENCHES / "probe_step_gaps.py"), *args]
-        + (["--isolated"] if isolated else []),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    p = run_script("probe_step_gaps.py", args + (["--isolated"] if isolated else []))
     rows = [line.split() for line in p.stdout.splitlines() if line[:3] in ("d2h", "h2d")]
     assert sorted((r[0], r[1]) for r in rows) == [
         ("d2h", "1"), ("d2h", "2"), ("h2d", "1"), ("h2d", "2")
