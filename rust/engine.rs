@@ -398,6 +398,7 @@ impl Engine {
                 first_block: prepared.staged_blocks_at,
                 blocks: prepared.staged_blocks,
                 slot_bytes: self.config.stage_bytes,
+                step_bytes: self.config.stage_step_bytes,
                 kernel,
                 direct,
                 launch_bytes: launch_bytes.unwrap_or(u64::MAX),

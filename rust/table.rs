@@ -38,8 +38,9 @@ pub use runs::{
 };
 pub use staged::{
     direct_steps, expand_staged_into, finish_cells, stage_cell_group, staged_cell, staged_cells,
-    staged_fit, staged_pages, staged_row, staged_steps, StagedCursor, StagedExpansion,
-    StagedRequest, StagedStep, STAGED_MIN_STEPS, STAGED_RAMP, STAGED_TABLE_EXTRA,
+    staged_fit, staged_full_steps, staged_pages, staged_row, staged_steps, StagedCursor,
+    StagedExpansion, StagedRequest, StagedStep, STAGED_FULL_STEPS, STAGED_RAMP, STAGED_STEP_BYTES,
+    STAGED_TABLE_EXTRA,
 };
 use staged::{finish_staged, written_pages};
 pub use tensor::{block_major_views, mirror, tensor_segments, BlockMajor, Mirror, TensorSegments};

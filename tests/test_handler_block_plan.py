@@ -299,17 +299,26 @@ def test_cuda_block_plan_roundtrip(layout: str, factor: int) -> None:
         h.shutdown()
 
 
+#: ``stage_step_bytes``: the default (a transfer behind a running one in as few steps as its
+#: bytes allow: one, at these sizes) and 1 (four full steps behind one too).
+STEP_BYTES = [None, 1]
+
+
+@pytest.mark.parametrize("step_bytes", STEP_BYTES)
 @pytest.mark.parametrize("cpu_order", ["random", "adjacent", "reversed"])
 @pytest.mark.parametrize("factor", FACTORS)
-def test_staged_roundtrip_in_any_cpu_order_on_the_host_backend(factor: int, cpu_order: str) -> None:
+def test_staged_roundtrip_in_any_cpu_order_on_the_host_backend(
+    factor: int, cpu_order: str, step_bytes: int | None
+) -> None:
     """The staged plan both ways on the host backend, byte-exact, with slots of 3 rows (steps
     within a transfer, four queued): adjacent CPU blocks in either order take their rows in
     host order, joined, and every page still goes to its own block."""
     gpu = [t.clone() for t in one_allocation("kv_split", 80, 64, device="cpu")]
     row = 80 * sum(p.numel() for p in page_of(gpu[0], "kv_split", 0))
+    kw = {} if step_bytes is None else {"stage_step_bytes": step_bytes}
     h = CpuGpuHandlers(
         gpu, 32, layout="kv_split", block_size_factor=factor, path="staged",
-        stage_bytes=3 * row, backend="host",
+        stage_bytes=3 * row, backend="host", **kw,
     )  # fmt: skip
     try:
         assert h.routes["d2h"].plan == h.routes["h2d"].plan == "staged"
@@ -319,22 +328,30 @@ def test_staged_roundtrip_in_any_cpu_order_on_the_host_backend(factor: int, cpu_
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("step_bytes", STEP_BYTES)
 @pytest.mark.parametrize("cpu_order", ["random", "adjacent", "reversed"])
 @pytest.mark.parametrize("slot_rows", [None, 3])
 @pytest.mark.parametrize("separate", [False, True])
 @pytest.mark.parametrize("factor", FACTORS)
 @pytest.mark.parametrize("layout", sorted(ONE_ALLOCATION))
 def test_cuda_staged_roundtrip(
-    layout: str, factor: int, separate: bool, slot_rows: int | None, cpu_order: str
+    layout: str,
+    factor: int,
+    separate: bool,
+    slot_rows: int | None,
+    cpu_order: str,
+    step_bytes: int | None,
 ) -> None:
     """On the GPU: the staged plan both ways, byte-exact, 80 layers one allocation or each its
     own; with slots of 3 rows a transfer of 8 blocks takes 3 steps and four queued transfers
     cycle the two slots many times (more blocks in flight than the ring holds); with adjacent
-    CPU blocks, in either order, their rows cross PCIe joined."""
+    CPU blocks, in either order, their rows cross PCIe joined. Queued transfers behind a
+    running one take one step by default at these sizes, four full ones with
+    ``stage_step_bytes=1``."""
     gpu = one_allocation(layout, 80, 64, device="cuda")
     if separate:
         gpu = [t.clone() for t in gpu]
-    kw: dict = {}
+    kw: dict = {} if step_bytes is None else {"stage_step_bytes": step_bytes}
     if slot_rows is not None:
         row = 80 * sum(p.numel() for p in page_of(gpu[0], layout, 0))
         kw["stage_bytes"] = slot_rows * row

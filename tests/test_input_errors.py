@@ -74,6 +74,8 @@ def test_infinite_timeouts_wait_forever(pair):
         ({"pool_bytes": 6143}, r"pool_bytes must be an int from 6144 to \d+, not 6143"),
         ({"pool_bytes": 0}, "pool_bytes must be an int from 6144"),
         ({"stage_bytes": 4095}, "stage_bytes must be an int from 4096 to 1099511627776, not 4095"),
+        ({"stage_step_bytes": 0}, "stage_step_bytes must be an int from 1 to 1099511627776, not 0"),
+        ({"stage_step_bytes": 1 << 41}, "stage_step_bytes must be an int from 1 to 1099511627776"),
     ],
     ids=lambda v: str(v) if isinstance(v, dict) else "",
 )

@@ -158,6 +158,7 @@ class Engine:
         h2d_stream: int | None = None,
         d2h_stream: int | None = None,
         stage_bytes: int = 16777216,
+        stage_step_bytes: int = 8388608,
         idle_issue: bool = False,
         early_wake: bool = True,
     ) -> Self: ...

@@ -7,7 +7,7 @@ use crate::direction::Direction;
 use crate::kernel::{KernelSpec, PageKernel};
 use crate::plan::Plan;
 use crate::region::MemoryKind;
-use crate::table::STAGED_MIN_STEPS;
+use crate::table::STAGED_FULL_STEPS;
 use crate::table::{
     block_route, block_runs, expand_groups_into, staged_cell, staged_cells, staged_fit, staged_row,
     BlockTable, Expansion, Group, Run, StagedExpansion, TableError, TableSpec, PITCHED_ENTRIES,
@@ -507,7 +507,7 @@ fn expansion(sizing: &Sizing, coalesce: bool, slot: u64, direction: Direction) -
             // link one copy each, one copy of the same bytes 94-98 %), up to a slot, and to a
             // quarter of the transfer, which keeps its steps.
             let merge = if coalesce {
-                slot.min(size.bytes / STAGED_MIN_STEPS as u64)
+                slot.min(size.bytes / STAGED_FULL_STEPS as u64)
             } else {
                 0
             };

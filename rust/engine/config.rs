@@ -5,6 +5,7 @@ use std::fmt;
 use std::time::Duration;
 
 use crate::pool::Pool;
+use crate::table::STAGED_STEP_BYTES;
 
 /// Engine settings. [`EngineConfig::validate`] holds every limit; an engine refuses a setting
 /// outside them rather than adjusting it.
@@ -24,6 +25,10 @@ pub struct EngineConfig {
     /// Bytes of each of the two slots of a lane's staging ring (the staged plan): the most one
     /// step moves, and the largest block row the plan takes. See [`EngineConfig::stage_bytes`].
     pub stage_bytes: u64,
+    /// The fewest bytes a full step of the staged plan carries behind a running transfer, where
+    /// the transfer has them (a smaller one takes fewer steps). See
+    /// [`EngineConfig::stage_step_bytes`].
+    pub stage_step_bytes: u64,
 }
 
 impl Default for EngineConfig {
@@ -35,6 +40,7 @@ impl Default for EngineConfig {
             coalesce: true,
             shutdown_timeout: Duration::from_secs(60),
             stage_bytes: DEFAULT_STAGE_BYTES,
+            stage_step_bytes: STAGED_STEP_BYTES,
         }
     }
 }
@@ -85,12 +91,21 @@ impl EngineConfig {
             coalesce,
             shutdown_timeout: seconds("shutdown_timeout", shutdown_timeout)?,
             stage_bytes: DEFAULT_STAGE_BYTES,
+            stage_step_bytes: STAGED_STEP_BYTES,
         })
     }
 
     /// Sets the staging slot size, refusing one below [`MIN_STAGE_BYTES`] or past 2^40.
     pub fn stage_bytes(mut self, bytes: i128) -> Result<Self, ConfigError> {
         self.stage_bytes = within("stage_bytes", bytes, MIN_STAGE_BYTES as usize, 1 << 40)? as u64;
+        Ok(self)
+    }
+
+    /// Sets the fewest bytes of a full staged step (see [`crate::table::STAGED_STEP_BYTES`]),
+    /// refusing 0 or past 2^40. 1 cuts every transfer of enough rows into
+    /// [`crate::table::STAGED_FULL_STEPS`] full steps, behind a running one too.
+    pub fn stage_step_bytes(mut self, bytes: i128) -> Result<Self, ConfigError> {
+        self.stage_step_bytes = within("stage_step_bytes", bytes, 1, 1 << 40)? as u64;
         Ok(self)
     }
 

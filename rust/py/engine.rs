@@ -45,7 +45,11 @@ use crate::table;
 ///   and join the staged plan's rows of blocks adjacent on the host, their ids counting up or down;
 /// - ``shutdown_timeout``: seconds :meth:`shutdown` waits for transfers in flight before failing
 ///   them (``math.inf``: as long as they take);
-/// - ``stage_bytes``: bytes of each of a direction's two staging slots (the staged plan).
+/// - ``stage_bytes``: bytes of each of a direction's two staging slots (the staged plan);
+/// - ``stage_step_bytes``: the fewest bytes a full step of the staged plan carries behind a
+///   running transfer of its direction, where the transfer has them (8 MiB by default): a
+///   smaller one takes fewer steps, as each step's batch of rows costs the copy engine a start;
+///   ``1``: four full steps whatever the size, as an isolated transfer takes.
 ///
 /// Options of the CUDA backend (the host backend ignores them, with a warning where one is not
 /// the default): ``device``; ``copy_path`` (``"auto"``, ``"batch"``, ``"loop"``); ``max_batch``
@@ -86,12 +90,13 @@ impl PyEngine {
             shutdown_timeout = Given(None), copy_path = Given(None), max_batch = Given(None),
             timing = Given(None), completion = Given(None), h2d_order = Given(None),
             d2h_order = Given(None), h2d_stream = Given(None), d2h_stream = Given(None),
-            stage_bytes = Given(None), idle_issue = Given(None), early_wake = Given(None)),
+            stage_bytes = Given(None), stage_step_bytes = Given(None), idle_issue = Given(None),
+            early_wake = Given(None)),
         text_signature = "(backend='auto', *, device=0, max_in_flight=1024, \
             pool_bytes=268435456, max_descriptors=None, coalesce=True, shutdown_timeout=60.0, \
             copy_path='auto', max_batch=None, timing=False, completion='auto', h2d_order='any', \
             d2h_order='stream', h2d_stream=None, d2h_stream=None, stage_bytes=16777216, \
-            idle_issue=False, early_wake=True)"
+            stage_step_bytes=8388608, idle_issue=False, early_wake=True)"
     )]
     // The Python signature's keyword arguments, one parameter each.
     #[allow(clippy::too_many_arguments)]
@@ -113,6 +118,7 @@ impl PyEngine {
         h2d_stream: Given<'_>,
         d2h_stream: Given<'_>,
         stage_bytes: Given<'_>,
+        stage_step_bytes: Given<'_>,
         idle_issue: Given<'_>,
         early_wake: Given<'_>,
     ) -> PyResult<Self> {
@@ -144,6 +150,10 @@ impl PyEngine {
         let h2d_stream_n = stream(&h2d_stream, "h2d_stream")?;
         let d2h_stream_n = stream(&d2h_stream, "d2h_stream")?;
         let stage_bytes: i128 = stage_bytes.or(16 << 20, |v| args::int("stage_bytes", v, I128))?;
+        let stage_step_bytes: i128 = stage_step_bytes
+            .or(i128::from(crate::table::STAGED_STEP_BYTES), |v| {
+                args::int("stage_step_bytes", v, I128)
+            })?;
         let idle_issue_b = flag(&idle_issue, "idle_issue", false)?;
         let early_wake_b = flag(&early_wake, "early_wake", true)?;
 
@@ -155,6 +165,7 @@ impl PyEngine {
             shutdown_timeout,
         )
         .and_then(|c| c.stage_bytes(stage_bytes))
+        .and_then(|c| c.stage_step_bytes(stage_step_bytes))
         .map_err(EngineError::from)?;
         let want_cuda = crate::backend::is_cuda(&backend).map_err(invalid)?;
         // Parsed on every backend, so that a misspelt option is refused on machines without a

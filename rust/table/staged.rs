@@ -639,6 +639,9 @@ pub struct StagedRequest {
     pub blocks: usize,
     /// Bytes of each of the two slots of a lane's ring; no row is larger.
     pub slot_bytes: u64,
+    /// The fewest bytes a full step carries behind a running transfer, where the transfer has
+    /// them ([`staged_full_steps`]).
+    pub step_bytes: u64,
     /// From [`crate::backend::Backend::load_kernel`], a [`crate::kernel::KernelKind::Staged`] kernel; `None` where the backend
     /// copies pages with memcpy.
     pub kernel: Option<u32>,
@@ -659,7 +662,8 @@ pub struct StagedRequest {
 impl StagedRequest {
     /// The transfer's steps ([`staged_steps`]) from the slab's columns: its rows' ring offsets
     /// and bytes, and its block entries' ring offsets and spans; `behind`: an earlier transfer
-    /// of the lane is still running (no ramps: see [`STAGED_RAMP`]).
+    /// of the lane is still running (no ramps, and fewer steps for a small transfer: see
+    /// [`STAGED_RAMP`] and [`STAGED_STEP_BYTES`]).
     #[must_use]
     pub fn steps(&self, src: &[u64], dst: &[u64], size: &[u64], behind: bool) -> Vec<StagedStep> {
         let (r, first) = (self.rows, self.first_block);
@@ -678,6 +682,7 @@ impl StagedRequest {
             &dst[blocks],
             &ends,
             self.slot_bytes,
+            self.step_bytes,
             behind,
         )
     }
@@ -715,11 +720,34 @@ pub fn direct_steps(moved: &[u64], launch_bytes: u64) -> Vec<StagedStep> {
     steps
 }
 
-/// A step is cut to at most `ceil(rows / STAGED_MIN_STEPS)` rows, so that a transfer of enough
-/// rows runs in at least this many steps over the two slots: one step's copy across `PCIe` then
-/// overlaps the previous step's kernel. One step per transfer held 4 KiB pages to 54-81 % of the
-/// link isolated, four 88-91 % (H100, `benches/probe_staged.py`, docs/benchmarks.md).
-pub const STAGED_MIN_STEPS: usize = 4;
+/// A step is cut to at most `ceil(rows / STAGED_FULL_STEPS)` rows, so that a transfer of enough
+/// rows runs in this many full steps over the two slots (fewer behind a running transfer: see
+/// [`STAGED_STEP_BYTES`]): one step's copy across `PCIe` then overlaps the previous step's
+/// kernel. One step per transfer held 4 KiB pages to 54-81 % of the link isolated, four 88-91 %
+/// (H100, `benches/probe_staged.py`, docs/benchmarks.md).
+pub const STAGED_FULL_STEPS: usize = 4;
+
+/// The fewest bytes a full step carries behind a running transfer, where the transfer has them
+/// (the default of the engine's `stage_step_bytes`): a transfer issued while an earlier one of
+/// its lane runs, smaller than [`STAGED_FULL_STEPS`] of them, takes fewer steps
+/// ([`staged_full_steps`]). Each step's batch of rows costs the copy engine a start, and CPU ->
+/// GPU a costly one: 8 transfers of 10 MiB (4 KiB pages, 32 rows of 320 KiB) through the two
+/// slots, queued, reached 99.6 / 98.1 / 92.9 / 88.8 % of the link CPU -> GPU in 1 / 2 / 4 / 8
+/// steps a transfer, and 96.9 / 97.5 / 95.5 / 92.8 % GPU -> CPU; 40 MiB ones 100-101 % in 2 or 4
+/// steps (H200, 2026-11-29, `python benches/probe_step_gaps.py --mib 10 --row-kib 320 --steps
+/// 1,2,4,8`). Behind a running transfer every kernel but the burst's last overlaps a copy. An
+/// isolated transfer keeps its full steps and its ramps: its whole kernel would overlap no copy,
+/// and the engine's 4 KiB pages in one step ended 30-38 µs later CPU -> GPU than in four (`python
+/// benches/bench_wall.py --variants steps4:stage_step_bytes=1` on a build that took it for
+/// isolated transfers too; docs/benchmarks.md).
+pub const STAGED_STEP_BYTES: u64 = 8 << 20;
+
+/// The full steps of a staged transfer of `bytes` row bytes: one per `step_bytes`, at least one
+/// and at most [`STAGED_FULL_STEPS`].
+#[must_use]
+pub fn staged_full_steps(bytes: u64, step_bytes: u64) -> usize {
+    (bytes / step_bytes.max(1)).clamp(1, STAGED_FULL_STEPS as u64) as usize
+}
 
 /// The first and the last step take at most `1 / STAGED_RAMP` of a full step's rows: the first
 /// step's kernel (GPU -> CPU: it fills the slot before any row crosses) and the last one's (CPU
@@ -745,10 +773,10 @@ pub struct StagedStep {
 }
 
 /// Cuts a staged slab into steps (see [`StagedRequest`]): whole rows, at most `slot_bytes` and
-/// `ceil(rows / STAGED_MIN_STEPS)` rows each (the first and the last at most a
-/// [`STAGED_RAMP`]th of that, unless the transfer is `behind` a running one of its lane), never
-/// between two rows a block spans (a cluster of
-/// the cell plan: its rows go in one step even past that count); a step's blocks are those whose
+/// `ceil(rows / n)` rows each: `n` is [`STAGED_FULL_STEPS`], the first and the last step at
+/// most a [`STAGED_RAMP`]th of that, unless the transfer is `behind` a running one of its lane,
+/// where `n` is the full steps of the rows' bytes ([`staged_full_steps`] with `step_bytes`) and
+/// no step is short; never between two rows a block spans (a cluster of the cell plan: its rows go in one step even past that count); a step's blocks are those whose
 /// ring offset lies in its rows. `block_ring`, `block_end`: the block entries' ring offsets and
 /// ends. Rows and blocks come in ring order, as the table code writes them.
 #[must_use]
@@ -758,6 +786,7 @@ pub fn staged_steps(
     block_ring: &[u64],
     block_end: &[u64],
     slot_bytes: u64,
+    step_bytes: u64,
     behind: bool,
 ) -> Vec<StagedStep> {
     let rows = row_ring.len();
@@ -771,9 +800,14 @@ pub fn staged_steps(
         }
         cut[e] = reach <= at;
     }
-    let per = rows.div_ceil(STAGED_MIN_STEPS).max(1);
+    let full = if behind {
+        staged_full_steps(row_bytes.iter().sum(), step_bytes)
+    } else {
+        STAGED_FULL_STEPS
+    };
+    let per = rows.div_ceil(full).max(1);
     let ramp = if behind { 0 } else { per.div_ceil(STAGED_RAMP) };
-    let mut steps = Vec::with_capacity(STAGED_MIN_STEPS + 3);
+    let mut steps = Vec::with_capacity(STAGED_FULL_STEPS + 3);
     let (mut r, mut p) = (0usize, 0usize);
     while r < rows {
         let start = row_ring[r];

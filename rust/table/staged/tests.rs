@@ -251,7 +251,8 @@ fn staged_steps_take_whole_rows_within_a_slot() {
         .into_iter()
         .flat_map(|s| [(s, false), (s, true)])
     {
-        let steps = staged_steps(&rows, &bytes, &blocks, &ends, slot, behind);
+        // A step of one byte or more: full steps whatever the transfer's size.
+        let steps = staged_steps(&rows, &bytes, &blocks, &ends, slot, 1, behind);
         // Every row and block once, in order; each step within a slot.
         let (mut r, mut p) = (0, 0);
         for s in &steps {
@@ -264,8 +265,8 @@ fn staged_steps_take_whole_rows_within_a_slot() {
         assert_eq!((r, p), (10, 30));
         // Full steps of at most a quarter of the rows, fewer where the slot says; a ramp of
         // a quarter of that (at least a row) first and last, none behind a running transfer.
-        let per = (slot / 96).min(10usize.div_ceil(STAGED_MIN_STEPS) as u64) as usize;
-        let ramp = 10usize.div_ceil(STAGED_MIN_STEPS).div_ceil(STAGED_RAMP);
+        let per = (slot / 96).min(10usize.div_ceil(STAGED_FULL_STEPS) as u64) as usize;
+        let ramp = 10usize.div_ceil(STAGED_FULL_STEPS).div_ceil(STAGED_RAMP);
         assert!(steps.iter().all(|s| s.rows.len() <= per), "slot {slot}");
         if behind {
             assert_eq!(steps.len(), 10usize.div_ceil(per), "slot {slot}: {steps:?}");
@@ -285,18 +286,51 @@ fn staged_steps_take_whole_rows_within_a_slot() {
     let rows: Vec<u64> = (0..32).map(|i| i * 96).collect();
     let blocks: Vec<u64> = (0..96).map(|p| p * 32).collect();
     let ends: Vec<u64> = blocks.iter().map(|b| b + 32).collect();
-    let steps = staged_steps(&rows, &[96; 32], &blocks, &ends, 1 << 20, false);
+    let steps = staged_steps(&rows, &[96; 32], &blocks, &ends, 1 << 20, 1, false);
     let lens: Vec<usize> = steps.iter().map(|s| s.rows.len()).collect();
     assert_eq!(lens, [2, 8, 8, 8, 4, 2]);
     // Behind a running transfer: the same full steps, no ramp; a slot of 6 rows cuts them at 6.
     let lens = |slot| -> Vec<usize> {
-        staged_steps(&rows, &[96; 32], &blocks, &ends, slot, true)
+        staged_steps(&rows, &[96; 32], &blocks, &ends, slot, 1, true)
             .iter()
             .map(|s| s.rows.len())
             .collect()
     };
     assert_eq!(lens(1 << 20), [8, 8, 8, 8]);
     assert_eq!(lens(6 * 96), [6, 6, 6, 6, 6, 2]);
+}
+
+#[test]
+fn behind_a_running_transfer_a_small_one_takes_fewer_full_steps() {
+    // 32 rows of 96 bytes: 3,072 bytes.
+    let rows: Vec<u64> = (0..32).map(|i| i * 96).collect();
+    let blocks: Vec<u64> = (0..96).map(|p| p * 32).collect();
+    let ends: Vec<u64> = blocks.iter().map(|b| b + 32).collect();
+    let lens = |step, behind| -> Vec<usize> {
+        staged_steps(&rows, &[96; 32], &blocks, &ends, 1 << 20, step, behind)
+            .iter()
+            .map(|s| s.rows.len())
+            .collect()
+    };
+    // Less than two steps' bytes: one step; two and three full steps; four at most, however
+    // small a step may be.
+    for step in [3072, 1 << 20, 1537] {
+        assert_eq!(lens(step, true), [32], "{step}");
+    }
+    assert_eq!(lens(1536, true), [16, 16]);
+    assert_eq!(lens(1024, true), [11, 11, 10]);
+    assert_eq!(lens(768, true), [8, 8, 8, 8]);
+    assert_eq!(lens(1, true), [8, 8, 8, 8]);
+    // An isolated transfer keeps its full steps and its ramps, whatever its size.
+    for step in [1, 1536, 1 << 20] {
+        assert_eq!(lens(step, false), [2, 8, 8, 8, 4, 2], "{step}");
+    }
+    assert_eq!(staged_full_steps(0, 1 << 20), 1);
+    assert_eq!(staged_full_steps(u64::MAX, 0), STAGED_FULL_STEPS);
+    assert_eq!(
+        staged_full_steps(3 * STAGED_STEP_BYTES - 1, STAGED_STEP_BYTES),
+        2
+    );
 }
 
 /// Two tensors of 64-byte pages, two blocks per chunk, in cells of 256 bytes: group `j`'s host
@@ -423,7 +457,7 @@ fn a_cell_with_holes_is_staged_as_one_cluster_whose_rows_are_the_pages_owned() {
     }
     // The steps keep a cluster whole even one row at a time: chunk 0's two rows together.
     let ends: Vec<u64> = (at..at + 3).map(|i| b[i] + 192).collect();
-    let steps = staged_steps(&b[..3], &z[..3], &b[at..at + 3], &ends, 256, false);
+    let steps = staged_steps(&b[..3], &z[..3], &b[at..at + 3], &ends, 256, 1, false);
     assert_eq!(
         steps.iter().map(|s| s.rows.clone()).collect::<Vec<_>>(),
         [0..2, 2..3]
@@ -538,7 +572,8 @@ proptest! {
         if direct {
             prop_assert_eq!((p.staged_rows, p.staged_blocks_at), (0, 0));
             let req = StagedRequest { rows: 0, first_block: 0, blocks, slot_bytes: slot,
-                                      kernel: None, direct: true, launch_bytes: slot };
+                                      step_bytes: STAGED_STEP_BYTES, kernel: None, direct: true,
+                                      launch_bytes: slot };
             let steps = req.steps(&a, &b, &z, false);
             let mut named = std::collections::HashMap::new();
             let mut next = 0;
@@ -588,8 +623,8 @@ proptest! {
             merge(want.values().map(|&(h, n)| (h, h + n)).collect())
         );
         let req = StagedRequest { rows: p.staged_rows, first_block: p.staged_blocks_at, blocks,
-                                  slot_bytes: slot, kernel: None, direct: false,
-                                  launch_bytes: u64::MAX };
+                                  slot_bytes: slot, step_bytes: 1 << (slot % 12),
+                                  kernel: None, direct: false, launch_bytes: u64::MAX };
         for behind in [false, true] {
             let steps = req.steps(&a, &b, &z, behind);
             let mut seen = 0;
