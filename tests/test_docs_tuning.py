@@ -17,6 +17,7 @@ KNOBS = [
     "path",
     "cpu_layout",
     "stage_bytes",
+    "stage_step_bytes",
     "max_in_flight",
     "early_wake",
     "idle_issue",
