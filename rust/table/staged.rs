@@ -776,8 +776,9 @@ pub struct StagedStep {
 /// `ceil(rows / n)` rows each: `n` is [`STAGED_FULL_STEPS`], the first and the last step at
 /// most a [`STAGED_RAMP`]th of that, unless the transfer is `behind` a running one of its lane,
 /// where `n` is the full steps of the rows' bytes ([`staged_full_steps`] with `step_bytes`) and
-/// no step is short; never between two rows a block spans (a cluster of the cell plan: its rows go in one step even past that count); a step's blocks are those whose
-/// ring offset lies in its rows. `block_ring`, `block_end`: the block entries' ring offsets and
+/// no step is short; never between two rows a block spans (a cluster of the cell plan: its rows
+/// go in one step even past that count); a step's blocks are those whose ring offset lies in
+/// its rows. `block_ring`, `block_end`: the block entries' ring offsets and
 /// ends. Rows and blocks come in ring order, as the table code writes them.
 #[must_use]
 pub fn staged_steps(
