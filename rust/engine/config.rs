@@ -90,8 +90,8 @@ impl EngineConfig {
             max_descriptors,
             coalesce,
             shutdown_timeout: seconds("shutdown_timeout", shutdown_timeout)?,
-            stage_bytes: DEFAULT_STAGE_BYTES,
-            stage_step_bytes: STAGED_STEP_BYTES,
+            // The staging sizes have setters of their own; until then, the defaults.
+            ..Self::default()
         })
     }
 
