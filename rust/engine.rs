@@ -38,7 +38,7 @@ mod error;
 mod latency;
 mod memory;
 pub use crate::fork::{fork_generation, in_forked_child};
-pub use blocks::GroupIds;
+pub use blocks::{Chunks, GroupIds};
 pub use config::{
     seconds, ConfigError, EngineConfig, DEFAULT_STAGE_BYTES, MAX_IN_FLIGHT, MIN_POOL_BYTES,
     MIN_STAGE_BYTES,

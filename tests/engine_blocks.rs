@@ -3,7 +3,7 @@
 
 mod common;
 
-use blockswap::engine::{Engine, EngineConfig, EngineError, GroupIds, StagedRoute};
+use blockswap::engine::{Chunks, Engine, EngineConfig, EngineError, GroupIds, StagedRoute};
 use blockswap::plan::Plan;
 use blockswap::table::TableSpec;
 use blockswap::{Direction, MemoryKind};
@@ -793,12 +793,12 @@ fn groups_move_as_one_transfer_with_chunk_ids_and_skips() {
     let gpu1 = table(d + 1024, 32, 16, MemoryKind::Device, "GPU", 1);
     let cpu0 = table(h, 64, 16, MemoryKind::Host, "CPU", 4);
     let cpu1 = table(h + 1024, 32, 16, MemoryKind::Host, "CPU", 4);
-    let group = |src_table, src_ids, dst_table, dst_ids, chunks| GroupIds {
+    let group = |src_table, src_ids, dst_table, dst_ids, skip: Option<u64>| GroupIds {
         src_table,
         src_ids,
         dst_table,
         dst_ids,
-        chunks,
+        chunks: skip.map_or(Chunks::No, Chunks::Skip),
     };
     let store = [
         group(gpu0, &[3u64, 4, 5][..], cpu0, &[1u64, 0][..], Some(2)),
@@ -818,6 +818,32 @@ fn groups_move_as_one_transfer_with_chunk_ids_and_skips() {
     }
     let (c1, g1) = (1024 + 11 * 32, 1024 + 9 * 32);
     assert_eq!(b.src[c1..c1 + 32], b.dst[g1..g1 + 32]);
+
+    // The same store with the skips worked out from the first blocks' indices in their requests
+    // (6 and 3: sub-blocks 2 and 3 of the first chunk) moves the same bytes to the same places.
+    let before = b.src.clone();
+    b.src.fill(0);
+    let by_index = [
+        GroupIds {
+            chunks: Chunks::Index(Some(6)),
+            ..store[0]
+        },
+        GroupIds {
+            chunks: Chunks::Index(Some(3)),
+            ..store[1]
+        },
+    ];
+    engine
+        .submit_groups(
+            4,
+            &by_index,
+            Direction::DeviceToHost,
+            None,
+            Plan::Pages(None),
+        )
+        .unwrap();
+    assert!(finish(&engine, &[4])[0].success);
+    assert_eq!(b.src, before);
 
     // Load group 1's sub-block 11 into GPU block 0, with group 0 empty, as the block plan.
     let load = [

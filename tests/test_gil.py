@@ -73,6 +73,7 @@ SCRIPT = textwrap.dedent(
         "submit_blocks": lambda: eng.submit_blocks(4, host_t, ids, dev_t, ids),
         "submit_block_runs": lambda: eng.submit_block_runs(5, host_t, ids, dev_t, ids),
         "submit_groups": lambda: eng.submit_groups(6, [(host_t, ids, dev_t, ids, None)]),
+        "submit_group": lambda: eng.submit_group(7, host_t, ids, dev_t, ids),
         "wake": lambda: eng.wake("h2d"),
         "get_finished": lambda: eng.get_finished(),
         "stats": lambda: eng.stats(),

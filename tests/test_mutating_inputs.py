@@ -157,6 +157,7 @@ def _h2d_cases(t: Tables) -> dict[str, Callable[[np.ndarray, np.ndarray, int], N
         "submit_blocks": lambda s, x, job: eng.submit_blocks(job, h, s, d, x, "h2d"),
         "submit_block_runs": lambda s, x, job: eng.submit_block_runs(job, h, s, d, x, "h2d"),
         "submit_groups": lambda s, x, job: eng.submit_groups(job, [(h, s, d, x, None)], "h2d"),
+        "submit_group": lambda s, x, job: eng.submit_group(job, h, s, d, x, None, "h2d"),
         "submit_groups runs": lambda s, x, job: eng.submit_groups(
             job, [(h, s, d, x, None)], "h2d", route=Route.blocks()
         ),
@@ -172,6 +173,7 @@ def _h2d_cases(t: Tables) -> dict[str, Callable[[np.ndarray, np.ndarray, int], N
         "submit_blocks",
         "submit_block_runs",
         "submit_groups",
+        "submit_group",
         "submit_groups runs",
         "submit_groups staged",
     ],
@@ -189,7 +191,8 @@ def test_a_flipped_destination_block_id_never_reaches_a_copy(tables: Tables, ent
     assert accepted > 0 and flips > 0, (accepted, flips)
 
 
-def test_a_flipped_chunk_id_never_reaches_a_copy() -> None:
+@pytest.mark.parametrize("one", [False, True], ids=["submit_groups", "submit_group"])
+def test_a_flipped_chunk_id_never_reaches_a_copy(one: bool) -> None:
     host = np.zeros((N + 2) * 2 * SEG, np.uint8)
     device = (np.arange(2 * N * SEG) % 251 + 1).astype(np.uint8)
     with blockswap.Engine("host") as eng:
@@ -204,7 +207,10 @@ def test_a_flipped_chunk_id_never_reaches_a_copy() -> None:
         i = np.array([N // 8, N // 4 + 3])
 
         def submit(job: int) -> None:
-            eng.submit_groups(job, [(device_table, gpu_ids, host_table, chunk_ids, 0)], "d2h")
+            if one:
+                eng.submit_group(job, device_table, gpu_ids, host_table, chunk_ids, 0, "d2h")
+            else:
+                eng.submit_groups(job, [(device_table, gpu_ids, host_table, chunk_ids, 0)], "d2h")
 
         accepted, flips = _hammer(eng, submit, chunk_ids, i, np.full(len(i), N // 2))
     assert not host[N * 2 * SEG :].any(), "bytes were written past the table"

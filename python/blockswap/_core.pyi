@@ -218,6 +218,18 @@ class Engine:
         wait_stream: int | None = None,
         route: Route | None = None,
     ) -> None: ...
+    def submit_group(
+        self,
+        job_id: int,
+        src_table: int,
+        src_ids: npt.ArrayLike,
+        dst_table: int,
+        dst_ids: npt.ArrayLike,
+        block_index: int | None = None,
+        direction: Direction = "h2d",
+        wait_stream: int | None = None,
+        route: Route | None = None,
+    ) -> None: ...
     def load_kernel(self, kernel: Mapping[str, Any]) -> int | None: ...
     def staged_row(self, table: int) -> int | None: ...
     @property

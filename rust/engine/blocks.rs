@@ -7,12 +7,12 @@ use crate::direction::Direction;
 use crate::kernel::{KernelSpec, PageKernel};
 use crate::plan::Plan;
 use crate::region::MemoryKind;
-use crate::table::STAGED_FULL_STEPS;
 use crate::table::{
     block_route, block_runs, expand_groups_into, staged_cell, staged_cells, staged_fit, staged_row,
     BlockTable, Expansion, Group, Run, StagedExpansion, TableError, TableSpec, PITCHED_ENTRIES,
     STAGED_TABLE_EXTRA,
 };
+use crate::table::{chunk_skip, STAGED_FULL_STEPS};
 use crate::transfer::JobId;
 
 /// Table `id`, checked to describe memory of the kind `needed`.
@@ -57,7 +57,42 @@ pub struct GroupIds<'a> {
     pub src_ids: &'a [u64],
     pub dst_table: u32,
     pub dst_ids: &'a [u64],
-    pub chunks: Option<u64>,
+    pub chunks: Chunks,
+}
+
+/// How a group's side of chunks is named (see [`GroupIds`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Chunks {
+    /// Both sides by table blocks.
+    No,
+    /// The side whose table counts `unit` > 1 blocks a chunk by chunk ids, from sub-block `skip`
+    /// of the first chunk.
+    Skip(u64),
+    /// The same, the skip that of the first block's index in its request, where known (vLLM's
+    /// `block_indices`): [`crate::table::chunk_skip`] for the chunk side's unit, the blocks of
+    /// the other side, a store where the chunks are the destination.
+    Index(Option<u64>),
+}
+
+impl Chunks {
+    /// The `Group::chunks` of ids `src_ids` in `src` to `dst_ids` in `dst`.
+    fn skip(
+        self,
+        src: &BlockTable,
+        src_ids: &[u64],
+        dst: &BlockTable,
+        dst_ids: &[u64],
+    ) -> Option<u64> {
+        match self {
+            Chunks::No => None,
+            Chunks::Skip(skip) => Some(skip),
+            Chunks::Index(index) => Some(if src.unit > 1 {
+                chunk_skip(src.unit, dst_ids.len() as u64, index, false)
+            } else {
+                chunk_skip(dst.unit, src_ids.len() as u64, index, true)
+            }),
+        }
+    }
 }
 
 impl<'a> GroupIds<'a> {
@@ -69,7 +104,7 @@ impl<'a> GroupIds<'a> {
             src_ids,
             dst_table,
             dst_ids,
-            chunks: None,
+            chunks: Chunks::No,
         }
     }
 }
@@ -94,7 +129,7 @@ fn resolve_groups<'a>(
                     src_ids: g.src_ids,
                     dst,
                     dst_ids: g.dst_ids,
-                    chunks: g.chunks,
+                    chunks: g.chunks.skip(src, g.src_ids, dst, g.dst_ids),
                 }),
                 Err(error) if many => Err(TableError::InGroup {
                     group: gi,

@@ -17,16 +17,15 @@ use super::args::{
     self, direction_arg, kind_arg, launcher_arg, Given, IntArg, BACKENDS, COMPLETIONS, COPY_PATHS,
     I128, I32, ORDERS, STREAM, U64, U64_MAX, WAIT_STREAM,
 };
-use super::route::{launch_with, PyRoute};
+use super::submit::{self, submission};
 use super::{call_launcher, invalid, PyTransferResult};
 use crate::backend::cuda::{CudaBackend, CudaOptions};
 use crate::backend::host::HostBackend;
 use crate::backend::Backend;
 use crate::descriptor::{Batch, DescriptorError};
 use crate::direction::Direction;
-use crate::engine::{self, Engine, EngineConfig, EngineError, GroupIds};
+use crate::engine::{self, Chunks, Engine, EngineConfig, EngineError, GroupIds};
 use crate::kernel::{KernelBatch, KernelLauncher, KernelParam, KernelSpec, PageKernel};
-use crate::plan::Plan;
 use crate::region::MemoryKind;
 use crate::table;
 
@@ -504,79 +503,56 @@ impl PyEngine {
     ) -> PyResult<()> {
         let job_id = args::job_id(job_id)?;
         let (dir, wait_stream, _) = submission(&direction, wait_stream, &Given(None))?;
-        let groups = groups.try_iter()?.collect::<PyResult<Vec<_>>>()?;
-        // Ids refused before their tables are looked up are named as the tables name theirs.
-        let side = |kind: MemoryKind, g: usize| {
-            let where_ = if groups.len() > 1 {
-                format!("group {g}: ")
-            } else {
-                String::new()
-            };
-            let side = match kind {
-                MemoryKind::Host => "CPU",
-                MemoryKind::Device => "GPU",
-            };
-            format!("{where_}{side} block ids")
+        let (tables, ids) = submit::groups(groups, dir)?;
+        let gs = submit::group_ids(&tables, &ids);
+        submit::issue_groups(&self.engine, py, job_id, &gs, dir, wait_stream, route)
+    }
+
+    /// :meth:`submit_groups` of one group whose chunk side starts at the first block's index in
+    /// its request (``block_index``, vLLM's ``block_indices[0]``; ``None``: a store from its
+    /// first chunk's start, a load to its last chunk's end), the skip worked out here: the usual
+    /// transfer of a KV cache of one group, in one call. The engine's thread for ``direction``
+    /// is woken first, as :meth:`wake` would (before the ids are read). ``src_ids`` /
+    /// ``dst_ids`` as in :meth:`submit_groups`; a refusal names the ids as one group's.
+    // Positional, as `submit_groups`: the handler's and the plug-in's hot path.
+    #[pyo3(signature = (job_id, src_table, src_ids, dst_table, dst_ids, block_index = None,
+        direction = Given(None), wait_stream = None, route = None),
+        text_signature = "(self, job_id, src_table, src_ids, dst_table, dst_ids, \
+            block_index=None, direction='h2d', wait_stream=None, route=None)")]
+    #[allow(clippy::too_many_arguments)]
+    fn submit_group(
+        &self,
+        py: Python<'_>,
+        job_id: &Bound<'_, PyAny>,
+        src_table: &Bound<'_, PyAny>,
+        src_ids: &Bound<'_, PyAny>,
+        dst_table: &Bound<'_, PyAny>,
+        dst_ids: &Bound<'_, PyAny>,
+        block_index: Option<&Bound<'_, PyAny>>,
+        direction: Given<'_>,
+        wait_stream: Option<&Bound<'_, PyAny>>,
+        route: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let dir = direction.or(Direction::HostToDevice, direction_arg)?;
+        // Woken while the arguments are read; detached, as in `wake`.
+        py.detach(|| self.engine.wake(dir));
+        let job_id = args::job_id(job_id)?;
+        let wait_stream = args::opt_int("wait_stream", wait_stream, U64.named(WAIT_STREAM))?;
+        let block_index = args::opt_int("block_index", block_index, U64)?;
+        let side = |kind: MemoryKind| match kind {
+            MemoryKind::Host => "CPU block ids",
+            MemoryKind::Device => "GPU block ids",
         };
-        let mut tables = Vec::new();
-        let mut ids = Vec::new();
-        for (g, group) in groups.iter().enumerate() {
-            let shape = || {
-                invalid(format!(
-                    "groups[{g}] must be (src_table, src_ids, dst_table, dst_ids, skip)"
-                ))
-            };
-            let t = group.cast::<pyo3::types::PyTuple>().map_err(|_| shape())?;
-            if t.len() != 5 {
-                return Err(shape());
-            }
-            let skip = t.get_item(4)?;
-            // The names are formatted only for a value refused: not on every submission.
-            let skip: Option<u64> = match skip.extract::<Option<u64>>() {
-                Ok(v) if !skip.is_instance_of::<pyo3::types::PyBool>() => v,
-                _ => args::opt_int(&format!("groups[{g}] skip"), Some(&skip), U64)?,
-            };
-            tables.push((
-                args::table_id(&t.get_item(0)?)?,
-                args::table_id(&t.get_item(2)?)?,
-                skip,
-            ));
-            ids.push((
-                args::ids_named(|| side(dir.src_kind(), g), &t.get_item(1)?)?,
-                args::ids_named(|| side(dir.dst_kind(), g), &t.get_item(3)?)?,
-            ));
-        }
-        let route = match route {
-            Some(r) if !r.is_none() => Some(r.cast::<PyRoute>().map_err(|_| {
-                args::wrong_type(
-                    py,
-                    format!(
-                        "route must be a blockswap.Route or None, not {}",
-                        args::shown(r)
-                    ),
-                )
-            })?),
-            _ => None,
+        let src_ids = args::ids_named(|| side(dir.src_kind()).to_owned(), src_ids)?;
+        let dst_ids = args::ids_named(|| side(dir.dst_kind()).to_owned(), dst_ids)?;
+        let g = GroupIds {
+            src_table: args::table_id(src_table)?,
+            src_ids: &src_ids,
+            dst_table: args::table_id(dst_table)?,
+            dst_ids: &dst_ids,
+            chunks: Chunks::Index(block_index),
         };
-        let gs: Vec<GroupIds<'_>> = tables
-            .iter()
-            .zip(&ids)
-            .map(|(&(src_table, dst_table, chunks), (s, d))| GroupIds {
-                src_table,
-                src_ids: s,
-                dst_table,
-                dst_ids: d,
-                chunks,
-            })
-            .collect();
-        let route = route.map(Bound::get);
-        py.detach(|| {
-            let launch = |b: KernelBatch| launch_with(route.expect("a launcher's route"), b);
-            let core = route.map_or(Plan::Pages(None), |r| r.core(&launch as KernelLauncher<'_>));
-            self.engine
-                .submit_groups(job_id, &gs, dir, wait_stream, core)
-        })
-        .map_err(Into::into)
+        submit::issue_groups(&self.engine, py, job_id, &[g], dir, wait_stream, route)
     }
 
     /// Makes a compiled copy kernel launchable by the core: ``kernel`` as
@@ -877,16 +853,4 @@ impl PyEngine {
         d.set_item("coalesce", c.coalesce)?;
         Ok(d)
     }
-}
-
-/// A submission's direction, stream to wait for and kernel bound, checked in that order.
-fn submission(
-    direction: &Given<'_>,
-    wait_stream: Option<&Bound<'_, PyAny>>,
-    kernel_below: &Given<'_>,
-) -> PyResult<(Direction, Option<u64>, u64)> {
-    let dir = direction.or(Direction::HostToDevice, direction_arg)?;
-    let wait_stream = args::opt_int("wait_stream", wait_stream, U64.named(WAIT_STREAM))?;
-    let kernel_below = kernel_below.or(0, |v| args::int("kernel_below", v, U64))?;
-    Ok((dir, wait_stream, kernel_below))
 }
