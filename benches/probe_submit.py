@@ -1,10 +1,11 @@
 """Where a submission's host time goes: ``transfer_async`` through the handler and the vLLM
-plug-in's ``submit_store`` / ``submit_load``, cut into the pieces each calls (the plug-in's cut
-of vLLM's specs, ``GroupMap.plain_groups`` in the usual case and ``GroupMap.split`` otherwise;
-the handler's ``_groups``, which the plug-in's usual case does not call; the handler's
-``_issue``, which holds the caller's stream and the core's ``submit_groups``), each timed by a
-wrapper around it. 80 layers x 32 random blocks per transfer, per-layer tensors
-(``bench_wall.py``'s ``separate`` and ``plugin`` layouts).
+plug-in's ``submit_store`` / ``submit_load``, cut into the pieces each calls, each timed by a
+wrapper around it: ``issue``, the handler's ``_issue_group`` (the usual call: one group, two id
+arrays, at most one block index) or ``_issue`` (anything else), which hold the caller's stream
+and the core's call; ``core``, that call (``submit_group`` or ``submit_groups``); and off the
+usual call, the handler's ``_groups`` and ``_wake`` and the plug-in's cut of vLLM's specs
+(``split``: ``GroupMap.plain_groups`` or ``GroupMap.split``). 80 layers x 32 random blocks per
+transfer, per-layer tensors (``bench_wall.py``'s ``separate`` and ``plugin`` layouts).
 
     python benches/probe_submit.py [--pages 4,16] [--reps 25] [--sleep-ms 20] [--backend auto]
                                    [--caller-stream default|side]
@@ -151,11 +152,13 @@ def measure(
         m = t.w._map
         p.wrap(m, "plain_groups" if m.plain is not None else "split", "split")
     p.wrap(hd, "_issue", "issue")
+    p.wrap(hd, "_issue_group", "issue")
     p.wrap(hd, "_wake", "wake")
     p.wrap(hd, "_groups", "groups")
     if hd._wait_stream is not None:
         p.wrap(hd, "_wait_stream", "stream")
     p.wrap(hd, "_submit_groups", "core")
+    p.wrap(hd, "_submit_group", "core")
     total: list[int] = []
     ends: dict[str, list[float]] = {"wall": [], "gpu": [], "rest": []}
     job = iter(range(1, 1 << 30))

@@ -292,6 +292,46 @@ def test_one_group_bad_specs_are_refused_on_the_plain_path(
         w.shutdown()
 
 
+@pytest.mark.parametrize("bpc", [1, 4])
+def test_the_usual_spec_goes_to_the_core_in_one_call(
+    bpc: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One KV-cache group, one writer, one block index: a store and a load reach the core's
+    ``submit_group`` (which wakes the engine's thread and works out the skip), with the
+    handlers' general entries taken away; partial first and last chunks included."""
+    kv, ts = page_of_4_tensors(3, 24)
+    w = BlockswapOffloadingWorker(kv, bpc, N_CHUNKS, backend="host")
+    try:
+        for h in w.handlers[0].handlers:
+
+            def general(*args: Any) -> None:
+                raise AssertionError("the general path")
+
+            monkeypatch.setattr(h, "_submit_groups", general)
+            monkeypatch.setattr(h, "wake", general)
+        n = 2 * bpc + 1
+        start = 1 if bpc > 1 else 0  # a request's block 1 on: the first chunk is partial
+        chunks = [3, 1, 6][: math.ceil((start % bpc + n) / bpc)]
+        gpu = GPULoadStoreSpec(list(range(5, 5 + n)), [n], [start])
+        assert w.submit_store(40, gpu, CPULoadStoreSpec(chunks)) is True
+        w.wait({40})
+        assert [(r.job_id, r.success) for r in w.get_finished()] == [(40, True)]
+        for t in range(4):
+            for k in range(n):
+                chunk, sub = divmod(start % bpc + k, bpc)
+                got = sub_block_of(w, 0, t, chunks[chunk] * bpc + sub)
+                assert torch.equal(got, ts[t][5 + k]), (t, k)
+        # And back into other GPU blocks, the same request positions.
+        dst = GPULoadStoreSpec(list(range(24 - n, 24)), [n], [start])
+        assert w.submit_load(41, CPULoadStoreSpec(chunks), dst) is True
+        w.wait({41})
+        assert [(r.job_id, r.success) for r in w.get_finished()] == [(41, True)]
+        for t in range(4):
+            assert torch.equal(ts[t][24 - n :], ts[t][5 : 5 + n]), t
+    finally:
+        w.shutdown()
+
+
 def test_references_with_canonical_mappings_keep_the_direct_layout() -> None:
     """vLLM 0.33's connector gives every layer it can certify a ``CanonicalPageMapping``,
     whatever layout was asked for (``derive_canonical_mappings`` in its offloading worker), and

@@ -200,6 +200,7 @@ class SingleDirectionHandler:
         core = owner.engine
         # Hot paths bound straight to the core.
         self._submit_groups = core.submit_groups
+        self._submit_group = core.submit_group
         self._wake = core.wake
         self.get_finished = _logging_poll(core.get_finished)
         self._core_wait = core.wait
@@ -267,6 +268,26 @@ class SingleDirectionHandler:
             raise ShutdownError("the offloading handlers are shut down")
         if type(job_id) is not int or not 0 <= job_id < _JOB_END:
             job_id = check_int("job_id", job_id, 0, _JOB_END - 1, errors=ENGINE_ERRORS)
+        if self._ngroups == 1 and type(spec) is tuple and len(spec) == 2:
+            # The usual call, one group as two 1-D arrays (and vLLM's one block index, a list):
+            # one call into the core, which wakes the engine's thread, reads the ids and works
+            # out the skip. Anything else takes the general path below, which names what is
+            # wrong with it.
+            src, dst = spec
+            if (
+                type(src) is np.ndarray
+                and type(dst) is np.ndarray
+                and src.ndim == 1
+                and dst.ndim == 1
+            ):
+                if block_indices is None:
+                    self._issue_group(job_id, src, dst, None)
+                    return True
+                if type(block_indices) is list and len(block_indices) == 1:
+                    first = block_indices[0]
+                    if type(first) is int and 0 <= first < _I64_LIMIT:
+                        self._issue_group(job_id, src, dst, first)
+                        return True
         # The engine's thread for this direction wakes while the tables below are built.
         self._wake(self.direction)
         try:
@@ -303,6 +324,40 @@ class SingleDirectionHandler:
         finally:
             # The core makes the engine's device current on this thread: give torch its current
             # device back where it differs (a handler on cuda:1 called under cuda:0).
+            if prev is not None and prev != self._device_index:
+                _maybe_exchange_device(prev)
+
+    def _issue_group(
+        self, job_id: int, src_ids: Any, dst_ids: Any, block_index: int | None
+    ) -> None:
+        """Hands one group's ids to the engine as job ``job_id`` after the work on the caller's
+        stream (the core's ``submit_group``: it wakes the engine's thread, reads and checks the
+        ids, and works out the skip in the first CPU block from ``block_index``, the first GPU
+        block's index in its request, as :meth:`transfer_async` documents): the usual transfer of
+        one group in one call into the core. After an idle gap every Python statement on the
+        way costs the caller's thread (docs/benchmarks.md, "a submission in one call")."""
+        if self._closed:
+            raise ShutdownError("the offloading handlers are shut down")
+        ws = self._wait_stream
+        prev = None if self._device_index is None else _get_device()
+        src_table, dst_table = self._tables[0]
+        if not self._d2h:
+            src_table, dst_table = dst_table, src_table
+        try:
+            self._submit_group(
+                job_id,
+                src_table,
+                src_ids,
+                dst_table,
+                dst_ids,
+                block_index,
+                self.direction,
+                None if ws is None else ws(),
+                self.route,
+            )
+        except InvalidTransferError as e:
+            raise InvalidTransferError(f"{self.direction} job {job_id}: {e}") from e
+        finally:
             if prev is not None and prev != self._device_index:
                 _maybe_exchange_device(prev)
 

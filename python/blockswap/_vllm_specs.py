@@ -2,7 +2,9 @@
 (:class:`blockswap.vllm.BlockswapOffloadingWorker`): :class:`GroupMap` holds how vLLM's KV-cache
 groups map to the handlers' groups, and cuts a spec the usual way (:meth:`GroupMap.plain_groups`,
 the core's groups made here) or the general one (:meth:`GroupMap.split`, through the handler's
-``transfer_async``)."""
+``transfer_async``). A spec of one group that is one handler group goes to the core without
+either (the worker's ``_submit``: the core's ``submit_group``), unless the core refuses it:
+then :meth:`GroupMap.plain_groups` reads it again and names what is wrong."""
 
 from __future__ import annotations
 

@@ -65,6 +65,7 @@ from typing import TYPE_CHECKING, Any
 from . import _optional, _vllm_config
 from . import _vllm_region as _region
 from ._checks import check_int
+from ._core import InvalidTransferError
 from ._types import BackendName, HandlerPath
 from ._vllm_specs import GroupMap
 from .errors import ConfigError
@@ -270,6 +271,12 @@ class BlockswapOffloadingWorker(OffloadingWorker):
         #: How vLLM's groups map to the handlers' groups, and the cut of its specs (the usual
         #: case, every group with one writer, where `GroupMap.plain` is not None).
         self._map = GroupMap(self._groups, self._classes, self._fanout, f, self.num_cpu_chunks)
+        plain = self._map.plain
+        #: The bytes vLLM counts per block where its one group is one handler group with one
+        #: writer (the usual case: a spec goes to the core in one call, see `_submit`), else 0.
+        self._one_group = (
+            plain[0] if plain is not None and len(plain) == 1 and self._fanout == 1 else 0
+        )
         if on_cuda:
             handler_options.setdefault("timing", True)  # transfer_time: the copies' GPU time
 
@@ -611,9 +618,32 @@ class BlockswapOffloadingWorker(OffloadingWorker):
         gpu_spec: GPULoadStoreSpec,
     ) -> bool:
         try:
-            handler.wake()  # the engine's thread wakes while the specs are read
             cpu_spec = dst if gpu_spec is src else src
             jobs = self._lanes[lane]
+            if self._one_group:
+                # The usual spec, one group from one block index: straight to the core (which
+                # wakes the engine's thread, checks the ids and the chunk count, and works out
+                # the skip). Anything else, an empty spec included, and a spec the core refuses
+                # (which issued nothing) take the paths below, which name what is wrong with it
+                # in vLLM's words.
+                starts = gpu_spec.block_indices
+                gpu = gpu_spec.block_ids
+                n = len(gpu)
+                if n and len(starts) == 1 and type(first := starts[0]) is int and first >= 0:
+                    cpu = getattr(cpu_spec, "block_ids", cpu_spec)
+                    try:
+                        if gpu_spec is src:
+                            handler._issue_group(job_id, gpu, cpu, first)
+                        else:
+                            handler._issue_group(job_id, cpu, gpu, first)
+                    except InvalidTransferError:
+                        pass
+                    else:
+                        jobs.append([job_id])
+                        self._lane_of[job_id] = lane
+                        self._sizes[job_id] = n * self._one_group
+                        return True
+            handler.wake()  # the engine's thread wakes while the specs are read
             if self._map.plain is not None:
                 groups, n, size = self._map.plain_groups(handler, gpu_spec, cpu_spec)
             else:

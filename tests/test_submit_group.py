@@ -1,0 +1,238 @@
+"""A transfer of one group in one call into the core: ``Engine.submit_group``, the path the
+handler's ``transfer_async`` and the vLLM worker take for the usual spec (one KV-cache group, two
+1-D id arrays, at most one block index).
+
+``submit_group`` works out the skip in the first chunk from the first block's index itself, as
+the general path (``submit_groups`` with the skip ``chunk_skip`` gives) does: the two must move
+the same bytes for every direction, unit and index. The handler and the plug-in must take it for
+the usual call (checked by taking the general path away), and anything else must still take the
+general path, which names what is wrong in its own words. Byte-exact round trips of the handler
+through both paths against references computed from torch indexing are in tests/test_handler.py
+(``test_roundtrip``: numpy ids take this path, lists and tensors the general one).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import blockswap
+from blockswap import InvalidTransferError
+from blockswap._core import chunk_count, chunk_skip
+from blockswap.handler import CpuGpuHandlers
+
+SEG = 256  # bytes of a page; two segments a block
+N = 32  # GPU blocks
+UNIT = 4  # sub-blocks of a chunk
+
+
+class Pair:
+    """Two engines on the host backend with the same tables over buffers of their own: one takes
+    ``submit_group``, the other ``submit_groups`` with the skip worked out in Python."""
+
+    def __init__(self, unit: int) -> None:
+        self.unit = unit
+        self.sides = []
+        for _ in range(2):
+            eng = blockswap.Engine("host")
+            chunks = N // unit + 2
+            host = np.zeros(chunks * unit * 2 * SEG, np.uint8)
+            dev = np.zeros(2 * N * SEG, np.uint8)
+            eng.register(host, kind="host")
+            eng.register(dev, kind="device")
+            h, d = host.ctypes.data, dev.ctypes.data
+            # A chunk of `unit` sub-blocks, each a page of two segments.
+            ht = eng.register_table(
+                [h, h + SEG], [2 * SEG] * 2, [SEG] * 2, chunks * unit, "host", unit=unit
+            )
+            dt = eng.register_table([d, d + N * SEG], [SEG] * 2, [SEG] * 2, N, "device")
+            self.sides.append((eng, host, dev, ht, dt))
+        self.jobs = iter(range(1, 1 << 20))
+
+    def close(self) -> None:
+        for eng, *_ in self.sides:
+            eng.shutdown()
+
+    def run(self, d2h: bool, gpu: np.ndarray, chunks: np.ndarray, index: int | None) -> None:
+        """One transfer through each engine; both must move the same bytes."""
+        direction = "d2h" if d2h else "h2d"
+        skip = chunk_skip(self.unit, len(gpu), index, d2h)
+        for k, (eng, _, _, ht, dt) in enumerate(self.sides):
+            job = next(self.jobs)
+            src = (dt, gpu, ht, chunks) if d2h else (ht, chunks, dt, gpu)
+            if k == 0:
+                eng.submit_group(job, *src, index, direction)
+            else:
+                eng.submit_groups(job, [(*src, skip)], direction)
+            eng.wait([job])
+            (r,) = eng.get_finished()
+            assert r.success, r.error
+
+
+@pytest.fixture(params=[1, UNIT], ids=["unit1", "unit4"])
+def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
+    p = Pair(request.param)
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+@pytest.mark.parametrize("index", [None, 0, 1, 2, 3, 5, 6, 2**40 + 3])
+@pytest.mark.parametrize("n", [1, 3, 4, 9])
+def test_submit_group_moves_what_submit_groups_moves_with_the_skip(
+    pair: Pair, n: int, index: int | None
+) -> None:
+    rng = np.random.default_rng(n * 1000 + (index or 0) % 997)
+    dev0 = pair.sides[0][2]
+    dev0[:] = rng.integers(1, 256, dev0.size, dtype=np.uint8)
+    pair.sides[1][2][:] = dev0
+    skip = chunk_skip(pair.unit, n, index, True)
+    m = chunk_count(pair.unit, n, skip)
+    gpu = rng.permutation(N)[:n].astype(np.int32)
+    chunks = rng.permutation(N // pair.unit)[:m].astype(np.int64)
+    # A store of n blocks from sub-block `skip` of the first chunk...
+    pair.run(True, gpu, chunks, index)
+    (_, host0, *_), (_, host1, *_) = pair.sides
+    assert host0.any() and np.array_equal(host0, host1)
+    # ...and a load of n blocks back into other GPU blocks from the same chunks (without an
+    # index it ends at the last chunk's end, from a skip of its own).
+    back = rng.permutation(N)[:n].astype(np.int64)
+    assert chunk_count(pair.unit, n, chunk_skip(pair.unit, n, index, False)) == m
+    host0[:] = rng.integers(1, 256, host0.size, dtype=np.uint8)
+    host1[:] = host0
+    for _, _, dev, *_ in pair.sides:
+        dev[:] = 0
+    pair.run(False, back, chunks, index)
+    (_, _, dev0, *_), (_, _, dev1, *_) = pair.sides
+    assert dev0.any() and np.array_equal(dev0, dev1)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"block_index": -1}, "block_index must be an int from 0"),
+        ({"block_index": True}, "block_index must be an int"),
+        ({"block_index": 1.0}, "block_index must be an int"),
+        ({"block_index": 2**64}, "block_index must be an int from 0"),
+        ({"chunks": 3}, r"take ceil\(\(2 \+ 5\) / 4\) = 2 destination block ids .*, got 3"),
+        ({"gpu": [0, 1, 2, 3, 99]}, "out of range"),
+        ({"route": "staged"}, "route must be a blockswap.Route or None"),
+        ({"direction": "sideways"}, "direction"),
+    ],
+    ids=lambda v: str(v) if isinstance(v, dict) else "",
+)
+def test_submit_group_refusals_are_typed_and_issue_nothing(
+    kwargs: dict[str, Any], match: str
+) -> None:
+    p = Pair(UNIT)
+    try:
+        eng, host, dev, ht, dt = p.sides[0]
+        dev[:] = 7
+        gpu = np.asarray(kwargs.pop("gpu", [0, 1, 2, 3, 4]), np.int64)
+        chunks = np.arange(kwargs.pop("chunks", 2), dtype=np.int64)
+        call = {"block_index": 2, "direction": "d2h", **kwargs}
+        with pytest.raises(InvalidTransferError, match=match):
+            eng.submit_group(1, dt, gpu, ht, chunks, **call)
+        assert not host.any()  # nothing issued
+        # The job id is free, and a good transfer under it runs.
+        eng.submit_group(1, dt, gpu[:4], ht, chunks[:2], 2, "d2h")
+        eng.wait([1])
+        assert [r.success for r in eng.get_finished()] == [True]
+        assert host.any()
+    finally:
+        p.close()
+
+
+def _handlers(factor: int) -> tuple[CpuGpuHandlers, list[torch.Tensor]]:
+    layers = [torch.randint(0, 255, (N, 1, SEG), dtype=torch.uint8) for _ in range(3)]
+    return CpuGpuHandlers(
+        layers, 16, layout="mla", block_size_factor=factor, backend="host"
+    ), layers
+
+
+def _general_only(h: CpuGpuHandlers, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Takes the one-call path away from ``h``'s handlers: each use of it is recorded."""
+    used: list[str] = []
+    for d in (h.d2h, h.h2d):
+
+        def one(*args: Any, _d: str = d.direction) -> None:
+            used.append(_d)
+            raise AssertionError("the one-call path")
+
+        monkeypatch.setattr(d, "_submit_group", one)
+    return used
+
+
+def _one_only(h: CpuGpuHandlers, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Takes the general path (the core's ``submit_groups`` and the early ``wake``) away."""
+    for d in (h.d2h, h.h2d):
+
+        def general(*args: Any) -> None:
+            raise AssertionError("the general path")
+
+        monkeypatch.setattr(d, "_submit_groups", general)
+        monkeypatch.setattr(d, "_wake", general)
+
+
+@pytest.mark.parametrize("factor", [1, UNIT])
+def test_the_handler_takes_one_call_for_the_usual_spec(
+    factor: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    h, layers = _handlers(factor)
+    try:
+        _one_only(h, monkeypatch)
+        gpu = np.array([5, 9, 2, 30, 11], np.int32)
+        chunks = np.array([3, 1], np.int64) if factor > 1 else np.array([3, 1, 7, 0, 2])
+        before = [t[gpu.astype(np.int64)].clone() for t in layers]
+        assert h.d2h.transfer_async(1, (gpu, chunks), block_indices=[6]) is True
+        assert h.d2h.transfer_async(2, (gpu[:1], chunks[:1])) is True
+        h.wait([1, 2])
+        assert [r.success for r in h.get_finished()] == [True, True]
+        dst = np.array([0, 1, 4, 8, 12], np.int64)
+        assert h.h2d.transfer_async(3, (chunks, dst), block_indices=[6]) is True
+        h.wait([3])
+        assert [r.success for r in h.get_finished()] == [True]
+        for t, b in zip(layers, before):
+            assert torch.equal(t[dst], b)
+    finally:
+        h.shutdown()
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        {"ids": list},
+        {"ids": torch.tensor},
+        {"block_indices": np.array([6])},
+        {"block_indices": (6,)},
+        {"block_indices": [6, 7]},
+        {"block_indices": [-1]},
+        {"block_indices": [True]},
+    ],
+    ids=lambda c: next(f"{k}={getattr(v, '__name__', v)!r}" for k, v in c.items()),
+)
+def test_anything_else_takes_the_general_path(
+    call: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    h, _ = _handlers(UNIT)
+    try:
+        used = _general_only(h, monkeypatch)
+        as_ids = call.get("ids", np.asarray)
+        starts = call.get("block_indices", [6])
+        spec = (as_ids([5, 9, 2]), as_ids([3, 1]))
+        try:
+            ok = h.d2h.transfer_async(1, spec, block_indices=starts)
+        except InvalidTransferError as e:  # refused there, in the general path's words
+            assert "block_indices" in str(e)
+        else:
+            assert ok is True
+            h.wait([1])
+            assert [r.success for r in h.get_finished()] == [True]
+        assert used == []
+    finally:
+        h.shutdown()
