@@ -335,7 +335,8 @@ class SingleDirectionHandler:
         ids, and works out the skip in the first CPU block from ``block_index``, the first GPU
         block's index in its request, as :meth:`transfer_async` documents): the usual transfer of
         one group in one call into the core. After an idle gap every Python statement on the
-        way costs the caller's thread (docs/benchmarks.md, "a submission in one call")."""
+        way costs the caller's thread (docs/benchmarks.md, "a submission in one call"): the
+        steps around the call are :meth:`_issue`'s written out again, not a helper's frame."""
         if self._closed:
             raise ShutdownError("the offloading handlers are shut down")
         ws = self._wait_stream
