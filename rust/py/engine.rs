@@ -15,7 +15,7 @@ use pyo3::types::{PyDict, PyString};
 
 use super::args::{
     self, direction_arg, kind_arg, launcher_arg, Given, IntArg, BACKENDS, COMPLETIONS, COPY_PATHS,
-    I128, I32, ORDERS, STREAM, U64, U64_MAX, WAIT_STREAM,
+    I128, I32, ORDERS, STREAM, U64, U64_MAX,
 };
 use super::submit::{self, submission};
 use super::{call_launcher, invalid, PyTransferResult};
@@ -26,7 +26,6 @@ use crate::descriptor::{Batch, DescriptorError};
 use crate::direction::Direction;
 use crate::engine::{self, Chunks, Engine, EngineConfig, EngineError, GroupIds};
 use crate::kernel::{KernelBatch, KernelLauncher, KernelParam, KernelSpec, PageKernel};
-use crate::region::MemoryKind;
 use crate::table;
 
 /// Moves batches of ``(src, dst, size)`` blocks on a backend.
@@ -533,18 +532,13 @@ impl PyEngine {
         wait_stream: Option<&Bound<'_, PyAny>>,
         route: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        let dir = direction.or(Direction::HostToDevice, direction_arg)?;
-        // Woken while the arguments are read; detached, as in `wake`.
-        py.detach(|| self.engine.wake(dir));
         let job_id = args::job_id(job_id)?;
-        let wait_stream = args::opt_int("wait_stream", wait_stream, U64.named(WAIT_STREAM))?;
+        let (dir, wait_stream, _) = submission(&direction, wait_stream, &Given(None))?;
+        // Woken while the ids are read; detached, as in `wake`.
+        py.detach(|| self.engine.wake(dir));
         let block_index = args::opt_int("block_index", block_index, U64)?;
-        let side = |kind: MemoryKind| match kind {
-            MemoryKind::Host => "CPU block ids",
-            MemoryKind::Device => "GPU block ids",
-        };
-        let src_ids = args::ids_named(|| side(dir.src_kind()).to_owned(), src_ids)?;
-        let dst_ids = args::ids_named(|| side(dir.dst_kind()).to_owned(), dst_ids)?;
+        let src_ids = args::ids_named(|| submit::ids_name(dir.src_kind()).to_owned(), src_ids)?;
+        let dst_ids = args::ids_named(|| submit::ids_name(dir.dst_kind()).to_owned(), dst_ids)?;
         let g = GroupIds {
             src_table: args::table_id(src_table)?,
             src_ids: &src_ids,

@@ -29,11 +29,7 @@ pub(super) fn groups(groups: &Bound<'_, PyAny>, dir: Direction) -> PyResult<(Tab
         } else {
             String::new()
         };
-        let side = match kind {
-            MemoryKind::Host => "CPU",
-            MemoryKind::Device => "GPU",
-        };
-        format!("{where_}{side} block ids")
+        format!("{where_}{}", ids_name(kind))
     };
     let mut tables = Vec::new();
     let mut ids = Vec::new();
@@ -64,6 +60,14 @@ pub(super) fn groups(groups: &Bound<'_, PyAny>, dir: Direction) -> PyResult<(Tab
         ));
     }
     Ok((tables, ids))
+}
+
+/// What refusals call the ids of a side in `kind` memory (as the tables name their blocks).
+pub(super) fn ids_name(kind: MemoryKind) -> &'static str {
+    match kind {
+        MemoryKind::Host => "CPU block ids",
+        MemoryKind::Device => "GPU block ids",
+    }
 }
 
 /// The core's groups over `tables` and `ids` (see [`groups`]).
