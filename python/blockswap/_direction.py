@@ -193,6 +193,9 @@ class SingleDirectionHandler:
         # (GPU table, CPU table) per group in the core, which maps CPU block ids to sub-blocks,
         # checks every id and writes the copies.
         self._tables = tables
+        #: Group 0's ``(source table, destination table)``: :meth:`_issue_group`'s, which only
+        #: a handler of one group takes.
+        self._group0 = self._group_tables(0)
         self._wait_stream = wait_stream
         self._device_index = device_index
         self._use(route if route is not None else Route.pages().with_reason("dma"))
@@ -284,7 +287,7 @@ class SingleDirectionHandler:
                     self._issue_group(job_id, src, dst, None)
                     return True
                 if type(block_indices) is list and len(block_indices) == 1:
-                    first = block_indices[0]
+                    first = block_indices[0]  # read once: what is checked is what is used
                     if type(first) is int and 0 <= first < _I64_LIMIT:
                         self._issue_group(job_id, src, dst, first)
                         return True
@@ -341,9 +344,7 @@ class SingleDirectionHandler:
             raise ShutdownError("the offloading handlers are shut down")
         ws = self._wait_stream
         prev = None if self._device_index is None else _get_device()
-        src_table, dst_table = self._tables[0]
-        if not self._d2h:
-            src_table, dst_table = dst_table, src_table
+        src_table, dst_table = self._group0
         try:
             self._submit_group(
                 job_id,
