@@ -155,6 +155,9 @@ def test_handler_shutdown_from_other_threads_while_transferring(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     base = threads()
+    # Warnings only, from the start: a vLLM spec made earlier in the process leaves blockswap's
+    # logger at INFO (vLLM's logging), and the handler logs its CPU cache at INFO when made.
+    caplog.set_level(logging.WARNING, logger="blockswap")
     gpu = kv_cache(layers=8, blocks=64)
     h = CpuGpuHandlers(gpu, 64, layout="kv_split", backend="host")
     fill_random(gpu + h.cpu_caches[0], torch.Generator().manual_seed(2))
@@ -186,7 +189,6 @@ def test_handler_shutdown_from_other_threads_while_transferring(
         h.shutdown()
 
     ts = [threading.Thread(target=offload), threading.Thread(target=poll_then_stop)]
-    caplog.set_level(logging.WARNING, logger="blockswap")
     for t in ts:
         t.start()
     go.wait()
