@@ -236,3 +236,30 @@ def test_anything_else_takes_the_general_path(
         assert used == []
     finally:
         h.shutdown()
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("step", [2, -1, -3])
+def test_strided_ids_move_what_their_contiguous_copies_move(
+    pair: Pair, dtype: type, step: int
+) -> None:
+    """Ids given as a strided view (every f-th id of a spec, as the vLLM worker cuts a chunk's
+    sub-blocks, or a reversed one) are read through their strides, as their copies are."""
+    rng = np.random.default_rng(abs(step))
+    dev0 = pair.sides[0][2]
+    dev0[:] = rng.integers(1, 256, dev0.size, dtype=np.uint8)
+    pair.sides[1][2][:] = dev0
+    n = 5
+    m = chunk_count(pair.unit, n, 0)
+    gpu = np.repeat(rng.permutation(N)[:n], abs(step)).astype(dtype)[:: abs(step)]
+    chunks = np.repeat(rng.permutation(N // pair.unit)[:m], abs(step)).astype(dtype)[:: abs(step)]
+    if step < 0:
+        gpu, chunks = gpu[::-1], chunks[::-1]
+    assert not gpu.flags.c_contiguous or abs(step) == 1
+    (e0, host0, _, ht0, dt0), (e1, host1, _, ht1, dt1) = pair.sides
+    e0.submit_group(1, dt0, gpu, ht0, chunks, 0, "d2h")
+    e1.submit_group(1, dt1, gpu.copy(), ht1, chunks.copy(), 0, "d2h")
+    for e in (e0, e1):
+        e.wait([1])
+        assert [r.success for r in e.get_finished()] == [True]
+    assert host0.any() and np.array_equal(host0, host1)

@@ -364,22 +364,29 @@ pub(super) fn ids_named(name: impl Fn() -> String, value: &Bound<'_, PyAny>) -> 
     // The dtype is looked at first: a failed extraction builds an error, which cost 19 µs a
     // transfer where int64 was tried first on vLLM's int32 ids.
     if let Ok(a) = value.cast::<PyUntypedArray>() {
-        if a.ndim() == 1 && a.is_contiguous() {
+        if a.ndim() == 1 {
             // The descriptor's fields, read in place: asking numpy whether two dtypes are
             // equivalent runs its casting machinery where they are not the same object (int32
-            // ids against int64), 6-9 µs a side on a thread back from a sleep.
+            // ids against int64), 6-9 µs a side on a thread back from a sleep. A strided view
+            // (every f-th id of a spec, as the vLLM worker cuts a chunk's sub-blocks) is read
+            // through its strides: converted by numpy it cost several µs a side.
             let dt = a.dtype();
             if dt.kind() == b'i' && dt.is_native_byteorder() != Some(false) {
                 match dt.itemsize() {
                     8 => {
                         let a: PyReadonlyArray1<'_, i64> = value.extract()?;
-                        if let Ok(s) = a.as_slice() {
-                            return Ok(s.iter().map(|&v| v as u64).collect());
-                        }
+                        return Ok(match a.as_slice() {
+                            Ok(s) => s.iter().map(|&v| v as u64).collect(),
+                            Err(_) => a.as_array().iter().map(|&v| v as u64).collect(),
+                        });
                     }
                     4 => {
                         let a: PyReadonlyArray1<'_, i32> = value.extract()?;
-                        return Ok(a.as_slice()?.iter().map(|&v| i64::from(v) as u64).collect());
+                        let id = |&v: &i32| i64::from(v) as u64;
+                        return Ok(match a.as_slice() {
+                            Ok(s) => s.iter().map(id).collect(),
+                            Err(_) => a.as_array().iter().map(id).collect(),
+                        });
                     }
                     _ => {}
                 }
