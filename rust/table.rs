@@ -27,7 +27,7 @@ mod geometry;
 mod runs;
 mod staged;
 mod tensor;
-pub use chunks::{chunk_blocks, chunk_count, chunk_skip, map_chunks};
+pub use chunks::{chunk_blocks, chunk_count, chunk_skip, cut_spec, map_chunks, SpecPiece};
 pub use error::{Overlap, TableError};
 pub use geometry::{merged_spans, segment_spans, segments_disjoint};
 use geometry::{pages_disjoint, shared_segments};

@@ -74,6 +74,8 @@ SCRIPT = textwrap.dedent(
         "submit_block_runs": lambda: eng.submit_block_runs(5, host_t, ids, dev_t, ids),
         "submit_groups": lambda: eng.submit_groups(6, [(host_t, ids, dev_t, ids, None)]),
         "submit_group": lambda: eng.submit_group(7, host_t, ids, dev_t, ids),
+        "submit_spec": lambda: eng.submit_spec(
+            8, ids, ids, [len(ids)], [0], [((host_t, dev_t),)], 1),
         "wake": lambda: eng.wake("h2d"),
         "get_finished": lambda: eng.get_finished(),
         "stats": lambda: eng.stats(),

@@ -158,6 +158,9 @@ def _h2d_cases(t: Tables) -> dict[str, Callable[[np.ndarray, np.ndarray, int], N
         "submit_block_runs": lambda s, x, job: eng.submit_block_runs(job, h, s, d, x, "h2d"),
         "submit_groups": lambda s, x, job: eng.submit_groups(job, [(h, s, d, x, None)], "h2d"),
         "submit_group": lambda s, x, job: eng.submit_group(job, h, s, d, x, None, "h2d"),
+        "submit_spec": lambda s, x, job: eng.submit_spec(
+            job, x, s, [len(x)], [0], [((h, d),)], 1, "h2d"
+        ),
         "submit_groups runs": lambda s, x, job: eng.submit_groups(
             job, [(h, s, d, x, None)], "h2d", route=Route.blocks()
         ),
@@ -174,6 +177,7 @@ def _h2d_cases(t: Tables) -> dict[str, Callable[[np.ndarray, np.ndarray, int], N
         "submit_block_runs",
         "submit_groups",
         "submit_group",
+        "submit_spec",
         "submit_groups runs",
         "submit_groups staged",
     ],
@@ -191,8 +195,8 @@ def test_a_flipped_destination_block_id_never_reaches_a_copy(tables: Tables, ent
     assert accepted > 0 and flips > 0, (accepted, flips)
 
 
-@pytest.mark.parametrize("one", [False, True], ids=["submit_groups", "submit_group"])
-def test_a_flipped_chunk_id_never_reaches_a_copy(one: bool) -> None:
+@pytest.mark.parametrize("one", ["groups", "group", "spec"])
+def test_a_flipped_chunk_id_never_reaches_a_copy(one: str) -> None:
     host = np.zeros((N + 2) * 2 * SEG, np.uint8)
     device = (np.arange(2 * N * SEG) % 251 + 1).astype(np.uint8)
     with blockswap.Engine("host") as eng:
@@ -207,8 +211,11 @@ def test_a_flipped_chunk_id_never_reaches_a_copy(one: bool) -> None:
         i = np.array([N // 8, N // 4 + 3])
 
         def submit(job: int) -> None:
-            if one:
+            if one == "group":
                 eng.submit_group(job, device_table, gpu_ids, host_table, chunk_ids, 0, "d2h")
+            elif one == "spec":
+                pairs = [((device_table, host_table),)]
+                eng.submit_spec(job, gpu_ids, chunk_ids, [N], [0], pairs, 2, "d2h")
             else:
                 eng.submit_groups(job, [(device_table, gpu_ids, host_table, chunk_ids, 0)], "d2h")
 

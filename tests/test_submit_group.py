@@ -238,6 +238,178 @@ def test_anything_else_takes_the_general_path(
         h.shutdown()
 
 
+# ---- a connector's spec in one call: Engine.submit_spec -------------------------------------
+
+CELLS = 12  # chunks of the fanned host side
+
+
+class Fanned:
+    """An engine on the host backend whose host side is laid out as vLLM's shared region lays a
+    chunk's cell: two tensors, each with its ``unit`` sub-block pages after each other; a host
+    table per sub-block index (table ``j`` holds sub-block ``j`` of every chunk), and the GPU
+    side of two segments a block."""
+
+    def __init__(self, unit: int) -> None:
+        self.unit = unit
+        self.cell = 2 * unit * SEG
+        self.eng = blockswap.Engine("host")
+        self.host = np.zeros(CELLS * self.cell, np.uint8)
+        self.dev = np.zeros(2 * N * SEG, np.uint8)
+        self.eng.register(self.host, kind="host")
+        self.eng.register(self.dev, kind="device")
+        h, d = self.host.ctypes.data, self.dev.ctypes.data
+        self.fan = [
+            self.eng.register_table(
+                [h + j * SEG, h + (unit + j) * SEG], [self.cell] * 2, [SEG] * 2, CELLS, "host"
+            )
+            for j in range(unit)
+        ]
+        self.gpu = self.eng.register_table([d, d + N * SEG], [SEG] * 2, [SEG] * 2, N, "device")
+
+    def pairs(self, d2h: bool) -> tuple[tuple[int, int], ...]:
+        return tuple((self.gpu, t) if d2h else (t, self.gpu) for t in self.fan)
+
+    def host_page(self, chunk: int, seg: int, sub: int) -> np.ndarray:
+        at = chunk * self.cell + (seg * self.unit + sub) * SEG
+        return self.host[at : at + SEG]
+
+    def dev_page(self, block: int, seg: int) -> np.ndarray:
+        at = (seg * N + block) * SEG
+        return self.dev[at : at + SEG]
+
+
+def _spec(
+    rng: np.random.Generator, unit: int, sizes: list[int]
+) -> tuple[np.ndarray, np.ndarray, list[int], list[tuple[int, int, int]]]:
+    """Flat GPU ids and chunk ids for groups of ``sizes`` blocks from random block indices, and
+    where each block goes: ``(GPU block, chunk, sub-block)``."""
+    starts = [int(s) for s in rng.integers(0, 50, len(sizes))]
+    need = [chunk_count(unit, n, s % unit) for n, s in zip(sizes, starts)]
+    gpu = rng.permutation(N)[: sum(sizes)].astype(np.int32)
+    chunks = rng.permutation(CELLS)[: sum(need)].astype(np.int64)
+    where, o, c = [], 0, 0
+    for n, s, m in zip(sizes, starts, need):
+        for i in range(n):
+            p = s % unit + i
+            where.append((int(gpu[o + i]), int(chunks[c + p // unit]), p % unit))
+        o, c = o + n, c + m
+    return gpu, chunks, starts, where
+
+
+@pytest.mark.parametrize("unit", [1, 3, 4])
+@pytest.mark.parametrize("sizes", [[5], [1], [7, 3], [2, 0, 6]], ids=str)
+def test_submit_spec_puts_each_block_at_its_sub_block(unit: int, sizes: list[int]) -> None:
+    """A store of several groups from random block indices (partial first and last chunks)
+    writes each GPU block's pages at its sub-block of its chunk and nothing else; a load brings
+    them back into other GPU blocks and writes nothing else."""
+    f = Fanned(unit)
+    rng = np.random.default_rng(unit * 100 + sum(sizes))
+    try:
+        f.dev[:] = rng.integers(1, 256, f.dev.size, dtype=np.uint8)
+        gpu, chunks, starts, where = _spec(rng, unit, sizes)
+        tables = [f.pairs(True)] * len(sizes)
+        f.eng.submit_spec(1, gpu, chunks, sizes, starts, tables, unit, "d2h")
+        f.eng.wait([1])
+        assert [r.success for r in f.eng.get_finished()] == [True]
+        want = np.zeros_like(f.host)
+        for b, c, j in where:
+            for s in range(2):
+                at = c * f.cell + (s * unit + j) * SEG
+                want[at : at + SEG] = f.dev_page(b, s)
+        assert np.array_equal(f.host, want)
+        # Back into other GPU blocks: the same positions in the same chunks.
+        back = np.setdiff1d(np.arange(N), gpu)[: len(gpu)][::-1].copy()
+        moved = dict(zip((b for b, _, _ in where), back.tolist()))
+        f.dev[:] = 0
+        f.eng.submit_spec(2, back, chunks, sizes, starts, [f.pairs(False)] * len(sizes), unit)
+        f.eng.wait([2])
+        assert [r.success for r in f.eng.get_finished()] == [True]
+        for b, c, j in where:
+            for s in range(2):
+                assert np.array_equal(f.dev_page(moved[b], s), f.host_page(c, s, j))
+        assert np.count_nonzero(f.dev.reshape(-1, SEG).any(axis=1)) == 2 * len(where)
+        assert np.array_equal(f.host, want)  # a load writes no host byte
+    finally:
+        f.eng.shutdown()
+
+
+@pytest.mark.parametrize("index", [0, 2, 5])
+def test_submit_spec_on_a_table_that_counts_chunks_moves_what_submit_group_moves(
+    pair: Pair, index: int
+) -> None:
+    """One pair for a group: its chunk ids go as given to a table that counts chunks, with the
+    skip from its block index, as ``submit_group`` does; a group without pages names none."""
+    rng = np.random.default_rng(index)
+    dev0 = pair.sides[0][2]
+    dev0[:] = rng.integers(1, 256, dev0.size, dtype=np.uint8)
+    pair.sides[1][2][:] = dev0
+    n = 6
+    skip = chunk_skip(pair.unit, n, index, True)
+    gpu = rng.permutation(N)[:n].astype(np.int64)
+    chunks = rng.permutation(N // pair.unit)[: chunk_count(pair.unit, n, skip)].astype(np.int64)
+    (e0, host0, _, ht0, dt0), (e1, host1, _, ht1, dt1) = pair.sides
+    e0.submit_group(1, dt0, gpu, ht0, chunks, index, "d2h")
+    e1.submit_spec(1, gpu, chunks, [0, n], [0, index], [(), ((dt1, ht1),)], pair.unit, "d2h")
+    for e in (e0, e1):
+        e.wait([1])
+        assert [r.success for r in e.get_finished()] == [True]
+    assert host0.any() and np.array_equal(host0, host1)
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"sizes": [3, 2]}, "2 group sizes and 1 block indices for 1 KV-cache group"),
+        ({"sizes": [4]}, "the groups take 4 GPU blocks and 2 CPU chunks, the spec names 3 and 1"),
+        (
+            {"chunks": [0, 1]},
+            "the groups take 3 GPU blocks and 1 CPU chunks, the spec names 3 and 2",
+        ),
+        ({"sizes": [-3]}, "group_sizes must be a sequence of ints >= 0"),
+        ({"starts": [None]}, "block_indices must be a sequence of ints >= 0"),
+        ({"tables": [[1, 2]]}, "tables must hold, per group, a sequence of"),
+        ({"tables": [()]}, "group 0 has no pages but the spec names 3 blocks"),
+        ({"tables": "fan2"}, "group 0 has 2 table pairs: one, or one per sub-block"),
+        ({"tables": "unknown"}, "table"),
+        ({"gpu": [0, 1, 99]}, "out of range"),
+        ({"chunks": [CELLS]}, "out of range"),
+        ({"unit": 0}, "blocks_per_chunk must be an int from 1"),
+    ],
+    ids=lambda v: str(v) if isinstance(v, dict) else "",
+)
+def test_submit_spec_refusals_are_typed_and_issue_nothing(
+    change: dict[str, Any], match: str
+) -> None:
+    f = Fanned(4)
+    try:
+        f.dev[:] = 7
+        tables: Any = [f.pairs(True)]
+        if change.get("tables") == "fan2":
+            tables = [f.pairs(True)[:2]]
+        elif change.get("tables") == "unknown":
+            tables = [((f.gpu, 999),) * 4]
+        elif "tables" in change:
+            tables = change["tables"]
+        call = (
+            np.asarray(change.get("gpu", [0, 1, 2]), np.int64),
+            np.asarray(change.get("chunks", [0]), np.int64),
+            change.get("sizes", [3]),
+            change.get("starts", [1]),
+            tables,
+            change.get("unit", 4),
+        )
+        with pytest.raises(InvalidTransferError, match=match):
+            f.eng.submit_spec(1, *call, "d2h")
+        assert not f.host.any()  # nothing issued
+        # The job id is free, and a good transfer under it runs.
+        f.eng.submit_spec(1, np.arange(3), np.arange(1), [3], [1], [f.pairs(True)], 4, "d2h")
+        f.eng.wait([1])
+        assert [r.success for r in f.eng.get_finished()] == [True]
+        assert f.host.any()
+    finally:
+        f.eng.shutdown()
+
+
 @pytest.mark.parametrize("dtype", [np.int32, np.int64])
 @pytest.mark.parametrize("step", [2, -1, -3])
 def test_strided_ids_move_what_their_contiguous_copies_move(

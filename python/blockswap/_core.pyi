@@ -230,6 +230,19 @@ class Engine:
         wait_stream: int | None = None,
         route: Route | None = None,
     ) -> None: ...
+    def submit_spec(
+        self,
+        job_id: int,
+        gpu_ids: npt.ArrayLike,
+        cpu_ids: npt.ArrayLike,
+        group_sizes: Sequence[int],
+        block_indices: Sequence[int],
+        tables: Sequence[Sequence[tuple[int, int]]],
+        blocks_per_chunk: int,
+        direction: Direction = "h2d",
+        wait_stream: int | None = None,
+        route: Route | None = None,
+    ) -> None: ...
     def load_kernel(self, kernel: Mapping[str, Any]) -> int | None: ...
     def staged_row(self, table: int) -> int | None: ...
     @property

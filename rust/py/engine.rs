@@ -549,6 +549,53 @@ impl PyEngine {
         submit::issue_groups(&self.engine, py, job_id, &[g], dir, wait_stream, route)
     }
 
+    /// :meth:`submit_groups` of a connector's spec as it gives it (vLLM's): ``gpu_ids`` and
+    /// ``cpu_ids`` (CPU chunk ids) flat, group after group, ``group_sizes`` and ``block_indices``
+    /// per group, and per group its ``(src_table, dst_table)`` pairs in ``tables``: none (a group
+    /// without pages), one (chunk ids on a table that counts chunks of ``blocks_per_chunk``), or
+    /// one per sub-block of a chunk (pair ``j`` holds sub-block ``j`` of every chunk, as a shared
+    /// region's cells lay them), the skip in each group's first chunk from its block index. The
+    /// engine's thread is woken first. Refusals name the count or the ids that are wrong.
+    #[pyo3(signature = (job_id, gpu_ids, cpu_ids, group_sizes, block_indices, tables,
+        blocks_per_chunk, direction = Given(None), wait_stream = None, route = None),
+        text_signature = "(self, job_id, gpu_ids, cpu_ids, group_sizes, block_indices, tables, \
+            blocks_per_chunk, direction='h2d', wait_stream=None, route=None)")]
+    #[allow(clippy::too_many_arguments)]
+    fn submit_spec(
+        &self,
+        py: Python<'_>,
+        job_id: &Bound<'_, PyAny>,
+        gpu_ids: &Bound<'_, PyAny>,
+        cpu_ids: &Bound<'_, PyAny>,
+        group_sizes: &Bound<'_, PyAny>,
+        block_indices: &Bound<'_, PyAny>,
+        tables: &Bound<'_, PyAny>,
+        blocks_per_chunk: &Bound<'_, PyAny>,
+        direction: Given<'_>,
+        wait_stream: Option<&Bound<'_, PyAny>>,
+        route: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let job_id = args::job_id(job_id)?;
+        let (dir, wait_stream, _) = submission(&direction, wait_stream, &Given(None))?;
+        py.detach(|| self.engine.wake(dir));
+        let unit = args::int(
+            "blocks_per_chunk",
+            blocks_per_chunk,
+            IntArg::within(1, U64_MAX),
+        )?;
+        let (t, ids) = submit::spec_groups(
+            gpu_ids,
+            cpu_ids,
+            group_sizes,
+            block_indices,
+            tables,
+            unit,
+            dir,
+        )?;
+        let gs = submit::group_ids(&t, &ids);
+        submit::issue_groups(&self.engine, py, job_id, &gs, dir, wait_stream, route)
+    }
+
     /// Makes a compiled copy kernel launchable by the core: ``kernel`` as
     /// :func:`blockswap.kernels.core_kernel` returns it (which keeps the compiled module, and
     /// must be kept alive as long as the engine may launch it): ``function`` a ``CUfunction``

@@ -128,3 +128,46 @@ pub(super) fn submission(
     let kernel_below = kernel_below.or(0, |v| args::int("kernel_below", v, U64))?;
     Ok((dir, wait_stream, kernel_below))
 }
+
+/// :meth:`Engine.submit_spec`'s groups: the spec's ids read once and cut by
+/// [`crate::table::cut_spec`], each piece on its table pair, sources and destinations in
+/// `dir`'s order.
+pub(super) fn spec_groups(
+    gpu_ids: &Bound<'_, PyAny>,
+    cpu_ids: &Bound<'_, PyAny>,
+    sizes: &Bound<'_, PyAny>,
+    starts: &Bound<'_, PyAny>,
+    tables: &Bound<'_, PyAny>,
+    unit: u64,
+    dir: Direction,
+) -> PyResult<(Tables, Ids)> {
+    let gpu = args::ids_named(|| ids_name(MemoryKind::Device).to_owned(), gpu_ids)?;
+    let cpu = args::ids_named(|| ids_name(MemoryKind::Host).to_owned(), cpu_ids)?;
+    let counts = |name: &str, v: &Bound<'_, PyAny>| {
+        v.extract::<Vec<u64>>()
+            .map_err(|_| invalid(format!("{name} must be a sequence of ints >= 0")))
+    };
+    let (sizes, starts) = (
+        counts("group_sizes", sizes)?,
+        counts("block_indices", starts)?,
+    );
+    let pairs: Vec<Vec<(u32, u32)>> = tables.extract().map_err(|_| {
+        invalid("tables must hold, per group, a sequence of (src_table, dst_table) pairs")
+    })?;
+    let npairs: Vec<usize> = pairs.iter().map(Vec::len).collect();
+    let pieces = crate::table::cut_spec(&gpu, &cpu, &sizes, &starts, &npairs, unit)
+        .map_err(|e| invalid(e.to_string()))?;
+    let gpu_src = dir.src_kind() == MemoryKind::Device;
+    let mut t = Vec::with_capacity(pieces.len());
+    let mut ids = Vec::with_capacity(pieces.len());
+    for p in pieces {
+        let (src, dst) = pairs[p.group][p.pair];
+        t.push((src, dst, p.skip));
+        ids.push(if gpu_src {
+            (p.gpu, p.cpu)
+        } else {
+            (p.cpu, p.gpu)
+        });
+    }
+    Ok((t, ids))
+}
