@@ -88,6 +88,21 @@ def stored(w: BlockswapOffloadingWorker, t: int, page: int, sub: int) -> torch.T
     raise AssertionError("no such page")
 
 
+def no_general_path(w: BlockswapOffloadingWorker) -> None:
+    """Takes the general path (the handlers' ``transfer_async`` and the core's
+    ``submit_groups``) away from ``w``'s handlers: every good spec with one writer a group
+    reaches the core in one call (``submit_group`` for one handler group, else
+    ``submit_spec``)."""
+
+    def general(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the general path")
+
+    for hs in w.handlers:
+        for h in hs.handlers:
+            h._submit_groups = general  # type: ignore[method-assign]
+            h.transfer_async = general  # type: ignore[method-assign]
+
+
 @st.composite
 def transfer(draw: st.DrawFn) -> tuple[list[list[int]], list[int], list[int]]:
     """Per group, distinct GPU blocks (group 2: none); the groups' chunks; first block
@@ -151,6 +166,7 @@ def test_store_then_load_moves_vllms_sub_blocks(
     kv, ts = caches(device=device)
     w = BlockswapOffloadingWorker(kv, BPC, N_CHUNKS, backend=backend_of(device))
     try:
+        no_general_path(w)  # three groups: the core cuts the spec (`submit_spec`)
         before = [x.clone() for x in ts]
         assert w.submit_store(1, spec_of(ids, starts), CPULoadStoreSpec(chunks)) is True
         w.wait({1})

@@ -46,6 +46,7 @@ from blockswap.vllm import BlockswapOffloadingWorker
 from test_vllm import (
     CASES,
     model_caches,
+    no_general_path,
     page_of_4_tensors,
     refuses_bad_specs_on_the_plain_path,
     three_group_mapping,
@@ -371,8 +372,9 @@ def test_region_bytes_equal_vllms(
     ref_views = [ref.create_next_worker_view(t.page_size_bytes * bpc) for t in kv.tensors]
     w = BlockswapOffloadingWorker(kv, bpc, n_chunks, mmap_region=region, backend=backend_of(device))
     try:
-        # One writer per group: the worker cuts vLLM's specs itself (`GroupMap.plain_groups`).
+        # One writer per group: every spec reaches the core in one call, which cuts it.
         assert w._map.plain is not None
+        no_general_path(w)
         # A per-layer cache moves rows (block or staged plan), not pages: a chunk of one block
         # is one row per block in its cell (every tensor's page, tensor after tensor); with more
         # blocks per chunk, a block's pages lie in the cell with the other blocks' between them

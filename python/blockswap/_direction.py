@@ -204,6 +204,7 @@ class SingleDirectionHandler:
         # Hot paths bound straight to the core.
         self._submit_groups = core.submit_groups
         self._submit_group = core.submit_group
+        self._submit_spec = core.submit_spec
         self._wake = core.wake
         self.get_finished = _logging_poll(core.get_finished)
         self._core_wait = core.wait
@@ -306,22 +307,23 @@ class SingleDirectionHandler:
     ) -> None:
         """Hands the core's ``groups`` (see :meth:`_groups`) to the engine as job ``job_id``,
         after the work on the caller's stream: :meth:`transfer_async` once it has read a spec,
-        and a caller that built the groups itself (the vLLM worker's one group, from vLLM's
-        spec; the core checks every id and chunk count either way)."""
-        if self._closed:
-            raise ShutdownError("the offloading handlers are shut down")
+        and a caller that built the groups itself (the core checks every id and chunk count
+        either way)."""
         if type(job_id) is not int or not 0 <= job_id < _JOB_END:
             job_id = check_int("job_id", job_id, 0, _JOB_END - 1, errors=ENGINE_ERRORS)
+        self._issue_call(job_id, self._submit_groups, groups)
+
+    def _issue_call(self, job_id: int, submit: Callable[..., None], *args: Any) -> None:
+        """Calls one of the engine's submissions, ``submit(job_id, *args, direction,
+        wait_stream, route)``, for job ``job_id`` after the work on the caller's stream: the
+        general path's groups (:meth:`_issue`), or the vLLM worker's spec as vLLM gives it (the
+        core's ``submit_spec``). Refusals are named as this direction's job's."""
+        if self._closed:
+            raise ShutdownError("the offloading handlers are shut down")
         ws = self._wait_stream
         prev = None if self._device_index is None else _get_device()
         try:
-            self._submit_groups(
-                job_id,
-                groups,
-                self.direction,
-                None if ws is None else ws(),
-                self.route,
-            )
+            submit(job_id, *args, self.direction, None if ws is None else ws(), self.route)
         except InvalidTransferError as e:
             raise InvalidTransferError(f"{self.direction} job {job_id}: {e}") from e
         finally:
@@ -339,7 +341,7 @@ class SingleDirectionHandler:
         block's index in its request, as :meth:`transfer_async` documents): the usual transfer of
         one group in one call into the core. After an idle gap every Python statement on the
         way costs the caller's thread (docs/benchmarks.md, "a submission in one call"): the
-        steps around the call are :meth:`_issue`'s written out again, not a helper's frame."""
+        steps around the call are :meth:`_issue_call`'s written out again, not a helper's frame."""
         if self._closed:
             raise ShutdownError("the offloading handlers are shut down")
         ws = self._wait_stream

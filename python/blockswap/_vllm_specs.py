@@ -2,9 +2,11 @@
 (:class:`blockswap.vllm.BlockswapOffloadingWorker`): :class:`GroupMap` holds how vLLM's KV-cache
 groups map to the handlers' groups, and cuts a spec the usual way (:meth:`GroupMap.plain_groups`,
 the core's groups made here) or the general one (:meth:`GroupMap.split`, through the handler's
-``transfer_async``). A spec of one group that is one handler group goes to the core without
-either (the worker's ``_submit``: the core's ``submit_group``), unless the core refuses it:
-then :meth:`GroupMap.plain_groups` reads it again and names what is wrong."""
+``transfer_async``). Where every group has one writer a spec goes to the core without either
+(the worker's ``_submit``): one group that is one handler group through the core's
+``submit_group``, any other through ``submit_spec``, which cuts it as
+:meth:`GroupMap.plain_groups` does. A spec that names no block, or that the core refuses, is
+read again by :meth:`GroupMap.plain_groups`, which names what is wrong."""
 
 from __future__ import annotations
 

@@ -59,6 +59,7 @@ Importing this module needs vLLM; ``import blockswap`` never imports it.
 from __future__ import annotations
 
 import logging
+import operator
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
@@ -317,6 +318,28 @@ class BlockswapOffloadingWorker(OffloadingWorker):
             self._main.shutdown()
             self._free_cache(release_region=False)
             raise
+        #: Per lane, where every group has one writer but the spec is not one handler group
+        #: (several blocks a chunk on a shared region, or several KV-cache groups): per vLLM
+        #: group its handler's table pairs, one per sub-block of a chunk (none for a group
+        #: without pages), for the core's ``submit_spec`` (see `_submit`); else None.
+        self._spec_tables: dict[str, tuple[tuple[tuple[int, int], ...], ...]] | None = None
+        #: The bytes vLLM counts per block of each group, on that path.
+        self._spec_bytes: list[int] = plain or []
+        if plain is not None and not self._one_group:
+            lanes = {
+                "store": self._main.gpu_to_cpu_handler,
+                "load": self._main.cpu_to_gpu_handler,
+                "expedited": self._expedited.cpu_to_gpu_handler,
+            }
+            self._spec_tables = {
+                lane: tuple(
+                    ()
+                    if base is None
+                    else tuple(h._group_tables(base + j) for j in range(self._fanout))
+                    for base in self._groups
+                )
+                for lane, h in lanes.items()
+            }
         log.info(
             "blockswap offloading worker: %d KV-cache group(s), %d tensor(s), CPU cache %s; "
             "store %s; load %s",
@@ -642,6 +665,31 @@ class BlockswapOffloadingWorker(OffloadingWorker):
                         jobs.append([job_id])
                         self._lane_of[job_id] = lane
                         self._sizes[job_id] = n * self._one_group
+                        return True
+            elif self._spec_tables is not None:
+                # Every other spec where each group has one writer: cut in the core, in one
+                # call (`cut_spec`'s rule, as `GroupMap.plain_groups` cuts it), unless it is
+                # empty or refused (then the paths below name what is wrong in vLLM's words).
+                size = sum(map(operator.mul, gpu_spec.group_sizes, self._spec_bytes))
+                if size:
+                    cpu = getattr(cpu_spec, "block_ids", cpu_spec)
+                    try:
+                        handler._issue_call(
+                            job_id,
+                            handler._submit_spec,
+                            gpu_spec.block_ids,
+                            cpu,
+                            gpu_spec.group_sizes,
+                            gpu_spec.block_indices,
+                            self._spec_tables[lane],
+                            self.blocks_per_chunk,
+                        )
+                    except InvalidTransferError:
+                        pass
+                    else:
+                        jobs.append([job_id])
+                        self._lane_of[job_id] = lane
+                        self._sizes[job_id] = size
                         return True
             handler.wake()  # the engine's thread wakes while the specs are read
             if self._map.plain is not None:
