@@ -650,8 +650,11 @@ pub fn expand_groups_into(
         staged_blocks_at: 0,
         staged_blocks: 0,
     };
-    let mut used: Vec<(u64, u64)> = Vec::new();
-    let mut shared = false;
+    // Each group's destination table so far, and the ids it writes there (with several
+    // groups): groups that share one table whose geometry proves distinct blocks apart are
+    // proven apart by their ids, without sorting what they write.
+    let mut used: Vec<(&BlockTable, Vec<u64>)> = Vec::new();
+    let (mut shared, mut same_table) = (false, false);
     let mut cursor = match plan {
         Plan::Staged(StagedExpansion {
             rows,
@@ -752,9 +755,23 @@ pub fn expand_groups_into(
         total.max_size = total.max_size.max(p.max_size);
         total.alignment = total.alignment.min(p.alignment);
         total.staged_rows += p.staged_rows;
-        let (lo, hi) = g.dst.span;
-        shared |= !apart && used.iter().any(|&(a, b)| lo < b && a < hi);
-        used.push(g.dst.span);
+        if many && !apart {
+            let (lo, hi) = g.dst.span;
+            for (t, _) in &used {
+                let (a, b) = t.span;
+                if lo < b && a < hi {
+                    if std::ptr::eq(*t, g.dst) && g.dst.disjoint {
+                        same_table = true;
+                    } else {
+                        shared = true;
+                    }
+                }
+            }
+            match used.iter_mut().find(|(t, _)| std::ptr::eq(*t, g.dst)) {
+                Some((_, ids)) => ids.extend_from_slice(dids),
+                None => used.push((g.dst, dids.to_vec())),
+            }
+        }
     }
     if total.len == 0 {
         return Err(TableError::Empty);
@@ -767,9 +784,17 @@ pub fn expand_groups_into(
         };
         finish_staged(groups, expansion, cols, &mut cursor, scratch, &mut total)?;
     }
+    if same_table && !shared {
+        // Groups that write one table, each with distinct ids, whose geometry proves distinct
+        // blocks apart: apart where no id is written by two of them.
+        shared = used.iter().any(|(t, ids)| {
+            unique(ids, t.num_blocks, &mut scratch.bits, &mut scratch.pairs).is_err()
+        });
+    }
     if shared {
         // Two groups' destination tables share memory: no geometry proves the groups' pages
-        // apart, so what the whole transfer writes is checked, by the rule each group kept.
+        // apart, so what the whole transfer writes is checked, by the rule each group kept
+        // (which names two pages that overlap).
         let table = groups.first().map_or("", |g| g.dst.name.as_str());
         let len = total.len;
         // What the plan wrote where it is not in the slab's columns as written ranges already.

@@ -435,3 +435,20 @@ def test_strided_ids_move_what_their_contiguous_copies_move(
         e.wait([1])
         assert [r.success for r in e.get_finished()] == [True]
     assert host0.any() and np.array_equal(host0, host1)
+
+
+def test_submit_spec_refuses_a_gpu_block_loaded_from_two_sub_blocks() -> None:
+    """A load naming one GPU block twice puts it in two sub-block groups, each writing one GPU
+    table: refused (what lands there would depend on the copies' order), nothing written."""
+    f = Fanned(4)
+    try:
+        f.host[:] = 9
+        with pytest.raises(InvalidTransferError, match="overlap"):
+            f.eng.submit_spec(1, np.array([5, 5]), np.array([0]), [2], [0], [f.pairs(False)], 4)
+        assert not f.dev.any()
+        f.eng.submit_spec(1, np.array([5, 6]), np.array([0]), [2], [0], [f.pairs(False)], 4)
+        f.eng.wait([1])
+        assert [r.success for r in f.eng.get_finished()] == [True]
+        assert f.dev.any()
+    finally:
+        f.eng.shutdown()

@@ -217,6 +217,24 @@ fn every_plan_checks_pages_that_overlap_for_some_blocks() {
                 "{e}"
             );
         }
+        // Two groups writing it with distinct ids, blocks 0 and 2, whose pages meet: distinct
+        // ids prove groups apart only on a table whose geometry proves blocks apart.
+        let h1 = block_major(HOST + 0x1000, 2);
+        let e = run(kind, &[(&host, &[0], &gpu, &[0]), (&h1, &[0], &gpu, &[2])]).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                TableError::OverlappingDestinations {
+                    within: Overlap::Groups,
+                    ..
+                }
+            ),
+            "{kind:?}: {e}"
+        );
+        assert!(
+            run(kind, &[(&host, &[0], &gpu, &[1]), (&h1, &[0], &gpu, &[3])]).is_ok(),
+            "{kind:?}"
+        );
         // Read from, it is only read.
         assert!(
             run(kind, &[(&gpu, &[4, 0, 2], &host, &[0, 1, 2])]).is_ok(),
