@@ -166,6 +166,16 @@ fn crossing(
 }
 
 impl BlockTable {
+    /// Whether `other` names the same pages for every block id (the same table, or one
+    /// registered again with the same geometry).
+    fn same_pages(&self, other: &BlockTable) -> bool {
+        std::ptr::eq(self, other)
+            || (self.num_blocks == other.num_blocks
+                && self.bases == other.bases
+                && self.strides == other.strides
+                && self.nbytes == other.nbytes)
+    }
+
     /// Whether a boundary no copy may cross lies at `addr` (see `cuts`).
     fn cut_at(&self, addr: u64) -> bool {
         self.cuts.binary_search(&addr).is_ok()
@@ -650,9 +660,10 @@ pub fn expand_groups_into(
         staged_blocks_at: 0,
         staged_blocks: 0,
     };
-    // Each group's destination table so far, and the ids it writes there (with several
-    // groups): groups that share one table whose geometry proves distinct blocks apart are
-    // proven apart by their ids, without sorting what they write.
+    // The destination tables so far (one entry per geometry), and the ids written there (with
+    // several groups): groups that write one table, or tables of one geometry (the handlers
+    // register a table per group), whose geometry proves distinct blocks apart are proven apart
+    // by their ids, without sorting what they write.
     let mut used: Vec<(&BlockTable, Vec<u64>)> = Vec::new();
     let (mut shared, mut same_table) = (false, false);
     let mut cursor = match plan {
@@ -760,14 +771,14 @@ pub fn expand_groups_into(
             for (t, _) in &used {
                 let (a, b) = t.span;
                 if lo < b && a < hi {
-                    if std::ptr::eq(*t, g.dst) && g.dst.disjoint {
+                    if t.same_pages(g.dst) && g.dst.disjoint {
                         same_table = true;
                     } else {
                         shared = true;
                     }
                 }
             }
-            match used.iter_mut().find(|(t, _)| std::ptr::eq(*t, g.dst)) {
+            match used.iter_mut().find(|(t, _)| t.same_pages(g.dst)) {
                 Some((_, ids)) => ids.extend_from_slice(dids),
                 None => used.push((g.dst, dids.to_vec())),
             }

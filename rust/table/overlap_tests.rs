@@ -270,6 +270,15 @@ fn every_plan_checks_groups_that_write_one_tensor() {
                 .contains("destination pages of different groups overlap"),
             "{e}"
         );
+        // The same with the tensor registered again for the second group (the handlers make a
+        // table per group): the same geometry, proven apart by distinct ids alike.
+        let again = table(&[GPU, GPU + 512], &[64; 2], 64, 8, MemoryKind::Device);
+        assert!(
+            run(kind, &[(&h0, &[0], &gpu, &[1]), (&h1, &[0], &again, &[2])]).is_ok(),
+            "{kind:?}"
+        );
+        let e2 = run(kind, &[(&h0, &[0], &gpu, &[1]), (&h1, &[3], &again, &[1])]).unwrap_err();
+        assert_eq!(e2, e, "{kind:?}");
         // Two groups storing into one CPU table: host rows (staged), rows or pages alike.
         let g1 = table(
             &[GPU + 0x1000, GPU + 0x1200],
