@@ -642,13 +642,13 @@ class BlockswapOffloadingWorker(OffloadingWorker):
     ) -> bool:
         try:
             cpu_spec = dst if gpu_spec is src else src
-            jobs = self._lanes[lane]
+            size = 0  # the bytes vLLM counts, once a path below issued the spec
             if self._one_group:
                 # The usual spec, one group from one block index: straight to the core (which
                 # wakes the engine's thread, checks the ids and the chunk count, and works out
                 # the skip). Anything else, an empty spec included, and a spec the core refuses
-                # (which issued nothing) take the paths below, which name what is wrong with it
-                # in vLLM's words.
+                # (which issued nothing) take the general path, which names what is wrong with
+                # it in vLLM's words.
                 starts = gpu_spec.block_indices
                 gpu = gpu_spec.block_ids
                 n = len(gpu)
@@ -662,16 +662,13 @@ class BlockswapOffloadingWorker(OffloadingWorker):
                     except InvalidTransferError:
                         pass
                     else:
-                        jobs.append([job_id])
-                        self._lane_of[job_id] = lane
-                        self._sizes[job_id] = n * self._one_group
-                        return True
+                        size = n * self._one_group
             elif self._spec_tables is not None:
                 # Every other spec where each group has one writer: cut in the core, in one
                 # call (`cut_spec`'s rule, as `GroupMap.plain_groups` cuts it), unless it is
-                # empty or refused (then the paths below name what is wrong in vLLM's words).
-                size = sum(map(operator.mul, gpu_spec.group_sizes, self._spec_bytes))
-                if size:
+                # empty or refused (then the general path names what is wrong in vLLM's words).
+                counted = sum(map(operator.mul, gpu_spec.group_sizes, self._spec_bytes))
+                if counted:
                     cpu = getattr(cpu_spec, "block_ids", cpu_spec)
                     try:
                         handler._issue_call(
@@ -687,41 +684,56 @@ class BlockswapOffloadingWorker(OffloadingWorker):
                     except InvalidTransferError:
                         pass
                     else:
-                        jobs.append([job_id])
-                        self._lane_of[job_id] = lane
-                        self._sizes[job_id] = size
-                        return True
-            handler.wake()  # the engine's thread wakes while the specs are read
-            if self._map.plain is not None:
-                groups, n, size = self._map.plain_groups(handler, gpu_spec, cpu_spec)
-            else:
-                gpu_ids, cpu_ids, starts, size = self._map.split(
-                    gpu_spec, cpu_spec, lane == "store"
+                        size = counted
+            if not size:
+                general = self._submit_general(
+                    handler, lane, job_id, gpu_spec is src, gpu_spec, cpu_spec
                 )
-                n = sum(g.shape[0] for g in gpu_ids)
-            if not n:
-                # No data to move: reported right after the jobs submitted before it in its lane.
-                if jobs:
-                    jobs[-1].append(job_id)
-                else:
-                    self._empty.append(VllmTransferResult(job_id, True, 0, 0.0))
-                return True
-            if self._map.plain is not None:
-                handler._issue(job_id, groups)
-            else:
-                sides: tuple[Any, Any] = (
-                    (gpu_ids, cpu_ids) if gpu_spec is src else (cpu_ids, gpu_ids)
-                )
-                if self._single:
-                    sides = (sides[0][0], sides[1][0])
-                handler.transfer_async(job_id, sides, block_indices=starts)
+                if general is None:
+                    return True  # nothing to move: reported after the jobs before it
+                size = general
         except Exception as e:  # vLLM turns False into a failed job; an exception would kill it
             log.warning("offloading job %d refused: %s", job_id, e)
             return False
-        jobs.append([job_id])
+        self._lanes[lane].append([job_id])
         self._lane_of[job_id] = lane
         self._sizes[job_id] = size
         return True
+
+    def _submit_general(
+        self,
+        handler: Any,
+        lane: str,
+        job_id: int,
+        store: bool,
+        gpu_spec: GPULoadStoreSpec,
+        cpu_spec: Any,
+    ) -> int | None:
+        """A spec cut in Python (:meth:`GroupMap.plain_groups`, or :meth:`GroupMap.split` where a
+        group has several writers) and issued: the bytes vLLM counts for it, or None for a spec
+        that names no block (recorded to be reported right after the jobs submitted before it
+        in its lane). Raises what is wrong with the spec, in vLLM's words."""
+        handler.wake()  # the engine's thread wakes while the specs are read
+        if self._map.plain is not None:
+            groups, n, size = self._map.plain_groups(handler, gpu_spec, cpu_spec)
+        else:
+            gpu_ids, cpu_ids, starts, size = self._map.split(gpu_spec, cpu_spec, lane == "store")
+            n = sum(g.shape[0] for g in gpu_ids)
+        if not n:
+            jobs = self._lanes[lane]
+            if jobs:
+                jobs[-1].append(job_id)
+            else:
+                self._empty.append(VllmTransferResult(job_id, True, 0, 0.0))
+            return None
+        if self._map.plain is not None:
+            handler._issue(job_id, groups)
+        else:
+            sides: tuple[Any, Any] = (gpu_ids, cpu_ids) if store else (cpu_ids, gpu_ids)
+            if self._single:
+                sides = (sides[0][0], sides[1][0])
+            handler.transfer_async(job_id, sides, block_indices=starts)
+        return size
 
 
 #: Regions an engine could still copy into when its shutdown timed out: kept for the process.
