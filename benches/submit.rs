@@ -1,6 +1,7 @@
 //! Host cost of submitting transfers, on the host backend: build + validate + coalesce + pool
 //! acquire/release + submit + poll, per transfer and (throughput) per descriptor, for
-//! N = 16, 2,560 and 10,000 descriptors.
+//! N = 16, 2,560 and 10,000 descriptors; and the check and plan of a vLLM worker's transfer on
+//! its shared region's cells (32 blocks of an 80-layer model, four blocks a chunk).
 //!
 //! `cargo bench --bench submit`; the figures are recorded in docs/benchmarks.md.
 
@@ -10,9 +11,13 @@ use std::time::{Duration, Instant};
 
 use blockswap::backend::host::HostBackend;
 use blockswap::descriptor::{prepare_into, Columns, Scratch};
-use blockswap::engine::{Engine, EngineConfig};
+use blockswap::engine::{Engine, EngineConfig, DEFAULT_STAGE_BYTES};
+use blockswap::plan::Plan;
 use blockswap::pool::Pool;
 use blockswap::region::RegionTable;
+use blockswap::table::{
+    expand_groups_into, BlockTable, Group, StagedExpansion, STAGED_TABLE_EXTRA,
+};
 use blockswap::{Direction, MemoryKind};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 
@@ -187,5 +192,133 @@ fn bench_submit(c: &mut Criterion) {
     drop((src_buf, dst_buf));
 }
 
-criterion_group!(benches, bench_prepare, bench_pool, bench_submit);
+/// The check and plan of a vLLM worker's transfer on its shared region (the engine's fill, run
+/// under its submit lock): 32 random GPU blocks of an 80-layer model (a 16 KiB page per layer
+/// and block, separately allocated tensors) to or from 8 random chunks of four blocks, one group
+/// per sub-block index (the cell plan: rows of each chunk's cell moved whole). The GPU side is
+/// registered once per group, as the worker registers it.
+fn bench_region_cells(c: &mut Criterion) {
+    const LAYERS: usize = 80;
+    const PAGE: u64 = 16 << 10;
+    const UNIT: u64 = 4;
+    const CHUNKS: u64 = 128;
+    const GPU_BLOCKS: u64 = 512;
+    let cell = PAGE * LAYERS as u64 * UNIT;
+    let (host_base, gpu_base) = (1u64 << 40, 1u64 << 44);
+    let tensor_bytes = PAGE * GPU_BLOCKS + (1 << 20); // allocations apart, as torch's are
+    let mut regions = RegionTable::default();
+    regions
+        .insert(host_base, cell * CHUNKS, MemoryKind::Host)
+        .unwrap();
+    regions
+        .insert(gpu_base, tensor_bytes * LAYERS as u64, MemoryKind::Device)
+        .unwrap();
+    let hosts: Vec<BlockTable> = (0..UNIT)
+        .map(|j| {
+            let bases = (0..LAYERS as u64)
+                .map(|t| host_base + t * PAGE * UNIT + j * PAGE)
+                .collect();
+            BlockTable::new(
+                bases,
+                vec![cell; LAYERS],
+                vec![PAGE; LAYERS],
+                CHUNKS,
+                MemoryKind::Host,
+                &regions,
+            )
+            .unwrap()
+        })
+        .collect();
+    let gpus: Vec<BlockTable> = (0..UNIT)
+        .map(|_| {
+            let bases = (0..LAYERS as u64)
+                .map(|t| gpu_base + t * tensor_bytes)
+                .collect();
+            BlockTable::new(
+                bases,
+                vec![PAGE; LAYERS],
+                vec![PAGE; LAYERS],
+                GPU_BLOCKS,
+                MemoryKind::Device,
+                &regions,
+            )
+            .unwrap()
+        })
+        .collect();
+    // 32 GPU blocks (a fixed shuffle) into chunks 0, 16, 32, ... (apart, as a used cache's are),
+    // block k of the transfer at sub-block k % 4 of chunk k / 4.
+    let gpu_ids: Vec<u64> = shuffled(32, 1, 8).into_iter().map(|i| i as u64).collect();
+    let ids: Vec<(Vec<u64>, Vec<u64>)> = (0..UNIT as usize)
+        .map(|j| {
+            let g = gpu_ids
+                .iter()
+                .skip(j)
+                .step_by(UNIT as usize)
+                .copied()
+                .collect();
+            let c = (0..8).map(|k| k * 16).collect();
+            (g, c)
+        })
+        .collect();
+    let blocks = gpu_ids.len();
+    let rows = blocks * LAYERS;
+    let len = rows + blocks + UNIT as usize * (2 * LAYERS + STAGED_TABLE_EXTRA);
+    let (mut a, mut b, mut z) = (vec![0; len], vec![0; len], vec![0; len]);
+    let mut scratch = Scratch::default();
+    let mut bufs = [Vec::new(), Vec::new()];
+    let mut g = c.benchmark_group("vLLM region cells (32 blocks, 80 layers, 4 a chunk)");
+    for store in [true, false] {
+        let groups: Vec<Group<'_>> = ids
+            .iter()
+            .zip(hosts.iter().zip(&gpus))
+            .map(|((g, c), (host, gpu))| {
+                if store {
+                    Group {
+                        src: gpu,
+                        src_ids: g,
+                        dst: host,
+                        dst_ids: c,
+                        chunks: None,
+                    }
+                } else {
+                    Group {
+                        src: host,
+                        src_ids: c,
+                        dst: gpu,
+                        dst_ids: g,
+                        chunks: None,
+                    }
+                }
+            })
+            .collect();
+        let plan = Plan::Staged(StagedExpansion {
+            rows,
+            blocks,
+            host_src: !store,
+            merge: 1 << 20,
+            cells: true,
+            slot: DEFAULT_STAGE_BYTES,
+            direct: false,
+        });
+        g.bench_function(if store { "store" } else { "load" }, |bench| {
+            bench.iter(|| {
+                let cols = Columns {
+                    src: &mut a,
+                    dst: &mut b,
+                    size: &mut z,
+                };
+                expand_groups_into(&groups, plan, cols, &mut scratch, &mut bufs, false).unwrap()
+            });
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(
+    benches,
+    bench_prepare,
+    bench_pool,
+    bench_submit,
+    bench_region_cells
+);
 criterion_main!(benches);

@@ -415,6 +415,8 @@ pub struct Scratch {
     taken: Vec<u64>,
     at: Vec<u32>,
     pub(crate) pairs: Vec<(u64, u64)>,
+    /// Host rows `(address, bytes)` of one cluster of the cell plan (see `table::finish_cells`).
+    pub(crate) rows: Vec<(u64, u64)>,
     /// Continuation flags of block-id transfers (see `table::expand_into`).
     pub(crate) merge: Vec<bool>,
     /// Bitset of the destination-uniqueness check of block-id transfers, kept clear between

@@ -466,6 +466,44 @@ fn a_cell_with_holes_is_staged_as_one_cluster_whose_rows_are_the_pages_owned() {
 }
 
 #[test]
+fn a_store_into_sub_blocks_that_share_pages_is_refused_naming_two_pages() {
+    // Sub-block tables 64 bytes apart whose pages are 64 bytes apart too: sub-block 0's second
+    // page is sub-block 1's first. Both blocks of chunk 2 lie a page apart, so each segment's
+    // pages are joined as one run first; the runs overlap, and the error names the two pages
+    // that share bytes, as a check of every page does.
+    let mut r = RegionTable::default();
+    r.insert(0x10000, 0x10000, MemoryKind::Device).unwrap();
+    r.insert(0x40000, 0x1000, MemoryKind::Host).unwrap();
+    let host = |j: u64| {
+        BlockTable::new(
+            vec![0x40000 + 64 * j, 0x40040 + 64 * j],
+            vec![256, 256],
+            vec![64, 64],
+            4,
+            MemoryKind::Host,
+            &r,
+        )
+        .unwrap()
+        .named("CPU", 1)
+    };
+    let (h0, h1) = (host(0), host(1));
+    let (_, _, gpu) = cells();
+    for slot in [Some(256), None] {
+        let e = store_cells(&[(&h0, &[3], &[2]), (&h1, &[4], &[2])], &gpu, slot).unwrap_err();
+        assert_eq!(
+            e,
+            TableError::OverlappingDestinations {
+                table: "CPU".into(),
+                first: (0x40240, 64),
+                second: (0x40240, 64),
+                within: Overlap::Groups,
+            },
+            "{slot:?}"
+        );
+    }
+}
+
+#[test]
 fn the_cell_plan_refuses_a_store_writing_a_page_twice_and_a_cell_past_a_slot_direct_or_not() {
     let (h0, h1, gpu) = cells();
     // Sub-block 0 of chunk 1 from two groups: the same host bytes written twice.
