@@ -5,7 +5,9 @@ group into random chunks, each waited for before the next (``b2b``: the call rig
 previous result was seen) and, with ``slept``, one more after the caller slept ``--sleep-ms``
 (its caches and core gone cold). Printed, not saved: the median µs per case and way, and which
 entry the worker took (``one group``: the core's ``submit_group``; ``spec``: ``submit_spec``;
-``general``: the Python cut of the spec).
+``general``: the Python cut of the spec); beside it the median µs of the engine's counters over
+the same calls: ``core``, its submission under the lock (``submit_ns``), and ``check``, the part
+of it that checks the ids and writes the plan (``prepare_ns``).
 
     python benches/probe_plugin_submit.py [--models llama-3.1-70b-tp4,qwen2.5-7b,gpt-oss-120b]
                                           [--bpc 1,4] [--reps 200] [--ways b2b,slept]
@@ -45,11 +47,13 @@ def main() -> int:
     print(f"# python benches/probe_plugin_submit.py {' '.join(sys.argv[1:])}")
     print(
         f"{'model':22s} {'bpc':>3s} {'groups':>6s} {'entry':>9s} {'dir':>4s} {'way':>6s} {'us':>7s}"
+        f" {'core':>7s} {'check':>7s}"
     )
     for m in (m for m in MODELS if m.key in keys):
         for bpc in args.bpc:
             case = bv.Case(m, False, bpc)
             w = bv.make_worker(case, "region")
+            engine = w.handlers[0].engine
             entry = (
                 "one group"
                 if w._one_group
@@ -61,7 +65,7 @@ def main() -> int:
             job = 0
             try:
                 for store in (True, False):
-                    times: dict[str, list[float]] = {way: [] for way in args.ways}
+                    times: dict[str, list[tuple[float, int, int]]] = {way: [] for way in args.ways}
                     for i in range(args.reps + 10):
                         for way in args.ways:
                             ids, chunks = case.spec(rng, args.blocks)
@@ -72,6 +76,7 @@ def main() -> int:
                             job += 1
                             if way == "slept":
                                 time.sleep(args.sleep_ms / 1e3)
+                            s0 = engine.stats()
                             t0 = time.perf_counter()
                             ok = (
                                 w.submit_store(job, gpu, cpu)
@@ -79,16 +84,19 @@ def main() -> int:
                                 else w.submit_load(job, cpu, gpu)
                             )
                             t = time.perf_counter() - t0
+                            s1 = engine.stats()
                             assert ok
                             w.wait({job})
                             assert all(r.success for r in w.get_finished())
                             if i >= 10:  # the first calls warm the path
-                                times[way].append(t)
+                                core = s1["submit_ns"] - s0["submit_ns"]
+                                times[way].append((t, core, s1["prepare_ns"] - s0["prepare_ns"]))
                     for way, ts in times.items():
+                        wall, core, check = (statistics.median(c) for c in zip(*ts))
                         print(
                             f"{m.name:22s} {bpc:>3d} {len(ids):>6d} {entry:>9s} "
                             f"{'d2h' if store else 'h2d':>4s} {way:>6s} "
-                            f"{1e6 * statistics.median(ts):7.1f}",
+                            f"{1e6 * wall:7.1f} {core / 1e3:7.1f} {check / 1e3:7.1f}",
                             flush=True,
                         )
             finally:
