@@ -1,4 +1,5 @@
 use super::*;
+use crate::plan::Plan;
 
 fn regions() -> RegionTable {
     let mut t = RegionTable::default();

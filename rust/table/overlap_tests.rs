@@ -2,6 +2,7 @@
 //! the block plan's 2-D copies and the staged plan, within a table and across groups.
 
 use super::*;
+use crate::plan::Plan;
 
 const GPU: u64 = 0x10000;
 const HOST: u64 = 0x40000;

@@ -10,7 +10,7 @@ use crate::descriptor::{Columns, Prepared, Scratch};
 use crate::table::{check_ids, Overlap, Pair, TableError};
 
 /// Writes one group of a transfer on the cell plan (see the module's documentation) at `cursor`:
-/// checks its ids as [`super::expand_into`] does, writes its geometry (holes as segments of GPU
+/// checks its ids as [`crate::table::expand_into`] does, writes its geometry (holes as segments of GPU
 /// base 0) or reuses an equal one written before, and a block entry per block pair `(GPU block
 /// id, host address of its first page, table at)`. [`finish_cells`] turns the host addresses into
 /// ring offsets and writes the rows once every group is in. The host side must have a
