@@ -6,6 +6,7 @@ mod engine;
 mod functions;
 mod host_buffer;
 mod route;
+mod stats;
 mod submit;
 
 use engine::PyEngine;
