@@ -337,12 +337,17 @@ fn behind_a_running_transfer_a_small_one_takes_fewer_full_steps() {
 /// table holds each tensor's `j`-th page of a chunk (vLLM's offload region), holes between them;
 /// both groups share the GPU tensors.
 fn cells() -> (BlockTable, BlockTable, BlockTable) {
+    cells_with(0x80)
+}
+
+/// [`cells`] with the second tensor's pages `second` bytes into a cell.
+fn cells_with(second: u64) -> (BlockTable, BlockTable, BlockTable) {
     let mut r = RegionTable::default();
     r.insert(0x10000, 0x10000, MemoryKind::Device).unwrap();
     r.insert(0x40000, 0x1000, MemoryKind::Host).unwrap();
     let host = |j: u64| {
         BlockTable::new(
-            vec![0x40000 + 64 * j, 0x40080 + 64 * j],
+            vec![0x40000 + 64 * j, 0x40000 + second + 64 * j],
             vec![256, 256],
             vec![64, 64],
             4,
@@ -471,23 +476,7 @@ fn a_store_into_sub_blocks_that_share_pages_is_refused_naming_two_pages() {
     // page is sub-block 1's first. Both blocks of chunk 2 lie a page apart, so each segment's
     // pages are joined as one run first; the runs overlap, and the error names the two pages
     // that share bytes, as a check of every page does.
-    let mut r = RegionTable::default();
-    r.insert(0x10000, 0x10000, MemoryKind::Device).unwrap();
-    r.insert(0x40000, 0x1000, MemoryKind::Host).unwrap();
-    let host = |j: u64| {
-        BlockTable::new(
-            vec![0x40000 + 64 * j, 0x40040 + 64 * j],
-            vec![256, 256],
-            vec![64, 64],
-            4,
-            MemoryKind::Host,
-            &r,
-        )
-        .unwrap()
-        .named("CPU", 1)
-    };
-    let (h0, h1) = (host(0), host(1));
-    let (_, _, gpu) = cells();
+    let (h0, h1, gpu) = cells_with(0x40);
     for slot in [Some(256), None] {
         let e = store_cells(&[(&h0, &[3], &[2]), (&h1, &[4], &[2])], &gpu, slot).unwrap_err();
         assert_eq!(
