@@ -143,45 +143,38 @@ pub fn finish_cells(
         }
         let rows = &mut scratch.rows;
         let geometry = size[i];
-        let joined = if size[i..j].iter().all(|&t| t == geometry) {
-            // One geometry (the sub-blocks of a chunk): page by page, each across the blocks,
-            // which is the host's order where the blocks' pages interleave as a cell's do. Where
-            // the blocks lie a page apart (a chunk's sub-blocks), a segment's pages across them
-            // are one run, joined as one. Joined as they come, without listing them; in another
-            // order, or where two pages share a byte, listed and sorted (which names the two as
-            // a sorted check does).
+        // One geometry (the sub-blocks of a chunk): page by page, each across the blocks, which
+        // is the host's order where the blocks' pages interleave as a cell's do. Where the
+        // blocks lie a page apart (a chunk's sub-blocks), a segment's pages across them are one
+        // run, joined as one. Joined as they come, without listing them.
+        let streamed = size[i..j].iter().all(|&t| t == geometry) && {
             let t = geometry as usize;
             let hosts = &dst[i..j];
             let m = hosts.len() as u64;
             let gap = hosts.get(1).map(|&h| h - hosts[0]);
             let even = hosts.windows(2).all(|w| Some(w[1] - w[0]) == gap);
-            let mut rows = Rows::new(rows, host_src);
-            let mut joined = Ok(());
-            for s in (t + 1..t + 1 + src[t] as usize).filter(|&s| src[s] != 0) {
-                let (offset, bytes) = (size[s], size[s + 1] - size[s]);
-                joined = if m == 1 || (even && gap == Some(bytes)) {
-                    rows.push((hosts[0] + offset, bytes * m))
-                } else {
-                    hosts
-                        .iter()
-                        .try_for_each(|&host| rows.push((host + offset, bytes)))
-                };
-                if joined.is_err() {
-                    break;
-                }
-            }
-            if joined.is_err() {
-                pages.clear();
-                for s in (t + 1..t + 1 + src[t] as usize).filter(|&s| src[s] != 0) {
+            let mut joining = Rows::new(rows, host_src);
+            let joined = (t + 1..t + 1 + src[t] as usize)
+                .filter(|&s| src[s] != 0)
+                .try_for_each(|s| {
                     let (offset, bytes) = (size[s], size[s + 1] - size[s]);
-                    pages.extend(hosts.iter().map(|&host| (host + offset, bytes)));
-                }
-                pages.sort_unstable();
-                Rows::join(pages, rows.out, host_src)
-            } else {
-                rows.finish();
-                Ok(())
+                    if m == 1 || (even && gap == Some(bytes)) {
+                        joining.push((hosts[0] + offset, bytes * m))
+                    } else {
+                        hosts
+                            .iter()
+                            .try_for_each(|&host| joining.push((host + offset, bytes)))
+                    }
+                });
+            if joined.is_ok() {
+                joining.finish();
             }
+            joined.is_ok()
+        };
+        // Several geometries, pages out of order, or two that share a byte: every page listed
+        // and sorted (which names two that share a byte as a check of the sorted pages does).
+        let joined = if streamed {
+            Ok(())
         } else {
             pages.clear();
             for b in i..j {
@@ -215,7 +208,7 @@ pub fn finish_cells(
     Ok(row)
 }
 
-/// Why [`join_rows`] stopped.
+/// Why [`Rows::push`] stopped.
 #[derive(Debug)]
 enum Unjoined {
     /// A page came before the one before it.
