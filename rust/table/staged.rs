@@ -9,10 +9,12 @@
 //! - `[rows, rows + blocks)`: one entry per block `(GPU block id, ring offset of its row, table
 //!   at)`;
 //! - after them, one geometry per group (groups with equal geometries share one), at `table at`:
-//!   a header `(segments, 0, bytes of a block's pages)`, then per segment `s` `(GPU base, GPU
+//!   a header `(segments, tile, bytes of a block's pages)`, then per segment `s` `(GPU base, GPU
 //!   stride, offset of the page in the row)`, then `(0, 0, row bytes)`, so that page `s` is
 //!   `offsets[s + 1] - offsets[s]` bytes. A segment of GPU base 0 is a hole: bytes of the row no
-//!   page of the block owns, moved by no one (not counted in the header's bytes).
+//!   page of the block owns, moved by no one (not counted in the header's bytes). `tile`, the
+//!   cell plan's only: where every page is as large as the first and lies one gap after the
+//!   one before, that gap (a cell's sub-blocks of a tensor side by side), else 0.
 //!
 //! A host table whose block's pages lie in one cell of the table with holes between them
 //! ([`staged_cell`]: vLLM's offload region, where a chunk's cell holds each tensor's pages of

@@ -43,8 +43,20 @@ pub fn stage_cell_group(
     let mut bitmask = span;
     let mut max_size = 0u64;
     let mut at = table + 1;
+    // The pages' tile: where every page is as large as the first and each lies one gap after
+    // the one before, that gap (0 otherwise), so that `finish_cells` joins a whole cell's
+    // sub-blocks as one row without a page at a time.
+    let mut tile = if segments > 1 {
+        host.bases[1] - host.bases[0]
+    } else {
+        0
+    };
     for s in 0..segments {
         let offset = host.bases[s] - host.bases[0];
+        if host.nbytes[s] != host.nbytes[0] || (s > 0 && host.bases[s] - host.bases[s - 1] != tile)
+        {
+            tile = 0;
+        }
         if s > 0 {
             let end = host.bases[s - 1] + host.nbytes[s - 1] - host.bases[0];
             if end != offset {
@@ -64,7 +76,7 @@ pub fn stage_cell_group(
         at += 1;
     }
     let page_bytes: u64 = host.nbytes.iter().sum();
-    (out.src[table], out.dst[table], out.size[table]) = ((at - table - 1) as u64, 0, page_bytes);
+    (out.src[table], out.dst[table], out.size[table]) = ((at - table - 1) as u64, tile, page_bytes);
     (out.src[at], out.dst[at], out.size[at]) = (0, 0, span);
     let len = at + 1 - table;
     // Groups with equal geometries (the sub-blocks of one chunk, pages of one size) share one,
@@ -154,18 +166,26 @@ pub fn finish_cells(
             let gap = hosts.get(1).map(|&h| h - hosts[0]);
             let even = hosts.windows(2).all(|w| Some(w[1] - w[0]) == gap);
             let mut joining = Rows::new(rows, host_src);
-            let joined = (t + 1..t + 1 + src[t] as usize)
-                .filter(|&s| src[s] != 0)
-                .try_for_each(|s| {
-                    let (offset, bytes) = (size[s], size[s + 1] - size[s]);
-                    if m == 1 || (even && gap == Some(bytes)) {
-                        joining.push((hosts[0] + offset, bytes * m))
-                    } else {
-                        hosts
-                            .iter()
-                            .try_for_each(|&host| joining.push((host + offset, bytes)))
-                    }
-                });
+            // Every sub-block of a tiled cell (see `stage_cell_group`): the segments' runs
+            // touch, one row from the first page to the last run's end.
+            let (tile, page) = (dst[t], size[t + 2] - size[t + 1]);
+            let joined = if tile != 0 && even && gap == Some(page) && m * page == tile {
+                let last = size[t + 1 + src[t] as usize] - page;
+                joining.push((hosts[0], last + tile))
+            } else {
+                (t + 1..t + 1 + src[t] as usize)
+                    .filter(|&s| src[s] != 0)
+                    .try_for_each(|s| {
+                        let (offset, bytes) = (size[s], size[s + 1] - size[s]);
+                        if m == 1 || (even && gap == Some(bytes)) {
+                            joining.push((hosts[0] + offset, bytes * m))
+                        } else {
+                            hosts
+                                .iter()
+                                .try_for_each(|&host| joining.push((host + offset, bytes)))
+                        }
+                    })
+            };
             if joined.is_ok() {
                 joining.finish();
             }

@@ -436,10 +436,13 @@ fn a_cell_with_holes_is_staged_as_one_cluster_whose_rows_are_the_pages_owned() {
         rows,
         [(0x40000, 0, 64), (0x40080, 128, 64), (0x40200, 192, 256)]
     );
-    // Block entries in ring order, one geometry for both groups: a page, a hole, a page.
+    // Block entries in ring order, one geometry for both groups: a page, a hole, a page. Its
+    // header names the pages' tile: pages of one size, each 128 bytes after the one before.
     assert_eq!(&a[at..at + 3], [5, 3, 4]);
     assert_eq!(&b[at..at + 3], [0, 192, 256]);
     assert!(z[at..at + 3].iter().all(|&t| t == z[at]));
+    let t = z[at] as usize;
+    assert_eq!((a[t], b[t], z[t]), (3, 128, 128));
     assert_eq!(p.len, at + 3 + 3 + STAGED_TABLE_EXTRA);
     let pages: Vec<_> = (at..at + 3)
         .flat_map(|i| staged_pages(&a, &b, &z, i).collect::<Vec<_>>())
