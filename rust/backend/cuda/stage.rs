@@ -95,21 +95,21 @@ pub(super) struct Stage {
     pub(super) marker_on_kernels: bool,
     /// Steps issued on the lane so far: the next takes slot `steps % 2`.
     pub(super) steps: u64,
-    /// Device memory the transfers' block entries and geometries are copied into before their
-    /// first kernel, so the kernels read them from HBM, not across the `PCIe` link the rows are
-    /// crossing. Two, taken in turn by the lane's transfers (`transfers % 2`): a CPU -> GPU
-    /// transfer copies its entries on the lane's stream, ahead of its rows (on the kernel stream
-    /// the copy would queue on the copy engine behind the rows the lane's stream issued
-    /// meanwhile, and hold the transfer's first kernel, then its third step's rows, for a whole
-    /// step), while the previous transfer's last kernels still read the other buffer.
+    /// Device memory a CPU -> GPU lane's transfers copy their block entries and geometries into
+    /// before their first kernel, so the kernels read them from HBM, not across the `PCIe` link
+    /// the rows are crossing. Two, taken in turn by the lane's transfers (`transfers % 2`): a
+    /// transfer copies its entries on the lane's stream, after its first step's rows (on the
+    /// kernel stream the copy would queue on the copy engine behind the rows the lane's stream
+    /// issued meanwhile, and hold the transfer's first kernel, then its third step's rows, for a
+    /// whole step), while the previous transfer's last kernels still read the other buffer.
+    /// GPU -> CPU kernels read their entries in the slab (see `Shared::staged_begin`).
     pub(super) desc: [Option<DeviceMem>; 2],
     pub(super) desc_bytes: [usize; 2],
     /// Per descriptor buffer: recorded on the kernel stream after the last kernel of the
     /// transfer that used it; the next transfer to fill it on the lane's stream waits for it.
     pub(super) desc_free: [Event; 2],
-    /// Per descriptor buffer: its last transfer was direct, its kernels on the lane's stream
-    /// (`desc_free` recorded there), which a GPU -> CPU staged transfer filling it on the kernel
-    /// stream must wait for.
+    /// Per descriptor buffer: its last transfer was direct, its kernels on the lane's stream,
+    /// where `desc_free` is recorded after them (else on the kernel stream).
     pub(super) desc_on_lane: [bool; 2],
     /// Staged transfers issued on the lane so far: the next takes descriptor buffer
     /// `transfers % 2`.

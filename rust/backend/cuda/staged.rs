@@ -35,7 +35,8 @@ struct StagedLaunch {
 impl Shared {
     /// Begins a staged transfer (see [`StagedRequest`]): its kernel and the lane's stage checked
     /// (the stage made on the lane's first staged transfer), the wait for the caller's stream
-    /// GPU -> CPU, and the copy of its block entries to device memory. Its steps then go in by
+    /// GPU -> CPU, and CPU -> GPU the copy of its block entries to device memory. Its steps then
+    /// go in by
     /// [`Self::staged_steps`], as many calls as the issuer likes, and [`Self::staged_end`]
     /// closes it; `Err` where nothing of it may run (then no step and no end).
     ///
@@ -113,11 +114,11 @@ impl Shared {
             // follow the lane's stream, which waits for it).
             kstream.wait(ev)?;
         }
-        if src.len() > first {
-            // The block entries and geometries go to device memory in one copy (see
-            // `upload_entries`): GPU -> CPU now, on the kernel stream after the earlier
-            // transfers' kernels; CPU -> GPU on the lane's stream after the first step's rows
-            // (the first kernel needs both; the rows start as soon as they are issued).
+        if src.len() > first && host_src {
+            // CPU -> GPU, the block entries and geometries go to device memory in one copy (see
+            // `upload_entries`) on the lane's stream: a direct transfer's now (its kernels run
+            // there), a staged one's after its first step's rows (the first kernel needs both;
+            // the rows start as soon as they are issued).
             let (n, cap) = (src.len() - first, slab.capacity());
             let copy = EntryCopy::new(first, n, cap);
             let dev = st.desc_buffer(self.ctx.raw, b, copy.device_bytes())?;
@@ -129,24 +130,21 @@ impl Shared {
                 b,
             };
             if req.direct {
-                // A direct transfer's kernels run on the lane's stream (see `staged_steps`):
-                // its entries go there, once the kernels that last read the buffer are done.
+                // Once the kernels that last read the buffer are done.
                 let lstream = l.stream.handle();
                 lstream.wait(&st.desc_free[b])?;
                 Self::upload_entries(lstream, upload)?;
                 run.desc = Some(b);
-            } else if host_src {
-                run.upload = Some(upload);
             } else {
-                if st.desc_on_lane[b] {
-                    // The buffer's last readers ran on the lane's stream (a direct transfer).
-                    kstream.wait(&st.desc_free[b])?;
-                }
-                Self::upload_entries(kstream, upload)?;
-                run.desc = Some(b);
+                run.upload = Some(upload);
             }
             st.desc_on_lane[b] = req.direct;
         }
+        // GPU -> CPU, the kernels read the entries in the slab in place (`run.cols`): a copy of
+        // them to the device is a CPU -> GPU copy, which queues on the copy engine behind every
+        // row the other lane issued before it, and held each transfer's first kernel, so its
+        // rows, until the loads ahead of it had crossed: offload and onload at once moved 55 GB/s,
+        // one direction's worth (H200, 2026-11-30, `benches/bench_staged_side.py`).
         Ok(run)
     }
 
@@ -263,9 +261,10 @@ impl Shared {
     /// Step `k`'s kernel on the stage's stream, one launch for each run of blocks of one group
     /// (one geometry): CPU -> GPU after the step's rows (`ready[slot]`), then the slot is free
     /// again; GPU -> CPU once the slot is free, then the slot is ready for the rows. The kernel
-    /// computes every page's addresses from the block entries, read from the stage's device copy
-    /// of the slab (not overwritten before the kernel ends: see `Stage::desc`); the ids were
-    /// checked at submission, the slot is this lane's.
+    /// computes every page's addresses from the block entries (`run.cols`: CPU -> GPU the
+    /// stage's device copy of the slab's, not overwritten before the kernel ends, see
+    /// `Stage::desc`; GPU -> CPU the slab's own, in flight until the marker after the kernel);
+    /// the ids were checked at submission, the slot is this lane's.
     fn step_kernel(
         lane: Direction,
         st: &Stage,
@@ -304,7 +303,7 @@ impl Shared {
     /// share a geometry (one group's, or equal ones), the ring's offsets shifted by `ring_base`
     /// (0 for a direct transfer, whose ring side holds host addresses), the ring the pages'
     /// source where `ring_src`, on more CTAs where `wide` (see [`StagedLaunch`]). The kernels
-    /// read the entries' device copy (`run.cols`); the ids were checked at submission, and the
+    /// read the entries at `run.cols`; the ids were checked at submission, and the
     /// ring side is this lane's slot or, direct, the host table's pages (registered memory).
     fn launch_geometries(
         stream: StreamHandle,
