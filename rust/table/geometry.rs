@@ -14,8 +14,9 @@ impl BlockTable {
     }
 
     /// Whether no page of this table shares a byte with a page of `other`, whatever the blocks:
-    /// their spans apart, or their segments together [`pages_disjoint`] (at the larger block
-    /// count, which only adds pages). Two KV-cache groups' tables whose layers alternate in
+    /// their spans apart, or the pages of their segments taken together disjoint by the
+    /// geometry alone, as a table's own pages are proven (at the larger block count, which only
+    /// adds pages). Two KV-cache groups' tables whose layers alternate in
     /// memory overlap by span and are apart by this rule; a transfer into both then needs no
     /// check of what it writes across them.
     #[must_use]

@@ -36,9 +36,9 @@ impl Shared {
     /// Begins a staged transfer (see [`StagedRequest`]): its kernel and the lane's stage checked
     /// (the stage made on the lane's first staged transfer), the wait for the caller's stream
     /// GPU -> CPU, and CPU -> GPU the copy of its block entries to device memory. Its steps then
-    /// go in by
-    /// [`Self::staged_steps`], as many calls as the issuer likes, and [`Self::staged_end`]
-    /// closes it; `Err` where nothing of it may run (then no step and no end).
+    /// go in by [`Self::staged_steps`], as many calls as the issuer likes, and
+    /// [`Self::staged_end`] closes it; `Err` where nothing of it may run (then no step and no
+    /// end).
     ///
     /// Per step, CPU -> GPU, the step's rows are copied into a ring slot on the lane's stream,
     /// then the kernel moves its pages from the slot into the GPU pages on the stage's stream;
