@@ -170,7 +170,8 @@ pub fn finish_cells(
             // touch, one row from the first page to the last run's end.
             let (tile, page) = (dst[t], size[t + 2] - size[t + 1]);
             let joined = if tile != 0 && even && gap == Some(page) && m * page == tile {
-                let last = size[t + 1 + src[t] as usize] - page;
+                // The last page lies a page before the block's span ends.
+                let last = block_span(src, size, i) - page;
                 joining.push((hosts[0], last + tile))
             } else {
                 (t + 1..t + 1 + src[t] as usize)
