@@ -139,6 +139,12 @@ def test_bidir_rows(saved: dict[str, Any]) -> None:
     for size in TINY.bidir_sizes:
         assert rows[("dma", size)]["status"] == "ok"
         assert rows[("kernel", size)]["status"] == "skipped"
+        # The default handler's route, both ways at once, over layer tensors of that page size.
+        handler = rows[("handler", size)]
+        assert handler["status"] == "ok", handler
+        assert handler["layers"] == TINY.handler_max_layers
+        assert handler["bytes_per_direction"] == handler["blocks"] * handler["layers"] * size
+        assert set(handler["route"]) == {"h2d", "d2h"}
     for r in rows.values():
         if r["status"] != "ok":
             assert r["reason"]

@@ -9,6 +9,15 @@ start event the two copy streams wait on, one end event per stream; "both" lasts
 end. ``duplex_gain`` is the aggregate over the faster direction alone: 2 where the link carries
 both directions in full, 1 where they share it. On the host backend (memcpy) times are wall clock
 and only the aggregate of "both" is known.
+
+Path ``handler``, per block size as a page size: the default
+:class:`~blockswap.handler.CpuGpuHandlers` over separately allocated layer tensors (vLLM's
+per-layer layout; on a GPU the staged plan at small pages), 32 random GPU blocks to or from 32
+random CPU blocks a transfer, the onload submitted first; wall clock from a synchronised device
+to both results seen, as a caller waits. Its route keeps each direction's work off the other's
+copy engine queue: where a GPU -> CPU transfer's first kernel waited for a copy queued behind the
+onload's rows, both at once moved one direction's worth (H200, 2026-11-30), which this row shows
+and the engine-level rows above, which take no handler route, do not.
 """
 
 from __future__ import annotations
@@ -78,6 +87,9 @@ def run(ctx: Context) -> dict[str, Any]:
                 rows.append(_measure(ctx, path, issuers, streams, n * size, n, size))
     finally:
         eng.shutdown()
+    for size in p.bidir_sizes:
+        if size <= HANDLER_MAX_PAGE:
+            rows.append(_handler_row(ctx, size))
     for r in rows:
         if r["status"] != "ok":
             continue
@@ -92,6 +104,63 @@ def run(ctx: Context) -> dict[str, Any]:
 
 Issuer = tuple[Callable[[], None], Callable[[], None]]
 """``(issue, finish)``: enqueue one direction's transfer; wait for it."""
+
+#: Layer tensors of the ``handler`` row (fewer where the profile caps a handler's layers), and
+#: its blocks a transfer.
+HANDLER_LAYERS = 80
+HANDLER_BLOCKS = 32
+#: The ``handler`` row's largest page: past it a layer's page is a large copy of its own, which
+#: the ``dma`` rows cover.
+HANDLER_MAX_PAGE = 64 * 1024
+
+
+def _handler_row(ctx: Context, page: int) -> dict[str, Any]:
+    """The ``handler`` path at ``page``-byte pages (see the module's doc)."""
+    import torch
+
+    from blockswap.handler import CpuGpuHandlers
+
+    layers = min(HANDLER_LAYERS, ctx.profile.handler_max_layers or HANDLER_LAYERS)
+    n = HANDLER_BLOCKS
+    device = "cuda" if ctx.cuda else "cpu"
+    gpu = [torch.zeros((2 * n, 1, page), dtype=torch.uint8, device=device) for _ in range(layers)]
+    try:
+        h = CpuGpuHandlers(gpu, 2 * n, layout="mla", backend="cuda" if ctx.cuda else "host")
+    except Exception as e:
+        return {"path": "handler", "block_bytes": page, "blocks": n,
+                "bytes_per_direction": n * layers * page, "status": "failed",
+                "reason": f"{type(e).__name__}: {e}"}  # fmt: skip
+    done: dict[int, Any] = {}
+
+    def make(concurrent: bool) -> dict[str, Issuer]:
+        out: dict[str, Issuer] = {}
+        for d in DIRS:
+            j = ctx.job()
+            g, c = ctx.rng.permutation(2 * n)[:n], ctx.rng.permutation(2 * n)[:n]
+            ids = (c, g) if d == "h2d" else (g, c)
+            lane = h.h2d if d == "h2d" else h.d2h
+
+            def issue(j: int = j, ids: Any = ids, lane: Any = lane) -> None:
+                lane.transfer_async(j, ids)
+
+            def finish(j: int = j) -> None:
+                h.wait([j])
+                for r in h.get_finished():
+                    done[r.job_id] = r
+                r = done.pop(j, None)
+                if r is None or not r.success:
+                    raise RuntimeError(f"handler transfer {j} did not succeed: {r}")
+
+            out[d] = (issue, finish)
+        return out
+
+    try:
+        row = _measure(ctx, "handler", make, {}, n * layers * page, n, page, wall=True)
+        row["route"] = {d: str(h.routes[d].reason) for d in DIRS}
+        row["layers"] = layers
+        return row
+    finally:
+        h.shutdown()
 
 
 def _copiers(
@@ -179,10 +248,17 @@ def _run_once(
     make: Callable[[bool], dict[str, Issuer]],
     streams: dict[str, Any],
     dirs: tuple[str, ...],
+    wall: bool = False,
 ) -> dict[str, float]:
-    """Seconds per direction (``"all"``: until the last one ended) of one run of ``dirs``."""
+    """Seconds per direction (``"all"``: until the last one ended) of one run of ``dirs``;
+    ``wall``: wall clock on a GPU too (from a synchronised device to the last result), only
+    ``"all"`` known for "both"."""
     issuers = make(len(dirs) > 1)
-    if ctx.cuda:
+    if ctx.cuda and wall:
+        import torch
+
+        torch.cuda.synchronize()
+    if ctx.cuda and not wall:
         import torch
 
         start = torch.cuda.Event(enable_timing=True)
@@ -222,6 +298,7 @@ def _measure(
     nbytes: int,
     n: int,
     size: int | None = None,
+    wall: bool = False,
 ) -> dict[str, Any]:
     row: dict[str, Any] = {
         "path": path,
@@ -233,7 +310,7 @@ def _measure(
     }
     try:
         for label, dirs in (("h2d_alone", ("h2d",)), ("d2h_alone", ("d2h",)), ("both", DIRS)):
-            samples = ctx.repeat(lambda dirs=dirs: _run_once(ctx, make, streams, dirs))
+            samples = ctx.repeat(lambda dirs=dirs: _run_once(ctx, make, streams, dirs, wall))
             if label == "both":
                 row["aggregate_gbps"] = 2 * nbytes / median([s["all"] for s in samples]) / 1e9
                 for d in DIRS:

@@ -424,7 +424,9 @@ def _bidir_table(sec: dict[str, Any], res: dict[str, Any]) -> list[str]:
         "",
         "'both' runs the two directions together (their own streams); 'aggregate' is the bytes of "
         "both over the time until the later one ended; 'duplex gain' is the aggregate over the "
-        "faster direction alone (2: full duplex).",
+        "faster direction alone (2: full duplex). 'handler': the default handler, the block its "
+        "page size, over separately allocated layer tensors (on a GPU the staged plan at small "
+        "pages), wall clock as a caller waits.",
         "",
     ]
     body = []
