@@ -164,6 +164,30 @@ def test_use_after_shutdown(rng):
         engine.register(np.zeros(8, dtype=np.uint8))
 
 
+def test_prepare_staged_is_checked_and_changes_no_transfer(rng):
+    """``Engine.prepare_staged`` makes a lane's staging resources ahead of its first staged
+    transfer: refused for a direction the staged plan never takes, a non-bool ``ring`` and after
+    shutdown; repeated, it keeps what is made; transfers after it are exact."""
+    engine = blockswap.Engine("host")
+    src, dst = registered_pair(engine, 1 * MiB, rng)
+    for _ in range(2):
+        engine.prepare_staged("h2d")
+        engine.prepare_staged("d2h", ring=False)
+    with pytest.raises(blockswap.BackendError, match="h2d or d2h"):
+        engine.prepare_staged("h2h")
+    with pytest.raises(InvalidTransferError, match="direction must be"):
+        engine.prepare_staged("up")
+    with pytest.raises(blockswap.ArgumentTypeError, match="ring must be a bool"):
+        engine.prepare_staged("h2d", ring=1)  # type: ignore[arg-type]
+    engine.submit(1, [src.ctypes.data], [dst.ctypes.data], [1 * MiB])
+    engine.wait([1])
+    assert [(r.job_id, r.success) for r in engine.get_finished()] == [(1, True)]
+    assert np.array_equal(dst, src)
+    engine.shutdown()
+    with pytest.raises(blockswap.ShutdownError):
+        engine.prepare_staged("h2d")
+
+
 def test_wake_is_a_hint_that_changes_no_transfer(rng):
     """``Engine.wake`` announces a transfer: checked like a submission's direction, a no-op
     after shutdown, and a transfer after any number of announcements (or none) is exact."""

@@ -77,6 +77,7 @@ SCRIPT = textwrap.dedent(
         "submit_spec": lambda: eng.submit_spec(
             8, ids, ids, [len(ids)], [0], [((host_t, dev_t),)], 1),
         "wake": lambda: eng.wake("h2d"),
+        "prepare_staged": lambda: eng.prepare_staged("h2d"),
         "get_finished": lambda: eng.get_finished(),
         "stats": lambda: eng.stats(),
         "info": lambda: eng.info(),

@@ -234,6 +234,23 @@ impl Engine {
         Ok(self.backend.load_kernel(spec)?)
     }
 
+    /// Makes the staging resources of `direction` (CPU -> GPU or GPU -> CPU) now, with this
+    /// engine's slots ([`Self::stage_bytes`]) where `ring` (a direct transfer's lane needs
+    /// none), rather than on its first staged transfer, which otherwise waits for them (see
+    /// [`crate::backend::Backend::prepare_staged`]). Nothing on the host backend.
+    pub fn prepare_staged(&self, direction: Direction, ring: bool) -> Result<(), EngineError> {
+        self.check_usable()?;
+        if !matches!(direction, Direction::HostToDevice | Direction::DeviceToHost) {
+            return Err(BackendError::InvalidArgument(format!(
+                "the staged plan moves between host and device (h2d or d2h), not {direction}"
+            ))
+            .into());
+        }
+        Ok(self
+            .backend
+            .prepare_staged(direction, self.config.stage_bytes, ring)?)
+    }
+
     /// The bytes of a block's host row where `table` is block-major (see [`staged_row`]): what
     /// the staged plan moves per block, and what must fit a staging slot. `None` otherwise.
     pub fn staged_row(&self, table: u32) -> Result<Option<u64>, EngineError> {

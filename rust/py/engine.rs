@@ -641,8 +641,29 @@ impl PyEngine {
         Ok(py.detach(|| self.engine.staged_row(table))?)
     }
 
+    /// Makes ``direction``'s staging resources now (``"h2d"`` or ``"d2h"``): its kernel stream
+    /// and events, with ``ring`` (``None``: True) its two :attr:`stage_bytes` slots in device
+    /// memory, CPU -> GPU the device buffers of its transfers' block entries. Otherwise its
+    /// first staged transfer makes them, and waits for them (0.3-0.7 ms on an H200). What is
+    /// made already stays. Nothing on the host backend; :class:`blockswap.BackendError` where
+    /// the device memory cannot be had.
+    #[pyo3(signature = (direction, ring = None))]
+    fn prepare_staged(
+        &self,
+        py: Python<'_>,
+        direction: &Bound<'_, PyAny>,
+        ring: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let dir = direction_arg(direction)?;
+        let ring = ring.map_or(Ok(true), |r| args::flag("ring", r))?;
+        // Detached: device allocations take a while, and the lane's stage lock is the engine
+        // thread's too.
+        Ok(py.detach(|| self.engine.prepare_staged(dir, ring))?)
+    }
+
     /// Bytes of each of the two slots of a direction's staging ring (the ``stage_bytes``
-    /// option), allocated in device memory on the direction's first staged transfer.
+    /// option), allocated in device memory on the direction's first staged transfer, or by
+    /// :meth:`prepare_staged`.
     #[getter]
     fn stage_bytes(&self) -> u64 {
         self.engine.stage_bytes()

@@ -240,6 +240,16 @@ impl Backend for CudaBackend {
         (r == sys::CUresult::CUDA_SUCCESS).then_some(base)
     }
 
+    fn prepare_staged(
+        &self,
+        lane: Direction,
+        slot_bytes: u64,
+        ring: bool,
+    ) -> Result<(), BackendError> {
+        let _ctx = self.make_current()?;
+        self.shared.prepare_stage(lane, slot_bytes, ring)
+    }
+
     fn check_region(&self, start: u64, len: u64, kind: MemoryKind) -> Result<(), BackendError> {
         let _ctx = self.make_current()?;
         let last = start

@@ -202,7 +202,26 @@ impl Stage {
         Ok(self.desc[b].as_ref().expect("made above").ptr)
     }
 
-    pub(super) fn new(ctx: sys::CUcontext, slot: u64) -> Result<Self, BackendError> {
+    /// The lane's stage in `stage`, made with `slot`-byte slots where there is none yet; a
+    /// stage whose slots are another size is refused (a lane's ring holds one slot size).
+    pub(super) fn made(
+        stage: &mut Option<Stage>,
+        ctx: sys::CUcontext,
+        slot: u64,
+    ) -> Result<&mut Stage, BackendError> {
+        if let Some(st) = stage.as_ref().filter(|st| st.slot != slot) {
+            return Err(BackendError::InvalidArgument(format!(
+                "this lane's staging slots are {} bytes, the transfer asks for {slot}",
+                st.slot
+            )));
+        }
+        if stage.is_none() {
+            *stage = Some(Stage::new(ctx, slot)?);
+        }
+        Ok(stage.as_mut().expect("made above"))
+    }
+
+    fn new(ctx: sys::CUcontext, slot: u64) -> Result<Self, BackendError> {
         Ok(Stage {
             ring: None,
             slot,

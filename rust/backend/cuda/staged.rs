@@ -75,17 +75,7 @@ impl Shared {
             .stage
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if stage.as_ref().is_some_and(|st| st.slot != req.slot_bytes) {
-            return Err(BackendError::InvalidArgument(format!(
-                "this lane's staging slots are {} bytes, the transfer asks for {}",
-                stage.as_ref().map_or(0, |st| st.slot),
-                req.slot_bytes
-            )));
-        }
-        if stage.is_none() {
-            *stage = Some(Stage::new(self.ctx.raw, req.slot_bytes)?);
-        }
-        let st = stage.as_mut().expect("made above");
+        let st = Stage::made(&mut stage, self.ctx.raw, req.slot_bytes)?;
         if !req.direct {
             st.make_ring(self.ctx.raw)?;
         }
@@ -146,6 +136,33 @@ impl Shared {
         // rows, until the loads ahead of it had crossed: offload and onload at once moved 55 GB/s,
         // one direction's worth (H200, 2026-11-30, `benches/bench_staged_side.py`).
         Ok(run)
+    }
+
+    /// Makes `lane`'s stage now (see [`crate::backend::Backend::prepare_staged`]): its stream and
+    /// events, with `ring` its two slots of `slot` bytes, CPU -> GPU both descriptor buffers at
+    /// their smallest (a transfer needing more grows its buffer, as before). The context is
+    /// current.
+    pub(super) fn prepare_stage(
+        &self,
+        lane: Direction,
+        slot: u64,
+        ring: bool,
+    ) -> Result<(), BackendError> {
+        let mut stage = self
+            .lane(lane)
+            .stage
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let st = Stage::made(&mut stage, self.ctx.raw, slot)?;
+        if ring {
+            st.make_ring(self.ctx.raw)?;
+        }
+        if lane == Direction::HostToDevice {
+            for b in 0..2 {
+                st.desc_buffer(self.ctx.raw, b, 0)?;
+            }
+        }
+        Ok(())
     }
 
     /// Issues the steps of `run` up to `until` (exclusive, at most all of them), after those

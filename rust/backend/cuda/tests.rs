@@ -489,3 +489,56 @@ fn the_queries_name_pinned_and_device_memory_and_copy_between_them() {
     let back = unsafe { std::slice::from_raw_parts(host.as_ptr(), 64) };
     assert_eq!(back, &[7u8; 64]);
 }
+
+#[test]
+#[ignore = "needs CUDA"]
+fn a_prepared_stage_is_made_once_whatever_failed_before_and_keeps_its_slot_size() {
+    let _gpu = gpu();
+    let held = PrimaryCtx::retain(device0()).expect("retain");
+    let (h2d, d2h) = (Direction::HostToDevice, Direction::DeviceToHost);
+    let slot = 1 << 20;
+    // CPU -> GPU with its ring: a stream, 8 events, the ring, two descriptor buffers;
+    // GPU -> CPU without: the stream and the events.
+    let (with_ring, bare): (i64, i64) = (12, 9);
+    for step in 0..12 {
+        let backend = CudaBackend::new(CudaOptions::new(0)).expect("a backend");
+        let before = live();
+        hooks::FAIL_AT.with(|f| f.set(Some(step)));
+        let e = backend
+            .prepare_staged(h2d, slot, true)
+            .expect_err("injected");
+        hooks::FAIL_AT.with(|f| f.set(None));
+        assert!(e.to_string().contains("injected"), "{step}: {e}");
+        // What was made before the failure may stay for the next call, but only one stage.
+        backend.prepare_staged(h2d, slot, true).expect("prepared");
+        assert_eq!(
+            live() - before,
+            with_ring,
+            "{step}: one stage after a failure"
+        );
+    }
+    let backend = CudaBackend::new(CudaOptions::new(0)).expect("a backend");
+    let before = live();
+    backend.prepare_staged(h2d, slot, true).expect("prepared");
+    backend
+        .prepare_staged(h2d, slot, true)
+        .expect("prepared again");
+    assert_eq!(
+        live() - before,
+        with_ring,
+        "a prepared stage is kept, not made again"
+    );
+    let e = backend
+        .prepare_staged(h2d, 2 * slot, true)
+        .expect_err("another slot size");
+    assert!(
+        matches!(&e, BackendError::InvalidArgument(m) if m.contains("staging slots are 1048576 bytes")),
+        "{e}"
+    );
+    backend.prepare_staged(d2h, slot, false).expect("prepared");
+    assert_eq!(live() - before, with_ring + bare);
+    backend.prepare_staged(d2h, slot, true).expect("its ring");
+    assert_eq!(live() - before, with_ring + bare + 1);
+    drop(backend);
+    drop(held);
+}
