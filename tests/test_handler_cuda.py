@@ -432,3 +432,40 @@ def test_cuda_tensors_on_another_device_than_the_current_one() -> None:
                 assert torch.equal(sel(t, "kv_split", [10, 11]), sel(t, "kv_split", [1, 2]))
         finally:
             h.shutdown()
+
+
+@pytest.mark.cuda
+def test_staging_rings_made_when_built_where_asked() -> None:
+    """Where the staged plan is a direction's route, the handlers make its staging ring (two
+    ``stage_bytes`` slots of device memory) when built, for the directions in ``prepare`` (both
+    by default), not on that direction's first transfer; ``()`` leaves them to the first
+    transfers. Round trips after either are byte-exact."""
+    layers = [torch.zeros((16, 1, 16384), dtype=torch.uint8, device="cuda") for _ in range(8)]
+
+    def free() -> int:
+        torch.cuda.synchronize()
+        return int(torch.cuda.mem_get_info()[0])
+
+    def roundtrip(h: CpuGpuHandlers, job: int) -> None:
+        for t in layers:
+            t[:8].random_(0, 256)
+        h.d2h.transfer_async(job, (np.arange(8), np.arange(8)))
+        h.wait([job])
+        h.h2d.transfer_async(job + 1, (np.arange(8), np.arange(8, 16)))
+        h.wait([job + 1])
+        assert all(r.success for r in h.get_finished())
+        for t in layers:
+            assert torch.equal(t[8:], t[:8])
+
+    roundtrip(h := CpuGpuHandlers(layers, 8, layout="mla", prepare=()), 1)  # kernels loaded
+    h.shutdown()
+    for prepare in ((), ("h2d",), ("d2h", "h2d")):
+        before = free()
+        h = CpuGpuHandlers(layers, 8, layout="mla", prepare=prepare)
+        try:
+            assert {h.routes[d].plan for d in ("d2h", "h2d")} == {"staged"}
+            took, ring = before - free(), 2 * h.engine.stage_bytes
+            assert len(prepare) * ring <= took < (len(prepare) + 1) * ring, (prepare, took, ring)
+            roundtrip(h, 10)
+        finally:
+            h.shutdown()

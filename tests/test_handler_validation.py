@@ -208,6 +208,16 @@ def test_construction_errors() -> None:
         CpuGpuHandlers(42, 4, **kw)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="meta"):
         CpuGpuHandlers([torch.empty(2, 4, 4, 2, 8, device="meta")], 4, **kw)
+    with pytest.raises(ValueError, match="prepare's directions must be 'd2h' or 'h2d', not 'h2h'"):
+        CpuGpuHandlers(gpu, 4, prepare=("h2h",), **kw)
+    with pytest.raises(ValueError, match="prepare names a direction twice"):
+        CpuGpuHandlers(gpu, 4, prepare=["h2d", "h2d"], **kw)
+    with pytest.raises(TypeError, match="prepare must be a list or tuple"):
+        CpuGpuHandlers(gpu, 4, prepare="h2d", **kw)
+    with pytest.raises(TypeError, match="prepare's directions must be"):
+        CpuGpuHandlers(gpu, 4, prepare=(1,), **kw)
+    for prepare in ((), ["h2d"], ("d2h", "h2d")):  # the host backend has nothing to make
+        CpuGpuHandlers(gpu, 4, prepare=prepare, **kw).shutdown()
 
 
 def test_given_cpu_cache_must_match() -> None:

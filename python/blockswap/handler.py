@@ -87,7 +87,7 @@ import functools
 import logging
 import threading
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -126,7 +126,7 @@ from ._kvcache import (
     layouts_of,
     union_spans,
 )
-from ._types import BackendName, CpuLayout, HandlerPath, LaneStats
+from ._types import BackendName, CpuLayout, Direction, HandlerPath, LaneStats
 from .engine import Engine
 from .errors import ConfigError, ConfigTypeError, refuses_with_config_errors
 from .hostmem import DEFAULT_PIECE_BYTES, PinnedRows
@@ -181,6 +181,22 @@ def _stream_handle(s: Any, device_index: int | None, what: str) -> int:
 # --------------------------------------------------------------------------------------------
 
 
+def prepare_directions(prepare: Any) -> tuple[Direction, ...]:
+    """``prepare`` of :class:`CpuGpuHandlers` checked: distinct directions, each ``"d2h"`` or
+    ``"h2d"``, in a list or tuple."""
+    if isinstance(prepare, str) or not isinstance(prepare, (list, tuple)):
+        raise ConfigTypeError(
+            f"prepare must be a list or tuple of 'd2h' and 'h2d', not {type(prepare).__name__}"
+        )
+    out = cast(
+        "tuple[Direction, ...]",
+        tuple(check_choice("prepare's directions", d, ("d2h", "h2d")) for d in prepare),
+    )
+    if len(set(out)) != len(out):
+        raise ConfigError(f"prepare names a direction twice: {list(out)}")
+    return out
+
+
 class CpuGpuHandlers:
     """A GPU -> CPU and a CPU -> GPU handler for the KV cache of one device, over one engine.
 
@@ -230,6 +246,12 @@ class CpuGpuHandlers:
     without a GPU, unless Triton's interpreter runs the kernel: ``TRITON_INTERPRET=1``);
     ``"auto"`` and ``calibrate=True`` use and measure only the routes that can.
 
+    ``prepare``: the directions whose staging resources (on CUDA the ring's two slots in device
+    memory, a stream and events) are made here, where the staged plan is their route, rather than
+    by their first transfer, which would wait for them: 0.3-0.7 ms on an H200, a fresh engine's
+    first staged transfer each way. Both by default; ``()`` leaves them to the first transfers
+    (the vLLM worker's engine of expedited loads prepares ``("h2d",)``, the only way it moves).
+
     ``load_waits_for_compute``: CPU -> GPU transfers also wait for the work issued on the current
     torch stream before ``transfer_async`` (as GPU -> CPU ones always do): vLLM 0.33's rule, for
     loads into blocks a kernel may still be writing (zeroing). Off by default.
@@ -267,6 +289,7 @@ class CpuGpuHandlers:
         calibrate: bool = False,
         cpu_layout: CpuLayout = "block_major",
         load_waits_for_compute: bool = False,
+        prepare: Sequence[str] = ("d2h", "h2d"),
         pin_piece_bytes: int = DEFAULT_PIECE_BYTES,
         host_pieces: Sequence[tuple[int, int]] | None = None,
         **engine_options: Any,
@@ -277,6 +300,7 @@ class CpuGpuHandlers:
         self._shut = False
         check_int("num_cpu_blocks", num_cpu_blocks, 1)
         check_bool("load_waits_for_compute", load_waits_for_compute)
+        prepared = prepare_directions(prepare)
         check_int("block_size_factor", block_size_factor, 1)
         for key in ("device", "h2d_stream", "d2h_stream"):
             if key in engine_options:
@@ -423,9 +447,13 @@ class CpuGpuHandlers:
                 kernel_below=kernel_below,
                 launch_bytes=kernel_launch_bytes,
             )
+            for d in prepared:
+                if self.routes[d].plan in ("staged", "direct"):
+                    self.engine.prepare_staged(d, ring=self.routes[d].plan == "staged")
         except BaseException:
-            # A path that cannot run here, or that the geometry gives no plan for: the engine
-            # started above does not outlive the refused construction.
+            # A path that cannot run here, or that the geometry gives no plan for, or a ring
+            # the device cannot hold: the engine started above does not outlive the refused
+            # construction.
             with _KeepDevice(device_index):
                 self.engine.shutdown()
             raise

@@ -281,7 +281,7 @@ class BlockswapOffloadingWorker(OffloadingWorker):
         if on_cuda:
             handler_options.setdefault("timing", True)  # transfer_time: the copies' GPU time
 
-        def handlers() -> CpuGpuHandlers:
+        def handlers(prepare: tuple[str, ...]) -> CpuGpuHandlers:
             return CpuGpuHandlers(
                 gpu_groups,
                 self.num_cpu_chunks,
@@ -291,6 +291,7 @@ class BlockswapOffloadingWorker(OffloadingWorker):
                 backend=backend,
                 path=path,
                 load_waits_for_compute=True,
+                prepare=prepare,
                 **handler_options,
             )
 
@@ -307,13 +308,14 @@ class BlockswapOffloadingWorker(OffloadingWorker):
         # Until the constructor returns, a shared region stays the caller's (as with vLLM's
         # worker): a failure here releases only what the worker made.
         try:
-            self._main = handlers()
+            self._main = handlers(("d2h", "h2d"))
         except BaseException:
             self._free_cache(release_region=False)
             raise
         try:
-            # Expedited loads on an engine of their own: they never queue behind regular loads.
-            self._expedited = handlers()
+            # Expedited loads on an engine of their own: they never queue behind regular loads
+            # (it moves nothing GPU -> CPU, so makes no staging ring that way).
+            self._expedited = handlers(("h2d",))
         except BaseException:
             self._main.shutdown()
             self._free_cache(release_region=False)
