@@ -147,9 +147,7 @@ def _handler_row(ctx: Context, page: int) -> dict[str, Any]:
                 h.wait([j])
                 for r in h.get_finished():
                     done[r.job_id] = r
-                r = done.pop(j, None)
-                if r is None or not r.success:
-                    raise RuntimeError(f"handler transfer {j} did not succeed: {r}")
+                check_result([done.pop(j)] if j in done else [], j)
 
             out[d] = (issue, finish)
         return out
