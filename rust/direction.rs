@@ -33,6 +33,13 @@ impl Direction {
         self as usize
     }
 
+    /// Whether this direction crosses between host and device memory (`h2d`, `d2h`): the only
+    /// directions the staged plan moves.
+    #[must_use]
+    pub fn crosses(self) -> bool {
+        self.src_kind() != self.dst_kind()
+    }
+
     /// The kind of memory the sources must lie in.
     #[must_use]
     pub fn src_kind(self) -> MemoryKind {
@@ -72,5 +79,16 @@ impl Direction {
 impl fmt::Display for Direction {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.as_str())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Direction;
+
+    #[test]
+    fn only_h2d_and_d2h_cross_between_host_and_device() {
+        let crossing: Vec<_> = Direction::ALL.into_iter().filter(|d| d.crosses()).collect();
+        assert_eq!(crossing, [Direction::HostToDevice, Direction::DeviceToHost]);
     }
 }

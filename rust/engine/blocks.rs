@@ -240,7 +240,7 @@ impl Engine {
     /// [`crate::backend::Backend::prepare_staged`]). Nothing on the host backend.
     pub fn prepare_staged(&self, direction: Direction, ring: bool) -> Result<(), EngineError> {
         self.check_usable()?;
-        if !matches!(direction, Direction::HostToDevice | Direction::DeviceToHost) {
+        if !direction.crosses() {
             return Err(BackendError::InvalidArgument(format!(
                 "the staged plan moves between host and device (h2d or d2h), not {direction}"
             ))
@@ -503,7 +503,7 @@ fn group_sizing(
             Ok((entries, Plan::Runs(runs)))
         }
         Plan::Staged(direct) => {
-            if !matches!(direction, Direction::HostToDevice | Direction::DeviceToHost) {
+            if !direction.crosses() {
                 let why =
                     format!("these tables have no staged plan: {direction} moves no host row");
                 return Err(no_plan(0, 1, why));
