@@ -111,8 +111,8 @@ pub(super) struct Stage {
     /// Per descriptor buffer: its last transfer was direct, its kernels on the lane's stream,
     /// where `desc_free` is recorded after them (else on the kernel stream).
     pub(super) desc_on_lane: [bool; 2],
-    /// Staged transfers issued on the lane so far: the next takes descriptor buffer
-    /// `transfers % 2`.
+    /// CPU -> GPU transfers that copied their entries on the lane so far: the next takes
+    /// descriptor buffer `transfers % 2` (GPU -> CPU transfers take none).
     pub(super) transfers: u64,
     /// Descriptor buffers outgrown while kernels may still read them: freed with the stage.
     pub(super) retired: Vec<DeviceMem>,
@@ -211,7 +211,7 @@ impl Stage {
     ) -> Result<&mut Stage, BackendError> {
         if let Some(st) = stage.as_ref().filter(|st| st.slot != slot) {
             return Err(BackendError::InvalidArgument(format!(
-                "this lane's staging slots are {} bytes, the transfer asks for {slot}",
+                "this lane's staging slots are {} bytes, not the {slot} asked for",
                 st.slot
             )));
         }

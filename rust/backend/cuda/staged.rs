@@ -85,9 +85,6 @@ impl Shared {
         let steps = req.steps(src, dst, size, behind);
         let fail_at = take_injected(&self.fail_next).then_some(steps.len() / 2);
         let kstream = st.stream.handle();
-        // The transfer's descriptor buffer (see `Stage::desc`).
-        let b = (st.transfers % 2) as usize;
-        st.transfers += 1;
         let mut run = StagedRun {
             kernel,
             steps,
@@ -109,6 +106,10 @@ impl Shared {
             // `upload_entries`) on the lane's stream: a direct transfer's now (its kernels run
             // there), a staged one's after its first step's rows (the first kernel needs both;
             // the rows start as soon as they are issued).
+            // The transfer's descriptor buffer (see `Stage::desc`): CPU -> GPU transfers take
+            // the two in turn.
+            let b = (st.transfers % 2) as usize;
+            st.transfers += 1;
             let (n, cap) = (src.len() - first, slab.capacity());
             let copy = EntryCopy::new(first, n, cap);
             let dev = st.desc_buffer(self.ctx.raw, b, copy.device_bytes())?;

@@ -532,7 +532,7 @@ fn a_prepared_stage_is_made_once_whatever_failed_before_and_keeps_its_slot_size(
         .prepare_staged(h2d, 2 * slot, true)
         .expect_err("another slot size");
     assert!(
-        matches!(&e, BackendError::InvalidArgument(m) if m.contains("staging slots are 1048576 bytes")),
+        matches!(&e, BackendError::InvalidArgument(m) if m.contains("staging slots are 1048576 bytes, not the 2097152 asked for")),
         "{e}"
     );
     backend.prepare_staged(d2h, slot, false).expect("prepared");
