@@ -5,6 +5,7 @@ where there is no GPU."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -469,3 +470,53 @@ def test_staging_rings_made_when_built_where_asked() -> None:
             roundtrip(h, 10)
         finally:
             h.shutdown()
+
+
+@pytest.mark.cuda
+def test_prepare_staged_beside_running_transfers() -> None:
+    """``Engine.prepare_staged`` called from a second thread, over and over, while the lanes run
+    staged transfers (the first of them making the stage that the calls race to make): every
+    call succeeds, every transfer succeeds and moves its bytes exactly, and the stage is made
+    once (its ring's device memory is held once)."""
+    layers = [torch.zeros((32, 1, 16384), dtype=torch.uint8, device="cuda") for _ in range(8)]
+    rng = np.random.default_rng(7)
+    h = CpuGpuHandlers(layers, 32, layout="mla", prepare=())
+    stop, errors, calls = threading.Event(), [], [0]
+
+    def prepare() -> None:
+        try:
+            while not stop.is_set():
+                for d in ("h2d", "d2h"):
+                    h.engine.prepare_staged(d)
+                    calls[0] += 1
+        except BaseException as e:  # reported by the main thread
+            errors.append(e)
+
+    try:
+        assert {h.routes[d].plan for d in ("d2h", "h2d")} == {"staged"}
+        racer = threading.Thread(target=prepare)
+        racer.start()
+        try:
+            for job in range(1, 41, 2):
+                gpu, cpu = rng.permutation(16), rng.permutation(32)[:16]
+                for t in layers:
+                    t[:16].random_(0, 256)
+                h.d2h.transfer_async(job, (gpu, cpu))
+                h.wait([job])
+                h.h2d.transfer_async(job + 1, (cpu, 16 + np.arange(16)))
+                h.wait([job + 1])
+                assert all(r.success for r in h.get_finished()), job
+                for t in layers:
+                    assert torch.equal(t[16:], t[torch.as_tensor(gpu, device=t.device)]), job
+        finally:
+            stop.set()
+            racer.join()
+        assert not errors, errors
+        assert calls[0] > 0
+        torch.cuda.synchronize()
+        before = int(torch.cuda.mem_get_info()[0])
+        h.engine.prepare_staged("h2d")
+        h.engine.prepare_staged("d2h")
+        assert int(torch.cuda.mem_get_info()[0]) == before, "a made stage is made again"
+    finally:
+        h.shutdown()
