@@ -201,6 +201,10 @@ impl Shared {
     /// reports those transfers failed once `pending` is 0.
     pub(super) fn work(&self, lane: Direction) {
         let l = self.lane(lane);
+        // The context stays current on this thread for its life, so each job's `make_current`
+        // finds it so: the thread's first driver calls happen here, not in its first job. A
+        // failure is the first job's to report.
+        let _home = self.make_current();
         loop {
             let job = {
                 let mut q = l
