@@ -105,6 +105,21 @@ def run(ctx: Context) -> dict[str, Any]:
 Issuer = tuple[Callable[[], None], Callable[[], None]]
 """``(issue, finish)``: enqueue one direction's transfer; wait for it."""
 
+
+def _finisher(waiter: Any, done: dict[int, Any], j: int) -> Callable[[], None]:
+    """Waits for job ``j`` on ``waiter`` (an engine or handlers: ``wait`` and ``get_finished``)
+    and checks its result; results polled meanwhile for the other direction's job wait in
+    ``done``."""
+
+    def finish() -> None:
+        waiter.wait([j])
+        for r in waiter.get_finished():
+            done[r.job_id] = r
+        check_result([done.pop(j)] if j in done else [], j)
+
+    return finish
+
+
 #: Layer tensors of the ``handler`` row (fewer where the profile caps a handler's layers), and
 #: its blocks a transfer.
 HANDLER_LAYERS = 80
@@ -143,13 +158,7 @@ def _handler_row(ctx: Context, page: int) -> dict[str, Any]:
             def issue(j: int = j, ids: Any = ids, lane: Any = lane) -> None:
                 lane.transfer_async(j, ids)
 
-            def finish(j: int = j) -> None:
-                h.wait([j])
-                for r in h.get_finished():
-                    done[r.job_id] = r
-                check_result([done.pop(j)] if j in done else [], j)
-
-            out[d] = (issue, finish)
+            out[d] = (issue, _finisher(h, done, j))
         return out
 
     try:
@@ -229,13 +238,7 @@ def _submitters(
             ) -> None:
                 eng.submit(j, src, dst, szs, d, kernel_below=below, launcher=launch)
 
-            def finish(j: int = j) -> None:
-                eng.wait([j])
-                for r in eng.get_finished():
-                    done[r.job_id] = r
-                check_result([done.pop(j)] if j in done else [], j)
-
-            out[d] = (issue, finish)
+            out[d] = (issue, _finisher(eng, done, j))
         return out
 
     return make
