@@ -645,8 +645,9 @@ impl PyEngine {
     /// and events, with ``ring`` (``None``: True) its two :attr:`stage_bytes` slots in device
     /// memory, CPU -> GPU the device buffers of its transfers' block entries. Otherwise its
     /// first staged transfer makes them, and waits for them (0.3-0.7 ms on an H200; the
-    /// direction's issuing thread starts with the engine). What is made already stays. Nothing on the host backend; :class:`blockswap.BackendError` where
-    /// the device memory cannot be had.
+    /// direction's issuing thread starts with the engine). What is made already stays. Nothing
+    /// on the host backend; :class:`blockswap.BackendError` where the device memory cannot be
+    /// had.
     #[pyo3(signature = (direction, ring = None))]
     fn prepare_staged(
         &self,
