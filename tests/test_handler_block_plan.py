@@ -364,6 +364,61 @@ def test_cuda_staged_roundtrip(
         h.shutdown()
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("step_bytes", STEP_BYTES)
+def test_staged_transfers_of_mixed_sizes_queued_hand_each_other_the_slots(
+    step_bytes: int | None, device: str
+) -> None:
+    """On the GPU (and the host backend): staged transfers of 2-24 blocks queued one after the other, each way, through
+    slots of 12 block rows (4 KiB pages, 80 layers each its own tensor): the small ones take one
+    step or a few within one slot, the larger ones several through both slots in turn, so each
+    transfer starts on whichever slot the one before left it, mid-cycle. Every transfer must
+    wait for the work of the transfers before it on the slots it fills, and the bytes must
+    arrive exactly; GPU blocks no transfer wrote stay as they were. With ``stage_step_bytes=1``
+    the transfers behind a running one take several steps too."""
+    layers, pages, cpu_blocks, kib = 80, 96, 96, 4
+    gpu = [
+        torch.randint(0, 256, (pages, 1, kib * 1024), dtype=torch.uint8, device=device)
+        for _ in range(layers)
+    ]
+    kw: dict = {} if step_bytes is None else {"stage_step_bytes": step_bytes}
+    if device == "cpu":
+        kw["backend"] = "host"
+    h = CpuGpuHandlers(
+        gpu, cpu_blocks, layout="mla", path="staged", stage_bytes=12 * layers * kib * 1024, **kw
+    )
+    try:
+        assert h.routes["h2d"].plan == h.routes["d2h"].plan == "staged"
+        rng = np.random.default_rng(23)
+        sizes = [4, 20, 8, 12, 2, 24, 6, 13]  # from 13 blocks, more rows than a slot holds
+        src_perm, cpu_perm = rng.permutation(pages), rng.permutation(cpu_blocks)
+        cuts = np.cumsum([0, *sizes])
+        src = [src_perm[a:b] for a, b in zip(cuts, cuts[1:])]
+        cpu = [cpu_perm[a:b] for a, b in zip(cuts, cuts[1:])]
+        before = [torch.stack([t[torch.as_tensor(s, device=device)] for t in gpu]) for s in src]
+        for j, (s, c) in enumerate(zip(src, cpu)):
+            assert h.d2h.transfer_async(1 + j, (s, c)) is True
+        h.wait(range(1, len(sizes) + 1))
+        res = h.get_finished()
+        assert [r.success for r in res] == [True] * len(sizes), [r.error for r in res]
+        for t in gpu:  # what comes back must come from the CPU cache
+            t.zero_()
+        dst_perm = rng.permutation(pages)
+        dst = [dst_perm[a:b] for a, b in zip(cuts, cuts[1:])]
+        for j, (c, d) in enumerate(zip(cpu, dst)):
+            assert h.h2d.transfer_async(100 + j, (c, d)) is True
+        h.wait(range(100, 100 + len(sizes)))
+        res = h.get_finished()
+        assert [r.success for r in res] == [True] * len(sizes), [r.error for r in res]
+        for j, d in enumerate(dst):
+            after = torch.stack([t[torch.as_tensor(d, device=device)] for t in gpu])
+            assert torch.equal(after, before[j]), f"transfer {j} of {sizes[j]} blocks"
+        untouched = np.setdiff1d(np.arange(pages), dst_perm[: cuts[-1]])
+        assert all(not t[torch.as_tensor(untouched, device=device)].any() for t in gpu)
+    finally:
+        h.shutdown()
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("launch_bytes", [None, 20000])
 @pytest.mark.parametrize("factor", FACTORS)
