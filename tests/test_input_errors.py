@@ -76,6 +76,10 @@ def test_infinite_timeouts_wait_forever(pair):
         ({"stage_bytes": 4095}, "stage_bytes must be an int from 4096 to 1099511627776, not 4095"),
         ({"stage_step_bytes": 0}, "stage_step_bytes must be an int from 1 to 1099511627776, not 0"),
         ({"stage_step_bytes": 1 << 41}, "stage_step_bytes must be an int from 1 to 1099511627776"),
+        ({"keep_warm": -1}, "keep_warm must be a number of seconds from 0 to 3600, not -1"),
+        ({"keep_warm": 3601}, "keep_warm must be a number of seconds from 0 to 3600, not 3601"),
+        ({"keep_warm": float("nan")}, "keep_warm must be a number of seconds from 0 to 3600"),
+        ({"keep_warm": "0.1"}, "keep_warm must be a number of seconds, not '0.1'"),
     ],
     ids=lambda v: str(v) if isinstance(v, dict) else "",
 )

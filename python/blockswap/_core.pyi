@@ -161,6 +161,7 @@ class Engine:
         stage_step_bytes: int = 8388608,
         idle_issue: bool = False,
         early_wake: bool = True,
+        keep_warm: float = 0.1,
     ) -> Self: ...
     def submit(
         self,

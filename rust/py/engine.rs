@@ -28,6 +28,9 @@ use crate::engine::{self, Chunks, Engine, EngineConfig, EngineError, GroupIds};
 use crate::kernel::{KernelBatch, KernelLauncher, KernelParam, KernelSpec, PageKernel};
 use crate::table;
 
+/// The longest `keep_warm` an engine takes: an hour.
+const MAX_KEEP_WARM_S: f64 = 3600.0;
+
 /// Moves batches of ``(src, dst, size)`` blocks on a backend.
 ///
 /// ``backend`` is ``"auto"`` (CUDA where a driver is present, else host), ``"cuda"`` or
@@ -61,7 +64,10 @@ use crate::table;
 /// the direction is complete, any other transfer whole: an isolated transfer starts sooner, and
 /// the caller pays those driver calls; see docs/tuning.md); ``early_wake`` (on by default: a
 /// direction's sleeping thread is woken when a handler starts building a transfer, not when the
-/// transfer is queued, and polls for it a while; see docs/tuning.md).
+/// transfer is queued, and polls for it a while; see docs/tuning.md); ``keep_warm`` (seconds,
+/// 0.1 by default, 0 to 3600: how long a direction's thread stays ready after it issued a
+/// transfer, waking every 100 µs for one cheap driver call, instead of sleeping until the next
+/// one; a transfer within that time starts sooner; see docs/tuning.md).
 ///
 /// Every address a transfer names must lie in memory registered with :meth:`register`,
 /// :meth:`pin` or :meth:`alloc_host`; anything else is refused before a copy is issued.
@@ -89,12 +95,12 @@ impl PyEngine {
             timing = Given(None), completion = Given(None), h2d_order = Given(None),
             d2h_order = Given(None), h2d_stream = Given(None), d2h_stream = Given(None),
             stage_bytes = Given(None), stage_step_bytes = Given(None), idle_issue = Given(None),
-            early_wake = Given(None)),
+            early_wake = Given(None), keep_warm = Given(None)),
         text_signature = "(backend='auto', *, device=0, max_in_flight=1024, \
             pool_bytes=268435456, max_descriptors=None, coalesce=True, shutdown_timeout=60.0, \
             copy_path='auto', max_batch=None, timing=False, completion='auto', h2d_order='any', \
             d2h_order='stream', h2d_stream=None, d2h_stream=None, stage_bytes=16777216, \
-            stage_step_bytes=8388608, idle_issue=False, early_wake=True)"
+            stage_step_bytes=8388608, idle_issue=False, early_wake=True, keep_warm=0.1)"
     )]
     // The Python signature's keyword arguments, one parameter each.
     #[allow(clippy::too_many_arguments)]
@@ -119,6 +125,7 @@ impl PyEngine {
         stage_step_bytes: Given<'_>,
         idle_issue: Given<'_>,
         early_wake: Given<'_>,
+        keep_warm: Given<'_>,
     ) -> PyResult<Self> {
         let text = |g: &Given<'_>, name: &str, choices: &str, default: &str| {
             g.or(default.to_owned(), |v| args::text(name, v, choices))
@@ -154,6 +161,14 @@ impl PyEngine {
             })?;
         let idle_issue_b = flag(&idle_issue, "idle_issue", false)?;
         let early_wake_b = flag(&early_wake, "early_wake", true)?;
+        let default_warm = crate::backend::cuda::DEFAULT_KEEP_WARM.as_secs_f64();
+        let keep_warm_s = keep_warm.or(default_warm, |v| args::seconds("keep_warm", v))?;
+        if !(0.0..=MAX_KEEP_WARM_S).contains(&keep_warm_s) {
+            return Err(invalid(format!(
+                "keep_warm must be a number of seconds from 0 to {MAX_KEEP_WARM_S}, not \
+                 {keep_warm_s}"
+            )));
+        }
 
         let config = EngineConfig::from_settings(
             max_in_flight,
@@ -193,6 +208,7 @@ impl PyEngine {
         opts.max_in_flight = config.max_in_flight;
         opts.idle_issue = idle_issue_b;
         opts.early_wake = early_wake_b;
+        opts.keep_warm = std::time::Duration::from_secs_f64(keep_warm_s);
         let backend: Arc<dyn Backend> = if want_cuda {
             let b = py
                 .detach(|| CudaBackend::new(opts))
@@ -212,6 +228,7 @@ impl PyEngine {
                 d2h_stream.changed("d2h_stream", d2h_stream_n.is_some()),
                 idle_issue.changed("idle_issue", idle_issue_b),
                 early_wake.changed("early_wake", !early_wake_b),
+                keep_warm.changed("keep_warm", (keep_warm_s - default_warm).abs() > 1e-9),
             ]
             .into_iter()
             .flatten()

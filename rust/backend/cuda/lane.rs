@@ -57,6 +57,9 @@ pub(super) struct CudaLane {
     pub(super) error: OnceLock<BackendError>,
     /// Nanoseconds since `CudaBackend::epoch` of the last stream health check.
     pub(super) last_check: AtomicU64,
+    /// The driver calls the lane's thread made to stay warm (`CudaOptions::keep_warm`).
+    #[cfg(test)]
+    pub(super) warm_polls: AtomicU64,
 }
 
 impl CudaLane {
@@ -94,6 +97,8 @@ impl CudaLane {
             unmarked: AtomicBool::new(false),
             error: OnceLock::new(),
             last_check: AtomicU64::new(0),
+            #[cfg(test)]
+            warm_polls: AtomicU64::new(0),
         })
     }
 

@@ -34,7 +34,9 @@ mod worker;
 
 pub use backend::CudaBackend;
 pub use driver::driver_available;
-pub use options::{AccessOrder, CompletionMode, CopyPath, CudaOptions};
+pub use options::{
+    AccessOrder, CompletionMode, CopyPath, CudaOptions, DEFAULT_KEEP_WARM, KEEP_WARM_EVERY,
+};
 pub use query::{host_device_pointer, memcpy, memory_kind};
 pub use resources::HostPinner;
 pub use shared::Shared;

@@ -2,6 +2,7 @@
 //! copies and how completion is observed.
 
 use std::str::FromStr;
+use std::time::Duration;
 
 use crate::direction::Direction;
 use crate::region::MemoryKind;
@@ -117,7 +118,24 @@ pub struct CudaOptions {
     ///
     /// [`Backend::wake`]: crate::backend::Backend::wake
     pub early_wake: bool,
+    /// How long a lane's thread stays ready after it issued a transfer: instead of sleeping
+    /// until the next one, it wakes every [`KEEP_WARM_EVERY`] and makes one cheap driver call
+    /// (`cuStreamQuery` on its stream), so that a transfer coming within this time finds it
+    /// awake on a core that is not idle. Zero: the thread sleeps as soon as it has nothing to
+    /// issue. After a pause the thread's first calls otherwise wait for its core to wake: on an
+    /// H200 host, transfers 3-20 ms apart with the GPU and the caller busy in between (a
+    /// serving loop) ended 15-133 µs sooner from the call with the thread kept warm, for 30-50
+    /// ms of CPU a second for the two threads (4 and 16 KiB pages, `python
+    /// benches/probe_keep_warm.py`; docs/benchmarks.md).
+    pub keep_warm: Duration,
 }
+
+/// How often a lane's thread kept warm ([`CudaOptions::keep_warm`]) wakes: under the 200 µs a
+/// virtual machine's idle core is commonly polled before the host deschedules it.
+pub const KEEP_WARM_EVERY: Duration = Duration::from_micros(100);
+
+/// [`CudaOptions::keep_warm`] by default.
+pub const DEFAULT_KEEP_WARM: Duration = Duration::from_millis(100);
 
 impl CudaOptions {
     #[must_use]
@@ -136,6 +154,7 @@ impl CudaOptions {
             max_in_flight: 1024,
             idle_issue: false,
             early_wake: true,
+            keep_warm: DEFAULT_KEEP_WARM,
         }
     }
 }

@@ -554,3 +554,67 @@ fn the_threads_across_pcie_start_with_the_backend() {
     }
     drop(backend);
 }
+
+#[test]
+#[ignore = "needs CUDA"]
+fn a_lanes_thread_stays_warm_for_keep_warm_after_a_transfer_then_sleeps() {
+    let _gpu = gpu();
+    let polls = |b: &CudaBackend, d: Direction| b.lane(d).warm_polls.load(Ordering::Relaxed);
+    for keep in [Duration::ZERO, Duration::from_millis(40)] {
+        let mut opts = CudaOptions::new(0);
+        opts.keep_warm = keep;
+        let backend = Arc::new(CudaBackend::new(opts).expect("a backend"));
+        let engine = Engine::new(backend.clone(), EngineConfig::default());
+        let n = 4096u64;
+        let host = engine.alloc_host(n as usize).expect("host buffer");
+        let dev = {
+            let _bound = bind(backend.ctx.raw).expect("bind");
+            // SAFETY: a plain device allocation, freed below once the engine is drained.
+            unsafe { result::malloc_sync(n as usize) }.expect("device memory")
+        };
+        // SAFETY: device memory of `n` bytes that outlives the engine's transfers.
+        unsafe { engine.register(dev, n, MemoryKind::Device) }.expect("register");
+        // A thread never stays warm before its first transfer.
+        std::thread::sleep(Duration::from_millis(10));
+        assert_eq!(polls(&backend, Direction::HostToDevice), 0, "{keep:?}");
+        for job in 1..=2 {
+            engine
+                .submit(job, &[host], &[dev], &[n], Direction::HostToDevice, None)
+                .expect("submit");
+            engine
+                .wait(&[job], Some(Duration::from_secs(5)))
+                .expect("done");
+            // The second transfer comes while the thread is kept warm.
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let mut results = Vec::new();
+        engine.get_finished(&mut results);
+        assert!(
+            results.len() == 2 && results.iter().all(|r| r.success),
+            "{results:?}"
+        );
+        let (h2d, d2h) = (
+            polls(&backend, Direction::HostToDevice),
+            polls(&backend, Direction::DeviceToHost),
+        );
+        if keep.is_zero() {
+            assert_eq!(h2d, 0, "no keep_warm: the thread sleeps");
+        } else {
+            // 20 ms after each of two transfers, a call every 100 µs, timers' slack allowed for.
+            assert!(h2d >= 20, "kept warm: {h2d} calls");
+        }
+        assert_eq!(d2h, 0, "a lane that issued nothing stays asleep");
+        // Past the window the thread sleeps: no more calls.
+        std::thread::sleep(keep + Duration::from_millis(20));
+        let settled = polls(&backend, Direction::HostToDevice);
+        std::thread::sleep(Duration::from_millis(30));
+        assert_eq!(
+            polls(&backend, Direction::HostToDevice),
+            settled,
+            "{keep:?}"
+        );
+        engine.shutdown();
+        drop(engine);
+        free_device(&backend, dev);
+    }
+}

@@ -7,7 +7,7 @@ use cudarc::driver::sys;
 
 use super::driver::error_name;
 use super::lane::{CudaLane, Job, Progress};
-use super::options::AccessOrder;
+use super::options::{AccessOrder, KEEP_WARM_EVERY};
 use super::query::memory_type;
 use super::resources::{Event, StreamHandle};
 use super::shared::Shared;
@@ -205,6 +205,8 @@ impl Shared {
         // finds it so: the thread's first driver calls happen here, not in its first job. A
         // failure is the first job's to report.
         let _home = self.make_current();
+        // When the thread last finished issuing a job: it stays ready until `keep_warm` after.
+        let mut last_job: Option<std::time::Instant> = None;
         loop {
             let job = {
                 let mut q = l
@@ -239,11 +241,36 @@ impl Shared {
                     // Relaxed: read and written under the queue's lock (`wake_ahead` reads it
                     // first without, as a hint).
                     l.asleep.store(true, Ordering::Relaxed);
+                    let warm = last_job.is_some_and(|t| t.elapsed() < self.opts.keep_warm);
+                    if !warm {
+                        q = l
+                            .work
+                            .wait(q)
+                            .unwrap_or_else(std::sync::PoisonError::into_inner);
+                        l.asleep.store(false, Ordering::Relaxed);
+                        continue;
+                    }
+                    // Kept warm: a short sleep, then one cheap driver call with the queue's
+                    // lock let go (submitters take it), unless a job came meanwhile.
                     q = l
                         .work
-                        .wait(q)
-                        .unwrap_or_else(std::sync::PoisonError::into_inner);
+                        .wait_timeout(q, KEEP_WARM_EVERY)
+                        .unwrap_or_else(std::sync::PoisonError::into_inner)
+                        .0;
                     l.asleep.store(false, Ordering::Relaxed);
+                    if q.is_empty() {
+                        drop(q);
+                        // Acquire: pairs with the increment in `submit`.
+                        if l.pending.load(Ordering::Acquire) == 0 {
+                            let _ = l.stream.handle().query();
+                            #[cfg(test)]
+                            l.warm_polls.fetch_add(1, Ordering::Relaxed);
+                        }
+                        q = l
+                            .queue
+                            .lock()
+                            .unwrap_or_else(std::sync::PoisonError::into_inner);
+                    }
                 }
             };
             if l.error.get().is_none() {
@@ -256,6 +283,7 @@ impl Shared {
                     }
                 }
             }
+            last_job = Some(std::time::Instant::now());
             let _q = l
                 .queue
                 .lock()
