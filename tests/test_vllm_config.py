@@ -67,7 +67,8 @@ BAD = [
             "the known ones are blockswap_path ('auto', 'blocks', 'staged', 'dma' or 'kernel'); "
             f"blockswap_max_in_flight (an int from 1 to {_core.MAX_IN_FLIGHT}); "
             f"blockswap_pin_piece_bytes (an int from 1 to {_core.REGISTRATION_LIMIT - 1}); "
-            "blockswap_idle_issue (true or false)",
+            "blockswap_idle_issue (true or false); "
+            "blockswap_keep_warm (a number of seconds from 0 to 3600)",
         ],
     ),
     ({"blockswap_pth": "dma", "blockswap_zz": 1}, ConfigError, ["'blockswap_pth', 'blockswap_zz'"]),
@@ -88,6 +89,17 @@ BAD = [
         ConfigTypeError,
         ["blockswap_idle_issue must be a bool, not 'yes'"],
     ),
+    (
+        {"blockswap_keep_warm": -0.5},
+        ConfigError,
+        ["blockswap_keep_warm must be a number of seconds from 0 to 3600, not -0.5"],
+    ),
+    (
+        {"blockswap_keep_warm": "0.1"},
+        ConfigTypeError,
+        ["blockswap_keep_warm must be a number of seconds, not '0.1'"],
+    ),
+    ({"blockswap_keep_warm": True}, ConfigTypeError, ["blockswap_keep_warm", "True"]),
     ({"cpu_bytes_to_use": None}, ConfigError, ["cpu_bytes_to_use", "must be set"]),
     ({"cpu_bytes_to_use": "64GiB"}, ConfigTypeError, ["cpu_bytes_to_use", "number of bytes"]),
     ({"cpu_bytes_to_use": 0}, ConfigError, ["cpu_bytes_to_use must be at least 1 byte"]),
@@ -111,7 +123,10 @@ def test_vllms_factory_refuses_a_bad_config_before_any_allocation(
 def test_a_good_config_passes_and_sets_the_workers_options(allocations: list[str]) -> None:
     spec = OffloadingSpecFactory.create_spec(
         config_with(
-            blockswap_path="staged", blockswap_pin_piece_bytes=1 << 20, blockswap_idle_issue=True
+            blockswap_path="staged",
+            blockswap_pin_piece_bytes=1 << 20,
+            blockswap_idle_issue=True,
+            blockswap_keep_warm=0,
         )
     )
     assert allocations == ["vLLM sized the cache"]
@@ -120,6 +135,7 @@ def test_a_good_config_passes_and_sets_the_workers_options(allocations: list[str
         "max_in_flight": 8,
         "pin_piece_bytes": 1 << 20,
         "idle_issue": True,
+        "keep_warm": 0.0,
     }
     # vLLM's own keys pass untouched.
     assert worker_options({"cpu_bytes_to_use": 1.5e9, "eviction_policy": "arc"}) == {}

@@ -43,6 +43,17 @@ def _path(key: str, value: Any) -> Any:
     return check_choice(key, value, get_args(HandlerPath))
 
 
+def _seconds(hi: float) -> Callable[[str, Any], Any]:
+    def check(key: str, value: Any) -> Any:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigTypeError(f"{key} must be a number of seconds, not {value!r}")
+        if not 0 <= value <= hi:
+            raise ConfigError(f"{key} must be a number of seconds from 0 to {hi:g}, not {value!r}")
+        return float(value)
+
+    return check
+
+
 def _int(lo: int, hi: int) -> Callable[[str, Any], Any]:
     def check(key: str, value: Any) -> Any:
         return check_int(key, value, lo, hi, numpy=False)
@@ -62,6 +73,9 @@ OPTIONS: dict[str, Option] = {
         _int(1, _core.REGISTRATION_LIMIT - 1),
     ),
     "blockswap_idle_issue": Option("idle_issue", "true or false", check_bool),
+    "blockswap_keep_warm": Option(
+        "keep_warm", "a number of seconds from 0 to 3600", _seconds(3600.0)
+    ),
 }
 
 

@@ -43,9 +43,10 @@ Options (``kv_connector_extra_config``, all optional): ``blockswap_path`` (``"au
 ``"blocks"``, ``"staged"``, ``"dma"`` or ``"kernel"``: the copy path, see
 :class:`~blockswap.handler.CpuGpuHandlers`), ``blockswap_max_in_flight`` (transfers in flight per
 direction, 1 to ``blockswap._core.MAX_IN_FLIGHT``), ``blockswap_pin_piece_bytes`` (the largest
-piece the CPU cache is page-locked in) and ``blockswap_idle_issue`` (``true``: a transfer that
+piece the CPU cache is page-locked in), ``blockswap_idle_issue`` (``true``: a transfer that
 finds its direction idle issues its first step on vLLM's thread, which pays those driver calls;
-see docs/tuning.md, ``idle_issue``). All of them are checked when the spec is made, before
+see docs/tuning.md, ``idle_issue``) and ``blockswap_keep_warm`` (seconds a direction's thread
+stays ready after a transfer, 0.1 by default; see docs/tuning.md, ``keep_warm``). All of them are checked when the spec is made, before
 the CPU cache is sized or allocated (:mod:`blockswap._vllm_config`): an unknown ``blockswap_*``
 key is refused with the list of known ones, a bad value with its key and the values it takes,
 as a :class:`~blockswap.errors.ConfigError`. ``canonical_layout`` (vLLM's parallelism-free CPU
