@@ -20,6 +20,7 @@ KNOBS = [
     "stage_step_bytes",
     "max_in_flight",
     "early_wake",
+    "keep_warm",
     "idle_issue",
     "max_batch",
     "kernel_launch_bytes",
