@@ -249,8 +249,9 @@ class CpuGpuHandlers:
     ``prepare``: the directions whose staging resources (on CUDA the ring's two slots in device
     memory, a stream and events) are made here, where the staged plan is their route, rather than
     by their first transfer, which would wait for them: 0.3-0.7 ms on an H200, a fresh engine's
-    first staged transfer each way (each direction's issuing thread starts with the engine). Both by default; ``()`` leaves them to the first transfers
-    (the vLLM worker's engine of expedited loads prepares ``("h2d",)``, the only way it moves).
+    first staged transfer each way (each direction's issuing thread starts with the engine). Both
+    by default; ``()`` leaves them to the first transfers (the vLLM worker's engine of expedited
+    loads prepares ``("h2d",)``, the only way it moves).
 
     ``load_waits_for_compute``: CPU -> GPU transfers also wait for the work issued on the current
     torch stream before ``transfer_async`` (as GPU -> CPU ones always do): vLLM 0.33's rule, for

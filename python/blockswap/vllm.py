@@ -46,10 +46,11 @@ direction, 1 to ``blockswap._core.MAX_IN_FLIGHT``), ``blockswap_pin_piece_bytes`
 piece the CPU cache is page-locked in), ``blockswap_idle_issue`` (``true``: a transfer that
 finds its direction idle issues its first step on vLLM's thread, which pays those driver calls;
 see docs/tuning.md, ``idle_issue``) and ``blockswap_keep_warm`` (seconds a direction's thread
-stays ready after a transfer, 0.1 by default; see docs/tuning.md, ``keep_warm``). All of them are checked when the spec is made, before
-the CPU cache is sized or allocated (:mod:`blockswap._vllm_config`): an unknown ``blockswap_*``
-key is refused with the list of known ones, a bad value with its key and the values it takes,
-as a :class:`~blockswap.errors.ConfigError`. ``canonical_layout`` (vLLM's parallelism-free CPU
+stays ready after a transfer, 0.1 by default; see docs/tuning.md, ``keep_warm``). All of them are
+checked when the spec is made, before the CPU cache is sized or allocated
+(:mod:`blockswap._vllm_config`): an unknown ``blockswap_*`` key is refused with the list of known
+ones, a bad value with its key and the values it takes, as a
+:class:`~blockswap.errors.ConfigError`. ``canonical_layout`` (vLLM's parallelism-free CPU
 layout, each rank's ``CanonicalPageMapping`` naming its fragments of the shared pages) is laid
 out by ``BlockswapTieringOffloadingSpec``, as vLLM 0.33's tiering spec lays it out;
 ``BlockswapOffloadingSpec`` refuses it when the spec is made (vLLM's CPU spec ignores it).
