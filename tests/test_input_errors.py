@@ -153,10 +153,12 @@ def test_cuda_options_on_the_host_backend_warn():
         Engine("host", copy_path="batch", h2d_stream=5).shutdown()
     with pytest.warns(UserWarning, match=r"ignores the CUDA option device=1$"):
         Engine("host", device=1).shutdown()
+    with pytest.warns(UserWarning, match=r"ignores the CUDA option keep_warm=0$"):
+        Engine("host", keep_warm=0).shutdown()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         # The defaults, named or not, ignore nothing.
-        Engine("host", copy_path="auto", d2h_order="stream").shutdown()
+        Engine("host", copy_path="auto", d2h_order="stream", keep_warm=0.1).shutdown()
     # Misspelt, they are refused here too, not only on a GPU machine.
     with pytest.raises(InvalidTransferError, match="copy_path must be 'auto', 'batch' or 'loop'"):
         Engine("host", copy_path="fast")
