@@ -199,6 +199,10 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("DEFAULT_PIECE_BYTES", hostmem::DEFAULT_PIECE_BYTES)?;
     m.add("REGISTRATION_LIMIT", hostmem::REGISTRATION_LIMIT)?;
     m.add("MAX_IN_FLIGHT", crate::backend::MAX_IN_FLIGHT)?;
+    m.add(
+        "MAX_KEEP_WARM",
+        crate::backend::cuda::MAX_KEEP_WARM.as_secs_f64(),
+    )?;
     m.add_function(wrap_pyfunction!(functions::host_memory_available, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_status, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_memory_kind, m)?)?;

@@ -74,7 +74,9 @@ OPTIONS: dict[str, Option] = {
     ),
     "blockswap_idle_issue": Option("idle_issue", "true or false", check_bool),
     "blockswap_keep_warm": Option(
-        "keep_warm", "a number of seconds from 0 to 3600", _seconds(3600.0)
+        "keep_warm",
+        f"a number of seconds from 0 to {_core.MAX_KEEP_WARM:g}",
+        _seconds(_core.MAX_KEEP_WARM),
     ),
 }
 

@@ -28,9 +28,6 @@ use crate::engine::{self, Chunks, Engine, EngineConfig, EngineError, GroupIds};
 use crate::kernel::{KernelBatch, KernelLauncher, KernelParam, KernelSpec, PageKernel};
 use crate::table;
 
-/// The longest `keep_warm` an engine takes: an hour.
-const MAX_KEEP_WARM_S: f64 = 3600.0;
-
 /// Moves batches of ``(src, dst, size)`` blocks on a backend.
 ///
 /// ``backend`` is ``"auto"`` (CUDA where a driver is present, else host), ``"cuda"`` or
@@ -162,11 +159,11 @@ impl PyEngine {
         let idle_issue_b = flag(&idle_issue, "idle_issue", false)?;
         let early_wake_b = flag(&early_wake, "early_wake", true)?;
         let default_warm = crate::backend::cuda::DEFAULT_KEEP_WARM.as_secs_f64();
+        let max_warm = crate::backend::cuda::MAX_KEEP_WARM.as_secs_f64();
         let keep_warm_s = keep_warm.or(default_warm, |v| args::seconds("keep_warm", v))?;
-        if !(0.0..=MAX_KEEP_WARM_S).contains(&keep_warm_s) {
+        if !(0.0..=max_warm).contains(&keep_warm_s) {
             return Err(invalid(format!(
-                "keep_warm must be a number of seconds from 0 to {MAX_KEEP_WARM_S}, not \
-                 {keep_warm_s}"
+                "keep_warm must be a number of seconds from 0 to {max_warm}, not {keep_warm_s}"
             )));
         }
 

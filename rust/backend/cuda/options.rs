@@ -137,6 +137,9 @@ pub const KEEP_WARM_EVERY: Duration = Duration::from_micros(100);
 /// [`CudaOptions::keep_warm`] by default.
 pub const DEFAULT_KEEP_WARM: Duration = Duration::from_millis(100);
 
+/// The longest [`CudaOptions::keep_warm`] an engine takes: an hour.
+pub const MAX_KEEP_WARM: Duration = Duration::from_secs(3600);
+
 impl CudaOptions {
     #[must_use]
     pub fn new(device: i32) -> Self {
