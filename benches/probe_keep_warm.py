@@ -12,7 +12,10 @@ has nothing to issue (``--idle``: the caller sleeps instead, the GPU idles). The
 ``transfer_async``, polled to its result. Printed per page size, direction, gap and ``keep``:
 medians of the call (µs), of the wall clock from the call to the result, of the transfer's GPU
 time (its timing events) and of the rest (the wall clock less the GPU time: the call, the
-hand-off to the engine's thread, its calls before the first GPU work, the result seen). Then, per
+hand-off to the engine's thread, its calls before the first GPU work, the result seen), the wall
+clock as % of the link and of one contiguous pinned copy of the same bytes after the same gap
+(``synchronize``, ``copy_``, ``synchronize``; a turn of its own). The link's ceiling (one 256
+MiB pinned copy a direction) is measured first, in the same process. Then, per
 ``keep``, the CPU time the engine threads took over a second of transfers 20 ms apart (busy
 gaps), read from ``/proc/self/task/*/schedstat`` (threads named ``blockswap-*``). Printed, not
 saved; CUDA only.
@@ -28,6 +31,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from blockswap_bench.cli import kib_list, need_cuda, parser
+from blockswap_bench.kvblocks import LINK_BYTES, Copier, ceiling, link_header
 
 LAYERS, GPU_BLOCKS, CPU_BLOCKS, BLOCKS = 80, 64, 36, 32
 
@@ -79,7 +83,10 @@ def main() -> int:
                     pass
 
     rng = np.random.default_rng(args.seed)
-    print(f"# {torch.cuda.get_device_name()}; {LAYERS} layers x {BLOCKS} random blocks; gaps "
+    copier = Copier(max(LINK_BYTES, BLOCKS * LAYERS * max(args.pages) * 1024))
+    ceil = ceiling(copier=copier)
+    print(link_header(ceil))
+    print(f"# {LAYERS} layers x {BLOCKS} random blocks; gaps "
           f"{'idle (the caller sleeps)' if args.idle else 'busy (kernels and a spinning caller)'}"
           "; median µs")  # fmt: skip
     for kib in args.pages:
@@ -108,7 +115,9 @@ def main() -> int:
             return t1 - t0, t2 - t0, r.seconds
 
         try:
+            nbytes = BLOCKS * LAYERS * kib * 1024
             res: dict[tuple[float, str, int], list[tuple[float, float, float]]] = {}
+            copies: dict[tuple[float, str], list[float]] = {}
             for rep in range(args.reps + 2):
                 for g_ms in gaps:
                     for d in ("h2d", "d2h"):
@@ -117,9 +126,17 @@ def main() -> int:
                             took = transfer(h, d)
                             if rep >= 2:
                                 res.setdefault((g_ms, d, i), []).append(took)
+                        gap(g_ms)
+                        copied = copier.seconds(d, nbytes)
+                        if rep >= 2:
+                            copies.setdefault((g_ms, d), []).append(copied)
             for g_ms in gaps:
                 for d in ("h2d", "d2h"):
                     base = None
+                    one = statistics.median(copies[(g_ms, d)]) * 1e6
+                    link = nbytes / ceil[d] / 1e3  # µs at the ceiling
+                    print(f"{kib:4d} KiB {d} gap {g_ms:5.1f} ms  one copy {one:7.1f} µs "
+                          f"({100 * link / one:5.1f} % of the link)", flush=True)  # fmt: skip
                     for i, k in enumerate(keeps):
                         call, wall, gpu = (
                             statistics.median(x) * 1e6 for x in zip(*res[(g_ms, d, i)])
@@ -127,7 +144,8 @@ def main() -> int:
                         base = wall if base is None else base
                         print(f"{kib:4d} KiB {d} gap {g_ms:5.1f} ms  keep_warm {k:5.3f} s: call "
                               f"{call:6.1f}  wall {wall:7.1f} ({wall - base:+6.1f})  gpu {gpu:7.1f}"
-                              f"  rest {wall - gpu:6.1f}", flush=True)  # fmt: skip
+                              f"  rest {wall - gpu:6.1f}  {100 * link / wall:5.1f} % of the link"
+                              f"  {100 * one / wall:5.1f} % of one copy", flush=True)  # fmt: skip
             if kib == args.pages[0]:
                 for k, h in zip(keeps, hs):
                     time.sleep(max(keeps) + 0.2)  # every thread asleep again
