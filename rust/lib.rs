@@ -23,6 +23,7 @@
 //!
 //! The `PyO3` bindings live in `py.rs`, behind the `python` feature that maturin enables.
 
+pub mod affinity;
 pub mod backend;
 pub mod completion;
 pub mod descriptor;

@@ -164,6 +164,7 @@ class Engine:
         idle_issue: bool = False,
         early_wake: bool = True,
         keep_warm: float = 0.1,
+        cpus: Iterable[int] | None = None,
     ) -> Self: ...
     def submit(
         self,

@@ -18,6 +18,7 @@ use super::{
     take_injected, Backend, BackendError, BackendInfo, HostAlloc, KernelBatch, PageKernel,
     StagedRequest, SubmitRequest, Submitted,
 };
+use crate::affinity::Cpus;
 use crate::direction::Direction;
 use crate::plan::Plan;
 use crate::region::MemoryKind;
@@ -77,6 +78,12 @@ impl Default for HostBackend {
 impl HostBackend {
     #[must_use]
     pub fn new() -> Self {
+        Self::with_cpus(None)
+    }
+
+    /// A host backend whose worker thread runs on `cpus` only (see [`crate::affinity`]).
+    #[must_use]
+    pub fn with_cpus(cpus: Option<Cpus>) -> Self {
         let shared = std::sync::Arc::new(Shared::default());
         let (tx, rx) = crossbeam_channel::unbounded::<Job>();
         let worker_shared = shared.clone();
@@ -84,6 +91,11 @@ impl HostBackend {
             .name("blockswap-host".into())
             .spawn(move || worker_loop(rx, worker_shared))
             .expect("spawning the host backend worker");
+        if let Some(c) = &cpus {
+            // Tried when the set was made; a refusal now (a CPU taken offline since) leaves the
+            // thread where it started.
+            let _ = c.bind(&worker);
+        }
         HostBackend {
             shared,
             sender: Mutex::new(Some(tx)),

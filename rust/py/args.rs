@@ -14,6 +14,7 @@ use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyInt, PyString, PyTuple, PyType};
 
 use super::{direction, invalid, InvalidTransferError};
+use crate::affinity::Cpus;
 use crate::direction::Direction;
 use crate::region::MemoryKind;
 
@@ -289,6 +290,66 @@ pub(super) fn flag(name: &str, value: &Bound<'_, PyAny>) -> PyResult<bool> {
         value.py(),
         format!("{name} must be a bool, not {}", shown(value)),
     ))
+}
+
+/// The CPU ids of the engine option `cpus`: ints from any iterable but a str (a list, a set, a
+/// range, ``os.sched_getaffinity(0)``), or None where it is None; the core checks the set.
+pub(super) fn cpu_ids(value: &Bound<'_, PyAny>) -> PyResult<Option<Vec<usize>>> {
+    if value.is_none() {
+        return Ok(None);
+    }
+    let not_ids = || {
+        wrong_type(
+            value.py(),
+            format!(
+                "cpus must be CPU ids (ints, a list or a set), not {}",
+                shown(value)
+            ),
+        )
+    };
+    if value.cast::<PyString>().is_ok() {
+        return Err(not_ids());
+    }
+    let limit = crate::affinity::CPU_LIMIT;
+    let id = IntArg::within(0, limit as i128 - 1);
+    let mut ids = Vec::new();
+    for item in value.try_iter().map_err(|_| not_ids())? {
+        if ids.len() == 4 * limit {
+            // An endless iterator (itertools.repeat) is refused, not followed forever.
+            return Err(invalid(format!(
+                "cpus names more than {} CPU ids",
+                4 * limit
+            )));
+        }
+        ids.push(int("cpus", &item?, id)?);
+    }
+    Ok(Some(ids))
+}
+
+/// The engine option `cpus` checked (see [`crate::affinity`]); where it is left out and the
+/// calling thread may run on one CPU only, a warning: the engine's threads would share it.
+pub(super) fn cpus_option(py: Python<'_>, given: &Given<'_>) -> PyResult<Option<Cpus>> {
+    let ids = given.or(None, cpu_ids)?;
+    if let Some(ids) = ids {
+        // Tried on a thread of its own, which the caller waits for.
+        return py.detach(|| Cpus::new(ids)).map(Some).map_err(invalid);
+    }
+    if let Some([one]) = crate::affinity::current().as_deref() {
+        let msg = format!(
+            "this thread may run on CPU {one} only, and the engine's threads, started from it, \
+             would share that CPU with it: a transfer would wait for this thread to give the CPU \
+             up (milliseconds where it is busy); give the engine's threads other CPUs (the engine \
+             option cpus) or this process more (see docs/tuning.md, cpus)"
+        );
+        let cmsg = std::ffi::CString::new(msg).expect("no NUL in the message");
+        PyErr::warn(
+            py,
+            &py.get_type::<pyo3::exceptions::PyUserWarning>(),
+            &cmsg,
+            1,
+        )?;
+    }
+    Ok(None)
 }
 
 /// `value` of argument `name` if it is a str, else the engine's typed error naming what it

@@ -66,6 +66,10 @@ use crate::table;
 /// transfer, waking every 100 µs for one cheap driver call, instead of sleeping until the next
 /// one; a transfer within that time starts sooner; see docs/tuning.md).
 ///
+/// ``cpus`` (both backends): CPU ids the engine's threads run on (a list, a set); by default
+/// they inherit the affinity of the thread that makes the engine, with a warning where that is
+/// one CPU, which they would share with it (see docs/tuning.md).
+///
 /// Every address a transfer names must lie in memory registered with :meth:`register`,
 /// :meth:`pin` or :meth:`alloc_host`; anything else is refused before a copy is issued.
 ///
@@ -92,12 +96,13 @@ impl PyEngine {
             timing = Given(None), completion = Given(None), h2d_order = Given(None),
             d2h_order = Given(None), h2d_stream = Given(None), d2h_stream = Given(None),
             stage_bytes = Given(None), stage_step_bytes = Given(None), idle_issue = Given(None),
-            early_wake = Given(None), keep_warm = Given(None)),
+            early_wake = Given(None), keep_warm = Given(None), cpus = Given(None)),
         text_signature = "(backend='auto', *, device=0, max_in_flight=1024, \
             pool_bytes=268435456, max_descriptors=None, coalesce=True, shutdown_timeout=60.0, \
             copy_path='auto', max_batch=None, timing=False, completion='auto', h2d_order='any', \
             d2h_order='stream', h2d_stream=None, d2h_stream=None, stage_bytes=16777216, \
-            stage_step_bytes=8388608, idle_issue=False, early_wake=True, keep_warm=0.1)"
+            stage_step_bytes=8388608, idle_issue=False, early_wake=True, keep_warm=0.1, \
+            cpus=None)"
     )]
     // The Python signature's keyword arguments, one parameter each.
     #[allow(clippy::too_many_arguments)]
@@ -123,6 +128,7 @@ impl PyEngine {
         idle_issue: Given<'_>,
         early_wake: Given<'_>,
         keep_warm: Given<'_>,
+        cpus: Given<'_>,
     ) -> PyResult<Self> {
         let text = |g: &Given<'_>, name: &str, choices: &str, default: &str| {
             g.or(default.to_owned(), |v| args::text(name, v, choices))
@@ -167,6 +173,7 @@ impl PyEngine {
             )));
         }
 
+        let cpus = args::cpus_option(py, &cpus)?;
         let config = EngineConfig::from_settings(
             max_in_flight,
             pool_bytes,
@@ -206,6 +213,7 @@ impl PyEngine {
         opts.idle_issue = idle_issue_b;
         opts.early_wake = early_wake_b;
         opts.keep_warm = std::time::Duration::from_secs_f64(keep_warm_s);
+        opts.cpus.clone_from(&cpus);
         let backend: Arc<dyn Backend> = if want_cuda {
             let b = py
                 .detach(|| CudaBackend::new(opts))
@@ -239,7 +247,7 @@ impl PyEngine {
                 let cmsg = std::ffi::CString::new(msg).expect("no NUL in option names");
                 PyErr::warn(py, &py.get_type::<PyUserWarning>(), &cmsg, 1)?;
             }
-            Arc::new(HostBackend::new())
+            Arc::new(HostBackend::with_cpus(cpus))
         };
         let engine = PyEngine {
             engine: Box::new(Engine::try_new(backend, config)?),

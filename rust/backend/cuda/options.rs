@@ -4,6 +4,7 @@
 use std::str::FromStr;
 use std::time::Duration;
 
+use crate::affinity::Cpus;
 use crate::direction::Direction;
 use crate::region::MemoryKind;
 
@@ -128,6 +129,9 @@ pub struct CudaOptions {
     /// ms of CPU a second for the two threads (4 and 16 KiB pages, `python
     /// benches/probe_keep_warm.py`; docs/benchmarks.md).
     pub keep_warm: Duration,
+    /// The CPUs the lanes' threads run on (see [`crate::affinity`]); `None`: where the thread
+    /// that made the backend may run.
+    pub cpus: Option<Cpus>,
 }
 
 /// How often a lane's thread kept warm ([`CudaOptions::keep_warm`]) wakes: under the 200 µs a
@@ -158,6 +162,7 @@ impl CudaOptions {
             idle_issue: false,
             early_wake: true,
             keep_warm: DEFAULT_KEEP_WARM,
+            cpus: None,
         }
     }
 }
