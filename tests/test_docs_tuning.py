@@ -21,6 +21,7 @@ KNOBS = [
     "max_in_flight",
     "early_wake",
     "keep_warm",
+    "cpus",
     "idle_issue",
     "max_batch",
     "kernel_launch_bytes",
