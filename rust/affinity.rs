@@ -2,9 +2,10 @@
 //!
 //! A thread starts with the CPU affinity of the thread that made it, so an engine made on a
 //! thread bound to one CPU gets issuing threads bound to that same CPU: they then share it with
-//! the caller, and a transfer waits for the caller to give the CPU up (2-4 ms instead of
-//! 0.25-0.9 ms on an H200 host whose caller polled for results; docs/tuning.md, `cpus`).
-//! [`Cpus`] binds them elsewhere; [`current`] tells the bindings when to warn.
+//! the caller, and a transfer waits for the caller to give the CPU up: an isolated 4 KiB-page
+//! transfer took 5.8-5.9 ms instead of 0.28-0.30 ms on an H200 host whose caller polled for its
+//! result (`benches/probe_cpus.py`; docs/tuning.md, `cpus`). [`Cpus`] binds them elsewhere;
+//! [`current`] tells the bindings when to warn.
 
 use std::io;
 
