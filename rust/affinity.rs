@@ -63,7 +63,7 @@ impl Cpus {
     /// The mask of these CPUs.
     fn mask(&self) -> libc::cpu_set_t {
         // SAFETY: `cpu_set_t` is a plain bit array, valid zeroed; CPU_SET writes a bit below
-        // CPU_SETSIZE (checked in `new`) of the local set.
+        // CPU_SETSIZE (checked in `ids_checked`, the only way to a `Cpus`) of the local set.
         unsafe {
             let mut set: libc::cpu_set_t = std::mem::zeroed();
             for &c in &self.0 {

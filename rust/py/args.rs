@@ -341,15 +341,20 @@ pub(super) fn cpus_option(py: Python<'_>, given: &Given<'_>) -> PyResult<Option<
              up (milliseconds where it is busy); give the engine's threads other CPUs (the engine \
              option cpus) or this process more (see docs/tuning.md, cpus)"
         );
-        let cmsg = std::ffi::CString::new(msg).expect("no NUL in the message");
-        PyErr::warn(
-            py,
-            &py.get_type::<pyo3::exceptions::PyUserWarning>(),
-            &cmsg,
-            1,
-        )?;
+        user_warning(py, msg)?;
     }
     Ok(None)
+}
+
+/// A `UserWarning` with `msg`, pointing at the Python line that called into the core.
+pub(super) fn user_warning(py: Python<'_>, msg: String) -> PyResult<()> {
+    let cmsg = std::ffi::CString::new(msg).expect("no NUL in a message the core writes");
+    PyErr::warn(
+        py,
+        &py.get_type::<pyo3::exceptions::PyUserWarning>(),
+        &cmsg,
+        1,
+    )
 }
 
 /// `value` of argument `name` if it is a str, else the engine's typed error naming what it

@@ -9,7 +9,6 @@
 
 use std::sync::Arc;
 
-use pyo3::exceptions::PyUserWarning;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyString};
 
@@ -244,8 +243,7 @@ impl PyEngine {
                     "this engine runs on the host backend, which ignores the CUDA option{s} {}",
                     ignored.join(", ")
                 );
-                let cmsg = std::ffi::CString::new(msg).expect("no NUL in option names");
-                PyErr::warn(py, &py.get_type::<PyUserWarning>(), &cmsg, 1)?;
+                args::user_warning(py, msg)?;
             }
             Arc::new(HostBackend::with_cpus(cpus))
         };
