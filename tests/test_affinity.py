@@ -135,3 +135,66 @@ def test_bad_cpus_are_refused_by_name(value: object, error: type, words: str) ->
 def test_cpus_takes_any_iterable_of_ids_and_none() -> None:
     for value in (set(CPUS), range(CPUS[0], CPUS[0] + 1), tuple(CPUS), None):
         Engine("host", cpus=value).shutdown()
+
+
+# Two threads make engines at the same time, each with its own `cpus` (the set is tried with the
+# GIL released, and each engine binds its thread as it starts it): every engine's thread ends on
+# its own maker's CPUs, and neither maker's affinity moves.
+RACE = textwrap.dedent(
+    """
+    import json, os, sys, threading, time
+    from blockswap import Engine
+    a, b = json.loads(sys.argv[1])
+    start = threading.Barrier(2)
+    engines = []
+    lock = threading.Lock()
+
+    def maker(cpu):
+        start.wait()
+        for _ in range(4):
+            e = Engine("host", cpus=[cpu])
+            with lock:
+                engines.append(e)
+
+    def host_threads():
+        out = []
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/comm") as f:
+                    if f.read().strip() == "blockswap-host":
+                        out.append(sorted(os.sched_getaffinity(int(tid))))
+            except OSError:
+                continue
+        return sorted(out)
+
+    before = sorted(os.sched_getaffinity(0))
+    ts = [threading.Thread(target=maker, args=(c,)) for c in (a, b)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    # Bound before each engine was returned; named once each thread has started.
+    deadline = time.monotonic() + 10
+    while len(host_threads()) < len(engines) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    seen = host_threads()
+    for e in engines:
+        e.shutdown()
+    print(json.dumps({"seen": seen, "made": len(engines), "caller": before == sorted(os.sched_getaffinity(0))}))
+    """
+)
+
+
+def test_engines_made_from_two_threads_at_once_each_bind_their_own_cpus() -> None:
+    a, b = CPUS[0], CPUS[-1]
+    out = subprocess.run(
+        [sys.executable, "-c", RACE, json.dumps([a, b])],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["made"] == 8, got
+    assert got["seen"] == sorted([[a]] * 4 + [[b]] * 4), got
+    assert got["caller"], got
