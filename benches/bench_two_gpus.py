@@ -2,7 +2,8 @@
 each in its own process, both moving at the same time.
 
     python benches/bench_two_gpus.py [--model llama-3.1-70b-tp4] [--blocks 32]
-                                     [--path auto|staged|kernel|dma|blocks] [--json out.json]
+                                     [--path auto|staged|kernel|dma|blocks] [--option KEY=VALUE ...]
+                                     [--json out.json]
 
 Per device and per KV-cache layout (per-layer and cross-layer tensors, blocks_per_chunk 1),
 each direction: the worker's bandwidth alone (the other process idle) and together (both
@@ -25,7 +26,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from blockswap_bench.cli import parser
+from blockswap_bench.cli import option, parser
 from blockswap_bench.kvblocks import write_figures
 from blockswap_bench.plugin import CPUSpec
 
@@ -50,7 +51,7 @@ def _turns(rank: int, barrier: Any, res: dict[str, Any], key: str, measure: Any)
 
 def _layout(
     rank: int, barrier: Any, res: dict[str, Any], m: Any, layout: str, n_gpu: int,
-    n_chunks: int, blocks: int, rng: np.random.Generator, path: str,
+    n_chunks: int, blocks: int, rng: np.random.Generator, path: str, options: dict[str, Any],
 ) -> None:  # fmt: skip
     import torch
     from vllm.v1.kv_offload.base import (
@@ -72,7 +73,7 @@ def _layout(
     for t in ts:
         t.random_(-128, 127)
     kv = CanonicalKVCaches([CanonicalKVCacheTensor(t, t.shape[1]) for t in ts], refs)
-    w = BlockswapOffloadingWorker(kv, 1, n_chunks, backend="cuda", path=path)
+    w = BlockswapOffloadingWorker(kv, 1, n_chunks, backend="cuda", path=path, **options)
     nbytes = blocks * sum(r.page_size_bytes for r in refs[0])
     res[f"{layout}_routes"] = {d: r.reason for d, r in w.handlers[0].routes.items()}
     job = 0
@@ -136,7 +137,8 @@ def worker(rank: int, args: argparse.Namespace, barrier: Any, out: Any) -> None:
         _turns(rank, barrier, res, f"ceiling_{d}", lambda d=d, one=one: ceiling(**one)[d])
     del copier, one
     for layout in ("per-layer", "cross-layer"):
-        _layout(rank, barrier, res, m, layout, n_gpu, n_chunks, blocks, rng, args.path)
+        _layout(rank, barrier, res, m, layout, n_gpu, n_chunks, blocks, rng, args.path,
+                dict(args.option))  # fmt: skip
         torch.cuda.empty_cache()
     out.put(res)
 
@@ -146,6 +148,8 @@ def main() -> int:
     ap.add_argument("--model", default="llama-3.1-70b-tp4")
     ap.add_argument("--blocks", type=int, default=32)
     ap.add_argument("--path", default="auto", help="the workers' copy path (default auto)")
+    ap.add_argument("--option", action="append", default=[], type=option, metavar="KEY=VALUE",
+                    help="a handler option for the workers (repeatable)")  # fmt: skip
     ap.add_argument(
         "--one-gpu",
         action="store_true",
@@ -170,7 +174,8 @@ def main() -> int:
         print("bench_two_gpus: a worker process failed", file=sys.stderr)
         return 1
     print(f"# {results[0]['gpu']} x2; model {args.model}, {args.blocks} random blocks, "
-          f"path={args.path}, 8 queued, GB/s (% of that GPU alone)")  # fmt: skip
+          f"path={args.path}{''.join(f', {k}={v}' for k, v in args.option)}, 8 queued, GB/s "
+          "(% of that GPU alone)")  # fmt: skip
     for layout in ("per-layer", "cross-layer"):
         print(f"# {layout} routes: {results[0][f'{layout}_routes']}")
     rows = []
