@@ -23,6 +23,7 @@ Printed, not saved.
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import sys
@@ -35,23 +36,33 @@ from blockswap_bench.kvblocks import ceiling, link_header
 
 
 def split_list(text: str) -> list[tuple[float, int]]:
+    """``0.125/2,0.25/8``: (share of the rows, CTAs) pairs."""
     out = []
     for item in text.split(","):
-        f, c = item.split("/")
-        out.append((float(f), int(c)))
+        f, sep, c = item.partition("/")
+        try:
+            pair = (float(f), int(c))
+        except ValueError:
+            pair = (-1.0, 0)
+        if not sep or not 0 < pair[0] < 1 or pair[1] < 1:
+            raise argparse.ArgumentTypeError(
+                f"expected SHARE/CTAS with 0 < SHARE < 1, got {item!r}"
+            )
+        out.append(pair)
     return out
 
 
 def main() -> int:
     ap = parser(__doc__, json=False, reps=25)
-    ap.add_argument("--mib", type=int, default=10)
-    ap.add_argument("--row-kib", type=int, default=320)
-    ap.add_argument("--page-kib", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument(
-        "--splits", type=split_list, default=split_list("0.125/2,0.125/4,0.25/4,0.25/8")
-    )
+    ap.add_argument("--mib", type=int, default=10, help="MiB a transfer (default 10)")
+    ap.add_argument("--row-kib", type=int, default=320, help="KiB a row (default 320)")
+    ap.add_argument("--page-kib", type=int, default=4, help="KiB a page (default 4)")
+    ap.add_argument("--steps", type=int, default=4, help="staged steps (default 4)")
+    ap.add_argument("--splits", type=split_list, default=split_list("0.125/2,0.125/4,0.25/4,0.25/8"),
+                    help="SHARE/CTAS,...: the share of rows the kernel moves, on CTAS CTAs")  # fmt: skip
     args = ap.parse_args()
+    if (args.mib << 20) % (args.row_kib << 10) or (args.row_kib << 10) % (args.page_kib << 10):
+        ap.error("--mib must cut into whole rows of --row-kib, and a row into whole pages")
     if not need_cuda("probe_split"):
         return 1
     import torch
