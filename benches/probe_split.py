@@ -32,6 +32,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from blockswap_bench.cli import need_cuda, parser
+from blockswap_bench.common import gated_gpu_seconds
 from blockswap_bench.kvblocks import ceiling, link_header
 
 
@@ -77,7 +78,7 @@ def main() -> int:
     host = torch.empty(t, dtype=torch.uint8, pin_memory=True)
     pages = torch.empty(t, dtype=torch.uint8, device="cuda")
     perm = torch.randperm(n).tolist()  # row j of the pages at host row perm[j]
-    ks, rs, ss, main_s = (torch.cuda.Stream() for _ in range(4))
+    ks, rs, ss = (torch.cuda.Stream() for _ in range(3))
     attr = driver.CUmemcpyAttributes()
     attr.srcAccessOrder = driver.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
     hb, pb = host.data_ptr(), pages.data_ptr()
@@ -184,21 +185,7 @@ def main() -> int:
         return time.perf_counter() - t0
 
     def gated(go: Any, streams: list) -> float:
-        torch.cuda.synchronize()
-        with torch.cuda.stream(main_s):
-            torch.cuda._sleep(20_000_000)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record(main_s)
-        for s in (ks, rs, ss):
-            s.wait_event(start)
-        go()
-        for s in streams:
-            ev = torch.cuda.Event()
-            ev.record(s)
-            main_s.wait_event(ev)
-        end.record(main_s)
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
+        return gated_gpu_seconds(go, [ks, rs, ss])
 
     names = ["rows", "staged", "kernel16"] + [f"split {f}/{c}" for f, c in args.splits]
     print(f"one transfer of {args.mib} MiB, {n} rows of {args.row_kib} KiB at random host places, "

@@ -2,8 +2,9 @@
 breaks them, and this is what says so. ``probe_submit.py`` on the host backend (a small cache):
 every piece it wraps is still there to wrap, and each case prints its pieces and the whole call
 (and, called ``alone``, the wall clock to the result and the transfer's own time);
-``probe_host_cold.py``, ``probe_host_time.py`` and ``probe_step_gaps.py`` (both modes; CUDA only)
-run to their end. Figures are checked for sanity, never for speed."""
+``probe_host_cold.py``, ``probe_host_time.py``, ``probe_step_gaps.py`` (both modes) and
+``probe_split.py`` (CUDA only) run to their end. Figures are checked for sanity, never for
+speed."""
 
 from __future__ import annotations
 
@@ -66,3 +67,20 @@ def test_step_gaps_runs_cuda(isolated: bool) -> None:
         assert all(0 < float(x.rstrip("%")) < 1000 for x in pcts), r
         if isolated:
             assert float(r[3]) > 0, r  # one copy's µs
+
+
+@pytest.mark.cuda
+def test_split_runs_cuda() -> None:
+    """``probe_split.py``: per direction a wall and a GPU line, each one copy's µs and its own
+    share of the link, then the rows, the staged steps, the kernel alone and each split as a
+    share of that copy."""
+    args = ["--mib", "2", "--row-kib", "256", "--steps", "2", "--splits", "0.25/2", "--reps", "2"]
+    p = run_script("probe_split.py", args)
+    rows = [line.split() for line in p.stdout.splitlines() if line[:3] in ("d2h", "h2d")]
+    assert sorted((r[0], r[1]) for r in rows) == [
+        ("d2h", "gpu"), ("d2h", "wall"), ("h2d", "gpu"), ("h2d", "wall")
+    ], p.stdout  # fmt: skip
+    for r in rows:
+        assert float(r[2]) > 0, r  # one copy's µs
+        assert len(r[3:]) == 5, r  # its % of the link; rows, staged, kernel16, the split
+        assert all(0 < float(x.rstrip("%")) < 1000 for x in r[3:]), r
