@@ -112,6 +112,15 @@ impl Cpus {
     }
 }
 
+/// Binds `thread`, an engine's thread just started, to `cpus` where given ([`Cpus::bind`]). The
+/// set was tried when it was made, so a refusal now (a CPU taken offline since) leaves the thread
+/// where it started rather than failing the engine.
+pub fn bind_started<T>(cpus: Option<&Cpus>, thread: &std::thread::JoinHandle<T>) {
+    if let Some(cpus) = cpus {
+        let _ = cpus.bind(thread);
+    }
+}
+
 /// The CPUs the calling thread may run on, where the system says.
 #[must_use]
 pub fn current() -> Option<Vec<usize>> {

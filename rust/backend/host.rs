@@ -91,11 +91,7 @@ impl HostBackend {
             .name("blockswap-host".into())
             .spawn(move || worker_loop(rx, worker_shared))
             .expect("spawning the host backend worker");
-        if let Some(c) = &cpus {
-            // Tried when the set was made; a refusal now (a CPU taken offline since) leaves the
-            // thread where it started.
-            let _ = c.bind(&worker);
-        }
+        crate::affinity::bind_started(cpus.as_ref(), &worker);
         HostBackend {
             shared,
             sender: Mutex::new(Some(tx)),

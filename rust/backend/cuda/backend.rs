@@ -88,11 +88,7 @@ impl CudaBackend {
             .name(format!("blockswap-{}", lane.as_str()))
             .spawn(move || shared.work(lane))
             .map_err(|e| BackendError::Unavailable(format!("cannot start a thread: {e}")))?;
-        if let Some(cpus) = &self.shared.opts.cpus {
-            // Tried when the set was made; a refusal now (a CPU taken offline since) leaves
-            // the thread where it started.
-            let _ = cpus.bind(&handle);
-        }
+        crate::affinity::bind_started(self.shared.opts.cpus.as_ref(), &handle);
         w[lane.lane()] = Some(handle);
         Ok(())
     }
