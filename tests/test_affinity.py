@@ -19,19 +19,13 @@ from blockswap import ArgumentTypeError, Engine, InvalidTransferError
 
 CPUS = sorted(os.sched_getaffinity(0))
 
-# The engine's thread names (`blockswap-<lane>` on CUDA, `blockswap-host`) and the CPUs each may
-# run on, once they have started and bound themselves; and the warnings raised making it.
-PROBE = textwrap.dedent(
+# The threads of this process named in `names`, each as (name, the CPUs it may run on).
+THREADS = textwrap.dedent(
     """
-    import json, os, sys, time, warnings
-    from blockswap import Engine
-    backend, bind, options = json.loads(sys.argv[1])
-    if bind is not None:
-        os.sched_setaffinity(0, set(bind))
-    names = {"host": ("blockswap-host",), "cuda": ("blockswap-h2d", "blockswap-d2h")}[backend]
+    import os
 
-    def threads():
-        out = {}
+    def named(names):
+        out = []
         for tid in os.listdir("/proc/self/task"):
             try:
                 with open(f"/proc/self/task/{tid}/comm") as f:
@@ -39,8 +33,24 @@ PROBE = textwrap.dedent(
             except OSError:
                 continue
             if name in names:
-                out[name] = sorted(os.sched_getaffinity(int(tid)))
+                out.append((name, sorted(os.sched_getaffinity(int(tid)))))
         return out
+    """
+)
+
+# The engine's thread names (`blockswap-<lane>` on CUDA, `blockswap-host`) and the CPUs each may
+# run on, once they have started and bound themselves; and the warnings raised making it.
+PROBE = THREADS + textwrap.dedent(
+    """
+    import json, sys, time, warnings
+    from blockswap import Engine
+    backend, bind, options = json.loads(sys.argv[1])
+    if bind is not None:
+        os.sched_setaffinity(0, set(bind))
+    names = {"host": ("blockswap-host",), "cuda": ("blockswap-h2d", "blockswap-d2h")}[backend]
+
+    def threads():
+        return dict(named(names))
 
     with warnings.catch_warnings(record=True) as warned:
         warnings.simplefilter("always")
@@ -60,15 +70,20 @@ PROBE = textwrap.dedent(
 )
 
 
-def probe(backend: str, bind: list[int] | None, **options: object) -> dict:
+def run(script: str, arg: object) -> dict:
+    """``script`` run by a new interpreter with ``arg`` as JSON; the JSON its last line prints."""
     out = subprocess.run(
-        [sys.executable, "-c", PROBE, json.dumps([backend, bind, options])],
+        [sys.executable, "-c", script, json.dumps(arg)],
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def probe(backend: str, bind: list[int] | None, **options: object) -> dict:
+    return run(PROBE, [backend, bind, options])
 
 
 BACKENDS = ["host", pytest.param("cuda", marks=pytest.mark.cuda)]
@@ -140,9 +155,9 @@ def test_cpus_takes_any_iterable_of_ids_and_none() -> None:
 # Two threads make engines at the same time, each with its own `cpus` (the set is tried with the
 # GIL released, and each engine binds its thread as it starts it): every engine's thread ends on
 # its own maker's CPUs, and neither maker's affinity moves.
-RACE = textwrap.dedent(
+RACE = THREADS + textwrap.dedent(
     """
-    import json, os, sys, threading, time
+    import json, sys, threading, time
     from blockswap import Engine
     a, b = json.loads(sys.argv[1])
     start = threading.Barrier(2)
@@ -157,15 +172,7 @@ RACE = textwrap.dedent(
                 engines.append(e)
 
     def host_threads():
-        out = []
-        for tid in os.listdir("/proc/self/task"):
-            try:
-                with open(f"/proc/self/task/{tid}/comm") as f:
-                    if f.read().strip() == "blockswap-host":
-                        out.append(sorted(os.sched_getaffinity(int(tid))))
-            except OSError:
-                continue
-        return sorted(out)
+        return sorted(cpus for _, cpus in named(("blockswap-host",)))
 
     before = sorted(os.sched_getaffinity(0))
     ts = [threading.Thread(target=maker, args=(c,)) for c in (a, b)]
@@ -187,14 +194,7 @@ RACE = textwrap.dedent(
 
 def test_engines_made_from_two_threads_at_once_each_bind_their_own_cpus() -> None:
     a, b = CPUS[0], CPUS[-1]
-    out = subprocess.run(
-        [sys.executable, "-c", RACE, json.dumps([a, b])],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 0, out.stderr
-    got = json.loads(out.stdout.strip().splitlines()[-1])
+    got = run(RACE, [a, b])
     assert got["made"] == 8, got
     assert got["seen"] == sorted([[a]] * 4 + [[b]] * 4), got
     assert got["caller"], got
