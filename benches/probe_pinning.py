@@ -225,9 +225,11 @@ def vllm_region(size: int, cell: int, piece: int | None) -> dict[str, Any] | Non
     device = torch.cuda.current_device()
     try:
         total = region.total_size_bytes
-        # The plug-in's pieces (whole rows) and, where the region left it, the rank's fill.
-        pieces, fill = vr.pieces_and_fill(region, piece or total)
-        pinned = vr.pin_region(pieces, device, fill)
+        # The plug-in's pieces (whole rows) and, where the region left it, the rank's fill and
+        # its files.
+        pieces, fill, files = vr.pieces_and_fill(region, piece or total)
+        pinned = vr.pin_region(pieces, device, fill, files)
+        vr.close_files(region)
         t2 = time.perf_counter()
         vr.unpin_region(pinned, device)
     finally:

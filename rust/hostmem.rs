@@ -481,6 +481,7 @@ impl HostBuffer {
             let filled = unsafe {
                 fill_and_pin(
                     &[(addr, len as u64)],
+                    &[],
                     &pieces,
                     Some(pinner.as_ref()),
                     fill_threads(),

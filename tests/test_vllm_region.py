@@ -634,8 +634,12 @@ def test_the_worker_fills_its_slots_from_threads_as_it_pins_the_region(
     real = vr._core.fill_and_pin
 
     def spy(ranges: Any, pieces: Any, device: Any = None, **kw: Any) -> None:
-        calls.append((ranges, pieces, device))
+        # Each range's file: the segment mapped there, at the range's offset in it.
+        files = [(os.readlink(f"/proc/self/fd/{fd}"), at) for fd, at in kw["files"]]
+        calls.append((ranges, pieces, device, files))
         real(ranges, pieces, device, **kw)
+        # The region's descriptors are open until the fill is done.
+        assert all(os.fstat(fd) for fd, _ in kw["files"])
 
     monkeypatch.setattr(vr._core, "fill_and_pin", spy)
     workers = [
@@ -645,13 +649,16 @@ def test_the_worker_fills_its_slots_from_threads_as_it_pins_the_region(
         for r in (region, vllms)
     ]
     try:
-        ((ranges, pieces, device),) = calls  # the region vLLM filled needs nothing
+        ((ranges, pieces, device, files),) = calls  # the region vLLM filled needs nothing
         assert pieces == [] and device is None  # the host backend locks nothing
         assert ranges == vr.merged(slots)
+        # One segment file here (a region under 1 GiB): every range in it, at its own offset.
+        assert files == [(region.mmap_path, a - base) for a, _ in ranges]
         # One range where the rank's slots are the whole region, else one slot per chunk.
         assert sum(n for _, n in ranges) == n_chunks * cell
         assert len(ranges) == (1 if world == 1 else n_chunks)
         assert not region._blockswap_fill_pending
+        assert region._blockswap_files == []  # closed once filled
         assert workers[0].region_pieces == [(base + k * 4 * row, 4 * row) for k in range(3)]
         ids = list(range(n_gpu))
         spec = GPULoadStoreSpec(ids, (n_gpu,), (0,))
@@ -662,6 +669,117 @@ def test_the_worker_fills_its_slots_from_threads_as_it_pins_the_region(
     finally:
         for w in workers:
             w.shutdown()
+
+
+def test_a_fill_is_cut_where_the_files_meet() -> None:
+    """A fill range across vLLM's segment files is cut at each file's end, and each piece names
+    its file's descriptor and its offset there; without segments the ranges stay whole."""
+    from blockswap import _vllm_region as vr
+
+    b = 1 << 40
+    segments = [(0, 100, 7), (100, 100, 8), (200, 50, 9)]
+    ranges, files = vr.in_files([(b + 10, 20), (b + 90, 120), (b + 240, 10)], b, segments)
+    assert ranges == [(b + 10, 20), (b + 90, 10), (b + 100, 100), (b + 200, 10), (b + 240, 10)]
+    assert files == [(7, 10), (7, 90), (8, 0), (9, 0), (9, 40)]
+    assert vr.in_files([(b, 8)], b, []) == ([(b, 8)], [])
+
+
+def test_the_fill_allocates_a_segmented_region_in_its_files_after_vllm_unlinked_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM maps a large region from several files and unlinks them after its barrier: the
+    region ``new_region`` makes opens them while they have names, and the worker's fill gets
+    each range's descriptor and offset, allocates the pages there (the files' blocks counted)
+    and faults them in; ``close_files`` (or ``cleanup``) closes the descriptors."""
+    from vllm.v1.kv_offload.cpu import shared_offload_region as sor
+
+    from blockswap import _vllm_region as vr
+
+    page, n_chunks = mmap.PAGESIZE, 12
+    row = 4 * page
+    # Files of four rows (vLLM's least segment is 1 GiB; lowered to keep the test small).
+    monkeypatch.setattr(sor, "_MIN_SEGMENT_BYTES", 4 * row)
+    kwargs = {"num_chunks": n_chunks, "rank": 0, "kv_bytes_per_chunk": row, "cpu_page_size": row}
+    region = vr.new_region(
+        engine_id=str(uuid.uuid4()), barrier=lambda: None, num_segments=32, **kwargs
+    )
+    try:
+        assert len(region._segments) == 3
+        assert not any(os.path.exists(p) for p, _, _ in region._segments)  # unlinked
+        assert [(o, n) for o, n, _ in region._blockswap_files] == [
+            (o, n) for _, o, n in region._segments
+        ]
+        base = region.base_tensor.data_ptr()
+        pieces, fill, files = vr.pieces_and_fill(region, 1 << 30)
+        assert pieces == [(base, n_chunks * row)]
+        assert fill == [(base + k * 4 * row, 4 * row) for k in range(3)]
+        fds = [fd for _, _, fd in region._blockswap_files]
+        assert files == [(fd, 0) for fd in fds]
+        # Nothing allocated yet but the page vLLM populates to see whether the kernel can.
+        assert sum(os.fstat(fd).st_blocks * 512 for fd in fds) <= page
+        assert vr.pin_region([], 0, fill, files) == []
+        for fd in fds:
+            assert os.fstat(fd).st_blocks * 512 >= 4 * row  # allocated in the file
+        region.base_tensor[:] = 3  # the mapping and the files are one memory
+        assert os.pread(fds[2], 4, 5) == b"\x03" * 4
+        vr.close_files(region)
+        assert region._blockswap_files == []
+        for fd in fds:
+            with pytest.raises(OSError):
+                os.fstat(fd)
+    finally:
+        region.cleanup()
+    # A second region closed by cleanup alone.
+    region = vr.new_region(
+        engine_id=str(uuid.uuid4()), barrier=lambda: None, num_segments=32, **kwargs
+    )
+    fds = [fd for _, _, fd in region._blockswap_files]
+    assert len(fds) == 3
+    region.cleanup()
+    assert region._blockswap_files == []
+    for fd in fds:
+        with pytest.raises(OSError):
+            os.fstat(fd)
+
+
+def test_the_fill_takes_a_file_for_every_range_or_none() -> None:
+    """Files that do not pair with the ranges one to one are refused, by count, before any
+    page is touched."""
+    from blockswap import InvalidTransferError, _core
+
+    buf = mmap.mmap(-1, 2 * mmap.PAGESIZE)
+    addr = ctypes_addr(buf)
+    ranges = [(addr, mmap.PAGESIZE), (addr + mmap.PAGESIZE, mmap.PAGESIZE)]
+    with pytest.raises(
+        InvalidTransferError, match=r"1 files for 2 ranges \(one per range, or none\)"
+    ):
+        _core.fill_and_pin(ranges, [], None, files=[(0, 0)])
+    buf.close()
+
+
+def test_a_filled_range_of_a_file_is_allocated_in_it_and_keeps_its_bytes(tmp_path: Any) -> None:
+    """``pin_region`` with the ranges' files: the pages are allocated in the file (its size
+    kept) and what it held stays."""
+    from blockswap import _vllm_region as vr
+
+    page = mmap.PAGESIZE
+    n = 64 * page
+    path = str(tmp_path / "segment")
+    with open(path, "wb") as f:
+        f.truncate(n)
+    fd = os.open(path, os.O_RDWR)
+    buf = mmap.mmap(fd, n, mmap.MAP_SHARED)
+    try:
+        buf[5 * page + 3] = 0x5A
+        addr = ctypes_addr(buf)
+        assert vr.pin_region([], 0, [(addr + 4 * page, 32 * page)], [(fd, 4 * page)]) == []
+        st = os.stat(path)
+        assert st.st_size == n
+        assert st.st_blocks * 512 >= 32 * page  # allocated, not a hole
+        assert buf[5 * page + 3] == 0x5A and buf[5 * page + 4] == 0
+    finally:
+        buf.close()
+        os.close(fd)
 
 
 def test_pinning_the_region_counts_progress_and_fails_whole(
@@ -679,9 +797,10 @@ def test_pinning_the_region_counts_progress_and_fails_whole(
     seen: list[Any] = []
     real = vr._core.fill_and_pin
 
-    def spy(ranges: Any, pieces: Any, device: Any = None, *, progress: Any) -> None:
+    def spy(ranges: Any, pieces: Any, device: Any = None, *, progress: Any, files: Any) -> None:
+        assert files is None  # no file named: the ranges are faulted in alone
         seen.append(progress)
-        real(ranges, pieces, device, progress=progress)
+        real(ranges, pieces, device, progress=progress, files=files)
 
     monkeypatch.setattr(vr._core, "fill_and_pin", spy)
     assert vr.pin_region([], 0, [(addr, n)]) == []
@@ -691,7 +810,7 @@ def test_pinning_the_region_counts_progress_and_fails_whole(
     assert line.startswith(f"pinning {hostmem.size_text(n)} of host memory: 50% ")
     assert f"{hostmem.size_text(n)} faulted in, 0 bytes page-locked" in line
 
-    def refuse(ranges: Any, pieces: Any, device: Any = None, *, progress: Any) -> None:
+    def refuse(ranges: Any, pieces: Any, device: Any = None, **kw: Any) -> None:
         raise vr.BlockswapError("could not page-lock piece 1 of 2: out of memory")
 
     monkeypatch.setattr(vr._core, "fill_and_pin", refuse)

@@ -346,6 +346,7 @@ def fill_and_pin(
     device: int | None = None,
     threads: int | None = None,
     progress: AllocProgress | None = None,
+    files: list[tuple[int, int]] | None = None,
 ) -> None: ...
 def cuda_unpin(ptr: int, device: int) -> None: ...
 def launch_plan(

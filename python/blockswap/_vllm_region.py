@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -30,36 +31,80 @@ log = logging.getLogger("blockswap.vllm")
 
 def pieces_and_fill(
     region: SharedOffloadRegion, pin_piece_bytes: int
-) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int]]]:
     """``region`` cut into the ``(address, bytes)`` pieces the engines register (whole rows of
     at most ``pin_piece_bytes``, at least one row: a page lies inside one cell, so no copy
-    crosses a piece), and this rank's slots still to be faulted in, where the region left that
-    to the worker (:func:`new_region`; then no longer pending), joined into ranges."""
+    crosses a piece); this rank's slots still to be faulted in, where the region left that to
+    the worker (:func:`new_region`; then no longer pending), joined into ranges and cut where its
+    segment files meet; and each range's file, ``(descriptor, offset in the file)``, where the
+    region opened them (the region's until :func:`close_files`)."""
     row = region._row_stride
     per_piece = max(pin_piece_bytes // row, 1) * row
     base, total = region.base_tensor.data_ptr(), region.total_size_bytes
     pieces = [(base + o, min(per_piece, total - o)) for o in range(0, total, per_piece)]
     fill: list[tuple[int, int]] = []
+    files: list[tuple[int, int]] = []
     if getattr(region, "_blockswap_fill_pending", False):
         region._blockswap_fill_pending = False
-        fill = merged((base + o, n) for o, n in region.iter_worker_slot_ranges())
-    return pieces, fill
+        slots = merged((base + o, n) for o, n in region.iter_worker_slot_ranges())
+        fill, files = in_files(slots, base, region._blockswap_files)
+    return pieces, fill, files
+
+
+def in_files(
+    ranges: Sequence[tuple[int, int]], base: int, segments: Sequence[tuple[int, int, int]]
+) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """``ranges`` (addresses of a region at ``base``) cut where its ``segments`` meet
+    (``(offset in the region, bytes, descriptor)``, vLLM's files mapped back to back), and each
+    piece's ``(descriptor, offset in the file)``; the ranges whole, and no files, without
+    segments."""
+    if not segments:
+        return list(ranges), []
+    out: list[tuple[int, int]] = []
+    files: list[tuple[int, int]] = []
+    for a, n in ranges:
+        lo, hi = a - base, a - base + n
+        for at, length, fd in segments:
+            s, e = max(lo, at), min(hi, at + length)
+            if s < e:
+                out.append((base + s, e - s))
+                files.append((fd, s - at))
+    return out, files
+
+
+def close_files(region: SharedOffloadRegion) -> None:
+    """Closes the descriptors of ``region``'s files that :func:`new_region` opened for the fill
+    (a region vLLM made has none)."""
+    files = getattr(region, "_blockswap_files", [])
+    while files:
+        os.close(files.pop()[2])
 
 
 def pin_region(
-    pieces: list[tuple[int, int]], device: int, fill: Sequence[tuple[int, int]] = ()
+    pieces: list[tuple[int, int]],
+    device: int,
+    fill: Sequence[tuple[int, int]] = (),
+    files: Sequence[tuple[int, int]] = (),
 ) -> list[int]:
     """Faults in the ``fill`` ranges from several threads and page-locks the ``pieces`` with the
     driver as each is in (every rank registers the whole region: the engines' block tables span
     every row), with a progress line every ``hostmem.PROGRESS_SECONDS`` while it runs; returns
-    the pieces' addresses for :func:`unpin_region`. blockswap pins it itself rather than through
-    vLLM's ``host_register``, which pins only where vLLM's platform says CUDA and reports a
+    the pieces' addresses for :func:`unpin_region`. ``files``: each fill range's file
+    (:func:`pieces_and_fill`), where its pages are allocated before they are faulted in and the
+    threads take a file each (see ``rust/hostmem/fill.rs``). blockswap pins it itself rather than
+    through vLLM's ``host_register``, which pins only where vLLM's platform says CUDA and reports a
     failure as a warning: the engine moves page-locked memory only, so a failure here is an
     error, with the driver's reason, and no piece stays locked."""
     counts = _core.AllocProgress()
     progress = PinProgress(counts).start()
     try:
-        _core.fill_and_pin(list(fill), pieces, device if pieces else None, progress=counts)
+        _core.fill_and_pin(
+            list(fill),
+            pieces,
+            device if pieces else None,
+            progress=counts,
+            files=list(files) or None,
+        )
     except BlockswapError as e:
         total = sum(n for _, n in pieces)
         raise BackendError(
@@ -102,15 +147,35 @@ def _deferred_region_class() -> type:
         _blockswap_defer = True
 
         def __init__(self, **kwargs: Any) -> None:
-            super().__init__(**kwargs)
-            self._blockswap_defer = False
-            #: This rank's slots are still to be faulted in (by the worker).
+            #: This rank's slots are left to the worker (its fill allocates them in their files).
             self._blockswap_fill_pending = (
                 kwargs.get("populate_shard") is None and kwargs.get("rank") is not None
             )
+            #: ``(offset in the region, bytes, descriptor)`` of each file of the region, opened
+            #: for the fill (vLLM closes its own, and unlinks the files after the barrier).
+            self._blockswap_files: list[tuple[int, int, int]] = []
+            try:
+                super().__init__(**kwargs)
+                if self._blockswap_fill_pending and len(self._segments) == 1:
+                    # One file: vLLM's descriptor, kept open until its cleanup.
+                    self._blockswap_files = [(0, self.total_size_bytes, os.dup(self.fd))]
+            except BaseException:
+                close_files(self)
+                raise
+            self._blockswap_defer = False
+
+        def _map_segments(self) -> None:
+            super()._map_segments()
+            if self._blockswap_fill_pending:
+                for path, offset, length in self._segments:
+                    self._blockswap_files.append((offset, length, os.open(path, os.O_RDWR)))
 
         def iter_worker_slot_ranges(self) -> Iterator[tuple[int, int]]:
             return iter(()) if self._blockswap_defer else super().iter_worker_slot_ranges()
+
+        def cleanup(self) -> None:
+            close_files(self)
+            super().cleanup()
 
     return _DeferredFillRegion
 

@@ -452,12 +452,16 @@ class BlockswapOffloadingWorker(OffloadingWorker):
         assert region is not None
         # This rank's slots, where the region left pre-faulting them to the worker: filled from
         # several threads while the pieces are locked.
-        self.region_pieces, fill = _region.pieces_and_fill(region, pin_piece_bytes)
+        self.region_pieces, fill, files = _region.pieces_and_fill(region, pin_piece_bytes)
         pin = on_cuda and not region.is_pinned
-        if fill or pin:
-            # Portable registrations, in the primary context of the engines' device.
-            self._region_pinned = _region.pin_region(self.region_pieces if pin else [], index, fill)
-            self._pin_device = index
+        try:
+            if fill or pin:
+                # Portable registrations, in the primary context of the engines' device.
+                pieces = self.region_pieces if pin else []
+                self._region_pinned = _region.pin_region(pieces, index, fill, files)
+                self._pin_device = index
+        finally:
+            _region.close_files(region)
 
     def _canonical_cells(
         self,

@@ -6,8 +6,9 @@
 //! registering memory that is already there runs at 20-37 GiB/s. So the threads fill items of
 //! [`FILL_ITEM`] bytes while the calling thread page-locks each piece once every item under its
 //! end is in: the registration of one piece overlaps the filling of the next. `PinnedRows` in
-//! 4 GiB pieces was ready at 27-29 GiB/s, vLLM's region (32 files in /dev/shm) at 10-11.5 GiB/s
-//! against 2.2 GiB/s with vLLM's own one-thread fill.
+//! 4 GiB pieces was ready at 27-31 GiB/s. vLLM's region (32 files in /dev/shm) was ready at
+//! 13.1-14.6 GiB/s at 96 GiB on a two-H200 host, where vLLM's own one-thread fill makes 1.6 and
+//! the order before (no file a thread, no `fallocate`) 6.6 (docs/results/2026-11-30-h200x2-fill).
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex};
@@ -52,12 +53,22 @@ pub struct FillError {
 /// below its end is in, counting `progress.locked`. Where the kernel cannot populate a range,
 /// `fallback` says what happens instead.
 ///
+/// `files`: empty, or one `(descriptor, offset)` per range, where the range is a shared mapping
+/// of that file from that offset (a /dev/shm segment of vLLM's region). The threads then take a
+/// file each at a time ([`spread`]), and each item's pages are allocated in the file first
+/// (`fallocate`, size kept) and faulted in after: 32 files of 3 GiB from 32 threads took 1.9 s
+/// to allocate and 2.1 s to fault in, against 6.1 s for the faults alone (`shmfill.txt` in
+/// docs/results/2026-11-30-h200x2-fill). A file system without `fallocate` leaves it to the
+/// faults; a file that has no room for the pages fails the fill by name.
+///
 /// # Safety
 /// Every range must be mapped, writable memory that stays mapped until the call returns, and
 /// every piece memory the pinner may lock (see [`Pinner::pin`]); with [`Fallback::TouchZero`] no
-/// byte of the ranges may hold anything but zero.
+/// byte of the ranges may hold anything but zero; each file's descriptor must stay open until
+/// the call returns and be the file mapped there at that offset.
 pub unsafe fn fill_and_pin(
     ranges: &[(u64, u64)],
+    files: &[(i32, u64)],
     pieces: &[(u64, u64)],
     pinner: Option<&dyn Pinner>,
     threads: usize,
@@ -67,7 +78,7 @@ pub unsafe fn fill_and_pin(
     // SAFETY: the caller's contract.
     unsafe {
         fill_in_items(
-            ranges, pieces, pinner, threads, fallback, progress, FILL_ITEM,
+            ranges, files, pieces, pinner, threads, fallback, progress, FILL_ITEM,
         )
     }
 }
@@ -76,8 +87,10 @@ pub unsafe fn fill_and_pin(
 ///
 /// # Safety
 /// As [`fill_and_pin`]'s.
+#[allow(clippy::too_many_arguments)] // fill_and_pin's, and the item size
 unsafe fn fill_in_items(
     ranges: &[(u64, u64)],
+    files: &[(i32, u64)],
     pieces: &[(u64, u64)],
     pinner: Option<&dyn Pinner>,
     threads: usize,
@@ -85,16 +98,19 @@ unsafe fn fill_in_items(
     progress: Option<&AllocProgress>,
     item: u64,
 ) -> Result<(), FillError> {
-    let items: Vec<(u64, u64)> = ranges
+    debug_assert!(files.is_empty() || files.len() == ranges.len());
+    let items: Vec<Item> = ranges
         .iter()
-        .flat_map(|&(s, n)| {
+        .enumerate()
+        .flat_map(|(r, &(s, n))| {
+            let file = files.get(r).copied();
             (0..n)
                 .step_by(item as usize)
-                .map(move |o| (s + o, item.min(n - o)))
+                .map(move |o| (s + o, item.min(n - o), file.map(|(fd, at)| (fd, at + o))))
         })
         .collect();
     let done: Vec<AtomicBool> = items.iter().map(|_| AtomicBool::new(false)).collect();
-    let order = spread(items.len(), threads.max(1));
+    let order = spread(&groups(&items), threads.max(1));
     let next = AtomicUsize::new(0);
     let stop = AtomicBool::new(false);
     let failed: Mutex<Option<BackendError>> = Mutex::new(None);
@@ -107,10 +123,10 @@ unsafe fn fill_in_items(
                 break;
             }
             let i = order[k];
-            let (start, n) = items[i];
+            let (start, n, file) = items[i];
             // SAFETY: inside a range the caller vouches is mapped and writable (and, for the
-            // fallback's zeros, never written).
-            if let Err(e) = unsafe { fill(start, n, fallback) } {
+            // fallback's zeros, never written); its file, if any, the one mapped there.
+            if let Err(e) = unsafe { fill(start, n, file, fallback) } {
                 let mut f = failed
                     .lock()
                     .unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -206,38 +222,63 @@ unsafe fn fill_in_items(
     }
 }
 
-/// Items a thread takes in a row within a window of [`spread`].
+/// A work item: its start, its bytes, and the descriptor and offset of the file mapped there.
+type Item = (u64, u64, Option<(i32, u64)>);
+
+/// Items a thread takes in a row within a window of [`spread`], where they lie in no file.
 const STRIPE_ITEMS: usize = 4;
 
-/// The order in which `threads` threads take `n` items (in address order): windows of
-/// `threads * STRIPE_ITEMS` items, each taken a stripe at a time, so that the items being filled
-/// at once lie [`STRIPE_ITEMS`] items apart rather than side by side. A /dev/shm region split over
-/// files (vLLM's 32 segments) fills per file one page at a time: 16 threads side by side share
-/// two files, spread out they take sixteen. Windows come in address order, so the pieces of one
-/// window are locked while the next is filled.
-fn spread(n: usize, threads: usize) -> Vec<usize> {
-    let window = threads * STRIPE_ITEMS;
-    let mut order = Vec::with_capacity(n);
-    for base in (0..n).step_by(window) {
-        let len = window.min(n - base);
-        let stripes = len.div_ceil(STRIPE_ITEMS);
-        for i in 0..STRIPE_ITEMS {
-            for t in 0..stripes {
-                let k = t * STRIPE_ITEMS + i;
-                if k < len {
-                    order.push(base + k);
-                }
-            }
+/// The items (in address order) cut into the groups [`spread`] deals out: one per file, where
+/// items lie in files (consecutive items of one descriptor), else stripes of [`STRIPE_ITEMS`].
+fn groups(items: &[Item]) -> Vec<std::ops::Range<usize>> {
+    let mut out: Vec<std::ops::Range<usize>> = Vec::new();
+    for (i, item) in items.iter().enumerate() {
+        let fd = item.2.map(|f| f.0);
+        let join = out.last().is_some_and(|g| {
+            let first = items[g.start].2.map(|f| f.0);
+            first == fd && (fd.is_some() || g.len() < STRIPE_ITEMS)
+        });
+        match out.last_mut() {
+            Some(g) if join => g.end = i + 1,
+            _ => out.push(i..i + 1),
+        }
+    }
+    out
+}
+
+/// The order in which `threads` threads take the items of `groups` (in address order): windows
+/// of `threads` groups, each window dealt out one item of each group at a time, so that the items
+/// being filled at once lie in different groups. A /dev/shm file takes its new pages one at a
+/// time (the kernel serializes a file's page-cache inserts): in vLLM's region of 96 GiB (32
+/// files of 3 GiB), 16 threads in stripes of 4 items shared two files and faulted 6.0 GiB/s in,
+/// a file each 14.8 GiB/s (two-H200 host, docs/results/2026-11-30-h200x2-fill). Windows come in
+/// address order, so the pieces of one window are locked while the next fills; windows of 8 or
+/// 16 files measured alike there, of 4 or 2 files slower.
+fn spread(groups: &[std::ops::Range<usize>], threads: usize) -> Vec<usize> {
+    let mut order = Vec::with_capacity(groups.last().map_or(0, |g| g.end));
+    for window in groups.chunks(threads.max(1)) {
+        let longest = window.iter().map(ExactSizeIterator::len).max().unwrap_or(0);
+        for i in 0..longest {
+            order.extend(window.iter().filter(|g| i < g.len()).map(|g| g.start + i));
         }
     }
     order
 }
 
-/// Faults in `[start, start + n)` (see [`fill_and_pin`]).
+/// Faults in `[start, start + n)`, its pages first allocated in `file` (descriptor, offset) where
+/// it is a shared mapping of one (see [`fill_and_pin`]).
 ///
 /// # Safety
 /// As [`fill_and_pin`]'s.
-unsafe fn fill(start: u64, n: u64, fallback: Fallback) -> Result<(), BackendError> {
+unsafe fn fill(
+    start: u64,
+    n: u64,
+    file: Option<(i32, u64)>,
+    fallback: Fallback,
+) -> Result<(), BackendError> {
+    if let Some((fd, at)) = file {
+        allocate(fd, at, n)?;
+    }
     // SAFETY: advice over memory the caller vouches is mapped; the kernel faults the pages in
     // as a write would, without changing a byte.
     let r = unsafe {
@@ -266,6 +307,42 @@ unsafe fn fill(start: u64, n: u64, fallback: Fallback) -> Result<(), BackendErro
         }
         (Some(libc::EINVAL), Fallback::Skip) => Ok(()),
         _ => Err(super::no_memory("fault in", n, &super::os_error(&err))),
+    }
+}
+
+/// Allocates `[at, at + n)` of the file `fd` (its size kept): pages already there stay as they
+/// are. Where the file system has no `fallocate` the faults allocate them instead.
+fn allocate(fd: i32, at: u64, n: u64) -> Result<(), BackendError> {
+    let (Ok(off), Ok(len)) = (libc::off_t::try_from(at), libc::off_t::try_from(n)) else {
+        return Err(super::no_memory(
+            "allocate",
+            n,
+            "an offset past the file's range",
+        ));
+    };
+    let err = loop {
+        // SAFETY: a system call on a descriptor and numbers; it writes no memory of this
+        // process, and allocates nothing over what the file holds (a byte already there is kept).
+        if unsafe { libc::fallocate(fd, libc::FALLOC_FL_KEEP_SIZE, off, len) } == 0 {
+            return Ok(());
+        }
+        let err = std::io::Error::last_os_error();
+        // A signal for this thread: tmpfs stops (what it allocated stays or is undone), and
+        // the call over the same range does the rest.
+        if err.kind() != std::io::ErrorKind::Interrupted {
+            break err;
+        }
+    };
+    match err.raw_os_error() {
+        Some(libc::EOPNOTSUPP | libc::ENOSYS) => Ok(()),
+        _ => Err(super::no_memory(
+            "allocate",
+            n,
+            &format!(
+                "fallocate on the file mapped there: {}",
+                super::os_error(&err)
+            ),
+        )),
     }
 }
 
@@ -339,14 +416,20 @@ mod tests {
         }
     }
 
+    /// `n` items of one byte each, in no file.
+    fn anonymous(n: usize) -> Vec<Item> {
+        (0..n as u64).map(|i| (i, 1, None)).collect()
+    }
+
     #[test]
     fn items_are_taken_a_stripe_apart_within_windows_in_address_order() {
+        let order = |n: usize, t: usize| spread(&groups(&anonymous(n)), t);
         // 2 threads: windows of 8 items, stripes of 4.
-        assert_eq!(spread(8, 2), [0, 4, 1, 5, 2, 6, 3, 7]);
-        assert_eq!(spread(11, 2), [0, 4, 1, 5, 2, 6, 3, 7, 8, 9, 10]);
-        assert_eq!(spread(3, 16), [0, 1, 2]);
+        assert_eq!(order(8, 2), [0, 4, 1, 5, 2, 6, 3, 7]);
+        assert_eq!(order(11, 2), [0, 4, 1, 5, 2, 6, 3, 7, 8, 9, 10]);
+        assert_eq!(order(3, 16), [0, 1, 2]);
         for (n, t) in [(0, 1), (1, 1), (100, 3), (257, 16)] {
-            let mut o = spread(n, t);
+            let mut o = order(n, t);
             o.sort_unstable();
             assert_eq!(
                 o,
@@ -354,6 +437,27 @@ mod tests {
                 "a permutation for {n} items, {t} threads"
             );
         }
+    }
+
+    #[test]
+    fn items_of_files_are_dealt_out_a_file_each_within_windows_of_files() {
+        // Three files of 3, 2 and 5 items (the second file twice: two ranges in it), then two
+        // items in no file.
+        let files = [(7, 3), (8, 1), (8, 1), (9, 5)];
+        let mut items: Vec<Item> = files
+            .iter()
+            .flat_map(|&(fd, n)| (0..n).map(move |o| (0, 1, Some((fd, o)))))
+            .chain([(0, 1, None), (0, 1, None)])
+            .collect();
+        for (i, item) in items.iter_mut().enumerate() {
+            item.0 = i as u64;
+        }
+        let g = groups(&items);
+        assert_eq!(g, [0..3, 3..5, 5..10, 10..12]);
+        // 2 threads: the first two files side by side, then the third and the stripe.
+        assert_eq!(spread(&g, 2), [0, 3, 1, 4, 2, 5, 10, 6, 11, 7, 8, 9]);
+        // As many threads as files: one item of each at a time.
+        assert_eq!(spread(&g, 4), [0, 3, 5, 10, 1, 4, 6, 11, 2, 7, 8, 9]);
     }
 
     #[test]
@@ -368,6 +472,7 @@ mod tests {
         unsafe {
             fill_in_items(
                 &[(m.0, 64 * page)],
+                &[],
                 &pieces,
                 Some(&rec),
                 4,
@@ -392,11 +497,126 @@ mod tests {
         let ranges = [(m.0 + page, 5 * page), (m.0 + 10 * page, 7 * page)];
         for threads in [1, 3] {
             // SAFETY: as above.
-            unsafe { fill_in_items(&ranges, &[], None, threads, Fallback::Skip, None, 2 * page) }
-                .unwrap();
+            unsafe {
+                fill_in_items(
+                    &ranges,
+                    &[],
+                    &[],
+                    None,
+                    threads,
+                    Fallback::Skip,
+                    None,
+                    2 * page,
+                )
+            }
+            .unwrap();
             assert!(ranges.iter().all(|&(s, n)| Map::resident(s, n)));
         }
         assert!(!Map::resident(m.0 + 20 * page, 12 * page));
+    }
+
+    /// A shared mapping of a new memfd of `pages` OS pages; the descriptor stays open.
+    fn shared_file(pages: usize) -> (i32, u64, usize) {
+        let len = pages * super::super::os_page() as usize;
+        // SAFETY: a new descriptor, sized, and a new shared mapping of it where the kernel
+        // chooses; both live for the test's process.
+        unsafe {
+            let fd = libc::memfd_create(c"blockswap-fill".as_ptr(), 0);
+            assert!(fd >= 0, "memfd_create");
+            assert_eq!(libc::ftruncate(fd, len as libc::off_t), 0);
+            let p = libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd,
+                0,
+            );
+            assert_ne!(p, libc::MAP_FAILED);
+            (fd, p as u64, len)
+        }
+    }
+
+    #[test]
+    fn ranges_of_a_file_are_allocated_there_and_keep_what_it_holds() {
+        let page = super::super::os_page();
+        let (fd, at, len) = shared_file(32);
+        // A byte written before the fill, in the second range.
+        // SAFETY: inside the shared mapping, writable.
+        unsafe { ((at + 20 * page + 7) as *mut u8).write_volatile(0xa5) };
+        // Two ranges, their offsets in the file; pages 8-9 and 30-31 left alone.
+        let ranges = [(at, 8 * page), (at + 10 * page, 20 * page)];
+        let files = [(fd, 0), (fd, 10 * page)];
+        for threads in [1, 3] {
+            // SAFETY: the ranges are mapped from the file at those offsets, writable; the
+            // descriptor is open.
+            unsafe {
+                fill_in_items(
+                    &ranges,
+                    &files,
+                    &[],
+                    None,
+                    threads,
+                    Fallback::Skip,
+                    None,
+                    3 * page,
+                )
+            }
+            .unwrap();
+            assert!(ranges.iter().all(|&(s, n)| Map::resident(s, n)));
+        }
+        // SAFETY: reads inside the mapping.
+        let byte = |o: u64| unsafe { ((at + o) as *const u8).read_volatile() };
+        assert_eq!(byte(20 * page + 7), 0xa5);
+        assert_eq!(byte(20 * page + 8), 0);
+        // SAFETY: a plain C struct, all zeros valid; then a stat of an open descriptor into it.
+        let st = unsafe {
+            let mut st: libc::stat = std::mem::zeroed();
+            assert_eq!(libc::fstat(fd, &raw mut st), 0);
+            st
+        };
+        assert_eq!(st.st_size as usize, len, "the file's size is kept");
+        // SAFETY: the descriptor is this test's.
+        unsafe { libc::close(fd) };
+    }
+
+    #[test]
+    fn a_file_that_refuses_the_allocation_fails_the_fill_by_name() {
+        let page = super::super::os_page();
+        let (fd, at, _) = shared_file(4);
+        // SAFETY: a path of the open memfd, opened again read-only: fallocate refuses it.
+        let ro = unsafe {
+            libc::open(
+                format!("/proc/self/fd/{fd}\0").as_ptr().cast(),
+                libc::O_RDONLY,
+            )
+        };
+        assert!(ro >= 0, "open read-only");
+        // SAFETY: as above; the fill fails before a fault.
+        let e = unsafe {
+            fill_in_items(
+                &[(at, 4 * page)],
+                &[(ro, 0)],
+                &[],
+                None,
+                1,
+                Fallback::Skip,
+                None,
+                page,
+            )
+        }
+        .unwrap_err();
+        assert_eq!(e.piece, None);
+        let text = e.error.to_string();
+        assert!(
+            text.contains("could not allocate") && text.contains("fallocate"),
+            "{text}"
+        );
+        // SAFETY: the descriptors are this test's.
+        unsafe {
+            libc::close(ro);
+            libc::close(fd);
+        }
     }
 
     #[test]
@@ -412,6 +632,7 @@ mod tests {
         let e = unsafe {
             fill_in_items(
                 &[(m.0, 16 * page)],
+                &[],
                 &pieces,
                 Some(&rec),
                 2,
@@ -457,6 +678,7 @@ mod tests {
         let e = unsafe {
             fill_in_items(
                 &[(m.0, 16 * page)],
+                &[],
                 &pieces,
                 Some(&rec),
                 1,

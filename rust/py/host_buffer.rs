@@ -135,10 +135,13 @@ impl PyHostBuffer {
 /// `pieces` (in address order) in its primary context (portable), each as soon as it is in, while
 /// the threads go on (`hostmem::fill_and_pin`); `progress` counts both. Where the kernel cannot
 /// populate memory, the driver faults the pages in as it locks them. All or nothing: where a
-/// piece is refused, the pieces locked before it are unlocked and the error names it. The caller
-/// vouches that every range and piece stays mapped until each piece is unlocked (`cuda_unpin`).
+/// piece is refused, the pieces locked before it are unlocked and the error names it. `files`:
+/// one `(descriptor, offset)` per range where each range is a shared mapping of a file from that
+/// offset (its pages are allocated in the file before they are faulted in). The caller vouches
+/// that every range and piece stays mapped until each piece is unlocked (`cuda_unpin`), and that
+/// each descriptor is the file mapped there and stays open until the call returns.
 #[pyfunction]
-#[pyo3(signature = (ranges, pieces, device = None, threads = None, progress = None))]
+#[pyo3(signature = (ranges, pieces, device = None, threads = None, progress = None, files = None))]
 pub(super) fn fill_and_pin(
     py: Python<'_>,
     ranges: Vec<(u64, u64)>,
@@ -146,7 +149,16 @@ pub(super) fn fill_and_pin(
     device: Option<i32>,
     threads: Option<usize>,
     progress: Option<&PyAllocProgress>,
+    files: Option<Vec<(i32, u64)>>,
 ) -> PyResult<()> {
+    let files = files.unwrap_or_default();
+    if !files.is_empty() && files.len() != ranges.len() {
+        return Err(invalid(format!(
+            "fill_and_pin: {} files for {} ranges (one per range, or none)",
+            files.len(),
+            ranges.len()
+        )));
+    }
     let progress = progress.map(|p| Arc::clone(&p.0));
     let threads = threads.unwrap_or_else(hostmem::fill_threads);
     py.detach(|| {
@@ -163,6 +175,7 @@ pub(super) fn fill_and_pin(
         let filled = unsafe {
             hostmem::fill_and_pin(
                 &ranges,
+                &files,
                 &pieces,
                 pinner.as_ref().map(|p| p as &dyn Pinner),
                 threads,
