@@ -490,11 +490,9 @@ impl HostBuffer {
                 )
             };
             if let Err(FillError { piece, error }) = filled {
+                // Nothing is left locked.
                 let why = match piece {
                     Some(i) => {
-                        for p in &mut mapping.pieces[..i] {
-                            p.2 = true;
-                        }
                         format!("piece {i} ({} at most) failed: {error}", gib(pieces[i].1))
                     }
                     None => error.to_string(),

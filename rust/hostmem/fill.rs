@@ -4,12 +4,15 @@
 //! Measured (H200 machine, `benches/probe_pinning.py`, docs/benchmarks.md): one thread faults
 //! fresh anonymous huge pages in at 5-6 GiB/s, 16 threads taking 64 MiB items at 23.6 GiB/s;
 //! registering memory that is already there runs at 20-37 GiB/s. So the threads fill items of
-//! [`FILL_ITEM`] bytes while the calling thread page-locks each piece once every item under its
-//! end is in: the registration of one piece overlaps the filling of the next. `PinnedRows` in
+//! [`FILL_ITEM`] bytes while the calling thread page-locks each piece once every item over it is
+//! in, lowest address first of the pieces that are, not waiting for the pieces below: the
+//! registration of one piece overlaps the filling of the others. `PinnedRows` in
 //! 4 GiB pieces was ready at 27-31 GiB/s. vLLM's region (32 files in /dev/shm) was ready at
 //! 13.1-14.6 GiB/s at 96 GiB on a two-H200 host, where vLLM's own one-thread fill makes 1.6 and
 //! the order before (no file a thread, no `fallocate`) 6.6 (docs/results/2026-11-30-h200x2-fill).
 
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex};
 use std::time::Duration;
@@ -39,8 +42,8 @@ pub enum Fallback {
     Skip,
 }
 
-/// Why [`fill_and_pin`] failed: the piece whose page-locking failed (every piece before it is
-/// locked, none after), or `None` where filling failed (nothing is locked).
+/// Why [`fill_and_pin`] failed: the piece whose page-locking failed, or `None` where filling
+/// failed. Either way no piece is left locked.
 #[derive(Debug)]
 pub struct FillError {
     pub piece: Option<usize>,
@@ -49,9 +52,10 @@ pub struct FillError {
 
 /// Faults in `ranges` (`(start, bytes)`, in address order, disjoint) from `threads` threads in
 /// items of at most [`FILL_ITEM`] bytes, counting `progress.faulted`; with a `pinner`, page-locks
-/// `pieces` (in address order) on the calling thread, each as soon as every item that starts
-/// below its end is in, counting `progress.locked`. Where the kernel cannot populate a range,
-/// `fallback` says what happens instead.
+/// `pieces` (in address order, disjoint) on the calling thread, each as soon as every item over
+/// it is in (the lowest address first of those that are), counting `progress.locked`. All or
+/// nothing: where a fill or a lock fails, the pieces locked are unlocked again. Where the kernel
+/// cannot populate a range, `fallback` says what happens instead.
 ///
 /// `files`: empty, or one `(descriptor, offset)` per range, where the range is a shared mapping
 /// of that file from that offset (a /dev/shm segment of vLLM's region). The threads then take a
@@ -109,15 +113,27 @@ unsafe fn fill_in_items(
                 .map(move |o| (s + o, item.min(n - o), file.map(|(fd, at)| (fd, at + o))))
         })
         .collect();
-    let done: Vec<AtomicBool> = items.iter().map(|_| AtomicBool::new(false)).collect();
+    // The pieces each item lies over, and how many items each piece still waits for.
+    let spans = piece_spans(&items, pieces);
+    let mut waits = vec![0usize; pieces.len()];
+    for k in spans.iter().flat_map(Clone::clone) {
+        waits[k] += 1;
+    }
+    // A piece over no item (filled by someone else, or left to the pinner) is ready at once.
+    let ready: BinaryHeap<Reverse<usize>> = (0..pieces.len())
+        .filter(|&k| waits[k] == 0)
+        .map(Reverse)
+        .collect();
+    let waits: Vec<AtomicUsize> = waits.into_iter().map(AtomicUsize::new).collect();
     let order = spread(&groups(&items), threads.max(1));
     let next = AtomicUsize::new(0);
     let stop = AtomicBool::new(false);
     let failed: Mutex<Option<BackendError>> = Mutex::new(None);
-    let wake = (Mutex::new(()), Condvar::new());
+    // The pieces whose items are all in, lowest address first, and the pinner's wake.
+    let wake = (Mutex::new(ready), Condvar::new());
     let worker = || {
         loop {
-            // Relaxed: an index handed out once; `done` publishes what the item did.
+            // Relaxed: an index handed out once; `waits` publishes what the item did.
             let k = next.fetch_add(1, Ordering::Relaxed);
             if k >= items.len() || stop.load(Ordering::Relaxed) {
                 break;
@@ -131,7 +147,7 @@ unsafe fn fill_in_items(
                     .lock()
                     .unwrap_or_else(std::sync::PoisonError::into_inner);
                 f.get_or_insert(e);
-                // Never marked done: no piece over it is locked.
+                // Never counted: no piece over it is locked.
                 stop.store(true, Ordering::Relaxed);
                 break;
             }
@@ -139,12 +155,19 @@ unsafe fn fill_in_items(
                 // Relaxed: a progress report only.
                 p.faulted.fetch_add(n, Ordering::Relaxed);
             }
-            done[i].store(true, Ordering::Release);
-            let _g = wake
-                .0
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            wake.1.notify_all();
+            // AcqRel: the last item of a piece to finish has seen every other item's fill.
+            let done: Vec<usize> = spans[i]
+                .clone()
+                .filter(|&p| waits[p].fetch_sub(1, Ordering::AcqRel) == 1)
+                .collect();
+            if !done.is_empty() {
+                let mut q = wake
+                    .0
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                q.extend(done.into_iter().map(Reverse));
+                wake.1.notify_all();
+            }
         }
         // Whoever waits sees the end of the work too.
         let _g = wake
@@ -153,8 +176,9 @@ unsafe fn fill_in_items(
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         wake.1.notify_all();
     };
-    // Pieces locked, or the piece that failed.
-    let locked = std::thread::scope(|s| {
+    // The pieces locked, in the order they were, and the piece whose locking failed.
+    let mut locked: Vec<usize> = Vec::with_capacity(pieces.len());
+    let refused = std::thread::scope(|s| {
         // With a pinner the calling thread locks pieces, so `threads` others fill; without one
         // it fills beside them.
         let others = if pinner.is_some() {
@@ -167,59 +191,70 @@ unsafe fn fill_in_items(
         }
         let Some(pinner) = pinner else {
             worker();
-            return Ok(0);
+            return None;
         };
-        let mut filled = 0usize;
-        for (k, &(start, n)) in pieces.iter().enumerate() {
-            let end = start + n;
-            while filled < items.len() && items[filled].0 < end {
-                if done[filled].load(Ordering::Acquire) {
-                    filled += 1;
-                    continue;
-                }
+        while locked.len() < pieces.len() {
+            let mut q = wake
+                .0
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            let Some(Reverse(k)) = q.pop() else {
                 if stop.load(Ordering::Relaxed) {
-                    return Ok(k);
+                    return None;
                 }
-                let g = wake
-                    .0
-                    .lock()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner);
-                // A bounded wait: a wake between the check above and this wait is not missed
-                // for longer than this.
-                drop(wake.1.wait_timeout(g, Duration::from_millis(5)));
-            }
-            // SAFETY: the caller vouches for the piece; its bytes are faulted in (or left to the
-            // pinner by the fallback).
+                // A bounded wait: the stop flag is set outside the lock.
+                drop(wake.1.wait_timeout(q, Duration::from_millis(5)));
+                continue;
+            };
+            drop(q);
+            let (start, n) = pieces[k];
+            // SAFETY: the caller vouches for the piece; every item over it is faulted in (or
+            // left to the pinner by the fallback).
             if let Err(e) = unsafe { pinner.pin(start, n) } {
                 stop.store(true, Ordering::Relaxed);
-                return Err(FillError {
-                    piece: Some(k),
-                    error: e,
-                });
+                return Some((k, e));
             }
+            locked.push(k);
             if let Some(p) = progress {
                 // Relaxed: a progress report only.
                 p.locked.fetch_add(n, Ordering::Relaxed);
             }
         }
-        Ok(pieces.len())
-    })?;
-    match failed
-        .into_inner()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-    {
-        Some(error) => {
-            if let Some(pinner) = pinner {
-                // Undo the pieces locked before the fill failed.
-                for &(start, _) in pieces[..locked].iter().rev() {
-                    // SAFETY: locked above; nothing has been handed out yet.
-                    let _ = unsafe { pinner.unpin(start) };
-                }
+        None
+    });
+    let error = match refused {
+        Some((k, error)) => Some(FillError {
+            piece: Some(k),
+            error,
+        }),
+        None => failed
+            .into_inner()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .map(|error| FillError { piece: None, error }),
+    };
+    match (error, pinner) {
+        (None, _) => Ok(()),
+        (Some(e), Some(pinner)) => {
+            // All or nothing: undo the pieces locked before the failure.
+            for &k in locked.iter().rev() {
+                // SAFETY: locked above; nothing has been handed out yet.
+                let _ = unsafe { pinner.unpin(pieces[k].0) };
             }
-            Err(FillError { piece: None, error })
+            Err(e)
         }
-        None => Ok(()),
+        (Some(e), None) => Err(e),
     }
+}
+
+/// The indices of the `pieces` (in address order, disjoint) each item lies over, in part or whole.
+fn piece_spans(items: &[Item], pieces: &[(u64, u64)]) -> Vec<std::ops::Range<usize>> {
+    items
+        .iter()
+        .map(|&(start, n, _)| {
+            pieces.partition_point(|&(s, m)| s + m <= start)
+                ..pieces.partition_point(|&(s, _)| s < start + n)
+        })
+        .collect()
 }
 
 /// A work item: its start, its bytes, and the descriptor and offset of the file mapped there.
@@ -461,32 +496,62 @@ mod tests {
     }
 
     #[test]
-    fn each_piece_is_locked_in_order_once_its_pages_are_in() {
+    fn each_piece_is_locked_once_when_every_item_over_it_is_in() {
         let page = super::super::os_page();
         let m = Map::new(64);
         // Pieces of 8 pages, items of 3 pages (so items straddle pieces), 4 threads.
         let pieces: Vec<(u64, u64)> = (0..8).map(|k| (m.0 + k * 8 * page, 8 * page)).collect();
-        let rec = Checker::default();
-        let progress = AllocProgress::default();
-        // SAFETY: the mapping is fresh (zeros), writable, alive until `m` drops.
-        unsafe {
-            fill_in_items(
-                &[(m.0, 64 * page)],
-                &[],
-                &pieces,
-                Some(&rec),
-                4,
-                Fallback::TouchZero,
-                Some(&progress),
-                3 * page,
-            )
+        for _ in 0..20 {
+            let rec = Checker::default();
+            let progress = AllocProgress::default();
+            // SAFETY: the mapping is private and anonymous, writable, alive until `m` drops,
+            // and nothing writes it (its pages stay zeros after a fill).
+            unsafe {
+                fill_in_items(
+                    &[(m.0, 64 * page)],
+                    &[],
+                    &pieces,
+                    Some(&rec),
+                    4,
+                    Fallback::TouchZero,
+                    Some(&progress),
+                    3 * page,
+                )
+            }
+            .unwrap();
+            let mut log = rec.log.lock().unwrap().clone();
+            // Resident when locked (a piece locked before its items were in would not be).
+            log.sort_unstable();
+            let want: Vec<(char, u64, bool)> =
+                pieces.iter().map(|&(s, _)| ('p', s, true)).collect();
+            assert_eq!(log, want);
+            assert_eq!(progress.get(), (0, 64 * page, 64 * page));
+            assert!(Map::resident(m.0, 64 * page));
+            // SAFETY: the mapping's own pages, handed back: the next round faults them in anew.
+            unsafe { libc::madvise(m.0 as *mut libc::c_void, m.1, libc::MADV_DONTNEED) };
         }
-        .unwrap();
-        let log = rec.log.lock().unwrap().clone();
-        let want: Vec<(char, u64, bool)> = pieces.iter().map(|&(s, _)| ('p', s, true)).collect();
-        assert_eq!(log, want);
-        assert_eq!(progress.get(), (0, 64 * page, 64 * page));
-        assert!(Map::resident(m.0, 64 * page));
+    }
+
+    #[test]
+    fn an_item_waits_on_every_piece_it_lies_over() {
+        // Pieces [10, 20), [20, 30), [40, 50): a gap between the second and the third.
+        let pieces = [(10, 10), (20, 10), (40, 10)];
+        let items: Vec<Item> = [
+            (0, 5),
+            (5, 10),
+            (12, 3),
+            (15, 20),
+            (30, 10),
+            (45, 10),
+            (60, 1),
+        ]
+        .iter()
+        .map(|&(s, n)| (s, n, None))
+        .collect();
+        assert_eq!(
+            piece_spans(&items, &pieces),
+            [0..0, 0..1, 0..1, 0..2, 2..2, 2..3, 3..3]
+        );
     }
 
     #[test]
@@ -620,32 +685,42 @@ mod tests {
     }
 
     #[test]
-    fn a_refused_piece_is_named_and_the_pieces_before_it_stay_locked_for_the_caller() {
+    fn a_refused_piece_is_named_and_the_pieces_locked_are_unlocked() {
         let page = super::super::os_page();
         let m = Map::new(16);
         let pieces: Vec<(u64, u64)> = (0..4).map(|k| (m.0 + k * 4 * page, 4 * page)).collect();
-        let rec = Checker {
-            fail: Some(pieces[2].0),
-            ..Checker::default()
-        };
-        // SAFETY: as above.
-        let e = unsafe {
-            fill_in_items(
-                &[(m.0, 16 * page)],
-                &[],
-                &pieces,
-                Some(&rec),
-                2,
-                Fallback::Skip,
-                None,
-                page,
-            )
+        for threads in [1, 2] {
+            let rec = Checker {
+                fail: Some(pieces[2].0),
+                ..Checker::default()
+            };
+            // SAFETY: as above.
+            let e = unsafe {
+                fill_in_items(
+                    &[(m.0, 16 * page)],
+                    &[],
+                    &pieces,
+                    Some(&rec),
+                    threads,
+                    Fallback::Skip,
+                    None,
+                    page,
+                )
+            }
+            .unwrap_err();
+            assert_eq!(e.piece, Some(2));
+            assert!(e.error.to_string().contains("refused"), "{}", e.error);
+            let log = rec.log.lock().unwrap().clone();
+            let pins: Vec<u64> = log.iter().filter(|e| e.0 == 'p').map(|e| e.1).collect();
+            let mut unpins: Vec<u64> = log.iter().filter(|e| e.0 == 'u').map(|e| e.1).collect();
+            unpins.reverse();
+            assert_eq!(pins, unpins, "every piece locked is unlocked: {log:?}");
+            assert!(!pins.contains(&pieces[2].0));
+            if threads == 1 {
+                // One thread fills in address order: the pieces before it were locked.
+                assert_eq!(pins, [pieces[0].0, pieces[1].0]);
+            }
         }
-        .unwrap_err();
-        assert_eq!(e.piece, Some(2));
-        assert!(e.error.to_string().contains("refused"), "{}", e.error);
-        let starts: Vec<u64> = rec.log.lock().unwrap().iter().map(|e| e.1).collect();
-        assert_eq!(starts, [pieces[0].0, pieces[1].0]);
     }
 
     #[test]

@@ -182,7 +182,7 @@ fn a_failed_pin_undoes_the_pieces_before_it() {
     assert!(e.to_string().contains("cuMemHostRegister"), "{e}");
     let log = rec.log.lock().unwrap();
     let (a, b) = (log[0].1, log[1].1);
-    assert_eq!(*log, vec![('p', a), ('p', b), ('u', a), ('u', b)]);
+    assert_eq!(*log, vec![('p', a), ('p', b), ('u', b), ('u', a)]);
 }
 
 #[test]

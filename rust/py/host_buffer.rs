@@ -183,26 +183,20 @@ pub(super) fn fill_and_pin(
                 progress.as_deref(),
             )
         };
-        match (filled, &pinner) {
-            (Ok(()), _) => Ok(()),
-            (
-                Err(hostmem::FillError {
-                    piece: Some(k),
-                    error,
-                }),
-                Some(p),
-            ) => {
-                for &(start, _) in pieces[..k].iter().rev() {
-                    // SAFETY: locked above; nothing has been handed out yet.
-                    let _ = unsafe { Pinner::unpin(p, start) };
-                }
+        match filled {
+            Ok(()) => Ok(()),
+            // The pieces locked before it are unlocked again.
+            Err(hostmem::FillError {
+                piece: Some(k),
+                error,
+            }) => {
                 let (start, n) = pieces[k];
                 Err(crate::backend::BackendError::BadMemory(format!(
                     "could not page-lock piece {k} of {} ({n} bytes at {start:#x}): {error}",
                     pieces.len()
                 )))
             }
-            (Err(e), _) => Err(e.error),
+            Err(e) => Err(e.error),
         }
     })
     .map_err(|e| crate::engine::EngineError::Backend(e).into())
