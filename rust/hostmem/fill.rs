@@ -456,6 +456,16 @@ mod tests {
         (0..n as u64).map(|i| (i, 1, None)).collect()
     }
 
+    /// The pieces `rec` saw locked, in order, checking that each was unlocked again, in reverse.
+    fn all_unlocked_again(rec: &Checker) -> Vec<u64> {
+        let log = rec.log.lock().unwrap().clone();
+        let pins: Vec<u64> = log.iter().filter(|e| e.0 == 'p').map(|e| e.1).collect();
+        let mut unpins: Vec<u64> = log.iter().filter(|e| e.0 == 'u').map(|e| e.1).collect();
+        unpins.reverse();
+        assert_eq!(pins, unpins, "every piece locked is unlocked: {log:?}");
+        pins
+    }
+
     #[test]
     fn items_are_taken_a_stripe_apart_within_windows_in_address_order() {
         let order = |n: usize, t: usize| spread(&groups(&anonymous(n)), t);
@@ -710,11 +720,7 @@ mod tests {
             .unwrap_err();
             assert_eq!(e.piece, Some(2));
             assert!(e.error.to_string().contains("refused"), "{}", e.error);
-            let log = rec.log.lock().unwrap().clone();
-            let pins: Vec<u64> = log.iter().filter(|e| e.0 == 'p').map(|e| e.1).collect();
-            let mut unpins: Vec<u64> = log.iter().filter(|e| e.0 == 'u').map(|e| e.1).collect();
-            unpins.reverse();
-            assert_eq!(pins, unpins, "every piece locked is unlocked: {log:?}");
+            let pins = all_unlocked_again(&rec);
             assert!(!pins.contains(&pieces[2].0));
             if threads == 1 {
                 // One thread fills in address order: the pieces before it were locked.
@@ -765,11 +771,7 @@ mod tests {
         .unwrap_err();
         assert_eq!(e.piece, None);
         assert!(e.error.to_string().contains("fault in"), "{}", e.error);
-        let log = rec.log.lock().unwrap().clone();
-        let pins: Vec<u64> = log.iter().filter(|e| e.0 == 'p').map(|e| e.1).collect();
-        let mut unpins: Vec<u64> = log.iter().filter(|e| e.0 == 'u').map(|e| e.1).collect();
-        unpins.reverse();
-        assert_eq!(pins, unpins, "every piece locked is unlocked: {log:?}");
+        let pins = all_unlocked_again(&rec);
         assert!(!pins.contains(&pieces[3].0));
     }
 }
