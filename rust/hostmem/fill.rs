@@ -456,6 +456,33 @@ mod tests {
         (0..n as u64).map(|i| (i, 1, None)).collect()
     }
 
+    /// [`fill_in_items`] where pages the kernel cannot populate are left alone, counting nothing.
+    ///
+    /// # Safety
+    /// As [`fill_in_items`]'s.
+    unsafe fn fill_skip(
+        ranges: &[(u64, u64)],
+        files: &[(i32, u64)],
+        pieces: &[(u64, u64)],
+        pinner: Option<&dyn Pinner>,
+        threads: usize,
+        item: u64,
+    ) -> Result<(), FillError> {
+        // SAFETY: the caller's contract.
+        unsafe {
+            fill_in_items(
+                ranges,
+                files,
+                pieces,
+                pinner,
+                threads,
+                Fallback::Skip,
+                None,
+                item,
+            )
+        }
+    }
+
     /// The pieces `rec` saw locked, in order, checking that each was unlocked again, in reverse.
     fn all_unlocked_again(rec: &Checker) -> Vec<u64> {
         let log = rec.log.lock().unwrap().clone();
@@ -572,19 +599,7 @@ mod tests {
         let ranges = [(m.0 + page, 5 * page), (m.0 + 10 * page, 7 * page)];
         for threads in [1, 3] {
             // SAFETY: as above.
-            unsafe {
-                fill_in_items(
-                    &ranges,
-                    &[],
-                    &[],
-                    None,
-                    threads,
-                    Fallback::Skip,
-                    None,
-                    2 * page,
-                )
-            }
-            .unwrap();
+            unsafe { fill_skip(&ranges, &[], &[], None, threads, 2 * page) }.unwrap();
             assert!(ranges.iter().all(|&(s, n)| Map::resident(s, n)));
         }
         assert!(!Map::resident(m.0 + 20 * page, 12 * page));
@@ -625,19 +640,7 @@ mod tests {
         for threads in [1, 3] {
             // SAFETY: the ranges are mapped from the file at those offsets, writable; the
             // descriptor is open.
-            unsafe {
-                fill_in_items(
-                    &ranges,
-                    &files,
-                    &[],
-                    None,
-                    threads,
-                    Fallback::Skip,
-                    None,
-                    3 * page,
-                )
-            }
-            .unwrap();
+            unsafe { fill_skip(&ranges, &files, &[], None, threads, 3 * page) }.unwrap();
             assert!(ranges.iter().all(|&(s, n)| Map::resident(s, n)));
         }
         // SAFETY: reads inside the mapping.
@@ -668,19 +671,8 @@ mod tests {
         };
         assert!(ro >= 0, "open read-only");
         // SAFETY: as above; the fill fails before a fault.
-        let e = unsafe {
-            fill_in_items(
-                &[(at, 4 * page)],
-                &[(ro, 0)],
-                &[],
-                None,
-                1,
-                Fallback::Skip,
-                None,
-                page,
-            )
-        }
-        .unwrap_err();
+        let e =
+            unsafe { fill_skip(&[(at, 4 * page)], &[(ro, 0)], &[], None, 1, page) }.unwrap_err();
         assert_eq!(e.piece, None);
         let text = e.error.to_string();
         assert!(
@@ -705,19 +697,9 @@ mod tests {
                 ..Checker::default()
             };
             // SAFETY: as above.
-            let e = unsafe {
-                fill_in_items(
-                    &[(m.0, 16 * page)],
-                    &[],
-                    &pieces,
-                    Some(&rec),
-                    threads,
-                    Fallback::Skip,
-                    None,
-                    page,
-                )
-            }
-            .unwrap_err();
+            let e =
+                unsafe { fill_skip(&[(m.0, 16 * page)], &[], &pieces, Some(&rec), threads, page) }
+                    .unwrap_err();
             assert_eq!(e.piece, Some(2));
             assert!(e.error.to_string().contains("refused"), "{}", e.error);
             let pins = all_unlocked_again(&rec);
@@ -756,19 +738,8 @@ mod tests {
         let pieces: Vec<(u64, u64)> = (0..4).map(|k| (m.0 + k * 4 * page, 4 * page)).collect();
         let rec = Checker::default();
         // SAFETY: the mapped part is fresh; the fill of the rest fails before touching it.
-        let e = unsafe {
-            fill_in_items(
-                &[(m.0, 16 * page)],
-                &[],
-                &pieces,
-                Some(&rec),
-                1,
-                Fallback::Skip,
-                None,
-                4 * page,
-            )
-        }
-        .unwrap_err();
+        let e = unsafe { fill_skip(&[(m.0, 16 * page)], &[], &pieces, Some(&rec), 1, 4 * page) }
+            .unwrap_err();
         assert_eq!(e.piece, None);
         assert!(e.error.to_string().contains("fault in"), "{}", e.error);
         let pins = all_unlocked_again(&rec);
