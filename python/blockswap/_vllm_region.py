@@ -54,21 +54,27 @@ def pieces_and_fill(
 def in_files(
     ranges: Sequence[tuple[int, int]], base: int, segments: Sequence[tuple[int, int, int]]
 ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-    """``ranges`` (addresses of a region at ``base``) cut where its ``segments`` meet
-    (``(offset in the region, bytes, descriptor)``, vLLM's files mapped back to back), and each
-    piece's ``(descriptor, offset in the file)``; the ranges whole, and no files, without
-    segments."""
+    """``ranges`` (addresses of a region at ``base``, in address order) cut where its
+    ``segments`` meet (``(offset in the region, bytes, descriptor)``, vLLM's files mapped back
+    to back, in order), and each piece's ``(descriptor, offset in the file)``; the ranges whole,
+    and no files, without segments."""
     if not segments:
         return list(ranges), []
     out: list[tuple[int, int]] = []
     files: list[tuple[int, int]] = []
+    # Both in address order: one pass over each (a rank's slots are a range per chunk).
+    k = 0
     for a, n in ranges:
         lo, hi = a - base, a - base + n
-        for at, length, fd in segments:
+        while k < len(segments) and segments[k][0] + segments[k][1] <= lo:
+            k += 1
+        for j in range(k, len(segments)):
+            at, length, fd = segments[j]
+            if at >= hi:
+                break
             s, e = max(lo, at), min(hi, at + length)
-            if s < e:
-                out.append((base + s, e - s))
-                files.append((fd, s - at))
+            out.append((base + s, e - s))
+            files.append((fd, s - at))
     return out, files
 
 
