@@ -135,7 +135,7 @@ impl PyHostBuffer {
 /// `pieces` (in address order) in its primary context (portable), each as soon as it is in, while
 /// the threads go on (`hostmem::fill_and_pin`); `progress` counts both. Where the kernel cannot
 /// populate memory, the driver faults the pages in as it locks them. All or nothing: where a
-/// piece is refused, the pieces locked before it are unlocked and the error names it. `files`:
+/// piece is refused, every piece locked is unlocked again and the error names it. `files`:
 /// one `(descriptor, offset)` per range where each range is a shared mapping of a file from that
 /// offset (its pages are allocated in the file before they are faulted in). The caller vouches
 /// that every range and piece stays mapped until each piece is unlocked (`cuda_unpin`), and that
@@ -185,7 +185,7 @@ pub(super) fn fill_and_pin(
         };
         match filled {
             Ok(()) => Ok(()),
-            // The pieces locked before it are unlocked again.
+            // Every piece locked (in any order, as each was ready) is unlocked again.
             Err(hostmem::FillError {
                 piece: Some(k),
                 error,
