@@ -93,6 +93,27 @@ fn block_tables_move_blocks_by_id_and_pin_their_regions() {
     ));
     engine.unregister_table(dev).unwrap();
     engine.unregister(d).unwrap();
+    // A buffer of the engine's own is not freed under a table either, by either call.
+    let buf = engine.alloc_host(4096).unwrap();
+    let t = engine
+        .register_table(TableSpec::new(
+            vec![buf],
+            vec![64],
+            vec![64],
+            64,
+            MemoryKind::Host,
+        ))
+        .unwrap();
+    for e in [engine.free_host(buf), engine.unregister(buf)] {
+        assert!(matches!(
+            e,
+            Err(EngineError::Region(
+                blockswap::region::RegionError::UsedByTable { table, .. }
+            )) if table == t
+        ));
+    }
+    engine.unregister_table(t).unwrap();
+    engine.free_host(buf).unwrap();
     drop(engine);
 }
 

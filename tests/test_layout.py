@@ -464,6 +464,8 @@ def test_expand_sub_blocks_matches_reference(ids: list[int], factor: int, data: 
         ({"block_ids": [2**62], "factor": 4}, IndexError, "out of range"),
         ({"block_ids": [-1], "factor": 4}, IndexError, "negative"),
         ({"block_ids": [1.0], "factor": 4}, TypeError, "integers"),
+        # more ids than memory can hold: an error to catch, not an abort of the process
+        ({"block_ids": [0], "factor": 2**61}, MemoryError, "cannot hold 2305843009213693952"),
     ],
 )
 def test_expand_sub_blocks_errors(kwargs: dict[str, Any], exc: type, match: str) -> None:
@@ -742,6 +744,11 @@ def test_the_cores_cache_geometry_refuses_a_block_dim_it_cannot_index() -> None:
         _core.block_major_views([([2, 4], [4, 1], 2)])
     with pytest.raises(InvalidTransferError, match="a block dim in range and a stride per dim"):
         _core.block_major_views([([2, 4], [4], 0)])
+    # Columns of different lengths are named, not indexed past (which would panic).
+    assert _core.tensor_segments(None, [4, 16], [16], 2, 0) == "1 strides for a shape of 2 dims"
+    col = np.array([0, 100], np.int64)
+    with pytest.raises(InvalidTransferError, match="2 bases, 1 strides, 2 nbytes"):
+        _core.table_spans([(col, col[:1].copy(), col, 4)])
     for blocks in (2**70, -1):
         with pytest.raises(ValueError, match=rf"^{blocks} blocks: not a number of blocks a tensor"):
             _core.mirror_geometry([2, 4], [4, 1], 0, blocks)

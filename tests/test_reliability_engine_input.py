@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from blockswap import BackendError, BlockswapError, Engine, InvalidTransferError
-from reliability_helpers import BAD, BEFORE, KiB, Scene, StreamLike
+from reliability_helpers import BAD, BEFORE, KiB, MiB, Scene, StreamLike
 
 
 def _two_d(sc: Scene) -> None:
@@ -132,6 +132,11 @@ ENGINE_CASES: list[tuple[str, Callable[[Scene], Any], type[Exception], str]] = [
      InvalidTransferError, "cannot unregister NoneType"),
     ("unregister-used-by-table", lambda sc: sc.eng.unregister(sc.dst),
      InvalidTransferError, "block table 1 lies in the region"),
+    ("register-read-only-array",
+     lambda sc: sc.eng.register(np.frombuffer(bytes(4 * KiB), np.uint8)),
+     InvalidTransferError, "cannot register a read-only array"),
+    ("pin-read-only-array", lambda sc: sc.eng.pin(np.frombuffer(bytes(4 * KiB), np.uint8)),
+     InvalidTransferError, "cannot pin a read-only array"),
     ("alloc-zero", lambda sc: sc.eng.alloc_host(0), InvalidTransferError, "an int from 1 to"),
     ("alloc-negative", lambda sc: sc.eng.alloc_host(-1), InvalidTransferError, "an int from 1 to"),
     ("alloc-float", lambda sc: sc.eng.alloc_host(1.5), InvalidTransferError, "nbytes must be an int, not 1.5"),
@@ -245,6 +250,39 @@ def test_engine_bad_input_is_typed_and_transfers_around_it_are_unaffected(
         if error is not TypeError:
             assert isinstance(e.value, BlockswapError)
         sc.after()
+    finally:
+        sc.eng.shutdown()
+
+
+def test_an_allocated_buffer_is_not_freed_under_a_block_table() -> None:
+    """A table is checked against registered memory when it is registered, not at each transfer:
+    freeing (or unregistering) an ``alloc_host`` buffer a table lies in is refused, as
+    unregistering any other region a table lies in is, and the table's transfers still move the
+    right bytes afterwards. Once the table is gone the buffer frees."""
+    sc = Scene()
+    try:
+        buf = sc.eng.alloc_host(64 * KiB)
+        buf[:] = 0
+        table = sc.eng.register_table([buf.ctypes.data], [4 * KiB], [4 * KiB], 16, "host", "CPU")
+        for free in (sc.eng.free_host, sc.eng.unregister):
+            with pytest.raises(
+                InvalidTransferError, match=f"block table {table} lies in the region"
+            ):
+                free(buf)
+        half = MiB // 2
+        sc.dst[half:] = np.random.default_rng(7).integers(1, 256, half, dtype=np.uint8)
+        ids = np.arange(16, dtype=np.int64)
+        sc.eng.submit_blocks(BAD, sc.dev_table, ids, table, ids[::-1].copy(), "d2h")
+        sc.eng.wait([BAD])
+        assert [(r.job_id, r.success, r.bytes) for r in sc.eng.get_finished()] == [
+            (BAD, True, 64 * KiB)
+        ]
+        want = sc.dst[half : half + 64 * KiB].reshape(16, 4 * KiB)[::-1]
+        assert np.array_equal(buf.reshape(16, 4 * KiB), want)
+        sc.eng.unregister_table(table)
+        sc.eng.free_host(buf)
+        with pytest.raises(InvalidTransferError, match="no registered region starts at"):
+            sc.eng.free_host(buf)
     finally:
         sc.eng.shutdown()
 

@@ -39,6 +39,13 @@ def _address_of(obj: Any, what: str = "register") -> tuple[int, int, MemoryKind]
     if isinstance(obj, np.ndarray):
         if not obj.flags.c_contiguous:
             raise InvalidTransferError("a registered array must be contiguous")
+        if what in ("register", "pin") and not obj.flags.writeable:
+            # Transfers may write any byte of registered memory, and the core cannot tell a
+            # source from a destination when memory is registered.
+            raise InvalidTransferError(
+                f"cannot {what} a read-only array: transfers may write any byte of registered "
+                "memory (copy it into a writeable array, such as one from alloc_host, first)"
+            )
         return obj.ctypes.data, obj.nbytes, "host"
     data_ptr = getattr(obj, "data_ptr", None)
     device = getattr(obj, "device", None)
@@ -101,7 +108,8 @@ class Engine(_core.Engine):
 
         ``obj`` is a numpy array or a torch tensor (kept alive until unregistered), or a raw
         address with ``nbytes`` and ``kind`` (``"host"`` or ``"device"``), which the caller
-        vouches for. On CUDA, host memory must be page-locked and device memory must be this
+        vouches for. A read-only numpy array is refused: transfers may write any byte of
+        registered memory. On CUDA, host memory must be page-locked and device memory must be this
         engine's device; both are checked here, once. Host memory of a
         :class:`~blockswap.hostmem.PinnedRows` is registered as one region per piece it covers
         (no copy crosses from one piece into the next), all removed by one :meth:`unregister` of

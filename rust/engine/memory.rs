@@ -203,12 +203,15 @@ impl Engine {
         Ok(addr)
     }
 
-    /// Frees a buffer from [`Engine::alloc_host`]. Refused while transfers are in flight.
+    /// Frees a buffer from [`Engine::alloc_host`]. Refused while a block table lies in it (a
+    /// table is checked against registered memory once, when it is registered: its later
+    /// transfers would copy to and from freed memory) and while transfers are in flight.
     pub fn free_host(&self, addr: u64) -> Result<(), EngineError> {
         let mut state = self.lock();
-        if !state.buffers.contains_key(&addr) {
+        let Some(alloc) = state.buffers.get(&addr) else {
             return Err(RegionError::NotRegistered { start: addr }.into());
-        }
+        };
+        no_table_in(&state.tables, addr, addr + alloc.len() as u64)?;
         self.check_idle(addr)?;
         state.regions.remove(addr)?;
         let alloc = state.buffers.remove(&addr).expect("checked above");

@@ -20,7 +20,14 @@ pub(super) fn chunk_blocks<'py>(
     num_chunks: Option<u64>,
 ) -> PyResult<Bound<'py, PyArray1<i64>>> {
     let chunks = copy_u64("chunk_ids", &chunk_ids)?;
+    // `blocks` is the caller's number: the ids it asks for may not fit in memory, which is a
+    // MemoryError (as numpy's), not an abort of the process.
     let mut out = Vec::new();
+    out.try_reserve_exact(blocks).map_err(|_| {
+        pyo3::exceptions::PyMemoryError::new_err(format!(
+            "cannot hold {blocks} block ids in memory"
+        ))
+    })?;
     let limit = num_chunks
         .unwrap_or(u64::MAX)
         .min(i64::MAX as u64 / unit.max(1));
@@ -86,6 +93,14 @@ pub(super) fn table_spans(
             copy_u64("strides", strides)?,
             copy_u64("nbytes", nbytes)?,
         );
+        if st.len() != b.len() || n.len() != b.len() {
+            return Err(invalid(format!(
+                "a table's columns differ in length: {} bases, {} strides, {} nbytes",
+                b.len(),
+                st.len(),
+                n.len()
+            )));
+        }
         ranges.extend(table::segment_spans(&b, &st, &n, *num_blocks));
     }
     Ok(table::merged_spans(ranges))

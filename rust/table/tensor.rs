@@ -48,6 +48,13 @@ pub fn tensor_segments(
     if let Some(layout) = layout {
         check_layout_shape(layout, shape)?;
     }
+    if stride.len() != shape.len() {
+        return Err(format!(
+            "{} strides for a shape of {} dims",
+            stride.len(),
+            shape.len()
+        ));
+    }
     let nd = i64::try_from(shape.len()).map_err(|_| "too many dims".to_owned())?;
     if !(-nd..nd).contains(&block_dim) {
         return Err(format!("block_dim {block_dim} out of range"));
