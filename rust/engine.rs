@@ -87,8 +87,6 @@ struct LaneCounters {
 #[derive(Debug)]
 struct SubmitState {
     regions: RegionTable,
-    /// Job ids whose results have not been reported, with their lane and sequence number.
-    live: HashMap<JobId, (Direction, u64)>,
     /// Host buffers allocated through the engine, by address.
     buffers: HashMap<u64, HostAlloc>,
     /// Host ranges page-locked through the engine, by address.
@@ -142,6 +140,10 @@ pub struct Engine {
     pool: Pool,
     lanes: [Lane; 4],
     state: Mutex<SubmitState>,
+    /// Job ids whose results have not been reported, with their lane and sequence number. A lock
+    /// of its own, held only to look ids up or change the map (after the submit lock, where both
+    /// are held): `wait` never queues behind a submission or a shutdown holding the submit lock.
+    live: Mutex<HashMap<JobId, (Direction, u64)>>,
     retired: ArrayQueue<JobId>,
     counters: [LaneCounters; 4],
     latency: latency::Latency,
@@ -151,6 +153,8 @@ pub struct Engine {
     /// [`Engine::finish`]). Lock-free, as polling is.
     parked: ArrayQueue<Parked>,
     shut: AtomicBool,
+    /// Held by `shutdown` from start to end: a second caller returns once the first is done.
+    shutting: Mutex<()>,
     /// Set by a shutdown that reached its timeout with transfers in flight.
     shutdown_timed_out: AtomicBool,
     config: EngineConfig,
@@ -184,7 +188,6 @@ impl Engine {
             lanes: std::array::from_fn(|_| Lane::new(max_in_flight)),
             state: Mutex::new(SubmitState {
                 regions: RegionTable::default(),
-                live: HashMap::with_capacity(4 * max_in_flight),
                 buffers: HashMap::new(),
                 pinned: std::collections::HashSet::default(),
                 parts: HashMap::new(),
@@ -193,6 +196,7 @@ impl Engine {
                 scratch: Scratch::default(),
                 chunk_ids: [Vec::new(), Vec::new()],
             }),
+            live: Mutex::new(HashMap::with_capacity(4 * max_in_flight)),
             retired: ArrayQueue::new(4 * max_in_flight),
             counters: Default::default(),
             latency: latency::Latency::default(),
@@ -200,6 +204,7 @@ impl Engine {
             // At most every lane's records at once: a failed lane takes no new transfer.
             parked: ArrayQueue::new(4 * max_in_flight),
             shut: AtomicBool::new(false),
+            shutting: Mutex::new(()),
             shutdown_timed_out: AtomicBool::new(false),
             config,
             generation,
@@ -231,6 +236,23 @@ impl Engine {
         // A panic while holding the lock leaves consistent data (every mutation is a single call),
         // so a poisoned lock is taken over rather than propagated.
         self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The submit lock, for a call that is not refused after `shutdown` (unregistering, a
+    /// table's queries), or the refusal of an engine inherited across `fork`: a thread of the
+    /// parent may have held the lock when it forked, and nothing of the engine works here.
+    fn lock_here(&self) -> Result<MutexGuard<'_, SubmitState>, EngineError> {
+        if self.forked() {
+            return Err(BackendError::Forked.into());
+        }
+        Ok(self.lock())
+    }
+
+    fn live(&self) -> MutexGuard<'_, HashMap<JobId, (Direction, u64)>> {
+        // Every change is one call on the map: a poisoned lock leaves it consistent.
+        self.live
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
@@ -332,11 +354,14 @@ impl Engine {
         if self.shut.load(Ordering::Acquire) {
             return Err(EngineError::ShutDown);
         }
-        while let Some(id) = self.retired.pop() {
-            state.live.remove(&id);
-        }
-        if state.live.contains_key(&job_id) {
-            return Err(EngineError::JobIdLive(job_id));
+        {
+            let mut live = self.live();
+            while let Some(id) = self.retired.pop() {
+                live.remove(&id);
+            }
+            if live.contains_key(&job_id) {
+                return Err(EngineError::JobIdLive(job_id));
+            }
         }
         let lane = &self.lanes[direction.lane()];
         if lane.in_flight() >= self.config.max_in_flight as u64 {
@@ -422,7 +447,9 @@ impl Engine {
                 max: self.config.max_in_flight,
             });
         }
-        state.live.insert(job_id, (direction, seq));
+        // Under the submit lock still, which no other submit passes: the id checked above is
+        // not live.
+        self.live().insert(job_id, (direction, seq));
         let submitted = self.backend.submit(direction, seq, handle, request);
         timing.issued(submitted.is_ok());
         match submitted {
@@ -437,7 +464,13 @@ impl Engine {
     }
 
     /// Appends the results of transfers finished since the last call. Lock-free, non-blocking.
+    /// Appends nothing in a child forked after the engine was made: its transfers are the
+    /// parent's, and the completion counters the backend reads may not be mapped here (CUDA's
+    /// page-locked memory is not inherited across `fork`).
     pub fn get_finished(&self, out: &mut Vec<TransferResult>) {
+        if self.forked() {
+            return;
+        }
         for direction in Direction::ALL {
             let lane = &self.lanes[direction.lane()];
             let completed = self.backend.completed(direction);
@@ -539,10 +572,10 @@ impl Engine {
         }
         let deadline = timeout.and_then(deadline);
         let targets: Vec<(JobId, Direction, u64)> = {
-            let state = self.lock();
+            let live = self.live();
             job_ids
                 .iter()
-                .filter_map(|id| state.live.get(id).map(|&(d, s)| (*id, d, s)))
+                .filter_map(|id| live.get(id).map(|&(d, s)| (*id, d, s)))
                 .collect()
         };
         let mut pending = vec![];
@@ -568,40 +601,50 @@ impl Engine {
 
     /// Refuses new work, waits for transfers in flight (up to the configured timeout; past it
     /// they are failed), and stops the backend. Results stay available to `get_finished`.
-    /// Idempotent and safe from any thread.
+    /// Idempotent and safe from any thread: a call while another is draining returns once that
+    /// one is done. On an engine inherited across `fork` it only refuses new work: the
+    /// transfers and the backend are the parent's, and a lock the parent held at the fork is
+    /// never released here.
     pub fn shutdown(&self) {
+        if self.forked() {
+            self.shut.store(true, Ordering::Release);
+            return;
+        }
+        // Poisoned only by a panic in a shutdown, which leaves nothing half-done to protect.
+        let _shutting = self
+            .shutting
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         if self.shut.swap(true, Ordering::AcqRel) {
             return;
         }
         // Take the lock so no submit is half-way through.
         let _state = self.lock();
-        if !self.forked() {
-            let deadline = deadline(self.config.shutdown_timeout);
-            for direction in Direction::ALL {
-                if self.lane_failed(direction) {
-                    // Nothing on it will complete as asked: its transfers are reported failed
-                    // with the lane's error, and no timeout passed.
-                    continue;
-                }
-                let last = self.lanes[direction.lane()].next_seq() - 1;
-                let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
-                // A wait the backend refuses (its lane failed) has nothing more to wait for: its
-                // transfers are reported failed with its error, which is not a timeout.
-                let Ok(reached) = self.backend.wait(direction, last, left) else {
-                    continue;
-                };
-                if reached || self.lane_failed(direction) {
-                    continue;
-                }
-                // Relaxed: a flag read by `stats` only, after `shutdown` returned.
-                self.shutdown_timed_out.store(true, Ordering::Relaxed);
-                let _ = self.failed_lanes[direction.lane()].set(BackendError::CopyFailed {
-                    index: None,
-                    reason: "still in flight when the engine shut down".into(),
-                });
+        let deadline = deadline(self.config.shutdown_timeout);
+        for direction in Direction::ALL {
+            if self.lane_failed(direction) {
+                // Nothing on it will complete as asked: its transfers are reported failed
+                // with the lane's error, and no timeout passed.
+                continue;
             }
-            self.backend.shutdown(deadline);
+            let last = self.lanes[direction.lane()].next_seq() - 1;
+            let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+            // A wait the backend refuses (its lane failed) has nothing more to wait for: its
+            // transfers are reported failed with its error, which is not a timeout.
+            let Ok(reached) = self.backend.wait(direction, last, left) else {
+                continue;
+            };
+            if reached || self.lane_failed(direction) {
+                continue;
+            }
+            // Relaxed: a flag read by `stats` only, after `shutdown` returned.
+            self.shutdown_timed_out.store(true, Ordering::Relaxed);
+            let _ = self.failed_lanes[direction.lane()].set(BackendError::CopyFailed {
+                index: None,
+                reason: "still in flight when the engine shut down".into(),
+            });
         }
+        self.backend.shutdown(deadline);
     }
 
     /// Whether `direction`'s lane has failed, as the engine or its backend saw it.

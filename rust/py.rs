@@ -17,13 +17,15 @@ use functions::{
 use host_buffer::PyHostBuffer;
 use route::{choose_route, PyRoute};
 
+use std::cell::Cell;
+
 use pyo3::create_exception;
-use pyo3::exceptions::PyException;
+use pyo3::exceptions::{PyException, PyKeyboardInterrupt};
 use pyo3::prelude::*;
 
 use crate::backend::cuda;
 use crate::direction::Direction;
-use crate::engine::EngineError;
+use crate::engine::{Engine, EngineError};
 use crate::hostmem::{self, HostBuffer, HostBufferError, Pinner};
 use crate::kernel::KernelBatch;
 use crate::plan::choice;
@@ -164,9 +166,19 @@ fn direction(s: &str) -> PyResult<Direction> {
     })
 }
 
-/// Calls a Python kernel launcher (re-taking the GIL) for a transfer's kernel part.
-fn call_launcher(launcher: &Py<PyAny>, b: KernelBatch) -> Result<(), String> {
-    Python::attach(|py| {
+thread_local! {
+    /// The engine (its address) whose Python kernel launcher this thread is running, or 0. A
+    /// launcher runs inside a submission, under the engine's submit lock: a call from it into
+    /// the same engine would wait for that lock, or for the transfer it is launching, forever.
+    static LAUNCHING: Cell<usize> = const { Cell::new(0) };
+}
+
+/// Calls a Python kernel launcher (re-taking the GIL) for the kernel part of a transfer of
+/// `engine`. A launcher's error fails the transfer; a `KeyboardInterrupt` is raised again once
+/// control is back in Python, not lost in the transfer's error.
+fn call_launcher(engine: &Engine, launcher: &Py<PyAny>, b: KernelBatch) -> Result<(), String> {
+    let outer = LAUNCHING.with(|l| l.replace(std::ptr::from_ref(engine) as usize));
+    let result = Python::attach(|py| {
         launcher
             .call1(
                 py,
@@ -181,8 +193,31 @@ fn call_launcher(launcher: &Py<PyAny>, b: KernelBatch) -> Result<(), String> {
                 ),
             )
             .map(drop)
-            .map_err(|e| e.to_string())
-    })
+            .map_err(|e| {
+                let reason = e.to_string();
+                // Marked pending after the last call into Python here, which would raise it.
+                if e.is_instance_of::<PyKeyboardInterrupt>(py) {
+                    // SAFETY: the interpreter is initialised (this thread holds the GIL), and
+                    // the call only marks SIGINT as pending for the main thread to raise.
+                    unsafe { pyo3::ffi::PyErr_SetInterrupt() };
+                }
+                reason
+            })
+    });
+    LAUNCHING.with(|l| l.set(outer));
+    result
+}
+
+/// Refuses `what` on `engine` from inside one of its own kernel launchers (see [`LAUNCHING`]),
+/// which would deadlock the process.
+fn not_launching(engine: &Engine, what: &str) -> PyResult<()> {
+    if LAUNCHING.with(Cell::get) == std::ptr::from_ref(engine) as usize {
+        return Err(invalid(format!(
+            "{what} called from inside this engine's kernel launcher, which runs while the \
+             engine holds its submit lock: a launcher may only launch its kernel"
+        )));
+    }
+    Ok(())
 }
 
 #[pymodule]

@@ -232,3 +232,71 @@ fn shutdown_past_its_timeout_says_so_and_keeps_the_slab() {
     assert_eq!((results.len(), results[0].success), (1, false));
     assert_eq!(s.engine.stats().pool.free, 0, "the held slab stays out");
 }
+
+#[test]
+fn a_block_table_is_not_removed_under_a_transfer_and_says_which() {
+    let s = setup(u64::MAX, Duration::from_secs(1));
+    let src = s.src.as_ptr() as u64;
+    let table = s
+        .engine
+        .register_table(blockswap::table::TableSpec::new(
+            vec![src],
+            vec![4096],
+            vec![4096],
+            4,
+            MemoryKind::Host,
+        ))
+        .unwrap();
+    submit(&s, 1, Direction::HostToDevice); // held in flight
+    let e = s.engine.unregister_table(table).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        format!("block table {table} cannot be removed while 1 transfers are in flight")
+    );
+    s.backend.complete(Direction::HostToDevice, 1);
+    assert_eq!(poll(&s.engine).len(), 1);
+    s.engine.unregister_table(table).unwrap();
+}
+
+#[test]
+fn wait_keeps_its_timeout_and_a_second_shutdown_waits_while_one_drains() {
+    let s = setup(u64::MAX, Duration::from_secs(60));
+    submit(&s, 1, Direction::HostToDevice); // held until completed below
+    let ended = Mutex::new(Vec::new());
+    std::thread::scope(|scope| {
+        for name in ["first", "second"] {
+            let (engine, ended) = (&s.engine, &ended);
+            scope.spawn(move || {
+                engine.shutdown();
+                ended.lock().unwrap().push((name, Instant::now()));
+            });
+        }
+        // The first shutdown drains with the submit lock held; a wait for the transfer keeps
+        // its own timeout, and neither shutdown returns while the transfer is held.
+        std::thread::sleep(Duration::from_millis(50));
+        let start = Instant::now();
+        let waited = s.engine.wait(&[1], Some(Duration::from_millis(20)));
+        assert!(
+            matches!(waited, Err(blockswap::engine::EngineError::Timeout { .. })),
+            "{waited:?}"
+        );
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "wait queued behind the drain"
+        );
+        assert!(
+            ended.lock().unwrap().is_empty(),
+            "a shutdown returned before the drain"
+        );
+        let completed = Instant::now();
+        s.backend.complete(Direction::HostToDevice, 1);
+        // Both return after the transfer completed.
+        while ended.lock().unwrap().len() < 2 {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert!(ended.lock().unwrap().iter().all(|&(_, at)| at >= completed));
+    });
+    assert!(!s.engine.stats().shutdown_timed_out);
+    let results = poll(&s.engine);
+    assert_eq!((results.len(), results[0].success), (1, true));
+}

@@ -181,14 +181,16 @@ class HandlerScene:
                 ]
 
 
-def run_isolated(code: str) -> dict[str, Any]:
-    """Runs ``code`` in a fresh interpreter (a crash there fails this test, not the run) and
-    returns the JSON object its last output line holds."""
+def run_isolated(code: str, timeout: float = DEADLOCK) -> dict[str, Any]:
+    """Runs ``code`` in a fresh interpreter (a crash or a hang there, killed after
+    ``timeout`` seconds, fails this test, not the run) and returns the JSON object its last
+    output line holds."""
     proc = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
         capture_output=True,
         text=True,
         check=False,
+        timeout=timeout,
     )
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     assert "panicked" not in proc.stderr, proc.stderr

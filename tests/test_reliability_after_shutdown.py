@@ -93,6 +93,8 @@ if pid == 0:
         "submit": lambda: eng.submit(2, [s], [d + 300000], [8]),
         "submit_blocks": lambda: eng.submit_blocks(2, t_src, [0], t_dst, [0]),
         "wait": lambda: eng.wait([1]),
+        "unregister": lambda: eng.unregister(src),
+        "unregister_table": lambda: eng.unregister_table(t_src),
         "register": lambda: eng.register(np.zeros(8, np.uint8)),
         "register_table": lambda: eng.register_table([s], [64], [64], 1, "host"),
         "alloc_host": lambda: eng.alloc_host(64),
@@ -103,6 +105,7 @@ if pid == 0:
             out[name] = "accepted"
         except blockswap.BlockswapError as e:
             out[name] = [type(e).__name__, str(e)]
+    out["polled"] = [r.job_id for r in eng.get_finished()]  # the parent's transfers
     # a new engine made in the child works
     e2 = Engine("host")
     a = np.arange(4096, dtype=np.uint8)
@@ -137,10 +140,20 @@ def test_calls_from_a_forked_child() -> None:
     out = run_isolated(FORK_CHILD)
     child = out["child"]
     assert out["status"] == 0
-    for name in ("submit", "submit_blocks", "wait", "register", "register_table", "alloc_host"):
+    for name in (
+        "submit",
+        "submit_blocks",
+        "wait",
+        "unregister",
+        "unregister_table",
+        "register",
+        "register_table",
+        "alloc_host",
+    ):
         kind, msg = child[name]
         assert kind == "BackendError", (name, child[name])
         assert "created in another process" in msg and "create a new engine in the child" in msg
+    assert child["polled"] == []
     assert child["new_engine"] == [[5, True]] and child["new_engine_bytes"]
     assert child["dropped"]
     # the parent: the transfer before the fork and the one after it, once each, every byte

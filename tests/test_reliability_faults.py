@@ -7,7 +7,7 @@ from collections import Counter
 import numpy as np
 
 from blockswap import Engine
-from reliability_helpers import MiB, Scene, drain
+from reliability_helpers import MiB, Scene, drain, run_isolated
 
 
 def test_injected_faults_in_a_stream_of_transfers() -> None:
@@ -104,3 +104,72 @@ def test_injected_faults_on_block_table_transfers_and_reset() -> None:
         assert eng.stats()["h2d"]["failed"] == 2
     finally:
         eng.shutdown()
+
+
+def test_an_injected_fault_fails_a_transfer_its_launcher_moved_whole() -> None:
+    """Every descriptor below ``kernel_below`` goes to the launcher: with nothing left for the
+    worker's copies, an injected fault still fails the transfer (it was dropped, and the next
+    transfer took none), and is not carried over to the next one."""
+    eng = Engine("host")
+    src = np.random.default_rng(2).integers(1, 256, 4096, dtype=np.uint8)
+    dst = np.zeros(4096, dtype=np.uint8)
+    eng.register(src, kind="host")
+    eng.register(dst, kind="device")
+    launched: list[int] = []
+
+    def launcher(*args: int) -> None:
+        launched.append(args[3])  # the number of descriptors it moves
+
+    try:
+        eng.inject_failures(1)
+        eng.submit(1, [src.ctypes.data], [dst.ctypes.data], [64], kernel_below=1 << 20,
+                   launcher=launcher)  # fmt: skip
+        eng.wait([1])
+        (r,) = drain(eng.get_finished, 1)
+        assert (r.job_id, r.success) == (1, False) and "injected failure" in (r.error or "")
+        eng.submit(2, [src.ctypes.data], [dst.ctypes.data], [4096])
+        eng.wait([2])
+        (r,) = drain(eng.get_finished, 1)
+        assert (r.job_id, r.success) == (2, True)
+        assert launched == [1] and np.array_equal(src, dst)
+    finally:
+        eng.shutdown()
+
+
+STAGE_TOO_LARGE = """
+import json
+import numpy as np
+import blockswap
+from blockswap import Route
+
+seg, n = 4096, 8
+host = np.random.default_rng(6).integers(1, 256, 2 * n * seg, dtype=np.uint8)
+dev = np.zeros(2 * n * seg, np.uint8)
+eng = blockswap.Engine("host", stage_bytes=1 << 40)  # the largest slot the option takes
+eng.register(host, kind="host")
+eng.register(dev, kind="device")
+h, d = host.ctypes.data, dev.ctypes.data
+ht = eng.register_table([h, h + seg], [2 * seg] * 2, [seg] * 2, n, "host")
+dt = eng.register_table([d, d + n * seg], [seg] * 2, [seg] * 2, n, "device")
+ids = np.arange(4, dtype=np.int64)
+eng.submit_groups(1, [(ht, ids, dt, ids, None)], "h2d", route=Route.staged())
+eng.wait([1], timeout=60)
+(r,) = eng.get_finished()
+moved = all(
+    np.array_equal(dev[s * n * seg + b * seg:][:seg], host[(2 * b + s) * seg:][:seg])
+    for b in range(4) for s in range(2)
+)
+eng.shutdown()
+print(json.dumps({"success": r.success, "error": r.error, "moved": bool(moved)}))
+"""
+
+
+def test_a_staging_slot_the_host_cannot_hold_fails_the_transfer_not_the_process() -> None:
+    """On the host backend the slot is allocated by the engine's thread at the first staged
+    transfer: where memory cannot hold it, that transfer fails with the size, and the process
+    lives (where the system overcommits, the slot is mapped and the transfer moves its bytes)."""
+    out = run_isolated(STAGE_TOO_LARGE)
+    if out["success"]:
+        assert out["moved"], out
+    else:
+        assert out["error"] == "could not allocate 1099511627776 bytes of host memory", out

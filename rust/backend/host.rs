@@ -153,9 +153,14 @@ unsafe fn run_staged(
     let steps = req.steps(src, dst, size, behind);
     let fail_at = injected.then_some(steps.len() / 2);
     if !req.direct && ring.len() < req.slot_bytes as usize {
-        // A zeroed allocation, not `resize`: that writes the slot a byte at a time in an
-        // unoptimised build (minutes of a Miri run for a 16 MiB slot).
-        *ring = vec![0; req.slot_bytes as usize];
+        // The slot is the engine's option (`stage_bytes`), which memory may not hold: the
+        // transfer fails, where `vec!` would abort the process.
+        let Some(slot) = zeroed(req.slot_bytes as usize) else {
+            let bytes = req.slot_bytes as usize;
+            slab.set_failed(BackendError::OutOfMemory { bytes }.to_string());
+            return;
+        };
+        *ring = slot;
     }
     let base = ring.as_mut_ptr() as u64;
     for (k, step) in steps.iter().enumerate() {
@@ -213,6 +218,25 @@ unsafe fn run_staged(
     }
 }
 
+/// `bytes` zeroed bytes, or None where they cannot be allocated. Zeroed by the allocator, not by
+/// `resize`, which writes a byte at a time in an unoptimised build (minutes of a Miri run for a
+/// 16 MiB slot).
+fn zeroed(bytes: usize) -> Option<Vec<u8>> {
+    if bytes == 0 {
+        return Some(Vec::new());
+    }
+    let layout = Layout::array::<u8>(bytes).ok()?;
+    // SAFETY: the layout's size is not zero.
+    let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+    if ptr.is_null() {
+        return None;
+    }
+    let slice = std::ptr::slice_from_raw_parts_mut(ptr, bytes);
+    // SAFETY: `ptr` was allocated by the global allocator with the layout of `[u8; bytes]`, and
+    // every byte is initialised (zero): a boxed slice, which now owns it.
+    Some(unsafe { Box::from_raw(slice) }.into_vec())
+}
+
 fn worker_loop(rx: Receiver<Job>, shared: std::sync::Arc<Shared>) {
     let mut ring = Vec::new();
     let mut after_one = false;
@@ -231,7 +255,13 @@ fn worker_loop(rx: Receiver<Job>, shared: std::sync::Arc<Shared>) {
         };
         let injected = take_injected(&shared.fail_next);
         match job.plan {
-            _ if first >= src.len() => {}
+            _ if first >= src.len() => {
+                // Nothing left to copy (the kernel moved every descriptor, or failed): an
+                // injected failure still fails the transfer, as it would midway.
+                if injected && slab.failure().is_none() {
+                    slab.set_failed(BackendError::Injected { index: first }.to_string());
+                }
+            }
             Plan::Staged(req) => {
                 let host_src = job.lane == Direction::HostToDevice;
                 // SAFETY: the slab was checked at submission (see `run_staged`); this worker is the

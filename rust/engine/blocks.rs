@@ -192,12 +192,19 @@ impl Engine {
 
     /// Removes a block table. Refused while transfers are in flight.
     pub fn unregister_table(&self, id: u32) -> Result<(), EngineError> {
-        let mut state = self.lock();
+        let mut state = self.lock_here()?;
         match state.tables.get(id as usize) {
             Some(Some(_)) => {}
             _ => return Err(TableError::Unknown(id).into()),
         }
-        self.check_idle(0)?;
+        let in_flight = self.unfinished();
+        if in_flight > 0 {
+            return Err(TableError::Busy {
+                table: id,
+                in_flight: in_flight as usize,
+            }
+            .into());
+        }
         state.tables[id as usize] = None;
         state.apart.retain(|&(a, b)| a != id && b != id);
         Ok(())
@@ -254,7 +261,7 @@ impl Engine {
     /// The bytes of a block's host row where `table` is block-major (see [`staged_row`]): what
     /// the staged plan moves per block, and what must fit a staging slot. `None` otherwise.
     pub fn staged_row(&self, table: u32) -> Result<Option<u64>, EngineError> {
-        let state = self.lock();
+        let state = self.lock_here()?;
         let t = state
             .tables
             .get(table as usize)
@@ -286,7 +293,7 @@ impl Engine {
         host_tables: &[u32],
         whole: bool,
     ) -> Result<Result<u64, String>, EngineError> {
-        let state = self.lock();
+        let state = self.lock_here()?;
         let slot = self.config.stage_bytes;
         let mut largest = None;
         let mut tables = Vec::with_capacity(host_tables.len());
@@ -321,7 +328,7 @@ impl Engine {
     /// [`crate::plan::choice::Ask`]). A block of one page is no row to join: its copies are the
     /// page route's. False for no table.
     pub fn block_major(&self, host_tables: &[u32]) -> Result<bool, EngineError> {
-        let state = self.lock();
+        let state = self.lock_here()?;
         let mut all = !host_tables.is_empty();
         let mut tables = Vec::with_capacity(host_tables.len());
         for &id in host_tables {
@@ -345,7 +352,7 @@ impl Engine {
         dst_table: u32,
         direction: Direction,
     ) -> Result<Option<Vec<Run>>, EngineError> {
-        let state = self.lock();
+        let state = self.lock_here()?;
         let (s, d) = table_pair(&state.tables, src_table, dst_table, direction)?;
         Ok(block_runs(s, d))
     }
@@ -359,7 +366,7 @@ impl Engine {
         direction: Direction,
         insist: bool,
     ) -> Result<Result<String, String>, EngineError> {
-        let state = self.lock();
+        let state = self.lock_here()?;
         let tables = pairs
             .iter()
             .map(|&(s, d)| table_pair(&state.tables, s, d, direction))

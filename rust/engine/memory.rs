@@ -125,7 +125,7 @@ impl Engine {
     /// Removes the region starting at `start` (unpinning or freeing what blockswap pinned or
     /// allocated there). Refused while transfers are in flight.
     pub fn unregister(&self, start: u64) -> Result<(), EngineError> {
-        let mut state = self.lock();
+        let mut state = self.lock_here()?;
         if state.buffers.contains_key(&start) {
             drop(state);
             return self.free_host(start);
@@ -207,7 +207,7 @@ impl Engine {
     /// table is checked against registered memory once, when it is registered: its later
     /// transfers would copy to and from freed memory) and while transfers are in flight.
     pub fn free_host(&self, addr: u64) -> Result<(), EngineError> {
-        let mut state = self.lock();
+        let mut state = self.lock_here()?;
         let Some(alloc) = state.buffers.get(&addr) else {
             return Err(RegionError::NotRegistered { start: addr }.into());
         };

@@ -347,6 +347,24 @@ pub(super) fn cpus_option(py: Python<'_>, given: &Given<'_>) -> PyResult<Option<
 }
 
 /// A `UserWarning` with `msg`, pointing at the Python line that called into the core.
+/// Warns of the CUDA options a host-backend engine was given and ignores (`Some("name=value")`
+/// for each that differs from its default).
+pub(super) fn warn_host_ignores<const N: usize>(
+    py: Python<'_>,
+    options: [Option<String>; N],
+) -> PyResult<()> {
+    let ignored: Vec<String> = options.into_iter().flatten().collect();
+    if ignored.is_empty() {
+        return Ok(());
+    }
+    let s = if ignored.len() > 1 { "s" } else { "" };
+    let msg = format!(
+        "this engine runs on the host backend, which ignores the CUDA option{s} {}",
+        ignored.join(", ")
+    );
+    user_warning(py, msg)
+}
+
 pub(super) fn user_warning(py: Python<'_>, msg: String) -> PyResult<()> {
     let cmsg = std::ffi::CString::new(msg).expect("no NUL in a message the core writes");
     PyErr::warn(

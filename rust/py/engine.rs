@@ -17,7 +17,7 @@ use super::args::{
     I128, I32, ORDERS, STREAM, U64, U64_MAX,
 };
 use super::submit::{self, submission};
-use super::{call_launcher, invalid, PyTransferResult};
+use super::{call_launcher, invalid, not_launching, PyTransferResult};
 use crate::backend::cuda::{CudaBackend, CudaOptions};
 use crate::backend::host::HostBackend;
 use crate::backend::Backend;
@@ -220,31 +220,23 @@ impl PyEngine {
             Arc::new(b)
         } else {
             // The CUDA options this backend ignores, where one differs from its default.
-            let ignored: Vec<String> = [
-                device.changed("device", device_n != 0),
-                copy_path.changed("copy_path", copy_path_s != "auto"),
-                max_batch.changed("max_batch", max_batch_n.is_some()),
-                timing.changed("timing", timing_b),
-                completion.changed("completion", completion_s != "auto"),
-                h2d_order.changed("h2d_order", h2d_order_s != "any"),
-                d2h_order.changed("d2h_order", d2h_order_s != "stream"),
-                h2d_stream.changed("h2d_stream", h2d_stream_n.is_some()),
-                d2h_stream.changed("d2h_stream", d2h_stream_n.is_some()),
-                idle_issue.changed("idle_issue", idle_issue_b),
-                early_wake.changed("early_wake", !early_wake_b),
-                keep_warm.changed("keep_warm", (keep_warm_s - default_warm).abs() > 1e-9),
-            ]
-            .into_iter()
-            .flatten()
-            .collect();
-            if !ignored.is_empty() {
-                let s = if ignored.len() > 1 { "s" } else { "" };
-                let msg = format!(
-                    "this engine runs on the host backend, which ignores the CUDA option{s} {}",
-                    ignored.join(", ")
-                );
-                args::user_warning(py, msg)?;
-            }
+            args::warn_host_ignores(
+                py,
+                [
+                    device.changed("device", device_n != 0),
+                    copy_path.changed("copy_path", copy_path_s != "auto"),
+                    max_batch.changed("max_batch", max_batch_n.is_some()),
+                    timing.changed("timing", timing_b),
+                    completion.changed("completion", completion_s != "auto"),
+                    h2d_order.changed("h2d_order", h2d_order_s != "any"),
+                    d2h_order.changed("d2h_order", d2h_order_s != "stream"),
+                    h2d_stream.changed("h2d_stream", h2d_stream_n.is_some()),
+                    d2h_stream.changed("d2h_stream", d2h_stream_n.is_some()),
+                    idle_issue.changed("idle_issue", idle_issue_b),
+                    early_wake.changed("early_wake", !early_wake_b),
+                    keep_warm.changed("keep_warm", (keep_warm_s - default_warm).abs() > 1e-9),
+                ],
+            )?;
             Arc::new(HostBackend::with_cpus(cpus))
         };
         let engine = PyEngine {
@@ -288,6 +280,7 @@ impl PyEngine {
         kernel_below: Given<'_>,
         launcher: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
+        not_launching(&self.engine, "submit")?;
         let job_id = args::job_id(job_id)?;
         let launcher = launcher_arg(launcher)?;
         let (s, d, z) = (
@@ -304,7 +297,8 @@ impl PyEngine {
             })
             .into());
         }
-        let launch = |b: KernelBatch| call_launcher(launcher.as_ref().expect("routed"), b);
+        let launch =
+            |b: KernelBatch| call_launcher(&self.engine, launcher.as_ref().expect("routed"), b);
         let kernel = (launcher.is_some() && kernel_below > 0).then_some((
             kernel_below,
             PageKernel::Launcher(&launch as KernelLauncher<'_>),
@@ -349,6 +343,7 @@ impl PyEngine {
         name: Given<'_>,
         unit: Given<'_>,
     ) -> PyResult<u32> {
+        not_launching(&self.engine, "register_table")?;
         let mut cols = Vec::with_capacity(3);
         for (col, values) in [("bases", bases), ("strides", strides), ("nbytes", nbytes)] {
             let v = args::ids(col, values)?;
@@ -382,9 +377,9 @@ impl PyEngine {
 
     /// Removes a block table (refused while transfers are in flight).
     fn unregister_table(&self, py: Python<'_>, table: &Bound<'_, PyAny>) -> PyResult<()> {
+        not_launching(&self.engine, "unregister_table")?;
         let table = args::table_id(table)?;
-        py.detach(|| self.engine.unregister_table(table))
-            .map_err(Into::into)
+        Ok(py.detach(|| self.engine.unregister_table(table))?)
     }
 
     /// Issues the transfer of blocks ``src_ids`` of table ``src_table`` to blocks ``dst_ids`` of
@@ -410,6 +405,7 @@ impl PyEngine {
         kernel_below: Given<'_>,
         launcher: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
+        not_launching(&self.engine, "submit_blocks")?;
         let job_id = args::job_id(job_id)?;
         let launcher = launcher_arg(launcher)?;
         let (src_table, dst_table) = (args::table_id(src_table)?, args::table_id(dst_table)?);
@@ -418,7 +414,8 @@ impl PyEngine {
             args::ids("dst_ids", dst_ids)?,
         );
         let (dir, wait_stream, kernel_below) = submission(&direction, wait_stream, &kernel_below)?;
-        let launch = |b: KernelBatch| call_launcher(launcher.as_ref().expect("routed"), b);
+        let launch =
+            |b: KernelBatch| call_launcher(&self.engine, launcher.as_ref().expect("routed"), b);
         let kernel = (launcher.is_some() && kernel_below > 0).then_some((
             kernel_below,
             PageKernel::Launcher(&launch as KernelLauncher<'_>),
@@ -455,6 +452,7 @@ impl PyEngine {
         direction: Given<'_>,
         wait_stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
+        not_launching(&self.engine, "submit_block_runs")?;
         let job_id = args::job_id(job_id)?;
         let (src_table, dst_table) = (args::table_id(src_table)?, args::table_id(dst_table)?);
         let (s, d) = (
@@ -520,6 +518,7 @@ impl PyEngine {
         wait_stream: Option<&Bound<'_, PyAny>>,
         route: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
+        not_launching(&self.engine, "submit_groups")?;
         let job_id = args::job_id(job_id)?;
         let (dir, wait_stream, _) = submission(&direction, wait_stream, &Given(None))?;
         let (tables, ids) = submit::groups(groups, dir)?;
@@ -552,6 +551,7 @@ impl PyEngine {
         wait_stream: Option<&Bound<'_, PyAny>>,
         route: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
+        not_launching(&self.engine, "submit_group")?;
         let job_id = args::job_id(job_id)?;
         let (dir, wait_stream, _) = submission(&direction, wait_stream, &Given(None))?;
         // Woken while the ids are read; detached, as in `wake`.
@@ -595,6 +595,7 @@ impl PyEngine {
         wait_stream: Option<&Bound<'_, PyAny>>,
         route: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
+        not_launching(&self.engine, "submit_spec")?;
         let job_id = args::job_id(job_id)?;
         let (dir, wait_stream, _) = submission(&direction, wait_stream, &Given(None))?;
         py.detach(|| self.engine.wake(dir));
@@ -627,6 +628,7 @@ impl PyEngine {
     /// ``None`` on the host backend. A kernel whose parameters are neither kind's raises
     /// :class:`blockswap.BackendError`.
     fn load_kernel(&self, py: Python<'_>, kernel: &Bound<'_, PyDict>) -> PyResult<Option<u32>> {
+        not_launching(&self.engine, "load_kernel")?;
         let get = |k: &str| -> PyResult<Bound<'_, PyAny>> {
             kernel
                 .get_item(k)?
@@ -648,14 +650,14 @@ impl PyEngine {
             row_bytes: opt("row_bytes")?.map_or(Ok(0), |v| v.extract())?,
             chained: opt("chained")?.map_or(Ok(false), |v| v.extract())?,
         };
-        py.detach(|| self.engine.load_kernel(spec))
-            .map_err(Into::into)
+        Ok(py.detach(|| self.engine.load_kernel(spec))?)
     }
 
     /// The bytes of one block's row where ``table`` is block-major (every page of a block in
     /// one chunk inside one registered region): what the staged plan moves across PCIe per
     /// block, at most :attr:`stage_bytes`. ``None`` for any other layout.
     fn staged_row(&self, py: Python<'_>, table: &Bound<'_, PyAny>) -> PyResult<Option<u64>> {
+        not_launching(&self.engine, "staged_row")?;
         let table = args::table_id(table)?;
         // The engine lock: taken with the GIL released (see `register_table`).
         Ok(py.detach(|| self.engine.staged_row(table))?)
@@ -675,6 +677,7 @@ impl PyEngine {
         direction: &Bound<'_, PyAny>,
         ring: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
+        not_launching(&self.engine, "prepare_staged")?;
         let dir = direction_arg(direction)?;
         let ring = ring.map_or(Ok(true), |r| args::flag("ring", r))?;
         // Detached: device allocations take a while, and the lane's stage lock is the engine
@@ -705,6 +708,7 @@ impl PyEngine {
         dst_table: &Bound<'_, PyAny>,
         direction: Given<'_>,
     ) -> PyResult<Option<Vec<(usize, u64, u64, u64, u64)>>> {
+        not_launching(&self.engine, "block_runs")?;
         let (src_table, dst_table) = (args::table_id(src_table)?, args::table_id(dst_table)?);
         let dir = direction.or(Direction::HostToDevice, direction_arg)?;
         let runs = py.detach(|| self.engine.block_runs(src_table, dst_table, dir))?;
@@ -730,6 +734,7 @@ impl PyEngine {
         direction: Given<'_>,
         insist: Given<'_>,
     ) -> PyResult<(bool, String)> {
+        not_launching(&self.engine, "block_route")?;
         let pairs = pairs
             .try_iter()?
             .map(|p| {
@@ -755,6 +760,7 @@ impl PyEngine {
         py: Python<'_>,
         host_tables: &Bound<'_, PyAny>,
     ) -> PyResult<(Option<u64>, String)> {
+        not_launching(&self.engine, "staged_route")?;
         let host_tables = args::table_ids(host_tables)?;
         let route = py.detach(|| self.engine.staged_route(&host_tables))?;
         Ok(match route {
@@ -782,6 +788,7 @@ impl PyEngine {
         job_ids: &Bound<'_, PyAny>,
         timeout: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
+        not_launching(&self.engine, "wait")?;
         let iterable = !(job_ids.is_instance_of::<PyString>()
             || job_ids.is_instance_of::<pyo3::types::PyBytes>());
         let ids = match job_ids.try_iter() {
@@ -802,14 +809,15 @@ impl PyEngine {
             ),
             _ => None,
         };
-        py.detach(|| self.engine.wait(&ids, timeout))
-            .map_err(Into::into)
+        Ok(py.detach(|| self.engine.wait(&ids, timeout))?)
     }
 
     /// Waits for transfers in flight and stops the backend; results stay available. Transfers
     /// still in flight after the engine's ``shutdown_timeout`` are reported failed. Idempotent.
-    fn shutdown(&self, py: Python<'_>) {
+    fn shutdown(&self, py: Python<'_>) -> PyResult<()> {
+        not_launching(&self.engine, "shutdown")?;
         py.detach(|| self.engine.shutdown());
+        Ok(())
     }
 
     #[getter]
@@ -827,6 +835,7 @@ impl PyEngine {
         nbytes: &Bound<'_, PyAny>,
         kind: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
+        not_launching(&self.engine, "register")?;
         let ptr: u64 = args::int("ptr", ptr, U64)?;
         let kind = kind_arg(kind)?;
         let nbytes: u64 = args::int("nbytes", nbytes, IntArg::within(1, U64_MAX))?;
@@ -839,6 +848,7 @@ impl PyEngine {
     /// Page-locks ``nbytes`` of existing host memory at ``ptr`` (``cuMemHostRegister`` on CUDA)
     /// and registers it as host memory (what :meth:`blockswap.Engine.pin` calls).
     fn _pin(&self, py: Python<'_>, ptr: u64, nbytes: &Bound<'_, PyAny>) -> PyResult<()> {
+        not_launching(&self.engine, "pin")?;
         let nbytes: u64 = args::int("nbytes", nbytes, IntArg::within(1, U64_MAX))?;
         // SAFETY: as for `register`: the Python caller vouches for the range.
         py.detach(|| unsafe { self.engine.pin(ptr, nbytes) })
@@ -847,22 +857,23 @@ impl PyEngine {
 
     /// Removes the registration at ``ptr`` (what :meth:`blockswap.Engine.unregister` calls).
     fn _unregister(&self, py: Python<'_>, ptr: &Bound<'_, PyAny>) -> PyResult<()> {
+        not_launching(&self.engine, "unregister")?;
         let ptr: u64 = args::int("ptr", ptr, U64)?;
-        py.detach(|| self.engine.unregister(ptr))
-            .map_err(Into::into)
+        Ok(py.detach(|| self.engine.unregister(ptr))?)
     }
 
     /// Allocates ``nbytes`` of host memory (page-locked on CUDA), registered; returns its
     /// address (what :meth:`blockswap.Engine.alloc_host` calls).
     fn _alloc_host(&self, py: Python<'_>, nbytes: &Bound<'_, PyAny>) -> PyResult<u64> {
+        not_launching(&self.engine, "alloc_host")?;
         let nbytes: usize = args::int("nbytes", nbytes, IntArg::within(1, U64_MAX))?;
-        py.detach(|| self.engine.alloc_host(nbytes))
-            .map_err(Into::into)
+        Ok(py.detach(|| self.engine.alloc_host(nbytes))?)
     }
 
     /// Frees the buffer at ``ptr`` from ``_alloc_host`` (what
     /// :meth:`blockswap.Engine.free_host` calls).
     fn _free_host(&self, py: Python<'_>, ptr: u64) -> PyResult<()> {
+        not_launching(&self.engine, "free_host")?;
         py.detach(|| self.engine.free_host(ptr)).map_err(Into::into)
     }
 

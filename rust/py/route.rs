@@ -294,10 +294,15 @@ impl PyRoute {
     }
 }
 
-/// Calls the route's Python launcher (taking the GIL); only reached for a route that has one.
-pub(super) fn launch_with(route: &PyRoute, batch: KernelBatch) -> Result<(), String> {
+/// Calls the route's Python launcher (taking the GIL) for a transfer of `engine`; only reached
+/// for a route that has one.
+pub(super) fn launch_with(
+    engine: &engine::Engine,
+    route: &PyRoute,
+    batch: KernelBatch,
+) -> Result<(), String> {
     match route.python_launcher() {
-        Some(l) => call_launcher(l, batch),
+        Some(l) => call_launcher(engine, l, batch),
         None => Err("the route has no launcher".into()),
     }
 }

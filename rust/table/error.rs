@@ -28,6 +28,8 @@ pub enum TableError {
     },
     /// No table has this id.
     Unknown(u32),
+    /// Transfers are in flight: the table cannot be removed now.
+    Busy { table: u32, in_flight: usize },
     /// The table's memory is not of the kind the direction needs.
     WrongKind {
         table: u32,
@@ -126,6 +128,10 @@ impl fmt::Display for TableError {
                  between pages)"
             ),
             TableError::Unknown(id) => write!(f, "no block table {id}"),
+            TableError::Busy { table, in_flight } => write!(
+                f,
+                "block table {table} cannot be removed while {in_flight} transfers are in flight"
+            ),
             TableError::WrongKind {
                 table,
                 kind,
