@@ -933,3 +933,81 @@ def three_group_mapping(
     if skip:
         gpu_g[2], exp_g[2] = gpu_g[2][skip:-skip], exp_g[2][skip:-skip]
     return gpu_g, cpu_g, exp_g, skip
+
+
+def test_a_full_engine_makes_room_rather_than_refuse_a_job() -> None:
+    """vLLM asserts that every submission succeeds (its own worker refuses none), and a step may
+    defer more stores than an engine keeps in flight: with ``max_in_flight`` 2, twelve stores
+    and loads without a poll between them are all accepted (finished ones collected for the next
+    poll, the oldest waited for where none had finished), and each is reported once, in
+    submission order per direction, every byte in place; the empty jobs ride behind theirs."""
+    page, n = 64 << 10, 24
+    gen = torch.Generator().manual_seed(9)
+    ts = [torch.randint(-128, 128, (n, page), dtype=torch.int8, generator=gen) for _ in range(2)]
+    kv = CanonicalKVCaches(
+        [CanonicalKVCacheTensor(x, page) for x in ts],
+        [[CanonicalKVCacheRef(0, page), CanonicalKVCacheRef(1, page)]],
+    )
+    w = BlockswapOffloadingWorker(kv, 1, n, backend="host", max_in_flight=2)
+    try:
+        before = [x.clone() for x in ts]
+        empty = GPULoadStoreSpec([], (0,), (0,))
+        stores = [(j, [j, j + 12]) for j in range(12)]  # GPU block j to chunk j, j+12 to j+12
+        for j, blocks in stores:
+            spec = GPULoadStoreSpec(blocks, (2,), (0,))
+            assert w.submit_store(j, spec, CPULoadStoreSpec(blocks)) is True
+            if j == 5:
+                assert w.submit_store(100, empty, CPULoadStoreSpec([])) is True
+        # Loads of the stored chunks into other GPU blocks, the GPU's copies zeroed first.
+        w.wait({j for j, _ in stores})
+        for x in ts:
+            x.zero_()
+        for j, blocks in stores:
+            spec = GPULoadStoreSpec(blocks, (2,), (0,))
+            assert w.submit_load(50 + j, CPULoadStoreSpec(blocks), spec) is True
+        w.wait({50 + j for j, _ in stores})
+        got = [(r.job_id, r.success, r.transfer_size) for r in w.get_finished()]
+        got += [(r.job_id, r.success, r.transfer_size) for r in w.get_finished()]
+        store_order = [j for j, ok, _ in got if j < 50 or j == 100]
+        assert store_order == [0, 1, 2, 3, 4, 5, 100, 6, 7, 8, 9, 10, 11]
+        assert [j for j, _, _ in got if 50 <= j < 100] == [50 + j for j in range(12)]
+        assert all(ok for _, ok, _ in got)
+        assert {j: size for j, _, size in got if j != 100} == {
+            **{j: 4 * page for j in range(12)},
+            **{50 + j: 4 * page for j in range(12)},
+        }
+        for x, b in zip(ts, before):
+            assert x.equal(b)
+        assert w.get_finished() == []
+    finally:
+        w.shutdown()
+
+
+def test_a_refused_worker_leaves_its_cpu_cache_registered_nowhere(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A path that cannot run here refuses the worker after its engine registered the CPU cache:
+    the refused construction unregisters it, so the cache is freed (unpinned) and not kept
+    pinned for an engine that is gone."""
+    import blockswap.handler as handler_module
+    from blockswap import routing
+    from blockswap.hostmem import PinnedRows
+    from blockswap.routing import RouteUnavailableError
+
+    unpinned: list[bool] = []
+    unpin = PinnedRows.unpin
+
+    def recorded(self: PinnedRows) -> None:
+        unpin(self)
+        unpinned.append(True)
+
+    monkeypatch.setattr(PinnedRows, "unpin", recorded)
+    assert handler_module.PinnedRows is PinnedRows
+    # No GPU and no Triton interpreter: the copy kernel cannot run here.
+    monkeypatch.setattr(routing, "_kernel_unavailable", lambda: "no kernel in this test")
+    kv, _ = caches()
+    caplog.set_level("INFO", logger="blockswap")
+    with pytest.raises(RouteUnavailableError, match="path='kernel' cannot run here"):
+        BlockswapOffloadingWorker(kv, BPC, N_CHUNKS, backend="host", path="kernel")
+    assert unpinned == [True]
+    assert "stays pinned" not in caplog.text

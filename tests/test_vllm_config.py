@@ -155,22 +155,71 @@ def test_the_readme_and_the_module_list_every_option_and_value() -> None:
         assert f'``"{path}"``' in doc, path
 
 
+@pytest.mark.parametrize(("world", "replicated"), [(1, False), (4, False), (4, True)])
 def test_a_cache_larger_than_the_hosts_memory_is_refused_before_allocation(
-    allocations: list[str],
+    allocations: list[str], monkeypatch: pytest.MonkeyPatch, world: int, replicated: bool
 ) -> None:
-    """The README's 64 GiB example on a smaller host: refused when the spec is made, in GiB,
-    with the host's available memory and the key to lower (cpu_bytes_to_use)."""
+    """The README's 64 GiB example on a smaller host: refused where a worker is made, before it
+    allocates, in GiB, with the host's available memory and the key to lower
+    (cpu_bytes_to_use). The spec itself is made: vLLM makes it in the scheduler's process too,
+    after the workers allocated the tier, where the memory it takes is no longer available."""
+    from vllm.v1.kv_offload.cpu import spec as cpu_spec
+
+    from test_vllm_spec import offloading_config, two_tensors
+
+    # vLLM keeps the tier in a shared region, and replicated_layout with it, on CUDA only.
+    monkeypatch.setattr(cpu_spec.current_platform, "is_cuda_alike", lambda: replicated)
     available = _core.host_memory_available()
     assert available is not None and available > 0
     asked = 1 << 47  # 128 TiB: more than any host here has
+    spec = OffloadingSpecFactory.create_spec(
+        offloading_config(world_size=world, replicated_layout=replicated, cpu_bytes_to_use=asked)
+    )
+    assert spec.replicated_layout is replicated
     with pytest.raises(ConfigError) as info:
-        OffloadingSpecFactory.create_spec(config_with(cpu_bytes_to_use=asked))
+        spec.create_worker(two_tensors(1)[0])
     msg = str(info.value)
-    # vLLM's sizing: chunks of 2 blocks of 512 bytes each, aligned to 4 KiB: a quarter of it.
-    assert msg.startswith("the CPU KV cache needs 32768.00 GiB of host memory on this worker")
+    # vLLM's sizing: this worker's cells, or (one copy for all) its shard of the copy. At one
+    # worker, chunks of 2 blocks of 512 bytes, aligned to 4 KiB: a quarter of what was asked.
+    share = spec.num_chunks * spec.cpu_page_size_per_worker / (world if replicated else 1) / 2**30
+    assert world > 1 or share == asked / 4 / 2**30
+    over = f" (cpu_bytes_to_use={asked} over {world} workers)" if world > 1 else ""
+    assert msg.startswith(
+        f"the CPU KV cache needs {share:.2f} GiB of host memory on this worker{over}"
+    )
     assert re.search(r"the host has \d+\.\d\d GiB available \(MemAvailable\)", msg), msg
     assert f"lower cpu_bytes_to_use in kv_connector_extra_config (now {asked})" in msg
     assert allocations == ["vLLM sized the cache"]  # nothing allocated
+
+
+def test_a_worker_counts_its_shard_of_a_replicated_tier(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under ``replicated_layout`` the ranks keep one copy, each faulting in a shard of it: a
+    worker checks what it allocates, not the whole copy (which the other ranks may have taken
+    from the available memory already)."""
+    from blockswap import _vllm_config
+
+    checked: list[int] = []
+    monkeypatch.setattr(_vllm_config, "check_fits", lambda n, extra, workers: checked.append(n))
+
+    class Spec:
+        num_chunks, cpu_page_size_per_worker = 1000, 4096
+
+        def __init__(self, world: int, replicated: bool) -> None:
+            self.extra_config: dict[str, Any] = {}
+            self.config = type("C", (), {"parallel": type("P", (), {"world_size": world})})()
+            self.replicated_layout = replicated
+
+    for world, replicated in [(1, False), (4, False), (1, True), (4, True), (3, True)]:
+        _vllm_config.check_worker_fits(Spec(world, replicated))
+    assert checked == [4096000, 4096000, 4096000, 1024000, 1365334]
+
+
+def test_a_cpu_bytes_to_use_string_of_digits_is_taken_as_vllm_takes_it() -> None:
+    """vLLM reads the key as ``int(extra_config["cpu_bytes_to_use"])``: a string of digits
+    sizes the cache as the number does."""
+    by_int = OffloadingSpecFactory.create_spec(config_with(cpu_bytes_to_use=1 << 20))
+    by_str = OffloadingSpecFactory.create_spec(config_with(cpu_bytes_to_use=str(1 << 20)))
+    assert by_str.num_chunks == by_int.num_chunks > 0
 
 
 def test_a_host_buffer_that_cannot_be_mapped_says_gib_errno_and_available() -> None:

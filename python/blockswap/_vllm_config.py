@@ -13,6 +13,7 @@ cache. :func:`check_fits` then refuses a cache larger than the host's available 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable, get_args
@@ -23,7 +24,14 @@ from ._types import HandlerPath
 from .errors import ConfigError, ConfigTypeError
 from .hostmem import size_text
 
-__all__ = ["OPTIONS", "check_config", "check_fits", "init_spec", "worker_options"]
+__all__ = [
+    "OPTIONS",
+    "check_config",
+    "check_fits",
+    "check_worker_fits",
+    "init_spec",
+    "worker_options",
+]
 
 _WHERE = "in kv_connector_extra_config"
 
@@ -115,11 +123,17 @@ def cpu_bytes_to_use(extra_config: Mapping[str, Any]) -> int:
     if key not in extra_config:
         raise ConfigError(f"{key} (the CPU cache's size in bytes) must be set {_WHERE}")
     value = extra_config[key]
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    number: int | float | None = None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        number = value
+    elif isinstance(value, str):  # vLLM's int() takes a string of digits as well
+        with contextlib.suppress(ValueError):
+            number = int(value)
+    if number is None:
         raise ConfigTypeError(f"{key} must be a number of bytes {_WHERE}, not {value!r:.60}")
-    if not value >= 1:
+    if not number >= 1:
         raise ConfigError(f"{key} must be at least 1 byte {_WHERE}, not {value!r}")
-    return int(value)
+    return int(number)
 
 
 def check_fits(nbytes: int, extra_config: Mapping[str, Any], workers: int) -> None:
@@ -142,16 +156,24 @@ def check_fits(nbytes: int, extra_config: Mapping[str, Any], workers: int) -> No
 
 def init_spec(spec: Any, config: Any, base_init: Any, *, canonical: bool) -> None:
     """Both of blockswap's specs' construction: the config checked (:func:`check_config`;
-    ``canonical``: whether the spec takes ``canonical_layout``), vLLM's spec made (``base_init``:
-    its ``__init__``, bound), then the CPU tier it sized checked against the host's available
-    memory (:func:`check_fits`), before anything is allocated."""
+    ``canonical``: whether the spec takes ``canonical_layout``), then vLLM's spec made
+    (``base_init``: its ``__init__``, bound). The CPU tier is checked against the host's memory
+    where a worker makes it (:func:`check_worker_fits`), not here: vLLM makes the spec in the
+    scheduler's process too, after the workers allocated the tier."""
     check_config(config, canonical=canonical)
     base_init(config)
-    check_fits(
-        spec.num_chunks * spec.cpu_page_size_per_worker,
-        config.extra_config,
-        config.parallel.world_size,
-    )
+
+
+def check_worker_fits(spec: Any) -> None:
+    """:func:`check_fits` for what this worker's process allocates of the CPU tier, called by
+    the spec's ``create_worker`` before it allocates anything: its cells, or under
+    ``replicated_layout`` (one copy for every rank, each faulting in a shard of it) its
+    shard."""
+    world = spec.config.parallel.world_size
+    share = spec.num_chunks * spec.cpu_page_size_per_worker
+    if spec.replicated_layout and world > 1:
+        share = -(-share // world)
+    check_fits(share, spec.extra_config, world)
 
 
 def check_config(config: Any, *, canonical: bool) -> None:

@@ -83,6 +83,7 @@ calls leave torch's current device as they found it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
@@ -126,7 +127,7 @@ from ._kvcache import (
     layouts_of,
     union_spans,
 )
-from ._types import BackendName, CpuLayout, Direction, HandlerPath, LaneStats
+from ._types import BackendName, CpuLayout, Direction, HandlerPath, LaneStats, MemoryKind
 from .engine import Engine
 from .errors import ConfigError, ConfigTypeError, refuses_with_config_errors
 from .hostmem import DEFAULT_PIECE_BYTES, PinnedRows
@@ -387,23 +388,30 @@ class CpuGpuHandlers:
         self._device_index = device_index
         with _KeepDevice(device_index):
             self.engine = core = Engine("cuda" if on_cuda else "host", **options)
+            #: What was registered with the engine, undone by a refused construction.
+            self._undo: list[tuple[Callable[[int], None], int]] = []
+            self._registered: list[int] = []
             try:
-                self._registered: list[int] = [
-                    core.register(a, n, "device") for a, n in union_spans(gpu_tables)
+                kinds: list[tuple[Iterable[tuple[int, int]], MemoryKind]] = [
+                    (union_spans(gpu_tables), "device"),
+                    (host_spans, "host"),
                 ]
-                self._registered += [core.register(a, n, "host") for a, n in host_spans]
+                for spans, kind in kinds:
+                    for a, n in spans:
+                        self._registered.append(core.register(a, n, kind))
+                        self._undo.append((core.unregister, a))
                 # Per group, the GPU and the CPU table in the core, which maps block ids to
                 # copies (see transfer_async); checked once against the memory registered above.
                 # The CPU table counts sub-blocks, block_size_factor to a CPU block.
-                self._table_ids: list[tuple[int, int]] = [
-                    (
-                        core.register_table(*gt.geometry(), "device", "GPU", 1),
-                        core.register_table(*ct.geometry(), "host", "CPU", f),
-                    )
-                    for gt, ct in zip(gpu_tables, cpu_tables)
-                ]
+                self._table_ids: list[tuple[int, int]] = []
+                for gt, ct in zip(gpu_tables, cpu_tables):
+                    g = core.register_table(*gt.geometry(), "device", "GPU", 1)
+                    self._undo.append((core.unregister_table, g))
+                    c = core.register_table(*ct.geometry(), "host", "CPU", f)
+                    self._undo.append((core.unregister_table, c))
+                    self._table_ids.append((g, c))
             except BaseException:
-                self.engine.shutdown()
+                self._refused()
                 raise
 
         self._gpu_caches: list[list[torch.Tensor]] | None = gpu_groups
@@ -456,7 +464,7 @@ class CpuGpuHandlers:
             # the device cannot hold: the engine started above does not outlive the refused
             # construction.
             with _KeepDevice(device_index):
-                self.engine.shutdown()
+                self._refused()
             raise
         self.gpu_to_cpu_handler = SingleDirectionHandler(
             self, "d2h", tids, wait_stream, device_index, self.routes["d2h"]
@@ -597,6 +605,14 @@ class CpuGpuHandlers:
             get_finished=self.get_finished,
             reps=reps,
         )
+
+    def _refused(self) -> None:
+        """A refused construction's engine shut down, and what was registered with it undone,
+        tables first (nothing is in flight): host memory the caller gave is free to unpin."""
+        self.engine.shutdown()
+        for undo, what in reversed(self._undo):
+            with contextlib.suppress(BlockswapError):
+                undo(what)
 
     def shutdown(self) -> None:
         """Drains the transfers in flight (both directions), then unregisters the memory and frees

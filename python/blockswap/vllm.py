@@ -68,7 +68,7 @@ from typing import TYPE_CHECKING, Any
 from . import _optional, _vllm_config
 from . import _vllm_region as _region
 from ._checks import check_int
-from ._core import InvalidTransferError
+from ._core import InvalidTransferError, PoolExhaustedError
 from ._types import BackendName, HandlerPath
 from ._vllm_specs import GroupMap
 from .errors import ConfigError
@@ -130,7 +130,11 @@ class BlockswapOffloadingWorker(OffloadingWorker):
     ``backend``, ``path`` and the other keyword options go to
     :class:`~blockswap.handler.CpuGpuHandlers`.
 
-    A failed submission returns ``False`` and logs why; it never raises into vLLM.
+    A submission is never refused for room (vLLM asserts that every one succeeds): where its
+    direction already holds ``max_in_flight`` transfers not yet polled, the finished ones are
+    collected for the next :meth:`get_finished`, or the direction's oldest transfer is waited
+    for. A spec that cannot be moved returns ``False`` and is logged; it never raises into
+    vLLM.
     """
 
     def __init__(
@@ -305,8 +309,9 @@ class BlockswapOffloadingWorker(OffloadingWorker):
         self._lane_of: dict[int, str] = {}
         #: job id -> the bytes vLLM counts for it, while in flight.
         self._sizes: dict[int, int] = {}
-        #: Empty jobs with nothing before them in their lane: reported by the next poll.
-        self._empty: list[VllmTransferResult] = []
+        #: Results for the next poll: empty jobs with nothing before them in their lane, and
+        #: those a submission collected to make room (see :meth:`_make_room`).
+        self._ready: list[VllmTransferResult] = []
         # Until the constructor returns, a shared region stays the caller's (as with vLLM's
         # worker): a failure here releases only what the worker made.
         try:
@@ -562,30 +567,53 @@ class BlockswapOffloadingWorker(OffloadingWorker):
         return self._submit(h, lane, job_id, src_spec, dst_spec, dst_spec)
 
     def get_finished(self) -> list[VllmTransferResult]:
-        out, self._empty = self._empty, []
         lanes = self._lanes
         for h, busy in (
             (self._main, lanes["store"] or lanes["load"]),
             (self._expedited, lanes["expedited"]),
         ):
-            if not busy:
-                # Nothing of this handler's in flight, so nothing to report: vLLM polls every
-                # step, and each call into the core costs the caller's thread.
-                continue
-            # A failed job is logged once, by the handler that reports it.
-            for r in h.get_finished():
-                size = self._sizes.pop(r.job_id, r.bytes)
-                out.append(VllmTransferResult(r.job_id, r.success, size, r.seconds))
-                lane = self._lane_of.pop(r.job_id, None)
-                if lane is None:
-                    continue
-                jobs = self._lanes[lane]
-                for k, entry in enumerate(jobs):
-                    if entry[0] == r.job_id:
-                        del jobs[k]
-                        out.extend(VllmTransferResult(e, True, 0, 0.0) for e in entry[1:])
-                        break
+            if busy:
+                # Else nothing of this handler's is in flight, so nothing to report: vLLM polls
+                # every step, and each call into the core costs the caller's thread.
+                self._collect(h)
+        out, self._ready = self._ready, []
         return out
+
+    def _collect(self, handlers: CpuGpuHandlers) -> None:
+        """The results ``handlers`` has, in vLLM's terms, added to :attr:`_ready`: each job's,
+        then the empty jobs submitted right after it in its lane."""
+        # A failed job is logged once, by the handler that reports it.
+        for r in handlers.get_finished():
+            size = self._sizes.pop(r.job_id, r.bytes)
+            self._ready.append(VllmTransferResult(r.job_id, r.success, size, r.seconds))
+            lane = self._lane_of.pop(r.job_id, None)
+            if lane is None:
+                continue
+            jobs = self._lanes[lane]
+            for k, entry in enumerate(jobs):
+                if entry[0] == r.job_id:
+                    del jobs[k]
+                    self._ready.extend(VllmTransferResult(e, True, 0, 0.0) for e in entry[1:])
+                    break
+
+    def _make_room(self, lane: str) -> bool:
+        """Room for one more transfer in ``lane``'s direction, whose engine refused one for want
+        of it (``max_in_flight`` transfers in flight or finished but not yet polled, or the
+        descriptor pool spent): the finished ones are collected for the next poll, and where
+        that frees nothing, the lane's oldest transfer is waited for. vLLM's own worker never
+        refuses a submission, and vLLM asserts that every one succeeds. False where there was
+        nothing to collect or wait for."""
+        handlers = self._expedited if lane == "expedited" else self._main
+        before = len(self._ready)
+        self._collect(handlers)
+        if len(self._ready) > before:
+            return True
+        jobs = self._lanes[lane]
+        if not jobs:
+            return False  # nothing of this lane's to wait for: the transfer cannot fit
+        handlers.wait([jobs[0][0]])
+        self._collect(handlers)
+        return True
 
     def wait(self, job_ids: set[int]) -> None:
         """Blocks until the listed jobs in flight finished (ids never submitted, already
@@ -649,64 +677,85 @@ class BlockswapOffloadingWorker(OffloadingWorker):
         gpu_spec: GPULoadStoreSpec,
     ) -> bool:
         try:
-            cpu_spec = dst if gpu_spec is src else src
-            size = 0  # the bytes vLLM counts, once a path below issued the spec
-            if self._one_group:
-                # The usual spec, one group from one block index: straight to the core (which
-                # wakes the engine's thread, checks the ids and the chunk count, and works out
-                # the skip). Anything else, an empty spec included, and a spec the core refuses
-                # (which issued nothing) take the general path, which names what is wrong with
-                # it in vLLM's words.
-                starts = gpu_spec.block_indices
-                gpu = gpu_spec.block_ids
-                n = len(gpu)
-                if n and len(starts) == 1 and type(first := starts[0]) is int and first >= 0:
-                    cpu = getattr(cpu_spec, "block_ids", cpu_spec)
-                    try:
-                        if gpu_spec is src:
-                            handler._issue_group(job_id, gpu, cpu, first)
-                        else:
-                            handler._issue_group(job_id, cpu, gpu, first)
-                    except InvalidTransferError:
-                        pass
-                    else:
-                        size = n * self._one_group
-            elif self._spec_tables is not None:
-                # Every other spec where each group has one writer: cut in the core, in one
-                # call (`cut_spec`'s rule, as `GroupMap.plain_groups` cuts it), unless it is
-                # empty or refused (then the general path names what is wrong in vLLM's words).
-                counted = sum(map(operator.mul, gpu_spec.group_sizes, self._spec_bytes))
-                if counted:
-                    cpu = getattr(cpu_spec, "block_ids", cpu_spec)
-                    try:
-                        handler._issue_call(
-                            job_id,
-                            handler._submit_spec,
-                            gpu_spec.block_ids,
-                            cpu,
-                            gpu_spec.group_sizes,
-                            gpu_spec.block_indices,
-                            self._spec_tables[lane],
-                            self.blocks_per_chunk,
-                        )
-                    except InvalidTransferError:
-                        pass
-                    else:
-                        size = counted
-            if not size:
-                general = self._submit_general(
-                    handler, lane, job_id, gpu_spec is src, gpu_spec, cpu_spec
-                )
-                if general is None:
-                    return True  # nothing to move: reported after the jobs before it
-                size = general
-        except Exception as e:  # vLLM turns False into a failed job; an exception would kill it
+            while True:
+                try:
+                    size = self._issue_spec(handler, lane, job_id, src, dst, gpu_spec)
+                    break
+                except PoolExhaustedError:
+                    if not self._make_room(lane):
+                        raise
+        except Exception as e:
+            # A spec vLLM would not send (vLLM asserts that every submission succeeds: its own
+            # worker refuses none); an exception would kill vLLM's worker, False names the job.
             log.warning("offloading job %d refused: %s", job_id, e)
             return False
+        if size is None:
+            return True  # nothing to move: reported after the jobs before it
         self._lanes[lane].append([job_id])
         self._lane_of[job_id] = lane
         self._sizes[job_id] = size
         return True
+
+    def _issue_spec(
+        self,
+        handler: Any,
+        lane: str,
+        job_id: int,
+        src: Any,
+        dst: Any,
+        gpu_spec: GPULoadStoreSpec,
+    ) -> int | None:
+        """Issues the spec (see :meth:`_submit`): the bytes vLLM counts for it, or None for a
+        spec that names no block. Raises what is wrong with it, and
+        :class:`~blockswap.PoolExhaustedError`, having issued nothing, where its engine has no
+        room for it now."""
+        cpu_spec = dst if gpu_spec is src else src
+        size = 0  # the bytes vLLM counts, once a path below issued the spec
+        if self._one_group:
+            # The usual spec, one group from one block index: straight to the core (which
+            # wakes the engine's thread, checks the ids and the chunk count, and works out
+            # the skip). Anything else, an empty spec included, and a spec the core refuses
+            # (which issued nothing) take the general path, which names what is wrong with
+            # it in vLLM's words.
+            starts = gpu_spec.block_indices
+            gpu = gpu_spec.block_ids
+            n = len(gpu)
+            if n and len(starts) == 1 and type(first := starts[0]) is int and first >= 0:
+                cpu = getattr(cpu_spec, "block_ids", cpu_spec)
+                try:
+                    if gpu_spec is src:
+                        handler._issue_group(job_id, gpu, cpu, first)
+                    else:
+                        handler._issue_group(job_id, cpu, gpu, first)
+                except InvalidTransferError:
+                    pass
+                else:
+                    size = n * self._one_group
+        elif self._spec_tables is not None:
+            # Every other spec where each group has one writer: cut in the core, in one
+            # call (`cut_spec`'s rule, as `GroupMap.plain_groups` cuts it), unless it is
+            # empty or refused (then the general path names what is wrong in vLLM's words).
+            counted = sum(map(operator.mul, gpu_spec.group_sizes, self._spec_bytes))
+            if counted:
+                cpu = getattr(cpu_spec, "block_ids", cpu_spec)
+                try:
+                    handler._issue_call(
+                        job_id,
+                        handler._submit_spec,
+                        gpu_spec.block_ids,
+                        cpu,
+                        gpu_spec.group_sizes,
+                        gpu_spec.block_indices,
+                        self._spec_tables[lane],
+                        self.blocks_per_chunk,
+                    )
+                except InvalidTransferError:
+                    pass
+                else:
+                    size = counted
+        if size:
+            return size
+        return self._submit_general(handler, lane, job_id, gpu_spec is src, gpu_spec, cpu_spec)
 
     def _submit_general(
         self,
@@ -732,7 +781,7 @@ class BlockswapOffloadingWorker(OffloadingWorker):
             if jobs:
                 jobs[-1].append(job_id)
             else:
-                self._empty.append(VllmTransferResult(job_id, True, 0, 0.0))
+                self._ready.append(VllmTransferResult(job_id, True, 0, 0.0))
             return None
         if self._map.plain is not None:
             handler._issue(job_id, groups)
@@ -751,127 +800,10 @@ _kept_regions: list[SharedOffloadRegion] = []
 _LANES = ("store", "load", "expedited")
 
 
-def _spec_class() -> type:
-    """vLLM's ``CPUOffloadingSpec`` with blockswap's worker (built on first use: importing vLLM's
-    CPU spec module pulls in most of vLLM)."""
-    from vllm.v1.kv_offload.config import OffloadingConfig
-    from vllm.v1.kv_offload.cpu import spec as cpu_spec
-    from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
-
-    class BlockswapOffloadingSpec(CPUOffloadingSpec):
-        """vLLM's CPU offloading spec (cache sizing from ``cpu_bytes_to_use``, the scheduler's
-        manager, the shared offload region where vLLM keeps one, ``replicated_layout``) with
-        :class:`BlockswapOffloadingWorker` as its worker."""
-
-        def __init__(self, config: OffloadingConfig) -> None:
-            _vllm_config.init_spec(self, config, super().__init__, canonical=False)
-
-        def create_worker(self, kv_caches: CanonicalKVCaches) -> BlockswapOffloadingWorker:
-            # The region exactly as CPUOffloadingSpec.create_worker makes it.
-            region: SharedOffloadRegion | None = None
-            if self._uses_shared_region() and self.num_chunks > 0:
-                world_size = self.config.parallel.world_size
-                worker_index = self.config.parallel.rank
-                region = _region.new_region(
-                    engine_id=self.config.engine_id,
-                    num_chunks=self.num_chunks,
-                    rank=0 if self.replicated_layout else worker_index,
-                    kv_bytes_per_chunk=self.kv_bytes_per_chunk,
-                    cpu_page_size=self.cpu_page_size_per_worker,
-                    barrier=cpu_spec._all_workers_barrier,
-                    num_segments=cpu_spec._REGION_SEGMENTS,
-                    populate_shard=((worker_index, world_size) if self.replicated_layout else None),
-                )
-            return _new_worker(self, kv_caches, region)
-
-        def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
-            return _get_worker(self, kv_caches)
-
-    BlockswapOffloadingSpec.__module__ = __name__
-    return BlockswapOffloadingSpec
-
-
-def _tiering_spec_class() -> type:
-    """vLLM's ``TieringOffloadingSpec`` with blockswap's worker (built on first use)."""
-    from vllm.v1.kv_offload.config import OffloadingConfig
-    from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
-
-    class BlockswapTieringOffloadingSpec(TieringOffloadingSpec):
-        """vLLM's tiering spec (the CPU tier in the shared offload region, its eviction, the
-        secondary tiers ``fs``, ``obj``, ``p2p`` and out-of-tree ones reading and writing the CPU
-        tier through the region) with :class:`BlockswapOffloadingWorker` as its worker."""
-
-        def __init__(self, config: OffloadingConfig) -> None:
-            _vllm_config.init_spec(self, config, super().__init__, canonical=True)
-
-        def create_worker(self, kv_caches: CanonicalKVCaches) -> BlockswapOffloadingWorker:
-            # The region exactly as TieringOffloadingSpec.create_worker makes it, and the
-            # canonical layout's references certified by vLLM's own check.
-            region = _region.new_region(
-                engine_id=self._engine_id,
-                num_chunks=self.num_chunks,
-                rank=0 if self.replicated_layout else self.config.parallel.rank,
-                kv_bytes_per_chunk=self.kv_bytes_per_chunk,
-                cpu_page_size=self.cpu_page_size_per_worker,
-            )
-            canonical = bool(self.config.canonical_layout)
-            if canonical:
-                try:
-                    self._validate_canonical_refs(kv_caches)
-                except Exception:
-                    region.cleanup()
-                    raise
-            return _new_worker(self, kv_caches, region, canonical_layout=canonical)
-
-        def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
-            return _get_worker(self, kv_caches)
-
-    BlockswapTieringOffloadingSpec.__module__ = __name__
-    return BlockswapTieringOffloadingSpec
-
-
-def _new_worker(
-    spec: Any,
-    kv_caches: CanonicalKVCaches,
-    region: SharedOffloadRegion | None,
-    *,
-    canonical_layout: bool = False,
-) -> BlockswapOffloadingWorker:
-    """The worker over ``region`` (released here if the worker cannot be built, as vLLM's
-    ``create_worker`` does)."""
-    try:
-        return BlockswapOffloadingWorker(
-            kv_caches,
-            spec.blocks_per_chunk,
-            spec.num_chunks,
-            mmap_region=region,
-            canonical_layout=canonical_layout,
-            **_vllm_config.worker_options(spec.extra_config),
-        )
-    except Exception:
-        if region is not None:
-            region.cleanup()
-        raise
-
-
-def _get_worker(spec: Any, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
-    """One worker per spec, made on first use (blockswap's host backend runs without a GPU, so
-    vLLM's platform check is not repeated here)."""
-    worker: OffloadingWorker | None = spec._worker
-    if worker is None:
-        worker = spec.create_worker(kv_caches)
-        spec._worker = worker
-    return worker
-
-
-_MADE = {
-    "BlockswapOffloadingSpec": _spec_class,
-    "BlockswapTieringOffloadingSpec": _tiering_spec_class,
-}
-
-
 def __getattr__(name: str) -> Any:
-    make = _MADE.get(name)
+    from ._vllm_spec_classes import MADE
+
+    make = MADE.get(name)
     if make is not None:
         cls = make()
         globals()[name] = cls
