@@ -399,6 +399,20 @@ def test_empty_caches_are_refused_by_name() -> None:
         BlockswapOffloadingWorker(kv, BPC, N_CHUNKS, backend="host")
 
 
+def test_strided_layer_views_are_refused_with_their_strides() -> None:
+    """A packed layout under HiSparse: vLLM hands over each layer as a strided view of the
+    blocks that interleave all layers. Not taken yet: refused, saying so, before anything is
+    allocated."""
+    packed = torch.zeros(N_GPU, 2, 256, dtype=torch.int8)  # two layers interleaved per block
+    views = [packed[:, j] for j in range(2)]
+    kv = CanonicalKVCaches(
+        [CanonicalKVCacheTensor(v, 256) for v in views],
+        [[CanonicalKVCacheRef(0, 256), CanonicalKVCacheRef(1, 256)]],
+    )
+    with pytest.raises(ValueError, match=r"tensor 0 is not contiguous \(strides \(512, 1\)\)"):
+        BlockswapOffloadingWorker(kv, BPC, N_CHUNKS, backend="host")
+
+
 def test_expedited_loads_run_on_their_own_engine() -> None:
     kv, _ = caches()
     w = BlockswapOffloadingWorker(kv, BPC, N_CHUNKS, backend="host")

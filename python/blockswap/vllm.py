@@ -183,7 +183,14 @@ class BlockswapOffloadingWorker(OffloadingWorker):
         for i, ct in enumerate(kv_caches.tensors):
             t = ct.tensor
             if not t.is_contiguous():
-                raise ConfigError(f"KV-cache tensor {i} is not contiguous")
+                # vLLM 0.33 hands over strided layer views of a packed layout (all layers
+                # interleaved in each block, as DeepSeek-V4's) where HiSparse keeps them apart.
+                raise ConfigError(
+                    f"KV-cache tensor {i} is not contiguous (strides {tuple(t.stride())}): "
+                    "blockswap takes contiguous KV-cache tensors; a packed layout with HiSparse "
+                    "(hisparse_host_num_blocks) gives strided layer views, which it does not "
+                    "take yet"
+                )
             rows.append(t.view(torch.int8).view(-1, ct.page_size_bytes))
         # Per group, each tensor it copies with the largest page any of its references copies:
         # references of one group naming one tensor copy the same bytes from the same offset.
