@@ -997,6 +997,35 @@ def test_a_full_engine_makes_room_rather_than_refuse_a_job() -> None:
         w.shutdown()
 
 
+def test_a_load_waits_for_a_store_holding_the_engines_only_slab() -> None:
+    """The two directions of the main engine share its descriptor pool: with room for one
+    transfer's descriptors, a load submitted while a store holds them (its own lane empty) waits
+    for the store rather than being refused, and both move their bytes."""
+    page, n = 64 << 10, 8
+    gen = torch.Generator().manual_seed(10)
+    ts = [torch.randint(-128, 128, (n, page), dtype=torch.int8, generator=gen) for _ in range(2)]
+    kv = CanonicalKVCaches(
+        [CanonicalKVCacheTensor(x, page) for x in ts],
+        [[CanonicalKVCacheRef(0, page), CanonicalKVCacheRef(1, page)]],
+    )
+    w = BlockswapOffloadingWorker(kv, 1, n, backend="host", pool_bytes=6144)
+    try:
+        want = [x[0].clone() for x in ts]
+        for j in range(6):
+            store = GPULoadStoreSpec([0], (1,), (0,))
+            assert w.submit_store(2 * j, store, CPULoadStoreSpec([j])) is True
+            load = GPULoadStoreSpec([j + 1], (1,), (0,))
+            assert w.submit_load(2 * j + 1, CPULoadStoreSpec([j]), load) is True
+        w.wait(set(range(12)))
+        got = w.get_finished() + w.get_finished()
+        assert sorted((r.job_id, r.success) for r in got) == [(j, True) for j in range(12)]
+        for x, b in zip(ts, want):
+            for j in range(1, 7):
+                assert x[j].equal(b)
+    finally:
+        w.shutdown()
+
+
 def test_a_refused_worker_leaves_its_cpu_cache_registered_nowhere(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:

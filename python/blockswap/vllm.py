@@ -607,18 +607,22 @@ class BlockswapOffloadingWorker(OffloadingWorker):
         """Room for one more transfer in ``lane``'s direction, whose engine refused one for want
         of it (``max_in_flight`` transfers in flight or finished but not yet polled, or the
         descriptor pool spent): the finished ones are collected for the next poll, and where
-        that frees nothing, the lane's oldest transfer is waited for. vLLM's own worker never
-        refuses a submission, and vLLM asserts that every one succeeds. False where there was
-        nothing to collect or wait for."""
-        handlers = self._expedited if lane == "expedited" else self._main
+        that frees nothing, the lane's oldest transfer is waited for (or, where the lane has
+        none, the oldest of the other direction, which shares the engine's pool). vLLM's own
+        worker never refuses a submission, and vLLM asserts that every one succeeds. False where
+        there was nothing to collect or wait for."""
+        handlers, lanes = (
+            (self._expedited, (lane,)) if lane == "expedited" else (self._main, ("store", "load"))
+        )
         before = len(self._ready)
         self._collect(handlers)
         if len(self._ready) > before:
             return True
-        jobs = self._lanes[lane]
-        if not jobs:
-            return False  # nothing of this lane's to wait for: the transfer cannot fit
-        handlers.wait([jobs[0][0]])
+        waiting = [self._lanes[lane]] + [self._lanes[other] for other in lanes if other != lane]
+        oldest = next((jobs[0][0] for jobs in waiting if jobs), None)
+        if oldest is None:
+            return False  # nothing in flight to wait for: the transfer cannot fit
+        handlers.wait([oldest])
         self._collect(handlers)
         return True
 
