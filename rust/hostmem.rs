@@ -55,8 +55,9 @@ impl fmt::Display for HostBufferError {
             HostBufferError::Size(why) => f.write_str(why),
             HostBufferError::InUse { users } => write!(
                 f,
-                "the host buffer is registered with {users} engine(s): unregister it (or shut \
-                 them down) first"
+                "the host buffer is registered with {users} engine(s): unregister it from them \
+                 first (an engine that is shut down keeps its registrations until then, or until \
+                 it is dropped)"
             ),
             HostBufferError::Backend(e) => e.fmt(f),
         }

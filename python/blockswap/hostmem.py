@@ -229,7 +229,8 @@ class PinnedRows:
     def unpin(self) -> None:
         """Page-unlocks every piece now and forgets them; the memory stays mapped while an array
         over it lives. Refused (:class:`~blockswap.InvalidTransferError`) while an engine holds a
-        registration in it: shut the engines down, or unregister, first. Idempotent."""
+        registration in it: unregister it first (an engine that is shut down keeps its
+        registrations until then, or until it is dropped). Idempotent."""
         self._buf.unpin()
 
     def __repr__(self) -> str:

@@ -100,8 +100,29 @@ else -- selection, slot assignment, validation, the wrappers, submissions -- is 
 runs.
 
 Every configuration error is an :class:`OffloadConfigError` (a ``ValueError`` and a
-:class:`~blockswap.BlockswapError`), raised before anything is changed: a failed construction
-leaves the model as it was.
+:class:`~blockswap.BlockswapError`; an ``engine_options`` value the engine refuses, and a
+``max_in_flight`` not above ``prefetch_step``, included), or, for an argument of the wrong type
+or an unknown option, a ``TypeError`` that is a :class:`~blockswap.BlockswapError`, raised
+before anything is changed: a failed construction leaves the model as it was.
+
+Limits
+------
+* Inference only. An offloaded weight's slot is overwritten by the next layer that uses it, so
+  a backward through an offloaded layer would read another layer's weights: where parameters
+  require grad, each onload marks its slot's parameters as written in place, and such a
+  backward raises autograd's "modified by an inplace operation" error instead.
+* While the offloader is open, an offloaded parameter's ``.data`` is its slot, which the layers
+  sharing the slot take turns in: ``state_dict()`` outside a forward reads whichever layer the
+  slot holds, and ``load_state_dict`` or any write to an offloaded parameter is lost at the
+  next onload (and ``close(restore=True)`` restores the weights offloaded at construction).
+  Close the offloader before reading or replacing the weights.
+* A parameter shared by two of ``layers`` is refused; one shared with a module outside
+  ``layers`` (a tied embedding) is not seen, and that module would read the slot: keep tied
+  weights out of ``params``.
+* :class:`ZeroCopyOffloader` keeps its pinned buffer until the last tensor viewing it is gone,
+  after :meth:`~ZeroCopyOffloader.close` too.
+* After a :class:`WeightTransferError` every forward is refused until
+  :meth:`~PrefetchOffloader.reset`.
 """
 
 from __future__ import annotations

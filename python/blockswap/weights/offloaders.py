@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from .._checks import check_bool, check_int
-from .._core import BackendError, BlockswapError, cuda_device_pointer
+from .._core import BackendError, BlockswapError, InvalidTransferError, cuda_device_pointer
+from .._types import BackendName
 from ..engine import Engine
 from ..errors import refuses_with_config_errors
 from .errors import OffloadConfigError, OffloadDeviceError, WeightTransferError
@@ -90,6 +91,26 @@ def set_offloader(offloader: BaseOffloader) -> None:
     if not isinstance(offloader, BaseOffloader):
         raise OffloadConfigError(f"not an offloader: {offloader!r}")
     _current = offloader
+
+
+def _increment_version(t: torch.Tensor) -> None:
+    """Marks ``t`` as written in place, for autograd (``torch.autograd.graph.increment_version``,
+    torch 2.1+; older torch has no public way, and nothing is marked)."""
+    bump = getattr(torch.autograd.graph, "increment_version", None)
+    if bump is not None:
+        bump(t)
+
+
+def _engine(backend: BackendName, **options: Any) -> Engine:
+    """The offloader's engine; an option value it refuses (``engine_options``) is an
+    :class:`OffloadConfigError` naming it (one of the wrong type, or an unknown option, stays a
+    ``TypeError``)."""
+    try:
+        return Engine(backend, **options)
+    except InvalidTransferError as e:
+        if isinstance(e, TypeError):  # ArgumentTypeError
+            raise
+        raise OffloadConfigError(f"engine_options: {e}") from e
 
 
 @dataclass
@@ -215,6 +236,12 @@ class PrefetchOffloader(_OffloaderCore):
                 raise OffloadConfigError(
                     f"engine_options must not set {reserved!r}: the offloader sets it"
                 )
+        flight = opts.get("max_in_flight")
+        if type(flight) is int and flight <= step:
+            raise OffloadConfigError(
+                f"engine_options max_in_flight ({flight}) must be more than prefetch_step "
+                f"({step}): a forward keeps up to prefetch_step + 1 onloads in flight"
+            )
         super().__init__(plan.layers)
         self._plan = plan
         self.group_size, self.num_in_group = _check_group(group_size, num_in_group)
@@ -227,12 +254,25 @@ class PrefetchOffloader(_OffloaderCore):
         self._wrapped: list[tuple[nn.Module, Any, Any]] = []
         self._oid = next(_IDS)
         self._views: list[list[torch.Tensor]] = []
+        #: An onload failed: forwards are refused until reset().
+        self._failed = False
         try:
             self._setup(opts)
         except BaseException:
             self._teardown_resources()
             raise
+        originals = [(t.param, t.param.data) for lay in plan.offloaded for t in lay.tensors]
         self._install()
+        try:
+            self._start()
+        except BaseException:
+            # The first onloads refused (the engine's limits): the model as it was.
+            self._uninstall()
+            for param, data in originals:
+                param.data = data
+            self._views.clear()
+            self._teardown_resources()
+            raise
 
     # -- construction ---------------------------------------------------------------------
 
@@ -242,14 +282,14 @@ class PrefetchOffloader(_OffloaderCore):
         if plan.device.type == "cuda":
             sync = _CudaSync(plan.device)
             opts.setdefault("h2d_order", "stream")
-            self.engine = Engine(
+            self.engine = _engine(
                 "cuda",
                 device=int(plan.device.index or 0),
                 h2d_stream=int(sync.copy_stream.cuda_stream),
                 **opts,
             )
         else:
-            self.engine = Engine("host", **opts)
+            self.engine = _engine("host", **opts)
             sync = _HostSync(self.engine, self.trace)
         self._sync = sync
         self._fill_host()
@@ -276,6 +316,12 @@ class PrefetchOffloader(_OffloaderCore):
                 ]
             )
         n = len(plan.offloaded)
+        #: Per slot, its layers' parameters that require grad (none in inference, where
+        #: onloads mark nothing for autograd).
+        self._slot_grads: list[list[nn.Parameter]] = [[] for _ in range(step)]
+        for lay in plan.offloaded:
+            grads = [t.param for t in lay.tensors if t.param.requires_grad]
+            self._slot_grads[lay.k % step] += grads
         self._copy_done = [sync.new_event(f"copy_done[{k}]") for k in range(n)]
         self._fork = [sync.new_event(f"fork[{k}]") for k in range(n)]
         self._states = [_OnloadState() for _ in range(n)]
@@ -283,7 +329,7 @@ class PrefetchOffloader(_OffloaderCore):
 
     def _install(self) -> None:
         """Points the parameters at their slots and wraps the layers' forwards (nothing here
-        fails on valid input; everything that can fail happened before)."""
+        fails on valid input; what can fail happened before, but the first onloads, after)."""
         for lay, views in zip(self._plan.offloaded, self._views):
             for t, v in zip(lay.tensors, views):
                 t.param.data = v
@@ -295,7 +341,19 @@ class PrefetchOffloader(_OffloaderCore):
             self._wrapped.append((mod, prev, fn))
         _REGISTRY[self._oid] = self
         self._installed = True
-        self._start()
+
+    def _uninstall(self) -> None:
+        """Undoes :meth:`_install`'s wrapping of the forwards and its registration."""
+        for mod, prev, fn in self._wrapped:
+            if mod.__dict__.get("forward") is fn:
+                if prev is _NO_FORWARD:
+                    del mod.__dict__["forward"]
+                else:
+                    object.__setattr__(mod, "forward", prev)
+            with contextlib.suppress(AttributeError):
+                delattr(mod, _MARK)
+        self._wrapped.clear()
+        _REGISTRY.pop(self._oid, None)
 
     def _start(self) -> None:
         """Onloads the first ``prefetch_step`` layers, as a forward's end would have."""
@@ -376,6 +434,7 @@ class PrefetchOffloader(_OffloaderCore):
         for st in self._states:
             st.joined = True
         self._cursor = 0
+        self._failed = False
         self._start()
 
     @contextlib.contextmanager
@@ -394,14 +453,7 @@ class PrefetchOffloader(_OffloaderCore):
         self._sync.drain()
         with contextlib.suppress(WeightTransferError):
             self._reap()
-        for mod, prev, fn in self._wrapped:
-            if mod.__dict__.get("forward") is fn:
-                if prev is _NO_FORWARD:
-                    del mod.__dict__["forward"]
-                else:
-                    object.__setattr__(mod, "forward", prev)
-        self._wrapped.clear()
-        _REGISTRY.pop(self._oid, None)
+        self._uninstall()
         self._restore_params(restore)
         self._views.clear()
         self._teardown_resources()
@@ -424,6 +476,7 @@ class PrefetchOffloader(_OffloaderCore):
             if not r.success:
                 failed.append((k, r.error))
         if failed:
+            self._failed = True
             k, err = failed[0]
             lay = self._plan.offloaded[k].index if k is not None else "?"
             raise WeightTransferError(
@@ -433,6 +486,11 @@ class PrefetchOffloader(_OffloaderCore):
 
     def _pre(self, k: int) -> None:
         self._check_open()
+        if self._failed:
+            raise WeightTransferError(
+                "an onload failed in an earlier forward, and some slots hold unknown data: call "
+                "reset() before the next forward"
+            )
         if k != self._cursor:
             raise RuntimeError(
                 f"offloaded layer {k} (layers[{self._plan.offloaded[k].index}]) runs, but "
@@ -447,6 +505,10 @@ class PrefetchOffloader(_OffloaderCore):
         self._check_open()
         self._cursor = (k + 1) % len(self._plan.offloaded)
         if self.synchronous:
+            if not self._sync.capturing():
+                # This layer's own copy, issued in its _pre: a failure the engine has reported
+                # by now is raised in this forward, not blamed on a layer of the next.
+                self._reap()
             return
         n, step = len(self._plan.offloaded), self.prefetch_step
         # The next occupant of slot k % step: this forward's layer k + step, or, for the last
@@ -481,6 +543,11 @@ class PrefetchOffloader(_OffloaderCore):
             sync.note_job(job)
             self.submissions += 1
             path = "engine"
+            # The engine writes the slot behind autograd's back: a weight of this slot that a
+            # forward saved for its backward is stale now, and backward says so, as after any
+            # in-place write, instead of computing gradients from another layer's weights.
+            for param in self._slot_grads[j % self.prefetch_step]:
+                _increment_version(param)
         sync.record(self._copy_done[j], sync.copy_stream)
         st.issued = True
         st.in_capture = capturing
@@ -520,6 +587,8 @@ class PrefetchOffloader(_OffloaderCore):
 
 # Zero-copy offloaders whose device view does not keep them alive, until close().
 _KEEP: dict[int, BaseOffloader] = {}
+# Their buffers after close(): views that do not own them may still read them.
+_UNOWNED: list[Any] = []
 
 
 class ZeroCopyOffloader(_OffloaderCore):
@@ -601,15 +670,22 @@ class ZeroCopyOffloader(_OffloaderCore):
         )
 
     def close(self, restore: bool = True) -> None:
+        """As :meth:`BaseOffloader.close`. The pinned buffer is not freed here: a tensor taken
+        from a parameter before (a view a cache kept, say) still reads it. It goes with the last
+        such view: the buffer's array holds it, and, on the device, the view holds the array.
+        Where torch could view it on the device only through a storage that does not own it,
+        it is kept for the life of the process."""
         if self._closed:
             return
         if self._plan.device.type == "cuda":
             torch.cuda.synchronize(self._plan.device)
         self._restore_params(restore)
         self._device_view = torch.empty(0, dtype=torch.uint8)
-        self._free_host()
+        if _KEEP.pop(id(self), None) is not None:
+            _UNOWNED.append(self._host_arr)
+        self._host = torch.empty(0, dtype=torch.uint8)
+        self._host_arr = None
         self.engine.shutdown()
-        _KEEP.pop(id(self), None)
         self._closed = True
 
 

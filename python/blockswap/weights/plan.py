@@ -197,6 +197,12 @@ def _make_plan(
             )
     dev = _resolve_device(device, flat)
     for qual, p in flat:
+        if p.is_quantized or p.layout != torch.strided:
+            kind = "quantized" if p.is_quantized else str(p.layout)
+            raise OffloadConfigError(
+                f"parameter {qual} is a {kind} tensor: only plain (strided, not quantized) "
+                "tensors can be offloaded"
+            )
         if not _is_dense(p.data):
             raise OffloadConfigError(
                 f"parameter {qual} (shape {tuple(p.shape)}, stride {p.stride()}) is not dense: "
