@@ -122,7 +122,9 @@ Limits
 * :class:`ZeroCopyOffloader` keeps its pinned buffer until the last tensor viewing it is gone,
   after :meth:`~ZeroCopyOffloader.close` too.
 * After a :class:`WeightTransferError` every forward is refused until
-  :meth:`~PrefetchOffloader.reset`.
+  :meth:`~PrefetchOffloader.reset`. Where the engine's CUDA lane itself failed (a driver
+  error, which CUDA does not let a stream recover from), ``reset()`` raises the engine's error
+  too: close the offloader and make a new one.
 """
 
 from __future__ import annotations
