@@ -83,7 +83,6 @@ calls leave torch's current device as they found it.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import threading
@@ -388,9 +387,10 @@ class CpuGpuHandlers:
         self._device_index = device_index
         with _KeepDevice(device_index):
             self.engine = core = Engine("cuda" if on_cuda else "host", **options)
-            #: What was registered with the engine, undone by a refused construction.
+            #: What was registered with the engine, in order, as the call that undoes each:
+            #: undone last to first (tables before the regions they lie in) by shutdown and by
+            #: a refused construction.
             self._undo: list[tuple[Callable[[int], None], int]] = []
-            self._registered: list[int] = []
             try:
                 kinds: list[tuple[Iterable[tuple[int, int]], MemoryKind]] = [
                     (union_spans(gpu_tables), "device"),
@@ -398,8 +398,7 @@ class CpuGpuHandlers:
                 ]
                 for spans, kind in kinds:
                     for a, n in spans:
-                        self._registered.append(core.register(a, n, kind))
-                        self._undo.append((core.unregister, a))
+                        self._undo.append((core.unregister, core.register(a, n, kind)))
                 # Per group, the GPU and the CPU table in the core, which maps block ids to
                 # copies (see transfer_async); checked once against the memory registered above.
                 # The CPU table counts sub-blocks, block_size_factor to a CPU block.
@@ -607,12 +606,22 @@ class CpuGpuHandlers:
         )
 
     def _refused(self) -> None:
-        """A refused construction's engine shut down, and what was registered with it undone,
-        tables first (nothing is in flight): host memory the caller gave is free to unpin."""
+        """A refused construction's engine shut down, and what was registered with it undone
+        (nothing is in flight): host memory the caller gave is free to unpin."""
         self.engine.shutdown()
+        self._unregister_all()
+
+    def _unregister_all(self) -> list[str]:
+        """Undoes every registration with the engine, the last first (a region is refused while
+        a table lies in it); returns why each refused one was refused."""
+        failed = []
         for undo, what in reversed(self._undo):
-            with contextlib.suppress(BlockswapError):
+            try:
                 undo(what)
+            except BlockswapError as e:
+                failed.append(str(e))
+        self._undo = []
+        return failed
 
     def shutdown(self) -> None:
         """Drains the transfers in flight (both directions), then unregisters the memory and frees
@@ -626,16 +635,9 @@ class CpuGpuHandlers:
             self._shut = True
             self.gpu_to_cpu_handler._closed = True
             self.cpu_to_gpu_handler._closed = True
-            failed: list[str] = []
             with _KeepDevice(self._device_index):
                 self.engine.shutdown()  # waits for every transfer in flight
-                # The tables first: a region is refused while a table lies in it.
-                tables = [(self.engine.unregister_table, t) for p in self._table_ids for t in p]
-                for undo, what in tables + [(self.engine.unregister, a) for a in self._registered]:
-                    try:
-                        undo(what)
-                    except BlockswapError as e:
-                        failed.append(str(e))
+                failed = self._unregister_all()
                 self._table_ids = []
             if failed:
                 # Copies may still touch the memory (shutdown timed out): keep it alive rather
@@ -659,7 +661,6 @@ class CpuGpuHandlers:
                         log.info("CPU cache kept pinned: %s", e)
             self._host_memory = []
             self.cpu_chunks = None
-            self._registered = []
             self.gpu_tables = []
             self.cpu_tables = []
             self._gpu_caches = None
