@@ -892,18 +892,24 @@ def test_a_tensor_named_twice_in_a_group_moves_once_and_reports_vllms_count() ->
         w.shutdown()
 
 
+def two_paged_tensors(n: int, page: int, seed: int) -> tuple[CanonicalKVCaches, list[torch.Tensor]]:
+    """One group over two random int8 tensors of ``n`` pages of ``page`` bytes."""
+    gen = torch.Generator().manual_seed(seed)
+    ts = [torch.randint(-128, 128, (n, page), dtype=torch.int8, generator=gen) for _ in range(2)]
+    kv = CanonicalKVCaches(
+        [CanonicalKVCacheTensor(x, page) for x in ts],
+        [[CanonicalKVCacheRef(0, page), CanonicalKVCacheRef(1, page)]],
+    )
+    return kv, ts
+
+
 def test_an_empty_job_is_reported_after_the_jobs_before_it_in_its_direction() -> None:
     """Transfers of one direction finish in submission order, so vLLM may take a job's result as
     proof that the earlier ones finished: an empty store submitted behind a store in flight is
     reported after it (in the same poll or a later one), never before; an empty load behind no
     load is reported by the next poll."""
     page, n = 1 << 20, 48
-    gen = torch.Generator().manual_seed(4)
-    ts = [torch.randint(-128, 128, (n, page), dtype=torch.int8, generator=gen) for _ in range(2)]
-    kv = CanonicalKVCaches(
-        [CanonicalKVCacheTensor(x, page) for x in ts],
-        [[CanonicalKVCacheRef(0, page), CanonicalKVCacheRef(1, page)]],
-    )
+    kv, _ = two_paged_tensors(n, page, seed=4)
     w = BlockswapOffloadingWorker(kv, 1, n, backend="host")
     try:
         empty = GPULoadStoreSpec([], (0,), (0,))
@@ -956,12 +962,7 @@ def test_a_full_engine_makes_room_rather_than_refuse_a_job() -> None:
     poll, the oldest waited for where none had finished), and each is reported once, in
     submission order per direction, every byte in place; the empty jobs ride behind theirs."""
     page, n = 64 << 10, 24
-    gen = torch.Generator().manual_seed(9)
-    ts = [torch.randint(-128, 128, (n, page), dtype=torch.int8, generator=gen) for _ in range(2)]
-    kv = CanonicalKVCaches(
-        [CanonicalKVCacheTensor(x, page) for x in ts],
-        [[CanonicalKVCacheRef(0, page), CanonicalKVCacheRef(1, page)]],
-    )
+    kv, ts = two_paged_tensors(n, page, seed=9)
     w = BlockswapOffloadingWorker(kv, 1, n, backend="host", max_in_flight=2)
     try:
         before = [x.clone() for x in ts]
@@ -1002,12 +1003,7 @@ def test_a_load_waits_for_a_store_holding_the_engines_only_slab() -> None:
     transfer's descriptors, a load submitted while a store holds them (its own lane empty) waits
     for the store rather than being refused, and both move their bytes."""
     page, n = 64 << 10, 8
-    gen = torch.Generator().manual_seed(10)
-    ts = [torch.randint(-128, 128, (n, page), dtype=torch.int8, generator=gen) for _ in range(2)]
-    kv = CanonicalKVCaches(
-        [CanonicalKVCacheTensor(x, page) for x in ts],
-        [[CanonicalKVCacheRef(0, page), CanonicalKVCacheRef(1, page)]],
-    )
+    kv, ts = two_paged_tensors(n, page, seed=10)
     w = BlockswapOffloadingWorker(kv, 1, n, backend="host", pool_bytes=6144)
     try:
         want = [x[0].clone() for x in ts]
