@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -93,12 +93,14 @@ def set_offloader(offloader: BaseOffloader) -> None:
     _current = offloader
 
 
-def _increment_version(t: torch.Tensor) -> None:
-    """Marks ``t`` as written in place, for autograd (``torch.autograd.graph.increment_version``,
-    torch 2.1+; older torch has no public way, and nothing is marked)."""
-    bump = getattr(torch.autograd.graph, "increment_version", None)
-    if bump is not None:
-        bump(t)
+def _no_version(t: torch.Tensor) -> None:
+    """Older torch has no public way to mark a tensor written: nothing is marked."""
+
+
+#: Marks a tensor as written in place, for autograd (torch 2.1+).
+_increment_version: Callable[[torch.Tensor], None] = getattr(
+    torch.autograd.graph, "increment_version", _no_version
+)
 
 
 def _engine(backend: BackendName, **options: Any) -> Engine:
