@@ -41,6 +41,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
+from blockswap import _core
 from blockswap.errors import ConfigError
 from blockswap.vllm import BlockswapOffloadingWorker
 
@@ -336,6 +337,52 @@ def test_canonical_layout_refuses_what_it_cannot_lay_out() -> None:
             ranks.worker(caches_of(gpu, past), 0, 2, "cpu")
     finally:
         ranks.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_refused_canonical_layout_leaves_the_region_unlocked(
+    device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A mapping whose run reaches past its page is refused before the region is page-locked:
+    the region goes back to the caller as it came (it was left page-locked for the process)."""
+    gpu = torch.zeros(4, 1024, dtype=torch.int8, device=device)
+    past = CanonicalPageMapping(2048, 1024, (CopyRun(512, 0, 1024, 1, 1024, 1024),), 1, 0, True)
+    registered: list[bool] = []
+    monkeypatch.setattr(
+        BlockswapOffloadingWorker,
+        "_register_region",
+        lambda self, on_cuda, *a: registered.append(on_cuda),
+    )
+    row = SharedOffloadRegion.BLOCK_SIZE_ALIGNMENT
+    region = SharedOffloadRegion(
+        engine_id=str(uuid.uuid4()), num_chunks=4, rank=0, kv_bytes_per_chunk=row,
+        cpu_page_size=row // 2,
+    )  # fmt: skip
+    try:
+        with pytest.raises(ConfigError, match="reaches past"):
+            BlockswapOffloadingWorker(
+                caches_of(gpu, past), 1, 4, mmap_region=region, canonical_layout=True,
+                backend=backend_of(device),
+            )  # fmt: skip
+        assert registered == []
+        if device == "cuda":
+            assert _core.cuda_memory_kind(region.base_tensor.data_ptr()) is None
+        monkeypatch.undo()
+        # The same region then takes a worker whose mapping fits, and it is locked on CUDA.
+        w = BlockswapOffloadingWorker(
+            caches_of(gpu, shard_mapping(2, 0)), 1, 4, mmap_region=region,
+            canonical_layout=True, backend=backend_of(device),
+        )  # fmt: skip
+        region = None  # the worker's now
+        try:
+            if device == "cuda":
+                base = w.mmap_region.base_tensor.data_ptr()
+                assert _core.cuda_memory_kind(base) == "host"
+        finally:
+            w.shutdown()
+    finally:
+        if region is not None:
+            region.cleanup()
 
 
 def test_the_tiering_spec_lays_out_the_canonical_layout_and_the_cpu_spec_names_it() -> None:

@@ -510,7 +510,6 @@ class BlockswapOffloadingWorker(OffloadingWorker):
                 f"{region._row_stride}"
             )
         self.cpu_tensors = views = [region.create_next_canonical_view(c * f) for c in canon]
-        self._register_region(on_cuda, index, pin_piece_bytes)
         gpu_groups: list[list[torch.Tensor]] = []
         cpu_groups: list[list[torch.Tensor]] = []
         for g, group in enumerate(refs):
@@ -545,6 +544,8 @@ class BlockswapOffloadingWorker(OffloadingWorker):
                         views[t][:, j * canon[t] + co : j * canon[t] + co + n].unsqueeze(1)
                         for t, _, co, n in frags
                     ])  # fmt: skip
+        # Page-locked once every mapping is checked: a refused layout leaves nothing locked.
+        self._register_region(on_cuda, index, pin_piece_bytes)
         return gpu_groups, cpu_groups
 
     @property
