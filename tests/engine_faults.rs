@@ -300,3 +300,70 @@ fn wait_keeps_its_timeout_and_a_second_shutdown_waits_while_one_drains() {
     let results = poll(&s.engine);
     assert_eq!((results.len(), results[0].success), (1, true));
 }
+
+#[test]
+fn a_worker_that_panics_fails_its_transfers_and_never_leaves_a_wait_hanging() {
+    let host = Arc::new(HostBackend::new());
+    let engine = Arc::new(Engine::new(host.clone(), common::config()));
+    let (src, mut dst) = (vec![7u8; 1 << 14], vec![0u8; 1 << 14]);
+    // SAFETY: both vectors outlive the engine (dropped after it) and are never resized.
+    unsafe {
+        engine
+            .register(src.as_ptr() as u64, src.len() as u64, MemoryKind::Host)
+            .unwrap();
+        engine
+            .register(
+                dst.as_mut_ptr() as u64,
+                dst.len() as u64,
+                MemoryKind::Device,
+            )
+            .unwrap();
+    }
+    let (s, d) = (src.as_ptr() as u64, dst.as_ptr() as u64);
+    engine
+        .submit(1, &[s], &[d], &[4096], Direction::HostToDevice, None)
+        .unwrap();
+    engine.wait(&[1], None).unwrap();
+    host.inject_worker_panic();
+    engine
+        .submit(2, &[s], &[d + 4096], &[4096], Direction::HostToDevice, None)
+        .unwrap();
+    // A wait with no timeout returns: nothing will copy the transfer, and the lane says why.
+    // (On its own thread, so that a wait that hangs fails the test rather than hangs it.)
+    let (tx, rx) = std::sync::mpsc::channel();
+    let other = Arc::clone(&engine);
+    let waiting = std::thread::spawn(move || tx.send(other.wait(&[2], None)).unwrap());
+    let answer = rx
+        .recv_timeout(Duration::from_secs(30))
+        .expect("wait returned");
+    assert!(answer.is_ok(), "{answer:?}");
+    waiting.join().unwrap(); // its reference to the engine is gone
+    let mut results = poll(&engine);
+    results.sort_by_key(|r| r.job_id);
+    assert_eq!(results.len(), 2, "{results:?}");
+    assert!(results[0].success, "{:?}", results[0]);
+    let error = results[1].error.as_deref().unwrap_or("");
+    assert!(
+        !results[1].success && error.contains("a panic injected into the host backend's worker"),
+        "{:?}",
+        results[1]
+    );
+    // Every later transfer, either way, is refused with the same reason.
+    for direction in [Direction::HostToDevice, Direction::DeviceToHost] {
+        let (from, to) = match direction {
+            Direction::HostToDevice => (s, d),
+            _ => (d, s),
+        };
+        let refused = engine.submit(3, &[from], &[to], &[64], direction, None);
+        assert!(
+            refused
+                .as_ref()
+                .is_err_and(|e| e.to_string().contains("worker stopped")),
+            "{refused:?}"
+        );
+    }
+    engine.shutdown();
+    assert!(!engine.stats().shutdown_timed_out);
+    drop(Arc::into_inner(engine).expect("the last reference"));
+    assert_eq!(dst[..4096], [7u8; 4096]);
+}

@@ -7,16 +7,16 @@
 
 use std::alloc::Layout;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Condvar, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Condvar, Mutex, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
 
 use super::{
-    take_injected, Backend, BackendError, BackendInfo, HostAlloc, KernelBatch, PageKernel,
-    StagedRequest, SubmitRequest, Submitted,
+    take_injected, thread_stopped, Backend, BackendError, BackendInfo, HostAlloc, KernelBatch,
+    PageKernel, StagedRequest, SubmitRequest, Submitted,
 };
 use crate::affinity::Cpus;
 use crate::direction::Direction;
@@ -51,6 +51,24 @@ struct Shared {
     cond: Condvar,
     /// Transfers still to fail on purpose, and at which descriptor.
     fail_next: AtomicU64,
+    /// The worker panics at its next job, on purpose (tests).
+    panic_next: AtomicBool,
+    /// Set where the worker stopped with a panic: nothing left will be copied.
+    stopped: OnceLock<BackendError>,
+}
+
+impl Shared {
+    /// The worker stopped with `panic`: every lane fails with its message, and waiters wake.
+    fn worker_stopped(&self, panic: &(dyn std::any::Any + Send)) {
+        let _ = self
+            .stopped
+            .set(thread_stopped("the host backend's worker", panic));
+        let _guard = self
+            .lock
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        self.cond.notify_all();
+    }
 }
 
 /// Copies with `memcpy` on one worker thread.
@@ -76,6 +94,14 @@ impl Default for HostBackend {
 }
 
 impl HostBackend {
+    /// The worker panics at its next job, as a defect would (tests): its transfers, and every
+    /// later one, are then reported failed with the panic's message.
+    #[doc(hidden)]
+    pub fn inject_worker_panic(&self) {
+        // Relaxed: a test hook, read by the worker at its next job.
+        self.shared.panic_next.store(true, Ordering::Relaxed);
+    }
+
     #[must_use]
     pub fn new() -> Self {
         Self::with_cpus(None)
@@ -89,7 +115,15 @@ impl HostBackend {
         let worker_shared = shared.clone();
         let worker = std::thread::Builder::new()
             .name("blockswap-host".into())
-            .spawn(move || worker_loop(rx, worker_shared))
+            .spawn(move || {
+                let work = std::panic::AssertUnwindSafe(|| worker_loop(rx, &worker_shared));
+                // A panic (a defect) would otherwise leave every waiter waiting for copies no
+                // thread makes. What it unwinds holds nothing a later call reads: the jobs'
+                // slabs stay the engine's, parked until a completion that never comes.
+                if let Err(panic) = std::panic::catch_unwind(work) {
+                    worker_shared.worker_stopped(&*panic);
+                }
+            })
             .expect("spawning the host backend worker");
         crate::affinity::bind_started(cpus.as_ref(), &worker);
         HostBackend {
@@ -237,11 +271,16 @@ fn zeroed(bytes: usize) -> Option<Vec<u8>> {
     Some(unsafe { Box::from_raw(slice) }.into_vec())
 }
 
-fn worker_loop(rx: Receiver<Job>, shared: std::sync::Arc<Shared>) {
+fn worker_loop(rx: Receiver<Job>, shared: &Shared) {
     let mut ring = Vec::new();
     let mut after_one = false;
     while let Some((job, queued)) = next_job(&rx) {
         let behind = std::mem::replace(&mut after_one, true) && queued;
+        // Relaxed: a test hook.
+        assert!(
+            !shared.panic_next.swap(false, Ordering::Relaxed),
+            "a panic injected into the host backend's worker"
+        );
         // SAFETY: the engine keeps the slab in flight until it observes `completed >= job.seq`,
         // which only happens after the store below.
         let slab = unsafe { job.slab.get() };
@@ -331,6 +370,10 @@ impl Backend for HostBackend {
         self.shared.fail_next.store(count, Ordering::Relaxed);
     }
 
+    fn lane_error(&self, _lane: Direction) -> Option<BackendError> {
+        self.shared.stopped.get().cloned()
+    }
+
     fn info(&self) -> BackendInfo {
         BackendInfo {
             name: "host",
@@ -370,6 +413,9 @@ impl Backend for HostBackend {
         slab: SlabRef,
         request: SubmitRequest<'_>,
     ) -> Result<Submitted, BackendError> {
+        if let Some(e) = self.shared.stopped.get() {
+            return Err(e.clone());
+        }
         // There is no device stream to wait for: host work is already done when submit is called.
         let first = match request.plan {
             Plan::Pages(Some((batch, PageKernel::Launcher(launch)))) => {
@@ -430,6 +476,9 @@ impl Backend for HostBackend {
         let reached = loop {
             if self.shared.completed[lane.lane()].load(Ordering::SeqCst) >= seq {
                 break true;
+            }
+            if self.shared.stopped.get().is_some() {
+                break false; // nothing will complete: the lane's error says why
             }
             // Bounded sleeps: a safety net, not a spin; the worker notifies on every completion.
             let mut step = Duration::from_millis(50);

@@ -333,6 +333,20 @@ pub fn is_cuda(name: &str) -> Result<bool, String> {
     }
 }
 
+/// The error of a lane whose issuing thread (`thread`) stopped with a panic (a defect of the
+/// backend): the panic's message, so that the transfers it will never issue are reported failed
+/// with it rather than waited for.
+pub(crate) fn thread_stopped(thread: &str, panic: &(dyn std::any::Any + Send)) -> BackendError {
+    let why = panic
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("a panic with no message");
+    BackendError::Unavailable(format!(
+        "{thread} stopped ({why}); its transfers were not run: make a new engine"
+    ))
+}
+
 /// Takes one injected failure from `counter`, if any is left.
 pub(crate) fn take_injected(counter: &std::sync::atomic::AtomicU64) -> bool {
     use std::sync::atomic::Ordering;

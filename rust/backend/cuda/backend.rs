@@ -86,7 +86,7 @@ impl CudaBackend {
         let shared = Arc::clone(&self.shared);
         let handle = std::thread::Builder::new()
             .name(format!("blockswap-{}", lane.as_str()))
-            .spawn(move || shared.work(lane))
+            .spawn(move || shared.work_or_fail(lane))
             .map_err(|e| BackendError::Unavailable(format!("cannot start a thread: {e}")))?;
         crate::affinity::bind_started(self.shared.opts.cpus.as_ref(), &handle);
         w[lane.lane()] = Some(handle);
@@ -440,13 +440,19 @@ impl Backend for CudaBackend {
             }
         }
         self.start_worker(lane).map_err(fail)?;
-        // Release: as above.
-        l.accepted.store(seq, Ordering::Release);
-        l.pending.fetch_add(1, Ordering::AcqRel);
         let mut q = l
             .queue
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(e) = l.error.get() {
+            // Set under this lock by a thread that stopped (see `work_or_fail`): nothing would
+            // take the job. A thread that lives drains a failed lane's jobs without issuing
+            // them; refused here, the transfer fails the same way.
+            return Err(e.clone());
+        }
+        // Release: as above.
+        l.accepted.store(seq, Ordering::Release);
+        l.pending.fetch_add(1, Ordering::AcqRel);
         q.push_back(job);
         // Relaxed: written under the queue's lock, held here. A thread not asleep on `work` (busy
         // issuing, polling after a wake, or between two jobs) takes the lock and looks at the

@@ -60,6 +60,9 @@ pub(super) struct CudaLane {
     /// The driver calls the lane's thread made to stay warm (`CudaOptions::keep_warm`).
     #[cfg(test)]
     pub(super) warm_polls: AtomicU64,
+    /// The lane's thread panics at its next job, as a defect would.
+    #[cfg(test)]
+    pub(super) panic_next: AtomicBool,
 }
 
 impl CudaLane {
@@ -99,6 +102,8 @@ impl CudaLane {
             last_check: AtomicU64::new(0),
             #[cfg(test)]
             warm_polls: AtomicU64::new(0),
+            #[cfg(test)]
+            panic_next: AtomicBool::new(false),
         })
     }
 

@@ -618,3 +618,70 @@ fn a_lanes_thread_stays_warm_for_keep_warm_after_a_transfer_then_sleeps() {
         free_device(&backend, dev);
     }
 }
+
+#[test]
+#[ignore = "needs CUDA"]
+fn a_lanes_thread_that_panics_fails_its_transfers_and_never_leaves_a_wait_hanging() {
+    let _gpu = gpu();
+    let mut opts = CudaOptions::new(0);
+    opts.idle_issue = false; // every transfer goes to the lane's thread
+    let backend = Arc::new(CudaBackend::new(opts).expect("a backend"));
+    let engine = Arc::new(Engine::new(backend.clone(), EngineConfig::default()));
+    let n = 1u64 << 16;
+    let host = engine.alloc_host(n as usize).expect("host buffer");
+    let dev = {
+        let _bound = bind(backend.ctx.raw).expect("bind");
+        // SAFETY: a plain device allocation, freed below once the engine is shut down.
+        unsafe { result::malloc_sync(n as usize) }.expect("device memory")
+    };
+    // SAFETY: device memory of `n` bytes that outlives the engine's transfers.
+    unsafe { engine.register(dev, n, MemoryKind::Device) }.expect("register");
+    let h2d = Direction::HostToDevice;
+    engine
+        .submit(1, &[host], &[dev], &[n], h2d, None)
+        .expect("submit");
+    engine.wait(&[1], None).expect("done");
+    backend.lane(h2d).panic_next.store(true, Ordering::Relaxed);
+    engine
+        .submit(2, &[host], &[dev], &[n], h2d, None)
+        .expect("submit");
+    // On its own thread, so that a wait that hangs fails the test rather than hangs it.
+    let (tx, rx) = mpsc::channel();
+    let other = Arc::clone(&engine);
+    let waiting = std::thread::spawn(move || tx.send(other.wait(&[2], None)).unwrap());
+    let answer = rx
+        .recv_timeout(Duration::from_secs(30))
+        .expect("wait returned");
+    assert!(answer.is_ok(), "{answer:?}");
+    waiting.join().unwrap(); // its reference to the engine is gone
+    let mut results = Vec::new();
+    engine.get_finished(&mut results);
+    results.sort_by_key(|r| r.job_id);
+    assert_eq!(results.len(), 2, "{results:?}");
+    assert!(results[0].success, "{:?}", results[0]);
+    let error = results[1].error.as_deref().unwrap_or("");
+    assert!(
+        !results[1].success && error.contains("a panic injected into the lane's thread"),
+        "{:?}",
+        results[1]
+    );
+    let refused = engine.submit(3, &[host], &[dev], &[n], h2d, None);
+    assert!(
+        refused
+            .as_ref()
+            .is_err_and(|e| e.to_string().contains("issuing thread stopped")),
+        "{refused:?}"
+    );
+    // The other direction's thread goes on.
+    engine
+        .submit(4, &[dev], &[host], &[n], Direction::DeviceToHost, None)
+        .expect("submit d2h");
+    engine.wait(&[4], None).expect("done");
+    results.clear();
+    engine.get_finished(&mut results);
+    assert!(results.len() == 1 && results[0].success, "{results:?}");
+    engine.shutdown();
+    assert!(!engine.stats().shutdown_timed_out);
+    drop(Arc::into_inner(engine).expect("the last reference"));
+    free_device(&backend, dev);
+}

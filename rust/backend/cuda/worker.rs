@@ -11,7 +11,7 @@ use super::options::{AccessOrder, KEEP_WARM_EVERY};
 use super::query::memory_type;
 use super::resources::{Event, StreamHandle};
 use super::shared::Shared;
-use crate::backend::{AddElapsed, BackendError, Submitted};
+use crate::backend::{thread_stopped, AddElapsed, BackendError, Submitted};
 use crate::direction::Direction;
 use crate::kernel::{KernelBatch, PageKernel};
 use crate::plan::Plan;
@@ -61,11 +61,14 @@ impl Shared {
             if l.pending.load(Ordering::Acquire) != 0 {
                 return false;
             }
-            let kernels = l
-                .stage
-                .try_lock()
-                .ok()
-                .map(|st| st.as_ref().map(|st| st.stream.handle()));
+            let kernels = match l.stage.try_lock() {
+                Ok(st) => Some(st.as_ref().map(|st| st.stream.handle())),
+                // Left by a thread that stopped with a panic: nobody holds it.
+                Err(std::sync::TryLockError::Poisoned(p)) => {
+                    Some(p.into_inner().as_ref().map(|st| st.stream.handle()))
+                }
+                Err(std::sync::TryLockError::WouldBlock) => None,
+            };
             let idle = |s: StreamHandle| s.query() == sys::CUresult::CUDA_SUCCESS;
             // A stage held by a submission in progress is not idle.
             return idle(l.stream.handle()) && kernels.is_some_and(|k| k.is_none_or(idle));
@@ -196,6 +199,34 @@ impl Shared {
         }
     }
 
+    /// [`Self::work`], where a panic (a defect) fails the lane with its message instead of
+    /// leaving its jobs to nobody: their transfers are reported failed, not waited for forever,
+    /// and later submissions on the lane are refused with the same error. What the thread had
+    /// issued still runs; with no marker promised after it, only the streams say when the lane
+    /// is idle (what the engine frees waits for that).
+    pub(super) fn work_or_fail(&self, lane: Direction) {
+        let work = std::panic::AssertUnwindSafe(|| self.work(lane));
+        let Err(panic) = std::panic::catch_unwind(work) else {
+            return;
+        };
+        let l = self.lane(lane);
+        let mut q = l
+            .queue
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let _ = l.error.set(thread_stopped(
+            &format!("the {lane} issuing thread"),
+            &*panic,
+        ));
+        // Release: pairs with the Acquire load in `lane_idle`.
+        l.unmarked.store(true, Ordering::Release);
+        q.clear();
+        // Release: nothing is held any more (pairs with the Acquire loads in `failed` and
+        // `wait_drained`).
+        l.pending.store(0, Ordering::Release);
+        l.drained.notify_all();
+    }
+
     /// The issuing thread of `lane`: issues the jobs handed to it, in order, until the backend
     /// stops and the queue is empty. On a lane that failed it issues nothing more: the engine
     /// reports those transfers failed once `pending` is 0.
@@ -273,6 +304,12 @@ impl Shared {
                     }
                 }
             };
+            #[cfg(test)]
+            // Relaxed: a test hook.
+            assert!(
+                !l.panic_next.swap(false, Ordering::Relaxed),
+                "a panic injected into the lane's thread"
+            );
             if l.error.get().is_none() {
                 match self.make_current() {
                     Ok(_ctx) => {
