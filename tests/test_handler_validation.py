@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import blockswap
-from blockswap import BlockswapError, InvalidTransferError
+from blockswap import BlockswapError, ConfigError, InvalidTransferError
 from blockswap.handler import CpuGpuHandlers, SingleDirectionHandler
 from blockswap.layout import LayoutError
 from kv_helpers import (
@@ -237,7 +237,7 @@ def test_given_cpu_cache_must_match() -> None:
     with pytest.raises(LayoutError, match="same structure"):
         CpuGpuHandlers(gpu, 8, cpu_caches=[cpu(), cpu()], **kw)
     # the GPU tensors themselves cannot be the CPU cache (registered twice)
-    with pytest.raises(InvalidTransferError, match="overlaps"):
+    with pytest.raises(ConfigError, match=r"CpuGpuHandlers: .* overlaps"):
         CpuGpuHandlers(gpu, N_GPU, cpu_caches=gpu, **kw)
 
 

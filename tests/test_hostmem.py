@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import blockswap
-from blockswap import InvalidTransferError
+from blockswap import ConfigError, ConfigTypeError, InvalidTransferError
 from blockswap.hostmem import DEFAULT_PIECE_BYTES, REGISTRATION_LIMIT, PinnedRows
 
 PAGE = 4096
@@ -47,18 +47,23 @@ def test_pieces_are_whole_rows_and_the_size_is_not_rounded(
 
 
 def test_sizes_that_cannot_make_a_buffer_are_refused_by_name() -> None:
+    """The core checks the sizes; what it refuses leaves the constructor as a ConfigError (a
+    ConfigTypeError for a wrong type), as every constructor's bad argument does."""
+
     def refused(match: str, *args: int, **kw: int) -> None:
-        with pytest.raises(InvalidTransferError, match=match):
+        with pytest.raises(ConfigError, match=match) as e:
             PinnedRows(*args, backend="host", log_line=False, **kw)
+        assert str(e.value).startswith("PinnedRows: ")
+        assert isinstance(e.value.__cause__, InvalidTransferError)
 
     refused("does not fit in a piece", 4, 100, piece_bytes=99)
     refused("every 8 rows", 20, 1536, piece_bytes=10_000)
     refused("or more fails", 4, 100, piece_bytes=REGISTRATION_LIMIT)
     refused(r"rows must be an int from 1 to 2\*\*64 - 1, not 0", 0, 100)
     refused("more than the address space", 1 << 62, 1 << 10)
-    with pytest.raises(TypeError, match=r"row_bytes must be an int, not 1\.5"):
+    with pytest.raises(ConfigTypeError, match=r"row_bytes must be an int, not 1\.5"):
         PinnedRows(4, 1.5, backend="host")  # type: ignore[arg-type]
-    with pytest.raises(InvalidTransferError, match="backend must be"):
+    with pytest.raises(ConfigError, match="backend must be"):
         PinnedRows(4, 100, backend="gpu")  # type: ignore[arg-type]
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from blockswap import InvalidTransferError
+from blockswap import ConfigError, InvalidTransferError
 from blockswap.handler import CpuGpuHandlers, _stream_handle
 from blockswap.layout import LayoutError
 from kv_helpers import assert_storage, snapshot
@@ -233,6 +233,6 @@ def test_wrong_tensors_are_refused_and_a_running_handler_is_unaffected(
 def test_construction_failing_after_the_engine_started_shuts_it_down() -> None:
     gpu = kv_cache()
     before = threads()
-    with pytest.raises(InvalidTransferError, match="overlaps"):
+    with pytest.raises(ConfigError, match="overlaps"):
         CpuGpuHandlers(gpu, N_GPU, layout="kv_split", backend="host", cpu_caches=gpu)
     assert not threads_settle(before), "the engine of the failed construction still runs"

@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, TypeVar, cast
 
-from ._core import BlockswapError
+from ._core import ArgumentTypeError, BlockswapError, InvalidTransferError
 
 __all__ = ["BlockswapError", "ConfigError", "ConfigTypeError", "refuses_with_config_errors"]
 
@@ -39,16 +39,24 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 def refuses_with_config_errors(fn: _F) -> _F:
     """A public constructor's guard: a ``TypeError`` or ``ValueError`` that is not a
     :class:`BlockswapError` yet (one torch or numpy raised deep in the build over an argument no
-    check foresaw: a dict where a list was meant, a count past what torch takes) leaves as a
-    :class:`ConfigTypeError` / :class:`ConfigError` with the constructor's name and the same
-    message, the original chained. The checks in the constructors name the argument; this makes
-    the rule hold for the rest."""
+    check foresaw: a dict where a list was meant, a count past what torch takes), and an
+    argument the engine refused while it was built (an
+    :class:`~blockswap.InvalidTransferError`: an engine option out of its limits, a row count
+    of 0), leave as a :class:`ConfigTypeError` / :class:`ConfigError` with the constructor's
+    name and the same message, the original chained. The checks in the constructors name the
+    argument; this makes the rule hold for the rest."""
     what = fn.__qualname__.removesuffix(".__init__")
 
     @functools.wraps(fn)
     def guarded(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
+        except (ConfigError, ConfigTypeError):
+            raise
+        except ArgumentTypeError as e:
+            raise ConfigTypeError(f"{what}: {e}") from e
+        except InvalidTransferError as e:
+            raise ConfigError(f"{what}: {e}") from e
         except BlockswapError:
             raise
         except TypeError as e:

@@ -99,11 +99,12 @@ trace, and emulates the capture rules (:meth:`PrefetchOffloader.emulate_capture`
 else -- selection, slot assignment, validation, the wrappers, submissions -- is the code the GPU
 runs.
 
-Every configuration error is an :class:`OffloadConfigError` (a ``ValueError`` and a
-:class:`~blockswap.BlockswapError`; an ``engine_options`` value the engine refuses, and a
-``max_in_flight`` not above ``prefetch_step``, included), or, for an argument of the wrong type
-or an unknown option, a ``TypeError`` that is a :class:`~blockswap.BlockswapError`, raised
-before anything is changed: a failed construction leaves the model as it was.
+Every configuration error is an :class:`OffloadConfigError` (a :class:`~blockswap.ConfigError`,
+so a ``ValueError`` and a :class:`~blockswap.BlockswapError`; an argument of the wrong type, an
+``engine_options`` value the engine refuses, and a ``max_in_flight`` not above
+``prefetch_step``, included), or, for an unknown keyword or an ``engine_options`` value of the
+wrong type, a :class:`~blockswap.ConfigTypeError` (a ``TypeError``), raised before anything is
+changed: a failed construction leaves the model as it was.
 
 Limits
 ------

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from .._core import BlockswapError
+from ..errors import ConfigError
 
 
-class OffloadConfigError(BlockswapError, ValueError):
-    """A configuration the offloader refuses (raised before the model is changed)."""
+class OffloadConfigError(ConfigError):
+    """A configuration the offloader refuses, an argument of the wrong type included (raised
+    before the model is changed); a :class:`~blockswap.ConfigError`, so a ``ValueError``."""
 
 
 class OffloadDeviceError(OffloadConfigError):
