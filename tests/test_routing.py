@@ -289,6 +289,51 @@ def test_calibration_measures_every_route_and_keeps_the_cache_intact():
         h.shutdown()
 
 
+def test_calibration_with_fewer_gpu_blocks_than_a_cpu_block_holds_keeps_the_cache_intact():
+    """Two GPU blocks and four a CPU block: calibration moves part of one CPU block, and the
+    load reads back the very sub-blocks the store wrote (it read the block's last ones, and wrote
+    their stale bytes over the GPU cache)."""
+    import torch
+
+    from blockswap.handler import CpuGpuHandlers
+
+    torch.manual_seed(2)
+    gpu = torch.randint(0, 255, (2, 2, 4, 2, 8), dtype=torch.uint8)
+    before = gpu.clone()
+    h = CpuGpuHandlers(
+        [gpu], 4, layout="kv_split", backend="host", block_size_factor=4, calibrate=True
+    )
+    try:
+        assert h.calibration is not None and h.calibration["d2h"]["blocks"] == 2
+        assert torch.equal(gpu, before)
+    finally:
+        h.shutdown()
+
+
+def test_calibration_is_refused_before_anything_is_built_where_it_cannot_run(monkeypatch):
+    """Several KV-cache groups (several size classes), or the caller's CPU cache (calibration
+    writes its first blocks): refused before an engine is made or a CPU cache allocated."""
+    import torch
+
+    import blockswap.handler as handler_module
+    from blockswap.handler import CpuGpuHandlers
+
+    def no_engine(*a, **k):
+        raise AssertionError("an engine was made before the refusal")
+
+    monkeypatch.setattr(handler_module, "Engine", no_engine)
+    groups = [[torch.zeros(2, 8, 4, 2, 8)], [torch.zeros(8, 4, 24)]]
+    with pytest.raises(ConfigError, match="needs a single KV-cache group"):
+        CpuGpuHandlers(groups, 4, layout=["kv_split", "mla"], backend="host", calibrate=True)
+    gpu = torch.zeros(2, 8, 4, 2, 8)
+    cpu = torch.full((2, 4, 4, 2, 8), 42.0)
+    with pytest.raises(ConfigError, match="overwrite what cpu_caches holds"):
+        CpuGpuHandlers(
+            [gpu], 4, layout="kv_split", backend="host", cpu_caches=[cpu], calibrate=True
+        )
+    assert bool((cpu == 42).all())
+
+
 # Run in a fresh interpreter without TRITON_INTERPRET (which conftest.py sets for the rest of
 # the suite) and without a visible GPU: the process a user without a GPU has.
 _NO_GPU_SCRIPT = r"""

@@ -313,6 +313,16 @@ class CpuGpuHandlers:
 
         gpu_groups, grouped = as_groups(gpu_caches, "gpu_caches")
         ng = len(gpu_groups)
+        if calibrate and ng != 1:
+            # The page sizes of several groups are several size classes: one route each.
+            raise ConfigError("calibrate=True needs a single KV-cache group")
+        if calibrate and cpu_caches is not None:
+            raise ConfigError(
+                "calibrate=True moves blocks through the CPU cache's first blocks, which would "
+                "overwrite what cpu_caches holds: calibrate handlers that allocate their own "
+                "(no cpu_caches; handlers.calibration says what each direction chose), then "
+                "give handlers over your cache that path="
+            )
         layouts = layouts_of(layout, ng)
 
         device, resolved, device_index = device_of(gpu_groups, backend)
@@ -590,10 +600,8 @@ class CpuGpuHandlers:
     def _calibrate(self, kernel_ctas: int, reps: int = 5) -> dict[str, dict[str, Any]]:
         """Measures the routes this cache can take on this machine, per direction, and keeps the
         fastest (:func:`~blockswap.routing.calibrate`): other GPUs, links and drivers need other
-        choices than the built-in ones. Needs one KV-cache group (the page sizes are then one
-        size class)."""
-        if self.num_groups != 1:
-            raise ConfigError("calibrate=True needs a single KV-cache group")
+        choices than the built-in ones. One KV-cache group, and a CPU cache of the handlers' own
+        (both checked when the handlers are built)."""
         return calibrate(
             self.handlers,
             self.routes,

@@ -207,12 +207,14 @@ def _seconds_per_transfer(
     get_finished: Callable[[], list[TransferResult]],
 ) -> float:
     """The median seconds of ``reps`` transfers of ``spec`` by ``h`` on ``route``, one at a time,
-    the first left out (it warms up); ``h`` keeps ``route``."""
+    the first left out (it warms up); ``h`` keeps ``route``. The GPU blocks start a CPU block
+    (``block_indices=[0]``) both ways, so a load reads back the very sub-blocks the store wrote,
+    whole CPU blocks or not."""
     h._use(route)
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        h.transfer_async(job, spec)
+        h.transfer_async(job, spec, block_indices=[0])
         h.wait([job])
         times.append(time.perf_counter() - t0)
         results = get_finished()
@@ -249,8 +251,8 @@ def calibrate(
     """
     f = block_size_factor
     num_gpu = gpu_table.num_blocks
-    # Whole CPU blocks (the load then reads back exactly the sub-blocks the store wrote), and
-    # scattered GPU blocks: consecutive ones would coalesce and flatter DMA.
+    # Whole CPU blocks where the cache has them (fewer GPU blocks than a CPU block holds: a
+    # part of one), and scattered GPU blocks: consecutive ones would coalesce and flatter DMA.
     n = max(f, min(num_gpu, num_cpu_blocks * f, 256) // f * f)
     n = min(n, num_gpu)
     gpu_ids = np.random.default_rng(0).permutation(num_gpu)[:n].astype(np.int64)
