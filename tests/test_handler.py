@@ -24,7 +24,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from blockswap import ShutdownError
+from blockswap import ConfigError, ShutdownError
 from blockswap.handler import CpuGpuHandlers, load_sub_blocks, store_sub_blocks
 from blockswap.layout import LAYOUTS
 from kv_helpers import (
@@ -156,6 +156,14 @@ def test_sub_block_helpers_match_the_documented_rules() -> None:
     assert load_sub_blocks([4, 1], 5, 4).tolist() == [19, 4, 5, 6, 7]
     assert load_sub_blocks([4, 1], 8, 4).tolist() == store_sub_blocks([4, 1], 8, 4).tolist()
     assert store_sub_blocks([3, 0], 2, 1).tolist() == load_sub_blocks([3, 0], 2, 1).tolist()
+    # Counts are checked by name (the core's rule takes unsigned ints: OverflowError before).
+    for helper in (store_sub_blocks, load_sub_blocks):
+        with pytest.raises(ConfigError, match="block_index must be an int >= 0, not -1"):
+            helper([0], 2, 4, block_index=-1)
+        with pytest.raises(ConfigError, match="num_gpu_blocks must be an int >= 0, not -1"):
+            helper([0], -1, 4)
+        with pytest.raises(ConfigError, match="block_size_factor must be an int >= 1, not 0"):
+            helper([0], 1, 0)
 
 
 def test_factor_4_partial_blocks_at_start_and_end() -> None:

@@ -241,6 +241,48 @@ def test_given_cpu_cache_must_match() -> None:
         CpuGpuHandlers(gpu, N_GPU, cpu_caches=gpu, **kw)
 
 
+def test_a_given_cpu_cache_must_lay_its_pages_out_as_the_gpu_tensors_do() -> None:
+    """A page's bytes are copied as they lie: a CPU tensor whose page dims lie in memory in
+    another order (heads and head dim swapped) would read permuted values; it is refused. Where
+    only the block dim lies elsewhere (a block-major CPU cache), the pages read the same."""
+    kw: dict[str, Any] = {"layout": "kv_split", "backend": "host"}
+    gpu = torch.randn(2, 8, 4, 8, 2).permute(0, 1, 2, 4, 3)  # (2, 8, 4, 2, 8), HND in memory
+    with pytest.raises(LayoutError, match=r"in another order .* \[0, 2, 3, 4\] against"):
+        CpuGpuHandlers([gpu], 8, cpu_caches=[torch.zeros(2, 8, 4, 2, 8)], **kw)
+    block_major = torch.zeros(8, 2, 4, 8, 2).permute(1, 0, 2, 4, 3)  # the block dim outermost
+    h = CpuGpuHandlers([gpu], 8, cpu_caches=[block_major], **kw)
+    try:
+        h.d2h.transfer_async(1, ([3], [5]))
+        h.wait([1])
+        assert h.get_finished()[0].success
+        assert torch.equal(block_major[:, 5], gpu[:, 3])
+    finally:
+        h.shutdown()
+
+
+def test_caches_given_by_name_pair_by_name() -> None:
+    """vLLM keys its KV caches by layer name: a CPU cache keyed the same way pairs by name
+    whatever the order of its keys (it paired by position), and other names are refused."""
+    kw: dict[str, Any] = {"layout": "kv_split", "backend": "host"}
+    gpu = {f"layer.{i}": torch.full((2, 8, 4, 2, 8), float(i)) for i in range(3)}
+    cpu = {f"layer.{i}": torch.full((2, 8, 4, 2, 8), -1.0) for i in (2, 0, 1)}
+    for given in (cpu, [cpu]):
+        h = CpuGpuHandlers(gpu if given is cpu else [gpu], 8, cpu_caches=given, **kw)
+        try:
+            h.d2h.transfer_async(1, ([0], [0]))
+            h.wait([1])
+            assert h.get_finished()[0].success
+            for name, t in gpu.items():
+                assert torch.equal(cpu[name][:, 0], t[:, 0]), name
+        finally:
+            h.shutdown()
+    renamed = {("x" if k == "layer.1" else k): v for k, v in cpu.items()}
+    with pytest.raises(LayoutError, match=r"missing \['layer.1'\], unknown \['x'\]"):
+        CpuGpuHandlers(gpu, 8, cpu_caches=renamed, **kw)
+    with pytest.raises(LayoutError, match=r"cpu_caches group 0 names other tensors"):
+        CpuGpuHandlers([gpu], 8, cpu_caches=[renamed], **kw)
+
+
 def test_public_surface() -> None:
     h, _ = _validation_handlers()
     try:

@@ -45,7 +45,8 @@ HANDLER_CASES: list[tuple[str, Callable[[], Any], str]] = [
     ("strided-array", lambda: (np.arange(8)[::2], np.array([2, 3, 4, 2**40])), "CPU block ids hold block id 1099511627776"),
     ("none-element", lambda: ([4, None], [2, 3]), "must hold integers, not object"),
     ("none-side", lambda: (None, [2]), "must hold integers, not object"),
-    ("int-past-int64", lambda: ([2**70], [2]), "must hold integers, not object"),
+    ("int-past-int64", lambda: ([2**70], [2]), r"GPU block ids holds integers outside \[-2\*\*63, 2\*\*63\)"),
+    ("int-below-int64", lambda: ([4], [-(2**70)]), r"CPU block ids holds integers outside \[-2\*\*63, 2\*\*63\)"),
     ("int64-max-cpu", lambda: ([4], [2**63 - 1]), "CPU block ids hold block id 9223372036854775807"),
     ("int64-min-cpu", lambda: ([4], [-(2**63)]), "CPU block ids hold a negative block id"),
     ("strings", lambda: (["4"], [2]), "must hold integers, not <U1"),
@@ -107,7 +108,7 @@ BLOCK_INDEX_CASES: list[tuple[str, Callable[[int], Any], str]] = [
     ("negative-array", lambda ng: np.full(ng, -3), "block_indices must be >= 0, got -3"),
     ("float", lambda ng: [1.5] * ng, "block_indices must hold integers, not float64"),
     ("bool", lambda ng: [True] * ng, "block_indices must hold integers, not bool"),
-    ("past-int64", lambda ng: [2**70] * ng, "block_indices must hold integers, not object"),
+    ("past-int64", lambda ng: [2**70] * ng, r"block_indices holds integers outside \[-2\*\*63, 2\*\*63\)"),
     ("uint64", lambda ng: [2**63] * ng, r"block_indices holds values past 2\*\*63 - 1"),
     ("one-too-many", lambda ng: [0] * (ng + 1), "block_indices holds .* entries for"),
     ("none-entry", lambda ng: [None] * ng, "block_indices must hold integers, not object"),
@@ -145,6 +146,22 @@ def test_handler_strided_block_ids_round_trip(grouped: bool) -> None:
         h.wait([3])
         assert [(r.job_id, r.success) for r in h.get_finished()] == [(3, True)]
         sc.expect_stored(want, -1, list(zip(gpu_ids.tolist(), cpu_ids.tolist())))
+        assert_storage(sc.all_tensors(), want)
+    finally:
+        h.shutdown()
+
+
+def test_handler_object_arrays_of_small_ints_are_ids() -> None:
+    """Python ints that numpy keeps as objects are ids like any others where they fit in 64 bits
+    (one past it is refused as out of range, above, not as a type)."""
+    sc = HandlerScene.make(1, False)
+    h = sc.h
+    try:
+        want = snapshot(sc.all_tensors())
+        h.d2h.transfer_async(3, sc.spec(np.array([4, 9], dtype=object), [2, 6]))
+        h.wait([3])
+        assert [(r.job_id, r.success) for r in h.get_finished()] == [(3, True)]
+        sc.expect_stored(want, -1, [(4, 2), (9, 6)])
         assert_storage(sc.all_tensors(), want)
     finally:
         h.shutdown()

@@ -71,6 +71,41 @@ def as_groups(caches: Any, name: str) -> tuple[list[list[torch.Tensor]], bool]:
     return groups, True
 
 
+def keyed_like(cpu_caches: Any, gpu_caches: Any) -> Any:
+    """``cpu_caches`` in the order of ``gpu_caches`` wherever both name their tensors (dicts, as
+    vLLM keys its KV caches by layer name: at the top, or per group), so that tensors pair by
+    name, not by position; names that differ are refused. Anything else as it is."""
+
+    def align(cpu: Any, gpu: Any, where: str) -> Any:
+        if not (isinstance(cpu, Mapping) and isinstance(gpu, Mapping)):
+            return cpu
+        if set(cpu) != set(gpu):
+            missing = [k for k in gpu if k not in cpu]
+            extra = [k for k in cpu if k not in gpu]
+            raise LayoutError(
+                f"cpu_caches{where} names other tensors than gpu_caches{where}: missing "
+                f"{missing}, unknown {extra}"
+            )
+        return {k: cpu[k] for k in gpu}
+
+    out = align(cpu_caches, gpu_caches, "")
+    if (
+        isinstance(out, Sequence)
+        and isinstance(gpu_caches, Sequence)
+        and len(out) == len(gpu_caches)
+    ):
+        out = [align(c, g, f" group {i}") for i, (c, g) in enumerate(zip(out, gpu_caches))]
+    return out
+
+
+def _memory_order(t: torch.Tensor, skip: int) -> list[int]:
+    """``t``'s dims but ``skip`` from the outermost in memory to the innermost (larger strides
+    first), dims of size 1 left out: where they lie says nothing."""
+    strides = t.stride()
+    dims = [d for d in range(t.dim()) if d != skip and t.shape[d] > 1]
+    return sorted(dims, key=lambda d: (-strides[d], d))
+
+
 def _named(e: Exception, where: str) -> Exception:
     """``e`` again with ``where`` in front of its message: of its own kind where that is a
     blockswap error, else a :class:`~blockswap.errors.ConfigTypeError` (a ``TypeError`` from
@@ -269,6 +304,16 @@ def _check_cpu_group(
                 f"cpu_caches group {g} tensor {i} has shape {tuple(c.shape)}; the GPU tensor "
                 f"{tuple(t.shape)} with num_cpu_blocks={num_cpu_blocks} x "
                 f"block_size_factor={factor} needs {tuple(want)}"
+            )
+        cpu_order, gpu_order = _memory_order(c, bd % c.dim()), _memory_order(t, bd % t.dim())
+        if cpu_order != gpu_order:
+            # A page's bytes are copied as they lie: the CPU tensor's values would come out
+            # permuted (a round trip would still restore the GPU's).
+            raise LayoutError(
+                f"cpu_caches group {g} tensor {i} lays its dims out in memory in another order "
+                f"than the GPU tensor (outermost first, the block dim left out: {cpu_order} "
+                f"against {gpu_order}): a page's bytes are copied as they lie, so its values "
+                "would read permuted; give a CPU tensor laid out as the GPU one"
             )
         if on_cuda and not c.is_pinned():
             raise ConfigError(

@@ -123,6 +123,7 @@ from ._kvcache import (
     device_of,
     given_cpu_cache,
     gpu_tables_of,
+    keyed_like,
     layouts_of,
     union_spans,
 )
@@ -220,9 +221,16 @@ class CpuGpuHandlers:
     (:data:`~blockswap.hostmem.DEFAULT_PIECE_BYTES`; one driver registration of 512 GiB or more
     fails), each piece registered with the engine as a region of its own: no copy crosses from one
     piece into the next. A given cache must match the GPU tensors (dtype, and shape except the
-    block dim, which holds ``num_cpu_blocks * block_size_factor`` sub-blocks) and, on CUDA, be
-    pinned; it stays the caller's (memory of a :class:`~blockswap.hostmem.PinnedRows` is
-    registered piece by piece too).
+    block dim, which holds ``num_cpu_blocks * block_size_factor`` sub-blocks, its pages' dims
+    laid out in memory in the same order) and, on CUDA, be pinned; it stays the caller's (memory
+    of a :class:`~blockswap.hostmem.PinnedRows` is registered piece by piece too). Given as dicts
+    on both sides (vLLM keys its caches by layer name), tensors pair by name.
+
+    The handlers hold the tensors, and their memory as it was when they were built: a storage
+    freed or moved in place while they live (``untyped_storage().resize_(0)``, as FSDP frees
+    parameters; ``resize_`` past its size; ``set_``) leaves the engine copying where it no longer
+    is. Shut the handlers down first. (Checking each storage at every transfer would cost the
+    caller's thread about as much as the transfer's submission.)
 
     ``backend``: ``"auto"`` (CUDA when the GPU tensors are on a CUDA device and a driver is
     present, else the host backend), ``"cuda"`` or ``"host"``. On CUDA the engine runs on the
@@ -357,7 +365,13 @@ class CpuGpuHandlers:
             )
         else:
             cpu_groups = given_cpu_cache(
-                cpu_caches, gpu_groups, grouped, layouts, self.num_cpu_blocks, f, on_cuda
+                keyed_like(cpu_caches, gpu_caches),
+                gpu_groups,
+                grouped,
+                layouts,
+                self.num_cpu_blocks,
+                f,
+                on_cuda,
             )
         cpu_tables = cpu_tables_of(cpu_groups, layouts)
         if host_pieces is None:
@@ -703,9 +717,7 @@ def store_sub_blocks(
     """The CPU sub-block ids a GPU -> CPU transfer of ``num_gpu_blocks`` blocks into
     ``cpu_block_ids`` writes, in GPU-block order: start-aligned, or from ``block_index %
     block_size_factor`` (see the module's documentation)."""
-    f = block_size_factor
-    skip = chunk_skip(f, num_gpu_blocks, block_index, True)
-    return expand_sub_blocks(cpu_block_ids, f, skip, num_gpu_blocks)
+    return _sub_blocks(cpu_block_ids, num_gpu_blocks, block_size_factor, block_index, True)
 
 
 def load_sub_blocks(
@@ -717,6 +729,16 @@ def load_sub_blocks(
     """The CPU sub-block ids a CPU -> GPU transfer of ``num_gpu_blocks`` blocks from
     ``cpu_block_ids`` reads, in GPU-block order: end-aligned (``skip = (-n) % f``), or from
     ``block_index % block_size_factor``."""
-    f = block_size_factor
-    skip = chunk_skip(f, num_gpu_blocks, block_index, False)
-    return expand_sub_blocks(cpu_block_ids, f, skip, num_gpu_blocks)
+    return _sub_blocks(cpu_block_ids, num_gpu_blocks, block_size_factor, block_index, False)
+
+
+def _sub_blocks(
+    cpu_block_ids: Any, n: Any, factor: Any, block_index: Any, store: bool
+) -> npt.NDArray[np.int64]:
+    """:func:`store_sub_blocks` (``store``) or :func:`load_sub_blocks`, the counts checked first
+    (the core's ``chunk_skip`` takes unsigned ints: a negative one raised ``OverflowError``)."""
+    n = check_int("num_gpu_blocks", n, 0)
+    f = check_int("block_size_factor", factor, 1)
+    block_index = check_int("block_index", block_index, 0, optional=True)
+    skip = chunk_skip(f, n, block_index, store)
+    return expand_sub_blocks(cpu_block_ids, f, skip, n)

@@ -343,6 +343,12 @@ def as_block_ids(x: Any, name: str, *, int32: bool = False) -> SubmitIds:
                 a = a.astype(_I64)
     if a.dtype != _I64 and not (int32 and a.dtype == _I32):
         kind = a.dtype.kind
+        if kind == "O" and a.size and all(type(v) is int for v in a.flat):
+            # Python ints (numpy keeps them as objects where one does not fit in 64 bits): an
+            # id out of range, not a type; ints that all fit are ids like any others.
+            if not all(-(2**63) <= v <= _I64_MAX for v in a.flat):
+                raise IndexError(f"{name} holds integers outside [-2**63, 2**63)")
+            kind = "i"
         if kind != "i" and kind != "u":
             raise TypeError(f"{name} must hold integers, not {a.dtype}")
         if kind == "u" and a.size and int(a.max()) > _I64_MAX:
