@@ -23,7 +23,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from blockswap import Engine
+from blockswap import ConfigError, Engine
 from blockswap.layout import (
     LAYOUTS,
     BlockTable,
@@ -752,3 +752,12 @@ def test_the_cores_cache_geometry_refuses_a_block_dim_it_cannot_index() -> None:
     for blocks in (2**70, -1):
         with pytest.raises(ValueError, match=rf"^{blocks} blocks: not a number of blocks a tensor"):
             _core.mirror_geometry([2, 4], [4, 1], 0, blocks)
+
+
+def test_sizes_are_refused_in_the_callers_terms() -> None:
+    """A tensor with no block, and a CPU copy past the address space, are named as such (the
+    core's words named a num_blocks or a rows count the caller never gave)."""
+    with pytest.raises(LayoutError, match=r"tensor 0 .*holds no block"):
+        BlockTable.from_tensors([torch.zeros(2, 0, 4, 2, 8)], "kv_split")
+    with pytest.raises(ConfigError, match="more than the address space: lower num_cpu_blocks"):
+        make_cpu_cache_like([torch.zeros(2, 8, 4, 2, 8)], 1 << 62, layout="kv_split")

@@ -246,6 +246,8 @@ class BlockTable:
             if t.device.type == "meta":
                 raise LayoutError(f"{_describe(i, t)}: meta tensors have no memory")
             offsets, bstride, nb, nblk, _ = _segments(i, t, layout, bd0)
+            if nblk == 0:
+                raise LayoutError(f"{_describe(i, t)}: holds no block (its block dim is empty)")
             if num_blocks is None:
                 num_blocks = nblk
             elif nblk != num_blocks:
@@ -543,6 +545,12 @@ def make_cpu_cache_like(
         if _device != "cpu":
             out.append(torch.empty_strided(shape, strides, dtype=t.dtype, device=_device))
             continue
+        nbytes = math.prod(shape) * t.element_size()
+        if nbytes >= 1 << 63:
+            raise ConfigError(
+                f"a CPU copy of {_describe(i, t)} with {blocks} blocks takes {nbytes} bytes, "
+                "more than the address space: lower num_cpu_blocks"
+            )
         rows = _cpu_rows(math.prod(shape) // row, row * t.element_size(), pin_memory, allocate_rows)
         out.append(rows.view(t.dtype).view(-1).as_strided(shape, strides))
     return out
