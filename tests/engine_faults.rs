@@ -1,7 +1,8 @@
 //! A backend that fails while it still holds earlier transfers: their slabs stay out of the pool
 //! until the backend completes past them, and shutdown does not call a failed lane a timeout.
+//! A host backend whose worker panics fails its lanes rather than leaving waits hanging.
 
-// Only `config` is used here.
+// `config` and `engine_with` are used here.
 #[allow(dead_code)]
 mod common;
 
@@ -303,23 +304,13 @@ fn wait_keeps_its_timeout_and_a_second_shutdown_waits_while_one_drains() {
 
 #[test]
 fn a_worker_that_panics_fails_its_transfers_and_never_leaves_a_wait_hanging() {
-    let host = Arc::new(HostBackend::new());
-    let engine = Arc::new(Engine::new(host.clone(), common::config()));
-    let (src, mut dst) = (vec![7u8; 1 << 14], vec![0u8; 1 << 14]);
-    // SAFETY: both vectors outlive the engine (dropped after it) and are never resized.
-    unsafe {
-        engine
-            .register(src.as_ptr() as u64, src.len() as u64, MemoryKind::Host)
-            .unwrap();
-        engine
-            .register(
-                dst.as_mut_ptr() as u64,
-                dst.len() as u64,
-                MemoryKind::Device,
-            )
-            .unwrap();
-    }
-    let (s, d) = (src.as_ptr() as u64, dst.as_ptr() as u64);
+    let mut bufs = common::Buffers {
+        src: vec![7u8; 1 << 14],
+        dst: vec![0u8; 1 << 14],
+    };
+    let (engine, host) = common::engine_with(&mut bufs, common::config());
+    let engine = Arc::new(engine);
+    let (s, d) = (bufs.src.as_ptr() as u64, bufs.dst.as_ptr() as u64);
     engine
         .submit(1, &[s], &[d], &[4096], Direction::HostToDevice, None)
         .unwrap();
@@ -365,5 +356,5 @@ fn a_worker_that_panics_fails_its_transfers_and_never_leaves_a_wait_hanging() {
     engine.shutdown();
     assert!(!engine.stats().shutdown_timed_out);
     drop(Arc::into_inner(engine).expect("the last reference"));
-    assert_eq!(dst[..4096], [7u8; 4096]);
+    assert_eq!(bufs.dst[..4096], [7u8; 4096]);
 }
