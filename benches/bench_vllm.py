@@ -21,18 +21,24 @@ tensor whose page is every layer's), ``blocks_per_chunk`` 1 and 4 (``--bpc``), e
   cache that mirrors them (one pinned tensor per GPU tensor), here through cuda-bindings;
 * ``vllm triton`` (CPU->GPU only, pages under 28 KiB, as vLLM picks it): vLLM's own Triton copy
   kernel (``_swap_blocks_kernel``, 12 CTAs) over the same descriptors;
-* ``rows``: the floor of any plan with these random chunks, timed as vLLM's paths are: one copy
+* ``rows``: the floor of any plan with these random chunks, timed as vLLM's paths are (behind a
+  gate, below): one copy
   per chunk of every byte the transfer moves in it (a row of the chunk's ``bpc`` pages of every
   tensor, contiguous as in vLLM's region cell; here in one pinned buffer of such rows) to or
   from one contiguous device buffer, one ``cuMemcpyBatchAsync``: the fewest copies across
   ``PCIe`` the chunks allow, and no page placed on the GPU.
 
 A transfer moves ``--blocks`` random GPU blocks (per KV-cache group) to or from random CPU chunks.
-"isolated": GPU time of one transfer (blockswap: its ``transfer_time``, CUDA events around its
-copies; vLLM's paths: CUDA events around the call), median of ``--reps``; blockswap's "wall": the
-same transfers' wall clock from ``submit_*`` to ``wait`` returning, median; "8 queued": 8 transfers
-back to back, bytes over wall time, best of 3. vLLM's specs (blockswap) and descriptors (vLLM's
-paths) are built before the clock starts. Percent of the link's ceiling measured in the same
+"isolated": GPU time of one transfer, median of ``--reps`` (blockswap: its ``transfer_time``,
+CUDA events the engine's thread records around its copies, the host's time between a staged
+transfer's steps inside; vLLM's paths and the rows floor: their copies behind a gate, issued
+while the stream waits, so none of their calls' host time is inside: their best case, see
+``blockswap_bench.plugin``); blockswap's "wall": the same transfers' wall clock from
+``submit_*`` to ``wait`` returning, median; "8 queued": 8 transfers back to back, bytes over
+wall time from the first call to the last result, best of 3 rounds (every path). Copies read
+their source in any order CPU -> GPU and in stream order GPU -> CPU, as vLLM's worker and
+blockswap set it. vLLM's specs (blockswap) and descriptors (vLLM's paths) are built before the
+clock starts. Percent of the link's ceiling measured in the same
 run (one 256 MiB pinned copy per direction, best of 5) at its start and its end: the rows
 printed as the run goes use the start's, the table printed at the end (and the JSON) the best of
 both, so that a ceiling measured low once does not inflate every figure.
@@ -180,11 +186,14 @@ def measure_vllm(
 
     def call(gpu_to_cpu: bool = gpu_to_cpu) -> Callable[[], None]:
         ids, chunks = case.spec(rng, blocks)
+        # Source access order "any" CPU -> GPU, "stream" GPU -> CPU, as vLLM 0.33's worker sets
+        # it (gpu_worker.py: is_src_access_order_any = not gpu_to_cpu) and blockswap's default.
+        any_order = not gpu_to_cpu
         if path == "rows":
-            return prepare(*case.rows(chunks, gpu_to_cpu), False, stream)  # type: ignore[misc]
+            return prepare(*case.rows(chunks, gpu_to_cpu), any_order, stream)  # type: ignore[misc]
         s, d, z = case.descriptors(ids, chunks, gpu_to_cpu)
         if tri is None:
-            return prepare(s, d, z, False, stream)  # type: ignore[misc]
+            return prepare(s, d, z, any_order, stream)  # type: ignore[misc]
         ts, td, tz = (torch.from_numpy(x).pin_memory() for x in (s, d, z))
         chunk = min(1 << (int(z.max()) - 1).bit_length(), 8192)
         return lambda: tri["swap_blocks_batch"](ts, td, tz, bytes_per_chunk=chunk)
