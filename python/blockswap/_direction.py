@@ -258,12 +258,14 @@ class SingleDirectionHandler:
         first and last CPU blocks may be partial. Without it, offloads start at the first CPU
         block's start and onloads end at the last one's end (see the module's documentation).
         ``n`` GPU blocks from sub-block ``skip`` take ``ceil((skip + n) / block_size_factor)``
-        CPU blocks. Source ids may repeat; destination ids may not.
+        CPU blocks. Source ids may repeat; what the transfer writes may not: no GPU block twice,
+        no CPU sub-block twice (a CPU block named twice is taken where the sub-blocks it stands
+        for differ, as a partial first and last block can make them).
 
         Every refusal raises a :class:`~blockswap.BlockswapError` and issues nothing, leaving
         earlier transfers unaffected: :class:`~blockswap.InvalidTransferError` for bad input
-        (non-integer, non-1-D, out-of-range or repeated destination block ids, a wrong number of
-        CPU blocks or groups, an empty transfer, a bad or live job id),
+        (non-integer, non-1-D or out-of-range block ids, a destination written twice, a wrong
+        number of CPU blocks or groups, an empty transfer, a bad or live job id),
         :class:`~blockswap.PoolExhaustedError` when too many transfers are in flight,
         :class:`~blockswap.ShutdownError` after :meth:`shutdown`. It never returns ``False``
         (vLLM's ``OffloadingWorker`` turns an exception into ``False``).
