@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use blockswap::backend::host::HostBackend;
 use blockswap::backend::{HostAlloc, SubmitRequest, Submitted};
-use blockswap::engine::{Engine, EngineConfig};
+use blockswap::engine::{Engine, EngineConfig, EngineError};
 use blockswap::slab::SlabRef;
 use blockswap::{Backend, BackendError, BackendInfo, Direction, MemoryKind, TransferResult};
 
@@ -357,4 +357,73 @@ fn a_worker_that_panics_fails_its_transfers_and_never_leaves_a_wait_hanging() {
     assert!(!engine.stats().shutdown_timed_out);
     drop(Arc::into_inner(engine).expect("the last reference"));
     assert_eq!(bufs.dst[..4096], [7u8; 4096]);
+}
+
+#[test]
+fn submitters_racing_a_worker_panic_each_end_with_its_refusal_and_lose_no_result() {
+    let mut bufs = common::Buffers {
+        src: vec![7u8; 1 << 14],
+        dst: vec![0u8; 1 << 14],
+    };
+    let (engine, host) = common::engine_with(&mut bufs, common::config());
+    let (s, d) = (bufs.src.as_ptr() as u64, bufs.dst.as_ptr() as u64);
+    let accepted = Mutex::new(Vec::new());
+    let reported = Mutex::new(Vec::new());
+    // Two threads submit, one each way, polling as they go, while the worker is made to panic
+    // part-way: each ends with the lane's refusal, and every transfer accepted is reported once.
+    std::thread::scope(|scope| {
+        for (t, direction) in [Direction::HostToDevice, Direction::DeviceToHost]
+            .into_iter()
+            .enumerate()
+        {
+            let (engine, host, accepted, reported) = (&engine, &host, &accepted, &reported);
+            scope.spawn(move || {
+                let (from, to) = match direction {
+                    Direction::HostToDevice => (s, d),
+                    _ => (d, s),
+                };
+                let deadline = Instant::now() + Duration::from_secs(30);
+                for i in 0u64.. {
+                    assert!(
+                        Instant::now() < deadline,
+                        "{direction:?}: still accepting after 30 s"
+                    );
+                    if t == 0 && i == 20 {
+                        host.inject_worker_panic();
+                    }
+                    let job = 2 * i + t as u64;
+                    let at = (i % 4) * 4096;
+                    match engine.submit(job, &[from + at], &[to + at], &[64], direction, None) {
+                        Ok(()) => accepted.lock().unwrap().push(job),
+                        // Ahead of the worker (or of the other thread's polls), or the worker
+                        // stopped but not yet said so: poll, let it run, go on.
+                        Err(EngineError::TooManyInFlight { .. }) => std::thread::yield_now(),
+                        Err(e) => {
+                            assert!(e.to_string().contains("worker stopped"), "{e}");
+                            return;
+                        }
+                    }
+                    reported.lock().unwrap().extend(poll(engine));
+                }
+            });
+        }
+    });
+    let mut accepted = accepted.into_inner().unwrap();
+    engine
+        .wait(&accepted, Some(Duration::from_secs(30)))
+        .expect("nothing left waiting");
+    let mut reported = reported.into_inner().unwrap();
+    reported.extend(poll(&engine));
+    let mut ids: Vec<u64> = reported.iter().map(|r| r.job_id).collect();
+    ids.sort_unstable();
+    accepted.sort_unstable();
+    assert_eq!(ids, accepted, "each accepted transfer reported once");
+    let failed: Vec<_> = reported.iter().filter(|r| !r.success).collect();
+    assert!(!failed.is_empty());
+    for r in failed {
+        let error = r.error.as_deref().unwrap_or("");
+        assert!(error.contains("a panic injected"), "{r:?}");
+    }
+    engine.shutdown();
+    assert!(!engine.stats().shutdown_timed_out);
 }

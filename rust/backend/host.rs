@@ -116,13 +116,16 @@ impl HostBackend {
         let worker = std::thread::Builder::new()
             .name("blockswap-host".into())
             .spawn(move || {
-                let work = std::panic::AssertUnwindSafe(|| worker_loop(rx, &worker_shared));
+                let work = std::panic::AssertUnwindSafe(|| worker_loop(&rx, &worker_shared));
                 // A panic (a defect) would otherwise leave every waiter waiting for copies no
                 // thread makes. What it unwinds holds nothing a later call reads: the jobs'
-                // slabs stay the engine's, parked until a completion that never comes.
+                // slabs stay the engine's, parked until a completion that never comes. The
+                // queue goes only after the lanes say why (a submission that finds it gone
+                // names the panic, not a shutdown).
                 if let Err(panic) = std::panic::catch_unwind(work) {
                     worker_shared.worker_stopped(&*panic);
                 }
+                drop(rx);
             })
             .expect("spawning the host backend worker");
         crate::affinity::bind_started(cpus.as_ref(), &worker);
@@ -271,10 +274,10 @@ fn zeroed(bytes: usize) -> Option<Vec<u8>> {
     Some(unsafe { Box::from_raw(slice) }.into_vec())
 }
 
-fn worker_loop(rx: Receiver<Job>, shared: &Shared) {
+fn worker_loop(rx: &Receiver<Job>, shared: &Shared) {
     let mut ring = Vec::new();
     let mut after_one = false;
-    while let Some((job, queued)) = next_job(&rx) {
+    while let Some((job, queued)) = next_job(rx) {
         let behind = std::mem::replace(&mut after_one, true) && queued;
         // Relaxed: a test hook.
         assert!(
@@ -448,7 +451,14 @@ impl Backend for HostBackend {
             first,
             plan: request.plan.map(|_| (), |()| (), |s| s),
         })
-        .map_err(|_| BackendError::ShutDown)?;
+        .map_err(|_| {
+            // The worker is gone: stopped by a panic (which it records first), or shut down.
+            self.shared
+                .stopped
+                .get()
+                .cloned()
+                .unwrap_or(BackendError::ShutDown)
+        })?;
         Ok(Submitted::Ok)
     }
 
