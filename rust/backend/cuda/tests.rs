@@ -240,14 +240,7 @@ fn held_transfers(backend: &Arc<CudaBackend>, timeout: Duration) -> (Engine, Gat
         },
     );
     let n = 1u64 << 20;
-    let host = engine.alloc_host(n as usize).expect("host buffer");
-    let dev = {
-        let _bound = bind(backend.ctx.raw).expect("bind");
-        // SAFETY: a plain device allocation, freed by the caller after the gate's drain.
-        unsafe { result::malloc_sync(n as usize) }.expect("device memory")
-    };
-    // SAFETY: device memory of `n` bytes that outlives the engine.
-    unsafe { engine.register(dev, n, MemoryKind::Device) }.expect("register");
+    let (host, dev) = host_and_device(&engine, backend, n); // freed by the caller after the drain
     let w = Some(gate.raw());
     engine
         .submit(1, &[host], &[dev], &[n], Direction::HostToDevice, w)
@@ -256,6 +249,21 @@ fn held_transfers(backend: &Arc<CudaBackend>, timeout: Duration) -> (Engine, Gat
         .submit(2, &[dev], &[host], &[n], Direction::DeviceToHost, w)
         .expect("submit d2h");
     (engine, gate, dev)
+}
+
+/// `n` bytes of the engine's host memory, and `n` bytes of device memory registered with it,
+/// which the caller frees ([`free_device`]) once the engine copies to it no more.
+fn host_and_device(engine: &Engine, backend: &CudaBackend, n: u64) -> (u64, sys::CUdeviceptr) {
+    let host = engine.alloc_host(n as usize).expect("host buffer");
+    let dev = {
+        let _bound = bind(backend.ctx.raw).expect("bind");
+        // SAFETY: a plain device allocation, freed by the caller with `free_device`.
+        unsafe { result::malloc_sync(n as usize) }.expect("device memory")
+    };
+    // SAFETY: device memory of `n` bytes, which the caller frees only once the engine's
+    // transfers are done.
+    unsafe { engine.register(dev, n, MemoryKind::Device) }.expect("register");
+    (host, dev)
 }
 
 fn free_device(backend: &CudaBackend, dev: sys::CUdeviceptr) {
@@ -566,15 +574,8 @@ fn a_lanes_thread_stays_warm_for_keep_warm_after_a_transfer_then_sleeps() {
         let backend = Arc::new(CudaBackend::new(opts).expect("a backend"));
         let engine = Engine::new(backend.clone(), EngineConfig::default());
         let n = 4096u64;
-        let host = engine.alloc_host(n as usize).expect("host buffer");
-        let dev = {
-            let _bound = bind(backend.ctx.raw).expect("bind");
-            // SAFETY: a plain device allocation, freed below once the engine is drained.
-            unsafe { result::malloc_sync(n as usize) }.expect("device memory")
-        };
-        // SAFETY: device memory of `n` bytes that outlives the engine's transfers.
-        unsafe { engine.register(dev, n, MemoryKind::Device) }.expect("register");
-        // A thread never stays warm before its first transfer.
+        let (host, dev) = host_and_device(&engine, &backend, n); // freed below once drained
+                                                                 // A thread never stays warm before its first transfer.
         std::thread::sleep(Duration::from_millis(10));
         assert_eq!(polls(&backend, Direction::HostToDevice), 0, "{keep:?}");
         for job in 1..=2 {
@@ -628,14 +629,7 @@ fn a_lanes_thread_that_panics_fails_its_transfers_and_never_leaves_a_wait_hangin
     let backend = Arc::new(CudaBackend::new(opts).expect("a backend"));
     let engine = Arc::new(Engine::new(backend.clone(), EngineConfig::default()));
     let n = 1u64 << 16;
-    let host = engine.alloc_host(n as usize).expect("host buffer");
-    let dev = {
-        let _bound = bind(backend.ctx.raw).expect("bind");
-        // SAFETY: a plain device allocation, freed below once the engine is shut down.
-        unsafe { result::malloc_sync(n as usize) }.expect("device memory")
-    };
-    // SAFETY: device memory of `n` bytes that outlives the engine's transfers.
-    unsafe { engine.register(dev, n, MemoryKind::Device) }.expect("register");
+    let (host, dev) = host_and_device(&engine, &backend, n); // freed below once shut down
     let h2d = Direction::HostToDevice;
     engine
         .submit(1, &[host], &[dev], &[n], h2d, None)
