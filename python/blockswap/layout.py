@@ -545,12 +545,13 @@ def make_cpu_cache_like(
         if _device != "cpu":
             out.append(torch.empty_strided(shape, strides, dtype=t.dtype, device=_device))
             continue
-        nbytes = math.prod(shape) * t.element_size()
-        if nbytes >= 1 << 63:
+        elements = math.prod(shape)
+        if elements * t.element_size() >= 1 << 63:
             raise ConfigError(
-                f"a CPU copy of {_describe(i, t)} with {blocks} blocks takes {nbytes} bytes, "
-                "more than the address space: lower num_cpu_blocks"
+                f"a CPU copy of {_describe(i, t)} with {blocks} blocks takes "
+                f"{elements * t.element_size()} bytes, more than the address space: lower "
+                "num_cpu_blocks"
             )
-        rows = _cpu_rows(math.prod(shape) // row, row * t.element_size(), pin_memory, allocate_rows)
+        rows = _cpu_rows(elements // row, row * t.element_size(), pin_memory, allocate_rows)
         out.append(rows.view(t.dtype).view(-1).as_strided(shape, strides))
     return out
