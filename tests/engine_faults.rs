@@ -209,12 +209,12 @@ fn a_slab_the_backend_never_releases_is_never_reused() {
 
 #[test]
 fn shutdown_with_a_failed_lane_is_not_a_timeout() {
-    let s = setup(1, Duration::from_secs(30));
+    let s = setup(1, common::secs(30));
     submit(&s, 1, Direction::HostToDevice); // fails the lane at once
     let start = Instant::now();
     s.engine.shutdown();
     assert!(
-        start.elapsed() < Duration::from_secs(10),
+        start.elapsed() < common::secs(10),
         "shutdown waited for a lane that had failed"
     );
     assert!(!s.engine.stats().shutdown_timed_out);
@@ -261,7 +261,7 @@ fn a_block_table_is_not_removed_under_a_transfer_and_says_which() {
 
 #[test]
 fn wait_keeps_its_timeout_and_a_second_shutdown_waits_while_one_drains() {
-    let s = setup(u64::MAX, Duration::from_secs(60));
+    let s = setup(u64::MAX, common::secs(60));
     submit(&s, 1, Direction::HostToDevice); // held until completed below
     let ended = Mutex::new(Vec::new());
     std::thread::scope(|scope| {
@@ -282,7 +282,7 @@ fn wait_keeps_its_timeout_and_a_second_shutdown_waits_while_one_drains() {
             "{waited:?}"
         );
         assert!(
-            start.elapsed() < Duration::from_secs(30),
+            start.elapsed() < common::secs(30),
             "wait queued behind the drain"
         );
         assert!(
@@ -324,9 +324,7 @@ fn a_worker_that_panics_fails_its_transfers_and_never_leaves_a_wait_hanging() {
     let (tx, rx) = std::sync::mpsc::channel();
     let other = Arc::clone(&engine);
     let waiting = std::thread::spawn(move || tx.send(other.wait(&[2], None)).unwrap());
-    let answer = rx
-        .recv_timeout(Duration::from_secs(30))
-        .expect("wait returned");
+    let answer = rx.recv_timeout(common::secs(30)).expect("wait returned");
     assert!(answer.is_ok(), "{answer:?}");
     waiting.join().unwrap(); // its reference to the engine is gone
     let mut results = poll(&engine);
@@ -382,11 +380,12 @@ fn submitters_racing_a_worker_panic_each_end_with_its_refusal_and_lose_no_result
                     Direction::HostToDevice => (s, d),
                     _ => (d, s),
                 };
-                let deadline = Instant::now() + Duration::from_secs(30);
+                let deadline = Instant::now() + common::secs(30);
                 for i in 0u64.. {
                     assert!(
                         Instant::now() < deadline,
-                        "{direction:?}: still accepting after 30 s"
+                        "{direction:?}: still accepting after {:?}",
+                        common::secs(30)
                     );
                     if t == 0 && i == 20 {
                         host.inject_worker_panic();
@@ -410,7 +409,7 @@ fn submitters_racing_a_worker_panic_each_end_with_its_refusal_and_lose_no_result
     });
     let mut accepted = accepted.into_inner().unwrap();
     engine
-        .wait(&accepted, Some(Duration::from_secs(30)))
+        .wait(&accepted, Some(common::secs(30)))
         .expect("nothing left waiting");
     let mut reported = reported.into_inner().unwrap();
     reported.extend(poll(&engine));

@@ -53,8 +53,15 @@ pub fn engine_with(buffers: &mut Buffers, config: EngineConfig) -> (Engine, Arc<
     (engine, host)
 }
 
+/// `n` seconds of patience: how long a test waits for what should come at once before it fails
+/// rather than hangs. Twenty times as long under Miri, which interprets every step (a test
+/// that took 26 s there passed its 30 s deadline on a machine busy with other builds).
+pub fn secs(n: u64) -> Duration {
+    Duration::from_secs(if cfg!(miri) { 20 * n } else { n })
+}
+
 pub fn finish(engine: &Engine, ids: &[u64]) -> Vec<TransferResult> {
-    engine.wait(ids, Some(Duration::from_secs(30))).unwrap();
+    engine.wait(ids, Some(secs(30))).unwrap();
     let mut out = vec![];
     engine.get_finished(&mut out);
     out
