@@ -170,6 +170,32 @@ def test_spec_objects_dicts_and_id_types() -> None:
         h.shutdown()
 
 
+def test_ids_in_packed_record_fields_move_the_blocks_they_name() -> None:
+    """Block ids in a field of a packed record array (its stride, 12 bytes, no whole number of
+    ids) and in an unaligned view: each id is read as the caller wrote it."""
+    layers = kv_split(torch.float16)
+    fill_random(layers, torch.Generator().manual_seed(5))
+    h = CpuGpuHandlers(layers, N_CPU, layout="kv_split", backend="host")
+    try:
+        rec = np.zeros(2, dtype=[("gpu", "i8"), ("cpu", "i4")])
+        rec["gpu"], rec["cpu"] = [5, 0], [1, 2]
+        assert rec["gpu"].strides == (12,)
+        h.d2h.transfer_async(1, (rec["gpu"], rec["cpu"]))
+        h.wait([1])
+        cpu_ids = np.frombuffer(b"\0" + np.array([1, 2], np.int64).tobytes(), np.int64, offset=1)
+        assert not cpu_ids.flags.aligned
+        h.h2d.transfer_async(2, (cpu_ids, np.array([4, 6])))
+        h.wait([2])
+        assert sorted((r.job_id, r.success) for r in h.get_finished()) == [(1, True), (2, True)]
+        for t in layers:
+            # CPU blocks 1 and 2 hold GPU blocks 5 and 0, loaded back into GPU blocks 4 and 6.
+            assert not torch.equal(t[:, 5].view(torch.int16), t[:, 0].view(torch.int16))
+            assert torch.equal(t[:, 4].view(torch.int16), t[:, 5].view(torch.int16))
+            assert torch.equal(t[:, 6].view(torch.int16), t[:, 0].view(torch.int16))
+    finally:
+        h.shutdown()
+
+
 # --------------------------------------------------------------------------------------------
 # Construction-time validation
 # --------------------------------------------------------------------------------------------

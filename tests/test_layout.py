@@ -24,6 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from blockswap import ConfigError, Engine
+from blockswap._core import chunk_blocks
 from blockswap.layout import (
     LAYOUTS,
     BlockTable,
@@ -431,6 +432,13 @@ def test_expand_sub_blocks_examples() -> None:
     out = expand_sub_blocks(ids, 1)
     out[0] = 99
     assert ids[0] == 1  # never aliases the input
+    # Ids in an unaligned view, and strided ones handed to the core's rule directly (as the vLLM
+    # worker hands it a spec's CPU ids): read as written.
+    unaligned = np.frombuffer(b"\0" + np.array([3, 1], np.int64).tobytes(), np.int64, offset=1)
+    assert not unaligned.flags.aligned
+    assert expand_sub_blocks(unaligned, 2).tolist() == [6, 7, 2, 3]
+    assert chunk_blocks(np.arange(8)[::3], 2, 6).tolist() == [0, 1, 6, 7, 12, 13]
+    assert chunk_blocks(unaligned, 2, 3, 1).tolist() == [7, 2, 3]
 
 
 @given(

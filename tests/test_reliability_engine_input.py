@@ -38,6 +38,9 @@ ENGINE_CASES: list[tuple[str, Callable[[Scene], Any], type[Exception], str]] = [
     ("size-uint64-max",
      lambda sc: sc.eng.submit(BAD, [sc.s], [sc.d + 256 * KiB], np.array([2**64 - 1], np.uint64)),
      InvalidTransferError, r"sizes holds values past 2\*\*63 - 1"),
+    ("size-big-endian-uint64-max",
+     lambda sc: sc.eng.submit(BAD, [sc.s], [sc.d + 256 * KiB], np.array([2**64 - 1], ">u8")),
+     InvalidTransferError, r"sizes holds values past 2\*\*63 - 1"),
     ("dst-address-overflow", lambda sc: sc.eng.submit(BAD, [sc.s], [-4], [8]),
      InvalidTransferError, "destination range of descriptor 0 overflows"),
     ("too-many-descriptors",
@@ -137,6 +140,13 @@ ENGINE_CASES: list[tuple[str, Callable[[Scene], Any], type[Exception], str]] = [
      InvalidTransferError, "cannot register a read-only array"),
     ("pin-read-only-array", lambda sc: sc.eng.pin(np.frombuffer(bytes(4 * KiB), np.uint8)),
      InvalidTransferError, "cannot pin a read-only array"),
+    ("register-object-array", lambda sc: sc.eng.register(np.array([None] * 8, dtype=object)),
+     InvalidTransferError, "cannot register an array of Python objects"),
+    ("pin-record-with-object-field",
+     lambda sc: sc.eng.pin(np.zeros(4, dtype=[("a", "O"), ("b", "i8")])),
+     InvalidTransferError, "cannot pin an array of Python objects"),
+    ("register-sparse-tensor", lambda sc: sc.eng.register(torch.zeros(4, 4).to_sparse()),
+     InvalidTransferError, "cannot register a tensor of layout torch.sparse_coo"),
     ("alloc-zero", lambda sc: sc.eng.alloc_host(0), InvalidTransferError, "an int from 1 to"),
     ("alloc-negative", lambda sc: sc.eng.alloc_host(-1), InvalidTransferError, "an int from 1 to"),
     ("alloc-float", lambda sc: sc.eng.alloc_host(1.5), InvalidTransferError, "nbytes must be an int, not 1.5"),
@@ -287,11 +297,29 @@ def test_an_allocated_buffer_is_not_freed_under_a_block_table() -> None:
         sc.eng.shutdown()
 
 
+def _packed_field(values: list[int], dtype: str) -> np.ndarray:
+    """``values`` as a field of a packed record array: a view whose stride (the record's size)
+    is not a whole number of items."""
+    rec = np.zeros(len(values), dtype=np.dtype([("pad", "i4"), ("v", dtype)], align=False))
+    rec["v"] = values
+    return rec["v"]
+
+
+def _unaligned(values: list[int], dtype: str) -> np.ndarray:
+    """``values`` in a contiguous view at an odd offset of a buffer: not aligned."""
+    a = np.frombuffer(b"\0" + np.array(values, dtype).tobytes(), dtype, offset=1)
+    assert not a.flags.aligned
+    return a
+
+
 def test_strided_and_foreign_integer_arrays_are_accepted() -> None:
-    """Valid inputs that are not plain int64 arrays: strided views, big-endian, int32, uint64."""
+    """Valid inputs that are not plain int64 arrays: strided views, big-endian, int32, uint64,
+    fields of packed records (a stride of no whole number of items) and unaligned views."""
     sc = Scene()
     try:
         big = np.array([sc.s + 4096, sc.s + 8192], dtype=">i8")
+        packed = _packed_field([sc.s + 12 * KiB, sc.s + 16 * KiB], "i8")
+        assert packed.strides == (12,)
         cases = [
             ((sc.s + np.arange(0, 4096, 64))[::16], (sc.d + 300 * KiB + np.arange(0, 4096, 64))[::16],
              np.full(8, 8, np.int64)[::2]),
@@ -299,6 +327,10 @@ def test_strided_and_foreign_integer_arrays_are_accepted() -> None:
              np.array([16, 16], np.int32)),
             (np.array([sc.s], np.uint64), np.array([sc.d + 402 * KiB], np.uint64),
              np.array([32], np.uint64)),
+            (packed, _packed_field([sc.d + 403 * KiB, sc.d + 404 * KiB], "i8"),
+             _packed_field([24, 40], "i4")),
+            (_unaligned([sc.s + 20 * KiB, sc.s + 24 * KiB], "i8"),
+             _unaligned([sc.d + 405 * KiB, sc.d + 406 * KiB], "i8"), _unaligned([8, 48], "i4")),
         ]  # fmt: skip
         for j, (s, d, z) in enumerate(cases, start=20):
             sc.eng.submit(j, s, d, z, "h2d")

@@ -1,7 +1,10 @@
-"""Reliability, 4. Threads submitting and polling one pair of handlers."""
+"""Reliability, 4. Threads submitting and polling one pair of handlers; threads registering and
+unregistering one engine's memory."""
 
 from __future__ import annotations
 
+import contextlib
+import sys
 import threading
 from collections import Counter
 from typing import Any
@@ -10,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from blockswap import Engine, InvalidTransferError
 from blockswap.handler import CpuGpuHandlers
 from kv_helpers import fill_random
 from reliability_helpers import join_all, kv_cache
@@ -87,3 +91,38 @@ def test_threads_submit_and_poll_one_handler(factor: int) -> None:
         assert stats["d2h"]["transfers"] == stats["h2d"]["transfers"] == nthreads * rounds
     finally:
         h.shutdown()
+
+
+def test_an_array_unregistered_and_registered_at_once_is_kept_while_registered() -> None:
+    """One thread unregisters an array while another registers it again, 5,000 times: whichever
+    wins, the engine keeps the array alive exactly while the core holds its registration (it
+    once let go of an array the core still held: a later copy wrote into freed memory)."""
+    eng = Engine("host")
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for _ in range(5000):
+            arr = np.zeros(4096, np.uint8)
+            p = eng.register(arr)
+            barrier = threading.Barrier(2)
+
+            def call(f: Any, arr: np.ndarray = arr, barrier: Any = barrier) -> None:
+                barrier.wait()
+                with contextlib.suppress(InvalidTransferError):  # the other call came first
+                    f(arr)
+
+            ts = [threading.Thread(target=call, args=(f,)) for f in (eng.unregister, eng.register)]
+            for t in ts:
+                t.start()
+            join_all(ts)
+            kept = p in eng._kept and eng._kept[p][0] is arr
+            try:
+                eng._unregister(p)  # the core's registration alone
+                registered = True
+            except InvalidTransferError:
+                registered = False
+            assert registered == kept, (registered, kept)
+            eng._kept.pop(p, None)
+    finally:
+        sys.setswitchinterval(interval)
+        eng.shutdown()

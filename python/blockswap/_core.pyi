@@ -388,7 +388,7 @@ def choose_route(
     note: Callable[[str], object] | None = None,
 ) -> Route: ...
 def chunk_blocks(
-    chunk_ids: npt.NDArray[np.int64],
+    chunk_ids: npt.ArrayLike,
     unit: int,
     blocks: int,
     skip: int = 0,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import threading
 import time
 from typing import Any
 
@@ -32,6 +33,10 @@ log = logging.getLogger(__name__)
 #: Registered objects of engines collected after a shutdown that timed out (see Engine.__del__).
 _ABANDONED: list[Any] = []
 
+#: Guards the engines' kept objects (`Engine._kept`) across a look and a change; held for a
+#: dict operation only, never across a call into the core.
+_KEPT_LOCK = threading.Lock()
+
 
 def _address_of(obj: Any, what: str = "register") -> tuple[int, int, MemoryKind]:
     """(address, nbytes, kind) of a numpy array or a torch tensor (contiguous, of the CPU or a
@@ -39,6 +44,13 @@ def _address_of(obj: Any, what: str = "register") -> tuple[int, int, MemoryKind]
     if isinstance(obj, np.ndarray):
         if not obj.flags.c_contiguous:
             raise InvalidTransferError("a registered array must be contiguous")
+        if what in ("register", "pin") and obj.dtype.hasobject:
+            # Its bytes are pointers to Python objects: a copy into them would hand the
+            # interpreter addresses it never allocated (numpy exports no buffer for it either).
+            raise InvalidTransferError(
+                f"cannot {what} an array of Python objects (dtype {obj.dtype}): its bytes are "
+                "the interpreter's pointers; register an array of numbers"
+            )
         if what in ("register", "pin") and not obj.flags.writeable:
             # Transfers may write any byte of registered memory, and the core cannot tell a
             # source from a destination when memory is registered.
@@ -55,6 +67,12 @@ def _address_of(obj: Any, what: str = "register") -> tuple[int, int, MemoryKind]
             raise InvalidTransferError(
                 f"cannot {what} a tensor on {device}: only CPU and CUDA tensors have memory "
                 "blockswap can copy"
+            )
+        layout = str(getattr(obj, "layout", "torch.strided"))
+        if layout != "torch.strided":
+            raise InvalidTransferError(
+                f"cannot {what} a tensor of layout {layout}: only a dense (torch.strided) tensor "
+                "is one range of memory"
             )
         if not obj.is_contiguous():
             raise InvalidTransferError("a registered tensor must be contiguous")
@@ -74,10 +92,26 @@ class Engine(_core.Engine):
     __doc__ = _core.Engine.__doc__
 
     @property
-    def _kept(self) -> dict[int, Any]:
-        """The objects whose memory is registered, by address: kept alive until unregistered."""
-        kept: dict[int, Any] = self.__dict__.setdefault("_objects", {})
+    def _kept(self) -> dict[int, tuple[Any]]:
+        """The objects whose memory is registered, by address, each in a box of its own
+        registration (a 1-tuple): kept alive until unregistered."""
+        kept: dict[int, tuple[Any]] = self.__dict__.setdefault("_objects", {})
         return kept
+
+    def _keep(self, ptr: int, obj: Any) -> None:
+        """Keeps ``obj`` alive for the registration at ``ptr`` the core has just made."""
+        with _KEPT_LOCK:
+            self._kept[ptr] = (obj,)
+
+    def _release(self, ptr: int) -> None:
+        """Unregisters ``ptr`` in the core, then lets its object go, unless another thread
+        registered that memory again in between (its box is then not the one seen before):
+        the core never holds a registration whose object nothing keeps alive."""
+        before = self._kept.get(ptr)
+        self._unregister(ptr)
+        with _KEPT_LOCK:
+            if before is not None and self._kept.get(ptr) is before:
+                del self._kept[ptr]
 
     def __del__(self) -> None:
         # Drain before the registered objects in ``_kept`` go: the instance dict is cleared in no
@@ -127,7 +161,7 @@ class Engine(_core.Engine):
                 raise InvalidTransferError(f"nbytes={nbytes} is larger than the object ({size})")
         self._register(ptr, nbytes, kind)
         if not _is_int(obj):
-            self._kept[ptr] = obj
+            self._keep(ptr, obj)
         return int(ptr)
 
     def pin(self, obj: Any) -> int:
@@ -139,14 +173,13 @@ class Engine(_core.Engine):
         t0 = time.perf_counter()
         self._pin(ptr, nbytes)
         _log_alloc("pin", nbytes, time.perf_counter() - t0, self.info()["backend"])
-        self._kept[ptr] = obj
+        self._keep(ptr, obj)
         return ptr
 
     def unregister(self, obj_or_ptr: Any) -> None:
         """Removes a registration (refused while transfers are in flight)."""
         ptr = obj_or_ptr if _is_int(obj_or_ptr) else _address_of(obj_or_ptr, "unregister")[0]
-        self._unregister(ptr)
-        self._kept.pop(ptr, None)
+        self._release(ptr)
 
     def alloc_host(self, nbytes: int) -> np.ndarray:
         """A registered host buffer of ``nbytes`` (page-locked, device-mapped on CUDA), as a

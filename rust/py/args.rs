@@ -454,8 +454,16 @@ pub(super) fn ids_named(name: impl Fn() -> String, value: &Bound<'_, PyAny>) -> 
             // ids against int64), 6-9 µs a side on a thread back from a sleep. A strided view
             // (every f-th id of a spec, as the vLLM worker cuts a chunk's sub-blocks) is read
             // through its strides: converted by numpy it cost several µs a side.
+            // Only an aligned array whose stride is a whole number of items: rust-numpy reads
+            // a view's stride in items (a packed record's 8-byte field 12 bytes apart would
+            // read the wrong ids), and an unaligned read is undefined. numpy converts the rest.
             let dt = a.dtype();
-            if dt.kind() == b'i' && dt.is_native_byteorder() != Some(false) {
+            let items = dt.itemsize() as isize;
+            if dt.kind() == b'i'
+                && dt.is_native_byteorder() != Some(false)
+                && a.is_aligned()
+                && a.strides().iter().all(|s| s % items == 0)
+            {
                 match dt.itemsize() {
                     8 => {
                         let a: PyReadonlyArray1<'_, i64> = value.extract()?;
@@ -483,6 +491,13 @@ pub(super) fn ids_named(name: impl Fn() -> String, value: &Bound<'_, PyAny>) -> 
 
 /// An int64 array's values as the u64 addresses, sizes or ids they carry (see [`ids`]).
 pub(super) fn copy_u64(name: &str, a: &PyReadonlyArray1<'_, i64>) -> PyResult<Vec<u64>> {
+    // A slice of unaligned int64s is undefined behaviour (numpy makes them: `frombuffer` at an
+    // odd offset); [`ids`] copies those into an aligned array before it gets here.
+    if !a.is_aligned() {
+        return Err(InvalidTransferError::new_err(format!(
+            "{name} must be an aligned array (np.require(a, np.int64, 'CA') copies it)"
+        )));
+    }
     let s = a
         .as_slice()
         .map_err(|_| InvalidTransferError::new_err(format!("{name} must be a contiguous array")))?;
@@ -541,13 +556,16 @@ fn int64_array<'py>(name: &str, values: &Bound<'py, PyAny>) -> PyResult<Bound<'p
             dt.str()?
         )));
     }
-    if dt.is_equiv_to(&numpy::dtype::<u64>(py)) {
+    if kind == b'u' && dt.itemsize() == 8 {
+        // Either byte order: `>u8` compares by value as `<u8` does.
         let big = a.call_method1("__gt__", (i64::MAX,))?.call_method0("any")?;
         if big.is_truthy()? {
             return Err(invalid(format!("{name} holds values past 2**63 - 1")));
         }
     }
-    np.call_method1("ascontiguousarray", (a, int64))
+    // Contiguous and aligned: an unaligned int64 array (a view at an odd offset of a buffer)
+    // is copied rather than read in place.
+    np.call_method1("require", (a, int64, ("C", "A")))
 }
 
 /// The block table ids of an iterable argument, each as [`table_id`] takes it.

@@ -13,13 +13,14 @@ use super::{cuda, invalid, table, EngineError, MemoryKind};
 #[pyo3(signature = (chunk_ids, unit, blocks, skip = 0, num_chunks = None))]
 pub(super) fn chunk_blocks<'py>(
     py: Python<'py>,
-    chunk_ids: PyReadonlyArray1<'_, i64>,
+    chunk_ids: &Bound<'py, PyAny>,
     unit: u64,
     blocks: usize,
     skip: u64,
     num_chunks: Option<u64>,
 ) -> PyResult<Bound<'py, PyArray1<i64>>> {
-    let chunks = copy_u64("chunk_ids", &chunk_ids)?;
+    // Any integer array, as a transfer's ids are taken (a strided or unaligned view included).
+    let chunks = args::ids("chunk_ids", chunk_ids)?;
     // `blocks` is the caller's number: the ids it asks for may not fit in memory, which is a
     // MemoryError (as numpy's), not an abort of the process.
     let mut out = Vec::new();
