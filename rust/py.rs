@@ -17,7 +17,7 @@ use functions::{
 use host_buffer::PyHostBuffer;
 use route::{choose_route, PyRoute};
 
-use std::cell::Cell;
+use std::cell::RefCell;
 
 use pyo3::create_exception;
 use pyo3::exceptions::{PyException, PyKeyboardInterrupt};
@@ -167,17 +167,19 @@ fn direction(s: &str) -> PyResult<Direction> {
 }
 
 thread_local! {
-    /// The engine (its address) whose Python kernel launcher this thread is running, or 0. A
-    /// launcher runs inside a submission, under the engine's submit lock: a call from it into
-    /// the same engine would wait for that lock, or for the transfer it is launching, forever.
-    static LAUNCHING: Cell<usize> = const { Cell::new(0) };
+    /// The engines (their addresses) whose Python kernel launchers this thread is running,
+    /// outermost first. A launcher runs inside a submission, under the engine's submit lock: a
+    /// call from it into the same engine would wait for that lock, or for the transfer it is
+    /// launching, forever; so would one from a launcher it started in turn (engine A's launcher
+    /// submits to engine B, whose launcher calls A).
+    static LAUNCHING: RefCell<Vec<usize>> = const { RefCell::new(Vec::new()) };
 }
 
 /// Calls a Python kernel launcher (re-taking the GIL) for the kernel part of a transfer of
 /// `engine`. A launcher's error fails the transfer; a `KeyboardInterrupt` is raised again once
 /// control is back in Python, not lost in the transfer's error.
 fn call_launcher(engine: &Engine, launcher: &Py<PyAny>, b: KernelBatch) -> Result<(), String> {
-    let outer = LAUNCHING.with(|l| l.replace(std::ptr::from_ref(engine) as usize));
+    LAUNCHING.with(|l| l.borrow_mut().push(std::ptr::from_ref(engine) as usize));
     let result = Python::attach(|py| {
         launcher
             .call1(
@@ -204,17 +206,19 @@ fn call_launcher(engine: &Engine, launcher: &Py<PyAny>, b: KernelBatch) -> Resul
                 reason
             })
     });
-    LAUNCHING.with(|l| l.set(outer));
+    LAUNCHING.with(|l| l.borrow_mut().pop());
     result
 }
 
 /// Refuses `what` on `engine` from inside one of its own kernel launchers (see [`LAUNCHING`]),
 /// which would deadlock the process.
 fn not_launching(engine: &Engine, what: &str) -> PyResult<()> {
-    if LAUNCHING.with(Cell::get) == std::ptr::from_ref(engine) as usize {
+    let me = std::ptr::from_ref(engine) as usize;
+    if LAUNCHING.with(|l| l.borrow().contains(&me)) {
         return Err(invalid(format!(
-            "{what} called from inside this engine's kernel launcher, which runs while the \
-             engine holds its submit lock: a launcher may only launch its kernel"
+            "{what} called from inside this engine's kernel launcher (or a launcher it started), \
+             which runs while the engine holds its submit lock: a launcher may only launch its \
+             kernel"
         )));
     }
     Ok(())

@@ -92,6 +92,59 @@ def test_a_launcher_calling_into_its_own_engine_is_refused_not_deadlocked() -> N
     assert out["after"] == [[50, True]] and out["bytes"]
 
 
+# Engine A's launcher submits to engine B with a launcher of its own, which calls back into A:
+# A's submit lock is held by this very thread, one launcher further out.
+NESTED = """
+import json
+import numpy as np
+import blockswap
+
+a, b = blockswap.Engine("host"), blockswap.Engine("host")
+src = np.random.default_rng(4).integers(1, 256, 4096, dtype=np.uint8)
+dst = [np.zeros(4096, dtype=np.uint8) for _ in range(2)]
+for e, d in ((a, dst[0]), (b, dst[1])):
+    e.register(src, kind="host")
+    e.register(d, kind="device")
+s = src.ctypes.data
+seen = []
+
+def launcher_b(*args):
+    try:
+        a.submit(99, [s], [dst[0].ctypes.data + 2048], [8])
+    except blockswap.BlockswapError as e:
+        seen.append([type(e).__name__, str(e)])
+        raise
+
+def launcher_a(*args):
+    b.submit(2, [s], [dst[1].ctypes.data], [1024], kernel_below=1 << 20, launcher=launcher_b)
+
+a.submit(1, [s], [dst[0].ctypes.data], [1024], kernel_below=1 << 20, launcher=launcher_a)
+out = {"seen": seen}
+for name, e, job in (("a", a, 1), ("b", b, 2)):
+    e.wait([job], timeout=30)
+    out[name] = [[r.job_id, r.success, r.error] for r in e.get_finished()]
+a.submit(3, [s], [dst[0].ctypes.data], [4096])
+a.wait([3], timeout=30)
+out["after"] = [[r.job_id, r.success] for r in a.get_finished()]
+out["bytes"] = bool(np.array_equal(src, dst[0]))
+a.shutdown()
+b.shutdown()
+print(json.dumps(out))
+"""
+
+
+def test_a_launcher_reaching_its_engine_through_another_engines_launcher_is_refused() -> None:
+    out = run_isolated(NESTED)
+    ((kind, msg),) = out["seen"]
+    assert kind == "InvalidTransferError"
+    assert msg.startswith("submit called from inside this engine's kernel launcher"), msg
+    # B's transfer fails with its launcher's error; A's (whose launcher only submitted) runs.
+    ((job, ok, error),) = out["b"]
+    assert (job, ok) == (2, False) and "from inside this engine's kernel launcher" in error
+    assert out["a"] == [[1, True, None]]
+    assert out["after"] == [[3, True]] and out["bytes"]
+
+
 class _HeldLauncher:
     """A submission on another thread whose launcher holds the engine's submit lock until
     :meth:`release`."""
