@@ -28,6 +28,7 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
     TransferResult,
 )
 
+from blockswap import ConfigError  # noqa: E402
 from blockswap.vllm import BlockswapOffloadingWorker  # noqa: E402
 from blockswap_bench.models import MODELS as CATALOGUE  # noqa: E402
 
@@ -410,6 +411,15 @@ def test_strided_layer_views_are_refused_with_their_strides() -> None:
         [[CanonicalKVCacheRef(0, 256), CanonicalKVCacheRef(1, 256)]],
     )
     with pytest.raises(ValueError, match=r"tensor 0 is not contiguous \(strides \(512, 1\)\)"):
+        BlockswapOffloadingWorker(kv, BPC, N_CHUNKS, backend="host")
+
+
+def test_a_tensor_of_no_whole_number_of_pages_is_refused_by_name() -> None:
+    kv = CanonicalKVCaches(
+        [CanonicalKVCacheTensor(torch.zeros(8, 300, dtype=torch.int8), 256)],
+        [[CanonicalKVCacheRef(0, 256)]],
+    )
+    with pytest.raises(ConfigError, match="KV-cache tensor 0 holds 2400 bytes, not a whole"):
         BlockswapOffloadingWorker(kv, BPC, N_CHUNKS, backend="host")
 
 
@@ -797,6 +807,14 @@ def test_a_cache_in_small_pieces_moves_the_bytes_of_one_registered_whole(
                 assert torch.equal(a, b), job
         # The chunks really hold the stored pages (the comparison is not of two empty caches).
         assert whole.cpu_cache is not None and whole.cpu_cache.any()
+        # A piece smaller than a row holds one row, as in vLLM's region.
+        kv_c, _ = page_of_4_tensors(bpc, n_gpu)
+        small = BlockswapOffloadingWorker(kv_c, bpc, n_chunks, backend="host", pin_piece_bytes=1)
+        try:
+            assert small.host_memory is not None
+            assert [n for _, n in small.host_memory.pieces] == [row] * rows
+        finally:
+            small.shutdown()
     finally:
         whole.shutdown()
         pieces.shutdown()

@@ -43,7 +43,7 @@ Options (``kv_connector_extra_config``, all optional): ``blockswap_path`` (``"au
 ``"blocks"``, ``"staged"``, ``"dma"`` or ``"kernel"``: the copy path, see
 :class:`~blockswap.handler.CpuGpuHandlers`), ``blockswap_max_in_flight`` (transfers in flight per
 direction, 1 to ``blockswap._core.MAX_IN_FLIGHT``), ``blockswap_pin_piece_bytes`` (the largest
-piece the CPU cache is page-locked in), ``blockswap_idle_issue`` (``true``: a transfer that
+piece the CPU cache is page-locked in; a piece holds at least one block's row), ``blockswap_idle_issue`` (``true``: a transfer that
 finds its direction idle issues its first step on vLLM's thread, which pays those driver calls;
 see docs/tuning.md, ``idle_issue``) and ``blockswap_keep_warm`` (seconds a direction's thread
 stays ready after a transfer, 0.1 by default; see docs/tuning.md, ``keep_warm``). All of them are
@@ -126,7 +126,8 @@ class BlockswapOffloadingWorker(OffloadingWorker):
     worker lays it out (see the module's documentation); the worker owns it once built and
     releases it at :meth:`shutdown`. ``None``: a private block-major cache, allocated here, where
     vLLM itself keeps none. ``pin_piece_bytes``: the largest piece the CPU cache is page-locked
-    (and registered) in, a whole number of sub-blocks (of the region: chunk rows) each.
+    (and registered) in, a whole number of sub-blocks (of the region: chunk rows) each, at least
+    one.
     ``backend``, ``path`` and the other keyword options go to
     :class:`~blockswap.handler.CpuGpuHandlers`.
 
@@ -191,7 +192,13 @@ class BlockswapOffloadingWorker(OffloadingWorker):
                     "(hisparse_host_num_blocks) gives strided layer views, which it does not "
                     "take yet"
                 )
-            rows.append(t.view(torch.int8).view(-1, ct.page_size_bytes))
+            nbytes, page = t.numel() * t.element_size(), int(ct.page_size_bytes)
+            if page <= 0 or nbytes % page:
+                raise ConfigError(
+                    f"KV-cache tensor {i} holds {nbytes} bytes, not a whole number of its pages "
+                    f"of {page} bytes (page_size_bytes)"
+                )
+            rows.append(t.view(torch.int8).view(-1, page))
         # Per group, each tensor it copies with the largest page any of its references copies:
         # references of one group naming one tensor copy the same bytes from the same offset.
         group_pages: list[dict[int, int]] = []
@@ -388,7 +395,8 @@ class BlockswapOffloadingWorker(OffloadingWorker):
         self.host_memory = PinnedRows(
             self.num_cpu_chunks * self.blocks_per_chunk,
             max(sub_block, 1),
-            piece_bytes=pin_piece_bytes,
+            # At least one row, as in vLLM's region (a row is never split across pieces).
+            piece_bytes=max(pin_piece_bytes, sub_block),
             backend="cuda" if on_cuda else "host",
             device=index,
             log_line=False,
