@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 from typing import Any
 
 import pytest
@@ -70,6 +72,30 @@ def test_zero_copy_host_mode(x: torch.Tensor) -> None:
         off.close()
     with torch.no_grad():
         assert torch.equal(model(x), resident(x))
+
+
+def test_a_closed_zero_copy_offloader_frees_its_buffer_unless_a_view_keeps_it() -> None:
+    """After close, the pinned buffer (its engine's) goes with the last view of it: at once
+    where no tensor views it, even while the offloader itself is kept (set_offloader keeps
+    it); not before a view taken from a parameter while offloaded is gone."""
+    try:
+        for keep_view in (False, True):
+            model = make_stack(4)
+            off = ZeroCopyOffloader(model.layers)
+            set_offloader(off)
+            engine = weakref.ref(off.engine)
+            view = model.layers[1].w2_weight.data if keep_view else None
+            want = None if view is None else view.clone()
+            off.close()
+            gc.collect()
+            assert (engine() is not None) == keep_view
+            if view is not None:
+                assert torch.equal(view, want)  # still reads the buffer's bytes
+                del view
+                gc.collect()
+                assert engine() is None
+    finally:
+        set_offloader(NoopOffloader())
 
 
 def test_noop_and_current_offloader(x: torch.Tensor) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -169,6 +170,92 @@ def test_validation_twice_offloaded() -> None:
         off.close()
     # After close the layers can be offloaded again.
     PrefetchOffloader(model.layers, group_size=2, num_in_group=1).close()
+
+
+class _Outer(nn.Module):
+    """A layer whose parameters live in a submodule (``inner``)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
+def _run(mods: Any, x: torch.Tensor) -> torch.Tensor:
+    for m in mods:
+        x = m(x)
+    return x
+
+
+@pytest.mark.parametrize("outer_first", [True, False])
+def test_a_parameter_offloaded_through_a_parent_or_a_submodule_is_refused(
+    outer_first: bool,
+) -> None:
+    """A second offloader over the same parameters, reached through the layers' parents or
+    their submodules, is refused (it copied from the first one's reused slots: weights lost
+    for good); once the first is closed, the second takes them, and the weights come back."""
+    model = make_stack(4)
+    outer = nn.ModuleList([_Outer(layer) for layer in model.layers])
+    x = torch.randn(3, 16, generator=torch.Generator().manual_seed(1))
+    want = model(x)
+    before = [p.detach().clone() for p in model.parameters()]
+    first, second = (outer, model.layers) if outer_first else (model.layers, outer)
+    off = PrefetchOffloader(first, prefetch_step=1)
+    try:
+        for make in (
+            lambda: PrefetchOffloader(second, prefetch_step=1),
+            lambda: ZeroCopyOffloader([second[2]]),
+        ):
+            with pytest.raises(OffloadConfigError, match=r"parameter .* is already offloaded"):
+                make()
+        assert torch.equal(_run(first, x), want)
+    finally:
+        off.close()
+    again = ZeroCopyOffloader(second)
+    try:
+        assert torch.equal(_run(second, x), want)
+    finally:
+        again.close()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+def test_a_layer_past_the_engines_descriptor_limit_is_refused_when_made() -> None:
+    """Every layer's onload is checked against ``max_descriptors`` when the offloader is made,
+    not only the first ``prefetch_step`` layers' (a later one failed every forward)."""
+    model = make_stack(3)
+    model.layers[2].extra = nn.Parameter(torch.ones(4), requires_grad=False)
+    snap = snapshot(model)
+    with pytest.raises(OffloadConfigError, match=r"onload is 4 copies .*max_descriptors=3"):
+        PrefetchOffloader(model.layers, prefetch_step=1, engine_options={"max_descriptors": 3})
+    assert_untouched(model, snap)
+
+
+def test_max_in_flight_as_a_numpy_int_is_checked_as_an_int() -> None:
+    model = make_stack(3)
+    with pytest.raises(OffloadConfigError, match=r"max_in_flight \(1\) must be more than"):
+        PrefetchOffloader(
+            model.layers, prefetch_step=1, engine_options={"max_in_flight": np.int64(1)}
+        )
+
+
+def test_parameters_made_under_inference_mode_are_refused() -> None:
+    """torch cannot point a parameter made under ``torch.inference_mode()`` at other memory
+    (every later use raises): refused by name, the model as it was (torch's RuntimeError
+    before)."""
+    with torch.inference_mode():
+        layers = nn.ModuleList([nn.Linear(16, 16) for _ in range(3)])
+    snap = snapshot(layers)
+    for make in (
+        lambda: PrefetchOffloader(layers, prefetch_step=1),
+        lambda: ZeroCopyOffloader(layers),
+    ):
+        with pytest.raises(
+            OffloadConfigError, match=r"parameter layers\[0\]\.weight was made under"
+        ):
+            make()
+    assert_untouched(layers, snap)
 
 
 def test_zero_copy_validation_untouched() -> None:

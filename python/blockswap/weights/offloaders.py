@@ -20,7 +20,15 @@ from ..engine import Engine
 from ..errors import refuses_with_config_errors
 from .errors import OffloadConfigError, OffloadDeviceError, WeightTransferError
 from .ops import _IDS, _REGISTRY, _make_forward
-from .plan import _MARK, _bytes_of, _make_plan, _Plan, _typed_view
+from .plan import (
+    _MARK,
+    _bytes_of,
+    _make_plan,
+    _mark_params,
+    _Plan,
+    _typed_view,
+    _unmark_params,
+)
 from .selection import _CONFIG_ERRORS, _check_group
 from .sync import _CudaSync, _HostSync
 
@@ -162,6 +170,7 @@ class _OffloaderCore(BaseOffloader):
                 self._host[t.host_off : t.host_off + t.nbytes].copy_(_bytes_of(t.param.data))
 
     def _restore_params(self, restore: bool) -> None:
+        _unmark_params(self._plan)
         for lay in self._plan.offloaded:
             for t in lay.tensors:
                 if restore:
@@ -239,7 +248,11 @@ class PrefetchOffloader(_OffloaderCore):
                     f"engine_options must not set {reserved!r}: the offloader sets it"
                 )
         flight = opts.get("max_in_flight")
-        if type(flight) is int and flight <= step:
+        if (
+            isinstance(flight, (int, np.integer))
+            and not isinstance(flight, bool)
+            and flight <= step
+        ):
             raise OffloadConfigError(
                 f"engine_options max_in_flight ({flight}) must be more than prefetch_step "
                 f"({step}): a forward keeps up to prefetch_step + 1 onloads in flight"
@@ -270,6 +283,7 @@ class PrefetchOffloader(_OffloaderCore):
         except BaseException:
             # The first onloads refused (the engine's limits): the model as it was.
             self._uninstall()
+            _unmark_params(self._plan)
             for param, data in originals:
                 param.data = data
             self._views.clear()
@@ -317,6 +331,16 @@ class PrefetchOffloader(_OffloaderCore):
                     for t in lay.tensors
                 ]
             )
+        # Every layer's onload within the engine's limit, checked here: the first onloads
+        # (`_start`) reach only the first layers.
+        most = max(len(src) for src, _, _ in self._descs)
+        limit = int(self.engine.info()["max_descriptors"])
+        if most > limit:
+            raise OffloadConfigError(
+                f"an offloaded layer's onload is {most} copies (one per tensor), more than the "
+                f"engine takes in one transfer (max_descriptors={limit}): raise "
+                "engine_options max_descriptors"
+            )
         n = len(plan.offloaded)
         #: Per slot, its layers' parameters that require grad (none in inference, where
         #: onloads mark nothing for autograd).
@@ -332,6 +356,7 @@ class PrefetchOffloader(_OffloaderCore):
     def _install(self) -> None:
         """Points the parameters at their slots and wraps the layers' forwards (nothing here
         fails on valid input; what can fail happened before, but the first onloads, after)."""
+        _mark_params(self._plan)
         for lay, views in zip(self._plan.offloaded, self._views):
             for t, v in zip(lay.tensors, views):
                 t.param.data = v
@@ -631,6 +656,7 @@ class ZeroCopyOffloader(_OffloaderCore):
                 self._free_host()
                 self.engine.shutdown()
             raise
+        _mark_params(plan)
         for lay, vs in zip(plan.offloaded, views):
             for t, v in zip(lay.tensors, vs):
                 t.param.data = v
@@ -688,6 +714,9 @@ class ZeroCopyOffloader(_OffloaderCore):
         self._host = torch.empty(0, dtype=torch.uint8)
         self._host_arr = None
         self.engine.shutdown()
+        # The engine owns the pinned buffer: a view still taken from a parameter keeps it (and
+        # so the buffer) alive through the array; with none, the buffer goes now.
+        del self.engine
         self._closed = True
 
 

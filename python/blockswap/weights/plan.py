@@ -17,6 +17,23 @@ from .selection import _check_group, _segments, matches_segment, select_layers
 _ALIGN = 512
 # Attribute set on each offloaded module (refuses a second offloader on the same layer).
 _MARK = "_blockswap_offloader"
+#: Set on each parameter an offloader points into its memory, until it restores it: a second
+#: offloader reaching the same parameter through another module (a layer's submodule, or its
+#: parent) would copy from memory the first one reuses.
+_PARAM_MARK = "_blockswap_offloaded"
+
+
+def _mark_params(plan: _Plan) -> None:
+    for lay in plan.offloaded:
+        for t in lay.tensors:
+            setattr(t.param, _PARAM_MARK, True)
+
+
+def _unmark_params(plan: _Plan) -> None:
+    for lay in plan.offloaded:
+        for t in lay.tensors:
+            if hasattr(t.param, _PARAM_MARK):
+                delattr(t.param, _PARAM_MARK)
 
 
 def _align(n: int) -> int:
@@ -197,6 +214,19 @@ def _make_plan(
             )
     dev = _resolve_device(device, flat)
     for qual, p in flat:
+        if getattr(p, _PARAM_MARK, False):
+            raise OffloadConfigError(
+                f"parameter {qual} is already offloaded by another offloader (through a "
+                "submodule or a parent of this layer): close that one first"
+            )
+        if p.is_inference():
+            # torch refuses every later use of a parameter made under inference_mode whose
+            # data was replaced ("Inference tensors do not track version counter").
+            raise OffloadConfigError(
+                f"parameter {qual} was made under torch.inference_mode(), and torch cannot "
+                "point it at other memory: make the model outside inference_mode (under "
+                "torch.no_grad(), say)"
+            )
         if p.is_quantized or p.layout != torch.strided:
             kind = "quantized" if p.is_quantized else str(p.layout)
             raise OffloadConfigError(
