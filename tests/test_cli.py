@@ -41,6 +41,26 @@ def test_no_command_prints_info_and_writes_nothing(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_reader_that_went_away_ends_the_command_without_a_traceback(tmp_path: Path) -> None:
+    """``blockswap info --json | head -c 10``: the pipe closed before the output is written
+    ends the command as a shell expects (141), with no traceback."""
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first write
+    try:
+        p = subprocess.run(
+            [sys.executable, "-m", "blockswap", "info", "--json"],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=tmp_path,
+            timeout=120,
+        )
+    finally:
+        os.close(write)
+    assert p.returncode == 141, p.stderr
+    assert "Traceback" not in p.stderr and "BrokenPipeError" not in p.stderr, p.stderr
+
+
 def test_info_says_torch_triton_and_whether_the_copy_kernel_can_run(tmp_path: Path) -> None:
     import importlib.metadata
 

@@ -192,6 +192,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("blockswap: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader went away (`... | head`): what is left to print goes nowhere, and the
+        # interpreter's own flush at exit must not raise it again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, as a shell reports a command a closed pipe stopped
 
 
 if __name__ == "__main__":
