@@ -210,11 +210,25 @@ fn call_launcher(engine: &Engine, launcher: &Py<PyAny>, b: KernelBatch) -> Resul
     result
 }
 
+/// Whether this thread runs a kernel launcher of `engine`, or one such a launcher started (see
+/// [`LAUNCHING`]).
+fn launching(engine: &Engine) -> bool {
+    let me = std::ptr::from_ref(engine) as usize;
+    LAUNCHING.with(|l| l.borrow().contains(&me))
+}
+
+/// Whether this thread runs a kernel launcher of `engine` (or one it started), where every call
+/// into `engine` is refused: the Python layer takes no lock of its own around such a call (it
+/// could wait for a thread that waits for this launcher's submission).
+#[pyfunction]
+fn in_launcher(engine: PyRef<'_, PyEngine>) -> bool {
+    launching(&engine.engine)
+}
+
 /// Refuses `what` on `engine` from inside one of its own kernel launchers (see [`LAUNCHING`]),
 /// which would deadlock the process.
 fn not_launching(engine: &Engine, what: &str) -> PyResult<()> {
-    let me = std::ptr::from_ref(engine) as usize;
-    if LAUNCHING.with(|l| l.borrow().contains(&me)) {
+    if launching(engine) {
         return Err(invalid(format!(
             "{what} called from inside this engine's kernel launcher (or a launcher it started), \
              which runs while the engine holds its submit lock: a launcher may only launch its \
@@ -243,6 +257,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
         crate::backend::cuda::MAX_KEEP_WARM.as_secs_f64(),
     )?;
     m.add_function(wrap_pyfunction!(functions::host_memory_available, m)?)?;
+    m.add_function(wrap_pyfunction!(in_launcher, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_status, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_memory_kind, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_device_pointer, m)?)?;

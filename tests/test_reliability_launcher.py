@@ -246,7 +246,7 @@ def test_a_second_shutdown_returns_once_the_first_has_drained() -> None:
 
 
 FORK_LOCKED = """
-import json, os, threading
+import json, os, threading, time
 import numpy as np
 import blockswap
 
@@ -268,8 +268,12 @@ t = threading.Thread(target=lambda: eng.submit(
     1, [src.ctypes.data], [dst.ctypes.data], [4096], kernel_below=1 << 20, launcher=launcher))
 t.start()
 assert entered.wait(120)
+# A registration waiting for that lock holds the engine's own registration lock meanwhile.
+registering = threading.Thread(target=lambda: eng.register(np.zeros(4096, np.uint8)))
+registering.start()
+time.sleep(0.1)
 r, w = os.pipe()
-pid = os.fork()  # while the thread above holds the engine's submit lock
+pid = os.fork()  # while the threads above hold the engine's submit and registration locks
 if pid == 0:
     os.close(r)
     out = {}
@@ -293,6 +297,7 @@ child = json.loads(os.read(r, 1 << 16).decode() or "{}")
 _, status = os.waitpid(pid, 0)
 go.set()
 t.join()
+registering.join()
 eng.wait([1], timeout=30)
 parent = [[x.job_id, x.success] for x in eng.get_finished()]
 eng.shutdown()

@@ -94,7 +94,7 @@ def test_threads_submit_and_poll_one_handler(factor: int) -> None:
 
 
 def test_an_array_unregistered_and_registered_at_once_is_kept_while_registered() -> None:
-    """One thread unregisters an array while another registers it again, 5,000 times: whichever
+    """Two threads unregister an array while a third registers it again, 5,000 times: whichever
     wins, the engine keeps the array alive exactly while the core holds its registration (it
     once let go of an array the core still held: a later copy wrote into freed memory)."""
     eng = Engine("host")
@@ -104,18 +104,19 @@ def test_an_array_unregistered_and_registered_at_once_is_kept_while_registered()
         for _ in range(5000):
             arr = np.zeros(4096, np.uint8)
             p = eng.register(arr)
-            barrier = threading.Barrier(2)
+            barrier = threading.Barrier(3)
 
             def call(f: Any, arr: np.ndarray = arr, barrier: Any = barrier) -> None:
                 barrier.wait()
                 with contextlib.suppress(InvalidTransferError):  # the other call came first
                     f(arr)
 
-            ts = [threading.Thread(target=call, args=(f,)) for f in (eng.unregister, eng.register)]
+            calls = (eng.unregister, eng.unregister, eng.register)
+            ts = [threading.Thread(target=call, args=(f,)) for f in calls]
             for t in ts:
                 t.start()
             join_all(ts)
-            kept = p in eng._kept and eng._kept[p][0] is arr
+            kept = eng._kept.get(p) is arr
             try:
                 eng._unregister(p)  # the core's registration alone
                 registered = True

@@ -59,6 +59,7 @@ __all__ = [
     "cuda_unpin",
     "fill_and_pin",
     "host_memory_available",
+    "in_launcher",
     "launch_plan",
     "mirror_geometry",
     "shown",
@@ -314,6 +315,7 @@ class HostBuffer:
 BLOCK_MAX_COPIES: int
 BLOCK_MIN_PAGE: int
 
+def in_launcher(engine: Engine) -> bool: ...
 def cuda_status() -> tuple[bool, str]: ...
 def check_int(
     name: str,

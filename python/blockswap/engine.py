@@ -14,8 +14,10 @@ and their time) is asked of the core here and logged to the ``blockswap`` logger
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
+import os
 import threading
 import time
 from typing import Any
@@ -32,10 +34,6 @@ log = logging.getLogger(__name__)
 
 #: Registered objects of engines collected after a shutdown that timed out (see Engine.__del__).
 _ABANDONED: list[Any] = []
-
-#: Guards the engines' kept objects (`Engine._kept`) across a look and a change; held for a
-#: dict operation only, never across a call into the core.
-_KEPT_LOCK = threading.Lock()
 
 
 def _address_of(obj: Any, what: str = "register") -> tuple[int, int, MemoryKind]:
@@ -92,26 +90,29 @@ class Engine(_core.Engine):
     __doc__ = _core.Engine.__doc__
 
     @property
-    def _kept(self) -> dict[int, tuple[Any]]:
-        """The objects whose memory is registered, by address, each in a box of its own
-        registration (a 1-tuple): kept alive until unregistered."""
-        kept: dict[int, tuple[Any]] = self.__dict__.setdefault("_objects", {})
+    def _kept(self) -> dict[int, Any]:
+        """The objects whose memory is registered, by address: kept alive until unregistered."""
+        kept: dict[int, Any] = self.__dict__.setdefault("_objects", {})
         return kept
 
-    def _keep(self, ptr: int, obj: Any) -> None:
-        """Keeps ``obj`` alive for the registration at ``ptr`` the core has just made."""
-        with _KEPT_LOCK:
-            self._kept[ptr] = (obj,)
-
-    def _release(self, ptr: int) -> None:
-        """Unregisters ``ptr`` in the core, then lets its object go, unless another thread
-        registered that memory again in between (its box is then not the one seen before):
-        the core never holds a registration whose object nothing keeps alive."""
-        before = self._kept.get(ptr)
-        self._unregister(ptr)
-        with _KEPT_LOCK:
-            if before is not None and self._kept.get(ptr) is before:
-                del self._kept[ptr]
+    def _registering(self) -> contextlib.AbstractContextManager[Any]:
+        """Held across a registration's change in the core and in :attr:`_kept`, so that the
+        two agree whichever threads register and unregister at once: the core never holds a
+        registration whose object the engine let go, nor the engine an object the core does
+        not hold. Not taken inside one of this engine's kernel launchers, where the core
+        refuses the call anyway and another thread holding the lock may wait for the
+        launcher's own submission."""
+        if _core.in_launcher(self):
+            return contextlib.nullcontext()
+        pid = os.getpid()
+        held: tuple[int, threading.Lock] = self.__dict__.setdefault(
+            "_registration_lock", (pid, threading.Lock())
+        )
+        if held[0] != pid:
+            # A child forked from the process that made it (where another thread may have
+            # held it at the fork): a lock of its own. The core refuses the call there anyway.
+            held = self.__dict__["_registration_lock"] = (pid, threading.Lock())
+        return held[1]
 
     def __del__(self) -> None:
         # Drain before the registered objects in ``_kept`` go: the instance dict is cleared in no
@@ -159,9 +160,10 @@ class Engine(_core.Engine):
             kind = found_kind if kind is None else kind
             if _is_int(nbytes) and nbytes > size:
                 raise InvalidTransferError(f"nbytes={nbytes} is larger than the object ({size})")
-        self._register(ptr, nbytes, kind)
-        if not _is_int(obj):
-            self._keep(ptr, obj)
+        with self._registering():
+            self._register(ptr, nbytes, kind)
+            if not _is_int(obj):
+                self._kept[ptr] = obj
         return int(ptr)
 
     def pin(self, obj: Any) -> int:
@@ -171,15 +173,18 @@ class Engine(_core.Engine):
         if kind != "host":
             raise InvalidTransferError("only host memory can be pinned")
         t0 = time.perf_counter()
-        self._pin(ptr, nbytes)
+        with self._registering():
+            self._pin(ptr, nbytes)
+            self._kept[ptr] = obj
         _log_alloc("pin", nbytes, time.perf_counter() - t0, self.info()["backend"])
-        self._keep(ptr, obj)
         return ptr
 
     def unregister(self, obj_or_ptr: Any) -> None:
         """Removes a registration (refused while transfers are in flight)."""
         ptr = obj_or_ptr if _is_int(obj_or_ptr) else _address_of(obj_or_ptr, "unregister")[0]
-        self._release(ptr)
+        with self._registering():
+            self._unregister(ptr)
+            self._kept.pop(ptr, None)
 
     def alloc_host(self, nbytes: int) -> np.ndarray:
         """A registered host buffer of ``nbytes`` (page-locked, device-mapped on CUDA), as a
