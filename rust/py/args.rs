@@ -495,7 +495,7 @@ pub(super) fn copy_u64(name: &str, a: &PyReadonlyArray1<'_, i64>) -> PyResult<Ve
     // odd offset); [`ids`] copies those into an aligned array before it gets here.
     if !a.is_aligned() {
         return Err(InvalidTransferError::new_err(format!(
-            "{name} must be an aligned array (np.require(a, np.int64, 'CA') copies it)"
+            "{name} must be an aligned array (np.array(a, np.int64) copies it)"
         )));
     }
     let s = a
@@ -563,9 +563,15 @@ fn int64_array<'py>(name: &str, values: &Bound<'py, PyAny>) -> PyResult<Bound<'p
             return Err(invalid(format!("{name} holds values past 2**63 - 1")));
         }
     }
-    // Contiguous and aligned: an unaligned int64 array (a view at an odd offset of a buffer)
-    // is copied rather than read in place.
-    np.call_method1("require", (a, int64, ("C", "A")))
+    let c = np.call_method1("ascontiguousarray", (a, int64))?;
+    if c.cast::<PyUntypedArray>()
+        .is_ok_and(PyUntypedArrayMethods::is_aligned)
+    {
+        return Ok(c);
+    }
+    // An unaligned int64 array (a view at an odd offset of a buffer), which ascontiguousarray
+    // returns as it is: copied into numpy's own, aligned, memory.
+    np.call_method1("array", (c,))
 }
 
 /// The block table ids of an iterable argument, each as [`table_id`] takes it.
