@@ -410,6 +410,35 @@ def test_submit_spec_refusals_are_typed_and_issue_nothing(
         f.eng.shutdown()
 
 
+@pytest.mark.parametrize(
+    ("unit", "pairs", "match"),
+    [
+        (2, 1, "the host table counts chunks of 4 blocks, but the spec names chunks of 2"),
+        (1, 1, "the host table counts chunks of 4 blocks, but the spec names chunks of 1"),
+        (4, 4, "one table pair per sub-block: each host table counts single blocks"),
+    ],
+)
+def test_submit_spec_refuses_chunks_its_host_table_does_not_count(
+    unit: int, pairs: int, match: str
+) -> None:
+    """``blocks_per_chunk`` cuts the spec; a host table counting chunks of another size would
+    map its chunk ids to other blocks (it moved them, reported successful): refused, nothing
+    issued, in both directions."""
+    p = Pair(UNIT)
+    try:
+        eng, host, dev, ht, dt = p.sides[0]
+        dev[:] = 7
+        for direction, pair in (("d2h", (dt, ht)), ("h2d", (ht, dt))):
+            with pytest.raises(InvalidTransferError, match=match):
+                chunks = np.arange(-(-2 // unit))  # 2 blocks from a chunk's start
+                eng.submit_spec(
+                    1, np.arange(2), chunks, [2], [0], [(pair,) * pairs], unit, direction
+                )
+        assert not host.any() and (dev == 7).all()
+    finally:
+        p.close()
+
+
 @pytest.mark.parametrize("dtype", [np.int32, np.int64])
 @pytest.mark.parametrize("step", [2, -1, -3])
 def test_strided_ids_move_what_their_contiguous_copies_move(

@@ -72,6 +72,12 @@ pub enum Chunks {
     /// `block_indices`): [`crate::table::chunk_skip`] for the chunk side's unit, the blocks of
     /// the other side, a store where the chunks are the destination.
     Index(Option<u64>),
+    /// A piece of a connector's spec cut in chunks of `unit` blocks
+    /// ([`crate::table::cut_spec`]): with `Some(skip)` as `Skip`, the host table counting
+    /// chunks of `unit` blocks; with `None` both sides by table blocks, the host table counting
+    /// single ones (a pair per sub-block of a chunk). A host table that counts otherwise is
+    /// refused: its chunk ids would name other blocks.
+    Spec { unit: u64, skip: Option<u64> },
 }
 
 impl Chunks {
@@ -86,6 +92,7 @@ impl Chunks {
         match self {
             Chunks::No => None,
             Chunks::Skip(skip) => Some(skip),
+            Chunks::Spec { skip, .. } => skip,
             Chunks::Index(index) => Some(if src.unit > 1 {
                 chunk_skip(src.unit, dst_ids.len() as u64, index, false)
             } else {
@@ -122,8 +129,10 @@ fn resolve_groups<'a>(
     groups
         .iter()
         .enumerate()
-        .map(
-            |(gi, g)| match table_pair(tables, g.src_table, g.dst_table, direction) {
+        .map(|(gi, g)| {
+            match table_pair(tables, g.src_table, g.dst_table, direction)
+                .and_then(|pair| spec_units(pair, g.chunks, direction))
+            {
                 Ok((src, dst)) => Ok(Group {
                     src,
                     src_ids: g.src_ids,
@@ -137,9 +146,45 @@ fn resolve_groups<'a>(
                 }
                 .into()),
                 Err(e) => Err(e.into()),
-            },
-        )
+            }
+        })
         .collect()
+}
+
+/// `pair` where its host table counts the blocks a spec's piece names it by (see
+/// [`Chunks::Spec`]).
+fn spec_units<'a>(
+    pair: (&'a BlockTable, &'a BlockTable),
+    chunks: Chunks,
+    direction: Direction,
+) -> Result<(&'a BlockTable, &'a BlockTable), TableError> {
+    let Chunks::Spec { unit, skip } = chunks else {
+        return Ok(pair);
+    };
+    let host = if direction.src_kind() == MemoryKind::Host {
+        pair.0
+    } else {
+        pair.1
+    };
+    let want = if skip.is_some() { unit } else { 1 };
+    if host.unit == want {
+        return Ok(pair);
+    }
+    Err(TableError::BadChunking(format!(
+        "the {} table counts chunks of {} blocks, but the spec names chunks of {unit} blocks \
+         (blocks_per_chunk){}",
+        if host.name.is_empty() {
+            "host"
+        } else {
+            &host.name
+        },
+        host.unit,
+        if skip.is_some() {
+            ""
+        } else {
+            ", one table pair per sub-block: each host table counts single blocks"
+        }
+    )))
 }
 
 /// A pair of tables with no plan of the kind asked for, `reason` naming why, in its group where

@@ -613,7 +613,7 @@ impl PyEngine {
             unit,
             dir,
         )?;
-        let gs = submit::group_ids(&t, &ids);
+        let gs = submit::spec_group_ids(&t, &ids, unit);
         submit::issue_groups(&self.engine, py, job_id, &gs, dir, wait_stream, route)
     }
 

@@ -72,6 +72,24 @@ pub(super) fn ids_name(kind: MemoryKind) -> &'static str {
 
 /// The core's groups over `tables` and `ids` (see [`groups`]).
 pub(super) fn group_ids<'a>(tables: &[(u32, u32, Option<u64>)], ids: &'a Ids) -> Vec<GroupIds<'a>> {
+    with_chunks(tables, ids, |skip| skip.map_or(Chunks::No, Chunks::Skip))
+}
+
+/// The pieces of a spec cut in chunks of `unit` blocks ([`spec_groups`]) as groups, each host
+/// table checked against `unit` (see [`Chunks::Spec`]).
+pub(super) fn spec_group_ids<'a>(
+    tables: &[(u32, u32, Option<u64>)],
+    ids: &'a Ids,
+    unit: u64,
+) -> Vec<GroupIds<'a>> {
+    with_chunks(tables, ids, |skip| Chunks::Spec { unit, skip })
+}
+
+fn with_chunks<'a>(
+    tables: &[(u32, u32, Option<u64>)],
+    ids: &'a Ids,
+    chunks: impl Fn(Option<u64>) -> Chunks,
+) -> Vec<GroupIds<'a>> {
     tables
         .iter()
         .zip(ids)
@@ -80,7 +98,7 @@ pub(super) fn group_ids<'a>(tables: &[(u32, u32, Option<u64>)], ids: &'a Ids) ->
             src_ids: s,
             dst_table,
             dst_ids: d,
-            chunks: skip.map_or(Chunks::No, Chunks::Skip),
+            chunks: chunks(skip),
         })
         .collect()
 }
