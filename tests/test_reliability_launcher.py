@@ -43,6 +43,9 @@ calls = {
     "unregister_table": lambda job: eng.unregister_table(table),
     "alloc_host": lambda job: eng.alloc_host(64),
     "staged_row": lambda job: eng.staged_row(table),
+    "choose_route": lambda job: blockswap._core.choose_route(
+        "h2d", "auto", on_cuda=False, page_sizes=[4096], errors=(ValueError, ValueError),
+        engine=eng, tables=[(table, table)]),
 }
 out = {}
 for job, (name, call) in enumerate(calls.items(), start=1):
@@ -82,6 +85,7 @@ def test_a_launcher_calling_into_its_own_engine_is_refused_not_deadlocked() -> N
         "unregister_table",
         "alloc_host",
         "staged_row",
+        "choose_route",
     ):
         (seen,) = out[name]["seen"]
         kind, msg = seen

@@ -346,6 +346,10 @@ pub(super) fn choose_route(
 ) -> PyResult<PyRoute> {
     let dir = super::direction(direction)?;
     let engine = engine.as_deref().map(|e| &*e.engine);
+    if let Some(e) = engine {
+        // Its queries take the engine's submit lock, which a launcher's submission holds.
+        super::not_launching(e, "choose_route")?;
+    }
     let tables = tables.unwrap_or_default();
     let host: Vec<u32> = tables.iter().map(|&(_, c)| c).collect();
     let block_major = match engine {
