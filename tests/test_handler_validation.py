@@ -288,12 +288,13 @@ def test_a_given_cpu_cache_must_lay_its_pages_out_as_the_gpu_tensors_do() -> Non
 
 def test_caches_given_by_name_pair_by_name() -> None:
     """vLLM keys its KV caches by layer name: a CPU cache keyed the same way pairs by name
-    whatever the order of its keys (it paired by position), and other names are refused."""
+    whatever the order of its keys (it paired by position), at the top, in a list of groups or
+    in a dict of groups, and other names are refused."""
     kw: dict[str, Any] = {"layout": "kv_split", "backend": "host"}
     gpu = {f"layer.{i}": torch.full((2, 8, 4, 2, 8), float(i)) for i in range(3)}
     cpu = {f"layer.{i}": torch.full((2, 8, 4, 2, 8), -1.0) for i in (2, 0, 1)}
-    for given in (cpu, [cpu]):
-        h = CpuGpuHandlers(gpu if given is cpu else [gpu], 8, cpu_caches=given, **kw)
+    for given, gpu_given in ((cpu, gpu), ([cpu], [gpu]), ({"full": cpu}, {"full": gpu})):
+        h = CpuGpuHandlers(gpu_given, 8, cpu_caches=given, **kw)
         try:
             h.d2h.transfer_async(1, ([0], [0]))
             h.wait([1])
@@ -307,6 +308,9 @@ def test_caches_given_by_name_pair_by_name() -> None:
         CpuGpuHandlers(gpu, 8, cpu_caches=renamed, **kw)
     with pytest.raises(LayoutError, match=r"cpu_caches group 0 names other tensors"):
         CpuGpuHandlers([gpu], 8, cpu_caches=[renamed], **kw)
+    # Groups by name too (a dict of dicts), each group's tensors by name.
+    with pytest.raises(LayoutError, match=r"cpu_caches group 'full' names other tensors"):
+        CpuGpuHandlers({"full": gpu}, 8, cpu_caches={"full": renamed}, **kw)
 
 
 def test_public_surface() -> None:

@@ -89,12 +89,20 @@ def keyed_like(cpu_caches: Any, gpu_caches: Any) -> Any:
         return {k: cpu[k] for k in gpu}
 
     out = align(cpu_caches, gpu_caches, "")
+    gpu = gpu_caches
     if (
-        isinstance(out, Sequence)
-        and isinstance(gpu_caches, Sequence)
-        and len(out) == len(gpu_caches)
+        isinstance(out, Mapping)
+        and isinstance(gpu, Mapping)
+        and any(isinstance(g, Mapping) for g in gpu.values())
     ):
-        out = [align(c, g, f" group {i}") for i, (c, g) in enumerate(zip(out, gpu_caches))]
+        # Groups by name (a dict of dicts): in the GPU dict's order, then each group's tensors
+        # by name as below.
+        out, gpu = list(out.values()), list(gpu.values())
+        where = [f" group {k!r}" for k in gpu_caches]
+    else:
+        where = [f" group {i}" for i in range(len(out) if isinstance(out, Sequence) else 0)]
+    if isinstance(out, Sequence) and isinstance(gpu, Sequence) and len(out) == len(gpu):
+        out = [align(c, g, w) for c, g, w in zip(out, gpu, where)]
     return out
 
 
