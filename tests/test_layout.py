@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 from blockswap import ConfigError, Engine
 from blockswap._core import chunk_blocks
+from blockswap.handler import CpuGpuHandlers
 from blockswap.layout import (
     LAYOUTS,
     BlockTable,
@@ -769,3 +770,19 @@ def test_sizes_are_refused_in_the_callers_terms() -> None:
         BlockTable.from_tensors([torch.zeros(2, 0, 4, 2, 8)], "kv_split")
     with pytest.raises(ConfigError, match="more than the address space: lower num_cpu_blocks"):
         make_cpu_cache_like([torch.zeros(2, 8, 4, 2, 8)], 1 << 62, layout="kv_split")
+    # The block-major cache sizes itself on the meta device first: the same refusal (torch's
+    # RuntimeError before), and for handlers, which allocate one.
+    from blockswap.layout import make_block_major_cpu_cache
+
+    for blocks in (1 << 60, 1 << 62):
+        with pytest.raises(ConfigError, match="more than the address space"):
+            make_block_major_cpu_cache([torch.zeros(3, 4, 5)], blocks, block_dim=0)
+        with pytest.raises(ConfigError, match="more than the address space"):
+            CpuGpuHandlers([torch.zeros(2, 8, 4, 2, 8)], blocks, layout="kv_split", backend="host")
+    # A block dim past any tensor's dims is refused by name (an OverflowError before).
+    for call in (
+        lambda: BlockTable.from_tensors([torch.zeros(3, 4)], block_dim=2**70),
+        lambda: make_cpu_cache_like([torch.zeros(3, 4)], 2, block_dim=2**70),
+    ):
+        with pytest.raises(ConfigError, match=r"block_dim must be an int from -64 to 63"):
+            call()

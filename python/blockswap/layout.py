@@ -135,7 +135,8 @@ def _resolve_block_dim(layout: str | None, block_dim: int | None) -> int:
             )
         return LAYOUTS[layout]
     assert block_dim is not None
-    return check_int("block_dim", block_dim)
+    # A dim index (negative from the last): bounded, as no tensor has more dims than torch's 64.
+    return check_int("block_dim", block_dim, -64, 63)
 
 
 def _as_tensor_list(tensors: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -542,9 +543,8 @@ def make_cpu_cache_like(
         bd = _segments(i, t, layout, bd0)[4]
         blocks = num_cpu_blocks * block_size_factor
         shape, strides, row = mirror_geometry(list(t.shape), list(t.stride()), bd, blocks)
-        if _device != "cpu":
-            out.append(torch.empty_strided(shape, strides, dtype=t.dtype, device=_device))
-            continue
+        # Checked before any tensor is made, on the meta device too (torch's own overflow
+        # check is an untyped RuntimeError).
         elements = math.prod(shape)
         if elements * t.element_size() >= 1 << 63:
             raise ConfigError(
@@ -552,6 +552,9 @@ def make_cpu_cache_like(
                 f"{elements * t.element_size()} bytes, more than the address space: lower "
                 "num_cpu_blocks"
             )
+        if _device != "cpu":
+            out.append(torch.empty_strided(shape, strides, dtype=t.dtype, device=_device))
+            continue
         rows = _cpu_rows(elements // row, row * t.element_size(), pin_memory, allocate_rows)
         out.append(rows.view(t.dtype).view(-1).as_strided(shape, strides))
     return out
