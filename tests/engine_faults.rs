@@ -302,12 +302,17 @@ fn wait_keeps_its_timeout_and_a_second_shutdown_waits_while_one_drains() {
     assert_eq!((results.len(), results[0].success), (1, true));
 }
 
-#[test]
-fn a_worker_that_panics_fails_its_transfers_and_never_leaves_a_wait_hanging() {
-    let mut bufs = common::Buffers {
+/// 16 KiB of sevens to copy into 16 KiB of zeros, for the worker-panic tests.
+fn sevens() -> common::Buffers {
+    common::Buffers {
         src: vec![7u8; 1 << 14],
         dst: vec![0u8; 1 << 14],
-    };
+    }
+}
+
+#[test]
+fn a_worker_that_panics_fails_its_transfers_and_never_leaves_a_wait_hanging() {
+    let mut bufs = sevens();
     let (engine, host) = common::engine_with(&mut bufs, common::config());
     let engine = Arc::new(engine);
     let (s, d) = (bufs.src.as_ptr() as u64, bufs.dst.as_ptr() as u64);
@@ -359,10 +364,7 @@ fn a_worker_that_panics_fails_its_transfers_and_never_leaves_a_wait_hanging() {
 
 #[test]
 fn submitters_racing_a_worker_panic_each_end_with_its_refusal_and_lose_no_result() {
-    let mut bufs = common::Buffers {
-        src: vec![7u8; 1 << 14],
-        dst: vec![0u8; 1 << 14],
-    };
+    let mut bufs = sevens();
     let (engine, host) = common::engine_with(&mut bufs, common::config());
     let (s, d) = (bufs.src.as_ptr() as u64, bufs.dst.as_ptr() as u64);
     let accepted = Mutex::new(Vec::new());
