@@ -16,7 +16,7 @@ from torch import nn
 from .._checks import check_bool, check_int
 from .._core import BackendError, BlockswapError, InvalidTransferError, cuda_device_pointer
 from .._types import BackendName
-from ..engine import Engine
+from ..engine import Engine, _is_int
 from ..errors import refuses_with_config_errors
 from .errors import OffloadConfigError, OffloadDeviceError, WeightTransferError
 from .ops import _IDS, _REGISTRY, _make_forward
@@ -247,12 +247,8 @@ class PrefetchOffloader(_OffloaderCore):
                 raise OffloadConfigError(
                     f"engine_options must not set {reserved!r}: the offloader sets it"
                 )
-        flight = opts.get("max_in_flight")
-        if (
-            isinstance(flight, (int, np.integer))
-            and not isinstance(flight, bool)
-            and flight <= step
-        ):
+        flight: Any = opts.get("max_in_flight")
+        if _is_int(flight) and flight <= step:
             raise OffloadConfigError(
                 f"engine_options max_in_flight ({flight}) must be more than prefetch_step "
                 f"({step}): a forward keeps up to prefetch_step + 1 onloads in flight"
