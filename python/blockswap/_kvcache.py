@@ -89,20 +89,19 @@ def keyed_like(cpu_caches: Any, gpu_caches: Any) -> Any:
         return {k: cpu[k] for k in gpu}
 
     out = align(cpu_caches, gpu_caches, "")
-    gpu = gpu_caches
+    gpu, names = gpu_caches, None
     if (
         isinstance(out, Mapping)
         and isinstance(gpu, Mapping)
         and any(isinstance(g, Mapping) for g in gpu.values())
     ):
-        # Groups by name (a dict of dicts): in the GPU dict's order, then each group's tensors
+        # Groups by name (a dict of dicts), now in the GPU dict's order: each group's tensors
         # by name as below.
+        names = [repr(k) for k in gpu]
         out, gpu = list(out.values()), list(gpu.values())
-        where = [f" group {k!r}" for k in gpu_caches]
-    else:
-        where = [f" group {i}" for i in range(len(out) if isinstance(out, Sequence) else 0)]
     if isinstance(out, Sequence) and isinstance(gpu, Sequence) and len(out) == len(gpu):
-        out = [align(c, g, w) for c, g, w in zip(out, gpu, where)]
+        names = names or [str(i) for i in range(len(out))]
+        out = [align(c, g, f" group {n}") for c, g, n in zip(out, gpu, names)]
     return out
 
 
