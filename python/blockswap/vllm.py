@@ -43,8 +43,9 @@ Options (``kv_connector_extra_config``, all optional): ``blockswap_path`` (``"au
 ``"blocks"``, ``"staged"``, ``"dma"`` or ``"kernel"``: the copy path, see
 :class:`~blockswap.handler.CpuGpuHandlers`), ``blockswap_max_in_flight`` (transfers in flight per
 direction, 1 to ``blockswap._core.MAX_IN_FLIGHT``), ``blockswap_pin_piece_bytes`` (the largest
-piece the CPU cache is page-locked in; a piece holds at least one block's row), ``blockswap_idle_issue`` (``true``: a transfer that
-finds its direction idle issues its first step on vLLM's thread, which pays those driver calls;
+piece the CPU cache is page-locked in; a piece holds at least one block's row),
+``blockswap_idle_issue`` (``true``: a transfer that finds its direction idle issues its first
+step on vLLM's thread, which pays those driver calls;
 see docs/tuning.md, ``idle_issue``) and ``blockswap_keep_warm`` (seconds a direction's thread
 stays ready after a transfer, 0.1 by default; see docs/tuning.md, ``keep_warm``). All of them are
 checked when the spec is made, before the CPU cache is sized or allocated
