@@ -89,8 +89,8 @@ impl TableSpec {
         self
     }
 
-    /// Checks the table against `regions` and builds it ([`BlockTable::new`], then
-    /// [`BlockTable::named`]).
+    /// Checks the table against `regions` (and `unit` against `num_blocks`) and builds it
+    /// ([`BlockTable::new`], then [`BlockTable::named`]).
     pub fn build(self, regions: &RegionTable) -> Result<BlockTable, TableError> {
         let TableSpec {
             bases,
@@ -101,6 +101,12 @@ impl TableSpec {
             name,
             unit,
         } = self;
+        if unit > num_blocks {
+            return Err(TableError::BadChunking(format!(
+                "unit {unit} is more than the table's {num_blocks} blocks: a block the caller \
+                 names would not fit in it"
+            )));
+        }
         Ok(BlockTable::new(bases, strides, nbytes, num_blocks, kind, regions)?.named(&name, unit))
     }
 }
@@ -414,11 +420,12 @@ fn check_ids(pair: Pair<'_>, scratch: &mut Scratch) -> Result<(), TableError> {
     src.compatible(dst)?;
     for (side, ids, table) in [(Side::Src, src_ids, src), (Side::Dst, dst_ids, dst)] {
         if let Some(index) = ids.iter().position(|&id| id >= table.num_blocks) {
+            // Ids came from int64: one past 2**63 here was negative, and is named as given.
             let raw = ids[index] as i64;
             let id = if raw < 0 {
                 raw
             } else {
-                raw / table.unit as i64
+                (ids[index] / table.unit) as i64
             };
             let (name, num_blocks) = (table.label(side), table.num_blocks / table.unit);
             return Err(TableError::OutOfRange {

@@ -402,6 +402,19 @@ def test_an_engine_collected_after_a_timed_out_shutdown_keeps_its_registered_obj
         engine_module._ABANDONED.clear()
 
 
+def test_register_table_refuses_a_unit_past_its_blocks() -> None:
+    """A table counting more blocks to a caller's block (``unit``) than it holds is refused by
+    name, not registered to report "there are 0 blocks" on every transfer."""
+    mem = np.zeros(4096, np.uint8)
+    with blockswap.Engine("host") as eng:
+        eng.register(mem, kind="host")
+        base = [mem.ctypes.data]
+        too_many = "unit 32 is more than the table's 16 blocks"
+        with pytest.raises(blockswap.InvalidTransferError, match=too_many):
+            eng.register_table(base, [64], [64], 16, "host", "CPU", 32)
+        assert eng.register_table(base, [64], [64], 16, "host", "CPU", 16) >= 0
+
+
 def test_submit_groups_refuses_malformed_groups_by_name() -> None:
     """Engine.submit_groups: a group that is not a 5-tuple, a negative skip, float ids, and a
     wrong chunk count are typed errors naming the problem; nothing is issued."""

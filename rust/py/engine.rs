@@ -324,9 +324,9 @@ impl PyEngine {
     /// span, over all ``num_blocks`` blocks, against registered ``kind`` memory (``"host"`` or
     /// ``"device"``) once, here: one region, or adjacent ones (memory registered in pieces, see
     /// :mod:`blockswap.hostmem`) where no page crosses from one into the next. ``name`` names the
-    /// table's blocks in errors. ``unit``: table blocks per block the caller names (a CPU block
-    /// of ``unit`` GPU-sized sub-blocks), used where :meth:`submit_groups` names this side by
-    /// chunk ids, and in errors. Returns the table's id for :meth:`submit_blocks` and
+    /// table's blocks in errors. ``unit`` (at most ``num_blocks``): table blocks per block the
+    /// caller names (a CPU block of ``unit`` GPU-sized sub-blocks), used where
+    /// :meth:`submit_groups` names this side by chunk ids, and in errors. Returns the table's id for :meth:`submit_blocks` and
     /// :meth:`submit_groups`.
     #[pyo3(signature = (bases, strides, nbytes, num_blocks, kind, name = Given(None), unit = Given(None)),
         text_signature = "(self, bases, strides, nbytes, num_blocks, kind, name='', unit=1)")]
