@@ -555,6 +555,14 @@ def test_overlapping_blocks_are_rejected() -> None:
     interleaved_bad = buf.as_strided((2, N_GPU, 4, 8), (16, 64, 8, 1))  # K/V pages overlap
     with pytest.raises(LayoutError, match="overlap"):
         BlockTable.from_tensors([interleaved_bad], "kv_split")
+    # Segments counted before they are listed: a view expanded to 2**33 segments of one page
+    # is refused, not listed until the process runs out of memory; so are 2**25 real ones.
+    expanded = torch.zeros(1, 2, 16, dtype=torch.float16).expand(1 << 33, 2, 16)
+    with pytest.raises(LayoutError, match="has stride 0: its segments overlap"):
+        BlockTable.from_tensors([expanded], block_dim=1)
+    many = torch.zeros(1 << 25, dtype=torch.uint8).view(1 << 13, 1 << 12, 1, 1)
+    with pytest.raises(LayoutError, match="more than 16777216 segments"):
+        BlockTable.from_tensors([many], block_dim=2)
 
 
 def test_tensors_must_agree() -> None:

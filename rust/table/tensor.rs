@@ -34,6 +34,10 @@ fn check_layout_shape(layout: &str, shape: &[u64]) -> Result<(), String> {
     }
 }
 
+/// The most segments (the product of the dims before the block dim) a tensor may make: a model's
+/// layers times its heads stay far below it.
+pub const MAX_TENSOR_SEGMENTS: u64 = 1 << 24;
+
 /// The segments of a tensor of `shape` and `stride` (in elements of `item` bytes), its blocks
 /// along `block_dim` (negative: from the end), in `layout`'s shape where one is named. Refused,
 /// with the reason, where a page (the dims after the block dim) is not one dense run of bytes in
@@ -61,7 +65,12 @@ pub fn tensor_segments(
     }
     // In range: non-negative once wrapped, and below the number of dims.
     let bd = usize::try_from(block_dim.rem_euclid(nd)).expect("in range");
-    let page_elems: u64 = shape[bd + 1..].iter().product();
+    let page_elems = shape[bd + 1..]
+        .iter()
+        .try_fold(1u64, |n, &d| n.checked_mul(d))
+        .ok_or_else(|| {
+            format!("the page (dims after block dim {bd}) holds more than 2**64 elements")
+        })?;
     if page_elems == 0 {
         return Err(format!("the page (dims after block dim {bd}) is empty"));
     }
@@ -91,17 +100,43 @@ pub fn tensor_segments(
             "block stride {block_stride} B is smaller than the page ({nbytes} B), so blocks overlap"
         ));
     }
-    // The dims before the block dim enumerate segments, row-major.
-    let mut offsets = vec![0u64];
+    // The dims before the block dim enumerate segments, row-major: counted, and a dim whose
+    // segments share their bytes refused, before any is listed (a view expanded to 2**33 rows
+    // holds no memory for them).
+    let mut count = 1u64;
     for d in 0..bd {
         if shape[d] == 0 {
             return Err(format!("dim {d} (before the block dim) is empty"));
         }
+        if shape[d] > 1 && stride[d] == 0 {
+            return Err(format!(
+                "dim {d} (before the block dim) has stride 0: its segments overlap, sharing their bytes"
+            ));
+        }
+        count = count
+            .checked_mul(shape[d])
+            .filter(|&n| n <= MAX_TENSOR_SEGMENTS)
+            .ok_or_else(|| {
+                format!(
+                    "the dims before block dim {bd} make more than {MAX_TENSOR_SEGMENTS} segments"
+                )
+            })?;
+    }
+    let mut offsets = Vec::with_capacity(usize::try_from(count).expect("bounded"));
+    offsets.push(0u64);
+    for d in 0..bd {
         let step = stride[d].saturating_mul(item);
-        offsets = offsets
-            .iter()
-            .flat_map(|&o| (0..shape[d]).map(move |i| o + i * step))
-            .collect();
+        let mut next =
+            Vec::with_capacity(offsets.len() * usize::try_from(shape[d]).expect("bounded"));
+        for &o in &offsets {
+            for i in 0..shape[d] {
+                let at = i.checked_mul(step).and_then(|x| x.checked_add(o));
+                next.push(at.ok_or_else(|| {
+                    format!("the segments of the dims before block dim {bd} pass 2**64 bytes")
+                })?);
+            }
+        }
+        offsets = next;
     }
     let n = offsets.len();
     if n > 1
@@ -252,6 +287,13 @@ mod tests {
         assert!(why(None, &[4, 2, 8], &[32, 16, 1], 0).contains("not contiguous"));
         assert!(why(None, &[4, 16], &[8, 1], 0).contains("blocks overlap"));
         assert!(why(None, &[2, 4, 16], &[8, 32, 1], 1).contains("overlap each other"));
+        // Views expanded (stride 0) or as_strided into more segments than any model makes, and
+        // a page or offsets past 2**64, refused before a segment is listed.
+        assert!(why(None, &[1 << 33, 2, 16], &[0, 16, 1], 1).contains("has stride 0"));
+        assert!(why(None, &[1 << 30, 1 << 30, 2, 1], &[1, 1 << 30, 1, 1], 2)
+            .contains("more than 16777216 segments"));
+        assert!(why(None, &[2, 1 << 40, 1 << 40], &[1, 1, 1], 0).contains("more than 2**64"));
+        assert!(why(None, &[4, 2, 1], &[1 << 62, 1, 1], 1).contains("pass 2**64 bytes"));
         // A negative block dim counts from the end; padding between blocks is fine.
         let s = tensor_segments(None, &[4, 16], &[32, 1], 2, -2).unwrap();
         assert_eq!((s.block_stride, s.nbytes, s.block_dim), (64, 32, 0));
