@@ -114,7 +114,10 @@ fn slices(
     max_size: Option<u64>,
     total_bytes: Option<u64>,
 ) -> u64 {
-    let target_items = ITEMS_PER_CTA * ctas.max(1) * rows.max(1);
+    // Saturating: a CTA count past what a launch takes asks for the most items, not for none.
+    let target_items = ITEMS_PER_CTA
+        .saturating_mul(ctas.max(1))
+        .saturating_mul(rows.max(1));
     match max_size {
         // Sizes unknown: enough items for every program; surplus slices find no chunk.
         None if n >= target_items => 1,
@@ -391,6 +394,9 @@ mod tests {
             launch_plan(100, 16, 16384, Some(1 << 20), Some(1 << 20)),
             (16, 64, 1, 16384)
         );
+        // A CTA count past any launch's (the Python launchers bound theirs) plans, not divides
+        // by a product wrapped to zero.
+        assert_eq!(launch_plan(1, 1 << 62, 16, Some(8), None).1, 1);
         // The core's split for a loaded kernel is the launcher's for the same rows and bytes.
         let spec = KernelSpec {
             function: 0,

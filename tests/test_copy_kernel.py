@@ -314,6 +314,7 @@ def test_bad_input_raises_and_copies_nothing(mutate, exc, match):
     ("kwargs", "exc"),
     [
         ({"max_ctas": 0}, ValueError),
+        ({"max_ctas": 2**62}, ValueError),  # past a grid's limit: refused, not a core panic
         ({"max_ctas": 2.0}, TypeError),
         ({"num_warps": 3}, ValueError),
         ({"block_bytes": 8}, ValueError),

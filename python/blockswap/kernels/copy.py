@@ -355,7 +355,7 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def _check_launch_params(max_ctas: int, num_warps: int, block_bytes: int) -> None:
-    check_int("max_ctas", max_ctas, 1, numpy=False)
+    check_int("max_ctas", max_ctas, 1, 2**31 - 1, numpy=False)  # a launch's grid at most
     check_int("num_warps", num_warps, 1, numpy=False)
     if num_warps & (num_warps - 1) or num_warps > 32:
         raise ValueError(f"num_warps must be a power of two <= 32, got {num_warps}")
