@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import math
 from collections.abc import Callable
 from typing import Any
@@ -12,6 +13,7 @@ import torch
 
 from blockswap import ConfigError, InvalidTransferError
 from blockswap.handler import CpuGpuHandlers, _stream_handle
+from blockswap.hostmem import PinnedRows
 from blockswap.layout import LayoutError
 from kv_helpers import assert_storage, snapshot
 from reliability_helpers import (
@@ -247,9 +249,37 @@ def test_wrong_tensors_are_refused_and_a_running_handler_is_unaffected(
         h.shutdown()
 
 
-def test_construction_failing_after_the_engine_started_shuts_it_down() -> None:
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"cpu_caches": "gpu"}, "overlaps"),
+        # Refused by its calibration, the last step: the engine ran, and the CPU cache
+        # allocated here was pinned and registered.
+        ({"calibrate": True, "cpu_layout": "mirror", "max_descriptors": 1}, "at most 1 are"),
+    ],
+    ids=["given-cache-overlaps", "calibration"],
+)
+def test_construction_failing_after_the_engine_started_shuts_it_down(
+    options: dict[str, Any], match: str
+) -> None:
+    """Without waiting for a collection (the handlers hold reference cycles), a construction
+    refused after its engine started leaves no engine thread running and no CPU cache it
+    allocated pinned."""
     gpu = kv_cache()
+    if options.get("cpu_caches") == "gpu":
+        options = {**options, "cpu_caches": gpu}
     before = threads()
-    with pytest.raises(ConfigError, match="overlaps"):
-        CpuGpuHandlers(gpu, N_GPU, layout="kv_split", backend="host", cpu_caches=gpu)
-    assert not threads_settle(before), "the engine of the failed construction still runs"
+    gc.disable()
+    try:
+        kept = {id(o) for o in gc.get_objects() if isinstance(o, PinnedRows)}
+        with pytest.raises(ConfigError, match=match):
+            CpuGpuHandlers(gpu, N_GPU, layout="kv_split", backend="host", **options)
+        assert not threads_settle(before), "the engine of the failed construction still runs"
+        pinned = [
+            o.users
+            for o in gc.get_objects()
+            if isinstance(o, PinnedRows) and id(o) not in kept and o.users
+        ]
+        assert not pinned, f"the CPU cache of the failed construction is still pinned: {pinned}"
+    finally:
+        gc.enable()

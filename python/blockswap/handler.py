@@ -177,6 +177,30 @@ def _stream_handle(s: Any, device_index: int | None, what: str) -> int:
     return int(handle)
 
 
+def _host_pieces(pieces: Any) -> list[tuple[int, int]]:
+    """``host_pieces`` of :class:`CpuGpuHandlers` checked: a list or tuple of ``(address,
+    bytes)`` pairs of ints."""
+    if not isinstance(pieces, (list, tuple)):
+        raise ConfigTypeError(
+            "host_pieces must be a list or tuple of (address, bytes) pairs, not "
+            f"{type(pieces).__name__}"
+        )
+    out = []
+    for i, piece in enumerate(pieces):
+        if not isinstance(piece, (list, tuple)) or len(piece) != 2:
+            raise ConfigTypeError(
+                f"host_pieces[{i}] must be an (address, bytes) pair, not {piece!r:.60}"
+            )
+        a, n = piece
+        out.append(
+            (
+                check_int(f"host_pieces[{i}] address", a, 0),
+                check_int(f"host_pieces[{i}] bytes", n, 1),
+            )
+        )
+    return out
+
+
 # --------------------------------------------------------------------------------------------
 # Both directions of one device
 # --------------------------------------------------------------------------------------------
@@ -377,12 +401,9 @@ class CpuGpuHandlers:
         if host_pieces is None:
             host_spans = union_spans(cpu_tables)
         elif cpu_caches is None:
-            raise ValueError("host_pieces describes a given CPU cache: pass cpu_caches too")
+            raise ConfigError("host_pieces describes a given CPU cache: pass cpu_caches too")
         else:
-            host_spans = [
-                (check_int("host_pieces address", a, 0), check_int("host_pieces bytes", n, 1))
-                for a, n in host_pieces
-            ]
+            host_spans = _host_pieces(host_pieces)
 
         # Streams and the engine.
         self._streams: list[Any] = []
@@ -454,19 +475,20 @@ class CpuGpuHandlers:
             else:  # pragma: no cover - older torch
                 wait_stream = lambda: torch.cuda.current_stream(idx).cuda_stream  # noqa: E731
         tids = self._table_ids
-        #: The block plan of each direction, per KV-cache group (:meth:`blockswap.Engine.block_runs`:
-        #: one ``(first page, pages, page bytes, source pitch, destination pitch)`` per 2-D copy of
-        #: a block), None for a group whose geometry gives none.
-        self.block_plans: dict[str, list[list[tuple[int, int, int, int, int]] | None]] = {
-            "d2h": [self.engine.block_runs(gt, ct, "d2h") for gt, ct in tids],
-            "h2d": [self.engine.block_runs(ct, gt, "h2d") for gt, ct in tids],
-        }
         #: The compiled copy kernels the core launches (staged plan, kernel route), kept loaded
         #: while the engine may launch them; each loaded once, for the routes and calibration.
         self._kernels: list[dict[str, Any]] = []
         self._load = functools.cache(self._load_kernel)
         # Path selection, once, here: which plan, and which descriptors a copy kernel moves.
         try:
+            #: The block plan of each direction, per KV-cache group
+            #: (:meth:`blockswap.Engine.block_runs`: one ``(first page, pages, page bytes, source
+            #: pitch, destination pitch)`` per 2-D copy of a block), None for a group whose
+            #: geometry gives none.
+            self.block_plans: dict[str, list[list[tuple[int, int, int, int, int]] | None]] = {
+                "d2h": [self.engine.block_runs(gt, ct, "d2h") for gt, ct in tids],
+                "h2d": [self.engine.block_runs(ct, gt, "h2d") for gt, ct in tids],
+            }
             self.routes: dict[str, Route] = choose_routes(
                 self.engine,
                 tids,
@@ -506,7 +528,13 @@ class CpuGpuHandlers:
         self.memory_kept = False
         self.calibration: dict[str, dict[str, Any]] | None = None
         if calibrate:
-            self.calibration = self._calibrate(kernel_ctas)
+            try:
+                self.calibration = self._calibrate(kernel_ctas)
+            except BaseException:
+                # Refused (a plan the limits given cannot hold) or interrupted: the engine, its
+                # registrations and the CPU cache allocated here go with the construction.
+                self.shutdown()
+                raise
 
     # ---- construction helpers ------------------------------------------------------------------
 
@@ -631,7 +659,19 @@ class CpuGpuHandlers:
         """A refused construction's engine shut down, and what was registered with it undone
         (nothing is in flight): host memory the caller gave is free to unpin."""
         self.engine.shutdown()
-        self._unregister_all()
+        if not self._unregister_all():
+            self._unpin_host_memory()
+
+    def _unpin_host_memory(self) -> None:
+        """Lets the driver go of the CPU cache allocated here, where no registration of this
+        engine reaches it any more (unless another engine was given it too; then the last user
+        does)."""
+        for buf in self._host_memory:
+            try:
+                buf.unpin()
+            except BlockswapError as e:
+                log.info("CPU cache kept pinned: %s", e)
+        self._host_memory = []
 
     def _unregister_all(self) -> list[str]:
         """Undoes every registration with the engine, the last first (a region is refused while
@@ -674,13 +714,7 @@ class CpuGpuHandlers:
                 )
                 self.memory_kept = True
             else:
-                # Nothing of this engine reaches the CPU cache any more: the driver lets go of
-                # it now (unless another engine was given it too; then the last user does).
-                for buf in self._host_memory:
-                    try:
-                        buf.unpin()
-                    except BlockswapError as e:
-                        log.info("CPU cache kept pinned: %s", e)
+                self._unpin_host_memory()
             self._host_memory = []
             self.cpu_chunks = None
             self.gpu_tables = []
