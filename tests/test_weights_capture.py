@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from blockswap.weights import PrefetchOffloader
+from blockswap.weights import OffloaderStateError, PrefetchOffloader
 from weights_helpers import OFFLOAD, _replay_slots, make_stack, set_log
 
 
@@ -106,7 +106,7 @@ def test_hooks_outside_and_inside_capture_are_safe(x: torch.Tensor) -> None:
             assert off.trace is not None and off.trace[-1] == ("sync_prev", "capturing")
             model(x)
             off.join_after_forward()
-        with pytest.raises(RuntimeError, match="cannot run during"), off.emulate_capture():
+        with pytest.raises(OffloaderStateError, match="cannot run during"), off.emulate_capture():
             off.reset()
     finally:
         off.close()

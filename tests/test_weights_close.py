@@ -17,6 +17,7 @@ from blockswap.weights import (
     NoopOffloader,
     OffloadConfigError,
     OffloadDeviceError,
+    OffloaderStateError,
     PrefetchOffloader,
     WeightTransferError,
     ZeroCopyOffloader,
@@ -44,7 +45,7 @@ def test_close_restores(x: torch.Tensor) -> None:
     assert len(ptrs) == len(list(model.parameters()))  # every parameter owns its memory again
     with torch.no_grad():
         assert torch.equal(model(x), resident(x))
-    with pytest.raises(RuntimeError, match="closed"):
+    with pytest.raises(OffloaderStateError, match="closed"):
         off.sync_prev_onload()
 
     off = PrefetchOffloader(model.layers, group_size=3, num_in_group=2)

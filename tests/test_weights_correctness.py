@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from blockswap.weights import PrefetchOffloader, WeightTransferError
+from blockswap.weights import OffloaderStateError, PrefetchOffloader, WeightTransferError
 from weights_helpers import OFFLOAD, _replay_slots, make_stack, set_log
 
 
@@ -165,7 +165,7 @@ def test_out_of_order_forward_is_refused_then_reset(x: torch.Tensor) -> None:
             h = x
             for layer in list(model.layers)[:3]:  # a partial forward
                 h = layer(h)
-            with pytest.raises(RuntimeError, match="expected"):
+            with pytest.raises(OffloaderStateError, match="expected"):
                 model(x)
             off.reset()
             assert torch.equal(model(x), resident(x))

@@ -33,6 +33,7 @@ def _bad_configs() -> list[tuple[str, dict[str, Any], type[Exception], str]]:
         ("unmatched segment", {"params": ["w13_weight", "w4_weight"]}, OffloadConfigError, "\\['w4_weight'\\] match no parameter"),
         ("partial segment", {"params": ["w13"]}, OffloadConfigError, "\\['w13'\\] match no parameter"),
         ("empty segment", {"params": [""]}, OffloadConfigError, "non-empty strings"),
+        ("params=int", {"params": 5}, OffloadConfigError, "params must be a str or a list of parameter name segments, not int"),
         ("nothing selected", {"group_size": 8, "num_in_group": 1}, OffloadConfigError, "nothing to offload"),
         ("device cuda", {"device": "cuda"}, OffloadDeviceError, "no CUDA device|is on cpu"),
         ("device meta", {"device": "meta"}, OffloadDeviceError, "meta"),

@@ -140,7 +140,12 @@ try:
 except ModuleNotFoundError as e:
     _optional.missing(e, __name__)
 
-from .errors import OffloadConfigError, OffloadDeviceError, WeightTransferError
+from .errors import (
+    OffloadConfigError,
+    OffloadDeviceError,
+    OffloaderStateError,
+    WeightTransferError,
+)
 from .offloaders import (
     BaseOffloader,
     NoopOffloader,
@@ -161,6 +166,7 @@ __all__ = [
     "NoopOffloader",
     "OffloadConfigError",
     "OffloadDeviceError",
+    "OffloaderStateError",
     "PrefetchOffloader",
     "WeightTransferError",
     "ZeroCopyOffloader",

@@ -17,3 +17,10 @@ class OffloadDeviceError(OffloadConfigError):
 
 class WeightTransferError(BlockswapError):
     """An onload of a layer's weights failed; the layer's slot holds unknown data."""
+
+
+class OffloaderStateError(BlockswapError, RuntimeError):
+    """An offloader used where its state cannot serve the call: closed, its layers run out of
+    the order it prefetches them in, a layer run before it was loaded, ``reset()`` inside a CUDA
+    graph capture, a compiled layer without a tensor to order its weights by. Nothing was
+    onloaded for the call; a ``RuntimeError`` too."""

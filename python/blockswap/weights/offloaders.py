@@ -18,7 +18,12 @@ from .._core import BackendError, BlockswapError, InvalidTransferError, cuda_dev
 from .._types import BackendName
 from ..engine import Engine, _is_int
 from ..errors import refuses_with_config_errors
-from .errors import OffloadConfigError, OffloadDeviceError, WeightTransferError
+from .errors import (
+    OffloadConfigError,
+    OffloadDeviceError,
+    OffloaderStateError,
+    WeightTransferError,
+)
 from .ops import _IDS, _REGISTRY, _make_forward
 from .plan import (
     _MARK,
@@ -450,7 +455,7 @@ class PrefetchOffloader(_OffloaderCore):
         forward that did not run every layer, or a :class:`WeightTransferError`)."""
         self._check_open()
         if self._sync.capturing():
-            raise RuntimeError("reset() cannot run during a CUDA graph capture")
+            raise OffloaderStateError("reset() cannot run during a CUDA graph capture")
         self._sync.drain()
         with contextlib.suppress(WeightTransferError):
             self._reap()
@@ -466,7 +471,9 @@ class PrefetchOffloader(_OffloaderCore):
         compute stream, checking the capture rules (isolation, every fork joined)."""
         self._check_open()
         if not isinstance(self._sync, _HostSync):
-            raise RuntimeError("emulate_capture() is for the host test mode; capture a real graph")
+            raise OffloaderStateError(
+                "emulate_capture() is for the host test mode; capture a real graph"
+            )
         with self._sync.capture():
             yield
 
@@ -486,7 +493,7 @@ class PrefetchOffloader(_OffloaderCore):
 
     def _check_open(self) -> None:
         if self._closed:
-            raise RuntimeError("this offloader is closed")
+            raise OffloaderStateError("this offloader is closed")
 
     def _log(self, *entry: Any) -> None:
         if self.trace is not None:
@@ -515,7 +522,7 @@ class PrefetchOffloader(_OffloaderCore):
                 "reset() before the next forward"
             )
         if k != self._cursor:
-            raise RuntimeError(
+            raise OffloaderStateError(
                 f"offloaded layer {k} (layers[{self._plan.offloaded[k].index}]) runs, but "
                 f"offloaded layer {self._cursor} was expected: every forward must run all "
                 "offloaded layers in order (call reset() after a forward that did not)"
@@ -582,7 +589,7 @@ class PrefetchOffloader(_OffloaderCore):
         sync = self._sync
         st = self._states[k]
         if not st.issued:
-            raise RuntimeError(
+            raise OffloaderStateError(
                 f"offloaded layer {k} was never loaded: a forward must run every layer in order "
                 "(call reset() after one that did not)"
             )

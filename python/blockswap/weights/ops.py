@@ -7,6 +7,8 @@ from typing import Any, Protocol
 
 import torch
 
+from .errors import OffloaderStateError
+
 
 class _Wrapped(Protocol):
     """What the wrappers call on a registered offloader (a ``PrefetchOffloader``)."""
@@ -23,7 +25,7 @@ _IDS = itertools.count(1)
 def _lookup(oid: int) -> _Wrapped:
     off = _REGISTRY.get(oid)
     if off is None:
-        raise RuntimeError(f"blockswap weight offloader #{oid} is closed")
+        raise OffloaderStateError(f"blockswap weight offloader #{oid} is closed")
     return off
 
 
@@ -83,7 +85,7 @@ def _make_forward(orig: Any, oid: int, k: int) -> Any:
             if x is None:
                 x = _first_tensor(kwargs)
             if x is None:
-                raise RuntimeError(
+                raise OffloaderStateError(
                     "an offloaded layer compiled with torch.compile needs a tensor argument "
                     "(its input orders the weight wait)"
                 )
@@ -91,7 +93,7 @@ def _make_forward(orig: Any, oid: int, k: int) -> Any:
             out = orig(*args, **kwargs)
             y = _first_tensor(out)
             if y is None:
-                raise RuntimeError(
+                raise OffloaderStateError(
                     "an offloaded layer compiled with torch.compile must return a tensor (its "
                     "output orders the next prefetch)"
                 )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from .._checks import check_int
@@ -38,7 +39,15 @@ def matches_segment(name: str, segment: str) -> bool:
 def _segments(params: Any) -> list[str]:
     if params is None:
         return []
-    items = [params] if isinstance(params, str) else list(params)
+    if isinstance(params, str):
+        items = [params]
+    elif isinstance(params, Iterable) and not isinstance(params, bytes):
+        items = list(params)
+    else:
+        raise OffloadConfigError(
+            "params must be a str or a list of parameter name segments, not "
+            f"{type(params).__name__}"
+        )
     out = []
     for s in items:
         if not isinstance(s, str) or not s.strip("."):
