@@ -5,6 +5,7 @@ where there is no GPU."""
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from collections.abc import Sequence
@@ -444,7 +445,11 @@ def test_staging_rings_made_when_built_where_asked() -> None:
     layers = [torch.zeros((16, 1, 16384), dtype=torch.uint8, device="cuda") for _ in range(8)]
 
     def free() -> int:
+        # Memory another object lets go of between the two readings (an earlier test's engine
+        # collected, torch's cached blocks) would read as negative memory taken.
+        gc.collect()
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()
         return int(torch.cuda.mem_get_info()[0])
 
     def roundtrip(h: CpuGpuHandlers, job: int) -> None:
@@ -460,6 +465,7 @@ def test_staging_rings_made_when_built_where_asked() -> None:
 
     roundtrip(h := CpuGpuHandlers(layers, 8, layout="mla", prepare=()), 1)  # kernels loaded
     h.shutdown()
+    del h  # its memory goes before the first reading, not while the next handlers are built
     for prepare in ((), ("h2d",), ("d2h", "h2d")):
         before = free()
         h = CpuGpuHandlers(layers, 8, layout="mla", prepare=prepare)
@@ -470,6 +476,7 @@ def test_staging_rings_made_when_built_where_asked() -> None:
             roundtrip(h, 10)
         finally:
             h.shutdown()
+            del h
 
 
 @pytest.mark.cuda
