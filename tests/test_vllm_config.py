@@ -4,10 +4,12 @@ takes, before vLLM sizes the CPU cache and before blockswap allocates anything."
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 pytest.importorskip("vllm.v1.kv_offload.base", reason="vLLM is not installed")
@@ -103,6 +105,9 @@ BAD = [
     ({"cpu_bytes_to_use": None}, ConfigError, ["cpu_bytes_to_use", "must be set"]),
     ({"cpu_bytes_to_use": "64GiB"}, ConfigTypeError, ["cpu_bytes_to_use", "number of bytes"]),
     ({"cpu_bytes_to_use": 0}, ConfigError, ["cpu_bytes_to_use must be at least 1 byte"]),
+    # JSON's 1e400 reads as infinity: named, not int()'s OverflowError.
+    ({"cpu_bytes_to_use": math.inf}, ConfigError, ["cpu_bytes_to_use must be a finite number"]),
+    ({"cpu_bytes_to_use": math.nan}, ConfigError, ["cpu_bytes_to_use must be a finite number"]),
 ]
 
 
@@ -220,6 +225,8 @@ def test_a_cpu_bytes_to_use_string_of_digits_is_taken_as_vllm_takes_it() -> None
     by_int = OffloadingSpecFactory.create_spec(config_with(cpu_bytes_to_use=1 << 20))
     by_str = OffloadingSpecFactory.create_spec(config_with(cpu_bytes_to_use=str(1 << 20)))
     assert by_str.num_chunks == by_int.num_chunks > 0
+    by_np = OffloadingSpecFactory.create_spec(config_with(cpu_bytes_to_use=np.int64(1 << 20)))
+    assert by_np.num_chunks == by_int.num_chunks
 
 
 def test_a_host_buffer_that_cannot_be_mapped_says_gib_errno_and_available() -> None:

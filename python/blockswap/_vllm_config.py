@@ -14,9 +14,13 @@ cache. :func:`check_fits` then refuses a cache larger than the host's available 
 from __future__ import annotations
 
 import contextlib
+import math
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable, get_args
+
+import numpy as np
 
 from . import _core, _vllm_logging
 from ._checks import check_bool, check_choice, check_int, choice_text
@@ -124,8 +128,12 @@ def cpu_bytes_to_use(extra_config: Mapping[str, Any]) -> int:
         raise ConfigError(f"{key} (the CPU cache's size in bytes) must be set {_WHERE}")
     value = extra_config[key]
     number: int | float | None = None
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        number = value
+    if isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_)):
+        number = int(value)  # a numpy int too, as vLLM's int() takes it
+    elif isinstance(value, (float, np.floating)):
+        if not math.isfinite(value):
+            raise ConfigError(f"{key} must be a finite number of bytes {_WHERE}, not {value!r}")
+        number = float(value)
     elif isinstance(value, str):  # vLLM's int() takes a string of digits as well
         with contextlib.suppress(ValueError):
             number = int(value)
