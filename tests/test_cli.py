@@ -178,8 +178,14 @@ def test_info_on_a_cuda_machine(monkeypatch: pytest.MonkeyPatch) -> None:
     kernel = "Triton copy kernel (16 CTAs, at most 8 MiB per launch)"
     if importlib.util.find_spec("triton") is None:
         kernel = "DMA: triton is not installed"
+    # The handler's default CPU cache is block-major: its plans first, a mirror's after.
+    staged = "else the staged plan"
+    if importlib.util.find_spec("triton") is None:
+        staged = "else per-page DMA (triton is not installed"
     for d in ("GPU->CPU (d2h)", "CPU->GPU (h2d)"):
-        assert f"{d}: pages < 256 KiB: {kernel}\n" in text
+        assert f"{d}: block-major CPU cache (the default): the block plan" in text
+        assert f"pages lie at one pitch and are >= 64 KiB, {staged}" in text
+        assert f"mirrored CPU cache: pages < 256 KiB: {kernel}\n" in text
     assert text.count("larger pages: cuMemcpyBatchAsync (13.0 ABI)") == 2
 
 

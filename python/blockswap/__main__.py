@@ -26,7 +26,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from . import __version__
+from . import __version__, _core
 from .engine import Engine, info
 from .routing import HOST_ROUTE
 
@@ -58,10 +58,18 @@ def _routes(backend: str, copy_path: str | None) -> dict[str, str]:
         f"Triton copy kernel ({ctas} CTAs, at most {routing.KERNEL_LAUNCH_BYTES >> 20} MiB "
         "per launch)"
     )
+    staged = "the staged plan (rows through a device ring, pages placed in HBM by a kernel)"
     if importlib.util.find_spec("triton") is None:
         kernel = "DMA: triton is not installed (the copy kernel needs it)"
+        staged = "per-page DMA (triton is not installed: the staged plan's kernel needs it)"
+    blocks = (
+        "block-major CPU cache (the default): the block plan (a 2-D copy a block, no SM) where "
+        f"a block's GPU pages lie at one pitch and are >= {_core.BLOCK_MIN_PAGE >> 10} KiB, "
+        f"else {staged}"
+    )
     return {
-        d: f"pages < {routing.KERNEL_BELOW[d] >> 10} KiB: {kernel}; larger pages: {dma}"
+        d: f"{blocks}; mirrored CPU cache: pages < {routing.KERNEL_BELOW[d] >> 10} KiB: "
+        f"{kernel}; larger pages: {dma}"
         for d in ("d2h", "h2d")
     }
 
