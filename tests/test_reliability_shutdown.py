@@ -344,3 +344,35 @@ def test_engines_made_and_shut_down_repeatedly_leak_no_thread_or_memory() -> Non
     gc.collect()
     grown = rss_bytes() - r0
     assert grown < 8 * MiB, f"RSS grew {grown / MiB:.1f} MiB over 300 engines"
+
+
+def test_a_shutdown_past_its_timeout_reports_each_transfer_as_it_ended(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Copies still running when ``shutdown_timeout`` passes: the shutdown returns and warns,
+    and every accepted transfer is still reported exactly once: successful, with its bytes, if
+    its copies completed before its result was collected (the host backend's worker finishes
+    the memcpy it is in, which nothing can stop), else failed as still in flight."""
+    rng = np.random.default_rng(11)
+    eng = Engine("host", shutdown_timeout=0.001)
+    src = rng.integers(1, 256, 64 * MiB, dtype=np.uint8)
+    dst = np.zeros(64 * MiB, np.uint8)
+    eng.register(src, kind="host")
+    eng.register(dst, kind="device")
+    size = 16 * MiB
+    for job in range(4):
+        at = np.array([job * size], np.int64)
+        eng.submit(job, src.ctypes.data + at, dst.ctypes.data + at, np.array([size]), "h2d")
+    with caplog.at_level(logging.WARNING, logger="blockswap"):
+        eng.shutdown()
+    results = eng.get_finished()
+    assert sorted(r.job_id for r in results) == [0, 1, 2, 3]
+    for r in results:
+        part = slice(r.job_id * size, (r.job_id + 1) * size)
+        if r.success:
+            assert np.array_equal(dst[part], src[part]), r.job_id
+        else:
+            assert "still in flight when the engine shut down" in str(r.error), r
+    if eng.stats()["shutdown_timed_out"]:
+        assert any("may be reported failed" in m for m in caplog.messages), caplog.messages
+    assert eng.get_finished() == []

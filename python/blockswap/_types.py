@@ -76,7 +76,8 @@ class EngineStats(TypedDict):
     """What :meth:`Engine.stats` returns: counters per direction, transfers in flight, host time
     in submissions (``submit_ns``), in validation (``prepare_ns``) and in driver copy calls
     (``driver_ns``), the descriptor pool, and whether a shutdown gave up on transfers still in
-    flight (``shutdown_timed_out``: they are reported failed)."""
+    flight (``shutdown_timed_out``: those not completed when their results are collected are
+    reported failed)."""
 
     h2d: LaneStats
     d2h: LaneStats

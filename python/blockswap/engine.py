@@ -127,15 +127,17 @@ class Engine(_core.Engine):
     def shutdown(self) -> None:
         """Waits for transfers in flight and stops the backend. Results stay available.
 
-        Transfers still in flight after the engine's ``shutdown_timeout`` are reported failed,
-        and a warning is logged."""
+        Where transfers are still in flight when the engine's ``shutdown_timeout`` passes, a
+        warning is logged and each is reported as it ended: successful if its copies completed
+        before its result was collected, else failed (on CUDA the streams may still run them;
+        the host backend's worker finishes the memcpy it is in, which nothing can stop)."""
         first = not self.is_shut_down
         super().shutdown()
         if first and self.stats().get("shutdown_timed_out"):
             log.warning(
-                "engine shutdown timed out with transfers in flight: they are reported failed, "
-                "and their memory may still be copied to or from (raise shutdown_timeout, or "
-                "wait for the transfers before shutting down)"
+                "engine shutdown timed out with transfers in flight: they may be reported "
+                "failed, and their memory may still be copied to or from (raise "
+                "shutdown_timeout, or wait for the transfers before shutting down)"
             )
 
     def register(self, obj: Any, nbytes: int | None = None, kind: MemoryKind | None = None) -> int:
