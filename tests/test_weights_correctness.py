@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from blockswap import PoolExhaustedError
 from blockswap.weights import OffloaderStateError, PrefetchOffloader, WeightTransferError
 from weights_helpers import OFFLOAD, _replay_slots, make_stack, set_log
 
@@ -184,6 +185,34 @@ def test_transfer_failure_is_reported(x: torch.Tensor) -> None:
             with pytest.raises(WeightTransferError, match="failed"):
                 for _ in range(2):
                     model(x)
+            off.reset()
+            assert torch.equal(model(x), resident(x))
+            assert torch.equal(model(x), resident(x))
+    finally:
+        off.close()
+
+
+def test_an_onload_the_engine_refuses_stops_the_next_forward_until_reset(
+    x: torch.Tensor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prefetch the engine refuses (here a full pool) leaves its slot holding the layer it
+    held: the next forward is refused until ``reset()``, not run on those weights."""
+    model = make_stack(6)
+    resident = copy.deepcopy(model)
+    off = PrefetchOffloader(model.layers, group_size=2, num_in_group=1, params=OFFLOAD)
+    try:
+        with torch.no_grad():
+            assert torch.equal(model(x), resident(x))
+
+            def refuse(*args: object, **kwargs: object) -> None:
+                raise PoolExhaustedError("no slab free (injected)")
+
+            monkeypatch.setattr(off.engine, "submit", refuse)
+            with pytest.raises(PoolExhaustedError, match="injected"):
+                model(x)
+            monkeypatch.undo()
+            with pytest.raises(WeightTransferError, match="call reset"):
+                model(x)
             off.reset()
             assert torch.equal(model(x), resident(x))
             assert torch.equal(model(x), resident(x))

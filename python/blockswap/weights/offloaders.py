@@ -568,7 +568,13 @@ class PrefetchOffloader(_OffloaderCore):
             self._reap()
             job = next(self._jobs)
             src, dst, sizes = self._descs[j]
-            self.engine.submit(job, src, dst, sizes, "h2d")
+            try:
+                self.engine.submit(job, src, dst, sizes, "h2d")
+            except BaseException:
+                # The slot keeps the layer it held, and layer j's state its last onload: the next
+                # forward must not run j on it as if its copy had been issued.
+                self._failed = True
+                raise
             self._job_layer[job] = j
             sync.note_job(job)
             self.submissions += 1
