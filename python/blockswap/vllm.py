@@ -67,6 +67,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from . import _optional, _vllm_config
+from . import _vllm_parts as _parts
 from . import _vllm_region as _region
 from ._checks import check_int
 from ._core import InvalidTransferError, PoolExhaustedError
@@ -327,6 +328,8 @@ class BlockswapOffloadingWorker(OffloadingWorker):
         #: Results for the next poll: empty jobs with nothing before them in their lane, and
         #: those a submission collected to make room (see :meth:`_make_room`).
         self._ready: list[VllmTransferResult] = []
+        #: Jobs too large for one transfer, issued in parts (see :mod:`._vllm_parts`).
+        self._split = _parts.Split()
         # Until the constructor returns, a shared region stays the caller's (as with vLLM's
         # worker): a failure here releases only what the worker made.
         try:
@@ -601,17 +604,24 @@ class BlockswapOffloadingWorker(OffloadingWorker):
         then the empty jobs submitted right after it in its lane."""
         # A failed job is logged once, by the handler that reports it.
         for r in handlers.get_finished():
-            size = self._sizes.pop(r.job_id, r.bytes)
-            self._ready.append(VllmTransferResult(r.job_id, r.success, size, r.seconds))
-            lane = self._lane_of.pop(r.job_id, None)
-            if lane is None:
-                continue
-            jobs = self._lanes[lane]
-            for k, entry in enumerate(jobs):
-                if entry[0] == r.job_id:
-                    del jobs[k]
-                    self._ready.extend(VllmTransferResult(e, True, 0, 0.0) for e in entry[1:])
-                    break
+            done = self._split.reported(r.job_id, r.success, r.bytes, r.seconds)
+            if done is not None:
+                self._finish(*done)
+
+    def _finish(self, job_id: int, ok: bool, size: int, seconds: float) -> None:
+        """Job ``job_id``'s result added to :attr:`_ready`, then the empty jobs submitted right
+        after it in its lane."""
+        size = self._sizes.pop(job_id, size)
+        self._ready.append(VllmTransferResult(job_id, ok, size, seconds))
+        lane = self._lane_of.pop(job_id, None)
+        if lane is None:
+            return
+        jobs = self._lanes[lane]
+        for k, entry in enumerate(jobs):
+            if entry[0] == job_id:
+                del jobs[k]
+                self._ready.extend(VllmTransferResult(e, True, 0, 0.0) for e in entry[1:])
+                break
 
     def _make_room(self, lane: str) -> bool:
         """Room for one more transfer in ``lane``'s direction, whose engine refused one for want
@@ -629,10 +639,12 @@ class BlockswapOffloadingWorker(OffloadingWorker):
         if len(self._ready) > before:
             return True
         waiting = [self._lanes[lane]] + [self._lanes[other] for other in lanes if other != lane]
-        oldest = next((jobs[0][0] for jobs in waiting if jobs), None)
+        oldest = next(
+            (ids for jobs in waiting if jobs and (ids := self._split.in_flight([jobs[0][0]]))), None
+        )
         if oldest is None:
             return False  # nothing in flight to wait for: the transfer cannot fit
-        handlers.wait([oldest])
+        handlers.wait(oldest)
         self._collect(handlers)
         return True
 
@@ -646,9 +658,9 @@ class BlockswapOffloadingWorker(OffloadingWorker):
         main = [j for j, lane in lanes if lane == "store" or lane == "load"]
         expedited = [j for j, lane in lanes if lane == "expedited"]
         if main:
-            self._main.wait(main)
+            self._main.wait(self._split.in_flight(main))
         if expedited:
-            self._expedited.wait(expedited)
+            self._expedited.wait(self._split.in_flight(expedited))
 
     def shutdown(self) -> None:
         """Drains both engines (every accepted transfer runs), then frees the CPU cache: a private
@@ -698,23 +710,71 @@ class BlockswapOffloadingWorker(OffloadingWorker):
         gpu_spec: GPULoadStoreSpec,
     ) -> bool:
         try:
-            while True:
-                try:
-                    size = self._issue_spec(handler, lane, job_id, src, dst, gpu_spec)
-                    break
-                except PoolExhaustedError:
-                    if not self._make_room(lane):
-                        raise
+            size = self._issue_fitting(handler, lane, job_id, src, dst, gpu_spec)
         except Exception as e:
+            store = gpu_spec is src
+            parts = _parts.too_large(e) and _parts.halves(
+                gpu_spec, dst if store else src, self.blocks_per_chunk
+            )
+            if parts:
+                return self._submit_parts(handler, lane, job_id, store, list(parts))
             # A spec vLLM would not send (vLLM asserts that every submission succeeds: its own
             # worker refuses none); an exception would kill vLLM's worker, False names the job.
             log.warning("offloading job %d refused: %s", job_id, e)
             return False
         if size is None:
-            return True  # nothing to move: reported after the jobs before it
+            self._empty(lane, job_id)
+            return True
         self._lanes[lane].append([job_id])
         self._lane_of[job_id] = lane
         self._sizes[job_id] = size
+        return True
+
+    def _empty(self, lane: str, job_id: int) -> None:
+        """A job with nothing to move: reported right after the jobs before it in its lane."""
+        jobs = self._lanes[lane]
+        if jobs:
+            jobs[-1].append(job_id)
+        else:
+            self._ready.append(VllmTransferResult(job_id, True, 0, 0.0))
+
+    def _issue_fitting(self, handler: Any, lane: str, *args: Any) -> int | None:
+        """:meth:`_issue_spec`, after room was made in the engine where it had none."""
+        while True:
+            try:
+                return self._issue_spec(handler, lane, *args)
+            except PoolExhaustedError:
+                if not self._make_room(lane):
+                    raise
+
+    def _submit_parts(
+        self, handler: Any, lane: str, job_id: int, store: bool, todo: list[_parts.Part]
+    ) -> bool:
+        """A job too large for one transfer issued in parts (see :mod:`._vllm_parts`): reported
+        once, when its last part is."""
+        self._lanes[lane].append([job_id])
+        self._lane_of[job_id] = lane
+
+        def issue(part: int, piece: _parts.Part) -> int | None:
+            spec, cpu = piece
+            sides = (spec, cpu) if store else (cpu, spec)
+            return self._issue_fitting(handler, lane, part, *sides, spec)
+
+        job, refused = self._split.issue(job_id, todo, issue, self.blocks_per_chunk)
+        if refused is not None:
+            log.warning(
+                "offloading job %d refused after %d parts: %s", job_id, len(job.parts), refused
+            )
+        self._sizes[job_id] = job.size
+        done = self._split.issued(job_id, refused is None)
+        if not job.parts:
+            self._lanes[lane].pop()
+            del self._lane_of[job_id], self._sizes[job_id]
+            if refused is not None:
+                return False
+            self._empty(lane, job_id)  # parts this rank writes nothing of
+        if done is not None:
+            self._finish(*done)
         return True
 
     def _issue_spec(
@@ -798,11 +858,6 @@ class BlockswapOffloadingWorker(OffloadingWorker):
             gpu_ids, cpu_ids, starts, size = self._map.split(gpu_spec, cpu_spec, lane == "store")
             n = sum(g.shape[0] for g in gpu_ids)
         if not n:
-            jobs = self._lanes[lane]
-            if jobs:
-                jobs[-1].append(job_id)
-            else:
-                self._ready.append(VllmTransferResult(job_id, True, 0, 0.0))
             return None
         if self._map.plain is not None:
             handler._issue(job_id, groups)
