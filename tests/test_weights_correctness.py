@@ -174,45 +174,35 @@ def test_out_of_order_forward_is_refused_then_reset(x: torch.Tensor) -> None:
         off.close()
 
 
-def test_transfer_failure_is_reported(x: torch.Tensor) -> None:
-    model = make_stack(6)
-    resident = copy.deepcopy(model)
-    off = PrefetchOffloader(model.layers, group_size=2, num_in_group=1, params=OFFLOAD)
-    try:
-        with torch.no_grad():
-            assert torch.equal(model(x), resident(x))
-            off.engine.inject_failures(1)
-            with pytest.raises(WeightTransferError, match="failed"):
-                for _ in range(2):
-                    model(x)
-            off.reset()
-            assert torch.equal(model(x), resident(x))
-            assert torch.equal(model(x), resident(x))
-    finally:
-        off.close()
-
-
-def test_an_onload_the_engine_refuses_stops_the_next_forward_until_reset(
-    x: torch.Tensor, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("how", ["failed", "refused"])
+def test_a_failed_or_refused_onload_stops_forwards_until_reset(
+    x: torch.Tensor, monkeypatch: pytest.MonkeyPatch, how: str
 ) -> None:
-    """A prefetch the engine refuses (here a full pool) leaves its slot holding the layer it
-    held: the next forward is refused until ``reset()``, not run on those weights."""
+    """An onload that failed is raised, and forwards are refused until ``reset()``. One the
+    engine refused (here a full pool) leaves its slot holding the layer it held: the next forward
+    is refused too, not run on those weights. After ``reset()`` forwards are exact again."""
     model = make_stack(6)
     resident = copy.deepcopy(model)
     off = PrefetchOffloader(model.layers, group_size=2, num_in_group=1, params=OFFLOAD)
     try:
         with torch.no_grad():
             assert torch.equal(model(x), resident(x))
+            if how == "failed":
+                off.engine.inject_failures(1)
+                with pytest.raises(WeightTransferError, match="failed"):
+                    for _ in range(2):
+                        model(x)
+            else:
 
-            def refuse(*args: object, **kwargs: object) -> None:
-                raise PoolExhaustedError("no slab free (injected)")
+                def refuse(*args: object, **kwargs: object) -> None:
+                    raise PoolExhaustedError("no slab free (injected)")
 
-            monkeypatch.setattr(off.engine, "submit", refuse)
-            with pytest.raises(PoolExhaustedError, match="injected"):
-                model(x)
-            monkeypatch.undo()
-            with pytest.raises(WeightTransferError, match="call reset"):
-                model(x)
+                monkeypatch.setattr(off.engine, "submit", refuse)
+                with pytest.raises(PoolExhaustedError, match="injected"):
+                    model(x)
+                monkeypatch.undo()
+                with pytest.raises(WeightTransferError, match="call reset"):
+                    model(x)
             off.reset()
             assert torch.equal(model(x), resident(x))
             assert torch.equal(model(x), resident(x))
