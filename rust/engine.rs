@@ -87,8 +87,9 @@ struct LaneCounters {
 #[derive(Debug)]
 struct SubmitState {
     regions: RegionTable,
-    /// Host buffers allocated through the engine, by address.
-    buffers: HashMap<u64, HostAlloc>,
+    /// Host buffers allocated through the engine, by address, with their id in the process-wide
+    /// table of host buffers (`hostmem::track`).
+    buffers: HashMap<u64, (HostAlloc, u64)>,
     /// Host ranges page-locked through the engine, by address.
     pinned: std::collections::HashSet<u64>,
     /// Host registrations cut into several regions at the pieces of host buffers, or lying in
@@ -732,7 +733,8 @@ impl Drop for Engine {
                 let _ = unsafe { self.backend.unpin_host(start) };
             }
         }
-        for (_, alloc) in buffers {
+        for (_, (alloc, id)) in buffers {
+            let _ = hostmem::untrack(id, true);
             if all_done {
                 // SAFETY: nothing is in flight and the engine is going away: no copy can touch it.
                 unsafe { self.backend.free_host(alloc) };

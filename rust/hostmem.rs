@@ -23,7 +23,7 @@
 
 use std::fmt;
 use std::ptr::{self, NonNull};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicPtr, AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 use crate::backend::BackendError;
@@ -143,30 +143,34 @@ pub fn plan_pieces(
 }
 
 /// How far [`HostBuffer::with_progress`] got, for another thread to report: of `total` bytes,
-/// how many are faulted in and how many page-locked (each counts up to `total`).
+/// how many are faulted in (up to `total`), and of the `to_lock` bytes to page-lock (0 where
+/// nothing is), how many are.
 #[derive(Debug, Default)]
 pub struct AllocProgress {
     total: AtomicU64,
     faulted: AtomicU64,
     locked: AtomicU64,
+    to_lock: AtomicU64,
 }
 
 impl AllocProgress {
-    /// Sets the bytes there are to do, and those already faulted in.
-    pub fn start(&self, total: u64, faulted: u64) {
+    /// Sets the bytes there are to fault in and to page-lock, and those already faulted in.
+    pub fn start(&self, total: u64, faulted: u64, to_lock: u64) {
         // Relaxed: a progress report only.
         self.total.store(total, Ordering::Relaxed);
         self.faulted.store(faulted, Ordering::Relaxed);
+        self.to_lock.store(to_lock, Ordering::Relaxed);
     }
 
-    /// `(total, faulted, locked)` bytes now.
+    /// `(total, faulted, locked, to_lock)` bytes now.
     #[must_use]
-    pub fn get(&self) -> (u64, u64, u64) {
-        // Relaxed: three counters read for a report; they need not agree with each other.
+    pub fn get(&self) -> (u64, u64, u64, u64) {
+        // Relaxed: counters read for a report; they need not agree with each other.
         (
             self.total.load(Ordering::Relaxed),
             self.faulted.load(Ordering::Relaxed),
             self.locked.load(Ordering::Relaxed),
+            self.to_lock.load(Ordering::Relaxed),
         )
     }
 }
@@ -326,14 +330,57 @@ struct Live {
     orphan: Option<Mapping>,
 }
 
-static LIVE: Mutex<Vec<Live>> = Mutex::new(Vec::new());
+/// The table of one process image: a forked child makes its own (see [`live`]).
+struct Table {
+    generation: u64,
+    live: Mutex<Vec<Live>>,
+}
+
+static TABLE: AtomicPtr<Table> = AtomicPtr::new(ptr::null_mut());
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
 fn live() -> MutexGuard<'static, Vec<Live>> {
     // Every mutation is a single push, remove or field update: a poisoned lock holds consistent
     // data.
-    LIVE.lock()
+    table()
+        .live
+        .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// This process image's table. A child forked while a thread of the parent held the parent's
+/// table would wait for that lock forever, and the parent's buffers are not the child's (their
+/// operations refuse in it): the child starts a table of its own on first use, and the parent's
+/// is left as it is.
+fn table() -> &'static Table {
+    // Forks are counted from the first use of the table on, an engine made or not.
+    crate::fork::install_fork_hook();
+    let generation = crate::fork::fork_generation();
+    let mut current = TABLE.load(Ordering::Acquire);
+    loop {
+        // SAFETY: a table is published once, whole, and never freed: a non-null pointer read
+        // here stays valid for the life of the process.
+        if let Some(t) = unsafe { current.as_ref() } {
+            if t.generation == generation {
+                return t;
+            }
+        }
+        let fresh = Box::into_raw(Box::new(Table {
+            generation,
+            live: Mutex::new(Vec::new()),
+        }));
+        match TABLE.compare_exchange(current, fresh, Ordering::AcqRel, Ordering::Acquire) {
+            // The table replaced (an earlier image's) is leaked: a thread that no longer exists
+            // may hold its lock.
+            // SAFETY: just published, never freed (above).
+            Ok(_) => return unsafe { &*fresh },
+            Err(other) => {
+                // SAFETY: never published: this thread owns it alone.
+                drop(unsafe { Box::from_raw(fresh) });
+                current = other;
+            }
+        }
+    }
 }
 
 /// `[start, start + len)` cut where a piece of a pinned buffer begins or ends inside it, as
@@ -368,6 +415,43 @@ pub(crate) fn acquire(start: u64, len: u64) -> (Vec<(u64, u64, bool)>, Vec<u64>)
     }
     parts.push((at, end - at, seam));
     (parts, ids)
+}
+
+/// Holds the table's lock for `d` (tests: a thread forking meanwhile).
+pub fn hold_table(d: std::time::Duration) {
+    let _table = live();
+    std::thread::sleep(d);
+}
+
+/// Records `[start, start + len)`, a buffer an engine allocated itself
+/// ([`crate::engine::Engine::alloc_host`]), in the process-wide table: registrations of other
+/// engines in it then count as its users ([`acquire`]), and its owner does not free it under
+/// them ([`untrack`]). Returns its id.
+pub(crate) fn track(start: u64, len: u64) -> u64 {
+    let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
+    live().push(Live {
+        id,
+        start,
+        end: start + len,
+        cuts: Vec::new(),
+        users: 0,
+        orphan: None,
+    });
+    id
+}
+
+/// Forgets buffer `id` ([`track`]) where no engine holds a registration in it, or anyway with
+/// `force` (its owner is going away, and raw registrations vouch for their memory); else the
+/// number of those registrations.
+pub(crate) fn untrack(id: u64, force: bool) -> Result<(), usize> {
+    let mut table = live();
+    if let Some(i) = table.iter().position(|b| b.id == id) {
+        if table[i].users > 0 && !force {
+            return Err(table[i].users);
+        }
+        table.remove(i);
+    }
+    Ok(())
 }
 
 /// Undoes one [`acquire`] of each buffer in `ids`. The last user of a buffer whose owner is gone
@@ -467,7 +551,8 @@ impl HostBuffer {
             }
         }
         if let Some(progress) = progress {
-            progress.start(len as u64, 0);
+            let to_lock = if pinner.is_some() { len as u64 } else { 0 };
+            progress.start(len as u64, 0, to_lock);
         }
         let mut mapping = Mapping {
             ptr,
@@ -603,7 +688,12 @@ impl HostBuffer {
 
 impl Drop for HostBuffer {
     fn drop(&mut self) {
-        let Some(mapping) = self.mapping().take() else {
+        // Not `lock`: a child forked while a thread of the parent held it would wait forever.
+        let mapping = self
+            .mapping
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let Some(mapping) = mapping.take() else {
             return;
         };
         if crate::fork::fork_generation() != self.generation {

@@ -225,6 +225,15 @@ fn in_launcher(engine: PyRef<'_, PyEngine>) -> bool {
     launching(&engine.engine)
 }
 
+/// Holds the process-wide table of host buffers' lock for `seconds`, the GIL released, as a
+/// registration walking many pieces holds it: for tests of what another thread (a fork) does
+/// meanwhile.
+#[pyfunction]
+fn hold_host_buffer_table(py: Python<'_>, seconds: f64) {
+    let d = std::time::Duration::from_secs_f64(seconds.clamp(0.0, 60.0));
+    py.detach(|| crate::hostmem::hold_table(d));
+}
+
 /// Refuses `what` on `engine` from inside one of its own kernel launchers (see [`LAUNCHING`]),
 /// which would deadlock the process.
 fn not_launching(engine: &Engine, what: &str) -> PyResult<()> {
@@ -258,6 +267,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     )?;
     m.add_function(wrap_pyfunction!(functions::host_memory_available, m)?)?;
     m.add_function(wrap_pyfunction!(in_launcher, m)?)?;
+    m.add_function(wrap_pyfunction!(hold_host_buffer_table, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_status, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_memory_kind, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_device_pointer, m)?)?;

@@ -80,6 +80,8 @@ pub enum RegionError {
     /// The region is a piece of a registration made at another address (a host buffer registered
     /// in pieces): that registration is removed as a whole.
     PartOf { start: u64, registration: u64 },
+    /// Other engines hold registrations in the host buffer at `start`: it cannot be freed.
+    UsedElsewhere { start: u64, users: usize },
 }
 
 impl fmt::Display for RegionError {
@@ -106,6 +108,11 @@ impl fmt::Display for RegionError {
             RegionError::UsedByTable { start, table } => write!(
                 f,
                 "block table {table} lies in the region at {start:#x}: unregister the table first"
+            ),
+            RegionError::UsedElsewhere { start, users } => write!(
+                f,
+                "the host buffer at {start:#x} is registered with {users} other engine(s): \
+                 unregister it there first"
             ),
             RegionError::PartOf {
                 start,

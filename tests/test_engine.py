@@ -311,6 +311,29 @@ def test_alloc_host_buffers(engine, rng):
         engine.free_host(a)
 
 
+def test_an_alloc_host_buffer_is_not_freed_under_another_engines_registration() -> None:
+    """Engine B registers an array engine A allocated: A's ``free_host`` (and ``unregister``) is
+    refused while B holds it (B's copies would write freed memory, which the allocator hands
+    out again), and goes through once B let go."""
+    with blockswap.Engine("host") as a, blockswap.Engine("host") as b:
+        buf = a.alloc_host(64 * 1024)
+        buf[:] = 0
+        b.register(buf)
+        src = np.full(4096, 7, np.uint8)
+        b.register(src, kind="device")
+        for free in (a.free_host, a.unregister):
+            with pytest.raises(InvalidTransferError, match="registered with 1 other engine"):
+                free(buf)
+        b.submit(1, [src.ctypes.data], [buf.ctypes.data], [4096], "d2h")
+        b.wait([1])
+        assert [r.success for r in b.get_finished()] == [True]
+        assert (buf[:4096] == 7).all() and not buf[4096:].any()
+        b.unregister(buf)
+        a.free_host(buf)
+        with pytest.raises(InvalidTransferError):
+            a.free_host(buf)
+
+
 def test_threads_submit_and_poll_one_engine(engine, rng):
     src, dst = registered_pair(engine, 8 * MiB, rng)
     s, d = src.ctypes.data, dst.ctypes.data

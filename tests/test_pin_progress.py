@@ -26,10 +26,10 @@ class Ramp:
     def __init__(self) -> None:
         self.t0 = time.perf_counter()
 
-    def get(self) -> tuple[int, int, int]:
+    def get(self) -> tuple[int, int, int, int]:
         total = 64 << 30
         done = int((time.perf_counter() - self.t0) * 1000 * (8 << 30))  # fast-forward: 1 ms = 1 s
-        return total, min(done, total), max(0, min(done - total, total))
+        return total, min(done, total), max(0, min(done - total, total)), total
 
 
 def test_a_line_every_interval_with_the_share_the_bytes_and_the_rate(
@@ -61,9 +61,9 @@ def test_a_quick_allocation_logs_no_progress(caplog: pytest.LogCaptureFixture) -
 
 def test_the_core_counts_the_total_and_nothing_to_pin_on_the_host_backend() -> None:
     counts = _core.AllocProgress()
-    assert counts.get() == (0, 0, 0)
+    assert counts.get() == (0, 0, 0, 0)
     _core.HostBuffer(4, 4096, backend="host", progress=counts)
-    assert counts.get() == (4 * 4096, 0, 0)
+    assert counts.get() == (4 * 4096, 0, 0, 0)
 
 
 @pytest.mark.cuda

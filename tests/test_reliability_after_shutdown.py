@@ -159,3 +159,41 @@ def test_calls_from_a_forked_child() -> None:
     # the parent: the transfer before the fork and the one after it, once each, every byte
     assert out["parent"] == [[1, True], [2, True]]
     assert out["parent_bytes"]
+
+
+FORK_UNDER_THE_HOST_BUFFER_TABLE = r"""
+import json, os, signal, threading, time
+import blockswap
+from blockswap import _core
+from blockswap.hostmem import PinnedRows
+
+statuses = []
+for _ in range(3):
+    # Another thread holds the process-wide table of host buffers while this one forks, as an
+    # engine registering in a buffer of many pieces holds it.
+    t = threading.Thread(target=_core.hold_host_buffer_table, args=(0.5,))
+    t.start()
+    time.sleep(0.1)
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(20)  # a child that hangs dies of SIGALRM
+        q = PinnedRows(2, 4096, backend="host", log_line=False)
+        e = blockswap.Engine("host")
+        e.register(q.array)
+        e.unregister(q.array)
+        e.shutdown()
+        q.unpin()
+        os._exit(0)
+    statuses.append(os.waitpid(pid, 0)[1])
+    t.join()
+print(json.dumps({"statuses": statuses}))
+"""
+
+
+def test_a_child_forked_while_the_host_buffer_table_is_held_does_not_hang() -> None:
+    """A fork while another thread holds the process-wide table of host buffers (an engine
+    registering in a pinned buffer of many pieces): the child makes its own table, and its own
+    buffers and engines work; before, it waited for the parent's lock forever (here: killed by
+    its alarm after 20 s)."""
+    out = run_isolated(FORK_UNDER_THE_HOST_BUFFER_TABLE)
+    assert out["statuses"] == [0] * 3, out

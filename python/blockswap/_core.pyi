@@ -58,6 +58,7 @@ __all__ = [
     "cuda_status",
     "cuda_unpin",
     "fill_and_pin",
+    "hold_host_buffer_table",
     "host_memory_available",
     "in_launcher",
     "launch_plan",
@@ -281,7 +282,7 @@ class Engine:
 @final
 class AllocProgress:
     def __new__(cls) -> AllocProgress: ...
-    def get(self) -> tuple[int, int, int]: ...
+    def get(self) -> tuple[int, int, int, int]: ...
 
 @final
 class HostBuffer:
@@ -316,6 +317,7 @@ BLOCK_MAX_COPIES: int
 BLOCK_MIN_PAGE: int
 
 def in_launcher(engine: Engine) -> bool: ...
+def hold_host_buffer_table(seconds: float) -> None: ...
 def cuda_status() -> tuple[bool, str]: ...
 def check_int(
     name: str,

@@ -54,15 +54,17 @@ PROGRESS_SECONDS = 10.0
 
 
 class _Counts(Protocol):
-    def get(self) -> tuple[int, int, int]: ...
+    def get(self) -> tuple[int, int, int, int]: ...
 
 
 class PinProgress:
     """Logs, every ``interval`` seconds until :meth:`stop`, how far pinning a buffer got: the
     share done, the bytes faulted in and page-locked of the total, and the rate (the buffer's
     bytes times the share done, per second since ``start``). ``counts.get()`` gives ``(total,
-    faulted, locked)`` bytes (:class:`blockswap._core.AllocProgress`, which the core counts up
-    while the constructor runs with the GIL released)."""
+    faulted, locked, to_lock)`` bytes (:class:`blockswap._core.AllocProgress`, which the core
+    counts up while the constructor runs with the GIL released); where nothing is to be
+    page-locked (``to_lock`` 0: the host backend, a region vLLM locked itself) the line says
+    so, and the share is of the faulting in alone."""
 
     def __init__(self, counts: _Counts, interval: float | None = None) -> None:
         self.counts = counts
@@ -86,15 +88,15 @@ class PinProgress:
 
     def line(self) -> str:
         """The progress line now."""
-        total, faulted, locked = self.counts.get()
+        total, faulted, locked, to_lock = self.counts.get()
         elapsed = time.perf_counter() - self._t0
-        share = (faulted + locked) / (2 * total) if total else 0.0
+        share = (faulted + locked) / (total + to_lock) if total else 0.0
         rate = share * total / elapsed / 2**30 if elapsed > 0 else 0.0
-        return (
-            f"pinning {size_text(total)} of host memory: {share:.0%} after {elapsed:.0f} s "
-            f"({size_text(faulted)} faulted in, {size_text(locked)} page-locked; "
-            f"{rate:.2f} GiB/s)"
-        )
+        head = f"of host memory: {share:.0%} after {elapsed:.0f} s ({size_text(faulted)} faulted in"
+        if not to_lock:
+            return f"faulting in {size_text(total)} {head}; {rate:.2f} GiB/s)"
+        return f"pinning {size_text(total)} {head}, {size_text(locked)} page-locked; {rate:.2f} GiB/s)"
+
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):

@@ -199,7 +199,9 @@ impl Engine {
             unsafe { self.backend.free_host(alloc) };
             return Err(e.into());
         }
-        state.buffers.insert(addr, alloc);
+        state
+            .buffers
+            .insert(addr, (alloc, hostmem::track(addr, bytes as u64)));
         Ok(addr)
     }
 
@@ -208,13 +210,17 @@ impl Engine {
     /// transfers would copy to and from freed memory) and while transfers are in flight.
     pub fn free_host(&self, addr: u64) -> Result<(), EngineError> {
         let mut state = self.lock_here()?;
-        let Some(alloc) = state.buffers.get(&addr) else {
+        let Some((alloc, id)) = state.buffers.get(&addr) else {
             return Err(RegionError::NotRegistered { start: addr }.into());
         };
+        let id = *id;
         no_table_in(&state.tables, addr, addr + alloc.len() as u64)?;
         self.check_idle(addr)?;
+        // Another engine's registration in it would copy to and from freed memory.
+        hostmem::untrack(id, false)
+            .map_err(|users| RegionError::UsedElsewhere { start: addr, users })?;
         state.regions.remove(addr)?;
-        let alloc = state.buffers.remove(&addr).expect("checked above");
+        let (alloc, _) = state.buffers.remove(&addr).expect("checked above");
         drop(state);
         // SAFETY: unregistered under the submit lock with nothing in flight: no copy can use it.
         unsafe { self.backend.free_host(alloc) };

@@ -562,7 +562,7 @@ mod tests {
             let want: Vec<(char, u64, bool)> =
                 pieces.iter().map(|&(s, _)| ('p', s, true)).collect();
             assert_eq!(log, want);
-            assert_eq!(progress.get(), (0, 64 * page, 64 * page));
+            assert_eq!(progress.get(), (0, 64 * page, 64 * page, 0));
             assert!(Map::resident(m.0, 64 * page));
             // SAFETY: the mapping's own pages, handed back: the next round faults them in anew.
             unsafe { libc::madvise(m.0 as *mut libc::c_void, m.1, libc::MADV_DONTNEED) };

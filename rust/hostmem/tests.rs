@@ -135,12 +135,12 @@ fn progress_counts_the_faulted_and_the_locked_bytes() {
     let rec = Arc::new(Recorder::default());
     let b = HostBuffer::with_progress(10, 4096, 3 * 4096, Some(Box::new(rec)), Some(&progress))
         .unwrap();
-    assert_eq!(progress.get(), (10 * 4096, 10 * 4096, 10 * 4096));
+    assert_eq!(progress.get(), (10 * 4096, 10 * 4096, 10 * 4096, 10 * 4096));
     drop(b);
-    // Without a pinner nothing is faulted in or locked: only the size is known.
+    // Without a pinner nothing is faulted in or locked, nor to be: only the size is known.
     let progress = AllocProgress::default();
     let _b = HostBuffer::with_progress(10, 4096, 3 * 4096, None, Some(&progress)).unwrap();
-    assert_eq!(progress.get(), (10 * 4096, 0, 0));
+    assert_eq!(progress.get(), (10 * 4096, 0, 0, 0));
 }
 
 #[test]

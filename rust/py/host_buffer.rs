@@ -31,8 +31,8 @@ impl PyAllocProgress {
         Self::default()
     }
 
-    /// `(total, faulted, locked)` bytes now.
-    fn get(&self) -> (u64, u64, u64) {
+    /// `(total, faulted, locked, to_lock)` bytes now.
+    fn get(&self) -> (u64, u64, u64, u64) {
         self.0.get()
     }
 }
@@ -167,8 +167,13 @@ pub(super) fn fill_and_pin(
             // Bytes of the pieces beyond the ranges count as faulted in already (by whoever
             // filled them: vLLM, another rank).
             let filling: u64 = ranges.iter().map(|r| r.1).sum();
-            let total = filling.max(pieces.iter().map(|r| r.1).sum());
-            p.start(total, total - filling);
+            let locking: u64 = pieces.iter().map(|r| r.1).sum();
+            let total = filling.max(locking);
+            p.start(
+                total,
+                total - filling,
+                if pinner.is_some() { locking } else { 0 },
+            );
         }
         // SAFETY: the Python caller vouches for the ranges and pieces (documented above); the
         // fill changes no byte.
