@@ -159,6 +159,9 @@ def test_cuda_options_on_the_host_backend_warn():
         warnings.simplefilter("error")
         # The defaults, named or not, ignore nothing.
         Engine("host", copy_path="auto", d2h_order="stream", keep_warm=0.1).shutdown()
+        Engine("host", max_batch=64, timing=False, early_wake=True, device=0).shutdown()
+    with pytest.warns(UserWarning, match=r"ignores the CUDA option max_batch=32$"):
+        Engine("host", max_batch=32).shutdown()
     # Misspelt, they are refused here too, not only on a GPU machine.
     with pytest.raises(InvalidTransferError, match="copy_path must be 'auto', 'batch' or 'loop'"):
         Engine("host", copy_path="fast")

@@ -5,7 +5,11 @@ The low-level API is :class:`Engine`: register memory, submit batches of ``(src,
 descriptors under a job id, and poll ``get_finished()``. The Rust core validates every address
 against registered memory before any copy is issued.
 
-Every error blockswap raises is a :class:`BlockswapError` (:mod:`blockswap.errors`).
+Every error the engine, the handlers, the constructors and the vLLM plug-in raise is a
+:class:`BlockswapError` (:mod:`blockswap.errors`); the block-id helpers of
+:mod:`blockswap.layout` (``as_block_ids``, ``expand_sub_blocks``) raise Python's ``TypeError``,
+``ValueError`` and ``IndexError``, which the handlers turn into
+:class:`~blockswap.InvalidTransferError`.
 """
 
 from __future__ import annotations

@@ -42,7 +42,9 @@ AccessOrder = Literal["any", "stream"]
 
 class LaneStats(TypedDict):
     """Counters of one direction: transfers reported (``failed`` of them failed), their bytes and
-    ``seconds`` (GPU time on CUDA, wall time on the host backend) and ``gb_per_s``; the p50 and
+    ``seconds`` (on CUDA GPU time where the engine records events, ``timing=True`` as the vLLM
+    worker sets it, else the time from submission to the poll that saw it done; the worker's
+    memcpy time on the host backend) and ``gb_per_s``; the p50 and
     p99 of a transfer's wall-clock time from its submission to the poll that reported it
     (``wall_p50``, ``wall_p99``) and of a submission's host time in the core (``submit_p50``,
     ``submit_p99``), in seconds, None before the first; submissions the core ``refused`` before

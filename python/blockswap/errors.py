@@ -1,4 +1,6 @@
-"""Every error blockswap raises, in one hierarchy: each is a :class:`BlockswapError`.
+"""Every error blockswap raises, in one hierarchy: each is a :class:`BlockswapError` (but for
+the block-id helpers of :mod:`blockswap.layout`, which raise Python's own, as their docstrings
+say).
 
 Errors of a bad argument keep the builtin kind as a second base, so ``except ValueError`` and
 ``except TypeError`` written for Python's own errors still catch them:

@@ -225,7 +225,10 @@ impl PyEngine {
                 [
                     device.changed("device", device_n != 0),
                     copy_path.changed("copy_path", copy_path_s != "auto"),
-                    max_batch.changed("max_batch", max_batch_n.is_some()),
+                    max_batch.changed(
+                        "max_batch",
+                        max_batch_n.is_some_and(|m| m != crate::backend::cuda::DEFAULT_MAX_BATCH),
+                    ),
                     timing.changed("timing", timing_b),
                     completion.changed("completion", completion_s != "auto"),
                     h2d_order.changed("h2d_order", h2d_order_s != "any"),

@@ -35,8 +35,8 @@ mod worker;
 pub use backend::CudaBackend;
 pub use driver::driver_available;
 pub use options::{
-    AccessOrder, CompletionMode, CopyPath, CudaOptions, DEFAULT_KEEP_WARM, KEEP_WARM_EVERY,
-    MAX_KEEP_WARM,
+    AccessOrder, CompletionMode, CopyPath, CudaOptions, DEFAULT_KEEP_WARM, DEFAULT_MAX_BATCH,
+    KEEP_WARM_EVERY, MAX_KEEP_WARM,
 };
 pub use query::{host_device_pointer, memcpy, memory_kind};
 pub use resources::HostPinner;
