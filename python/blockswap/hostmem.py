@@ -95,8 +95,9 @@ class PinProgress:
         head = f"of host memory: {share:.0%} after {elapsed:.0f} s ({size_text(faulted)} faulted in"
         if not to_lock:
             return f"faulting in {size_text(total)} {head}; {rate:.2f} GiB/s)"
-        return f"pinning {size_text(total)} {head}, {size_text(locked)} page-locked; {rate:.2f} GiB/s)"
-
+        return (
+            f"pinning {size_text(total)} {head}, {size_text(locked)} page-locked; {rate:.2f} GiB/s)"
+        )
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
