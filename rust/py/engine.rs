@@ -145,8 +145,9 @@ impl PyEngine {
         let shutdown_timeout =
             shutdown_timeout.or(60.0, |v| args::seconds("shutdown_timeout", v))?;
         let copy_path_s = text(&copy_path, "copy_path", COPY_PATHS, "auto")?;
-        let max_batch_n: Option<usize> =
-            max_batch.or(None, |v| args::opt_int("max_batch", Some(v), U64))?;
+        let max_batch_n: Option<usize> = max_batch
+            .or(None, |v| args::opt_int("max_batch", Some(v), U64))?
+            .filter(|&m| m != crate::backend::cuda::DEFAULT_MAX_BATCH);
         let timing_b = flag(&timing, "timing", false)?;
         let completion_s = text(&completion, "completion", COMPLETIONS, "auto")?;
         let h2d_order_s = text(&h2d_order, "h2d_order", ORDERS, "any")?;
@@ -225,10 +226,7 @@ impl PyEngine {
                 [
                     device.changed("device", device_n != 0),
                     copy_path.changed("copy_path", copy_path_s != "auto"),
-                    max_batch.changed(
-                        "max_batch",
-                        max_batch_n.is_some_and(|m| m != crate::backend::cuda::DEFAULT_MAX_BATCH),
-                    ),
+                    max_batch.changed("max_batch", max_batch_n.is_some()),
                     timing.changed("timing", timing_b),
                     completion.changed("completion", completion_s != "auto"),
                     h2d_order.changed("h2d_order", h2d_order_s != "any"),
