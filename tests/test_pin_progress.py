@@ -80,3 +80,6 @@ def test_pinning_on_the_gpu_reports_progress_and_the_rate(
         assert re.search(r"pinned in 4 pieces .* in \d+\.\d\d s \(\d+\.\d\d GiB/s\)$", msgs[-1])
     finally:
         buf.unpin()
+    # Unpinned on CUDA, not "not pinned (host backend)".
+    assert buf.how() == "unpinned in 4 pieces of at most 1.00 GiB"
+    assert buf.array.nbytes == 4 << 30  # still mapped

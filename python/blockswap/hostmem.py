@@ -214,11 +214,13 @@ class PinnedRows:
 
     def how(self) -> str:
         """``"pinned in 6 pieces of at most 1.00 GiB"`` (or ``"not pinned (host backend) in
-        ..."``)."""
+        ..."``, ``"unpinned in ..."`` after :meth:`unpin` on CUDA)."""
         pieces = self.pieces
+        state = "pinned" if self.pinned else "not pinned (host backend)"
+        if not self.pinned and self.backend != "host":
+            state = "unpinned"
         return (
-            f"{'pinned' if self.pinned else 'not pinned (host backend)'} in {len(pieces)} "
-            f"piece{'s' if len(pieces) != 1 else ''} of at most "
+            f"{state} in {len(pieces)} piece{'s' if len(pieces) != 1 else ''} of at most "
             f"{size_text(max(n for _, n in pieces))}"
         )
 
