@@ -440,9 +440,9 @@ pub(crate) fn track(start: u64, len: u64) -> u64 {
     id
 }
 
-/// Forgets buffer `id` ([`track`]) where no engine holds a registration in it, or anyway with
-/// `force` (its owner is going away, and raw registrations vouch for their memory); else the
-/// number of those registrations.
+/// Forgets buffer `id` (a [`HostBuffer`]'s, or [`track`]'s) where no engine holds a registration
+/// in it, or anyway with `force` (its owner is going away, and raw registrations vouch for their
+/// memory); else the number of those registrations.
 pub(crate) fn untrack(id: u64, force: bool) -> Result<(), usize> {
     let mut table = live();
     if let Some(i) = table.iter().position(|b| b.id == id) {
@@ -667,17 +667,7 @@ impl HostBuffer {
             return Err(BackendError::Forked.into());
         }
         let mut mapping = self.mapping();
-        {
-            let mut table = live();
-            if let Some(i) = table.iter().position(|b| b.id == self.id) {
-                if table[i].users > 0 {
-                    return Err(HostBufferError::InUse {
-                        users: table[i].users,
-                    });
-                }
-                table.remove(i);
-            }
-        }
+        untrack(self.id, false).map_err(|users| HostBufferError::InUse { users })?;
         match mapping.as_mut() {
             // SAFETY: no engine holds a registration in it, so no copy can reach it.
             Some(m) => unsafe { m.unpin() }.map_err(Into::into),
