@@ -122,21 +122,16 @@ pub fn tensor_segments(
                 )
             })?;
     }
-    let mut offsets = Vec::with_capacity(usize::try_from(count).expect("bounded"));
-    offsets.push(0u64);
+    let mut offsets = vec![0u64];
     for d in 0..bd {
         let step = stride[d].saturating_mul(item);
-        let mut next =
-            Vec::with_capacity(offsets.len() * usize::try_from(shape[d]).expect("bounded"));
-        for &o in &offsets {
-            for i in 0..shape[d] {
-                let at = i.checked_mul(step).and_then(|x| x.checked_add(o));
-                next.push(at.ok_or_else(|| {
-                    format!("the segments of the dims before block dim {bd} pass 2**64 bytes")
-                })?);
-            }
-        }
-        offsets = next;
+        offsets = offsets
+            .iter()
+            .flat_map(|&o| (0..shape[d]).map(move |i| i.checked_mul(step)?.checked_add(o)))
+            .collect::<Option<_>>()
+            .ok_or_else(|| {
+                format!("the segments of the dims before block dim {bd} pass 2**64 bytes")
+            })?;
     }
     let n = offsets.len();
     if n > 1
