@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable, get_args
@@ -25,6 +24,7 @@ import numpy as np
 from . import _core, _vllm_logging
 from ._checks import check_bool, check_choice, check_int, choice_text
 from ._types import HandlerPath
+from .engine import _is_int
 from .errors import ConfigError, ConfigTypeError
 from .hostmem import size_text
 
@@ -128,7 +128,7 @@ def cpu_bytes_to_use(extra_config: Mapping[str, Any]) -> int:
         raise ConfigError(f"{key} (the CPU cache's size in bytes) must be set {_WHERE}")
     value = extra_config[key]
     number: int | float | None = None
-    if isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_)):
+    if _is_int(value):
         number = int(value)  # a numpy int too, as vLLM's int() takes it
     elif isinstance(value, (float, np.floating)):
         if not math.isfinite(value):

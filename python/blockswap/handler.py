@@ -128,7 +128,7 @@ from ._kvcache import (
     union_spans,
 )
 from ._types import BackendName, CpuLayout, Direction, HandlerPath, LaneStats, MemoryKind
-from .engine import Engine
+from .engine import Engine, _is_int
 from .errors import ConfigError, ConfigTypeError, refuses_with_config_errors
 from .hostmem import DEFAULT_PIECE_BYTES, PinnedRows
 from .layout import BlockTable, Layout, expand_sub_blocks
@@ -162,7 +162,7 @@ log = logging.getLogger(__name__)
 
 
 def _stream_handle(s: Any, device_index: int | None, what: str) -> int:
-    if isinstance(s, (int, np.integer)) and not isinstance(s, bool):
+    if _is_int(s):
         return int(s)
     handle = getattr(s, "cuda_stream", None)
     if handle is None:
