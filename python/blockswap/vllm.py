@@ -765,11 +765,11 @@ class BlockswapOffloadingWorker(OffloadingWorker):
             log.warning(
                 "offloading job %d refused after %d parts: %s", job_id, len(job.parts), refused
             )
-        self._sizes[job_id] = job.size
+        # Its size is the split's (the bytes of its parts), not in _sizes.
         done = self._split.issued(job_id, refused is None)
         if not job.parts:
             self._lanes[lane].pop()
-            del self._lane_of[job_id], self._sizes[job_id]
+            del self._lane_of[job_id]
             if refused is not None:
                 return False
             self._empty(lane, job_id)  # parts this rank writes nothing of
