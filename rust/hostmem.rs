@@ -444,7 +444,11 @@ pub(crate) fn track(start: u64, len: u64) -> u64 {
 /// in it, or anyway with `force` (its owner is going away, and raw registrations vouch for their
 /// memory); else the number of those registrations.
 pub(crate) fn untrack(id: u64, force: bool) -> Result<(), usize> {
-    let mut table = live();
+    forget(&mut live(), id, force)
+}
+
+/// [`untrack`] in a table its caller holds locked.
+fn forget(table: &mut Vec<Live>, id: u64, force: bool) -> Result<(), usize> {
     if let Some(i) = table.iter().position(|b| b.id == id) {
         if table[i].users > 0 && !force {
             return Err(table[i].users);
@@ -667,7 +671,13 @@ impl HostBuffer {
             return Err(BackendError::Forked.into());
         }
         let mut mapping = self.mapping();
-        untrack(self.id, false).map_err(|users| HostBufferError::InUse { users })?;
+        // The table stays locked until the driver has unlocked every piece: a registration
+        // made in between would find no buffer there while the driver still reports the memory
+        // page-locked, and be kept on memory that becomes pageable (a kernel reading it through
+        // its device address would then fault). Registrations wait for the unpinning instead,
+        // then find the memory pageable and are refused.
+        let mut table = live();
+        forget(&mut table, self.id, false).map_err(|users| HostBufferError::InUse { users })?;
         match mapping.as_mut() {
             // SAFETY: no engine holds a registration in it, so no copy can reach it.
             Some(m) => unsafe { m.unpin() }.map_err(Into::into),

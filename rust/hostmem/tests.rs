@@ -246,6 +246,53 @@ fn the_owner_and_the_last_user_letting_go_at_once_release_the_memory_once() {
     }
 }
 
+/// A driver's view of one pinned range: unpinning takes a while, and a registration attempted
+/// meanwhile (another thread) notes whether it found the range in no buffer while the driver
+/// still held it pinned, which is what lets such a registration through.
+#[derive(Debug, Default)]
+struct SlowUnpin {
+    pinned: std::sync::atomic::AtomicBool,
+    racer: StdMutex<Option<std::thread::JoinHandle<(usize, bool)>>>,
+}
+
+impl Pinner for Arc<SlowUnpin> {
+    unsafe fn pin(&self, _start: u64, _len: u64) -> Result<(), BackendError> {
+        self.pinned.store(true, Ordering::SeqCst);
+        Ok(())
+    }
+
+    unsafe fn unpin(&self, start: u64) -> Result<(), BackendError> {
+        let me = self.clone();
+        // A registration of the buffer's first page, as `Engine::register` makes it: the
+        // buffers it lies in, then the driver's word on the memory (`check_region`).
+        *self.racer.lock().unwrap() = Some(std::thread::spawn(move || {
+            let (_, ids) = acquire(start, 4096);
+            let pinned = me.pinned.load(Ordering::SeqCst);
+            release(&ids);
+            (ids.len(), pinned)
+        }));
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        self.pinned.store(false, Ordering::SeqCst);
+        Ok(())
+    }
+}
+
+#[test]
+fn a_registration_racing_unpin_never_finds_the_memory_pinned_and_unowned() {
+    let driver = Arc::new(SlowUnpin::default());
+    let b = HostBuffer::new(4, 4096, 4 * 4096, Some(Box::new(driver.clone()))).unwrap();
+    b.unpin().unwrap();
+    let racer = driver.racer.lock().unwrap().take().expect("unpin ran");
+    let (buffers, pinned) = racer.join().unwrap();
+    // Either it counted as the buffer's user (then unpin would have been refused) or it saw
+    // the memory as the driver leaves it: pageable, so its registration is refused.
+    assert!(
+        buffers == 1 || !pinned,
+        "a registration found no buffer while the memory was still page-locked"
+    );
+    assert!(!b.is_pinned());
+}
+
 #[test]
 fn an_engine_registers_a_buffer_piece_by_piece_and_moves_blocks_across_pieces() {
     use crate::backend::host::HostBackend;
