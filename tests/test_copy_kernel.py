@@ -25,7 +25,9 @@ if not HAS_CUDA:
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+from blockswap import _core  # noqa: E402
 from blockswap._core import launch_plan  # noqa: E402
+from blockswap.errors import ConfigError, ConfigTypeError  # noqa: E402
 from blockswap.kernels import copy as copy_mod  # noqa: E402
 from blockswap.kernels import staged as staged_mod  # noqa: E402
 
@@ -286,17 +288,17 @@ def _bad_inputs():
         return t if INTERPRET else t.pin_memory()
 
     return [
-        mk("dtype", lambda s, d, n: (s.to(torch.int32), d, n), TypeError, "src_ptrs.*int64"),
-        mk("not_tensor", lambda s, d, n: (s.tolist(), d, n), TypeError, "src_ptrs.*Tensor"),
-        mk("length", lambda s, d, n: (s, d[:1], n), ValueError, "length mismatch"),
-        mk("zero_size", lambda s, d, n: (s, d, host(n * 0)), ValueError, "sizes.*positive"),
-        mk("neg_size", lambda s, d, n: (s, d, host(-n)), ValueError, "sizes.*positive"),
-        mk("null", lambda s, d, n: (s, host(d * 0), n), ValueError, "dst_ptrs.*null"),
-        mk("2d", lambda s, d, n: (s.reshape(1, 2), d, n), ValueError, "src_ptrs.*1-D"),
+        mk("dtype", lambda s, d, n: (s.to(torch.int32), d, n), ConfigTypeError, "src_ptrs.*int64"),
+        mk("not_tensor", lambda s, d, n: (s.tolist(), d, n), ConfigTypeError, "src_ptrs.*Tensor"),
+        mk("length", lambda s, d, n: (s, d[:1], n), ConfigError, "length mismatch"),
+        mk("zero_size", lambda s, d, n: (s, d, host(n * 0)), ConfigError, "sizes.*positive"),
+        mk("neg_size", lambda s, d, n: (s, d, host(-n)), ConfigError, "sizes.*positive"),
+        mk("null", lambda s, d, n: (s, host(d * 0), n), ConfigError, "dst_ptrs.*null"),
+        mk("2d", lambda s, d, n: (s.reshape(1, 2), d, n), ConfigError, "src_ptrs.*1-D"),
         mk(
             "strided",
             lambda s, d, n: (s, d, host(torch.stack([n, n], 1)).reshape(-1)[::2]),
-            ValueError,
+            ConfigError,
             "sizes.*contiguous",
         ),
     ]
@@ -313,14 +315,14 @@ def test_bad_input_raises_and_copies_nothing(mutate, exc, match):
 @pytest.mark.parametrize(
     ("kwargs", "exc"),
     [
-        ({"max_ctas": 0}, ValueError),
-        ({"max_ctas": 2**62}, ValueError),  # past a grid's limit: refused, not a core panic
-        ({"max_ctas": 2.0}, TypeError),
-        ({"num_warps": 3}, ValueError),
-        ({"block_bytes": 8}, ValueError),
-        ({"block_bytes": 1000}, ValueError),
-        ({"alignment": 12}, ValueError),
-        ({"max_size": 0}, ValueError),
+        ({"max_ctas": 0}, ConfigError),
+        ({"max_ctas": 2**62}, ConfigError),  # past a grid's limit: refused, not a core panic
+        ({"max_ctas": 2.0}, ConfigTypeError),
+        ({"num_warps": 3}, ConfigError),
+        ({"block_bytes": 8}, ConfigError),
+        ({"block_bytes": 1000}, ConfigError),
+        ({"alignment": 12}, ConfigError),
+        ({"max_size": 0}, ConfigError),
     ],
 )
 def test_bad_parameters(kwargs, exc):
@@ -339,30 +341,45 @@ def test_empty_is_noop():
 
 def test_raw_bad_input():
     _, dst, s, d, n = _valid_batch()
-    with pytest.raises(TypeError, match="srcs_addr"):
+    with pytest.raises(ConfigTypeError, match="srcs_addr"):
         copy_blocks_raw(s, d.data_ptr(), n.data_ptr(), 2)
-    with pytest.raises(ValueError, match="n must be"):
+    with pytest.raises(ConfigError, match="n must be"):
         copy_blocks_raw(s.data_ptr(), d.data_ptr(), n.data_ptr(), -1)
-    with pytest.raises(ValueError, match="sizes_addr"):
+    with pytest.raises(ConfigError, match="sizes_addr"):
         copy_blocks_raw(s.data_ptr(), d.data_ptr(), 0, 2)
-    with pytest.raises(ValueError, match="alignment"):
+    with pytest.raises(ConfigError, match="alignment"):
         copy_blocks_raw(s.data_ptr(), d.data_ptr(), n.data_ptr(), 2, alignment=3)
     assert not dst.any()
 
 
 def test_reference_validates():
-    with pytest.raises(ValueError, match="length mismatch"):
+    with pytest.raises(ConfigError, match="length mismatch"):
         copy_blocks_reference([1, 2], [3], [4, 5])
-    with pytest.raises(ValueError, match="positive"):
+    with pytest.raises(ConfigError, match="positive"):
         copy_blocks_reference([1], [3], [0])
-    with pytest.raises(TypeError, match="int64"):
+    with pytest.raises(ConfigTypeError, match="int64"):
         copy_blocks_reference(torch.zeros(1, dtype=torch.int32), [3], [1])
+
+
+def test_reference_reports_a_driver_failure_as_a_backend_error(monkeypatch):
+    # The driver's refusal of one job (here faked: no GPU is needed to check the wrapping) is
+    # the core's BackendError, naming the job, not a plain RuntimeError.
+    def refuse(dst, src, n):
+        raise _core.BackendError("cuMemcpy failed: CUDA_ERROR_INVALID_VALUE (1)")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(copy_mod, "_is_host_address", lambda addr: False)
+    monkeypatch.setattr(copy_mod._core, "cuda_memcpy", refuse)
+    with pytest.raises(_core.BackendError, match=r"copying 8 bytes from 0x10 to 0x20"):
+        copy_blocks_reference([0x10], [0x20], [8])
 
 
 @pytest.mark.skipif(INTERPRET, reason="compiled mode only: pageable memory is not GPU-visible")
 def test_pageable_descriptors_rejected():
     s = torch.ones(2, dtype=torch.int64)
-    with pytest.raises(ValueError, match="pageable"):
+    with pytest.raises(ConfigError, match="pageable"):
         copy_blocks(s, s, s)
 
 

@@ -103,6 +103,7 @@ from typing import Any, Union
 from blockswap import _core, _optional
 from blockswap._checks import check_int
 from blockswap._core import launch_plan
+from blockswap.errors import ConfigError, ConfigTypeError
 
 try:
     import torch
@@ -358,10 +359,10 @@ def _check_launch_params(max_ctas: int, num_warps: int, block_bytes: int) -> Non
     check_int("max_ctas", max_ctas, 1, 2**31 - 1, numpy=False)  # a launch's grid at most
     check_int("num_warps", num_warps, 1, numpy=False)
     if num_warps & (num_warps - 1) or num_warps > 32:
-        raise ValueError(f"num_warps must be a power of two <= 32, got {num_warps}")
+        raise ConfigError(f"num_warps must be a power of two <= 32, got {num_warps}")
     check_int("block_bytes", block_bytes, 1, numpy=False)
     if block_bytes & (block_bytes - 1) or not 16 <= block_bytes <= 1 << 20:
-        raise ValueError(f"block_bytes must be a power of two in [16, 1 MiB], got {block_bytes}")
+        raise ConfigError(f"block_bytes must be a power of two in [16, 1 MiB], got {block_bytes}")
 
 
 def _check_hints(max_size: int | None, alignment: int | None) -> None:
@@ -370,7 +371,7 @@ def _check_hints(max_size: int | None, alignment: int | None) -> None:
     if alignment is not None:
         check_int("alignment", alignment, 1, numpy=False)
         if alignment & (alignment - 1):
-            raise ValueError(f"alignment must be a power of two, got {alignment}")
+            raise ConfigError(f"alignment must be a power of two, got {alignment}")
 
 
 _held: collections.deque[tuple[torch.cuda.Event, tuple[torch.Tensor, ...]]] = collections.deque()
@@ -470,7 +471,7 @@ def copy_blocks_raw(
     addrs = {"srcs_addr": srcs_addr, "dsts_addr": dsts_addr, "sizes_addr": sizes_addr}
     for name, value in addrs.items():
         if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int address, got {type(value).__name__}")
+            raise ConfigTypeError(f"{name} must be an int address, got {type(value).__name__}")
     check_int("n", n, 0, numpy=False)
     _check_launch_params(max_ctas, num_warps, block_bytes)
     _check_hints(max_size, alignment)
@@ -478,7 +479,7 @@ def copy_blocks_raw(
         return
     for name, value in addrs.items():
         if value <= 0 or value % 8:
-            raise ValueError(f"{name} must be a non-null, 8-byte aligned address, got {value:#x}")
+            raise ConfigError(f"{name} must be a non-null, 8-byte aligned address, got {value:#x}")
     _launch(
         srcs_addr,
         dsts_addr,
@@ -606,23 +607,25 @@ def engine_launcher(
 
 def _check_descriptor(name: str, t: Any, interpret: bool) -> None:
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        raise ConfigTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype != torch.int64:
-        raise TypeError(f"{name} must have dtype torch.int64, got {t.dtype}")
+        raise ConfigTypeError(f"{name} must have dtype torch.int64, got {t.dtype}")
     if t.dim() != 1:
-        raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
+        raise ConfigError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
     if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous")
+        raise ConfigError(f"{name} must be contiguous")
     if interpret:
         if t.device.type != "cpu":
-            raise ValueError(
+            raise ConfigError(
                 f"{name} is on {t.device}; under Triton's interpreter descriptors must be on the CPU"
             )
     elif t.device.type == "cpu":
         if t.numel() and not t.is_pinned():
-            raise ValueError(f"{name} is in pageable CPU memory; use a CUDA or a pinned CPU tensor")
+            raise ConfigError(
+                f"{name} is in pageable CPU memory; use a CUDA or a pinned CPU tensor"
+            )
     elif t.device.type != "cuda":
-        raise ValueError(f"{name} must be a CUDA or a pinned CPU tensor, got device {t.device}")
+        raise ConfigError(f"{name} must be a CUDA or a pinned CPU tensor, got device {t.device}")
 
 
 def copy_blocks(
@@ -654,8 +657,10 @@ def copy_blocks(
         device-resident descriptors this synchronises the device). Everything is checked
         before anything is launched: invalid input raises and copies nothing.
 
-    Raises TypeError for a non-tensor or a dtype other than int64, ValueError for a wrong
-    shape, a length mismatch, an unsupported device, a non-positive size or a null address.
+    Raises :class:`~blockswap.errors.ConfigTypeError` (a ``TypeError``) for a non-tensor or a
+    dtype other than int64, :class:`~blockswap.errors.ConfigError` (a ``ValueError``) for a
+    wrong shape, a length mismatch, an unsupported device, a non-positive size or a null
+    address.
     """
     interpret = interpreter_mode()
     named = (("src_ptrs", src_ptrs), ("dst_ptrs", dst_ptrs), ("sizes", sizes))
@@ -663,7 +668,7 @@ def copy_blocks(
         _check_descriptor(name, t, interpret)
     n = src_ptrs.numel()
     if dst_ptrs.numel() != n or sizes.numel() != n:
-        raise ValueError(
+        raise ConfigError(
             "length mismatch: src_ptrs has "
             f"{n}, dst_ptrs {dst_ptrs.numel()}, sizes {sizes.numel()} elements"
         )
@@ -671,7 +676,7 @@ def copy_blocks(
     _check_hints(max_size, alignment)
     cuda_devices = {t.device for _, t in named if t.device.type == "cuda"}
     if len(cuda_devices) > 1:
-        raise ValueError(f"descriptors are on several devices: {sorted(map(str, cuda_devices))}")
+        raise ConfigError(f"descriptors are on several devices: {sorted(map(str, cuda_devices))}")
     if n == 0:
         return
 
@@ -680,11 +685,11 @@ def copy_blocks(
     if check_values:
         if bool((sizes <= 0).any()):
             j = int(torch.nonzero(sizes <= 0)[0, 0])
-            raise ValueError(f"sizes must be positive: sizes[{j}] = {int(sizes[j])}")
+            raise ConfigError(f"sizes must be positive: sizes[{j}] = {int(sizes[j])}")
         for name, t in named[:2]:
             if bool((t == 0).any()):
                 j = int(torch.nonzero(t == 0)[0, 0])
-                raise ValueError(f"{name}[{j}] is a null address")
+                raise ConfigError(f"{name}[{j}] is a null address")
     if on_host:
         if max_size is None:
             max_size = int(sizes.max())
@@ -730,7 +735,7 @@ _IntSeq = Union[torch.Tensor, Sequence[int]]
 def _to_list(name: str, x: _IntSeq) -> list[int]:
     if isinstance(x, torch.Tensor):
         if x.dtype != torch.int64:
-            raise TypeError(f"{name} must have dtype torch.int64, got {x.dtype}")
+            raise ConfigTypeError(f"{name} must have dtype torch.int64, got {x.dtype}")
         return [int(v) for v in x.reshape(-1).tolist()]
     return [int(v) for v in x]
 
@@ -748,13 +753,13 @@ def copy_blocks_reference(src_ptrs: _IntSeq, dst_ptrs: _IntSeq, sizes: _IntSeq) 
     dsts = _to_list("dst_ptrs", dst_ptrs)
     lens = _to_list("sizes", sizes)
     if not len(srcs) == len(dsts) == len(lens):
-        raise ValueError(
+        raise ConfigError(
             f"length mismatch: src_ptrs has {len(srcs)}, dst_ptrs {len(dsts)}, "
             f"sizes {len(lens)} elements"
         )
     for j, n in enumerate(lens):
         if n <= 0:
-            raise ValueError(f"sizes must be positive: sizes[{j}] = {n}")
+            raise ConfigError(f"sizes must be positive: sizes[{j}] = {n}")
     use_driver = torch.cuda.is_available() and torch.cuda.is_initialized()
     if use_driver:
         torch.cuda.synchronize()
@@ -765,6 +770,8 @@ def copy_blocks_reference(src_ptrs: _IntSeq, dst_ptrs: _IntSeq, sizes: _IntSeq) 
             try:
                 _core.cuda_memcpy(dst, src, n)
             except _core.BackendError as e:
-                raise RuntimeError(f"{e} (copying {n} bytes from {src:#x} to {dst:#x})") from e
+                raise _core.BackendError(
+                    f"{e} (copying {n} bytes from {src:#x} to {dst:#x})"
+                ) from e
     if use_driver:
         torch.cuda.synchronize()
