@@ -5,7 +5,9 @@ takes, before vLLM sizes the CPU cache and before blockswap allocates anything."
 from __future__ import annotations
 
 import math
+import os
 import re
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -160,63 +162,121 @@ def test_the_readme_and_the_module_list_every_option_and_value() -> None:
         assert f'``"{path}"``' in doc, path
 
 
-@pytest.mark.parametrize(("world", "replicated"), [(1, False), (4, False), (4, True)])
+@pytest.mark.parametrize(
+    ("world", "shared", "replicated"),
+    [(1, False, False), (4, False, False), (1, True, False), (4, True, False), (4, True, True)],
+)
 def test_a_cache_larger_than_the_hosts_memory_is_refused_before_allocation(
-    allocations: list[str], monkeypatch: pytest.MonkeyPatch, world: int, replicated: bool
+    allocations: list[str],
+    monkeypatch: pytest.MonkeyPatch,
+    world: int,
+    shared: bool,
+    replicated: bool,
 ) -> None:
     """The README's 64 GiB example on a smaller host: refused where a worker is made, before it
     allocates, in GiB, with the host's available memory and the key to lower
     (cpu_bytes_to_use). The spec itself is made: vLLM makes it in the scheduler's process too,
-    after the workers allocated the tier, where the memory it takes is no longer available."""
+    after the workers allocated the tier. A private cache counts the worker's cells; vLLM's
+    shared region (on CUDA, with or without replicated_layout) the whole region, which every
+    worker of the host maps, and nothing is left in /dev/shm."""
     from vllm.v1.kv_offload.cpu import spec as cpu_spec
 
     from test_vllm_spec import offloading_config, two_tensors
 
-    # vLLM keeps the tier in a shared region, and replicated_layout with it, on CUDA only.
-    monkeypatch.setattr(cpu_spec.current_platform, "is_cuda_alike", lambda: replicated)
+    monkeypatch.setattr(cpu_spec.current_platform, "is_cuda_alike", lambda: shared)
+    monkeypatch.setattr(cpu_spec.current_platform, "is_rocm", lambda: False)
     available = _core.host_memory_available()
     assert available is not None and available > 0
     asked = 1 << 47  # 128 TiB: more than any host here has
+    engine = f"fits-{uuid.uuid4()}"
     spec = OffloadingSpecFactory.create_spec(
-        offloading_config(world_size=world, replicated_layout=replicated, cpu_bytes_to_use=asked)
+        offloading_config(
+            engine_id=engine,
+            world_size=world,
+            replicated_layout=replicated,
+            cpu_bytes_to_use=asked,
+        )
     )
     assert spec.replicated_layout is replicated
     with pytest.raises(ConfigError) as info:
         spec.create_worker(two_tensors(1)[0])
     msg = str(info.value)
-    # vLLM's sizing: this worker's cells, or (one copy for all) its shard of the copy. At one
-    # worker, chunks of 2 blocks of 512 bytes, aligned to 4 KiB: a quarter of what was asked.
-    share = spec.num_chunks * spec.cpu_page_size_per_worker / (world if replicated else 1) / 2**30
-    assert world > 1 or share == asked / 4 / 2**30
-    over = f" (cpu_bytes_to_use={asked} over {world} workers)" if world > 1 else ""
-    assert msg.startswith(
-        f"the CPU KV cache needs {share:.2f} GiB of host memory on this worker{over}"
-    )
+    if shared:
+        # The whole region: vLLM's chunks of every worker's cells.
+        whole = spec.num_chunks * spec.kv_bytes_per_chunk / 2**30
+        one = f", one for the {world} workers" if world > 1 else ""
+        head = f"the CPU KV cache (vLLM's shared region{one}) needs {whole:.2f} GiB of host memory"
+    else:
+        # This worker's cells: at one worker, chunks of 2 blocks of 512 bytes, aligned to 4 KiB,
+        # a quarter of what was asked.
+        cells = spec.num_chunks * spec.cpu_page_size_per_worker / 2**30
+        assert world > 1 or cells == asked / 4 / 2**30
+        over = f" (cpu_bytes_to_use={asked} over {world} workers)" if world > 1 else ""
+        head = f"the CPU KV cache needs {cells:.2f} GiB of host memory on this worker{over}"
+    assert msg.startswith(head), msg
     assert re.search(r"the host has \d+\.\d\d GiB available \(MemAvailable\)", msg), msg
     assert f"lower cpu_bytes_to_use in kv_connector_extra_config (now {asked})" in msg
     assert allocations == ["vLLM sized the cache"]  # nothing allocated
+    assert not [f for f in os.listdir("/dev/shm") if engine in f]
 
 
-def test_a_worker_counts_its_shard_of_a_replicated_tier(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Under ``replicated_layout`` the ranks keep one copy, each faulting in a shard of it: a
-    worker checks what it allocates, not the whole copy (which the other ranks may have taken
-    from the available memory already)."""
-    from blockswap import _vllm_config
+@pytest.mark.parametrize("replicated", [False, True])
+def test_the_region_is_checked_whole_by_the_worker_that_makes_it(
+    monkeypatch: pytest.MonkeyPatch, replicated: bool
+) -> None:
+    """One region holds the tier for every worker of the host, and each maps all of it (under the
+    tiering spec's replicated_layout rank 0's cell is the whole row, and every rank faults it all
+    in): the worker that creates the region checks the whole region, so a tier that does not fit
+    is refused even where a rank's share would (it once counted a rank's share: 4 ranks took
+    4 times the host's memory). A worker joining the region is not checked again."""
+    from test_vllm_spec import offloading_config, two_tensors
 
-    checked: list[int] = []
-    monkeypatch.setattr(_vllm_config, "check_fits", lambda n, extra, workers: checked.append(n))
+    engine = f"whole-{uuid.uuid4()}"
 
-    class Spec:
-        num_chunks, cpu_page_size_per_worker = 1000, 4096
+    def spec(rank: int) -> Any:
+        return OffloadingSpecFactory.create_spec(
+            offloading_config(
+                spec_name="BlockswapTieringOffloadingSpec",
+                engine_id=engine,
+                rank=rank,
+                world_size=4,
+                replicated_layout=replicated,
+                cpu_bytes_to_use=1 << 22,
+            )
+        )
 
-        def __init__(self, world: int, replicated: bool) -> None:
-            self.extra_config: dict[str, Any] = {}
-            self.config = type("C", (), {"parallel": type("P", (), {"world_size": world})})()
-            self.replicated_layout = replicated
+    first = spec(0)
+    whole = first.num_chunks * first.kv_bytes_per_chunk
+    assert whole > 3 * first.num_chunks * first.cpu_page_size_per_worker  # 4 workers' cells
+    monkeypatch.setattr(_core, "host_memory_available", lambda: whole - 1)
+    with pytest.raises(ConfigError, match=r"shared region, one for the 4 workers\) needs"):
+        first.get_worker(two_tensors(0)[0])
+    assert not [f for f in os.listdir("/dev/shm") if engine in f]
+    monkeypatch.setattr(_core, "host_memory_available", lambda: whole)
+    maker = first.get_worker(two_tensors(0)[0])
+    try:
+        # What the region took is gone from the host's memory: a joiner is not refused for it.
+        monkeypatch.setattr(_core, "host_memory_available", lambda: 0)
+        joiner = spec(1).get_worker(two_tensors(1)[0])
+        joiner.shutdown()
+    finally:
+        maker.shutdown()
 
-    for world, replicated in [(1, False), (4, False), (1, True), (4, True), (3, True)]:
-        _vllm_config.check_worker_fits(Spec(world, replicated))
-    assert checked == [4096000, 4096000, 4096000, 1024000, 1365334]
+
+def test_the_tiering_spec_refuses_a_tier_under_one_chunk_before_its_region() -> None:
+    """cpu_bytes_to_use under one chunk: the ConfigError that the CPU spec's worker gives, not
+    vLLM's region failing to map an empty file."""
+    from test_vllm_spec import offloading_config, two_tensors
+
+    for name in ("BlockswapOffloadingSpec", "BlockswapTieringOffloadingSpec"):
+        engine = f"empty-{uuid.uuid4()}"
+        spec = OffloadingSpecFactory.create_spec(
+            offloading_config(spec_name=name, engine_id=engine, cpu_bytes_to_use=1000)
+        )
+        assert spec.num_chunks == 0
+        with pytest.raises(ConfigError, match="the CPU cache holds 0 chunks: raise cpu_bytes"):
+            spec.get_worker(two_tensors(1)[0])
+        assert not [f for f in os.listdir("/dev/shm") if engine in f], name
 
 
 def test_a_cpu_bytes_to_use_string_of_digits_is_taken_as_vllm_takes_it() -> None:

@@ -30,10 +30,12 @@ from .hostmem import size_text
 
 __all__ = [
     "OPTIONS",
+    "check_chunks",
     "check_config",
     "check_fits",
     "check_worker_fits",
     "init_spec",
+    "region_check",
     "worker_options",
 ]
 
@@ -144,21 +146,28 @@ def cpu_bytes_to_use(extra_config: Mapping[str, Any]) -> int:
     return int(number)
 
 
-def check_fits(nbytes: int, extra_config: Mapping[str, Any], workers: int) -> None:
-    """Refuses, before anything is allocated, a CPU cache whose share on this worker (``nbytes``:
-    vLLM's chunks times this worker's bytes per chunk) is more than the host has available
-    (``MemAvailable``): page-locked memory cannot be swapped out, so it would fail (or wake the
-    OOM killer) after minutes of pinning. The message says it in GiB and names the key to
-    lower."""
+def check_fits(
+    nbytes: int, extra_config: Mapping[str, Any], workers: int, *, region: bool = False
+) -> None:
+    """Refuses, before anything is allocated, a CPU cache of ``nbytes`` that is more than the host
+    has available (``MemAvailable``): page-locked memory cannot be swapped out, so it would fail
+    (or wake the OOM killer) after minutes of pinning. ``region``: ``nbytes`` is vLLM's shared
+    region, the one copy of the tier that every worker of the host maps (:func:`region_check`);
+    else a worker's private cache (:func:`check_worker_fits`). The message says it in GiB and
+    names the key to lower."""
     available = _core.host_memory_available()
     if available is None or nbytes <= available:
         return
     asked = extra_config.get("cpu_bytes_to_use")
-    share = f" (cpu_bytes_to_use={asked!r} over {workers} workers)" if workers > 1 else ""
+    if region:
+        shared = f", one for the {workers} workers" if workers > 1 else ""
+        what = f"(vLLM's shared region{shared}) needs {size_text(nbytes)} of host memory"
+    else:
+        share = f" (cpu_bytes_to_use={asked!r} over {workers} workers)" if workers > 1 else ""
+        what = f"needs {size_text(nbytes)} of host memory on this worker{share}"
     raise ConfigError(
-        f"the CPU KV cache needs {size_text(nbytes)} of host memory on this worker{share}, but "
-        f"the host has {size_text(available)} available (MemAvailable): lower cpu_bytes_to_use "
-        f"{_WHERE} (now {asked!r})"
+        f"the CPU KV cache {what}, but the host has {size_text(available)} available "
+        f"(MemAvailable): lower cpu_bytes_to_use {_WHERE} (now {asked!r})"
     )
 
 
@@ -166,22 +175,40 @@ def init_spec(spec: Any, config: Any, base_init: Any, *, canonical: bool) -> Non
     """Both of blockswap's specs' construction: the config checked (:func:`check_config`;
     ``canonical``: whether the spec takes ``canonical_layout``), then vLLM's spec made
     (``base_init``: its ``__init__``, bound). The CPU tier is checked against the host's memory
-    where a worker makes it (:func:`check_worker_fits`), not here: vLLM makes the spec in the
-    scheduler's process too, after the workers allocated the tier."""
+    where a worker makes it (:func:`region_check`, :func:`check_worker_fits`), not here: vLLM
+    makes the spec in the scheduler's process too, after the workers allocated the tier."""
     check_config(config, canonical=canonical)
     base_init(config)
 
 
-def check_worker_fits(spec: Any) -> None:
-    """:func:`check_fits` for what this worker's process allocates of the CPU tier, called by
-    the spec's ``create_worker`` before it allocates anything: its cells, or under
-    ``replicated_layout`` (one copy for every rank, each faulting in a shard of it) its
-    shard."""
+def region_check(spec: Any) -> Callable[[int], None]:
+    """vLLM's shared region's ``creator_memory_check``: :func:`check_fits` for the whole region
+    (every worker's cells, or under ``replicated_layout`` the one copy), run by the worker that
+    creates the region's file, before anything is faulted in. One region serves every worker of
+    the host, and each maps all of it (under the tiering spec's ``replicated_layout`` each faults
+    in all of it): a worker's share would admit a tier up to the workers' count times the
+    host's memory. A worker that joins a region made by another is not checked again (the
+    memory the region took is no longer available, and the tier was checked once)."""
     world = spec.config.parallel.world_size
-    share = spec.num_chunks * spec.cpu_page_size_per_worker
-    if spec.replicated_layout and world > 1:
-        share = -(-share // world)
-    check_fits(share, spec.extra_config, world)
+    return lambda nbytes: check_fits(nbytes, spec.extra_config, world, region=True)
+
+
+def check_worker_fits(spec: Any) -> None:
+    """:func:`check_fits` for a worker's private CPU cache (where vLLM keeps no shared region:
+    each worker allocates its own cells), called by the spec's ``create_worker`` before it
+    allocates anything."""
+    world = spec.config.parallel.world_size
+    check_fits(spec.num_chunks * spec.cpu_page_size_per_worker, spec.extra_config, world)
+
+
+def check_chunks(num_chunks: int) -> None:
+    """Refuses a CPU cache of no chunk (``cpu_bytes_to_use`` under one chunk), before a region
+    or cache is made for it."""
+    if num_chunks < 1:
+        raise ConfigError(
+            f"the CPU cache holds {num_chunks} chunks: raise cpu_bytes_to_use (in "
+            "kv_connector_extra_config) to at least one chunk per worker"
+        )
 
 
 def check_config(config: Any, *, canonical: bool) -> None:

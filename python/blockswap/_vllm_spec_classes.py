@@ -34,10 +34,12 @@ def _spec_class() -> type:
             _vllm_config.init_spec(self, config, super().__init__, canonical=False)
 
         def create_worker(self, kv_caches: CanonicalKVCaches) -> BlockswapOffloadingWorker:
-            _vllm_config.check_worker_fits(self)
-            # The region exactly as CPUOffloadingSpec.create_worker makes it.
+            # The region as CPUOffloadingSpec.create_worker makes it, and checked against the
+            # host's memory by the worker that creates it; a private cache by each worker.
             region: SharedOffloadRegion | None = None
-            if self._uses_shared_region() and self.num_chunks > 0:
+            if not (self._uses_shared_region() and self.num_chunks > 0):
+                _vllm_config.check_worker_fits(self)
+            else:
                 world_size = self.config.parallel.world_size
                 worker_index = self.config.parallel.rank
                 region = _region.new_region(
@@ -49,6 +51,7 @@ def _spec_class() -> type:
                     barrier=cpu_spec._all_workers_barrier,
                     num_segments=cpu_spec._REGION_SEGMENTS,
                     populate_shard=((worker_index, world_size) if self.replicated_layout else None),
+                    creator_memory_check=_vllm_config.region_check(self),
                 )
             return _new_worker(self, kv_caches, region)
 
@@ -73,15 +76,17 @@ def _tiering_spec_class() -> type:
             _vllm_config.init_spec(self, config, super().__init__, canonical=True)
 
         def create_worker(self, kv_caches: CanonicalKVCaches) -> BlockswapOffloadingWorker:
-            _vllm_config.check_worker_fits(self)
-            # The region exactly as TieringOffloadingSpec.create_worker makes it, and the
-            # canonical layout's references certified by vLLM's own check.
+            _vllm_config.check_chunks(self.num_chunks)
+            # The region exactly as TieringOffloadingSpec.create_worker makes it (checked
+            # against the host's memory by the worker that creates it), and the canonical
+            # layout's references certified by vLLM's own check.
             region = _region.new_region(
                 engine_id=self._engine_id,
                 num_chunks=self.num_chunks,
                 rank=0 if self.replicated_layout else self.config.parallel.rank,
                 kv_bytes_per_chunk=self.kv_bytes_per_chunk,
                 cpu_page_size=self.cpu_page_size_per_worker,
+                creator_memory_check=_vllm_config.region_check(self),
             )
             canonical = bool(self.config.canonical_layout)
             if canonical:

@@ -155,11 +155,7 @@ class BlockswapOffloadingWorker(OffloadingWorker):
     ) -> None:
         check_int("blocks_per_chunk", blocks_per_chunk, 1)
         check_int("pin_piece_bytes", pin_piece_bytes, 1)
-        if num_cpu_chunks < 1:
-            raise ConfigError(
-                f"the CPU cache holds {num_cpu_chunks} chunks: raise cpu_bytes_to_use (in "
-                "kv_connector_extra_config) to at least one chunk per worker"
-            )
+        _vllm_config.check_chunks(num_cpu_chunks)
         if not kv_caches.tensors:
             raise ConfigError("kv_caches holds no tensor")
         # A reference's CanonicalPageMapping (vLLM 0.33 derives one for every layer it can
