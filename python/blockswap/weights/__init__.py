@@ -11,7 +11,11 @@ Three offloaders share one interface (``sync_prev_onload``, ``join_after_forward
   blockswap batched submission (``Engine.submit`` of all of that layer's tensors): layer
   ``k + prefetch_step``, or, for the last ``prefetch_step`` layers, the first layers of the next
   forward. With ``synchronous=True`` each layer is instead copied in right before it runs and
-  waited for at once (no overlap: the baseline prefetching is measured against).
+  waited for at once (no overlap: the baseline prefetching is measured against); the forward's
+  last layer also waits on the host for the forward's copies, so that a failed one is raised by
+  the forward that ran on it. Onloads submitted and not yet reported are kept within the
+  engine's ``max_in_flight`` (``engine_options``): where the GPU falls behind, the next one
+  first waits on the host for the oldest, instead of being refused mid-forward.
 * :class:`ZeroCopyOffloader` -- the layers read their weights straight from pinned host memory
   over PCIe (unified addressing); nothing is copied, every forward pays the link.
 * :class:`NoopOffloader` -- does nothing; the default of :func:`get_offloader`.
@@ -123,7 +127,9 @@ Limits
 * :class:`ZeroCopyOffloader` keeps its pinned buffer until the last tensor viewing it is gone,
   after :meth:`~ZeroCopyOffloader.close` too.
 * After a :class:`WeightTransferError` every forward is refused until
-  :meth:`~PrefetchOffloader.reset`. Where the engine's CUDA lane itself failed (a driver
+  :meth:`~PrefetchOffloader.reset`. A failed onload that no forward raised (a forward's last
+  prefetch, or one of a forward that stopped early) is raised by ``reset()``, before it starts
+  again, or by ``close()``, once closed. Where the engine's CUDA lane itself failed (a driver
   error, which CUDA does not let a stream recover from), ``reset()`` raises the engine's error
   too: close the offloader and make a new one.
 """

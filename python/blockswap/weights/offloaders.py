@@ -209,12 +209,21 @@ class PrefetchOffloader(_OffloaderCore):
     slots, i.e. how many offloaded layers ahead the copies run (at most the number of
     offloaded layers). ``device``: where the weights are (default: where the first offloaded
     parameter is); CPU selects the host test mode. ``synchronous``: copy each layer in its own
-    forward and wait for it at once (no prefetch; the baseline). ``engine_options``: extra
-    keyword options of :class:`blockswap.Engine` (CUDA). ``trace``: a list the offloader appends
-    its steps to (``("wait", k, how)``, ``("onload", k, slot, path, after)``, ``("join", k)``,
-    ``("sync_prev", how)``; in the host test mode also the stream operations), for tests.
+    forward and wait for it at once (no prefetch; the baseline); outside a CUDA graph capture
+    the forward's last layer also waits on the host for the forward's copies, so that a copy
+    that failed is raised by the forward that ran on it. ``engine_options``: extra keyword
+    options of :class:`blockswap.Engine` (CUDA). Its ``max_in_flight`` (more than
+    ``prefetch_step``) bounds the onloads submitted and not yet reported: an onload that would
+    pass it first waits on the host for the oldest (backpressure, where the GPU falls behind the
+    host; a forward itself needs at most ``prefetch_step + 1`` in flight), instead of being
+    refused. ``trace``: a list the offloader appends its steps to (``("wait", k, how)``,
+    ``("onload", k, slot, path, after)``, ``("backpressure", k)`` (waited on the host for layer
+    ``k``'s onload), ``("join", k)``, ``("sync_prev", how)``; in the host test mode also the
+    stream operations), for tests.
 
     Raises :class:`OffloadConfigError` / :class:`OffloadDeviceError` before changing anything.
+    A failed onload is a :class:`WeightTransferError`, raised by the forward that collects its
+    result, else by :meth:`reset` or :meth:`close`: none goes unreported.
     """
 
     @refuses_with_config_errors
@@ -335,7 +344,11 @@ class PrefetchOffloader(_OffloaderCore):
         # Every layer's onload within the engine's limit, checked here: the first onloads
         # (`_start`) reach only the first layers.
         most = max(len(src) for src, _, _ in self._descs)
-        limit = int(self.engine.info()["max_descriptors"])
+        info = self.engine.info()
+        limit = int(info["max_descriptors"])
+        #: Onloads submitted and not yet reported that the engine accepts (`_onload` keeps
+        #: below it).
+        self._max_in_flight = int(info["max_in_flight"])
         if most > limit:
             raise OffloadConfigError(
                 f"an offloaded layer's onload is {most} copies (one per tensor), more than the "
@@ -452,13 +465,18 @@ class PrefetchOffloader(_OffloaderCore):
 
     def reset(self) -> None:
         """Waits for every onload and starts again from the state a forward ends in (after a
-        forward that did not run every layer, or a :class:`WeightTransferError`)."""
+        forward that did not run every layer, or a :class:`WeightTransferError`).
+
+        An onload that failed and that nothing raised yet (a forward that stopped before
+        collecting its result) is raised here as a :class:`WeightTransferError`, before
+        anything is started again: a forward that ran on its slot may have returned wrong
+        output. Forwards stay refused; the next ``reset()`` starts again. Failures of onloads
+        after one that was raised are not raised again."""
         self._check_open()
         if self._sync.capturing():
             raise OffloaderStateError("reset() cannot run during a CUDA graph capture")
         self._sync.drain()
-        with contextlib.suppress(WeightTransferError):
-            self._reap()
+        self._reap_unreported("found by reset(): call reset() again before the next forward")
         for st in self._states:
             st.joined = True
         self._cursor = 0
@@ -478,16 +496,24 @@ class PrefetchOffloader(_OffloaderCore):
             yield
 
     def close(self, restore: bool = True) -> None:
+        """As :meth:`BaseOffloader.close`, after waiting for every onload. An onload that failed
+        and that nothing raised yet is raised as a :class:`WeightTransferError` once the
+        offloader is closed (a forward that ran on its slot may have returned wrong output)."""
         if self._closed:
             return
         self._sync.drain()
-        with contextlib.suppress(WeightTransferError):
-            self._reap()
+        unreported: WeightTransferError | None = None
+        try:
+            self._reap_unreported("found by close(); the offloader is closed")
+        except WeightTransferError as e:
+            unreported = e
         self._uninstall()
         self._restore_params(restore)
         self._views.clear()
         self._teardown_resources()
         self._closed = True
+        if unreported is not None:
+            raise unreported
 
     # -- the wrappers' work ---------------------------------------------------------------
 
@@ -499,7 +525,11 @@ class PrefetchOffloader(_OffloaderCore):
         if self.trace is not None:
             self.trace.append(entry)
 
-    def _reap(self) -> None:
+    def _reap(
+        self, after: str = "its slot holds unknown data (call reset() before the next forward)"
+    ) -> None:
+        """Collects the engine's results; raises a :class:`WeightTransferError` for the first
+        failed onload among them (``after`` ends its message), and forwards are refused."""
         failed = []
         for r in self.engine.get_finished():
             k = self._job_layer.pop(r.job_id, None)
@@ -510,9 +540,21 @@ class PrefetchOffloader(_OffloaderCore):
             k, err = failed[0]
             lay = self._plan.offloaded[k].index if k is not None else "?"
             raise WeightTransferError(
-                f"onload of offloaded layer {k} (layers[{lay}]) failed: {err}; its slot holds "
-                "unknown data (call reset() before the next forward)"
+                f"onload of offloaded layer {k} (layers[{lay}]) failed: {err}; {after}"
             )
+
+    def _reap_unreported(self, found_by: str) -> None:
+        """Every onload done: collects the results, and raises a failure only where none was
+        raised before (an onload failing after one was raised belongs to what that reported)."""
+        told = self._failed
+        try:
+            self._reap(
+                "no forward raised it, and one that ran on its slot may have returned wrong "
+                f"output ({found_by})"
+            )
+        except WeightTransferError:
+            if not told:
+                raise
 
     def _pre(self, k: int) -> None:
         self._check_open()
@@ -536,6 +578,12 @@ class PrefetchOffloader(_OffloaderCore):
         self._cursor = (k + 1) % len(self._plan.offloaded)
         if self.synchronous:
             if not self._sync.capturing():
+                if k == len(self._plan.offloaded) - 1 and self._job_layer:
+                    # The forward's last layer: on CUDA nothing so far has waited on the host
+                    # for a copy (the compute stream's waits are the GPU's), so the last ones
+                    # may not be reported yet. Waited for here, every failed copy of the
+                    # forward is raised in it, not blamed on the next forward (or lost).
+                    self.engine.wait(list(self._job_layer))
                 # This layer's own copy, issued in its _pre: a failure the engine has reported
                 # by now is raised in this forward, not blamed on a layer of the next.
                 self._reap()
@@ -566,6 +614,15 @@ class PrefetchOffloader(_OffloaderCore):
             path = "capture"
         else:
             self._reap()
+            # Backpressure: on CUDA the host waits for no copy (its waits are the GPU's), so
+            # where the GPU falls behind, the onloads in flight would pile up until the engine
+            # refused one (PoolExhaustedError, mid-forward). At the engine's limit the host waits
+            # for the oldest (one lane's copies finish in order) and collects it.
+            while len(self._job_layer) >= self._max_in_flight:
+                oldest = next(iter(self._job_layer))
+                self._log("backpressure", self._job_layer[oldest])
+                self.engine.wait([oldest])
+                self._reap()
             job = next(self._jobs)
             src, dst, sizes = self._descs[j]
             try:
