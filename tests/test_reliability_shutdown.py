@@ -376,3 +376,39 @@ def test_a_shutdown_past_its_timeout_reports_each_transfer_as_it_ended(
     if eng.stats()["shutdown_timed_out"]:
         assert any("may be reported failed" in m for m in caplog.messages), caplog.messages
     assert eng.get_finished() == []
+
+
+@pytest.mark.parametrize("shut", [False, True], ids=["dropped", "shut-down"])
+def test_handlers_collected_while_their_transfers_run_leave_the_memory_to_the_engine(
+    shut: bool,
+) -> None:
+    """Handlers dropped without shutdown() while transfers run, the caller keeping only
+    get_finished (to collect the results): the GPU tensors the copies write were held by the
+    handlers alone (registered by address), and the garbage collector freed them under the
+    copies (a segmentation fault). The engine holds them until it is collected, which drains
+    first; every transfer is reported. After a shutdown that drained, the engine lets them go."""
+    gpu = [torch.zeros(2, 64, 16, 8, 64) for _ in range(2)]
+    alive = [weakref.ref(t) for t in gpu]
+    h = CpuGpuHandlers(gpu, 64, layout="kv_split")
+    del gpu
+    ids = np.arange(64)
+    for j in range(16):
+        assert h.cpu_to_gpu_handler.transfer_async(j, (ids, ids))
+    poll = h.get_finished
+    if shut:
+        h.shutdown()
+    del h
+    gc.collect()
+    # Dropped: held by the engine while copies may still write them; shut down: let go.
+    assert all((r() is None) is shut for r in alive)
+    got = []
+    for _ in range(3000):
+        got += poll()
+        if len(got) == 16:
+            break
+        threading.Event().wait(0.01)
+    assert sorted(r.job_id for r in got) == list(range(16))
+    assert all(r.success for r in got)
+    del poll, got
+    gc.collect()
+    assert all(r() is None for r in alive)  # the engine went, and with it the memory

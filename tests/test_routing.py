@@ -289,6 +289,39 @@ def test_calibration_measures_every_route_and_keeps_the_cache_intact():
         h.shutdown()
 
 
+def test_calibration_builds_its_candidates_with_the_kernel_bounds_given(monkeypatch):
+    """The route calibration keeps serves: its candidates are built with the handler's
+    kernel_below and kernel_launch_bytes (a kept kernel route once ran one launch a transfer,
+    whatever kernel_launch_bytes said, holding its SMs from the model that long)."""
+    import torch
+
+    from blockswap import handler as handler_mod
+    from blockswap.handler import CpuGpuHandlers
+
+    seen = []
+    real = handler_mod.choose_routes
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs["path"], kwargs["kernel_below"], kwargs["launch_bytes"]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(handler_mod, "choose_routes", spy)
+    gpu = [torch.zeros((2, 8, 4, 1, 8), dtype=torch.uint8) for _ in range(2)]
+    h = CpuGpuHandlers(
+        gpu,
+        8,
+        layout="kv_split",
+        backend="host",
+        calibrate=True,
+        kernel_below=1024,
+        kernel_launch_bytes=4096,
+    )
+    h.shutdown()
+    candidates = [s for s in seen if s[0] != "auto"]
+    assert {s[0] for s in candidates} >= {"dma", "kernel"}, seen
+    assert all(s[1:] == (1024, 4096) for s in seen), seen
+
+
 def test_calibration_with_fewer_gpu_blocks_than_a_cpu_block_holds_keeps_the_cache_intact():
     """Two GPU blocks and four a CPU block: calibration moves part of one CPU block, and the
     load reads back the very sub-blocks the store wrote (it read the block's last ones, and wrote

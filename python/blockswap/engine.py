@@ -122,7 +122,15 @@ class Engine(_core.Engine):
         if self.stats().get("shutdown_timed_out"):
             # Copies the shutdown gave up on may still read or write the registered objects:
             # they are kept for the life of the process rather than freed under the device.
-            _ABANDONED.append(self.__dict__.get("_objects"))
+            _ABANDONED.append((self.__dict__.get("_objects"), self.__dict__.get("_held")))
+
+    def _hold(self, owner: Any) -> None:
+        """Keeps ``owner`` (what memory registered by raw address belongs to) alive as long as
+        the engine: a caller who keeps only the engine (a handler's ``get_finished``) cannot let
+        memory its copies reach be freed under them; the engine's collection drains before its
+        dict goes. A mutable ``owner`` (a list) is emptied by its giver once nothing of the
+        engine's reaches its memory."""
+        self.__dict__.setdefault("_held", []).append(owner)
 
     def shutdown(self) -> None:
         """Waits for transfers in flight and stops the backend. Results stay available.

@@ -430,8 +430,17 @@ class CpuGpuHandlers:
         if on_cuda:
             options["device"] = device_index
         self._device_index = device_index
+        #: The kernel route's bounds as given: calibration's candidates are built with them too,
+        #: since the one it keeps serves.
+        self._kernel_bounds = (kernel_below, kernel_launch_bytes)
         with _KeepDevice(device_index):
             self.engine = core = Engine("cuda" if on_cuda else "host", **options)
+            #: What the engine's copies reach, registered by address below: held by the engine
+            #: too, so that handlers collected while their transfers run (a caller keeping only
+            #: ``get_finished``) do not free it under the copies; let go by a shutdown that
+            #: drained.
+            self._owned: list[Any] = [gpu_groups, cpu_groups, gpu_tables, cpu_tables]
+            core._hold(self._owned)
             #: What was registered with the engine, in order, as the call that undoes each:
             #: undone last to first (tables before the regions they lie in) by shutdown and by
             #: a refused construction.
@@ -478,6 +487,7 @@ class CpuGpuHandlers:
         #: The compiled copy kernels the core launches (staged plan, kernel route), kept loaded
         #: while the engine may launch them; each loaded once, for the routes and calibration.
         self._kernels: list[dict[str, Any]] = []
+        self._owned.append(self._kernels)
         self._load = functools.cache(self._load_kernel)
         # Path selection, once, here: which plan, and which descriptors a copy kernel moves.
         try:
@@ -631,8 +641,8 @@ class CpuGpuHandlers:
                 on_cuda=self.backend == "cuda",
                 device_index=self._device_index,
                 kernel_ctas=kernel_ctas,
-                kernel_below=None,
-                launch_bytes=None,
+                kernel_below=self._kernel_bounds[0],
+                launch_bytes=self._kernel_bounds[1],
                 directions=(direction,),
             )[direction]
         except (ConfigError, RouteUnavailableError) as e:
@@ -661,6 +671,7 @@ class CpuGpuHandlers:
         self.engine.shutdown()
         if not self._unregister_all():
             self._unpin_host_memory()
+            self._owned.clear()  # the engine holds this list: nothing of it now
 
     def _unpin_host_memory(self) -> None:
         """Lets the driver go of the CPU cache allocated here, where no registration of this
@@ -715,6 +726,7 @@ class CpuGpuHandlers:
                 self.memory_kept = True
             else:
                 self._unpin_host_memory()
+                self._owned.clear()  # the engine holds this list: nothing of it now
             self._host_memory = []
             self.cpu_chunks = None
             self.gpu_tables = []
