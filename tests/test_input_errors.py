@@ -395,3 +395,25 @@ def test_a_bad_access_order_names_its_argument(name: str) -> None:
         blockswap.InvalidTransferError, match=f"{name} .*must be 'stream' or 'any', not \"strem\""
     ):
         blockswap.Engine("host", **{name: "strem"})
+
+
+@pytest.mark.parametrize(
+    ("which", "group"),
+    [("gpu_caches", None), ("cpu_caches", None), ("gpu_caches", 7), ("cpu_caches", "kv")],
+)
+def test_a_group_that_is_no_list_of_tensors_names_its_argument_and_group(which, group):
+    # Was "CpuGpuHandlers: 'NoneType' object is not iterable", naming neither.
+    import torch
+
+    from blockswap.handler import CpuGpuHandlers
+
+    gpu = [torch.zeros(2, 8, 4, 2, 8)]
+    caches = {"gpu_caches": [gpu, group], "cpu_caches": None}
+    if which == "cpu_caches":
+        caches = {"gpu_caches": [gpu], "cpu_caches": [group]}
+    kind = type(group).__name__
+    with pytest.raises(
+        blockswap.ConfigTypeError,
+        match=rf"{which}: group {1 if which == 'gpu_caches' else 0} is a {kind}, not a list",
+    ):
+        CpuGpuHandlers(num_cpu_blocks=4, layout="kv_split", backend="host", **caches)

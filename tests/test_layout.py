@@ -23,7 +23,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from blockswap import ConfigError, Engine
+from blockswap import BlockswapError, ConfigError, ConfigTypeError, Engine
 from blockswap._core import chunk_blocks
 from blockswap.handler import CpuGpuHandlers
 from blockswap.layout import (
@@ -588,6 +588,50 @@ def test_direct_construction_is_validated() -> None:
         BlockTable(bases=[], strides=[], nbytes=[], num_blocks=2, device="cpu")
     with pytest.raises(LayoutError, match="num_blocks"):
         BlockTable(bases=[0], strides=[64], nbytes=[8], num_blocks=-1, device="cpu")
+    # Integer arrays of any int dtype, integer tensors and tuples are taken, as int64.
+    t = BlockTable(
+        bases=np.array([4096], dtype=np.uint32),
+        strides=torch.tensor([64]),
+        nbytes=(64,),
+        num_blocks=2,
+        device=torch.device("cpu"),
+    )
+    assert [a.dtype for a in t.geometry()[:3]] == [np.int64] * 3
+    assert t.bases.tolist() == [4096] and not t.bases.flags.writeable
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "match"),
+    [
+        # Float addresses were truncated (4096.5 taken as 4096); now refused.
+        ({"bases": [4096.5]}, ConfigTypeError, "bases must hold integers, not float64"),
+        ({"strides": torch.tensor([64.0])}, ConfigTypeError, "strides must hold integers"),
+        ({"nbytes": [True]}, ConfigTypeError, "nbytes must hold integers, not bool"),
+        # These leaked a plain ValueError, OverflowError, TypeError or RuntimeError.
+        ({"bases": ["a"]}, ConfigTypeError, "bases must hold integers"),
+        ({"bases": None}, ConfigTypeError, "bases must hold integers"),
+        ({"bases": [2**64]}, LayoutError, r"bases holds integers outside \[-2\*\*63"),
+        ({"bases": [2**63]}, LayoutError, r"bases holds values past 2\*\*63 - 1"),
+        ({"strides": [[64], [64, 1]]}, LayoutError, "strides: setting an array element"),
+        ({"bases": [[4096]]}, LayoutError, "bases must be one-dimensional"),
+        ({"device": "bogus"}, LayoutError, "device 'bogus' is not one torch knows"),
+        ({"device": None}, ConfigTypeError, "device must be a torch.device, a str or an int"),
+        ({"owners": 5}, ConfigTypeError, "owners must be a sequence of tensors, not 5"),
+    ],
+)
+def test_direct_construction_refuses_with_typed_errors_naming_the_field(
+    change: dict[str, object], error: type[Exception], match: str
+) -> None:
+    args: dict[str, object] = {
+        "bases": [4096],
+        "strides": [64],
+        "nbytes": [64],
+        "num_blocks": 2,
+        "device": "cpu",
+    }
+    with pytest.raises(error, match=match) as e:
+        BlockTable(**{**args, **change})
+    assert isinstance(e.value, BlockswapError)
 
 
 def test_incompatible_tables() -> None:

@@ -59,6 +59,10 @@ def as_groups(caches: Any, name: str) -> tuple[list[list[torch.Tensor]], bool]:
             raise ConfigTypeError(f"{name} mixes tensors and groups (entry {g} is a tensor)")
         if isinstance(item, Mapping):
             item = list(item.values())
+        if isinstance(item, (str, bytes)) or not isinstance(item, Iterable):
+            raise ConfigTypeError(
+                f"{name}: group {g} is a {type(item).__name__}, not a list or dict of tensors"
+            )
         ts = list(item)
         if not ts:
             raise LayoutError(f"{name}: group {g} is empty")

@@ -32,7 +32,7 @@ of two), page-locked in pieces of whole pages (one driver registration of 512 Gi
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union, cast, overload
 
@@ -53,6 +53,7 @@ from ._core import (
     chunk_blocks,
     cuda_status,
     mirror_geometry,
+    shown,
     table_incompatibility,
     table_spans,
     tensor_segments,
@@ -171,6 +172,38 @@ def _segments(
     return got
 
 
+_TABLE_ARRAYS = ("bases", "strides", "nbytes")
+
+
+def _table_array(name: str, value: Any) -> npt.NDArray[np.int64]:
+    """``value``, a :class:`BlockTable`'s ``bases``, ``strides`` or ``nbytes``, as a read-only
+    int64 copy, by the rule of :func:`as_block_ids` (integers only, each within int64, 1-D: a
+    float address is refused, not truncated). Else a
+    :class:`~blockswap.errors.ConfigTypeError` (not integers) or :class:`LayoutError` naming
+    ``name``."""
+    try:
+        a = np.array(as_block_ids(value, name), copy=True)
+    except (TypeError, ValueError, IndexError, OverflowError, RuntimeError) as e:
+        # numpy's own (a ragged list) and those of an object's __array__ do not name the field.
+        why = str(e) if str(e).startswith(name) else f"{name}: {e}"
+        raise (ConfigTypeError if isinstance(e, TypeError) else LayoutError)(why) from e
+    a.setflags(write=False)
+    return a
+
+
+def _table_device(device: Any) -> torch.device:
+    """``device`` of a :class:`BlockTable` as a ``torch.device``, else the typed error naming it
+    (torch's own is an untyped ``RuntimeError`` for a device string it does not know)."""
+    try:
+        return torch.device(device)
+    except TypeError as e:
+        raise ConfigTypeError(
+            f"device must be a torch.device, a str or an int, not {shown(device)}"
+        ) from e
+    except (ValueError, OverflowError, RuntimeError) as e:
+        raise LayoutError(f"device {shown(device)} is not one torch knows: {e}") from e
+
+
 @dataclass(frozen=True, eq=False, repr=False)
 class BlockTable:
     """Segment table for one block-id space (one KV-cache group on one device).
@@ -188,13 +221,7 @@ class BlockTable:
     owners: tuple[torch.Tensor, ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
-        arrays = {}
-        for name in ("bases", "strides", "nbytes"):
-            a = np.array(getattr(self, name), dtype=_I64, copy=True)
-            if a.ndim != 1:
-                raise LayoutError(f"{name} must be 1-D, got shape {a.shape}")
-            a.setflags(write=False)
-            arrays[name] = a
+        arrays = {name: _table_array(name, getattr(self, name)) for name in _TABLE_ARRAYS}
         n = arrays["bases"].shape[0]
         if n == 0 or arrays["strides"].shape[0] != n or arrays["nbytes"].shape[0] != n:
             raise LayoutError(
@@ -208,10 +235,13 @@ class BlockTable:
         num_blocks = check_int(
             "num_blocks", self.num_blocks, 0, errors=(ConfigTypeError, LayoutError)
         )
+        device = _table_device(self.device)
+        if isinstance(self.owners, (str, bytes)) or not isinstance(self.owners, Iterable):
+            raise ConfigTypeError(f"owners must be a sequence of tensors, not {shown(self.owners)}")
         for name, a in arrays.items():
             object.__setattr__(self, name, a)
         object.__setattr__(self, "num_blocks", num_blocks)
-        object.__setattr__(self, "device", torch.device(self.device))
+        object.__setattr__(self, "device", device)
         object.__setattr__(self, "owners", tuple(self.owners))
 
     @classmethod
