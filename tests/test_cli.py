@@ -271,15 +271,23 @@ def test_a_shutdown_past_its_timeout_is_a_warning(caplog: pytest.LogCaptureFixtu
     caplog.set_level(logging.WARNING, logger="blockswap")
     n = 256 << 20
     src, dst = np.ones(n, dtype=np.uint8), np.zeros(n, dtype=np.uint8)
-    eng = blockswap.Engine("host", shutdown_timeout=0.0)
-    eng.register(src)
-    eng.register(dst)
-    eng.submit(1, [src.ctypes.data], [dst.ctypes.data], [n], "h2h")
-    eng.shutdown()  # 256 MiB takes milliseconds: still in flight at a zero timeout
-    eng.shutdown()  # logged once
-    msgs = [r.getMessage() for r in caplog.records]
+    # 256 MiB takes milliseconds: still in flight at a zero timeout, unless this thread was kept
+    # from running for all of them (a loaded machine), where the shutdown drains and says
+    # nothing; then again, a few times at most.
+    for _ in range(5):
+        caplog.clear()
+        eng = blockswap.Engine("host", shutdown_timeout=0.0)
+        eng.register(src)
+        eng.register(dst)
+        eng.submit(1, [src.ctypes.data], [dst.ctypes.data], [n], "h2h")
+        eng.shutdown()
+        eng.shutdown()  # logged once
+        msgs = [r.getMessage() for r in caplog.records]
+        if eng.stats()["shutdown_timed_out"]:
+            break
+        assert msgs == []
+    assert eng.stats()["shutdown_timed_out"], "five 256 MiB copies each done at a zero timeout"
     assert len(msgs) == 1 and "shutdown timed out" in msgs[0], msgs
-    assert eng.stats()["shutdown_timed_out"]
 
 
 def test_handler_routes_are_logged(caplog: pytest.LogCaptureFixture) -> None:
