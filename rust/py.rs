@@ -2,6 +2,7 @@
 //! The engine here; host buffers and the module's functions in `py/`.
 
 mod args;
+mod detached;
 mod engine;
 mod functions;
 mod host_buffer;
@@ -17,7 +18,7 @@ use functions::{
 use host_buffer::PyHostBuffer;
 use route::{choose_route, PyRoute};
 
-use std::cell::RefCell;
+use std::cell::Cell;
 
 use pyo3::create_exception;
 use pyo3::exceptions::{PyException, PyKeyboardInterrupt};
@@ -25,7 +26,7 @@ use pyo3::prelude::*;
 
 use crate::backend::cuda;
 use crate::direction::Direction;
-use crate::engine::{Engine, EngineError};
+use crate::engine::EngineError;
 use crate::hostmem::{self, HostBuffer, HostBufferError, Pinner};
 use crate::kernel::KernelBatch;
 use crate::plan::choice;
@@ -167,19 +168,20 @@ fn direction(s: &str) -> PyResult<Direction> {
 }
 
 thread_local! {
-    /// The engines (their addresses) whose Python kernel launchers this thread is running,
-    /// outermost first. A launcher runs inside a submission, under the engine's submit lock: a
-    /// call from it into the same engine would wait for that lock, or for the transfer it is
-    /// launching, forever; so would one from a launcher it started in turn (engine A's launcher
-    /// submits to engine B, whose launcher calls A).
-    static LAUNCHING: RefCell<Vec<usize>> = const { RefCell::new(Vec::new()) };
+    /// How many Python kernel launchers this thread is running (nested only where a launcher's
+    /// engine call were let through). A launcher runs inside a submission, under its engine's
+    /// submit lock: a call from it that takes a submit lock or waits, into any engine, could wait
+    /// forever, for its own engine's lock or for the transfer it is launching, or for another
+    /// engine whose launcher, on another thread, waits for this one's lock (engine A's launcher
+    /// submits to B while B's submits to A). Every such call is refused there.
+    static LAUNCHING: Cell<usize> = const { Cell::new(0) };
 }
 
-/// Calls a Python kernel launcher (re-taking the GIL) for the kernel part of a transfer of
-/// `engine`. A launcher's error fails the transfer; a `KeyboardInterrupt` is raised again once
-/// control is back in Python, not lost in the transfer's error.
-fn call_launcher(engine: &Engine, launcher: &Py<PyAny>, b: KernelBatch) -> Result<(), String> {
-    LAUNCHING.with(|l| l.borrow_mut().push(std::ptr::from_ref(engine) as usize));
+/// Calls a Python kernel launcher (re-taking the GIL) for the kernel part of a transfer. A
+/// launcher's error fails the transfer; a `KeyboardInterrupt` is raised again once control is
+/// back in Python, not lost in the transfer's error.
+fn call_launcher(launcher: &Py<PyAny>, b: KernelBatch) -> Result<(), String> {
+    LAUNCHING.with(|l| l.set(l.get() + 1));
     let result = Python::attach(|py| {
         launcher
             .call1(
@@ -206,23 +208,21 @@ fn call_launcher(engine: &Engine, launcher: &Py<PyAny>, b: KernelBatch) -> Resul
                 reason
             })
     });
-    LAUNCHING.with(|l| l.borrow_mut().pop());
+    LAUNCHING.with(|l| l.set(l.get() - 1));
     result
 }
 
-/// Whether this thread runs a kernel launcher of `engine`, or one such a launcher started (see
-/// [`LAUNCHING`]).
-fn launching(engine: &Engine) -> bool {
-    let me = std::ptr::from_ref(engine) as usize;
-    LAUNCHING.with(|l| l.borrow().contains(&me))
+/// Whether this thread runs a kernel launcher, of any engine (see [`LAUNCHING`]).
+fn launching() -> bool {
+    LAUNCHING.with(|l| l.get() > 0)
 }
 
-/// Whether this thread runs a kernel launcher of `engine` (or one it started), where every call
-/// into `engine` is refused: the Python layer takes no lock of its own around such a call (it
-/// could wait for a thread that waits for this launcher's submission).
+/// Whether this thread runs a kernel launcher (of any engine), where every engine call that takes
+/// a submit lock or waits is refused: the Python layer takes no lock of its own around such a
+/// call (it could wait for a thread that waits for this launcher's submission).
 #[pyfunction]
-fn in_launcher(engine: PyRef<'_, PyEngine>) -> bool {
-    launching(&engine.engine)
+fn in_launcher() -> bool {
+    launching()
 }
 
 /// Holds the process-wide table of host buffers' lock for `seconds`, the GIL released, as a
@@ -234,14 +234,15 @@ fn hold_host_buffer_table(py: Python<'_>, seconds: f64) {
     py.detach(|| crate::hostmem::hold_table(d));
 }
 
-/// Refuses `what` on `engine` from inside one of its own kernel launchers (see [`LAUNCHING`]),
-/// which would deadlock the process.
-fn not_launching(engine: &Engine, what: &str) -> PyResult<()> {
-    if launching(engine) {
+/// Refuses `what` (a call into an engine that takes its submit lock or waits) from inside a
+/// kernel launcher, of this engine or any other (see [`LAUNCHING`]), which could deadlock the
+/// process.
+fn not_launching(what: &str) -> PyResult<()> {
+    if launching() {
         return Err(invalid(format!(
-            "{what} called from inside this engine's kernel launcher (or a launcher it started), \
-             which runs while the engine holds its submit lock: a launcher may only launch its \
-             kernel"
+            "{what} called from inside a kernel launcher (this engine's or another's), which \
+             runs while its engine holds its submit lock: a launcher may only launch its kernel, \
+             never call into an engine that locks or waits"
         )));
     }
     Ok(())

@@ -1,6 +1,7 @@
 """Reliability, 6. A Python kernel launcher: it runs inside a submission, while the engine holds
-its submit lock. A call from it into its own engine is refused rather than deadlocked, and the
-other threads' calls that do not need the lock (``wait``) are not held up by it; a second
+its submit lock. A call from it into its own engine, or into any other (whose launcher, on another
+thread, may be calling into this one), that takes a submit lock or waits is refused rather than
+deadlocked, and the other threads' calls that do not need the lock (``wait``) are not held up by it; a second
 ``shutdown`` returns once the first has drained; a child forked while the lock was held can shut
 its copy of the engine down."""
 
@@ -90,15 +91,17 @@ def test_a_launcher_calling_into_its_own_engine_is_refused_not_deadlocked() -> N
         (seen,) = out[name]["seen"]
         kind, msg = seen
         assert kind == "InvalidTransferError", (name, seen)
-        assert msg.startswith(f"{name} called from inside this engine's kernel launcher"), msg
+        assert msg.startswith(f"{name} called from inside a kernel launcher"), msg
+        assert "a launcher may only launch its kernel" in msg, msg
         _, ok, error = out[name]["result"]
-        assert not ok and "from inside this engine's kernel launcher" in error, out[name]
+        assert not ok and "a launcher may only launch its kernel" in error, out[name]
     assert out["after"] == [[50, True]] and out["bytes"]
 
 
-# Engine A's launcher submits to engine B with a launcher of its own, which calls back into A:
-# A's submit lock is held by this very thread, one launcher further out.
-NESTED = """
+# Engine A's launcher calls into engine B: B's submit lock may be held by a thread in B's own
+# launcher calling into A, whose lock this submission holds. Refused as a call into A itself is;
+# B is left as it was.
+OTHER = """
 import json
 import numpy as np
 import blockswap
@@ -109,44 +112,129 @@ dst = [np.zeros(4096, dtype=np.uint8) for _ in range(2)]
 for e, d in ((a, dst[0]), (b, dst[1])):
     e.register(src, kind="host")
     e.register(d, kind="device")
-s = src.ctypes.data
-seen = []
+s, db = src.ctypes.data, dst[1].ctypes.data
+calls = {
+    "submit": lambda: b.submit(
+        90, [s], [db], [1024], kernel_below=1 << 20, launcher=lambda *args: None),
+    "wait": lambda: b.wait([90], timeout=5),
+    "shutdown": lambda: b.shutdown(),
+    "register": lambda: b.register(np.zeros(64, np.uint8)),
+    "alloc_host": lambda: b.alloc_host(64),
+}
+out = {"in_launcher": []}
+for job, (name, call) in enumerate(calls.items(), start=1):
+    seen = []
 
-def launcher_b(*args):
-    try:
-        a.submit(99, [s], [dst[0].ctypes.data + 2048], [8])
-    except blockswap.BlockswapError as e:
-        seen.append([type(e).__name__, str(e)])
-        raise
+    def launcher_a(*args, call=call, seen=seen):
+        out["in_launcher"].append(blockswap._core.in_launcher())
+        try:
+            call()
+        except blockswap.BlockswapError as e:
+            seen.append([type(e).__name__, str(e)])
+            raise
 
-def launcher_a(*args):
-    b.submit(2, [s], [dst[1].ctypes.data], [1024], kernel_below=1 << 20, launcher=launcher_b)
-
-a.submit(1, [s], [dst[0].ctypes.data], [1024], kernel_below=1 << 20, launcher=launcher_a)
-out = {"seen": seen}
-for name, e, job in (("a", a, 1), ("b", b, 2)):
+    a.submit(job, [s], [dst[0].ctypes.data], [1024], kernel_below=1 << 20, launcher=launcher_a)
+    a.wait([job], timeout=30)
+    (r,) = a.get_finished()
+    out[name] = {"seen": seen, "result": [r.job_id, r.success, r.error]}
+out["in_launcher"].append(blockswap._core.in_launcher())
+out["b_before"] = [[r.job_id, r.success] for r in b.get_finished()]
+for name, e, d, job in (("a", a, dst[0], 20), ("b", b, dst[1], 21)):
+    e.submit(job, [s], [d.ctypes.data], [4096])
     e.wait([job], timeout=30)
-    out[name] = [[r.job_id, r.success, r.error] for r in e.get_finished()]
-a.submit(3, [s], [dst[0].ctypes.data], [4096])
-a.wait([3], timeout=30)
-out["after"] = [[r.job_id, r.success] for r in a.get_finished()]
-out["bytes"] = bool(np.array_equal(src, dst[0]))
+    out[name] = [[r.job_id, r.success] for r in e.get_finished()]
+out["bytes"] = all(bool(np.array_equal(src, d)) for d in dst)
 a.shutdown()
 b.shutdown()
 print(json.dumps(out))
 """
 
 
-def test_a_launcher_reaching_its_engine_through_another_engines_launcher_is_refused() -> None:
-    out = run_isolated(NESTED)
-    ((kind, msg),) = out["seen"]
-    assert kind == "InvalidTransferError"
-    assert msg.startswith("submit called from inside this engine's kernel launcher"), msg
-    # B's transfer fails with its launcher's error; A's (whose launcher only submitted) runs.
-    ((job, ok, error),) = out["b"]
-    assert (job, ok) == (2, False) and "from inside this engine's kernel launcher" in error
-    assert out["a"] == [[1, True, None]]
-    assert out["after"] == [[3, True]] and out["bytes"]
+def test_a_launcher_calling_into_another_engine_is_refused() -> None:
+    out = run_isolated(OTHER)
+    for name in ("submit", "wait", "shutdown", "register", "alloc_host"):
+        ((kind, msg),) = out[name]["seen"]
+        assert kind == "InvalidTransferError", (name, msg)
+        assert msg.startswith(f"{name} called from inside a kernel launcher"), msg
+        assert "a launcher may only launch its kernel" in msg, msg
+        _, ok, error = out[name]["result"]
+        assert not ok and "a launcher may only launch its kernel" in error, out[name]
+    assert out["in_launcher"] == [True] * 5 + [False]
+    # Nothing reached B from A's launchers; both engines work afterwards.
+    assert out["b_before"] == []
+    assert out["a"] == [[20, True]] and out["b"] == [[21, True]] and out["bytes"]
+
+
+# Two engines, two threads: A's launcher submits to B while B's submits to A, each under its own
+# engine's submit lock (a barrier makes sure both are there). Before the rule covered every
+# engine, each waited for the other's lock forever.
+ABBA = """
+import json, os, threading
+import numpy as np
+import blockswap
+
+def make(seed):
+    e = blockswap.Engine("host")
+    src = np.random.default_rng(seed).integers(1, 256, 1 << 16, dtype=np.uint8)
+    dst = np.zeros(1 << 16, dtype=np.uint8)
+    e.register(src, kind="host")
+    e.register(dst, kind="device")
+    return e, src, dst
+
+(a, sa, da), (b, sb, db) = make(5), make(6)
+barrier = threading.Barrier(2, timeout=30)
+seen = {"a": [], "b": []}
+
+def launcher(name, other, src, dst):
+    def launch(*args):
+        barrier.wait()  # both threads are in a launcher, under their own engine's lock
+        try:
+            other.submit(10, [src.ctypes.data], [dst.ctypes.data + 8192], [64])
+        except blockswap.BlockswapError as e:
+            seen[name].append([type(e).__name__, str(e)])
+            raise
+    return launch
+
+def run(e, src, dst, launch):
+    e.submit(1, [src.ctypes.data], [dst.ctypes.data], [4096], kernel_below=1 << 20,
+             launcher=launch)
+
+threads = [
+    threading.Thread(target=run, args=(a, sa, da, launcher("a", b, sb, db)), daemon=True),
+    threading.Thread(target=run, args=(b, sb, db, launcher("b", a, sa, da)), daemon=True),
+]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join(30)
+out = {"hung": any(t.is_alive() for t in threads), "seen": seen}
+if out["hung"]:
+    print(json.dumps(out), flush=True)
+    os._exit(0)  # the engines' locks are held forever: no shutdown
+for name, e, src, dst in (("a", a, sa, da), ("b", b, sb, db)):
+    e.wait([1], timeout=30)
+    out[name] = [[r.job_id, r.success, r.error] for r in e.get_finished()]
+    e.submit(2, [src.ctypes.data], [dst.ctypes.data], [1 << 16])
+    e.wait([2], timeout=30)
+    out[name] += [[r.job_id, r.success, r.error] for r in e.get_finished()]
+    out[name + "_bytes"] = bool(np.array_equal(src, dst))
+    e.shutdown()
+print(json.dumps(out))
+"""
+
+
+def test_launchers_of_two_engines_calling_into_each_other_are_refused_not_deadlocked() -> None:
+    out = run_isolated(ABBA, timeout=120)
+    assert not out["hung"], "the launchers of two engines deadlocked on each other's lock"
+    for name in ("a", "b"):
+        ((kind, msg),) = out["seen"][name]
+        assert kind == "InvalidTransferError"
+        assert msg.startswith("submit called from inside a kernel launcher"), msg
+        assert "a launcher may only launch its kernel" in msg, msg
+        # The transfer whose launcher failed is reported failed with it; the engine works on.
+        (job, ok, error), after = out[name]
+        assert (job, ok) == (1, False) and "a launcher may only launch its kernel" in error
+        assert after == [2, True, None] and out[name + "_bytes"]
 
 
 class _HeldLauncher:

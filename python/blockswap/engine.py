@@ -99,10 +99,10 @@ class Engine(_core.Engine):
         """Held across a registration's change in the core and in :attr:`_kept`, so that the
         two agree whichever threads register and unregister at once: the core never holds a
         registration whose object the engine let go, nor the engine an object the core does
-        not hold. Not taken inside one of this engine's kernel launchers, where the core
-        refuses the call anyway and another thread holding the lock may wait for the
+        not hold. Not taken inside a kernel launcher (this engine's or another's), where the
+        core refuses the call anyway and another thread holding the lock may wait for the
         launcher's own submission."""
-        if _core.in_launcher(self):
+        if _core.in_launcher():
             return contextlib.nullcontext()
         pid = os.getpid()
         held: tuple[int, threading.Lock] = self.__dict__.setdefault(
@@ -118,6 +118,12 @@ class Engine(_core.Engine):
         # Drain before the registered objects in ``_kept`` go: the instance dict is cleared in no
         # particular order. Shutdown returns once the backend has stopped, its copies done (the
         # host worker is joined, CUDA streams synchronised).
+        if _core.in_launcher():
+            # Collected inside a kernel launcher (another engine's), where the core refuses every
+            # call that waits: the core's drop drains the engine after the dict is gone, so the
+            # objects its copies may reach are kept for the life of the process.
+            _ABANDONED.append((self.__dict__.get("_objects"), self.__dict__.get("_held")))
+            return
         _core.Engine.shutdown(self)
         if self.stats().get("shutdown_timed_out"):
             # Copies the shutdown gave up on may still read or write the registered objects:

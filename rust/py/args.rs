@@ -433,6 +433,18 @@ pub(super) fn job_id(value: &Bound<'_, PyAny>) -> PyResult<u64> {
     int("job_id", value, IntArg::within(0, U64_MAX))
 }
 
+/// `Engine.wait`'s job ids: any iterable of job ids but a `str` or `bytes`.
+pub(super) fn job_ids(job_ids: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
+    let iterable = !(job_ids.is_instance_of::<PyString>() || job_ids.is_instance_of::<PyBytes>());
+    match job_ids.try_iter() {
+        Ok(it) if iterable => it.map(|j| job_id(&j?)).collect(),
+        _ => Err(invalid(format!(
+            "job_ids must be an iterable of job ids, not {}",
+            job_ids.get_type().name()?
+        ))),
+    }
+}
+
 /// Integers as a transfer names them (addresses, sizes, block ids), copied into owned memory.
 ///
 /// The copy is what gets validated and used: the caller's array is not read again once the GIL

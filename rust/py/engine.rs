@@ -10,12 +10,13 @@
 use std::sync::Arc;
 
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyString};
+use pyo3::types::PyDict;
 
 use super::args::{
     self, direction_arg, kind_arg, launcher_arg, Given, IntArg, BACKENDS, COMPLETIONS, COPY_PATHS,
     I128, I32, ORDERS, STREAM, U64, U64_MAX,
 };
+use super::detached::DropDetached;
 use super::submit::{self, submission};
 use super::{call_launcher, invalid, not_launching, PyTransferResult};
 use crate::backend::cuda::{CudaBackend, CudaOptions};
@@ -81,8 +82,9 @@ use crate::table;
 pub(super) struct PyEngine {
     // Boxed: the engine's lock-free queues are cache-line aligned (128 bytes), more than the
     // 16 bytes Python's allocator gives the object PyO3 writes this struct into. Held inline,
-    // every access would be a misaligned reference (debug builds abort on the first one).
-    pub(super) engine: Box<Engine>,
+    // every access would be a misaligned reference (debug builds abort on the first one). Dropped
+    // with the GIL released (the drop drains the engine, takes the host-buffer table's lock).
+    pub(super) engine: DropDetached<Box<Engine>>,
 }
 
 #[pymethods]
@@ -241,7 +243,7 @@ impl PyEngine {
             Arc::new(HostBackend::with_cpus(cpus))
         };
         let engine = PyEngine {
-            engine: Box::new(Engine::try_new(backend, config)?),
+            engine: DropDetached::new(Box::new(Engine::try_new(backend, config)?)),
         };
         // What the core chose, logged by the Python layer (the package's logger).
         let info = engine.info(py)?;
@@ -281,7 +283,7 @@ impl PyEngine {
         kernel_below: Given<'_>,
         launcher: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        not_launching(&self.engine, "submit")?;
+        not_launching("submit")?;
         let job_id = args::job_id(job_id)?;
         let launcher = launcher_arg(launcher)?;
         let (s, d, z) = (
@@ -298,8 +300,7 @@ impl PyEngine {
             })
             .into());
         }
-        let launch =
-            |b: KernelBatch| call_launcher(&self.engine, launcher.as_ref().expect("routed"), b);
+        let launch = |b: KernelBatch| call_launcher(launcher.as_ref().expect("routed"), b);
         let kernel = (launcher.is_some() && kernel_below > 0).then_some((
             kernel_below,
             PageKernel::Launcher(&launch as KernelLauncher<'_>),
@@ -344,7 +345,7 @@ impl PyEngine {
         name: Given<'_>,
         unit: Given<'_>,
     ) -> PyResult<u32> {
-        not_launching(&self.engine, "register_table")?;
+        not_launching("register_table")?;
         let mut cols = Vec::with_capacity(3);
         for (col, values) in [("bases", bases), ("strides", strides), ("nbytes", nbytes)] {
             let v = args::ids(col, values)?;
@@ -378,7 +379,7 @@ impl PyEngine {
 
     /// Removes a block table (refused while transfers are in flight).
     fn unregister_table(&self, py: Python<'_>, table: &Bound<'_, PyAny>) -> PyResult<()> {
-        not_launching(&self.engine, "unregister_table")?;
+        not_launching("unregister_table")?;
         let table = args::table_id(table)?;
         Ok(py.detach(|| self.engine.unregister_table(table))?)
     }
@@ -406,7 +407,7 @@ impl PyEngine {
         kernel_below: Given<'_>,
         launcher: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        not_launching(&self.engine, "submit_blocks")?;
+        not_launching("submit_blocks")?;
         let job_id = args::job_id(job_id)?;
         let launcher = launcher_arg(launcher)?;
         let (src_table, dst_table) = (args::table_id(src_table)?, args::table_id(dst_table)?);
@@ -415,8 +416,7 @@ impl PyEngine {
             args::ids("dst_ids", dst_ids)?,
         );
         let (dir, wait_stream, kernel_below) = submission(&direction, wait_stream, &kernel_below)?;
-        let launch =
-            |b: KernelBatch| call_launcher(&self.engine, launcher.as_ref().expect("routed"), b);
+        let launch = |b: KernelBatch| call_launcher(launcher.as_ref().expect("routed"), b);
         let kernel = (launcher.is_some() && kernel_below > 0).then_some((
             kernel_below,
             PageKernel::Launcher(&launch as KernelLauncher<'_>),
@@ -453,7 +453,7 @@ impl PyEngine {
         direction: Given<'_>,
         wait_stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        not_launching(&self.engine, "submit_block_runs")?;
+        not_launching("submit_block_runs")?;
         let job_id = args::job_id(job_id)?;
         let (src_table, dst_table) = (args::table_id(src_table)?, args::table_id(dst_table)?);
         let (s, d) = (
@@ -519,7 +519,7 @@ impl PyEngine {
         wait_stream: Option<&Bound<'_, PyAny>>,
         route: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        not_launching(&self.engine, "submit_groups")?;
+        not_launching("submit_groups")?;
         let job_id = args::job_id(job_id)?;
         let (dir, wait_stream, _) = submission(&direction, wait_stream, &Given(None))?;
         let (tables, ids) = submit::groups(groups, dir)?;
@@ -552,7 +552,7 @@ impl PyEngine {
         wait_stream: Option<&Bound<'_, PyAny>>,
         route: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        not_launching(&self.engine, "submit_group")?;
+        not_launching("submit_group")?;
         let job_id = args::job_id(job_id)?;
         let (dir, wait_stream, _) = submission(&direction, wait_stream, &Given(None))?;
         // Woken while the ids are read; detached, as in `wake`.
@@ -596,7 +596,7 @@ impl PyEngine {
         wait_stream: Option<&Bound<'_, PyAny>>,
         route: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        not_launching(&self.engine, "submit_spec")?;
+        not_launching("submit_spec")?;
         let job_id = args::job_id(job_id)?;
         let (dir, wait_stream, _) = submission(&direction, wait_stream, &Given(None))?;
         py.detach(|| self.engine.wake(dir));
@@ -629,7 +629,7 @@ impl PyEngine {
     /// ``None`` on the host backend. A kernel whose parameters are neither kind's raises
     /// :class:`blockswap.BackendError`.
     fn load_kernel(&self, py: Python<'_>, kernel: &Bound<'_, PyDict>) -> PyResult<Option<u32>> {
-        not_launching(&self.engine, "load_kernel")?;
+        not_launching("load_kernel")?;
         let get = |k: &str| -> PyResult<Bound<'_, PyAny>> {
             kernel
                 .get_item(k)?
@@ -658,7 +658,7 @@ impl PyEngine {
     /// one chunk inside one registered region): what the staged plan moves across PCIe per
     /// block, at most :attr:`stage_bytes`. ``None`` for any other layout.
     fn staged_row(&self, py: Python<'_>, table: &Bound<'_, PyAny>) -> PyResult<Option<u64>> {
-        not_launching(&self.engine, "staged_row")?;
+        not_launching("staged_row")?;
         let table = args::table_id(table)?;
         // The engine lock: taken with the GIL released (see `register_table`).
         Ok(py.detach(|| self.engine.staged_row(table))?)
@@ -678,7 +678,7 @@ impl PyEngine {
         direction: &Bound<'_, PyAny>,
         ring: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        not_launching(&self.engine, "prepare_staged")?;
+        not_launching("prepare_staged")?;
         let dir = direction_arg(direction)?;
         let ring = ring.map_or(Ok(true), |r| args::flag("ring", r))?;
         // Detached: device allocations take a while, and the lane's stage lock is the engine
@@ -709,7 +709,7 @@ impl PyEngine {
         dst_table: &Bound<'_, PyAny>,
         direction: Given<'_>,
     ) -> PyResult<Option<Vec<(usize, u64, u64, u64, u64)>>> {
-        not_launching(&self.engine, "block_runs")?;
+        not_launching("block_runs")?;
         let (src_table, dst_table) = (args::table_id(src_table)?, args::table_id(dst_table)?);
         let dir = direction.or(Direction::HostToDevice, direction_arg)?;
         let runs = py.detach(|| self.engine.block_runs(src_table, dst_table, dir))?;
@@ -735,7 +735,7 @@ impl PyEngine {
         direction: Given<'_>,
         insist: Given<'_>,
     ) -> PyResult<(bool, String)> {
-        not_launching(&self.engine, "block_route")?;
+        not_launching("block_route")?;
         let pairs = pairs
             .try_iter()?
             .map(|p| {
@@ -761,7 +761,7 @@ impl PyEngine {
         py: Python<'_>,
         host_tables: &Bound<'_, PyAny>,
     ) -> PyResult<(Option<u64>, String)> {
-        not_launching(&self.engine, "staged_route")?;
+        not_launching("staged_route")?;
         let host_tables = args::table_ids(host_tables)?;
         let route = py.detach(|| self.engine.staged_route(&host_tables))?;
         Ok(match route {
@@ -789,20 +789,8 @@ impl PyEngine {
         job_ids: &Bound<'_, PyAny>,
         timeout: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        not_launching(&self.engine, "wait")?;
-        let iterable = !(job_ids.is_instance_of::<PyString>()
-            || job_ids.is_instance_of::<pyo3::types::PyBytes>());
-        let ids = match job_ids.try_iter() {
-            Ok(it) if iterable => it
-                .map(|j| args::job_id(&j?))
-                .collect::<PyResult<Vec<u64>>>()?,
-            _ => {
-                return Err(invalid(format!(
-                    "job_ids must be an iterable of job ids, not {}",
-                    job_ids.get_type().name()?
-                )))
-            }
-        };
+        not_launching("wait")?;
+        let ids = args::job_ids(job_ids)?;
         let timeout = match timeout {
             Some(t) if !t.is_none() => Some(
                 engine::seconds("timeout", args::seconds("timeout", t)?)
@@ -816,7 +804,7 @@ impl PyEngine {
     /// Waits for transfers in flight and stops the backend; results stay available. Transfers
     /// still in flight after the engine's ``shutdown_timeout`` are reported failed. Idempotent.
     fn shutdown(&self, py: Python<'_>) -> PyResult<()> {
-        not_launching(&self.engine, "shutdown")?;
+        not_launching("shutdown")?;
         py.detach(|| self.engine.shutdown());
         Ok(())
     }
@@ -836,7 +824,7 @@ impl PyEngine {
         nbytes: &Bound<'_, PyAny>,
         kind: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        not_launching(&self.engine, "register")?;
+        not_launching("register")?;
         let ptr: u64 = args::int("ptr", ptr, U64)?;
         let kind = kind_arg(kind)?;
         let nbytes: u64 = args::int("nbytes", nbytes, IntArg::within(1, U64_MAX))?;
@@ -849,7 +837,7 @@ impl PyEngine {
     /// Page-locks ``nbytes`` of existing host memory at ``ptr`` (``cuMemHostRegister`` on CUDA)
     /// and registers it as host memory (what :meth:`blockswap.Engine.pin` calls).
     fn _pin(&self, py: Python<'_>, ptr: u64, nbytes: &Bound<'_, PyAny>) -> PyResult<()> {
-        not_launching(&self.engine, "pin")?;
+        not_launching("pin")?;
         let nbytes: u64 = args::int("nbytes", nbytes, IntArg::within(1, U64_MAX))?;
         // SAFETY: as for `register`: the Python caller vouches for the range.
         py.detach(|| unsafe { self.engine.pin(ptr, nbytes) })
@@ -858,7 +846,7 @@ impl PyEngine {
 
     /// Removes the registration at ``ptr`` (what :meth:`blockswap.Engine.unregister` calls).
     fn _unregister(&self, py: Python<'_>, ptr: &Bound<'_, PyAny>) -> PyResult<()> {
-        not_launching(&self.engine, "unregister")?;
+        not_launching("unregister")?;
         let ptr: u64 = args::int("ptr", ptr, U64)?;
         Ok(py.detach(|| self.engine.unregister(ptr))?)
     }
@@ -866,7 +854,7 @@ impl PyEngine {
     /// Allocates ``nbytes`` of host memory (page-locked on CUDA), registered; returns its
     /// address (what :meth:`blockswap.Engine.alloc_host` calls).
     fn _alloc_host(&self, py: Python<'_>, nbytes: &Bound<'_, PyAny>) -> PyResult<u64> {
-        not_launching(&self.engine, "alloc_host")?;
+        not_launching("alloc_host")?;
         let nbytes: usize = args::int("nbytes", nbytes, IntArg::within(1, U64_MAX))?;
         Ok(py.detach(|| self.engine.alloc_host(nbytes))?)
     }
@@ -874,7 +862,7 @@ impl PyEngine {
     /// Frees the buffer at ``ptr`` from ``_alloc_host`` (what
     /// :meth:`blockswap.Engine.free_host` calls).
     fn _free_host(&self, py: Python<'_>, ptr: u64) -> PyResult<()> {
-        not_launching(&self.engine, "free_host")?;
+        not_launching("free_host")?;
         py.detach(|| self.engine.free_host(ptr)).map_err(Into::into)
     }
 

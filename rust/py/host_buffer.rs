@@ -7,6 +7,7 @@ use pyo3::prelude::*;
 use crate::hostmem::AllocProgress;
 
 use super::args::{self, IntArg};
+use super::detached::DropDetached;
 use super::{cuda, hostmem, invalid, HostBuffer, Pinner};
 
 /// Host memory of `rows` rows of `row_bytes` bytes, exactly that size, page-locked in pieces of
@@ -14,7 +15,10 @@ use super::{cuda, hostmem, invalid, HostBuffer, Pinner};
 /// pinned, but the pieces are recorded the same). Engines register it one region per piece.
 #[pyclass(name = "HostBuffer", module = "blockswap._core", frozen)]
 pub(super) struct PyHostBuffer {
-    buf: HostBuffer,
+    /// Dropped with the GIL released: the drop takes the process-wide table of host buffers'
+    /// lock, which an unpin of another buffer holds across the driver's unlock of every piece,
+    /// then unpins and unmaps.
+    buf: DropDetached<HostBuffer>,
     backend: &'static str,
 }
 
@@ -76,7 +80,7 @@ impl PyHostBuffer {
             HostBuffer::with_progress(rows, row_bytes, piece_bytes, pinner, progress.as_deref())
         })?;
         Ok(PyHostBuffer {
-            buf,
+            buf: DropDetached::new(buf),
             backend: if cuda { "cuda" } else { "host" },
         })
     }
@@ -107,9 +111,11 @@ impl PyHostBuffer {
         self.buf.pieces().to_vec()
     }
 
+    /// Detached: it waits for an unpin in progress (which holds the buffer while the driver
+    /// unlocks every piece).
     #[getter]
-    fn pinned(&self) -> bool {
-        self.buf.is_pinned()
+    fn pinned(&self, py: Python<'_>) -> bool {
+        py.detach(|| self.buf.is_pinned())
     }
 
     #[getter]
@@ -117,10 +123,11 @@ impl PyHostBuffer {
         self.backend
     }
 
-    /// Engine registrations in the buffer now.
+    /// Engine registrations in the buffer now. Detached: it takes the process-wide table of
+    /// host buffers' lock, which an unpin holds while the driver unlocks every piece.
     #[getter]
-    fn users(&self) -> usize {
-        self.buf.users()
+    fn users(&self, py: Python<'_>) -> usize {
+        py.detach(|| self.buf.users())
     }
 
     /// Unpins every piece now (refused while engines hold registrations in it); the memory

@@ -294,15 +294,11 @@ impl PyRoute {
     }
 }
 
-/// Calls the route's Python launcher (taking the GIL) for a transfer of `engine`; only reached
-/// for a route that has one.
-pub(super) fn launch_with(
-    engine: &engine::Engine,
-    route: &PyRoute,
-    batch: KernelBatch,
-) -> Result<(), String> {
+/// Calls the route's Python launcher (taking the GIL) for a transfer; only reached for a route
+/// that has one.
+pub(super) fn launch_with(route: &PyRoute, batch: KernelBatch) -> Result<(), String> {
     match route.python_launcher() {
-        Some(l) => call_launcher(engine, l, batch),
+        Some(l) => call_launcher(l, batch),
         None => Err("the route has no launcher".into()),
     }
 }
@@ -346,9 +342,9 @@ pub(super) fn choose_route(
 ) -> PyResult<PyRoute> {
     let dir = super::direction(direction)?;
     let engine = engine.as_deref().map(|e| &*e.engine);
-    if let Some(e) = engine {
+    if engine.is_some() {
         // Its queries take the engine's submit lock, which a launcher's submission holds.
-        super::not_launching(e, "choose_route")?;
+        super::not_launching("choose_route")?;
     }
     let tables = tables.unwrap_or_default();
     let host: Vec<u32> = tables.iter().map(|&(_, c)| c).collect();

@@ -128,7 +128,7 @@ pub(super) fn issue_groups(
     };
     let route = route.map(Bound::get);
     py.detach(|| {
-        let launch = |b: KernelBatch| launch_with(engine, route.expect("a launcher's route"), b);
+        let launch = |b: KernelBatch| launch_with(route.expect("a launcher's route"), b);
         let core = route.map_or(Plan::Pages(None), |r| r.core(&launch as KernelLauncher<'_>));
         engine.submit_groups(job_id, gs, dir, wait_stream, core)
     })
