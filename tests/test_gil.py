@@ -59,10 +59,18 @@ SCRIPT = textwrap.dedent(
         entered.set()
 
     # ...so this submit holds the engine lock, waiting for it, then calls the Python launcher.
-    t = threading.Thread(target=lambda: eng.submit(
-        2, [src.ctypes.data], [dst.ctypes.data + big - 4096], [4096],
-        kernel_below=1 << 20, launcher=launcher))
+    submitting = threading.Event()
+
+    def submit():
+        submitting.set()
+        eng.submit(2, [src.ctypes.data], [dst.ctypes.data + big - 4096], [4096],
+                   kernel_below=1 << 20, launcher=launcher)
+
+    t = threading.Thread(target=submit)
     t.start()
+    # The call below comes after the submit took the lock: the thread is in it (a call that went
+    # first, ``shutdown`` say, would refuse the submit instead), and gives the GIL up only there.
+    submitting.wait()
     time.sleep(0.005)
     calls = {
         "register": lambda: eng.register(np.zeros(4096, np.uint8), kind="host"),
