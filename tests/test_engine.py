@@ -16,6 +16,7 @@ from blockswap import (
     PoolExhaustedError,
     ShutdownError,
 )
+from reliability_helpers import join_all
 
 MiB = 1 << 20
 
@@ -352,8 +353,7 @@ def _at_once(**calls: Callable[[], object]) -> dict[str, BaseException | None]:
     threads = [threading.Thread(target=run, args=item) for item in calls.items()]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join(30)
+    join_all(threads)
     return out
 
 
