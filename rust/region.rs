@@ -8,8 +8,10 @@
 //!
 //! A large host buffer is registered in pieces (one driver registration of 512 GiB or more fails;
 //! see [`crate::hostmem`]): adjacent regions, each piece after the first starting at a *seam*. A
-//! block table may span several adjacent regions ([`RegionTable::cover`]), but no single copy
-//! ever crosses from one region into the next, and no 2-D copy joins rows across a seam.
+//! block table may span several adjacent regions ([`RegionTable::cover`]), or have its pages in
+//! regions with gaps between them ([`RegionTable::cover_pages`]: one rank's cells of a region
+//! other ranks share), but no single copy ever crosses from one region into the next, and no 2-D
+//! copy joins rows across a seam.
 
 use std::fmt;
 
@@ -280,11 +282,108 @@ impl RegionTable {
             }
         }
     }
+
+    /// Where the pages `[addr + b * stride, +size)`, `b` in `0..num_blocks`, each lie in regions
+    /// of `kind` as [`Self::cover`] takes a range, with bytes between pages that no region holds
+    /// (one rank's cells of a region other ranks share, each cell registered on its own): the
+    /// indices from the first page's region to the last page's. `Err(b)`: page `b` is the first
+    /// that is not inside registered memory of `kind`. `size` and `num_blocks` must be positive,
+    /// `stride >= size` where there are several pages, and the last page must not overflow (the
+    /// caller checked). The pages inside one run of adjacent regions are taken together, so the
+    /// work grows with the regions met, not with `num_blocks`.
+    pub fn cover_pages(
+        &self,
+        addr: u64,
+        stride: u64,
+        num_blocks: u64,
+        size: u64,
+        kind: MemoryKind,
+    ) -> Result<std::ops::Range<usize>, u64> {
+        let regions = &self.regions;
+        // The first region that ends after the current page's start: pages go up, so it only
+        // moves forward.
+        let mut at = regions.partition_point(|r| r.end <= addr);
+        let mut first = None;
+        let mut last = at;
+        let mut b = 0;
+        while b < num_blocks {
+            let page = addr + b * stride;
+            while regions.get(at).is_some_and(|r| r.end <= page) {
+                at += 1;
+            }
+            if !regions
+                .get(at)
+                .is_some_and(|r| r.start <= page && r.kind == kind)
+            {
+                return Err(b);
+            }
+            // The run of adjacent regions of `kind` from the one holding the page.
+            let mut j = at;
+            while regions
+                .get(j + 1)
+                .is_some_and(|n| n.start == regions[j].end && n.kind == kind)
+            {
+                j += 1;
+            }
+            let end = regions[j].end;
+            if end - page < size {
+                return Err(b);
+            }
+            // Every later page that ends inside the run is in it too; the next one is not.
+            let through = match (end - size - addr).checked_div(stride) {
+                Some(k) => k.min(num_blocks - 1),
+                None => num_blocks - 1,
+            };
+            let reach = addr + through * stride + size;
+            first.get_or_insert(at);
+            last = at + regions[at..=j].partition_point(|r| r.start < reach) - 1;
+            b = through + 1;
+        }
+        Ok(first.map_or(0..0, |f| f..last + 1))
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cover_pages_takes_the_pages_a_run_holds_together() {
+        // Two cells of 256 bytes a row of 1 KiB, and a huge region after a gap.
+        let mut t = RegionTable::default();
+        t.insert(0x1000, 256, MemoryKind::Host).unwrap();
+        t.insert(0x1400, 256, MemoryKind::Host).unwrap();
+        t.insert(0x1500, 256, MemoryKind::Host).unwrap(); // adjacent: one run with the last
+        t.insert(0x2000, 1 << 62, MemoryKind::Host).unwrap();
+        assert_eq!(
+            t.cover_pages(0x1000, 1024, 2, 256, MemoryKind::Host),
+            Ok(0..2)
+        );
+        assert_eq!(
+            t.cover_pages(0x1000, 1024, 2, 512, MemoryKind::Host),
+            Err(0)
+        );
+        assert_eq!(
+            t.cover_pages(0x1400, 256, 2, 256, MemoryKind::Host),
+            Ok(1..3)
+        );
+        assert_eq!(
+            t.cover_pages(0x1000, 1024, 3, 256, MemoryKind::Host),
+            Err(2)
+        );
+        assert_eq!(
+            t.cover_pages(0x1000, 1024, 2, 256, MemoryKind::Device),
+            Err(0)
+        );
+        // 2^61 pages of a byte through one region, then a gap: answered at once, naming it.
+        let n = 1u64 << 61;
+        assert_eq!(t.cover_pages(0x2000, 1, n, 1, MemoryKind::Host), Ok(3..4));
+        let after = 0x2000 + (1u64 << 62);
+        assert_eq!(
+            t.cover_pages(0x2000, 2, (1 << 61) + 4, 1, MemoryKind::Host),
+            Err((after - 0x2000) / 2)
+        );
+    }
 
     #[test]
     fn insert_rejects_overlap_and_empty() {

@@ -3,9 +3,10 @@
 //! A KV cache is a few tensors whose blocks sit at fixed strides. A block table describes one
 //! side of it once (segment `s` of block `b` is `nbytes[s]` bytes at `bases[s] + b * strides[s]`),
 //! and is checked once, when registered, against the memory the engine knows: every segment's
-//! whole span must lie in registered memory of the table's kind, one region or several adjacent
-//! ones (a large host buffer is registered in pieces), with no page crossing from one region into
-//! the next. A transfer then only names block ids; [`expand_into`] checks them (in range;
+//! pages must lie in registered memory of the table's kind, its whole span in one region or
+//! several adjacent ones (a large host buffer is registered in pieces), or else each page in
+//! them with unregistered bytes between pages (one rank's cells of a region several ranks
+//! share, registered a cell each), and no page crossing from one region into the next. A transfer then only names block ids; [`expand_into`] checks them (in range;
 //! destinations unique) and writes the descriptors straight into a pool slab, segment-major and
 //! block-minor so that runs of consecutive blocks coalesce. No address from the caller is ever
 //! copied from unchecked, and no descriptor or 2-D copy crosses a boundary between two regions.
@@ -133,8 +134,8 @@ pub struct BlockTable {
     /// Per segment, the start of the driver allocation it lies in, where the backend knows
     /// (see [`BlockTable::in_allocations`]): a block plan's run never crosses from one to another.
     allocations: Vec<Option<u64>>,
-    /// Boundaries no copy may cross, sorted: between the adjacent regions covering a segment's
-    /// span, and every seam (the start of a piece of a host buffer) inside the table's span. No
+    /// Boundaries no copy may cross, sorted: the start of every region after the first that a
+    /// segment's pages lie in, and every seam (the start of a piece of a host buffer) inside the table's span. No
     /// page contains one strictly inside it (checked at registration); descriptors and 2-D
     /// copies never join pages across one.
     cuts: Vec<u64>,
@@ -210,6 +211,7 @@ impl BlockTable {
             });
         }
         let mut spans = Vec::with_capacity(n);
+        let mut covers = Vec::with_capacity(n);
         let mut cuts = Vec::new();
         for s in 0..n {
             let (base, stride, size) = (bases[s], strides[s], nbytes[s]);
@@ -228,16 +230,34 @@ impl BlockTable {
                 .and_then(|x| x.checked_add(size))
                 .filter(|&len| base.checked_add(len).is_some())
                 .ok_or_else(|| bad("the segment's span overflows the address space"))?;
-            let Some(cover) = regions.cover(base, len, kind) else {
-                return Err(TableError::NotRegistered {
-                    segment: s,
-                    start: base,
-                    len,
-                    kind,
-                });
+            // The span in adjacent regions, or else each page in them with gaps between (one
+            // rank's cells of a shared region, registered a cell each).
+            let cover = match regions.cover(base, len, kind) {
+                Some(cover) => cover,
+                None => regions
+                    .cover_pages(base, stride, num_blocks, size, kind)
+                    .map_err(|b| TableError::NotRegistered {
+                        segment: s,
+                        start: base + b * stride,
+                        len: size,
+                        kind,
+                    })?,
             };
-            cuts.extend(regions.regions()[cover].iter().skip(1).map(|r| r.start));
+            covers.push(cover);
             spans.push((base, len));
+        }
+        // Every region start after the first in a segment's cover is a boundary: pages that meet
+        // there lie in two registrations, and pages that do not meet are never joined. Segments
+        // of one table mostly share their cover (a cell per row holds every tensor's pages), so
+        // each region is counted once.
+        covers.sort_unstable_by_key(|c| (c.start, c.end));
+        let mut next = 0;
+        for c in covers {
+            let from = (c.start + 1).max(next);
+            if from < c.end {
+                cuts.extend(regions.regions()[from..c.end].iter().map(|r| r.start));
+            }
+            next = next.max(c.end);
         }
         let (lo, hi) = spans.iter().fold((u64::MAX, 0), |(lo, hi), &(b, len)| {
             (lo.min(b), hi.max(b + len))

@@ -41,22 +41,28 @@ fn region_of(regions: &RegionTable, addr: u64, len: u64, kind: MemoryKind) -> Op
         .position(|r| r.kind == kind && r.start <= addr && end <= r.end as u128)
 }
 
-/// Whether regions of `kind`, each starting where the one before it ends, hold all of `[addr,
-/// addr + len)`, by a linear scan.
-fn covered(regions: &RegionTable, addr: u64, len: u64, kind: MemoryKind) -> bool {
+/// The bytes of `[addr, addr + len)` that no region of `kind` holds, as `[start, end)` ranges in
+/// address order, by a linear scan.
+fn gaps(regions: &RegionTable, addr: u64, len: u64, kind: MemoryKind) -> Vec<(u128, u128)> {
     let end = addr as u128 + len as u128;
     let mut at = addr as u128;
+    let mut out = vec![];
     while at < end {
-        match regions
-            .regions()
-            .iter()
-            .find(|r| r.kind == kind && r.start as u128 <= at && at < r.end as u128)
-        {
+        let of_kind = || regions.regions().iter().filter(|r| r.kind == kind);
+        match of_kind().find(|r| r.start as u128 <= at && at < r.end as u128) {
             Some(r) => at = r.end as u128,
-            None => return false,
+            None => {
+                let next = of_kind()
+                    .map(|r| r.start as u128)
+                    .filter(|&s| s > at)
+                    .min()
+                    .map_or(end, |s| s.min(end));
+                out.push((at, next));
+                at = next;
+            }
         }
     }
-    true
+    out
 }
 
 /// A region to register: small and page-aligned (most inputs), or any 64-bit range.
@@ -645,7 +651,17 @@ pub mod expand {
                 z > 0
                     && (*nb == 1 || st >= z)
                     && b + len <= u64::MAX as u128
-                    && covered(regions, bases[s], len as u64, *kind)
+                    // No page meets a byte no region of the kind holds: of the pages starting
+                    // before a gap ends, the last reaches furthest into it.
+                    && gaps(regions, bases[s], len as u64, *kind).iter().all(|&(g0, g1)| {
+                        let block = if st == 0 || *nb == 1 {
+                            0
+                        } else {
+                            ((g1 - 1 - b) / st).min(*nb as u128 - 1)
+                        };
+                        let page = b + block * st;
+                        !(page < g1 && g0 < page + z)
+                    })
             });
         if !shaped {
             return None;

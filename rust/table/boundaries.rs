@@ -10,10 +10,19 @@ const HOST: u64 = 0x800000;
 /// One device region of `dev_len`; host memory of `host_len` registered in pieces that begin
 /// at the offsets `cuts`.
 fn regions(dev_len: u64, host_len: u64, cuts: &[u64]) -> RegionTable {
+    regions_with_holes(dev_len, host_len, cuts, &[])
+}
+
+/// As [`regions`], with the pieces numbered in `holes` left unregistered.
+fn regions_with_holes(dev_len: u64, host_len: u64, cuts: &[u64], holes: &[usize]) -> RegionTable {
     let mut t = RegionTable::default();
     t.insert(DEV, dev_len, MemoryKind::Device).unwrap();
     let mut at = 0;
-    for &c in cuts.iter().chain([&host_len]) {
+    for (k, &c) in cuts.iter().chain([&host_len]).enumerate() {
+        if holes.contains(&k) {
+            at = c;
+            continue;
+        }
         if at == 0 {
             t.insert(HOST, c, MemoryKind::Host).unwrap();
         } else {
@@ -34,6 +43,54 @@ fn block_major(segs: u64, z: u64, nb: u64, r: &RegionTable) -> Result<BlockTable
         MemoryKind::Host,
         r,
     )
+}
+
+/// One rank's cells of a region four ranks share (rows of 1 KiB, a 256-byte cell each, rank 1's
+/// registered a cell at a time): two tensors' 64-byte pages at `offsets` in each cell.
+fn rank_cells(offsets: &[u64], r: &RegionTable) -> Result<BlockTable, TableError> {
+    let n = offsets.len();
+    let bases = offsets.iter().map(|o| HOST + 256 + o).collect();
+    BlockTable::new(bases, vec![1024; n], vec![64; n], 6, MemoryKind::Host, r)
+}
+
+#[test]
+fn a_table_may_lie_in_cells_registered_one_by_one() {
+    let mut r = RegionTable::default();
+    for row in 0..6 {
+        r.insert(HOST + row * 1024 + 256, 256, MemoryKind::Host)
+            .unwrap();
+    }
+    let t = rank_cells(&[0, 128], &r).unwrap();
+    // Every cell after the first begins a registration no copy crosses into.
+    let starts: Vec<u64> = (1..6).map(|row| HOST + row * 1024 + 256).collect();
+    assert_eq!(t.cuts(), starts);
+    // A block's pages lie in its cell: the staged plan takes the cell (holes and all).
+    assert_eq!(staged_cell(&t), Some((192, true)));
+    // A page that reaches out of its cell into the next rank's is refused, named.
+    let out = rank_cells(&[0, 224], &r);
+    assert!(
+        matches!(out, Err(TableError::NotRegistered { segment: 1, start, len: 64, .. })
+            if start == HOST + 256 + 224),
+        "{out:?}"
+    );
+    // A cell left unregistered: refused at its first page.
+    let mut missing = r.clone();
+    missing.remove(HOST + 3 * 1024 + 256).unwrap();
+    let out = rank_cells(&[0, 128], &missing);
+    assert!(
+        matches!(out, Err(TableError::NotRegistered { segment: 0, start, .. })
+            if start == HOST + 3 * 1024 + 256),
+        "{out:?}"
+    );
+    // Another kind of memory in a cell's place: not this table's either.
+    let mut kinds = missing;
+    kinds
+        .insert(HOST + 3 * 1024 + 256, 256, MemoryKind::Device)
+        .unwrap();
+    assert!(matches!(
+        rank_cells(&[0, 128], &kinds),
+        Err(TableError::NotRegistered { segment: 0, .. })
+    ));
 }
 
 #[test]
@@ -196,10 +253,11 @@ fn region_of(r: &RegionTable, addr: u64, len: u64, kind: MemoryKind) -> usize {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(if cfg!(miri) { 2 } else { 256 }))]
 
-    /// Over host memory cut at any byte offsets, a table is refused exactly where a page
-    /// holds a cut strictly inside it; an accepted one moves the bytes of the naive copy,
-    /// page by page and by block plan, in descriptors and 2-D copies each inside one region
-    /// on each side (every row of a 2-D copy in the same one).
+    /// Over host memory cut at any byte offsets, some pieces left unregistered (`holes`: the
+    /// cells of other ranks), a table is refused exactly where a page touches a hole or holds
+    /// a cut strictly inside it; an accepted one moves the bytes of the naive copy, page by
+    /// page and by block plan, in descriptors and 2-D copies each inside one region on each
+    /// side (every row of a 2-D copy in the same one).
     #[test]
     fn copies_stay_inside_one_region(
         z in (1u64..5).prop_map(|p| p * 16),
@@ -210,6 +268,7 @@ proptest! {
         runs in prop::collection::vec((0u64..20, 1u64..5), 1..5),
         start in 0u64..20,
         d2h in any::<bool>(),
+        holes in prop::collection::vec(0usize..7, 0..3),
     ) {
         let host_len = segs * nb * z;
         // Cuts at page multiples (always fine for these layouts) or at any byte.
@@ -220,7 +279,13 @@ proptest! {
             .collect();
         cuts.sort_unstable();
         cuts.dedup();
-        let r = regions(0x100000, host_len, &cuts);
+        // The pieces' bounds (offsets); the last piece is never a hole.
+        let bounds: Vec<u64> = [0].into_iter().chain(cuts.iter().copied()).chain([host_len]).collect();
+        let holes: Vec<usize> = holes.into_iter().filter(|&k| k + 1 < bounds.len() - 1).collect();
+        let r = regions_with_holes(0x100000, host_len, &cuts, &holes);
+        let in_hole = |p: u64| holes.iter().any(|&k| {
+            p < HOST + bounds[k + 1] && HOST + bounds[k] < p + z
+        });
         let (cb, cs): (Vec<u64>, u64) = if block_major_cpu {
             ((0..segs).map(|s| HOST + s * z).collect(), segs * z)
         } else {
@@ -232,7 +297,18 @@ proptest! {
             let p = cb[s] + b * cs;
             cuts.iter().any(|&c| p < HOST + c && HOST + c < p + z)
         }));
+        let unregistered = (0..segs as usize).any(|s| (0..nb).any(|b| in_hole(cb[s] + b * cs)));
         let cpu = match cpu {
+            Err(TableError::NotRegistered { segment, start, len, .. }) if unregistered => {
+                // The first page of its segment that touches a hole, and no earlier segment's.
+                prop_assert!(in_hole(start) && len == z);
+                prop_assert!((0..segment).all(|s| (0..nb).all(|b| !in_hole(cb[s] + b * cs))));
+                prop_assert!((0..nb).map(|b| cb[segment] + b * cs).find(|&p| in_hole(p))
+                    == Some(start));
+                return Ok(());
+            }
+            Err(e) if unregistered => return Err(TestCaseError::fail(format!("{e}"))),
+            Ok(_) if unregistered => return Err(TestCaseError::fail("accepted a hole")),
             Err(TableError::Straddles { .. }) if straddles => return Ok(()),
             Err(e) => return Err(TestCaseError::fail(format!("{e}"))),
             Ok(_) if straddles => return Err(TestCaseError::fail("accepted a straddle")),

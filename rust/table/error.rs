@@ -9,8 +9,8 @@ use crate::region::MemoryKind;
 pub enum TableError {
     /// A segment that is empty, overflows, or whose pages overlap the next block's.
     BadSegment { segment: usize, reason: String },
-    /// A segment's span is not inside registered memory of the table's kind (one region, or
-    /// adjacent regions of that kind).
+    /// A page of a segment (`len` bytes at `start`, the first such page) is not inside registered
+    /// memory of the table's kind (one region, or adjacent regions of that kind).
     NotRegistered {
         segment: usize,
         start: u64,
@@ -111,8 +111,8 @@ impl fmt::Display for TableError {
                 kind,
             } => write!(
                 f,
-                "block table segment {segment} ([{start:#x}, +{len})) is not inside registered \
-                 {kind} memory"
+                "block table segment {segment}: the page [{start:#x}, +{len}) is not inside \
+                 registered {kind} memory"
             ),
             TableError::Straddles {
                 segment,
