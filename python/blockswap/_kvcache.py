@@ -268,11 +268,14 @@ def given_cpu_cache(
     layouts: Sequence[Layout],
     num_cpu_blocks: int,
     factor: int,
-    on_cuda: bool,
+    check_pinned: bool,
 ) -> list[list[torch.Tensor]]:
     """The caller's CPU cache as groups of tensors, checked against the GPU tensors: the same
     structure (``grouped``: whether ``gpu_caches`` was given as groups), dtypes and shapes but
-    the block dim, on the CPU, pinned on CUDA."""
+    the block dim, on the CPU, and pinned where ``check_pinned`` (on CUDA, where the engine
+    registers the tensors' spans; torch asks about a tensor's storage, so where the caller gives
+    the pieces it locked, the engine checks each as it registers it instead: a rank's cells of
+    a shared region lie in a storage whose start another rank locks)."""
     ng = len(gpu_groups)
     cpu_groups, cpu_grouped = as_groups(cpu_caches, "cpu_caches")
     if len(cpu_groups) != ng or cpu_grouped != grouped:
@@ -281,7 +284,7 @@ def given_cpu_cache(
             "the same structure"
         )
     for g, (cts, gts, lay) in enumerate(zip(cpu_groups, gpu_groups, layouts)):
-        _check_cpu_group(g, cts, gts, lay, on_cuda, num_cpu_blocks, factor)
+        _check_cpu_group(g, cts, gts, lay, check_pinned, num_cpu_blocks, factor)
     return cpu_groups
 
 
@@ -290,7 +293,7 @@ def _check_cpu_group(
     cts: Sequence[torch.Tensor],
     gts: Sequence[torch.Tensor],
     lay: str,
-    on_cuda: bool,
+    check_pinned: bool,
     num_cpu_blocks: int,
     factor: int,
 ) -> None:
@@ -326,7 +329,7 @@ def _check_cpu_group(
                 f"against {gpu_order}): a page's bytes are copied as they lie, so its values "
                 "would read permuted; give a CPU tensor laid out as the GPU one"
             )
-        if on_cuda and not c.is_pinned():
+        if check_pinned and not c.is_pinned():
             raise ConfigError(
                 f"cpu_caches group {g} tensor {i} is not pinned: the CUDA backend needs "
                 "page-locked memory (pin_memory=True)"

@@ -29,19 +29,41 @@ if TYPE_CHECKING:
 log = logging.getLogger("blockswap.vllm")
 
 
+#: The least a row must save for a rank to register only its own cells of the region, a cell a
+#: row, rather than whole rows (vLLM's ``MIN_HOST_REGISTER_SAVED_BYTES``): each registration
+#: costs a driver call per engine, so a few saved bytes are not worth one.
+MIN_SAVED_BYTES = 3 << 20
+
+
+def own_cells_only(region: SharedOffloadRegion, whole_rows: bool = False) -> bool:
+    """Whether this rank registers only its cells of ``region`` (vLLM's rule for its own
+    worker): a rank's cells (no ``replicated_layout``, which gives one cell to all, nor
+    ``whole_rows``: the canonical layout's pages start each row for every rank) leaving at
+    least :data:`MIN_SAVED_BYTES` and a page of each row to the other ranks."""
+    if whole_rows or region.rank is None:
+        return False
+    saved = region._row_stride - region.cpu_page_size
+    return saved >= max(region.page_size, MIN_SAVED_BYTES)
+
+
 def pieces_and_fill(
-    region: SharedOffloadRegion, pin_piece_bytes: int
+    region: SharedOffloadRegion, pin_piece_bytes: int, whole_rows: bool = False
 ) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int]]]:
-    """``region`` cut into the ``(address, bytes)`` pieces the engines register (whole rows of
-    at most ``pin_piece_bytes``, at least one row: a page lies inside one cell, so no copy
-    crosses a piece); this rank's slots still to be faulted in, where the region left that to
-    the worker (:func:`new_region`; then no longer pending), joined into ranges and cut where its
-    segment files meet; and each range's file, ``(descriptor, offset in the file)``, where the
-    region opened them (the region's until :func:`close_files`)."""
+    """``region`` cut into the ``(address, bytes)`` pieces the engines register: this rank's
+    cells, one a row (rounded out to pages, as vLLM's worker registers them), where
+    :func:`own_cells_only`, else whole rows of at most ``pin_piece_bytes``, at least one row (a
+    page lies inside one cell, so no copy crosses a piece); this rank's slots still to be
+    faulted in, where the region left that to the worker (:func:`new_region`; then no longer
+    pending), joined into ranges and cut where its segment files meet; and each range's file,
+    ``(descriptor, offset in the file)``, where the region opened them (the region's until
+    :func:`close_files`)."""
     row = region._row_stride
     per_piece = max(pin_piece_bytes // row, 1) * row
     base, total = region.base_tensor.data_ptr(), region.total_size_bytes
-    pieces = [(base + o, min(per_piece, total - o)) for o in range(0, total, per_piece)]
+    if own_cells_only(region, whole_rows):
+        pieces = merged((base + o, n) for o, n in region.iter_worker_slot_ranges())
+    else:
+        pieces = [(base + o, min(per_piece, total - o)) for o in range(0, total, per_piece)]
     fill: list[tuple[int, int]] = []
     files: list[tuple[int, int]] = []
     if getattr(region, "_blockswap_fill_pending", False):
@@ -93,8 +115,7 @@ def pin_region(
     files: Sequence[tuple[int, int]] = (),
 ) -> list[int]:
     """Faults in the ``fill`` ranges from several threads and page-locks the ``pieces`` with the
-    driver as each is in (every rank registers the whole region: the engines' block tables span
-    every row), with a progress line every ``hostmem.PROGRESS_SECONDS`` while it runs; returns
+    driver as each is in (:func:`pieces_and_fill`), with a progress line every ``hostmem.PROGRESS_SECONDS`` while it runs; returns
     the pieces' addresses for :func:`unpin_region`. ``files``: each fill range's file
     (:func:`pieces_and_fill`), where its pages are allocated before they are faulted in and the
     threads take a file each (see ``rust/hostmem/fill.rs``). blockswap pins it itself rather than

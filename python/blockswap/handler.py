@@ -395,7 +395,7 @@ class CpuGpuHandlers:
                 layouts,
                 self.num_cpu_blocks,
                 f,
-                on_cuda,
+                on_cuda and host_pieces is None,
             )
         cpu_tables = cpu_tables_of(cpu_groups, layouts)
         if host_pieces is None:

@@ -21,9 +21,11 @@ ranks with ``replicated_layout``), and in a cell every KV-cache tensor's ``block
 pages of its ``page_size_bytes``, tensor after tensor. After a store the region holds exactly the
 bytes vLLM's worker would have written, at the same offsets, so the scheduler, a secondary tier
 or a vLLM worker reads them unchanged. The core sees the cells as block tables (per sub-block
-index ``j`` of a chunk, each tensor's ``j``-th page at the row stride); on CUDA the region is
-page-locked in pieces of whole rows, each registered with the engines as a region of its own, so
-no copy crosses from one piece into the next. Where vLLM keeps no region, the CPU cache is
+index ``j`` of a chunk, each tensor's ``j``-th page at the row stride); the region is registered
+with the engines (and on CUDA page-locked) in pieces, each a region of its own, so no copy
+crosses from one piece into the next: as vLLM's worker does, a rank takes only its own cells, a
+cell a row, where that spares at least 3 MiB a row (several ranks, no ``replicated_layout``, no
+``canonical_layout``), and whole rows otherwise. Where vLLM keeps no region, the CPU cache is
 blockswap's own and block-major: each GPU-sized sub-block of a CPU chunk holds the pages of every
 KV-cache tensor it stores back to back, exactly the bytes vLLM sized it to, page-locked in pieces
 of whole sub-blocks of at most 4 GiB (:mod:`blockswap.hostmem`); one log line gives its size,
@@ -129,7 +131,7 @@ class BlockswapOffloadingWorker(OffloadingWorker):
     releases it at :meth:`shutdown`. ``None``: a private block-major cache, allocated here, where
     vLLM itself keeps none. ``pin_piece_bytes``: the largest piece the CPU cache is page-locked
     (and registered) in, a whole number of sub-blocks (of the region: chunk rows) each, at least
-    one.
+    one; a region registered a cell at a time takes no larger pieces.
     ``backend``, ``path`` and the other keyword options go to
     :class:`~blockswap.handler.CpuGpuHandlers`.
 
@@ -465,14 +467,19 @@ class BlockswapOffloadingWorker(OffloadingWorker):
             )
         return region
 
-    def _register_region(self, on_cuda: bool, index: int, pin_piece_bytes: int) -> None:
-        """The region cut into the pieces the engines register (whole rows: a page lies inside
-        one row, so no copy crosses a piece), page-locked on CUDA unless vLLM did it."""
+    def _register_region(
+        self, on_cuda: bool, index: int, pin_piece_bytes: int, whole_rows: bool = False
+    ) -> None:
+        """The region cut into the pieces the engines register (this rank's cells, or whole
+        rows: a page lies inside one cell, so no copy crosses a piece), page-locked on CUDA
+        unless vLLM did it."""
         region = self.mmap_region
         assert region is not None
         # This rank's slots, where the region left pre-faulting them to the worker: filled from
         # several threads while the pieces are locked.
-        self.region_pieces, fill, files = _region.pieces_and_fill(region, pin_piece_bytes)
+        self.region_pieces, fill, files = _region.pieces_and_fill(
+            region, pin_piece_bytes, whole_rows
+        )
         pin = on_cuda and not region.is_pinned
         try:
             if fill or pin:
@@ -553,7 +560,8 @@ class BlockswapOffloadingWorker(OffloadingWorker):
                         for t, _, co, n in frags
                     ])  # fmt: skip
         # Page-locked once every mapping is checked: a refused layout leaves nothing locked.
-        self._register_region(on_cuda, index, pin_piece_bytes)
+        # Whole rows: every rank reads every rank's canonical pages.
+        self._register_region(on_cuda, index, pin_piece_bytes, whole_rows=True)
         return gpu_groups, cpu_groups
 
     @property
