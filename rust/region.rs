@@ -349,32 +349,29 @@ mod tests {
 
     #[test]
     fn cover_pages_takes_the_pages_a_run_holds_together() {
-        // Two cells of 256 bytes a row of 1 KiB, and a huge region after a gap.
+        // Two cells of 256 bytes a row of 1 KiB, the second followed by an adjacent region
+        // (one run), and a huge region after a gap.
         let mut t = RegionTable::default();
-        t.insert(0x1000, 256, MemoryKind::Host).unwrap();
-        t.insert(0x1400, 256, MemoryKind::Host).unwrap();
-        t.insert(0x1500, 256, MemoryKind::Host).unwrap(); // adjacent: one run with the last
-        t.insert(0x2000, 1 << 62, MemoryKind::Host).unwrap();
-        assert_eq!(
-            t.cover_pages(0x1000, 1024, 2, 256, MemoryKind::Host),
-            Ok(0..2)
-        );
-        assert_eq!(
-            t.cover_pages(0x1000, 1024, 2, 512, MemoryKind::Host),
-            Err(0)
-        );
-        assert_eq!(
-            t.cover_pages(0x1400, 256, 2, 256, MemoryKind::Host),
-            Ok(1..3)
-        );
-        assert_eq!(
-            t.cover_pages(0x1000, 1024, 3, 256, MemoryKind::Host),
-            Err(2)
-        );
-        assert_eq!(
-            t.cover_pages(0x1000, 1024, 2, 256, MemoryKind::Device),
-            Err(0)
-        );
+        for (start, len) in [
+            (0x1000, 256),
+            (0x1400, 256),
+            (0x1500, 256),
+            (0x2000, 1 << 62),
+        ] {
+            t.insert(start, len, MemoryKind::Host).unwrap();
+        }
+        // (first page, stride, pages, page bytes, kind) and what covers them.
+        let host = MemoryKind::Host;
+        let cases = [
+            ((0x1000, 1024, 2, 256, host), Ok(0..2)),
+            ((0x1000, 1024, 2, 512, host), Err(0)),
+            ((0x1400, 256, 2, 256, host), Ok(1..3)),
+            ((0x1000, 1024, 3, 256, host), Err(2)),
+            ((0x1000, 1024, 2, 256, MemoryKind::Device), Err(0)),
+        ];
+        for ((a, stride, n, size, kind), want) in cases {
+            assert_eq!(t.cover_pages(a, stride, n, size, kind), want, "{a:#x} {n}");
+        }
         // 2^61 pages of a byte through one region, then a gap: answered at once, naming it.
         let n = 1u64 << 61;
         assert_eq!(t.cover_pages(0x2000, 1, n, 1, MemoryKind::Host), Ok(3..4));
