@@ -192,6 +192,16 @@ impl RegionTable {
         Ok(())
     }
 
+    /// The region that starts at `start`, if any (a binary search: an engine may hold a region
+    /// per row of a large cache).
+    #[must_use]
+    pub fn starting_at(&self, start: u64) -> Option<&Region> {
+        self.regions
+            .binary_search_by_key(&start, |r| r.start)
+            .ok()
+            .map(|i| &self.regions[i])
+    }
+
     /// Removes the region that starts at `start`.
     pub fn remove(&mut self, start: u64) -> Result<Region, RegionError> {
         match self.regions.binary_search_by_key(&start, |r| r.start) {

@@ -151,7 +151,7 @@ impl Engine {
             .into());
         }
         // What is wrong with the request itself first; whether now is a good time last.
-        let Some(r) = state.regions.regions().iter().find(|r| r.start == start) else {
+        let Some(&r) = state.regions.starting_at(start) else {
             return Err(RegionError::NotRegistered { start }.into());
         };
         no_table_in(&state.tables, start, r.end)?;
