@@ -1,6 +1,6 @@
-"""How long does vLLM's shared offload region take to be ready when every rank page-locks whole rows,
-against each rank its own cells (vLLM's rule, and the plug-in's since)? A probe: ``--world``
-processes on one GPU, each one rank of one region, started together.
+"""How long does vLLM's shared offload region take to be ready when every rank page-locks whole
+rows, against each rank its own cells (vLLM's rule, and the plug-in's since)? A probe:
+``--world`` processes on one GPU, each one rank of one region, started together.
 
     python benches/probe_rank_cells.py [--gib 32] [--world 8] [--cell-mib 2] [--json out.json]
 
@@ -111,8 +111,8 @@ def main() -> None:
         rows.append(r)
         how = "whole rows" if whole else "own cells "
         print(
-            f"{args.gib} GiB, {args.world} ranks, cells of {args.cell_mib} MiB, {how}: all ready in "
-            f"{r['ready_s']:.2f} s (ranks {r['fastest_rank_s']:.2f}-{r['slowest_rank_s']:.2f} s), "
+            f"{args.gib} GiB, {args.world} ranks, cells of {args.cell_mib} MiB, {how}: all ready "
+            f"in {r['ready_s']:.2f} s (ranks {r['fastest_rank_s']:.2f}-{r['slowest_rank_s']:.2f} s), "
             f"{r['locked_gib_per_rank']:.1f} GiB locked a rank in {r['pieces_per_rank']} pieces, "
             f"GPU memory taken (rank 0): {r['gpu_mib_rank0']:.0f} MiB",
             flush=True,

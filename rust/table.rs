@@ -1,15 +1,16 @@
 //! Block tables: transfers named by block ids instead of addresses.
 //!
-//! A KV cache is a few tensors whose blocks sit at fixed strides. A block table describes one
-//! side of it once (segment `s` of block `b` is `nbytes[s]` bytes at `bases[s] + b * strides[s]`),
-//! and is checked once, when registered, against the memory the engine knows: every segment's
-//! pages must lie in registered memory of the table's kind, its whole span in one region or
-//! several adjacent ones (a large host buffer is registered in pieces), or else each page in
-//! them with unregistered bytes between pages (one rank's cells of a region several ranks
-//! share, registered a cell each), and no page crossing from one region into the next. A transfer then only names block ids; [`expand_into`] checks them (in range;
-//! destinations unique) and writes the descriptors straight into a pool slab, segment-major and
-//! block-minor so that runs of consecutive blocks coalesce. No address from the caller is ever
-//! copied from unchecked, and no descriptor or 2-D copy crosses a boundary between two regions.
+//! A KV cache is a few tensors whose blocks sit at fixed strides. A block table describes one side
+//! of it once (segment `s` of block `b` is `nbytes[s]` bytes at `bases[s] + b * strides[s]`), and
+//! is checked once, when registered, against the memory the engine knows: every segment's pages
+//! must lie in registered memory of the table's kind, its whole span in one region or several
+//! adjacent ones (a large host buffer is registered in pieces), or else each page in them with
+//! unregistered bytes between pages (one rank's cells of a region several ranks share, registered
+//! a cell each), and no page crossing from one region into the next. A transfer then only names
+//! block ids; [`expand_into`] checks them (in range; destinations unique) and writes the
+//! descriptors straight into a pool slab, segment-major and block-minor so that runs of
+//! consecutive blocks coalesce. No address from the caller is ever copied from unchecked, and no
+//! descriptor or 2-D copy crosses a boundary between two regions.
 //!
 //! Every plan (pages, the block plan's 2-D copies, the staged plan) keeps one rule for what a
 //! transfer writes: no byte twice, else the result would depend on the order of the copies.
@@ -135,9 +136,9 @@ pub struct BlockTable {
     /// (see [`BlockTable::in_allocations`]): a block plan's run never crosses from one to another.
     allocations: Vec<Option<u64>>,
     /// Boundaries no copy may cross, sorted: the start of every region after the first that a
-    /// segment's pages lie in, and every seam (the start of a piece of a host buffer) inside the table's span. No
-    /// page contains one strictly inside it (checked at registration); descriptors and 2-D
-    /// copies never join pages across one.
+    /// segment's pages lie in, and every seam (the start of a piece of a host buffer) inside the
+    /// table's span. No page contains one strictly inside it (checked at registration);
+    /// descriptors and 2-D copies never join pages across one.
     cuts: Vec<u64>,
     /// `[lowest byte, end)` over every segment: tables whose spans are apart share no byte.
     span: (u64, u64),

@@ -115,8 +115,9 @@ def pin_region(
     files: Sequence[tuple[int, int]] = (),
 ) -> list[int]:
     """Faults in the ``fill`` ranges from several threads and page-locks the ``pieces`` with the
-    driver as each is in (:func:`pieces_and_fill`), with a progress line every ``hostmem.PROGRESS_SECONDS`` while it runs; returns
-    the pieces' addresses for :func:`unpin_region`. ``files``: each fill range's file
+    driver as each is in (:func:`pieces_and_fill`), with a progress line every
+    ``hostmem.PROGRESS_SECONDS`` while it runs; returns the pieces' addresses for
+    :func:`unpin_region`. ``files``: each fill range's file
     (:func:`pieces_and_fill`), where its pages are allocated before they are faulted in and the
     threads take a file each (see ``rust/hostmem/fill.rs``). blockswap pins it itself rather than
     through vLLM's ``host_register``, which pins only where vLLM's platform says CUDA and reports a

@@ -280,7 +280,8 @@ proptest! {
         cuts.sort_unstable();
         cuts.dedup();
         // The pieces' bounds (offsets); the last piece is never a hole.
-        let bounds: Vec<u64> = [0].into_iter().chain(cuts.iter().copied()).chain([host_len]).collect();
+        let bounds: Vec<u64> =
+            [0].into_iter().chain(cuts.iter().copied()).chain([host_len]).collect();
         let holes: Vec<usize> = holes.into_iter().filter(|&k| k + 1 < bounds.len() - 1).collect();
         let r = regions_with_holes(0x100000, host_len, &cuts, &holes);
         let in_hole = |p: u64| holes.iter().any(|&k| {
