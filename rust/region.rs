@@ -196,17 +196,18 @@ impl RegionTable {
     /// per row of a large cache).
     #[must_use]
     pub fn starting_at(&self, start: u64) -> Option<&Region> {
-        self.regions
-            .binary_search_by_key(&start, |r| r.start)
-            .ok()
-            .map(|i| &self.regions[i])
+        self.index_of(start).map(|i| &self.regions[i])
+    }
+
+    fn index_of(&self, start: u64) -> Option<usize> {
+        self.regions.binary_search_by_key(&start, |r| r.start).ok()
     }
 
     /// Removes the region that starts at `start`.
     pub fn remove(&mut self, start: u64) -> Result<Region, RegionError> {
-        match self.regions.binary_search_by_key(&start, |r| r.start) {
-            Ok(i) => Ok(self.regions.remove(i)),
-            Err(_) => Err(RegionError::NotRegistered { start }),
+        match self.index_of(start) {
+            Some(i) => Ok(self.regions.remove(i)),
+            None => Err(RegionError::NotRegistered { start }),
         }
     }
 
@@ -269,38 +270,17 @@ impl RegionTable {
     /// not overflow (the caller checked).
     #[must_use]
     pub fn cover(&self, addr: u64, len: u64, kind: MemoryKind) -> Option<std::ops::Range<usize>> {
-        let end = addr + len;
-        let first = self
-            .regions
-            .partition_point(|r| r.start <= addr)
-            .checked_sub(1)?;
-        if addr >= self.regions[first].end {
-            return None;
-        }
-        let mut last = first;
-        loop {
-            let r = self.regions[last];
-            if r.kind != kind {
-                return None;
-            }
-            if end <= r.end {
-                return Some(first..last + 1);
-            }
-            match self.regions.get(last + 1) {
-                Some(next) if next.start == r.end => last += 1,
-                _ => return None,
-            }
-        }
+        self.cover_pages(addr, 0, 1, len, kind).ok()
     }
 
     /// Where the pages `[addr + b * stride, +size)`, `b` in `0..num_blocks`, each lie in regions
-    /// of `kind` as [`Self::cover`] takes a range, with bytes between pages that no region holds
-    /// (one rank's cells of a region other ranks share, each cell registered on its own): the
-    /// indices from the first page's region to the last page's. `Err(b)`: page `b` is the first
-    /// that is not inside registered memory of `kind`. `size` and `num_blocks` must be positive,
-    /// `stride >= size` where there are several pages, and the last page must not overflow (the
-    /// caller checked). The pages inside one run of adjacent regions are taken together, so the
-    /// work grows with the regions met, not with `num_blocks`.
+    /// of `kind` as [`Self::cover`] takes a range, with or without bytes between pages that no
+    /// region holds (one rank's cells of a region other ranks share, each cell registered on its
+    /// own): the indices from the first page's region to the last page's. `Err(b)`: page `b` is
+    /// the first that is not inside registered memory of `kind`. `size` and `num_blocks` must be
+    /// positive, `stride >= size` where there are several pages, and the last page must not
+    /// overflow (the caller checked). The pages inside one run of adjacent regions are taken
+    /// together, so the work grows with the regions met, not with `num_blocks`.
     pub fn cover_pages(
         &self,
         addr: u64,

@@ -231,19 +231,16 @@ impl BlockTable {
                 .and_then(|x| x.checked_add(size))
                 .filter(|&len| base.checked_add(len).is_some())
                 .ok_or_else(|| bad("the segment's span overflows the address space"))?;
-            // The span in adjacent regions, or else each page in them with gaps between (one
-            // rank's cells of a shared region, registered a cell each).
-            let cover = match regions.cover(base, len, kind) {
-                Some(cover) => cover,
-                None => regions
-                    .cover_pages(base, stride, num_blocks, size, kind)
-                    .map_err(|b| TableError::NotRegistered {
-                        segment: s,
-                        start: base + b * stride,
-                        len: size,
-                        kind,
-                    })?,
-            };
+            // Each page in one region or adjacent ones, with or without unregistered bytes between
+            // pages (one rank's cells of a shared region, registered a cell each).
+            let cover = regions
+                .cover_pages(base, stride, num_blocks, size, kind)
+                .map_err(|b| TableError::NotRegistered {
+                    segment: s,
+                    start: base + b * stride,
+                    len: size,
+                    kind,
+                })?;
             covers.push(cover);
             spans.push((base, len));
         }
