@@ -33,7 +33,7 @@ def rank_main(rank: int, a: dict[str, Any], engine: str, whole: bool, start: Any
 
     torch.cuda.init()
     device = torch.cuda.current_device()
-    torch.cuda.mem_get_info(device)
+    torch.cuda.mem_get_info(device)  # the runtime's context made before the clock starts
     cell, world = a["cell"], a["world"]
     kwargs = {
         "engine_id": engine,
