@@ -574,7 +574,7 @@ impl HostBuffer {
                     &[],
                     &pieces,
                     Some(pinner.as_ref()),
-                    fill_threads(),
+                    (fill_threads(), LOCK_THREADS),
                     Fallback::TouchZero,
                     progress,
                 )
@@ -718,7 +718,7 @@ impl Drop for HostBuffer {
 }
 
 mod fill;
-pub use fill::{fill_and_pin, fill_threads, Fallback, FillError, FILL_ITEM};
+pub use fill::{fill_and_pin, fill_threads, Fallback, FillError, FILL_ITEM, LOCK_THREADS};
 
 #[cfg(test)]
 mod tests;

@@ -1,9 +1,12 @@
 """The core's driver queries and copy (cuda_memory_kind, cuda_device_pointer, cuda_memcpy) and the
 Python code that asks them: the reference copy's host test and the zero-copy offloader's device
-address. Their answers without a driver library run everywhere there is none; the GPU's, where
-there is one."""
+address; and page-locking from several threads at once (fill_and_pin's ``lock_threads``), which
+the driver's answers check. Their answers without a driver library run everywhere there is none;
+the GPU's, where there is one."""
 
 from __future__ import annotations
+
+import mmap
 
 import numpy as np
 import pytest
@@ -84,3 +87,34 @@ def test_the_driver_copies_between_host_and_device_memory() -> None:
     _core.cuda_memcpy(dev.data_ptr(), src.ctypes.data, n)
     _core.cuda_memcpy(back.data_ptr(), dev.data_ptr(), n)
     assert np.array_equal(back.numpy(), src)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("lock_threads", [1, 2, 5])
+def test_pieces_are_page_locked_from_several_threads_all_or_nothing(lock_threads: int) -> None:
+    """``fill_and_pin`` locks 64 pieces from ``lock_threads`` threads: each piece is page-locked
+    after, and unlocked by ``cuda_unpin``. Where one piece is refused (it is locked already), the
+    error names it and every other piece is left unlocked, whichever thread locked it."""
+    torch.zeros(1, device="cuda")  # the context made before the pieces are locked
+    page = mmap.PAGESIZE
+    n = 64
+    buf = mmap.mmap(-1, n * 4 * page)
+    base = np.frombuffer(buf, np.uint8).ctypes.data
+    pieces = [(base + k * 4 * page, 4 * page) for k in range(n)]
+    try:
+        _core.fill_and_pin([(base, n * 4 * page)], pieces, 0, lock_threads=lock_threads)
+        assert all(_core.cuda_memory_kind(a + 4 * page - 1) == "host" for a, _ in pieces)
+        for a, _ in pieces:
+            _core.cuda_unpin(a, 0)
+        assert all(_core.cuda_memory_kind(a) is None for a, _ in pieces)
+        taken = pieces[41]
+        _core.cuda_pin(taken[0], taken[1], 0)
+        try:
+            with pytest.raises(BackendError, match=rf"piece 41 of {n} \({4 * page} bytes at"):
+                _core.fill_and_pin([], pieces, 0, lock_threads=lock_threads)
+            assert all(_core.cuda_memory_kind(a) is None for a, _ in pieces if a != taken[0])
+            assert _core.cuda_memory_kind(taken[0]) == "host"
+        finally:
+            _core.cuda_unpin(taken[0], 0)
+    finally:
+        buf.close()

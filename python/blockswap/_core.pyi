@@ -351,6 +351,7 @@ def fill_and_pin(
     threads: int | None = None,
     progress: AllocProgress | None = None,
     files: list[tuple[int, int]] | None = None,
+    lock_threads: int | None = None,
 ) -> None: ...
 def cuda_unpin(ptr: int, device: int) -> None: ...
 def launch_plan(

@@ -23,6 +23,13 @@ use crate::backend::BackendError;
 /// The most bytes one thread faults in at a time (a work item).
 pub const FILL_ITEM: u64 = 64 << 20;
 
+/// Threads that page-lock pieces by default. The driver locks several pieces at once: eight
+/// processes locking their 4,096 cells of 2 MiB each (vLLM's region of 64 GiB at eight ranks, one
+/// H200) took 7.21 s from one thread each and 3.26 s from two; four, eight and sixteen were no
+/// faster than two (3.49, 3.57, 4.29 s). One process locking 4 GiB pieces gains nothing, loses
+/// nothing (`pin-threads-*.json` in docs/results/2026-12-02-h200-pin-threads).
+pub const LOCK_THREADS: usize = 2;
+
 /// Threads that fill by default: the host's cores, at most 16.
 #[must_use]
 pub fn fill_threads() -> usize {
@@ -52,8 +59,9 @@ pub struct FillError {
 
 /// Faults in `ranges` (`(start, bytes)`, in address order, disjoint) from `threads` threads in
 /// items of at most [`FILL_ITEM`] bytes, counting `progress.faulted`; with a `pinner`, page-locks
-/// `pieces` (in address order, disjoint) on the calling thread, each as soon as every item over
-/// it is in (the lowest address first of those that are), counting `progress.locked`. All or
+/// `pieces` (in address order, disjoint) from `lockers` threads (the calling one among them),
+/// each as soon as every item over it is in (the lowest address first of those that are),
+/// counting `progress.locked`. All or
 /// nothing: where a fill or a lock fails, the pieces locked are unlocked again. Where the kernel
 /// cannot populate a range, `fallback` says what happens instead.
 ///
@@ -75,14 +83,21 @@ pub unsafe fn fill_and_pin(
     files: &[(i32, u64)],
     pieces: &[(u64, u64)],
     pinner: Option<&dyn Pinner>,
-    threads: usize,
+    (threads, lockers): (usize, usize),
     fallback: Fallback,
     progress: Option<&AllocProgress>,
 ) -> Result<(), FillError> {
     // SAFETY: the caller's contract.
     unsafe {
         fill_in_items(
-            ranges, files, pieces, pinner, threads, fallback, progress, FILL_ITEM,
+            ranges,
+            files,
+            pieces,
+            pinner,
+            (threads, lockers),
+            fallback,
+            progress,
+            FILL_ITEM,
         )
     }
 }
@@ -97,7 +112,7 @@ unsafe fn fill_in_items(
     files: &[(i32, u64)],
     pieces: &[(u64, u64)],
     pinner: Option<&dyn Pinner>,
-    threads: usize,
+    (threads, lockers): (usize, usize),
     fallback: Fallback,
     progress: Option<&AllocProgress>,
     item: u64,
@@ -129,8 +144,9 @@ unsafe fn fill_in_items(
     let next = AtomicUsize::new(0);
     let stop = AtomicBool::new(false);
     let failed: Mutex<Option<BackendError>> = Mutex::new(None);
-    // The pieces whose items are all in, lowest address first, and the pinner's wake.
-    let wake = (Mutex::new(ready), Condvar::new());
+    // The pieces whose items are all in (lowest address first) with how many pieces the lockers
+    // have taken, and the lockers' wake.
+    let wake = (Mutex::new((ready, 0usize)), Condvar::new());
     let worker = || {
         loop {
             // Relaxed: an index handed out once; `waits` publishes what the item did.
@@ -143,10 +159,7 @@ unsafe fn fill_in_items(
             // SAFETY: inside a range the caller vouches is mapped and writable (and, for the
             // fallback's zeros, never written); its file, if any, the one mapped there.
             if let Err(e) = unsafe { fill(start, n, file, fallback) } {
-                let mut f = failed
-                    .lock()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner);
-                f.get_or_insert(e);
+                lock(&failed).get_or_insert(e);
                 // Never counted: no piece over it is locked.
                 stop.store(true, Ordering::Relaxed);
                 break;
@@ -161,26 +174,47 @@ unsafe fn fill_in_items(
                 .filter(|&p| waits[p].fetch_sub(1, Ordering::AcqRel) == 1)
                 .collect();
             if !done.is_empty() {
-                let mut q = wake
-                    .0
-                    .lock()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner);
-                q.extend(done.into_iter().map(Reverse));
+                let mut q = lock(&wake.0);
+                q.0.extend(done.into_iter().map(Reverse));
                 wake.1.notify_all();
             }
         }
         // Whoever waits sees the end of the work too.
-        let _g = wake
-            .0
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let _g = lock(&wake.0);
         wake.1.notify_all();
     };
     // The pieces locked, in the order they were, and the piece whose locking failed.
-    let mut locked: Vec<usize> = Vec::with_capacity(pieces.len());
-    let refused = std::thread::scope(|s| {
-        // With a pinner the calling thread locks pieces, so `threads` others fill; without one
-        // it fills beside them.
+    let locked: Mutex<Vec<usize>> = Mutex::new(Vec::with_capacity(pieces.len()));
+    let refused: Mutex<Option<(usize, BackendError)>> = Mutex::new(None);
+    let lock_pieces = |pinner: &dyn Pinner| loop {
+        let mut q = lock(&wake.0);
+        if q.1 == pieces.len() || stop.load(Ordering::Relaxed) {
+            return;
+        }
+        let Some(Reverse(k)) = q.0.pop() else {
+            // A bounded wait: the stop flag is set outside the lock.
+            drop(wake.1.wait_timeout(q, Duration::from_millis(5)));
+            continue;
+        };
+        q.1 += 1;
+        drop(q);
+        let (start, n) = pieces[k];
+        // SAFETY: the caller vouches for the piece; every item over it is faulted in (or left
+        // to the pinner by the fallback).
+        if let Err(e) = unsafe { pinner.pin(start, n) } {
+            stop.store(true, Ordering::Relaxed);
+            lock(&refused).get_or_insert((k, e));
+            return;
+        }
+        lock(&locked).push(k);
+        if let Some(p) = progress {
+            // Relaxed: a progress report only.
+            p.locked.fetch_add(n, Ordering::Relaxed);
+        }
+    };
+    std::thread::scope(|s| {
+        // With a pinner `lockers` threads (the calling one among them) lock pieces and
+        // `threads` others fill; without one the calling thread fills beside them.
         let others = if pinner.is_some() {
             threads.max(1)
         } else {
@@ -191,37 +225,19 @@ unsafe fn fill_in_items(
         }
         let Some(pinner) = pinner else {
             worker();
-            return None;
+            return;
         };
-        while locked.len() < pieces.len() {
-            let mut q = wake
-                .0
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            let Some(Reverse(k)) = q.pop() else {
-                if stop.load(Ordering::Relaxed) {
-                    return None;
-                }
-                // A bounded wait: the stop flag is set outside the lock.
-                drop(wake.1.wait_timeout(q, Duration::from_millis(5)));
-                continue;
-            };
-            drop(q);
-            let (start, n) = pieces[k];
-            // SAFETY: the caller vouches for the piece; every item over it is faulted in (or
-            // left to the pinner by the fallback).
-            if let Err(e) = unsafe { pinner.pin(start, n) } {
-                stop.store(true, Ordering::Relaxed);
-                return Some((k, e));
-            }
-            locked.push(k);
-            if let Some(p) = progress {
-                // Relaxed: a progress report only.
-                p.locked.fetch_add(n, Ordering::Relaxed);
-            }
+        for _ in 1..lockers.clamp(1, pieces.len().max(1)) {
+            s.spawn(|| lock_pieces(pinner));
         }
-        None
+        lock_pieces(pinner);
     });
+    let locked = locked
+        .into_inner()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let refused = refused
+        .into_inner()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     let error = match refused {
         Some((k, error)) => Some(FillError {
             piece: Some(k),
@@ -244,6 +260,11 @@ unsafe fn fill_in_items(
         }
         (Some(e), None) => Err(e),
     }
+}
+
+/// A mutex's value, whether or not a thread panicked holding it (every value here stays whole).
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// The indices of the `pieces` (in address order, disjoint) each item lies over, in part or whole.
@@ -456,7 +477,8 @@ mod tests {
         (0..n as u64).map(|i| (i, 1, None)).collect()
     }
 
-    /// [`fill_in_items`] where pages the kernel cannot populate are left alone, counting nothing.
+    /// [`fill_in_items`] where pages the kernel cannot populate are left alone, counting nothing,
+    /// `threads` threads filling and as many locking.
     ///
     /// # Safety
     /// As [`fill_in_items`]'s.
@@ -475,7 +497,7 @@ mod tests {
                 files,
                 pieces,
                 pinner,
-                threads,
+                (threads, threads),
                 Fallback::Skip,
                 None,
                 item,
@@ -483,13 +505,23 @@ mod tests {
         }
     }
 
-    /// The pieces `rec` saw locked, in order, checking that each was unlocked again, in reverse.
+    /// The pieces `rec` saw locked, in order, checking that each was unlocked again, once, after
+    /// the last lock.
     fn all_unlocked_again(rec: &Checker) -> Vec<u64> {
         let log = rec.log.lock().unwrap().clone();
         let pins: Vec<u64> = log.iter().filter(|e| e.0 == 'p').map(|e| e.1).collect();
         let mut unpins: Vec<u64> = log.iter().filter(|e| e.0 == 'u').map(|e| e.1).collect();
-        unpins.reverse();
-        assert_eq!(pins, unpins, "every piece locked is unlocked: {log:?}");
+        assert!(
+            log.iter().skip_while(|e| e.0 == 'p').all(|e| e.0 == 'u'),
+            "unlocked after the last lock: {log:?}"
+        );
+        let mut sorted = pins.clone();
+        sorted.sort_unstable();
+        unpins.sort_unstable();
+        assert_eq!(
+            sorted, unpins,
+            "every piece locked is unlocked once: {log:?}"
+        );
         pins
     }
 
@@ -536,7 +568,8 @@ mod tests {
     fn each_piece_is_locked_once_when_every_item_over_it_is_in() {
         let page = super::super::os_page();
         let m = Map::new(64);
-        // Pieces of 8 pages, items of 3 pages (so items straddle pieces), 4 threads.
+        // Pieces of 8 pages, items of 3 pages (so items straddle pieces), 4 threads filling and
+        // 2 locking.
         let pieces: Vec<(u64, u64)> = (0..8).map(|k| (m.0 + k * 8 * page, 8 * page)).collect();
         for _ in 0..20 {
             let rec = Checker::default();
@@ -549,7 +582,7 @@ mod tests {
                     &[],
                     &pieces,
                     Some(&rec),
-                    4,
+                    (4, 2),
                     Fallback::TouchZero,
                     Some(&progress),
                     3 * page,
@@ -566,6 +599,69 @@ mod tests {
             assert!(Map::resident(m.0, 64 * page));
             // SAFETY: the mapping's own pages, handed back: the next round faults them in anew.
             unsafe { libc::madvise(m.0 as *mut libc::c_void, m.1, libc::MADV_DONTNEED) };
+        }
+    }
+
+    /// Locks nothing; records the thread of each pin as it starts, and the first `meet` pins
+    /// wait (at most 10 s) until `meet` have started, recording whether they all had.
+    #[derive(Debug)]
+    struct Rendezvous {
+        meet: usize,
+        state: StdMutex<(usize, Vec<(std::thread::ThreadId, bool)>)>,
+        all_in: std::sync::Condvar,
+    }
+
+    impl Pinner for Rendezvous {
+        unsafe fn pin(&self, _start: u64, _len: u64) -> Result<(), BackendError> {
+            let mut st = self.state.lock().unwrap();
+            st.0 += 1;
+            let k = st.1.len();
+            st.1.push((std::thread::current().id(), true));
+            self.all_in.notify_all();
+            let (mut st, _) = self
+                .all_in
+                .wait_timeout_while(st, Duration::from_secs(10), |st| st.0 < self.meet)
+                .unwrap();
+            st.1[k].1 = st.0 >= self.meet;
+            Ok(())
+        }
+
+        unsafe fn unpin(&self, _start: u64) -> Result<(), BackendError> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn lockers_lock_pieces_at_the_same_time() {
+        let page = super::super::os_page();
+        let m = Map::new(8);
+        let pieces: Vec<(u64, u64)> = (0..8).map(|k| (m.0 + k * page, page)).collect();
+        for lockers in [2, 3] {
+            let rec = Rendezvous {
+                meet: lockers,
+                state: StdMutex::new((0, Vec::new())),
+                all_in: std::sync::Condvar::new(),
+            };
+            // SAFETY: nothing to fill; the pinner touches no memory.
+            unsafe {
+                fill_in_items(
+                    &[],
+                    &[],
+                    &pieces,
+                    Some(&rec),
+                    (1, lockers),
+                    Fallback::Skip,
+                    None,
+                    page,
+                )
+            }
+            .unwrap();
+            let log = rec.state.into_inner().unwrap().1;
+            assert_eq!(log.len(), pieces.len(), "every piece once");
+            // The first `lockers` pins waited for each other, so they ran on as many threads.
+            let first: std::collections::HashSet<_> = log[..lockers].iter().map(|e| e.0).collect();
+            assert_eq!(first.len(), lockers, "{log:?}");
+            assert!(log.iter().all(|e| e.1), "{log:?}");
         }
     }
 

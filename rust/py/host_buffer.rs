@@ -139,8 +139,9 @@ impl PyHostBuffer {
 
 /// Faults in `ranges` (`(address, bytes)` of mapped host memory, in address order) from
 /// `threads` threads (default: the host's cores, at most 16) and, with a `device`, page-locks
-/// `pieces` (in address order) in its primary context (portable), each as soon as it is in, while
-/// the threads go on (`hostmem::fill_and_pin`); `progress` counts both. Where the kernel cannot
+/// `pieces` (in address order) in its primary context (portable) from `lock_threads` threads
+/// (default 2), each as soon as it is in, while the others go on (`hostmem::fill_and_pin`);
+/// `progress` counts both. Where the kernel cannot
 /// populate memory, the driver faults the pages in as it locks them. All or nothing: where a
 /// piece is refused, every piece locked is unlocked again and the error names it. `files`:
 /// one `(descriptor, offset)` per range where each range is a shared mapping of a file from that
@@ -148,7 +149,10 @@ impl PyHostBuffer {
 /// that every range and piece stays mapped until each piece is unlocked (`cuda_unpin`), and that
 /// each descriptor is the file mapped there and stays open until the call returns.
 #[pyfunction]
-#[pyo3(signature = (ranges, pieces, device = None, threads = None, progress = None, files = None))]
+#[allow(clippy::too_many_arguments)] // a Python function's keyword arguments
+#[pyo3(signature = (
+    ranges, pieces, device = None, threads = None, progress = None, files = None, lock_threads = None
+))]
 pub(super) fn fill_and_pin(
     py: Python<'_>,
     ranges: Vec<(u64, u64)>,
@@ -157,6 +161,7 @@ pub(super) fn fill_and_pin(
     threads: Option<usize>,
     progress: Option<&PyAllocProgress>,
     files: Option<Vec<(i32, u64)>>,
+    lock_threads: Option<usize>,
 ) -> PyResult<()> {
     let files = files.unwrap_or_default();
     if !files.is_empty() && files.len() != ranges.len() {
@@ -168,6 +173,7 @@ pub(super) fn fill_and_pin(
     }
     let progress = progress.map(|p| Arc::clone(&p.0));
     let threads = threads.unwrap_or_else(hostmem::fill_threads);
+    let lockers = lock_threads.unwrap_or(hostmem::LOCK_THREADS);
     py.detach(|| {
         let pinner = device.map(cuda::HostPinner::new).transpose()?;
         if let Some(p) = &progress {
@@ -190,7 +196,7 @@ pub(super) fn fill_and_pin(
                 &files,
                 &pieces,
                 pinner.as_ref().map(|p| p as &dyn Pinner),
-                threads,
+                (threads, lockers),
                 hostmem::Fallback::Skip,
                 progress.as_deref(),
             )
