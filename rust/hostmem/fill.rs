@@ -4,9 +4,10 @@
 //! Measured (H200 machine, `benches/probe_pinning.py`, docs/benchmarks.md): one thread faults
 //! fresh anonymous huge pages in at 5-6 GiB/s, 16 threads taking 64 MiB items at 23.6 GiB/s;
 //! registering memory that is already there runs at 20-37 GiB/s. So the threads fill items of
-//! [`FILL_ITEM`] bytes while the calling thread page-locks each piece once every item over it is
-//! in, lowest address first of the pieces that are, not waiting for the pieces below: the
-//! registration of one piece overlaps the filling of the others. `PinnedRows` in
+//! [`FILL_ITEM`] bytes while [`LOCK_THREADS`] others (the calling thread among them) page-lock
+//! each piece once every item over it is in, lowest address first of the pieces that are, not
+//! waiting for the pieces below: the registration of one piece overlaps the filling of the
+//! others. `PinnedRows` in
 //! 4 GiB pieces was ready at 27-31 GiB/s. vLLM's region (32 files in /dev/shm) was ready at
 //! 13.1-14.6 GiB/s at 96 GiB on a two-H200 host, where vLLM's own one-thread fill makes 1.6 and
 //! the order before (no file a thread, no `fallocate`) 6.6 (docs/results/2026-11-30-h200x2-fill).
@@ -26,8 +27,9 @@ pub const FILL_ITEM: u64 = 64 << 20;
 /// Threads that page-lock pieces by default. The driver locks several pieces at once: eight
 /// processes locking their 4,096 cells of 2 MiB each (vLLM's region of 64 GiB at eight ranks, one
 /// H200) took 7.21 s from one thread each and 3.26 s from two; four, eight and sixteen were no
-/// faster than two (3.49, 3.57, 4.29 s). One process locking 4 GiB pieces gains nothing, loses
-/// nothing (`pin-threads-*.json` in docs/results/2026-12-02-h200-pin-threads).
+/// faster (3.49, 3.57, 4.29 s); one process locking 4 GiB pieces gained nothing and lost nothing.
+/// Beside the fill the gain is smaller: 48 GiB at eight ranks was ready in 4.90 s with one lock
+/// thread a rank, 4.68 s with two (docs/results/2026-12-02-h200-pin-threads).
 pub const LOCK_THREADS: usize = 2;
 
 /// Threads that fill by default: the host's cores, at most 16.
