@@ -15,15 +15,14 @@ deployment waits for), and the region's bytes over that time.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from blockswap_bench.cli import parser
 from blockswap_bench.kvblocks import write_figures
+from blockswap_bench.ranks import region_kwargs, run_ranks
 
 
 def in_threads(fn: Any, pieces: list[tuple[int, int]], threads: int) -> None:
@@ -38,10 +37,9 @@ def in_threads(fn: Any, pieces: list[tuple[int, int]], threads: int) -> None:
 
 
 def rank_main(
-    rank: int, a: dict[str, Any], engine: str, start: Any, out: Any, mode: str | None
+    rank: int, engine: str, start: Any, out: Any, a: dict[str, Any], mode: str | None
 ) -> None:
     import torch
-    from vllm.v1.kv_offload.cpu import spec as cpu_spec
 
     from blockswap import _core
     from blockswap import _vllm_region as vr
@@ -49,20 +47,11 @@ def rank_main(
     torch.cuda.init()
     device = torch.cuda.current_device()
     torch.cuda.mem_get_info(device)  # the runtime's context made before the clock starts
-    cell, world = a["cell"], a["world"]
 
     def meet() -> None:
         start.wait(300)  # a rank that fails breaks the barrier rather than hanging the others
 
-    region = vr.new_region(
-        engine_id=engine,
-        num_chunks=a["size"] // (cell * world),
-        rank=rank,
-        kv_bytes_per_chunk=cell * world,
-        cpu_page_size=cell,
-        barrier=meet,
-        num_segments=cpu_spec._REGION_SEGMENTS,
-    )
+    region = vr.new_region(**region_kwargs(a["size"], a["world"], a["cell"], rank, engine, meet))
     times: dict[str, tuple[float, float]] = {}
     try:
         pieces, fill, files = vr.pieces_and_fill(region, 4 << 30, whole_rows=False)
@@ -102,26 +91,6 @@ def rank_main(
     )
 
 
-def one_part(a: dict[str, Any], mode: str | None) -> list[dict[str, Any]]:
-    """The ranks' figures of the raw steps (``mode`` None) or of one mode of the whole step, from
-    processes of their own (a region's memory goes with them)."""
-    ctx = mp.get_context("spawn")
-    start, out = ctx.Barrier(a["world"]), ctx.Queue()
-    engine = f"probe_pin_threads_{uuid.uuid4().hex[:8]}"
-    procs = [
-        ctx.Process(target=rank_main, args=(r, a, engine, start, out, mode))
-        for r in range(a["world"])
-    ]
-    for p in procs:
-        p.start()
-    ranks = [out.get(timeout=600) for _ in procs]
-    for p in procs:
-        p.join(60)
-        if p.exitcode != 0:
-            raise RuntimeError(f"a rank exited with {p.exitcode}")
-    return ranks
-
-
 def main() -> None:
     ap = parser(__doc__)
     ap.add_argument("--gib", type=int, default=32, help="the region's size")
@@ -144,7 +113,7 @@ def main() -> None:
     }
     rows = []
     for mode in [None, *a["modes"]]:
-        ranks = one_part(a, mode)
+        ranks = run_ranks(rank_main, args.world, a, mode)
         for step in ranks[0]["times"]:
             spans = [r["times"][step] for r in ranks]
             wall = max(t1 for _, t1 in spans) - min(t0 for t0, _ in spans)

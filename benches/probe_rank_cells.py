@@ -15,35 +15,24 @@ the bytes each rank locks and the GPU memory the locking took (free memory befor
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import time
-import uuid
 from typing import Any
 
 from blockswap_bench.cli import parser
 from blockswap_bench.kvblocks import write_figures
+from blockswap_bench.ranks import region_kwargs, run_ranks
 
 
-def rank_main(rank: int, a: dict[str, Any], engine: str, whole: bool, start: Any, out: Any) -> None:
+def rank_main(rank: int, engine: str, start: Any, out: Any, a: dict[str, Any], whole: bool) -> None:
     import torch
-    from vllm.v1.kv_offload.cpu import spec as cpu_spec
 
     from blockswap import _vllm_region as vr
 
     torch.cuda.init()
     device = torch.cuda.current_device()
     torch.cuda.mem_get_info(device)  # the runtime's context made before the clock starts
-    cell, world = a["cell"], a["world"]
-    kwargs = {
-        "engine_id": engine,
-        "num_chunks": a["size"] // (cell * world),
-        "rank": rank,
-        "kv_bytes_per_chunk": cell * world,
-        "cpu_page_size": cell,
-        "barrier": start.wait,
-        "num_segments": cpu_spec._REGION_SEGMENTS,
-    }
+    kwargs = region_kwargs(a["size"], a["world"], a["cell"], rank, engine, start.wait)
     start.wait()  # every rank's context made: the clock starts
     t0 = time.perf_counter()
     free0 = torch.cuda.mem_get_info(device)[0]
@@ -71,20 +60,7 @@ def rank_main(rank: int, a: dict[str, Any], engine: str, whole: bool, start: Any
 
 
 def one_mode(a: dict[str, Any], whole: bool) -> dict[str, Any]:
-    ctx = mp.get_context("spawn")
-    start, out = ctx.Barrier(a["world"]), ctx.Queue()
-    engine = f"probe_rank_cells_{uuid.uuid4().hex[:8]}"
-    procs = [
-        ctx.Process(target=rank_main, args=(r, a, engine, whole, start, out))
-        for r in range(a["world"])
-    ]
-    for p in procs:
-        p.start()
-    ranks = sorted((out.get(timeout=600) for _ in procs), key=lambda r: r["rank"])
-    for p in procs:
-        p.join(60)
-        if p.exitcode != 0:
-            raise RuntimeError(f"a rank exited with {p.exitcode}")
+    ranks = run_ranks(rank_main, a["world"], a, whole)
     first = min(r["t0"] for r in ranks)
     each = [r["t1"] - r["t0"] for r in ranks]
     return {
