@@ -7,7 +7,7 @@ and the CUDA driver fails one registration of 512 GiB or more. :class:`PinnedRow
 ``rows * row_bytes`` bytes (one contiguous range, zeroed) and page-locks it with
 ``cuMemHostRegister`` in pieces: each a whole number of rows, at most ``piece_bytes``
 (:data:`DEFAULT_PIECE_BYTES`, 4 GiB) and ending on an OS page. The memory is faulted in from
-several threads while the pieces are page-locked one after the other as each is in.
+several threads while the pieces are page-locked, from two threads, each as soon as it is in.
 
 An :class:`~blockswap.Engine` registering memory of such a buffer registers one region per piece it
 covers: a block table may span the pieces, but no copy crosses from one into the next (a table
