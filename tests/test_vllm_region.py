@@ -742,6 +742,65 @@ def test_the_fill_allocates_a_segmented_region_in_its_files_after_vllm_unlinked_
             os.fstat(fd)
 
 
+@pytest.mark.parametrize("rank", [0, 1, 2, 3])
+def test_each_rank_fills_from_the_file_where_vllms_order_of_its_slots_starts(
+    monkeypatch: pytest.MonkeyPatch, rank: int
+) -> None:
+    """vLLM starts each rank's slots of a segmented region at a file of its own, so that ranks
+    pre-faulting at once fill different files: the worker's fill keeps that start (its ranges
+    rotated to begin at vLLM's first slot, then in address order, wrapping round), each range
+    with its own file and offset, every slot once."""
+    from vllm.v1.kv_offload.cpu import shared_offload_region as sor
+
+    from blockswap import _vllm_region as vr
+
+    page, n_chunks, world = mmap.PAGESIZE, 12, 4
+    row = world * page
+    monkeypatch.setattr(sor, "_MIN_SEGMENT_BYTES", 4 * row)  # files of four rows
+    region = vr.new_region(
+        engine_id=str(uuid.uuid4()),
+        barrier=lambda: None,
+        num_segments=32,
+        num_chunks=n_chunks,
+        rank=rank,
+        kv_bytes_per_chunk=row,
+        cpu_page_size=page,
+    )
+    try:
+        assert len(region._segments) == 3
+        base = region.base_tensor.data_ptr()
+        first = next(region.iter_worker_slot_ranges())[0]
+        _, fill, files = vr.pieces_and_fill(region, 1 << 30)
+        assert fill[0] == (base + first, page)
+        start = first // row  # the row vLLM starts this rank at
+        rows = [*range(start, n_chunks), *range(start)]
+        assert fill == [(base + r * row + rank * page, page) for r in rows]
+        fds = [fd for _, _, fd in region._blockswap_files]
+        assert files == [(fds[r // 4], (r % 4) * row + rank * page) for r in rows]
+        # Ranks 0 and 3 of 4 start in the first and the last file.
+        if rank in (0, 3):
+            assert files[0][0] == fds[0 if rank == 0 else 2]
+        assert vr.pin_region([], 0, fill, files) == []
+        for fd in fds:
+            assert os.fstat(fd).st_blocks * 512 >= 4 * page  # this rank's pages allocated
+    finally:
+        region.cleanup()
+
+
+def test_ranges_start_at_the_one_that_holds_or_follows_an_address() -> None:
+    from blockswap import _vllm_region as vr
+
+    ranges, files = [(0, 10), (20, 10), (40, 10)], [(7, 0), (8, 0), (9, 0)]
+    assert vr.starting_at(ranges, files, 25) == (
+        [(20, 10), (40, 10), (0, 10)],
+        files[1:] + files[:1],
+    )
+    assert vr.starting_at(ranges, files, 30)[0] == [(40, 10), (0, 10), (20, 10)]  # a gap
+    assert vr.starting_at(ranges, files, 0) == (ranges, files)
+    assert vr.starting_at(ranges, files, 99) == (ranges, files)  # past the end: as they are
+    assert vr.starting_at(ranges, [], 45) == ([(40, 10), (0, 10), (20, 10)], [])
+
+
 def test_the_fill_takes_a_file_for_every_range_or_none() -> None:
     """Files that do not pair with the ranges one to one are refused, by count, before any
     page is touched."""

@@ -54,7 +54,9 @@ def pieces_and_fill(
     :func:`own_cells_only`, else whole rows of at most ``pin_piece_bytes``, at least one row (a
     page lies inside one cell, so no copy crosses a piece); this rank's slots still to be
     faulted in, where the region left that to the worker (:func:`new_region`; then no longer
-    pending), joined into ranges and cut where its segment files meet; and each range's file,
+    pending), joined into ranges, cut where its segment files meet and taken from the file where
+    vLLM's own order of the slots starts (each rank at a file of its own: ranks that fill the
+    same file at once wait on each other, see :func:`starting_at`); and each range's file,
     ``(descriptor, offset in the file)``, where the region opened them (the region's until
     :func:`close_files`)."""
     row = region._row_stride
@@ -68,9 +70,23 @@ def pieces_and_fill(
     files: list[tuple[int, int]] = []
     if getattr(region, "_blockswap_fill_pending", False):
         region._blockswap_fill_pending = False
-        slots = merged((base + o, n) for o, n in region.iter_worker_slot_ranges())
-        fill, files = in_files(slots, base, region._blockswap_files)
+        slots = list(region.iter_worker_slot_ranges())
+        joined = merged((base + o, n) for o, n in slots)
+        fill, files = in_files(joined, base, region._blockswap_files)
+        if slots:
+            fill, files = starting_at(fill, files, base + slots[0][0])
     return pieces, fill, files
+
+
+def starting_at(
+    ranges: Sequence[tuple[int, int]], files: Sequence[tuple[int, int]], address: int
+) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """``ranges`` (in address order) and their ``files`` (none, or one a range) rotated to start
+    at the range that holds or follows ``address``. The fill takes them in this order, a file a
+    thread (``rust/hostmem/fill.rs``); vLLM starts each rank's slots at a file of its own
+    (``iter_worker_slot_ranges``), so ranks filling at once fill different files."""
+    k = next((i for i, (a, n) in enumerate(ranges) if a + n > address), 0)
+    return [*ranges[k:], *ranges[:k]], [*files[k:], *files[:k]]
 
 
 def in_files(

@@ -59,13 +59,13 @@ pub struct FillError {
     pub error: BackendError,
 }
 
-/// Faults in `ranges` (`(start, bytes)`, in address order, disjoint) from `threads` threads in
-/// items of at most [`FILL_ITEM`] bytes, counting `progress.faulted`; with a `pinner`, page-locks
-/// `pieces` (in address order, disjoint) from `lockers` threads (the calling one among them),
-/// each as soon as every item over it is in (the lowest address first of those that are),
-/// counting `progress.locked`. All or
-/// nothing: where a fill or a lock fails, the pieces locked are unlocked again. Where the kernel
-/// cannot populate a range, `fallback` says what happens instead.
+/// Faults in `ranges` (`(start, bytes)`, disjoint, taken in the order given) from `threads`
+/// threads in items of at most [`FILL_ITEM`] bytes, counting `progress.faulted`; with a
+/// `pinner`, page-locks `pieces` (in address order, disjoint) from `lockers` threads (the
+/// calling one among them), each as soon as every item over it is in (the lowest address first
+/// of those that are), counting `progress.locked`. All or nothing: where a fill or a lock fails,
+/// the pieces locked are unlocked again. Where the kernel cannot populate a range, `fallback`
+/// says what happens instead.
 ///
 /// `files`: empty, or one `(descriptor, offset)` per range, where the range is a shared mapping
 /// of that file from that offset (a /dev/shm segment of vLLM's region). The threads then take a
@@ -286,7 +286,7 @@ type Item = (u64, u64, Option<(i32, u64)>);
 /// Items a thread takes in a row within a window of [`spread`], where they lie in no file.
 const STRIPE_ITEMS: usize = 4;
 
-/// The items (in address order) cut into the groups [`spread`] deals out: one per file, where
+/// The items (in the ranges' order) cut into the groups [`spread`] deals out: one per file, where
 /// items lie in files (consecutive items of one descriptor), else stripes of [`STRIPE_ITEMS`].
 fn groups(items: &[Item]) -> Vec<std::ops::Range<usize>> {
     let mut out: Vec<std::ops::Range<usize>> = Vec::new();
@@ -304,14 +304,15 @@ fn groups(items: &[Item]) -> Vec<std::ops::Range<usize>> {
     out
 }
 
-/// The order in which `threads` threads take the items of `groups` (in address order): windows
-/// of `threads` groups, each window dealt out one item of each group at a time, so that the items
-/// being filled at once lie in different groups. A /dev/shm file takes its new pages one at a
-/// time (the kernel serializes a file's page-cache inserts): in vLLM's region of 96 GiB (32
-/// files of 3 GiB), 16 threads in stripes of 4 items shared two files and faulted 6.0 GiB/s in,
-/// a file each 14.8 GiB/s (two-H200 host, docs/results/2026-11-30-h200x2-fill). Windows come in
-/// address order, so the pieces of one window are locked while the next fills; windows of 8 or
-/// 16 files measured alike there, of 4 or 2 files slower.
+/// The order in which `threads` threads take the items of `groups` (in the ranges' order):
+/// windows of `threads` groups, each window dealt out one item of each group at a time, so that
+/// the items being filled at once lie in different groups. A /dev/shm file takes its new pages
+/// one at a time (the kernel serializes a file's page-cache inserts): in vLLM's region of 96 GiB
+/// (32 files of 3 GiB), 16 threads in stripes of 4 items shared two files and faulted 6.0 GiB/s
+/// in, a file each 14.8 GiB/s (two-H200 host, docs/results/2026-11-30-h200x2-fill). Windows come
+/// in the ranges' order, so the pieces of one window are locked while the next fills; windows of
+/// 8 or 16 files measured alike there, of 4 or 2 files slower. Ranks that share files start each
+/// at a file of its own (the caller rotates its ranges: vLLM's region, `_vllm_region.py`).
 fn spread(groups: &[std::ops::Range<usize>], threads: usize) -> Vec<usize> {
     let mut order = Vec::with_capacity(groups.last().map_or(0, |g| g.end));
     for window in groups.chunks(threads.max(1)) {
@@ -602,6 +603,48 @@ mod tests {
             // SAFETY: the mapping's own pages, handed back: the next round faults them in anew.
             unsafe { libc::madvise(m.0 as *mut libc::c_void, m.1, libc::MADV_DONTNEED) };
         }
+    }
+
+    #[test]
+    fn ranges_out_of_address_order_fill_and_lock_every_piece() {
+        let page = super::super::os_page();
+        let m = Map::new(48);
+        // The third, first and second thirds of the mapping, in that order (a rank that starts
+        // at a file of its own); pieces of 4 pages in address order.
+        let ranges: Vec<(u64, u64)> = [2, 0, 1]
+            .iter()
+            .map(|&k| (m.0 + k * 16 * page, 16 * page))
+            .collect();
+        let pieces: Vec<(u64, u64)> = (0..12).map(|k| (m.0 + k * 4 * page, 4 * page)).collect();
+        for (threads, lockers) in [(1, 1), (3, 2)] {
+            let rec = Checker::default();
+            let progress = AllocProgress::default();
+            // SAFETY: as above.
+            unsafe {
+                fill_in_items(
+                    &ranges,
+                    &[],
+                    &pieces,
+                    Some(&rec),
+                    (threads, lockers),
+                    Fallback::TouchZero,
+                    Some(&progress),
+                    3 * page,
+                )
+            }
+            .unwrap();
+            let mut log = rec.log.lock().unwrap().clone();
+            log.sort_unstable();
+            let want: Vec<(char, u64, bool)> =
+                pieces.iter().map(|&(s, _)| ('p', s, true)).collect();
+            assert_eq!(log, want, "every piece once, resident when locked");
+            assert_eq!(progress.get(), (0, 48 * page, 48 * page, 0));
+            // SAFETY: the mapping's own pages, handed back for the next round.
+            unsafe { libc::madvise(m.0 as *mut libc::c_void, m.1, libc::MADV_DONTNEED) };
+        }
+        // The items are dealt out from the first range given.
+        let items: Vec<Item> = ranges.iter().map(|&(s, n)| (s, n, None)).collect();
+        assert_eq!(spread(&groups(&items), 1), [0, 1, 2]);
     }
 
     /// Locks nothing; records the thread of each pin as it starts, and the first `meet` pins

@@ -137,7 +137,7 @@ impl PyHostBuffer {
     }
 }
 
-/// Faults in `ranges` (`(address, bytes)` of mapped host memory, in address order) from
+/// Faults in `ranges` (`(address, bytes)` of mapped host memory, disjoint, taken in order) from
 /// `threads` threads (default: the host's cores, at most 16) and, with a `device`, page-locks
 /// `pieces` (in address order) in its primary context (portable) from `lock_threads` threads
 /// (default 2), each as soon as it is in, while the others go on (`hostmem::fill_and_pin`);
