@@ -4,8 +4,9 @@ fills its own cells first (from threads, as the worker does), then registers the
 (``cuMemHostRegister``, one a cell, as the worker does) from 1, 2, 4 ... ``--max-threads``
 threads, unregistering between (steps ``fill``, ``pinN``, ``unpinN``). Then, each on a region of
 its own, the worker's whole step (``fill_and_pin``: filling and locking at once) with
-``FILL/LOCK[/nofiles]`` threads (steps ``ready-16/1`` ...; ``nofiles``: pages faulted in without
-first allocating them in the region's files).
+``FILL/LOCK[/nofiles][/sorted]`` threads (steps ``ready-16/1`` ...; ``nofiles``: pages faulted in
+without first allocating them in the region's files; ``sorted``: every rank fills its ranges in
+address order, rather than from the file where vLLM starts its slots).
 
     python benches/probe_pin_threads.py [--gib 32] [--world 8] [--cell-mib 2] [--json out.json]
 
@@ -71,13 +72,16 @@ def rank_main(
                 in_threads(lambda p: _core.cuda_unpin(p[0], device), pieces, threads)
                 times[f"unpin{threads}"] = (t0, time.perf_counter())
         else:
-            fill_threads, lock_threads, *rest = mode.split("/")
+            fill_threads, lock_threads, *flags = mode.split("/")
+            if "sorted" in flags and files:
+                by_address = sorted(range(len(fill)), key=lambda i: fill[i][0])
+                fill, files = [fill[i] for i in by_address], [files[i] for i in by_address]
             _core.fill_and_pin(
                 list(fill),
                 pieces,
                 device,
                 threads=int(fill_threads),
-                files=None if rest else list(files) or None,
+                files=None if "nofiles" in flags else list(files) or None,
                 lock_threads=int(lock_threads),
             )
             times[f"ready-{mode}"] = (t0, time.perf_counter())
@@ -100,7 +104,7 @@ def main() -> None:
     ap.add_argument(
         "--modes",
         default="16/1,16/2",
-        help="the worker's whole step: FILL/LOCK[/nofiles] threads, comma-separated",
+        help="the worker's whole step: FILL/LOCK[/nofiles][/sorted] threads, comma-separated",
     )
     args = ap.parse_args()
     threads = [t for t in (1, 2, 4, 8, 16, 32) if t <= args.max_threads]
