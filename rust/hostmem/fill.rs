@@ -575,34 +575,48 @@ mod tests {
         // 2 locking.
         let pieces: Vec<(u64, u64)> = (0..8).map(|k| (m.0 + k * 8 * page, 8 * page)).collect();
         for _ in 0..20 {
-            let rec = Checker::default();
-            let progress = AllocProgress::default();
-            // SAFETY: the mapping is private and anonymous, writable, alive until `m` drops,
-            // and nothing writes it (its pages stay zeros after a fill).
-            unsafe {
-                fill_in_items(
-                    &[(m.0, 64 * page)],
-                    &[],
-                    &pieces,
-                    Some(&rec),
-                    (4, 2),
-                    Fallback::TouchZero,
-                    Some(&progress),
-                    3 * page,
-                )
-            }
-            .unwrap();
-            let mut log = rec.log.lock().unwrap().clone();
-            // Resident when locked (a piece locked before its items were in would not be).
-            log.sort_unstable();
-            let want: Vec<(char, u64, bool)> =
-                pieces.iter().map(|&(s, _)| ('p', s, true)).collect();
-            assert_eq!(log, want);
-            assert_eq!(progress.get(), (0, 64 * page, 64 * page, 0));
-            assert!(Map::resident(m.0, 64 * page));
-            // SAFETY: the mapping's own pages, handed back: the next round faults them in anew.
-            unsafe { libc::madvise(m.0 as *mut libc::c_void, m.1, libc::MADV_DONTNEED) };
+            fill_zeros_and_check(&m, &[(m.0, 64 * page)], &pieces, (4, 2), 3 * page);
         }
+    }
+
+    /// Fills `ranges` of `m` (a fresh private anonymous mapping) with `threads` and locks
+    /// `pieces` (which the ranges cover) with a [`Checker`], in items of `item` bytes; checks
+    /// that each piece was locked once, resident by then (a piece locked before its items were
+    /// in would not be), and every byte counted; hands the pages back, so that the next call
+    /// faults them in anew.
+    fn fill_zeros_and_check(
+        m: &Map,
+        ranges: &[(u64, u64)],
+        pieces: &[(u64, u64)],
+        threads: (usize, usize),
+        item: u64,
+    ) {
+        let rec = Checker::default();
+        let progress = AllocProgress::default();
+        // SAFETY: the mapping is private and anonymous, writable, alive until `m` drops, and
+        // nothing writes it (its pages stay zeros after a fill).
+        unsafe {
+            fill_in_items(
+                ranges,
+                &[],
+                pieces,
+                Some(&rec),
+                threads,
+                Fallback::TouchZero,
+                Some(&progress),
+                item,
+            )
+        }
+        .unwrap();
+        let mut log = rec.log.lock().unwrap().clone();
+        log.sort_unstable();
+        let want: Vec<(char, u64, bool)> = pieces.iter().map(|&(s, _)| ('p', s, true)).collect();
+        assert_eq!(log, want, "every piece once, resident when locked");
+        let bytes: u64 = ranges.iter().map(|r| r.1).sum();
+        assert_eq!(progress.get(), (0, bytes, bytes, 0));
+        assert!(ranges.iter().all(|&(s, n)| Map::resident(s, n)));
+        // SAFETY: the mapping's own pages, handed back.
+        unsafe { libc::madvise(m.0 as *mut libc::c_void, m.1, libc::MADV_DONTNEED) };
     }
 
     #[test]
@@ -616,31 +630,8 @@ mod tests {
             .map(|&k| (m.0 + k * 16 * page, 16 * page))
             .collect();
         let pieces: Vec<(u64, u64)> = (0..12).map(|k| (m.0 + k * 4 * page, 4 * page)).collect();
-        for (threads, lockers) in [(1, 1), (3, 2)] {
-            let rec = Checker::default();
-            let progress = AllocProgress::default();
-            // SAFETY: as above.
-            unsafe {
-                fill_in_items(
-                    &ranges,
-                    &[],
-                    &pieces,
-                    Some(&rec),
-                    (threads, lockers),
-                    Fallback::TouchZero,
-                    Some(&progress),
-                    3 * page,
-                )
-            }
-            .unwrap();
-            let mut log = rec.log.lock().unwrap().clone();
-            log.sort_unstable();
-            let want: Vec<(char, u64, bool)> =
-                pieces.iter().map(|&(s, _)| ('p', s, true)).collect();
-            assert_eq!(log, want, "every piece once, resident when locked");
-            assert_eq!(progress.get(), (0, 48 * page, 48 * page, 0));
-            // SAFETY: the mapping's own pages, handed back for the next round.
-            unsafe { libc::madvise(m.0 as *mut libc::c_void, m.1, libc::MADV_DONTNEED) };
+        for threads in [(1, 1), (3, 2)] {
+            fill_zeros_and_check(&m, &ranges, &pieces, threads, 3 * page);
         }
         // The items are dealt out from the first range given.
         let items: Vec<Item> = ranges.iter().map(|&(s, n)| (s, n, None)).collect();
