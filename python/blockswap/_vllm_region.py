@@ -55,8 +55,8 @@ def pieces_and_fill(
     page lies inside one cell, so no copy crosses a piece); this rank's slots still to be
     faulted in, where the region left that to the worker (:func:`new_region`; then no longer
     pending), joined into ranges, cut where its segment files meet and taken from the file where
-    vLLM's own order of the slots starts (each rank at a file of its own: ranks that fill the
-    same file at once wait on each other, see :func:`starting_at`); and each range's file,
+    vLLM's own order of the slots starts (each rank at a file of its own, as vLLM pre-faults
+    them: :func:`starting_at`); and each range's file,
     ``(descriptor, offset in the file)``, where the region opened them (the region's until
     :func:`close_files`)."""
     row = region._row_stride
