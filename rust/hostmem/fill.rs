@@ -234,21 +234,13 @@ unsafe fn fill_in_items(
         }
         lock_pieces(pinner);
     });
-    let locked = locked
-        .into_inner()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
-    let refused = refused
-        .into_inner()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
-    let error = match refused {
+    let locked = into_inner(locked);
+    let error = match into_inner(refused) {
         Some((k, error)) => Some(FillError {
             piece: Some(k),
             error,
         }),
-        None => failed
-            .into_inner()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .map(|error| FillError { piece: None, error }),
+        None => into_inner(failed).map(|error| FillError { piece: None, error }),
     };
     match (error, pinner) {
         (None, _) => Ok(()),
@@ -267,6 +259,12 @@ unsafe fn fill_in_items(
 /// A mutex's value, whether or not a thread panicked holding it (every value here stays whole).
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// A mutex's value once every thread is done with it, as [`lock`] sees it.
+fn into_inner<T>(m: Mutex<T>) -> T {
+    m.into_inner()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// The indices of the `pieces` (in address order, disjoint) each item lies over, in part or whole.
