@@ -7,6 +7,7 @@
 //! to it (see [`crate::completion`]). Finished job ids go back to the submit side through a
 //! lock-free queue, so a job id becomes reusable once its result has been reported.
 
+use crate::sync::MutexExt;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
@@ -236,9 +237,7 @@ impl Engine {
     fn lock(&self) -> MutexGuard<'_, SubmitState> {
         // A panic while holding the lock leaves consistent data (every mutation is a single call),
         // so a poisoned lock is taken over rather than propagated.
-        self.state
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        self.state.locked()
     }
 
     /// The submit lock, for a call that is not refused after `shutdown` (unregistering, a
@@ -253,9 +252,7 @@ impl Engine {
 
     fn live(&self) -> MutexGuard<'_, HashMap<JobId, (Direction, u64)>> {
         // Every change is one call on the map: a poisoned lock leaves it consistent.
-        self.live
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        self.live.locked()
     }
 
     fn check_usable(&self) -> Result<(), EngineError> {
@@ -612,10 +609,7 @@ impl Engine {
             return;
         }
         // Poisoned only by a panic in a shutdown, which leaves nothing half-done to protect.
-        let _shutting = self
-            .shutting
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let _shutting = self.shutting.locked();
         if self.shut.swap(true, Ordering::AcqRel) {
             return;
         }

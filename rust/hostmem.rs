@@ -21,6 +21,7 @@
 //! pieces are recorded and cut registrations all the same, so the piece logic is tested without a
 //! GPU.
 
+use crate::sync::MutexExt;
 use std::fmt;
 use std::ptr::{self, NonNull};
 use std::sync::atomic::{AtomicPtr, AtomicU64, Ordering};
@@ -342,10 +343,7 @@ static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 fn live() -> MutexGuard<'static, Vec<Live>> {
     // Every mutation is a single push, remove or field update: a poisoned lock holds consistent
     // data.
-    table()
-        .live
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
+    table().live.locked()
 }
 
 /// This process image's table. A child forked while a thread of the parent held the parent's
@@ -643,9 +641,7 @@ impl HostBuffer {
     }
 
     fn mapping(&self) -> MutexGuard<'_, Option<Mapping>> {
-        self.mapping
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        self.mapping.locked()
     }
 
     /// Whether the pieces are page-locked now (never on the host backend).
@@ -689,10 +685,7 @@ impl HostBuffer {
 impl Drop for HostBuffer {
     fn drop(&mut self) {
         // Not `lock`: a child forked while a thread of the parent held it would wait forever.
-        let mapping = self
-            .mapping
-            .get_mut()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mapping = self.mapping.value_mut();
         let Some(mapping) = mapping.take() else {
             return;
         };

@@ -5,6 +5,7 @@
 //! thread copies in lane order and publishes each lane's completed sequence number with a Release
 //! store, and pollers read it with Acquire. Failures can be injected for tests.
 
+use crate::sync::{CondvarExt, MutexExt};
 use std::alloc::Layout;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -63,10 +64,7 @@ impl Shared {
         let _ = self
             .stopped
             .set(thread_stopped("the host backend's worker", panic));
-        let _guard = self
-            .lock
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let _guard = self.lock.locked();
         self.cond.notify_all();
     }
 }
@@ -351,10 +349,7 @@ fn worker_loop(rx: &Receiver<Job>, shared: &Shared) {
         // SeqCst pairs with the waiter's SeqCst increment: either it sees our store, or we see it.
         std::sync::atomic::fence(Ordering::SeqCst);
         if shared.waiters.load(Ordering::SeqCst) > 0 {
-            let _guard = shared
-                .lock
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            let _guard = shared.lock.locked();
             shared.cond.notify_all();
         }
     }
@@ -438,10 +433,7 @@ impl Backend for HostBackend {
             | Plan::Runs(())
             | Plan::Staged(_) => 0,
         };
-        let sender = self
-            .sender
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let sender = self.sender.locked();
         let tx = sender.as_ref().ok_or(BackendError::ShutDown)?;
         // An unbounded channel never blocks a send; it fails only once the worker is gone.
         tx.send(Job {
@@ -478,11 +470,7 @@ impl Backend for HostBackend {
         }
         let deadline = timeout.map(|t| Instant::now() + t);
         self.shared.waiters.fetch_add(1, Ordering::SeqCst);
-        let mut guard = self
-            .shared
-            .lock
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut guard = self.shared.lock.locked();
         let reached = loop {
             if self.shared.completed[lane.lane()].load(Ordering::SeqCst) >= seq {
                 break true;
@@ -499,12 +487,7 @@ impl Backend for HostBackend {
                 }
                 step = step.min(d - now);
             }
-            guard = self
-                .shared
-                .cond
-                .wait_timeout(guard, step)
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .0;
+            guard = self.shared.cond.wait_timeout_locked(guard, step);
         };
         drop(guard);
         self.shared.waiters.fetch_sub(1, Ordering::SeqCst);
@@ -515,16 +498,8 @@ impl Backend for HostBackend {
     /// memory it may still copy cannot be handed back before it has. So nothing is left (0).
     fn shutdown(&self, _deadline: Option<Instant>) -> u64 {
         // Dropping the sender lets the worker finish what is queued, then exit.
-        self.sender
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .take();
-        if let Some(worker) = self
-            .worker
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .take()
-        {
+        self.sender.locked().take();
+        if let Some(worker) = self.worker.locked().take() {
             if crate::fork::fork_generation() == self.generation {
                 let _ = worker.join();
             } else {

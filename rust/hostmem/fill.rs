@@ -12,6 +12,7 @@
 //! 13.1-14.6 GiB/s at 96 GiB on a two-H200 host, where vLLM's own one-thread fill makes 1.6 and
 //! the order before (no file a thread, no `fallocate`) 6.6 (docs/results/2026-11-30-h200x2-fill).
 
+use crate::sync::MutexExt;
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -161,7 +162,7 @@ unsafe fn fill_in_items(
             // SAFETY: inside a range the caller vouches is mapped and writable (and, for the
             // fallback's zeros, never written); its file, if any, the one mapped there.
             if let Err(e) = unsafe { fill(start, n, file, fallback) } {
-                lock(&failed).get_or_insert(e);
+                failed.locked().get_or_insert(e);
                 // Never counted: no piece over it is locked.
                 stop.store(true, Ordering::Relaxed);
                 break;
@@ -176,20 +177,20 @@ unsafe fn fill_in_items(
                 .filter(|&p| waits[p].fetch_sub(1, Ordering::AcqRel) == 1)
                 .collect();
             if !done.is_empty() {
-                let mut q = lock(&wake.0);
+                let mut q = wake.0.locked();
                 q.0.extend(done.into_iter().map(Reverse));
                 wake.1.notify_all();
             }
         }
         // Whoever waits sees the end of the work too.
-        let _g = lock(&wake.0);
+        let _g = wake.0.locked();
         wake.1.notify_all();
     };
     // The pieces locked, in the order they were, and the piece whose locking failed.
     let locked: Mutex<Vec<usize>> = Mutex::new(Vec::with_capacity(pieces.len()));
     let refused: Mutex<Option<(usize, BackendError)>> = Mutex::new(None);
     let lock_pieces = |pinner: &dyn Pinner| loop {
-        let mut q = lock(&wake.0);
+        let mut q = wake.0.locked();
         if q.1 == pieces.len() || stop.load(Ordering::Relaxed) {
             return;
         }
@@ -205,10 +206,10 @@ unsafe fn fill_in_items(
         // to the pinner by the fallback).
         if let Err(e) = unsafe { pinner.pin(start, n) } {
             stop.store(true, Ordering::Relaxed);
-            lock(&refused).get_or_insert((k, e));
+            refused.locked().get_or_insert((k, e));
             return;
         }
-        lock(&locked).push(k);
+        locked.locked().push(k);
         if let Some(p) = progress {
             // Relaxed: a progress report only.
             p.locked.fetch_add(n, Ordering::Relaxed);
@@ -234,13 +235,15 @@ unsafe fn fill_in_items(
         }
         lock_pieces(pinner);
     });
-    let locked = into_inner(locked);
-    let error = match into_inner(refused) {
+    let locked = locked.into_value();
+    let error = match refused.into_value() {
         Some((k, error)) => Some(FillError {
             piece: Some(k),
             error,
         }),
-        None => into_inner(failed).map(|error| FillError { piece: None, error }),
+        None => failed
+            .into_value()
+            .map(|error| FillError { piece: None, error }),
     };
     match (error, pinner) {
         (None, _) => Ok(()),
@@ -254,17 +257,6 @@ unsafe fn fill_in_items(
         }
         (Some(e), None) => Err(e),
     }
-}
-
-/// A mutex's value, whether or not a thread panicked holding it (every value here stays whole).
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
-/// A mutex's value once every thread is done with it, as [`lock`] sees it.
-fn into_inner<T>(m: Mutex<T>) -> T {
-    m.into_inner()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// The indices of the `pieces` (in address order, disjoint) each item lies over, in part or whole.

@@ -1,6 +1,7 @@
 //! The backend: [`CudaBackend`], the owner of the issuing threads, and its [`Backend`]
 //! implementation.
 
+use crate::sync::{MutexExt, RwLockExt};
 use std::ffi::c_void;
 use std::ptr;
 use std::sync::atomic::Ordering;
@@ -68,18 +69,12 @@ impl CudaBackend {
     /// Whether `lane`'s issuing thread has been started.
     #[cfg(test)]
     pub(super) fn worker_started(&self, lane: Direction) -> bool {
-        self.workers
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)[lane.lane()]
-        .is_some()
+        self.workers.locked()[lane.lane()].is_some()
     }
 
     /// Starts `lane`'s issuing thread if it is not running.
     fn start_worker(&self, lane: Direction) -> Result<(), BackendError> {
-        let mut w = self
-            .workers
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut w = self.workers.locked();
         if w[lane.lane()].is_some() {
             return Ok(());
         }
@@ -96,7 +91,7 @@ impl CudaBackend {
 
 impl Drop for CudaBackend {
     fn drop(&mut self) {
-        let workers = std::mem::take(self.workers.get_mut().unwrap_or_else(|e| e.into_inner()));
+        let workers = std::mem::take(self.workers.value_mut());
         if crate::fork::fork_generation() != self.generation {
             // A forked child has none of the parent's threads.
             std::mem::forget(workers);
@@ -105,10 +100,7 @@ impl Drop for CudaBackend {
         self.stopping.store(true, Ordering::Release);
         for l in self.lanes.iter() {
             // Under the queue's lock: a worker between its check and its wait sees the flag.
-            let _q = l
-                .queue
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            let _q = l.queue.locked();
             l.work.notify_all();
         }
         // Each thread issues what it was handed, then ends: an accepted transfer runs.
@@ -238,10 +230,7 @@ impl Backend for CudaBackend {
             Ok(kind) => kind,
             Err(why) => return bad(why),
         };
-        let mut kernels = self
-            .kernels
-            .write()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut kernels = self.kernels.write_locked();
         let id = kernels.len() as u32;
         kernels.push(LoadedKernel {
             function: spec.function,
@@ -345,10 +334,7 @@ impl Backend for CudaBackend {
             // Nothing can be checked or freed without the context: leaked.
             return;
         };
-        let mut deferred = self
-            .deferred
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut deferred = self.deferred.locked();
         if !self.may_free() {
             // A lane the engine gave up on may still reach it: freed once every lane is idle.
             deferred.push(alloc);
@@ -440,10 +426,7 @@ impl Backend for CudaBackend {
             }
         }
         self.start_worker(lane).map_err(fail)?;
-        let mut q = l
-            .queue
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut q = l.queue.locked();
         if let Some(e) = l.error.get() {
             // Set under this lock by a thread that stopped (see `work_or_fail`): nothing would
             // take the job. A thread that lives drains a failed lane's jobs without issuing

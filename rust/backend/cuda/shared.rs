@@ -1,6 +1,7 @@
 //! [`Shared`]: the driver state a [`CudaBackend`](super::CudaBackend) shares with its issuing
 //! threads (context, lanes, counters, resolved entry points), and its teardown.
 
+use crate::sync::MutexExt;
 use std::ffi::c_void;
 use std::mem::ManuallyDrop;
 use std::sync::atomic::{AtomicBool, AtomicU64};
@@ -183,7 +184,7 @@ impl Drop for Shared {
             Ok(_ctx) => {
                 let idle = Direction::ALL.into_iter().all(|d| self.lane_idle(d));
                 if idle {
-                    let deferred = self.deferred.get_mut().unwrap_or_else(|e| e.into_inner());
+                    let deferred = self.deferred.value_mut();
                     for a in deferred.drain(..) {
                         // SAFETY: from cuMemHostAlloc, handed back by its owner, and every lane
                         // is idle: nothing can reach it any more.
@@ -198,7 +199,7 @@ impl Drop for Shared {
             // A staging ring a kernel or copy may still reach is leaked with its stream and
             // events, never freed under the device.
             for l in self.lanes.iter_mut() {
-                std::mem::forget(l.stage.get_mut().unwrap_or_else(|e| e.into_inner()).take());
+                std::mem::forget(l.stage.value_mut().take());
             }
         }
         // SAFETY: each field is dropped at most once, here, and the backend is not used again.

@@ -1,6 +1,7 @@
 //! The staged plan's issuing: the steps of a staged transfer and its kernel launches (its
 //! resources are in `stage`).
 
+use crate::sync::{MutexExt, RwLockExt};
 use std::ffi::c_void;
 use std::ptr;
 
@@ -62,7 +63,7 @@ impl Shared {
         let l = self.lane(lane);
         let Some(kernel) = req
             .kernel
-            .and_then(|k| self.kernels.read().ok()?.get(k as usize).cloned())
+            .and_then(|k| self.kernels.read_locked().get(k as usize).cloned())
             .filter(|k| k.kind == KernelKind::Staged)
         else {
             return Err(BackendError::InvalidArgument(format!(
@@ -71,10 +72,7 @@ impl Shared {
                 req.kernel
             )));
         };
-        let mut stage = l
-            .stage
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut stage = l.stage.locked();
         let st = Stage::made(&mut stage, self.ctx.raw, req.slot_bytes)?;
         if !req.direct {
             st.make_ring(self.ctx.raw)?;
@@ -149,11 +147,7 @@ impl Shared {
         slot: u64,
         ring: bool,
     ) -> Result<(), BackendError> {
-        let mut stage = self
-            .lane(lane)
-            .stage
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut stage = self.lane(lane).stage.locked();
         let st = Stage::made(&mut stage, self.ctx.raw, slot)?;
         if ring {
             st.make_ring(self.ctx.raw)?;
@@ -181,10 +175,7 @@ impl Shared {
         until: usize,
     ) -> Result<(), BackendError> {
         let l = self.lane(lane);
-        let mut stage = l
-            .stage
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut stage = l.stage.locked();
         let st = stage.as_mut().expect("made by staged_begin");
         let host_src = lane == Direction::HostToDevice;
         let lstream = l.stream.handle();
@@ -401,10 +392,7 @@ impl Shared {
             return;
         };
         let l = self.lane(lane);
-        let stage = l
-            .stage
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let stage = l.stage.locked();
         let st = stage.as_ref().expect("made by staged_begin");
         // A direct transfer's kernels ran on the lane's stream.
         let stream = if st.desc_on_lane[b] {
@@ -437,10 +425,7 @@ impl Shared {
     pub(super) fn marker_stream(&self, lane: Direction, staged: bool, whole: bool) -> StreamHandle {
         let l = self.lane(lane);
         let lstream = l.stream.handle();
-        let mut stage = l
-            .stage
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut stage = l.stage.locked();
         let Some(st) = stage.as_mut() else {
             return lstream;
         };
@@ -589,9 +574,9 @@ impl Shared {
     ) -> Result<(), BackendError> {
         let Some(k) = self
             .kernels
-            .read()
-            .ok()
-            .and_then(|ks| ks.get(kernel as usize).cloned())
+            .read_locked()
+            .get(kernel as usize)
+            .cloned()
             .filter(|k| k.kind == KernelKind::Pages)
         else {
             return Err(BackendError::InvalidArgument(format!(

@@ -1,3 +1,4 @@
+use crate::sync::MutexExt;
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{mpsc, Arc, Mutex, MutexGuard};
@@ -19,8 +20,7 @@ use crate::region::MemoryKind;
 /// The tests that make a backend share the device's primary context, whose state some check.
 fn gpu() -> MutexGuard<'static, ()> {
     static GPU: Mutex<()> = Mutex::new(());
-    GPU.lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
+    GPU.locked()
 }
 
 /// Driver resources alive that this thread made.

@@ -1,6 +1,7 @@
 //! A lane's work on the shared state: its issuing thread's loop, a job's copies and completion
 //! marker, the completion queries and the stream health checks.
 
+use crate::sync::{CondvarExt, MutexExt};
 use std::sync::atomic::Ordering;
 
 use cudarc::driver::sys;
@@ -25,10 +26,7 @@ impl Shared {
     /// holds no job): it wakes while the caller's driver calls run, and polls for the job.
     pub(super) fn nudge(&self, lane: Direction) {
         let l = self.lane(lane);
-        let _q = l
-            .queue
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let _q = l.queue.locked();
         // Relaxed: read and written under the queue's lock.
         l.nudged.store(true, Ordering::Relaxed);
         l.work.notify_one();
@@ -61,14 +59,10 @@ impl Shared {
             if l.pending.load(Ordering::Acquire) != 0 {
                 return false;
             }
-            let kernels = match l.stage.try_lock() {
-                Ok(st) => Some(st.as_ref().map(|st| st.stream.handle())),
-                // Left by a thread that stopped with a panic: nobody holds it.
-                Err(std::sync::TryLockError::Poisoned(p)) => {
-                    Some(p.into_inner().as_ref().map(|st| st.stream.handle()))
-                }
-                Err(std::sync::TryLockError::WouldBlock) => None,
-            };
+            let kernels = l
+                .stage
+                .try_locked()
+                .map(|st| st.as_ref().map(|st| st.stream.handle()));
             let idle = |s: StreamHandle| s.query() == sys::CUresult::CUDA_SUCCESS;
             // A stage held by a submission in progress is not idle.
             return idle(l.stream.handle()) && kernels.is_some_and(|k| k.is_none_or(idle));
@@ -162,11 +156,7 @@ impl Shared {
             return Ok(None);
         }
         let l = self.lane(lane);
-        let pooled = l
-            .deps
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .pop();
+        let pooled = l.deps.locked().pop();
         let ev = match pooled {
             Some(ev) => ev,
             None => Event::create(self.ctx.raw, false)?,
@@ -174,10 +164,7 @@ impl Shared {
         match ev.record(caller) {
             Ok(()) => Ok(Some(ev)),
             Err(e) => {
-                l.deps
-                    .lock()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner)
-                    .push(ev);
+                l.deps.locked().push(ev);
                 Err(e)
             }
         }
@@ -186,16 +173,10 @@ impl Shared {
     /// Blocks until the lane's issuing thread has issued everything handed to it.
     pub(super) fn wait_drained(&self, lane: Direction) {
         let l = self.lane(lane);
-        let mut q = l
-            .queue
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut q = l.queue.locked();
         // Acquire: pairs with the Release decrement in `work`.
         while l.pending.load(Ordering::Acquire) != 0 {
-            q = l
-                .drained
-                .wait(q)
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            q = l.drained.wait_locked(q);
         }
     }
 
@@ -210,10 +191,7 @@ impl Shared {
             return;
         };
         let l = self.lane(lane);
-        let mut q = l
-            .queue
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut q = l.queue.locked();
         let _ = l.error.set(thread_stopped(
             &format!("the {lane} issuing thread"),
             &*panic,
@@ -240,10 +218,7 @@ impl Shared {
         let mut last_job: Option<std::time::Instant> = None;
         loop {
             let job = {
-                let mut q = l
-                    .queue
-                    .lock()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                let mut q = l.queue.locked();
                 loop {
                     if let Some(job) = q.pop_front() {
                         break job;
@@ -263,10 +238,7 @@ impl Shared {
                         {
                             std::thread::yield_now();
                         }
-                        q = l
-                            .queue
-                            .lock()
-                            .unwrap_or_else(std::sync::PoisonError::into_inner);
+                        q = l.queue.locked();
                         continue;
                     }
                     // Relaxed: read and written under the queue's lock (`wake_ahead` reads it
@@ -274,20 +246,13 @@ impl Shared {
                     l.asleep.store(true, Ordering::Relaxed);
                     let warm = last_job.is_some_and(|t| t.elapsed() < self.opts.keep_warm);
                     if !warm {
-                        q = l
-                            .work
-                            .wait(q)
-                            .unwrap_or_else(std::sync::PoisonError::into_inner);
+                        q = l.work.wait_locked(q);
                         l.asleep.store(false, Ordering::Relaxed);
                         continue;
                     }
                     // Kept warm: a short sleep, then one cheap driver call with the queue's
                     // lock let go (submitters take it), unless a job came meanwhile.
-                    q = l
-                        .work
-                        .wait_timeout(q, KEEP_WARM_EVERY)
-                        .unwrap_or_else(std::sync::PoisonError::into_inner)
-                        .0;
+                    q = l.work.wait_timeout_locked(q, KEEP_WARM_EVERY);
                     l.asleep.store(false, Ordering::Relaxed);
                     if q.is_empty() {
                         drop(q);
@@ -297,10 +262,7 @@ impl Shared {
                             #[cfg(test)]
                             l.warm_polls.fetch_add(1, Ordering::Relaxed);
                         }
-                        q = l
-                            .queue
-                            .lock()
-                            .unwrap_or_else(std::sync::PoisonError::into_inner);
+                        q = l.queue.locked();
                     }
                 }
             };
@@ -321,10 +283,7 @@ impl Shared {
                 }
             }
             last_job = Some(std::time::Instant::now());
-            let _q = l
-                .queue
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            let _q = l.queue.locked();
             // Release: the slab is not touched after this (pairs with Acquire loads in
             // `wait_drained` and `failed`).
             if l.pending.fetch_sub(1, Ordering::AcqRel) == 1 {
@@ -441,10 +400,7 @@ impl Shared {
         }
         if let Some(dep) = job.dep {
             // Every wait on it is queued: it may be recorded again.
-            l.deps
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .push(dep);
+            l.deps.locked().push(dep);
         }
         let whole =
             progress.outcome.is_ok() && progress.staged.as_ref().is_some_and(|r| r.whole(lane));
