@@ -711,7 +711,9 @@ impl Drop for HostBuffer {
 }
 
 mod fill;
+mod huge;
 pub use fill::{fill_and_pin, fill_threads, Fallback, FillError, FILL_ITEM, LOCK_THREADS};
+pub use huge::{shmem_huge, ShmemHuge};
 
 #[cfg(test)]
 mod tests;

@@ -275,6 +275,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_memcpy, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_pin, m)?)?;
     m.add_function(wrap_pyfunction!(host_buffer::fill_and_pin, m)?)?;
+    m.add_function(wrap_pyfunction!(host_buffer::shmem_huge, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_unpin, m)?)?;
     m.add_function(wrap_pyfunction!(chunk_blocks, m)?)?;
     m.add_function(wrap_pyfunction!(chunk_skip, m)?)?;

@@ -63,6 +63,7 @@ __all__ = [
     "in_launcher",
     "launch_plan",
     "mirror_geometry",
+    "shmem_huge",
     "shown",
     "stage_slot",
     "table_incompatibility",
@@ -354,6 +355,7 @@ def fill_and_pin(
     lock_threads: int | None = None,
 ) -> None: ...
 def cuda_unpin(ptr: int, device: int) -> None: ...
+def shmem_huge(fd: int) -> str | None: ...
 def launch_plan(
     n: int,
     max_ctas: int,

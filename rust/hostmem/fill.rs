@@ -74,7 +74,9 @@ pub struct FillError {
 /// (`fallocate`, size kept) and faulted in after: 32 files of 3 GiB from 32 threads took 1.9 s
 /// to allocate and 2.1 s to fault in, against 6.1 s for the faults alone (`shmfill.txt` in
 /// docs/results/2026-11-30-h200x2-fill). A file system without `fallocate` leaves it to the
-/// faults; a file that has no room for the pages fails the fill by name.
+/// faults, and so does a tmpfs mounted `huge=advise`, where only a fault through a mapping
+/// advised `MADV_HUGEPAGE` allocates 2 MiB pages (the caller advises the mapping: vLLM's
+/// worker does); a file that has no room for the pages fails the fill by name.
 ///
 /// # Safety
 /// Every range must be mapped, writable memory that stays mapped until the call returns, and
@@ -143,6 +145,7 @@ unsafe fn fill_in_items(
         .map(Reverse)
         .collect();
     let waits: Vec<AtomicUsize> = waits.into_iter().map(AtomicUsize::new).collect();
+    let faulted_only = faulted_only(files);
     let order = spread(&groups(&items), threads.max(1));
     let next = AtomicUsize::new(0);
     let stop = AtomicBool::new(false);
@@ -159,6 +162,7 @@ unsafe fn fill_in_items(
             }
             let i = order[k];
             let (start, n, file) = items[i];
+            let file = file.filter(|f| !faulted_only.contains(&f.0));
             // SAFETY: inside a range the caller vouches is mapped and writable (and, for the
             // fallback's zeros, never written); its file, if any, the one mapped there.
             if let Err(e) = unsafe { fill(start, n, file, fallback) } {
@@ -272,6 +276,17 @@ fn piece_spans(items: &[Item], pieces: &[(u64, u64)]) -> Vec<std::ops::Range<usi
 
 /// A work item: its start, its bytes, and the descriptor and offset of the file mapped there.
 type Item = (u64, u64, Option<(i32, u64)>);
+
+/// The descriptors among `files` whose pages only the faults allocate: files on a tmpfs
+/// mounted `huge=advise`, where a fault through a mapping advised `MADV_HUGEPAGE` allocates a 2
+/// MiB page and `fallocate` would have put 4 KiB pages there first ([`super::huge`]).
+fn faulted_only(files: &[(i32, u64)]) -> Vec<i32> {
+    let mut fds: Vec<i32> = files.iter().map(|f| f.0).collect();
+    fds.sort_unstable();
+    fds.dedup();
+    fds.retain(|&fd| super::shmem_huge(fd) == Some(super::ShmemHuge::Advise));
+    fds
+}
 
 /// Items a thread takes in a row within a window of [`spread`], where they lie in no file.
 const STRIPE_ITEMS: usize = 4;

@@ -219,3 +219,11 @@ pub(super) fn fill_and_pin(
     })
     .map_err(|e| crate::engine::EngineError::Backend(e).into())
 }
+
+/// The `huge=` policy of the tmpfs that holds the open file `fd` (`"never"`, `"always"`,
+/// `"within_size"`, `"advise"`, as `shmem_enabled`'s `deny` or `force` may override it), or
+/// `None` where the file is not on a tmpfs (`hostmem::shmem_huge`).
+#[pyfunction]
+pub(super) fn shmem_huge(fd: i32) -> Option<&'static str> {
+    hostmem::shmem_huge(fd).map(hostmem::ShmemHuge::as_str)
+}
