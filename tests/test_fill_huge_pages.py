@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import pytest
@@ -74,17 +75,18 @@ def in_mount_namespace() -> list[str] | None:
     """The command prefix that runs a child in a mount namespace of its own, or ``None``."""
     if shutil.which("unshare") is None or not os.path.isdir("/sys/kernel/mm/transparent_hugepage"):
         return None
-    for prefix in (["unshare", "-m"], ["unshare", "-Urm"]):
-        try:
-            p = subprocess.run(
-                [*prefix, "mount", "-t", "tmpfs", "-o", "huge=advise", "none", "/mnt"],
-                capture_output=True,
-                timeout=30,
-            )
-        except OSError:
-            continue
-        if p.returncode == 0:
-            return prefix
+    with tempfile.TemporaryDirectory() as where:
+        for prefix in (["unshare", "-m"], ["unshare", "-Urm"]):
+            try:
+                p = subprocess.run(
+                    [*prefix, "mount", "-t", "tmpfs", "-o", "huge=advise", "none", where],
+                    capture_output=True,
+                    timeout=30,
+                )
+            except (OSError, subprocess.TimeoutExpired):
+                continue
+            if p.returncode == 0:
+                return prefix
     return None
 
 

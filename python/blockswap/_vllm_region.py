@@ -234,9 +234,11 @@ def _deferred_region_class() -> type:
 
 def advise_huge_pages(region: SharedOffloadRegion) -> None:
     """Advises ``region``'s whole mapping ``MADV_HUGEPAGE``: on a tmpfs mounted ``huge=advise``
-    the faults then allocate 2 MiB pages, which fill and page-lock about three times as fast as
-    4 KiB pages (docs/benchmarks.md, "vLLM's region in huge pages"); elsewhere the advice changes
-    nothing. A kernel that refuses it (no transparent huge pages) leaves the region as it is."""
+    the faults then allocate 2 MiB pages, which the worker fills 2-3x as fast as 4 KiB pages
+    (docs/benchmarks.md, "vLLM's region in huge pages"); elsewhere the advice changes nothing. A
+    kernel that refuses it (no transparent huge pages) leaves the region as it is. A region of one
+    file under ``replicated_layout`` is advised only after vLLM's constructor faulted its shard
+    in: there the advice comes too late for those pages."""
     try:
         region.mmap_obj.madvise(mmap.MADV_HUGEPAGE)
     except (AttributeError, OSError) as e:  # no MADV_HUGEPAGE here, or the kernel refused it
@@ -251,9 +253,9 @@ def huge_pages_note(files: Sequence[tuple[int, int]]) -> str | None:
         return None
     if policy == "never":
         return (
-            "vLLM's region is in 4 KiB pages (its tmpfs is mounted huge=never); "
-            "`mount -o remount,huge=advise /dev/shm` makes it ready about three times as fast "
-            "(docs/tuning.md)"
+            "vLLM's region is in 4 KiB pages (its tmpfs is mounted huge=never); with "
+            "`mount -o remount,huge=advise /dev/shm` the worker fills it in 2 MiB pages, "
+            "2-3x as fast (docs/tuning.md)"
         )
     return f"vLLM's region is in 2 MiB pages where they fit (its tmpfs: huge={policy})"
 
