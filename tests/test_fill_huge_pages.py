@@ -111,11 +111,13 @@ def test_the_fill_leaves_a_huge_advise_files_pages_to_the_faults_and_gets_huge_p
     if forced:
         return
     # huge=never: 4 KiB pages. huge=advise: 2 MiB pages, because the faults allocated them
-    # (fallocate first would have left 4 KiB pages). huge=within_size: 2 MiB pages, allocated
-    # in the file first.
+    # (fallocate first left 4 KiB pages everywhere but the one 2 MiB page written before the
+    # fill: 2 of 16 MiB). huge=within_size: 2 MiB pages, allocated in the file first. At least
+    # half in 2 MiB pages, so that a host short of free 2 MiB pages for a moment does not fail
+    # it (every one was, on the hosts it ran on).
     assert got["never"]["pmd_mapped"] == 0
-    assert got["advise"]["pmd_mapped"] == size
-    assert got["within_size"]["pmd_mapped"] == size
+    assert got["advise"]["pmd_mapped"] >= size // 2, got
+    assert got["within_size"]["pmd_mapped"] >= size // 2, got
 
 
 def test_shmem_huge_names_the_policy_of_a_files_tmpfs_and_none_elsewhere() -> None:
