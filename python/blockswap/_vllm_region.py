@@ -205,10 +205,11 @@ def _deferred_region_class() -> type:
             try:
                 super().__init__(**kwargs)
                 if len(self._segments) == 1:
+                    # One file, mapped by vLLM's constructor (``_map_segments`` advises the rest).
                     advise_huge_pages(self)
-                if self._blockswap_fill_pending and len(self._segments) == 1:
-                    # One file: vLLM's descriptor, kept open until its cleanup.
-                    self._blockswap_files = [(0, self.total_size_bytes, os.dup(self.fd))]
+                    if self._blockswap_fill_pending:
+                        # vLLM's descriptor, kept open until its cleanup.
+                        self._blockswap_files = [(0, self.total_size_bytes, os.dup(self.fd))]
             except BaseException:
                 close_files(self)
                 raise
